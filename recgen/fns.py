@@ -1,0 +1,56 @@
+"""Gate functions as named sympy Functions with stable derivatives.
+
+sympy would happily rewrite ``sigmoid(x)`` as ``1/(1+exp(-x))`` and differentiate that into
+``exp(-x)/(1+exp(-x))**2``, which overflows to NaN in float32 for x < -88. Keeping each gate a
+named Function with an explicit ``fdiff`` means the adjoint is written in terms of the gates
+themselves (``sigmoid' = sigmoid (1 - sigmoid)``), and every backend prints the gate by name
+from its dialect table.
+"""
+from __future__ import annotations
+
+import numpy as np
+import sympy as sp
+from sympy import exp  # noqa: F401  (re-exported: the decay gate users write)
+
+__all__ = ["sigmoid", "softplus", "logsigmoid", "exp", "NUMPY_GATES"]
+
+
+class sigmoid(sp.Function):
+    r"""σ(x) = 1 / (1 + e^{-x});  σ'(x) = σ(x) (1 - σ(x))."""
+
+    def fdiff(self, argindex=1):
+        s = sigmoid(self.args[0])
+        return s * (1 - s)
+
+
+class softplus(sp.Function):
+    r"""softplus(x) = log(1 + e^{x});  softplus'(x) = σ(x)."""
+
+    def fdiff(self, argindex=1):
+        return sigmoid(self.args[0])
+
+
+class logsigmoid(sp.Function):
+    r"""log σ(x) = -softplus(-x);  (log σ)'(x) = σ(-x)."""
+
+    def fdiff(self, argindex=1):
+        return sigmoid(-self.args[0])
+
+
+def _np_sigmoid(x):
+    # tanh form: no overflow for any finite x, exact to rounding at both tails
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
+
+
+def _np_softplus(x):
+    # branch on the real part: stable for large |x|, and analytic, so complex-step tests work
+    x = np.asarray(x)
+    pos = np.real(x) > 0
+    return np.where(pos, x + np.log1p(np.exp(-np.where(pos, x, 0))), np.log1p(np.exp(np.where(pos, 0, x))))
+
+
+NUMPY_GATES = {
+    "sigmoid": _np_sigmoid,
+    "softplus": _np_softplus,
+    "logsigmoid": lambda x: -_np_softplus(-np.asarray(x)),
+}

@@ -1,0 +1,264 @@
+r"""The recurrence IR: frozen dataclasses for structure, sympy only for per-element math.
+
+Per batch ``b`` and value head ``h`` the state is ``S ∈ R^{K×V}`` (rows ``i`` over the key/state
+space, columns ``j`` over values), optionally with a normalizer state ``z ∈ R^K``. One step::
+
+    P   = D ⊙ S_{t-1}                decay D with free indices (), (i), (j) or (i, j)
+    Q   = P + a (bᵀ P)               optional rank-1 transition a(i), b(i)   (delta rule: a = -βk, b = k)
+    S_t = Q + u wᵀ                   outer-product update u(i), w(j)
+    z_t = d ⊙ z_{t-1} + u'           optional normalizer state: decay d () or (i), update u'(i)
+    y   = S_tᵀ r ;  n = z_tᵀ r       readout r(i)
+    o   = y / N(n) + s               optional normalizer function N and skip s(j)
+
+Every term is a sympy expression whose free symbols are input symbols (each standing for the
+element its index signature names) and ``scale``; the term's free indices are the union of its
+symbols' signatures. Shapes are the FLA layouts: per-token scalar ``[B,T,H]``, key ``[B,T,Hk,Kin]``,
+key gate ``[B,T,H,K]``, value ``[B,T,H,V]``, parameter ``[H, *signature]``.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, fields
+
+import sympy as sp
+
+I, J = "i", "j"
+SCALE = sp.Symbol("scale", positive=True)  # the runtime readout scale; None -> Kin**-0.5
+
+
+class SpecError(ValueError):
+    """A malformed recurrence: the message names the offending term and why."""
+
+
+@dataclass(frozen=True)
+class Input:
+    """One array argument of the op.
+
+    kind: ``scalar`` [B,T,H] | ``key`` [B,T,Hk,Kin] | ``key_gate`` [B,T,H,K] | ``value`` [B,T,H,V]
+    | ``param`` [H, *index] (per value head, shared over batch and time).
+    """
+
+    name: str
+    kind: str
+    index: tuple[str, ...]
+
+    @property
+    def symbol(self) -> sp.Symbol:
+        return sp.Symbol(self.name, real=True)
+
+    @property
+    def per_token(self) -> bool:
+        return self.kind != "param"
+
+    @property
+    def key_heads(self) -> bool:
+        """True when the input has Hk heads shared by a GQA group of value heads."""
+        return self.kind == "key"
+
+
+@dataclass(frozen=True)
+class Feature:
+    r"""A feature map applied to a key input, evaluated on the fly by every backend.
+
+    ``sympow`` of degree 2 maps x ∈ R^d to the d(d+1)/2 products x_a x_b (a ≤ b) with √2 on the
+    cross terms, so that φ(x)ᵀφ(y) = (xᵀy)². The state rows then live in the feature space.
+    """
+
+    name: str
+    source: str
+    degree: int = 2
+
+    @property
+    def symbol(self) -> sp.Symbol:
+        return sp.Symbol(self.name, real=True)
+
+    def width(self, d: int) -> int:
+        return d * (d + 1) // 2
+
+
+@dataclass(frozen=True)
+class Rank1:
+    """The transition Q = P + a (bᵀ P): a and b are key-indexed vectors."""
+
+    a: sp.Expr
+    b: sp.Expr
+
+
+@dataclass(frozen=True)
+class Outer:
+    """The update u wᵀ: u key-indexed (i), w value-indexed (j)."""
+
+    u: sp.Expr
+    w: sp.Expr
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """z_t = d ⊙ z_{t-1} + u';  o = y / N(n) with n = z_tᵀ r. ``fn`` is N as an expression of ``N_ARG``."""
+
+    decay: sp.Expr
+    update: sp.Expr
+    fn: sp.Expr
+
+
+N_ARG = sp.Symbol("n", real=True)
+
+
+@dataclass(frozen=True)
+class Step:
+    """The terms of one step; see the module docstring for the equations."""
+
+    update: Outer
+    readout: sp.Expr
+    decay: sp.Expr = sp.Integer(1)
+    transition: Rank1 | None = None
+    normalizer: Normalizer | None = None
+    skip: sp.Expr | None = None
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    name: str
+    doc: str
+    inputs: tuple[Input, ...]
+    step: Step
+    features: tuple[Feature, ...] = ()
+    gqa: str = "block"  # key head of value head h: "block" h // (H/Hk), "tiled" h % Hk
+    default_scale: str = "key"  # "key": Kin**-0.5; "one": 1.0
+
+    # -- introspection -------------------------------------------------------------------------
+    def input(self, name: str) -> Input:
+        for x in self.inputs:
+            if x.name == name:
+                return x
+        raise KeyError(name)
+
+    @property
+    def has_normalizer(self) -> bool:
+        return self.step.normalizer is not None
+
+    @property
+    def symbols(self) -> dict[sp.Symbol, Input | Feature]:
+        table: dict[sp.Symbol, Input | Feature] = {x.symbol: x for x in self.inputs}
+        table.update({f.symbol: f for f in self.features})
+        return table
+
+    def index_of(self, sym: sp.Symbol) -> tuple[str, ...]:
+        if sym == SCALE:
+            return ()
+        obj = self.symbols[sym]
+        return (I,) if isinstance(obj, Feature) else obj.index
+
+    def free_indices(self, expr: sp.Expr) -> tuple[str, ...]:
+        idx: set[str] = set()
+        for s in expr.free_symbols:
+            idx.update(self.index_of(s))
+        return tuple(x for x in (I, J) if x in idx)
+
+    def terms(self) -> dict[str, sp.Expr]:
+        """Every per-element term of the step by its role name (the adjoint's and printer's keys)."""
+        s = self.step
+        out = {"decay": sp.sympify(s.decay)}
+        if s.transition is not None:
+            out["a"], out["b"] = s.transition.a, s.transition.b
+        out["u"], out["w"] = s.update.u, s.update.w
+        out["r"] = s.readout
+        if s.normalizer is not None:
+            out["zdecay"], out["zupdate"] = s.normalizer.decay, s.normalizer.update
+        if s.skip is not None:
+            out["skip"] = s.skip
+        return out
+
+    def spec_hash(self) -> str:
+        """A stable hash of the structure and every term (srepr is canonical for sympy)."""
+        parts = [self.name, self.gqa, self.default_scale]
+        parts += [repr(x) for x in self.inputs] + [repr(f) for f in self.features]
+        parts += [f"{k}={sp.srepr(v)}" for k, v in self.terms().items()]
+        if self.step.normalizer is not None:
+            parts.append(sp.srepr(self.step.normalizer.fn))
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
+
+    # -- validation ----------------------------------------------------------------------------
+    def validate(self) -> "Recurrence":
+        """Reject malformed specs with an error naming the term and why; returns self."""
+        names = [x.name for x in self.inputs]
+        if len(set(names)) != len(names):
+            raise SpecError(f"{self.name}: duplicate input names in {names}")
+        for x in self.inputs:
+            if x.kind not in KIND_INDEX and x.kind != "param":
+                raise SpecError(f"input {x.name!r}: unknown kind {x.kind!r}")
+            if x.kind == "param" and not set(x.index) <= {I, J}:
+                raise SpecError(f"input {x.name!r}: parameter index {x.index} must be a subset of ('i', 'j')")
+            if x.name in ("scale", "n", "initial_state"):
+                raise SpecError(f"input {x.name!r}: the name is reserved")
+        for f in self.features:
+            src = self.input(f.source) if f.source in names else None
+            if src is None or src.kind != "key":
+                raise SpecError(f"feature {f.name!r}: source {f.source!r} must be a key input")
+        if self.gqa not in ("block", "tiled"):
+            raise SpecError(f"{self.name}: gqa must be 'block' or 'tiled', got {self.gqa!r}")
+        allowed = {"decay": (I, J), "a": (I,), "b": (I,), "u": (I,), "w": (J,), "r": (I,),
+                   "zdecay": (I,), "zupdate": (I,), "skip": (J,)}
+        known = set(self.symbols) | {SCALE}
+        for role, expr in self.terms().items():
+            if not isinstance(expr, sp.Expr):
+                raise SpecError(f"term {ROLE_NAMES[role]}: expected a sympy expression, got {type(expr).__name__}")
+            unknown = expr.free_symbols - known
+            if unknown:
+                raise SpecError(f"term {ROLE_NAMES[role]} = {expr}: unknown symbols "
+                                f"{sorted(map(str, unknown))}; use the function's inputs")
+            bad = set(self.free_indices(expr)) - set(allowed[role])
+            if bad:
+                raise SpecError(f"term {ROLE_NAMES[role]} = {expr}: has index {sorted(bad)} but may only "
+                                f"depend on {allowed[role] or 'no index'} ({ROLE_WHY[role]})")
+        self._check_key_space()
+        if self.step.normalizer is not None:
+            extra = self.step.normalizer.fn.free_symbols - {N_ARG}
+            if extra:
+                raise SpecError(f"normalizer function N(n) = {self.step.normalizer.fn} may only use n, "
+                                f"found {sorted(map(str, extra))}")
+        return self
+
+    def _check_key_space(self) -> None:
+        """Raw key inputs and feature maps live in different row spaces: never mix them."""
+        feats = {f.symbol for f in self.features}
+        raw = {x.symbol for x in self.inputs if x.kind in ("key", "key_gate")}
+        used_feat = used_raw = None
+        for role, expr in self.terms().items():
+            syms = expr.free_symbols
+            if syms & feats:
+                used_feat = role
+            if syms & raw:
+                used_raw = role
+        if used_feat and used_raw:
+            raise SpecError(f"term {ROLE_NAMES[used_raw]} uses a raw key input while term "
+                            f"{ROLE_NAMES[used_feat]} uses a feature map: the state rows must be one space")
+
+    def __repr__(self) -> str:  # readable, one term per line
+        lines = [f"Recurrence {self.name} [{self.spec_hash()}]"]
+        lines += [f"  input {x.name}: {x.kind}{list(x.index)}" for x in self.inputs]
+        lines += [f"  feature {f.name} = sympow{f.degree}({f.source})" for f in self.features]
+        lines += [f"  {ROLE_NAMES[r]:<22} {e}" for r, e in self.terms().items()]
+        if self.step.normalizer is not None:
+            lines.append(f"  {'normalizer N(n)':<22} {self.step.normalizer.fn}")
+        return "\n".join(lines)
+
+
+KIND_INDEX = {"scalar": (), "key": (I,), "key_gate": (I,), "value": (J,)}
+
+ROLE_NAMES = {"decay": "decay D", "a": "transition a", "b": "transition b", "u": "update u",
+              "w": "update w", "r": "readout r", "zdecay": "normalizer decay d",
+              "zupdate": "normalizer update u'", "skip": "skip s"}
+ROLE_WHY = {"decay": "it scales S elementwise", "a": "Q = P + a (bᵀP) needs a key vector",
+            "b": "Q = P + a (bᵀP) needs a key vector",
+            "u": "the update u wᵀ is an outer product: u is the key side",
+            "w": "the update u wᵀ is an outer product: w is the value side",
+            "r": "the readout Sᵀr contracts the key side", "zdecay": "z is a key-sized vector",
+            "zupdate": "z is a key-sized vector", "skip": "the skip adds to the value-sized output"}
+
+
+def replace_step(rec: Recurrence, **changes) -> Recurrence:
+    """A copy of ``rec`` with some step fields replaced (dataclasses.replace for the nested step)."""
+    kw = {f.name: getattr(rec.step, f.name) for f in fields(Step)}
+    kw.update(changes)
+    return Recurrence(rec.name, rec.doc, rec.inputs, Step(**kw), rec.features, rec.gqa, rec.default_scale)

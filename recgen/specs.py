@@ -1,0 +1,72 @@
+r"""The built-in recurrences, in FLA's conventions (DESIGN section 4).
+
+Log-space gates (decay exp(g), g ≤ 0), ``scale`` applied to q (default K^{-1/2}), decay applied
+before the delta-rule prediction, state [B,H,K,V], block GQA.
+"""
+from __future__ import annotations
+
+from .fns import exp, softplus
+from .frontend import Key, KeyGate, Param, Scalar, Step, Value, normalizer, outer, rank1, recurrence, sympow
+from .ir import SCALE as scale
+
+POWER_RETENTION_EPS = 1e-6
+
+
+@recurrence
+def gated_delta_net(q: Key, k: Key, v: Value, g: Scalar, beta: Scalar):
+    r"""Gated DeltaNet: S_t = e^{g_t} (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ,  o_t = S_tᵀ (scale · q_t)."""
+    return Step(decay=exp(g), transition=rank1(-beta * k, k), update=outer(beta * k, v), readout=scale * q)
+
+
+@recurrence
+def delta_net(q: Key, k: Key, v: Value, beta: Scalar):
+    r"""DeltaNet: S_t = (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ,  o_t = S_tᵀ (scale · q_t)."""
+    return Step(transition=rank1(-beta * k, k), update=outer(beta * k, v), readout=scale * q)
+
+
+@recurrence
+def gla(q: Key, k: Key, v: Value, gk: KeyGate):
+    r"""GLA: S_t = diag(e^{gk_t}) S_{t-1} + k_t v_tᵀ,  o_t = S_tᵀ (scale · q_t); gk [B,T,H,K] per value head."""
+    return Step(decay=exp(gk), update=outer(k, v), readout=scale * q)
+
+
+@recurrence
+def simple_gla(q: Key, k: Key, v: Value, g: Scalar):
+    r"""Simple GLA (scalar gate per head): S_t = e^{g_t} S_{t-1} + k_t v_tᵀ,  o_t = S_tᵀ (scale · q_t)."""
+    return Step(decay=exp(g), update=outer(k, v), readout=scale * q)
+
+
+@recurrence(default_scale="one")
+def selective_scan(x: Value, dt: Value, A: Param["i", "j"], B: Key, C: Key, D: Param["j"],
+                   dt_bias: Param["j"]):
+    r"""Mamba-1 selective scan (S6) with K = N state size, V = D channels per head (group).
+
+    Δ_j = softplus(dt_j + dt_bias_j);  S_t[i,j] = e^{Δ_j A_ij} S_{t-1}[i,j] + B_i Δ_j x_j;
+    o_j = Σ_i C_i S_t[i,j] + D_j x_j.  A is stored [H, N, D] (mamba's [D, N] transposed per group).
+    """
+    delta = softplus(dt + dt_bias)
+    return Step(decay=exp(delta * A), update=outer(B, delta * x), readout=C, skip=D * x)
+
+
+@recurrence(default_scale="one")
+def selective_scan_linear_dt(x: Value, dt: Value, A: Param["i", "j"], B: Key, C: Key, D: Param["j"]):
+    r"""Selective scan with Δ = dt used as given (mamba's ``delta_softplus=False``, no bias):
+    S_t[i,j] = e^{dt_j A_ij} S_{t-1}[i,j] + B_i dt_j x_j;  o_j = Σ_i C_i S_t[i,j] + D_j x_j."""
+    return Step(decay=exp(dt * A), update=outer(B, dt * x), readout=C, skip=D * x)
+
+
+@recurrence
+def power_retention(q: Key, k: Key, v: Value, g: Scalar):
+    r"""Power retention, p = 2, with its normalizer (ratio readout).
+
+    φ = sympow2 (width d(d+1)/2, √2 cross terms, φ(x)ᵀφ(y) = (xᵀy)²);
+    S_t = e^{g_t} S_{t-1} + φ(k_t) v_tᵀ;  z_t = e^{g_t} z_{t-1} + φ(k_t);
+    o_t = φ(scale·q_t)ᵀ S_t / (φ(scale·q_t)ᵀ z_t + 1e-6),  with φ(scale·q) = scale² φ(q).
+    """
+    pk = sympow(k)
+    return Step(decay=exp(g), update=outer(pk, v), readout=scale**2 * sympow(q),
+                normalizer=normalizer(exp(g), pk, lambda n: n + POWER_RETENTION_EPS))
+
+
+BUILTINS = {r.name: r for r in (gated_delta_net, delta_net, gla, simple_gla, selective_scan,
+                                selective_scan_linear_dt, power_retention)}
