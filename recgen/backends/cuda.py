@@ -1,0 +1,21 @@
+"""CUDA spellings (through mx.fast.cuda_kernel; NVRTC, C++17)."""
+from .dialect import Dialect
+
+PRELUDE = """\
+__device__ __forceinline__ float rg_sigmoid(float x) { return 0.5f * (1.0f + tanhf(0.5f * x)); }
+__device__ __forceinline__ float rg_softplus(float x) { return x > 0.0f ? x + log1pf(expf(-x)) : log1pf(expf(x)); }
+__device__ __forceinline__ float rg_logsigmoid(float x) { return -rg_softplus(-x); }
+"""
+
+CUDA = Dialect(
+    name="cuda", ext="cu", mlx_factory="cuda_kernel",
+    lane="(threadIdx.x & 31)", thread_in_tg="threadIdx.x",
+    tg_x="blockIdx.x", tg_y="blockIdx.y",
+    shfl_xor="__shfl_xor_sync(0xffffffffu, {x}, {m})",
+    barrier="__syncthreads()",
+    smem="__shared__", int64="long long",
+    fns={"exp": "expf", "log": "logf", "sqrt": "sqrtf", "tanh": "tanhf",
+         "sigmoid": "rg_sigmoid", "softplus": "rg_softplus", "logsigmoid": "rg_logsigmoid", "Abs": "fabsf"},
+    dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"},
+    prelude=PRELUDE,
+)

@@ -1,0 +1,27 @@
+"""The schema of a backend: names and spellings only, no logic.
+
+Shared code never asks which backend it renders for; it reads these fields. A field holding
+``{x}``-style placeholders is a spelling with holes, filled by ``str.format``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str
+    ext: str                      # file extension of standalone sources
+    mlx_factory: str              # mx.fast.<factory> that compiles the body
+    lane: str                     # lane index within the SIMD group / warp
+    thread_in_tg: str             # linear thread index within the threadgroup / block
+    tg_x: str                     # threadgroup / block index, x and y
+    tg_y: str
+    shfl_xor: str                 # butterfly exchange: {x} value, {m} lane mask
+    barrier: str                  # threadgroup-wide barrier with memory fence
+    smem: str                     # declaration prefix of threadgroup / shared memory
+    int64: str                    # 64-bit index type
+    fns: dict                     # sympy function name -> emitted function name
+    dtypes: dict                  # numpy-style dtype name -> emitted type name
+    prelude: str                  # helper functions (gates) pasted into the kernel header
+    float_suffix: str = "f"       # float literal suffix

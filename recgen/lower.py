@@ -1,0 +1,119 @@
+r"""Lowering: Recurrence + Adjoint -> KernelPlan, the dialect-free description of the kernels.
+
+The recurrent kernels map one SIMD group (32 lanes) onto a ``K × (CPL·32/LK)`` tile of the state
+of one (batch, value head): ``LK`` lanes split the rows (lane row ``i = klane + LK·r``, r < RK),
+the other ``32/LK`` lanes each own ``CPL`` columns. Reductions over rows are butterflies over the
+``LK`` lanes of a group. Everything that shapes registers is a template constant; T and B are
+runtime values.
+
+The plan holds sympy expressions; ``render`` prints them through a dialect.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from . import adjoint as adj
+from . import ir
+from .shapes import Sizes
+
+
+class UnsupportedKernel(NotImplementedError):
+    """The spec has a term the recurrent kernels do not generate yet; the message says which."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Lane mapping of one kernel: LK lanes over rows, CPL columns per lane, WV warps per threadgroup."""
+
+    LK: int
+    CPL: int
+    WV: int
+
+    def rows_per_lane(self, K: int) -> int:
+        return K // self.LK
+
+    def cols_per_warp(self) -> int:
+        return self.CPL * (32 // self.LK)
+
+    def cols_per_tg(self) -> int:
+        return self.cols_per_warp() * self.WV
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    rec: ir.Recurrence
+    adjoint: adj.Adjoint
+    K: int
+    KIN: int
+    V: int
+    H: int
+    HK: int
+    C: int
+    fwd: Layout
+    bwd: Layout
+
+    @property
+    def decay_index(self) -> tuple[str, ...]:
+        return self.rec.free_indices(self.rec.terms()["decay"])
+
+    def template(self, layout: Layout) -> dict[str, int]:
+        """Template constants of a kernel (shape registers; a change recompiles)."""
+        return {"K": self.K, "KIN": self.KIN, "V": self.V, "H": self.H, "HK": self.HK, "C": self.C,
+                "LK": layout.LK, "RK": layout.rows_per_lane(self.K), "CPL": layout.CPL, "WV": layout.WV}
+
+    def grid(self, layout: Layout, B: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """(grid in threads, threadgroup) as mx.fast.*_kernel take them."""
+        ntg = -(-self.V // layout.cols_per_tg())
+        return (ntg * 32 * layout.WV, B * self.H, 1), (32 * layout.WV, 1, 1)
+
+    def n_partials(self) -> int:
+        """Backward threadgroups along V: each writes one partial of the column-summed gradients."""
+        return -(-self.V // self.bwd.cols_per_tg())
+
+
+def _pow2_divisor(n: int, cap: int = 32) -> int:
+    p = 1
+    while p * 2 <= cap and n % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def choose_layouts(K: int, V: int, C: int) -> tuple[Layout, Layout]:
+    """Lane mappings by size. Forward: fewer lanes over K (short butterflies, more columns per lane
+    to amortize key loads). Backward: all its chunk states live in registers (C·RK·CPL floats per
+    lane), so it splits rows over more lanes and keeps one column per lane."""
+    lk_f = _pow2_divisor(K, 8 if K >= 64 else 32)
+    cpl_f = 4 if V >= 4 * (32 // lk_f) else 1
+    lk_b = _pow2_divisor(K, 32)
+    if C * (K // lk_b) > 128:
+        raise UnsupportedKernel(f"K={K}: {K // lk_b} rows per lane × chunk {C} exceeds the register budget "
+                                "of the recurrent backward; use backend='mlx'")
+    wv_f = max(1, min(4, -(-V // (cpl_f * (32 // lk_f)))))
+    wv_b = max(1, min(8, -(-V // (32 // lk_b))))
+    return Layout(lk_f, cpl_f, wv_f), Layout(lk_b, 1, wv_b)
+
+
+def plan(rec: ir.Recurrence, sizes: Sizes, chunk: int = 16) -> KernelPlan:
+    """The kernel plan of ``rec`` for the register-shaping sizes of a call."""
+    if rec.features:
+        raise UnsupportedKernel(f"{rec.name}: feature maps ({', '.join(f.name for f in rec.features)}) have no "
+                                "recurrent kernel yet; use backend='mlx'")
+    if rec.has_normalizer:
+        raise UnsupportedKernel(f"{rec.name}: the normalizer state has no recurrent kernel yet; use backend='mlx'")
+    fwd, bwd = choose_layouts(sizes.K, sizes.V, chunk)
+    return KernelPlan(rec, adj.derive(rec), sizes.K, sizes.Kin, sizes.V, sizes.H, sizes.Hk, chunk, fwd, bwd)
+
+
+# -- names: what each symbol is called inside a kernel ----------------------------------------------
+def register_name(x: ir.Input) -> str:
+    """The register holding input x's element at the current row r / column c."""
+    sub = "".join({"i": "[r]", "j": "[c]"}[ix] for ix in x.index)
+    return f"{x.name}_v{sub}"
+
+
+def names(rec: ir.Recurrence) -> dict[sp.Symbol, str]:
+    table = {x.symbol: register_name(x) for x in rec.inputs}
+    table[ir.SCALE] = "scale_"
+    return table

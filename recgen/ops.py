@@ -1,0 +1,128 @@
+"""Importable MLX ops: ``recgen.load(spec)`` and one op per built-in (``recgen.ops.gated_delta_net`` …).
+
+Every op takes the spec's inputs in FLA layouts plus ``scale=None``, ``initial_state=None``,
+``output_final_state=False``, ``backend=None`` and returns ``(o, final_state)`` (final_state is
+None unless asked for). Gradients flow to every input, to ``initial_state`` and from
+``final_state``.
+
+Backends: ``metal`` and ``cuda`` run the generated recurrent kernels; ``mlx`` runs the chunked
+fallback built from MLX ops (any device, CPU included). Default: metal on Apple silicon, cuda
+when MLX's CUDA backend is present, else mlx. ``backend=`` or ``RECGEN_BACKEND`` force one.
+MLX is imported lazily: importing recgen builds nothing.
+"""
+from __future__ import annotations
+
+import os
+
+from . import ir, specs
+from .shapes import InputError, Sizes, check_state, infer_sizes
+
+BACKENDS = ("metal", "cuda", "mlx")
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def default_backend() -> str:
+    import mlx.core as mx
+
+    forced = os.environ.get("RECGEN_BACKEND")
+    if forced:
+        if forced not in BACKENDS:
+            raise InputError(f"RECGEN_BACKEND={forced!r}: expected one of {BACKENDS}")
+        return forced
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "mlx"
+
+
+def _check_arrays(rec: ir.Recurrence, arrays: dict, check_finite: bool):
+    import mlx.core as mx
+
+    for name, a in arrays.items():
+        if not isinstance(a, mx.array):
+            raise InputError(f"argument {name!r}: expected an mx.array, got {type(a).__name__}")
+        if str(a.dtype).split(".")[-1] not in FLOAT_DTYPES:
+            raise InputError(f"argument {name!r}: expected float32, float16 or bfloat16, got {a.dtype}")
+        if check_finite and not bool(mx.all(mx.isfinite(a)).item()):
+            raise InputError(f"argument {name!r}: contains NaN or Inf")
+
+
+class Op:
+    """A recurrence as a callable MLX op; see the module docstring for the arguments."""
+
+    def __init__(self, rec: ir.Recurrence, backend: str | None = None, chunk_size: int = 64,
+                 kernel_chunk: int = 16):
+        self.rec, self.backend, self.chunk_size, self.kernel_chunk = rec.validate(), backend, chunk_size, kernel_chunk
+        if backend is not None and backend not in BACKENDS:
+            raise InputError(f"backend={backend!r}: expected one of {BACKENDS}")
+        self.__doc__ = rec.doc
+
+    def __repr__(self) -> str:
+        return f"<recgen op {self.rec.name} backend={self.backend or 'auto'}>"
+
+    def __call__(self, *args, scale=None, initial_state=None, output_final_state=False, backend=None,
+                 check_finite=True, **kwargs):
+        import mlx.core as mx
+
+        rec = self.rec
+        if len(args) > len(rec.inputs):
+            raise InputError(f"{rec.name}: takes {len(rec.inputs)} inputs {[x.name for x in rec.inputs]}, got {len(args)}")
+        arrays = dict(zip([x.name for x in rec.inputs], args))
+        dup = set(arrays) & set(kwargs)
+        if dup:
+            raise InputError(f"{rec.name}: argument(s) {sorted(dup)} given twice")
+        arrays.update(kwargs)
+        sizes = infer_sizes(rec, {k: tuple(v.shape) for k, v in arrays.items()})
+        _check_arrays(rec, arrays, check_finite)
+        if scale is None:
+            scale = sizes.Kin ** -0.5 if rec.default_scale == "key" else 1.0
+        if initial_state is not None:
+            check_state(rec, sizes, initial_state)
+        backend = backend or self.backend or default_backend()
+        if backend not in BACKENDS:
+            raise InputError(f"backend={backend!r}: expected one of {BACKENDS}")
+        xs = [arrays[x.name] for x in rec.inputs]
+        if backend == "mlx":
+            from . import chunked
+
+            o, ht = chunked.forward(rec, dict(zip([x.name for x in rec.inputs], xs)), scale=float(scale),
+                                    initial_state=initial_state, chunk_size=self.chunk_size)
+        else:
+            o, ht = self._kernel_call(backend, xs, sizes, float(scale), initial_state)
+        return o, (ht if output_final_state else None)
+
+    def _kernel_call(self, backend, xs, sizes: Sizes, scale: float, initial_state):
+        import mlx.core as mx
+
+        from .backends import get
+        from .kernel_op import kernel_op
+        from .lower import plan
+
+        if sizes.T == 0 or sizes.B == 0:
+            raise InputError(f"{self.rec.name}: empty batch or sequence (B={sizes.B}, T={sizes.T})")
+        p = plan(self.rec, sizes, chunk=self.kernel_chunk)
+        h0 = (mx.zeros(sizes.state_shape, dtype=mx.float32) if initial_state is None
+              else initial_state.astype(mx.float32))
+        out_dtype = next(a.dtype for x, a in zip(self.rec.inputs, xs) if x.kind == "value") \
+            if any(x.kind == "value" for x in self.rec.inputs) else mx.float32
+        return kernel_op(p, get(backend), sizes, scale, out_dtype)(*xs, h0)
+
+
+def load(spec, backend: str | None = None, chunk_size: int = 64) -> Op:
+    """The op of a spec: a Recurrence, a built-in name, or 'path/to/file.py:function'."""
+    if isinstance(spec, str):
+        from .cli import resolve_spec
+
+        spec = resolve_spec(spec)
+    if not isinstance(spec, ir.Recurrence):
+        raise InputError(f"spec: expected a Recurrence (use @recgen.recurrence), got {type(spec).__name__}")
+    return Op(spec, backend=backend, chunk_size=chunk_size)
+
+
+gated_delta_net = Op(specs.gated_delta_net)
+delta_net = Op(specs.delta_net)
+gla = Op(specs.gla)
+simple_gla = Op(specs.simple_gla)
+selective_scan = Op(specs.selective_scan)
+power_retention = Op(specs.power_retention)

@@ -1,0 +1,228 @@
+r"""Render a KernelPlan through a dialect: jinja frames, math from the one printer.
+
+``kernel_sources(plan, dialect)`` returns the MLX form (header + body + buffer lists) of the
+recurrent forward and backward kernels. The frames live in ``templates/``; every term and every
+partial derivative arrives here as a sympy expression and leaves as printed text.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+import jinja2
+
+from . import __version__
+from . import adjoint as adj
+from . import ir
+from .backends.dialect import Dialect
+from .lower import KernelPlan, Layout, names
+from .printer import kprint
+
+ROLE_VAR = {"a": "ra_", "b": "rb_", "u": "ru_", "r": "rr_", "w": "rw_", "skip": "rs_"}
+
+
+@lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.PackageLoader("recgen", "templates"), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One kernel in MLX's form: the body goes to ``source``, helpers to ``header``."""
+
+    name: str
+    header: str
+    source: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    template: tuple[tuple[str, object], ...]  # (name, int | bool | dtype name)
+
+    @property
+    def text(self) -> str:
+        return self.header + "\n" + self.source
+
+
+def _decay(plan: KernelPlan, d: Dialect) -> dict:
+    """How the decay is computed (once per step, per row, per column or per element) and adjoined."""
+    expr = kprint(plan.rec.terms()["decay"], d, names(plan.rec))
+    kind = {(): "scalar", (ir.I,): "row", (ir.J,): "col", (ir.I, ir.J): "elem"}[plan.decay_index]
+    adj_sum = "dS_[r][c] * Ss_[s][r][c]"
+    return {
+        "scalar": {"decl": f"const float D_ = {expr};", "elem": "D_",
+                   "adj_decl": "float dD_ = 0.0f;", "adj_acc": f"dD_ += {adj_sum};"},
+        "row": {"decl": f"float D_[RK];\n      for (int r = 0; r < RK; ++r) D_[r] = {expr};", "elem": "D_[r]",
+                "adj_decl": "float dD_[RK];\n        for (int r = 0; r < RK; ++r) dD_[r] = 0.0f;",
+                "adj_acc": f"dD_[r] += {adj_sum};"},
+        "col": {"decl": f"float D_[CPL];\n      for (int c = 0; c < CPL; ++c) D_[c] = {expr};", "elem": "D_[c]",
+                "adj_decl": "float dD_[CPL];\n        for (int c = 0; c < CPL; ++c) dD_[c] = 0.0f;",
+                "adj_acc": f"dD_[c] += {adj_sum};"},
+        "elem": {"decl": "", "elem": f"({expr})", "adj_decl": "float dD_[RK][CPL];",
+                 "adj_acc": f"dD_[r][c] = {adj_sum};"},
+    }[kind] | {"kind": kind}
+
+
+def _params(plan: KernelPlan, d: Dialect) -> list[dict]:
+    out = []
+    for x in plan.rec.inputs:
+        if x.kind != "param":
+            continue
+        idx = {(): ("", "h", ""), (ir.I,): ("[RK]", "h * K + klane + LK * r", "r"),
+               (ir.J,): ("[CPL]", "h * V + col0 + c", "c"),
+               (ir.I, ir.J): ("[RK][CPL]", "(h * K + klane + LK * r) * V + col0 + c", "rc")}[x.index]
+        dims, offset, loops = idx
+        sub = "".join(f"[{v}]" for v in loops)
+        guard = "col0 + c < V ? " if "c" in loops else ""
+        tail = " : 0.0f" if guard else ""
+        load = f"{x.name}_v{sub} = {guard}static_cast<float>({x.name}_in[{offset}]){tail};"
+        for v, n in (("c", "CPL"), ("r", "RK")):
+            if v in loops:
+                load = f"for (int {v} = 0; {v} < {n}; ++{v}) {load}"
+        acc_init = f"{x.name}_g{sub} = 0.0f;"
+        for v, n in (("c", "CPL"), ("r", "RK")):
+            if v in loops:
+                acc_init = f"for (int {v} = 0; {v} < {n}; ++{v}) {acc_init}"
+        out.append({"name": x.name, "index": x.index, "decl": f"{x.name}_v{dims}", "load": load,
+                    "acc_decl": f"float {x.name}_g{dims};\n  {acc_init}"})
+    return out
+
+
+def _target(x: ir.Input) -> str:
+    sub = "".join({"i": "[r]", "j": "[c]"}[ix] for ix in x.index)
+    return f"{x.name}_g{sub}"
+
+
+def _loops(body: str, vars_: str) -> str:
+    for v, n in (("c", "CPL"), ("r", "RK")):
+        if v in vars_:
+            body = f"for (int {v} = 0; {v} < {n}; ++{v}) {body}"
+    return body
+
+
+def _contribs(plan: KernelPlan, d: Dialect, decay_kind: str) -> list[str]:
+    """One statement per partial: target += adjoint(role) * ∂role/∂x over the role's domain."""
+    nm = names(plan.rec)
+    stmts = []
+    for p in plan.adjoint.partials:
+        x = plan.rec.input(p.wrt)
+        e = kprint(p.expr, d, nm)
+        tgt_vars = "".join({"i": "r", "j": "c"}[ix] for ix in x.index)
+        if p.role == "decay":
+            dvars = {"scalar": "", "row": "r", "col": "c", "elem": "rc"}[decay_kind]
+            dsub = "".join(f"[{v}]" for v in dvars)
+            stmts.append(_loops(f"{_target(x)} += dD_{dsub} * ({e});", dvars + tgt_vars))
+        elif adj.ROLE_DOMAIN[p.role] == (ir.I,):
+            stmts.append(_loops(f"{_target(x)} += d{ROLE_VAR[p.role]}[r] * ({e});", "r" + tgt_vars))
+        else:  # value-side adjoints are complete on every row lane: count them once
+            stmts.append("if (klane == 0) " + _loops(f"{_target(x)} += d{ROLE_VAR[p.role]}[c] * ({e});", "c" + tgt_vars))
+    return stmts
+
+
+def _grad_io(plan: KernelPlan, d: Dialect):
+    """Per-step accumulators, their end-of-step reductions and writes, and the end-of-kernel param writes."""
+    I64 = d.int64
+    shfl = d.shfl_xor
+    decls, finish, param_finish = [], [], []
+    keyish = [x for x in plan.rec.inputs if x.kind in ("key", "key_gate")]
+    scalars = [x for x in plan.rec.inputs if x.kind == "scalar"]
+    for x in plan.rec.inputs:
+        g = f"{x.name}_g"
+        if x.kind in ("key", "key_gate"):
+            decls.append({"decl": f"float {g}[RK];\n        for (int r = 0; r < RK; ++r) {g}[r] = 0.0f;"})
+        elif x.kind == "scalar":
+            decls.append({"decl": f"float {g} = 0.0f;"})
+        elif x.kind == "value":
+            decls.append({"decl": f"float {g}[CPL];\n        for (int c = 0; c < CPL; ++c) {g}[c] = 0.0f;"})
+    # value inputs: sum over the row lanes, complete per column
+    for x in plan.rec.inputs:
+        if x.kind == "value":
+            finish.append(f"for (int c = 0; c < CPL; ++c) {{ float acc = {x.name}_g[c]; "
+                          f"for (int m = LK / 2; m > 0; m >>= 1) acc += {shfl.format(x='acc', m='m')}; "
+                          f"if (klane == 0 && col0 + c < V) d_{x.name}[((({I64})b * T + t) * H + h) * V + col0 + c] = acc; }}")
+    # key-side and scalar inputs: sum over column lanes, then over the warps of the threadgroup
+    for n, x in enumerate(keyish):
+        finish.append(f"for (int r = 0; r < RK; ++r) {{ float acc = {x.name}_g[r]; "
+                      f"for (int m = LK; m < 32; m <<= 1) acc += {shfl.format(x='acc', m='m')}; "
+                      f"if (lane < LK) red_k[{n}][warp][klane + LK * r] = acc; }}")
+    for n, x in enumerate(scalars):
+        finish.append(f"{{ float acc = {x.name}_g; for (int m = 1; m < 32; m <<= 1) acc += "
+                      f"{shfl.format(x='acc', m='m')}; if (lane == 0) red_s[{n}][warp] = acc; }}")
+    if keyish or scalars:
+        finish.append(f"{d.barrier};")
+        row = f"(((({I64})tg * B + b) * T + t) * H + h)"
+        for n, x in enumerate(keyish):
+            finish.append(f"for (int i = tid; i < K; i += 32 * WV) {{ float acc = 0.0f; "
+                          f"for (int w = 0; w < WV; ++w) acc += red_k[{n}][w][i]; d_{x.name}[{row} * K + i] = acc; }}")
+        for n, x in enumerate(scalars):
+            finish.append(f"if (tid == 0) {{ float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_s[{n}][w]; "
+                          f"d_{x.name}[{row}] = acc; }}")
+        finish.append(f"{d.barrier};")
+    for x in plan.rec.inputs:
+        if x.kind != "param":
+            continue
+        g, out = f"{x.name}_g", f"d_{x.name}"
+        warp_row = f"((({I64})tg * WV + warp) * B + b) * H + h"
+        if x.index == (ir.I, ir.J):
+            param_finish.append(_loops(f"if (col0 + c < V) {out}[((({I64})bh) * K + klane + LK * r) * V + col0 + c] = {g}[r][c];", "rc"))
+        elif x.index == (ir.J,):
+            param_finish.append(f"for (int c = 0; c < CPL; ++c) {{ float acc = {g}[c]; for (int m = LK / 2; m > 0; m >>= 1) "
+                                f"acc += {shfl.format(x='acc', m='m')}; if (klane == 0 && col0 + c < V) {out}[({I64})bh * V + col0 + c] = acc; }}")
+        elif x.index == (ir.I,):
+            param_finish.append(f"for (int r = 0; r < RK; ++r) {{ float acc = {g}[r]; for (int m = LK; m < 32; m <<= 1) "
+                                f"acc += {shfl.format(x='acc', m='m')}; if (lane < LK) {out}[({warp_row}) * K + klane + LK * r] = acc; }}")
+        else:
+            param_finish.append(f"{{ float acc = {g}; for (int m = 1; m < 32; m <<= 1) acc += {shfl.format(x='acc', m='m')}; "
+                                f"if (lane == 0) {out}[{warp_row}] = acc; }}")
+    return decls, finish, param_finish, len(keyish), len(scalars)
+
+
+def _context(plan: KernelPlan, d: Dialect, layout: Layout, banner: str) -> dict:
+    rec, nm = plan.rec, names(plan.rec)
+    terms = rec.terms()
+    heads = {"key": ("HK", "hk"), "key_gate": ("H", "h")}
+    return {
+        "d": d, "banner": banner,
+        "gqa_expr": "h / (H / HK)" if rec.gqa == "block" else "h % HK",
+        "params": _params(plan, d),
+        "scalars": [x.name for x in rec.inputs if x.kind == "scalar"],
+        "keys": [{"name": x.name, "heads": heads[x.kind][0], "head": heads[x.kind][1]}
+                 for x in rec.inputs if x.kind in heads],
+        "values": [x.name for x in rec.inputs if x.kind == "value"],
+        "key_roles": [{"var": ROLE_VAR[r], "expr": kprint(terms[r], d, nm)} for r in ("a", "b", "u", "r") if r in terms],
+        "value_roles": [{"var": ROLE_VAR[r], "expr": kprint(terms[r], d, nm)} for r in ("w", "skip") if r in terms],
+        "decay": _decay(plan, d),
+        "transition": "a" in terms, "skip": "skip" in terms,
+    }
+
+
+def _header(plan: KernelPlan, d: Dialect) -> str:
+    return (f"// generated by recgen {__version__} from spec {plan.rec.name} [{plan.rec.spec_hash()}]: do not edit\n"
+            + d.prelude)
+
+
+def kernel_name(plan: KernelPlan, d: Dialect, kind: str, body: str) -> str:
+    digest = hashlib.sha256(body.encode()).hexdigest()[:10]
+    return f"recgen_{plan.rec.name}_{kind}_{d.name}_{digest}"
+
+
+def forward_source(plan: KernelPlan, d: Dialect) -> KernelSource:
+    ctx = _context(plan, d, plan.fwd, f"recurrent forward of {plan.rec.name}: state in registers for all T steps")
+    body = _env().get_template("recurrent_fwd.j2").render(**ctx)
+    ins = tuple(f"{x.name}_in" for x in plan.rec.inputs) + ("rt", "scale_in", "h0")
+    tmpl = tuple(plan.template(plan.fwd).items())
+    return KernelSource(kernel_name(plan, d, "fwd", body), _header(plan, d), body, ins, ("o", "ht", "ckpt"),
+                        tmpl + (("SAVE", False), ("OT", "float32")))
+
+
+def backward_source(plan: KernelPlan, d: Dialect) -> KernelSource:
+    ctx = _context(plan, d, plan.bwd, f"recurrent backward of {plan.rec.name}: per chunk, recompute then sweep back")
+    decls, finish, param_finish, nkeys, nscal = _grad_io(plan, d)
+    ctx.update(grads=decls, contribs=_contribs(plan, d, ctx["decay"]["kind"]), finish=finish,
+               param_finish=param_finish, smem_keys=nkeys, smem_scalars=nscal)
+    body = _env().get_template("recurrent_bwd.j2").render(**ctx)
+    ins = tuple(f"{x.name}_in" for x in plan.rec.inputs) + ("rt", "scale_in", "ckpt", "do_in", "dht")
+    outs = tuple(f"d_{x.name}" for x in plan.rec.inputs) + ("dh0",)
+    return KernelSource(kernel_name(plan, d, "bwd", body), _header(plan, d), body, ins, outs,
+                        tuple(plan.template(plan.bwd).items()))
+
