@@ -25,9 +25,15 @@ def _kernel(src: KernelSource, factory: str):
                 source=src.source, header=src.header)
 
 
-@lru_cache(maxsize=64)
 def sources(plan: KernelPlan, dialect: Dialect) -> tuple[KernelSource, KernelSource]:
-    return forward_source(plan, dialect), backward_source(plan, dialect)
+    return _sources(plan, dialect.name)
+
+
+@lru_cache(maxsize=64)
+def _sources(plan: KernelPlan, dialect_name: str) -> tuple[KernelSource, KernelSource]:
+    from .backends import get
+
+    return forward_source(plan, get(dialect_name)), backward_source(plan, get(dialect_name))
 
 
 def _template(src: KernelSource, **override):

@@ -1,0 +1,89 @@
+"""Correctness of the generated CUDA kernels on a real GPU, against the float64 reference.
+
+Run on the GPU host:  python benchmarks/cuda_check.py [--out DIR]
+Every built-in with a recurrent kernel, forward, final state and every gradient (incl. initial
+state, with a cotangent on the final state), float32 and bfloat16 inputs, odd T, T=1, K != V, GQA.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import random_inputs, rel_err  # noqa: E402
+
+from recgen import reference, specs  # noqa: E402
+from recgen.ops import Op  # noqa: E402
+from recgen.shapes import Sizes  # noqa: E402
+
+SPECS = ["gated_delta_net", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt"]
+CASES = [  # B, T, H, Hk, K, V
+    (2, 1, 4, 2, 32, 48), (2, 7, 4, 2, 64, 40), (1, 37, 4, 4, 16, 72), (2, 129, 2, 1, 128, 64),
+]
+TOL = {"float32": (1e-5, 1e-4), "bfloat16": (1e-2, 2e-2)}
+
+
+def check(name, case, dtype, rng, backend):
+    rec = specs.BUILTINS[name]
+    B, T, H, Hk, K, V = case
+    if "selective" in name:
+        Hk = H
+    sizes = Sizes(B, T, H, Hk, K, K, V)
+    xs = random_inputs(rec, sizes, rng)
+    mdt = getattr(mx, dtype)
+    xm = {k: mx.array(v.astype(np.float32)).astype(mdt) for k, v in xs.items()}
+    xr = {k: np.array(v.astype(mx.float32)).astype(np.float64) for k, v in xm.items()}  # what the kernel saw
+    h0 = rng.standard_normal(sizes.state_shape)
+    do = rng.standard_normal((B, T, H, V))
+    dht = rng.standard_normal(sizes.state_shape)
+    o_ref, ht_ref = reference.run(rec, initial_state=h0, **xr)
+    g_ref = reference.grad(rec, do=do, dht=dht, initial_state=h0, **xr)
+    op = Op(rec, backend=backend)
+    names = [x.name for x in rec.inputs]
+
+    def f(*args):
+        o, ht = op(*args[:-1], initial_state=args[-1], output_final_state=True, check_finite=False)
+        return o, ht
+
+    prim = [xm[n] for n in names] + [mx.array(h0.astype(np.float32))]
+    (o, ht), vjps = mx.vjp(f, prim, [mx.array(do.astype(np.float32)).astype(mdt),
+                                    mx.array(dht.astype(np.float32))])
+    mx.eval(o, ht, vjps)
+    errs = {"o": rel_err(np.array(o.astype(mx.float32)), o_ref), "ht": rel_err(np.array(ht), ht_ref)}
+    for n, g in zip(names + ["initial_state"], vjps):
+        errs["d" + n] = rel_err(np.array(g.astype(mx.float32)), g_ref[n])
+    ftol, gtol = TOL[dtype]
+    ok = all(v <= (ftol if k in ("o", "ht") else gtol) for k, v in errs.items())
+    return ok, errs
+
+
+def main():
+    out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
+    backend = "cuda" if mx.cuda.is_available() else "mlx"
+    rng = np.random.default_rng(2026)
+    rows, allok = [], True
+    for name in SPECS:
+        for case in CASES:
+            for dtype in ("float32", "bfloat16"):
+                t0 = time.time()
+                try:
+                    ok, errs = check(name, case, dtype, rng, backend)
+                except Exception as e:  # report and keep going: one failure must not hide the others
+                    ok, errs = False, {"error": repr(e)[:300]}
+                allok &= ok
+                worst = max((v for v in errs.values() if isinstance(v, float)), default=float("nan"))
+                rows.append({"spec": name, "case": case, "dtype": dtype, "ok": ok, "errs": errs})
+                print(f"{'PASS' if ok else 'FAIL'} {name:26s} {str(case):26s} {dtype:8s} worst={worst:.2e} "
+                      f"({time.time() - t0:.1f}s) {'' if ok else errs}", flush=True)
+    if out:
+        json.dump(rows, open(f"{out}/cuda_check.json", "w"), indent=1)
+    print(f"{sum(r['ok'] for r in rows)} passed, {sum(not r['ok'] for r in rows)} failed")
+    sys.exit(0 if allok else 1)
+
+
+if __name__ == "__main__":
+    main()
