@@ -49,29 +49,53 @@ def bench(fn, grad_inputs):
 
 
 def main():
+    """Each (op, shape) in its own process: one illegal memory access must not poison the rest."""
+    import subprocess
+
     out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "."
     res = {}
-    for shape in [(4, 4096, 16, 128), (8, 1024, 8, 64)]:
-        q, k, v, g, beta, gk = make(*shape)
+    for shape in ["4,4096,16,128", "8,1024,8,64"]:
+        for name in OPS:
+            try:
+                p = subprocess.run([sys.executable, __file__, "--one", name, shape], capture_output=True, text=True,
+                                   timeout=150)
+                line = [x for x in p.stdout.splitlines() if x.startswith("RESULT")]
+                t_f, t_fb = map(float, line[0].split()[1:]) if line else (float("nan"), float("nan"))
+                if not line:
+                    print(f"FLA {name} {shape} failed: {(p.stderr or p.stdout)[-300:]}")
+            except subprocess.TimeoutExpired:
+                t_f = t_fb = float("nan")
+            res[f"{name}/{shape}"] = {"fwd_ms": t_f, "fwdbwd_ms": t_fb}
+            print(f"FLA {name:34s} ({shape}): fwd {t_f:8.3f} ms  fwd+bwd {t_fb:8.3f} ms", flush=True)
+    json.dump(res, open(f"{out}/bench_fla.json", "w"), indent=1)
+
+
+OPS = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_delta_rule", "fused_recurrent_delta_rule",
+       "chunk_gla", "fused_recurrent_gla", "chunk_simple_gla"]
+
+
+def one(name, shape):
+    B, T, H, D = map(int, shape.split(","))
+    if True:
+        q, k, v, g, beta, gk = make(B, T, H, D)
+        g32 = g.detach().float().requires_grad_()
         runs = {
             "chunk_gated_delta_rule": (lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0], (q, k, v, g, beta)),
-            "fused_recurrent_gated_delta_rule": (lambda: fused_recurrent_gated_delta_rule(q, k, v, g, beta)[0], (q, k, v, g, beta)),
+            "fused_recurrent_gated_delta_rule": (lambda: fused_recurrent_gated_delta_rule(q, k, v, g32, beta)[0], (q, k, v, g32, beta)),
             "chunk_delta_rule": (lambda: chunk_delta_rule(q, k, v, beta)[0], (q, k, v, beta)),
             "fused_recurrent_delta_rule": (lambda: fused_recurrent_delta_rule(q, k, v, beta)[0], (q, k, v, beta)),
             "chunk_gla": (lambda: chunk_gla(q, k, v, gk)[0], (q, k, v, gk)),
             "fused_recurrent_gla": (lambda: fused_recurrent_gla(q, k, v, gk)[0], (q, k, v, gk)),
             "chunk_simple_gla": (lambda: chunk_simple_gla(q, k, v, g)[0], (q, k, v, g)),
         }
-        for name, (fn, gi) in runs.items():
-            try:
-                t_f, t_fb = bench(fn, gi)
-            except Exception as e:  # noqa: BLE001
-                print(f"FLA {name} failed: {repr(e)[:160]}")
-                t_f = t_fb = float("nan")
-            res[f"{name}/{shape}"] = {"fwd_ms": t_f, "fwdbwd_ms": t_fb}
-            print(f"FLA {name:34s} {shape}: fwd {t_f:8.3f} ms  fwd+bwd {t_fb:8.3f} ms", flush=True)
-    json.dump(res, open(f"{out}/bench_fla.json", "w"), indent=1)
+        fn, gi = runs[name]
+        t_f, t_fb = bench(fn, gi)
+        print(f"RESULT {t_f} {t_fb}")
 
 
 if __name__ == "__main__":
-    main()
+    if "--one" in sys.argv:
+        i = sys.argv.index("--one")
+        one(sys.argv[i + 1], sys.argv[i + 2])
+    else:
+        main()

@@ -21,8 +21,8 @@ from recgen.ops import Op  # noqa: E402
 from recgen.shapes import Sizes  # noqa: E402
 
 SPECS = ["gated_delta_net", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt"]
-CASES = [  # B, T, H, Hk, K, V
-    (2, 1, 4, 2, 32, 48), (2, 7, 4, 2, 64, 40), (1, 37, 4, 4, 16, 72), (2, 129, 2, 1, 128, 64),
+CASES = [  # B, T, H, Hk, K, V: T=1, odd and prime T, K != V, GQA, V not a multiple of the column tile
+    (2, 1, 4, 2, 32, 48), (2, 37, 4, 2, 64, 40), (1, 67, 2, 1, 128, 72),
 ]
 TOL = {"float32": (1e-5, 1e-4), "bfloat16": (1e-2, 2e-2)}
 
@@ -66,7 +66,8 @@ def main():
     backend = "cuda" if mx.cuda.is_available() else "mlx"
     rng = np.random.default_rng(2026)
     rows, allok = [], True
-    for name in SPECS:
+    only = sys.argv[sys.argv.index("--specs") + 1].split(",") if "--specs" in sys.argv else SPECS
+    for name in only:
         for case in CASES:
             for dtype in ("float32", "bfloat16"):
                 t0 = time.time()
@@ -80,7 +81,7 @@ def main():
                 print(f"{'PASS' if ok else 'FAIL'} {name:26s} {str(case):26s} {dtype:8s} worst={worst:.2e} "
                       f"({time.time() - t0:.1f}s) {'' if ok else errs}", flush=True)
     if out:
-        json.dump(rows, open(f"{out}/cuda_check.json", "w"), indent=1)
+        json.dump(rows, open(f"{out}/cuda_check_{only[0]}.json", "w"), indent=1)
     print(f"{sum(r['ok'] for r in rows)} passed, {sum(not r['ok'] for r in rows)} failed")
     sys.exit(0 if allok else 1)
 

@@ -80,30 +80,37 @@ def _pow2_divisor(n: int, cap: int = 32) -> int:
     return p
 
 
-def choose_layouts(K: int, V: int, C: int) -> tuple[Layout, Layout]:
-    """Lane mappings by size. Forward: fewer lanes over K (short butterflies, more columns per lane
-    to amortize key loads). Backward: all its chunk states live in registers (C·RK·CPL floats per
-    lane), so it splits rows over more lanes and keeps one column per lane."""
+def choose_layouts(K: int, V: int) -> tuple[Layout, Layout, int]:
+    """Lane mappings and checkpoint interval C by size (measured on the H100, BENCHMARKS.md).
+
+    Forward: 8 row lanes for K >= 64 (3-step butterflies, 16 or 8 rows per lane), 1-2 columns per
+    lane so that even B·H = 64 heads give ~1000 warps: the step is latency-bound, parallelism wins.
+    Backward: its C recomputed states live in registers (C·RK floats per lane, kept <= 64), one
+    column per lane, 16 row lanes, 8 warps per threadgroup (each partial of a column-summed gradient
+    leaves the kernel once per threadgroup).
+    """
     lk_f = _pow2_divisor(K, 8 if K >= 64 else 32)
-    cpl_f = 4 if V >= 4 * (32 // lk_f) else 1
-    lk_b = _pow2_divisor(K, 32)
-    if C * (K // lk_b) > 128:
-        raise UnsupportedKernel(f"K={K}: {K // lk_b} rows per lane × chunk {C} exceeds the register budget "
-                                "of the recurrent backward; use backend='mlx'")
+    cpl_f = 2 if V > 64 and V % 2 == 0 else 1
+    lk_b = _pow2_divisor(K, 16 if K >= 32 else 32)
+    rk_b = K // lk_b
+    if rk_b > 32:
+        raise UnsupportedKernel(f"K={K}: {rk_b} rows per lane exceed the register budget of the recurrent "
+                                "backward; use backend='mlx'")
+    C = max(2, min(16, 64 // rk_b))
     wv_f = max(1, min(4, -(-V // (cpl_f * (32 // lk_f)))))
-    wv_b = max(1, min(8, -(-V // (32 // lk_b))))
-    return Layout(lk_f, cpl_f, wv_f), Layout(lk_b, 1, wv_b)
+    wv_b = max(1, min(8, -(-V // (32 // lk_b))))  # 256 threads: ~200 registers each still fit an SM
+    return Layout(lk_f, cpl_f, wv_f), Layout(lk_b, 1, wv_b), C
 
 
-def plan(rec: ir.Recurrence, sizes: Sizes, chunk: int = 16) -> KernelPlan:
+def plan(rec: ir.Recurrence, sizes: Sizes) -> KernelPlan:
     """The kernel plan of ``rec`` for the register-shaping sizes of a call."""
     if rec.features:
         raise UnsupportedKernel(f"{rec.name}: feature maps ({', '.join(f.name for f in rec.features)}) have no "
                                 "recurrent kernel yet; use backend='mlx'")
     if rec.has_normalizer:
         raise UnsupportedKernel(f"{rec.name}: the normalizer state has no recurrent kernel yet; use backend='mlx'")
-    fwd, bwd = choose_layouts(sizes.K, sizes.V, chunk)
-    return KernelPlan(rec, adj.derive(rec), sizes.K, sizes.Kin, sizes.V, sizes.H, sizes.Hk, chunk, fwd, bwd)
+    fwd, bwd, C = choose_layouts(sizes.K, sizes.V)
+    return KernelPlan(rec, adj.derive(rec), sizes.K, sizes.Kin, sizes.V, sizes.H, sizes.Hk, C, fwd, bwd)
 
 
 # -- names: what each symbol is called inside a kernel ----------------------------------------------

@@ -51,9 +51,8 @@ def _check_arrays(rec: ir.Recurrence, arrays: dict, check_finite: bool):
 class Op:
     """A recurrence as a callable MLX op; see the module docstring for the arguments."""
 
-    def __init__(self, rec: ir.Recurrence, backend: str | None = None, chunk_size: int = 64,
-                 kernel_chunk: int = 16):
-        self.rec, self.backend, self.chunk_size, self.kernel_chunk = rec.validate(), backend, chunk_size, kernel_chunk
+    def __init__(self, rec: ir.Recurrence, backend: str | None = None, chunk_size: int = 64):
+        self.rec, self.backend, self.chunk_size = rec.validate(), backend, chunk_size
         if backend is not None and backend not in BACKENDS:
             raise InputError(f"backend={backend!r}: expected one of {BACKENDS}")
         self.__doc__ = rec.doc
@@ -101,7 +100,7 @@ class Op:
 
         if sizes.T == 0 or sizes.B == 0:
             raise InputError(f"{self.rec.name}: empty batch or sequence (B={sizes.B}, T={sizes.T})")
-        p = plan(self.rec, sizes, chunk=self.kernel_chunk)
+        p = plan(self.rec, sizes)
         h0 = (mx.zeros(sizes.state_shape, dtype=mx.float32) if initial_state is None
               else initial_state.astype(mx.float32))
         out_dtype = next(a.dtype for x, a in zip(self.rec.inputs, xs) if x.kind == "value") \

@@ -138,13 +138,13 @@ def _grad_io(plan: KernelPlan, d: Dialect):
     for x in plan.rec.inputs:
         if x.kind == "value":
             finish.append(f"for (int c = 0; c < CPL; ++c) {{ float acc = {x.name}_g[c]; "
-                          f"for (int m = LK / 2; m > 0; m >>= 1) acc += {shfl.format(x='acc', m='m')}; "
+                          f"for (int m = LV; m < 32; m <<= 1) acc += {shfl.format(x='acc', m='m')}; "
                           f"if (klane == 0 && col0 + c < V) d_{x.name}[((({I64})b * T + t) * H + h) * V + col0 + c] = acc; }}")
     # key-side and scalar inputs: sum over column lanes, then over the warps of the threadgroup
     for n, x in enumerate(keyish):
         finish.append(f"for (int r = 0; r < RK; ++r) {{ float acc = {x.name}_g[r]; "
-                      f"for (int m = LK; m < 32; m <<= 1) acc += {shfl.format(x='acc', m='m')}; "
-                      f"if (lane < LK) red_k[{n}][warp][klane + LK * r] = acc; }}")
+                      f"for (int m = 1; m < LV; m <<= 1) acc += {shfl.format(x='acc', m='m')}; "
+                      f"if (vlane == 0) red_k[{n}][warp][klane + LK * r] = acc; }}")
     for n, x in enumerate(scalars):
         finish.append(f"{{ float acc = {x.name}_g; for (int m = 1; m < 32; m <<= 1) acc += "
                       f"{shfl.format(x='acc', m='m')}; if (lane == 0) red_s[{n}][warp] = acc; }}")
@@ -166,11 +166,11 @@ def _grad_io(plan: KernelPlan, d: Dialect):
         if x.index == (ir.I, ir.J):
             param_finish.append(_loops(f"if (col0 + c < V) {out}[((({I64})bh) * K + klane + LK * r) * V + col0 + c] = {g}[r][c];", "rc"))
         elif x.index == (ir.J,):
-            param_finish.append(f"for (int c = 0; c < CPL; ++c) {{ float acc = {g}[c]; for (int m = LK / 2; m > 0; m >>= 1) "
+            param_finish.append(f"for (int c = 0; c < CPL; ++c) {{ float acc = {g}[c]; for (int m = LV; m < 32; m <<= 1) "
                                 f"acc += {shfl.format(x='acc', m='m')}; if (klane == 0 && col0 + c < V) {out}[({I64})bh * V + col0 + c] = acc; }}")
         elif x.index == (ir.I,):
-            param_finish.append(f"for (int r = 0; r < RK; ++r) {{ float acc = {g}[r]; for (int m = LK; m < 32; m <<= 1) "
-                                f"acc += {shfl.format(x='acc', m='m')}; if (lane < LK) {out}[({warp_row}) * K + klane + LK * r] = acc; }}")
+            param_finish.append(f"for (int r = 0; r < RK; ++r) {{ float acc = {g}[r]; for (int m = 1; m < LV; m <<= 1) "
+                                f"acc += {shfl.format(x='acc', m='m')}; if (vlane == 0) {out}[({warp_row}) * K + klane + LK * r] = acc; }}")
         else:
             param_finish.append(f"{{ float acc = {g}; for (int m = 1; m < 32; m <<= 1) acc += {shfl.format(x='acc', m='m')}; "
                                 f"if (lane == 0) {out}[{warp_row}] = acc; }}")
