@@ -17,6 +17,7 @@ over batch and time; a feature map's gradient passes through its VJP to its sour
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import sympy as sp
 
@@ -56,6 +57,7 @@ class Adjoint:
         return "\n".join(lines)
 
 
+@lru_cache(maxsize=128)
 def derive(rec: ir.Recurrence) -> Adjoint:
     """Differentiate every term with respect to every input (and feature) symbol it uses."""
     partials = []

@@ -3,73 +3,57 @@
 The forward runs without checkpoints (inference pays nothing for training); the VJP reruns the
 forward with ``SAVE`` to write one state per chunk, then the backward kernel recomputes each chunk
 from its checkpoint and sweeps back. Gradients summed over columns arrive as one partial per
-threadgroup and are finished here by one MLX reduction each (deterministic: no atomics).
+threadgroup and are finished by one array reduction each (deterministic: no atomics).
+
+``Launch`` is the recipe of one kernel call (inputs, output shapes, grid, template), shared by MLX
+and by the Metal CPU emulator (``recgen.verify.kernels``), so both run exactly the same thing.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 from . import ir
+from .backends import get
 from .backends.dialect import Dialect
 from .lower import KernelPlan
 from .render import KernelSource, backward_source, forward_source
 from .shapes import Sizes
 
 
-@lru_cache(maxsize=256)
-def _kernel(src: KernelSource, factory: str):
-    import mlx.core as mx
-
-    make = getattr(mx.fast, factory)
-    return make(name=src.name, input_names=list(src.inputs), output_names=list(src.outputs),
-                source=src.source, header=src.header)
-
-
-def sources(plan: KernelPlan, dialect: Dialect) -> tuple[KernelSource, KernelSource]:
-    return _sources(plan, dialect.name)
-
-
 @lru_cache(maxsize=64)
-def _sources(plan: KernelPlan, dialect_name: str) -> tuple[KernelSource, KernelSource]:
-    from .backends import get
-
-    return forward_source(plan, get(dialect_name)), backward_source(plan, get(dialect_name))
-
-
-def _template(src: KernelSource, **override):
-    import mlx.core as mx
-
-    out = []
-    for name, value in src.template:
-        value = override.get(name, value)
-        out.append((name, getattr(mx, value) if isinstance(value, str) else value))
-    return out
+def sources(plan: KernelPlan, dialect_name: str) -> tuple[KernelSource, KernelSource]:
+    d = get(dialect_name)
+    return forward_source(plan, d), backward_source(plan, d)
 
 
-def run_forward(plan: KernelPlan, dialect: Dialect, xs, h0, scale: float, sizes: Sizes, out_dtype, save: bool):
-    import mlx.core as mx
+@dataclass(frozen=True)
+class Launch:
+    """One kernel call: extra runtime inputs, outputs (shape, dtype name), grid, template values."""
 
-    fsrc, _ = sources(plan, dialect)
+    source: KernelSource
+    runtime: dict          # name -> (values, dtype name) for rt and scale_in
+    outputs: tuple         # ((shape, dtype name), ...) in source.outputs order
+    grid: tuple
+    threadgroup: tuple
+    template: tuple        # ((name, int | bool | dtype name), ...)
+
+
+def forward_launch(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, out_dtype: str,
+                   save: bool) -> Launch:
+    fsrc, _ = sources(plan, dialect.name)
     nc = -(-sizes.T // plan.C)
     grid, tg = plan.grid(plan.fwd, sizes.B)
-    rt = mx.array([sizes.T, sizes.B], dtype=mx.int32)
-    sc = mx.array([scale], dtype=mx.float32)
-    shapes = [(sizes.B, sizes.T, sizes.H, sizes.V), sizes.state_shape,
-              (sizes.B, sizes.H, nc, sizes.K, sizes.V) if save else (1,)]
-    return _kernel(fsrc, dialect.mlx_factory)(
-        inputs=list(xs) + [rt, sc, h0], output_shapes=shapes,
-        output_dtypes=[out_dtype, mx.float32, mx.float32], grid=grid, threadgroup=tg,
-        template=_template(fsrc, SAVE=save, OT=str(out_dtype).split(".")[-1]))
+    outs = (((sizes.B, sizes.T, sizes.H, sizes.V), out_dtype), (sizes.state_shape, "float32"),
+            ((sizes.B, sizes.H, nc, sizes.K, sizes.V) if save else (1,), "float32"))
+    tmpl = tuple((n, {"SAVE": save, "OT": out_dtype}.get(n, v)) for n, v in fsrc.template)
+    return Launch(fsrc, _runtime(sizes, scale), outs, grid, tg, tmpl)
 
 
-def run_backward(plan: KernelPlan, dialect: Dialect, xs, ckpt, do, dht, scale: float, sizes: Sizes):
-    """Gradients of every input (in its own layout and dtype) and of the initial state."""
-    import mlx.core as mx
-
-    _, bsrc = sources(plan, dialect)
-    B, T, H, Hk, K, V = sizes.B, sizes.T, sizes.H, sizes.Hk, sizes.K, sizes.V
-    npart = plan.n_partials()
-    nwarp = npart * plan.bwd.WV
+def backward_launch(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float) -> Launch:
+    _, bsrc = sources(plan, dialect.name)
+    B, T, H, K, V = sizes.B, sizes.T, sizes.H, sizes.K, sizes.V
+    npart, nwarp = plan.n_partials(), plan.n_partials() * plan.bwd.WV
     shapes = []
     for x in plan.rec.inputs:
         shapes.append({"key": (npart, B, T, H, K), "key_gate": (npart, B, T, H, K), "scalar": (npart, B, T, H),
@@ -77,14 +61,21 @@ def run_backward(plan: KernelPlan, dialect: Dialect, xs, ckpt, do, dht, scale: f
                       {(ir.I, ir.J): (B, H, K, V), (ir.J,): (B, H, V), (ir.I,): (nwarp, B, H, K),
                        (): (nwarp, B, H)}[x.index])
     grid, tg = plan.grid(plan.bwd, B)
-    rt = mx.array([T, B], dtype=mx.int32)
-    sc = mx.array([scale], dtype=mx.float32)
-    outs = _kernel(bsrc, dialect.mlx_factory)(
-        inputs=list(xs) + [rt, sc, ckpt, do, dht], output_shapes=shapes + [sizes.state_shape],
-        output_dtypes=[mx.float32] * (len(shapes) + 1), grid=grid, threadgroup=tg,
-        template=_template(bsrc))
+    outs = tuple((s, "float32") for s in shapes + [sizes.state_shape])
+    return Launch(bsrc, _runtime(sizes, scale), outs, grid, tg, bsrc.template)
+
+
+def _runtime(sizes: Sizes, scale: float) -> dict:
+    return {"rt": ([sizes.T, sizes.B], "int32"), "scale_in": ([scale], "float32")}
+
+
+def finish_grads(plan: KernelPlan, sizes: Sizes, outs):
+    """Sum the kernel's partial gradients (threadgroups, GQA groups, batch) into each input's layout.
+
+    Works on numpy and MLX arrays alike (sum, reshape only)."""
+    B, T, H, Hk, K = sizes.B, sizes.T, sizes.H, sizes.Hk, sizes.K
     grads = []
-    for x, g, xin in zip(plan.rec.inputs, outs, xs):
+    for x, g in zip(plan.rec.inputs, outs):
         if x.kind in ("key", "key_gate", "scalar"):
             g = g.sum(axis=0)
         if x.kind == "key" and Hk != H:  # fold the GQA group of value heads onto its key head
@@ -93,26 +84,52 @@ def run_backward(plan: KernelPlan, dialect: Dialect, xs, ckpt, do, dht, scale: f
                  else g.reshape(B, T, G, Hk, K).sum(axis=2))
         if x.kind == "param":
             g = g.sum(axis=0) if x.index in ((ir.I, ir.J), (ir.J,)) else g.sum(axis=(0, 1))
-        grads.append(g.astype(xin.dtype))
-    return grads, outs[-1]
+        grads.append(g)
+    return grads, outs[len(plan.rec.inputs)]
 
 
-def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, out_dtype):
+# -- MLX ----------------------------------------------------------------------------------------------
+@lru_cache(maxsize=256)
+def _mlx_kernel(src: KernelSource, factory: str):
+    import mlx.core as mx
+
+    return getattr(mx.fast, factory)(name=src.name, input_names=list(src.inputs), output_names=list(src.outputs),
+                                     source=src.source, header=src.header)
+
+
+def mlx_call(launch: Launch, dialect: Dialect, user: list, extra: list):
+    """Buffers in source order: the spec's inputs, the runtime values (T, B, scale), then ``extra``."""
+    import mlx.core as mx
+
+    rt = [mx.array(v, dtype=getattr(mx, dt)) for v, dt in launch.runtime.values()]
+    ins = list(user) + rt + list(extra)
+    return _mlx_kernel(launch.source, dialect.mlx_factory)(
+        inputs=ins, output_shapes=[s for s, _ in launch.outputs],
+        output_dtypes=[getattr(mx, dt) for _, dt in launch.outputs], grid=launch.grid,
+        threadgroup=launch.threadgroup,
+        template=[(n, getattr(mx, v) if isinstance(v, str) else v) for n, v in launch.template])
+
+
+def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, out_dtype: str):
     """An mx.custom_function (xs..., h0) -> (o, ht) running the generated kernels both ways."""
     import mlx.core as mx
 
+    n = len(plan.rec.inputs)
+
     @mx.custom_function
     def op(*args):
-        xs, h0 = args[:-1], args[-1]
-        o, ht, _ = run_forward(plan, dialect, xs, h0, scale, sizes, out_dtype, save=False)
+        launch = forward_launch(plan, dialect, sizes, scale, out_dtype, save=False)
+        o, ht, _ = mlx_call(launch, dialect, args[:n], [args[n]])
         return o, ht
 
     @op.vjp
     def op_vjp(primals, cotangents, outputs):
-        xs, h0 = primals[:-1], primals[-1]
+        xs, h0 = list(primals[:n]), primals[n]
         do, dht = cotangents
-        _, _, ckpt = run_forward(plan, dialect, xs, h0, scale, sizes, out_dtype, save=True)
-        grads, dh0 = run_backward(plan, dialect, xs, ckpt, do, dht.astype(mx.float32), scale, sizes)
-        return tuple(grads) + (dh0,)
+        _, _, ckpt = mlx_call(forward_launch(plan, dialect, sizes, scale, out_dtype, save=True), dialect, xs, [h0])
+        outs = mlx_call(backward_launch(plan, dialect, sizes, scale), dialect, xs,
+                        [ckpt, do, dht.astype(mx.float32)])
+        grads, dh0 = finish_grads(plan, sizes, outs)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, xs)) + (dh0,)
 
     return op

@@ -10,7 +10,9 @@ The plan holds sympy expressions; ``render`` prints them through a dialect.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import sympy as sp
 
@@ -103,14 +105,22 @@ def choose_layouts(K: int, V: int) -> tuple[Layout, Layout, int]:
 
 
 def plan(rec: ir.Recurrence, sizes: Sizes) -> KernelPlan:
-    """The kernel plan of ``rec`` for the register-shaping sizes of a call."""
+    """The kernel plan of ``rec`` for the register-shaping sizes of a call (B and T are runtime)."""
+    return _plan(rec, sizes.K, sizes.Kin, sizes.V, sizes.H, sizes.Hk)
+
+
+@lru_cache(maxsize=128)
+def _plan(rec: ir.Recurrence, K: int, Kin: int, V: int, H: int, Hk: int) -> KernelPlan:
     if rec.features:
         raise UnsupportedKernel(f"{rec.name}: feature maps ({', '.join(f.name for f in rec.features)}) have no "
                                 "recurrent kernel yet; use backend='mlx'")
     if rec.has_normalizer:
         raise UnsupportedKernel(f"{rec.name}: the normalizer state has no recurrent kernel yet; use backend='mlx'")
-    fwd, bwd, C = choose_layouts(sizes.K, sizes.V)
-    return KernelPlan(rec, adj.derive(rec), sizes.K, sizes.Kin, sizes.V, sizes.H, sizes.Hk, C, fwd, bwd)
+    fwd, bwd, C = choose_layouts(K, V)
+    forced = os.environ.get("RECGEN_FWD_LAYOUT")  # "LK,CPL,WV": for layout sweeps in benchmarks
+    if forced:
+        fwd = Layout(*map(int, forced.split(",")))
+    return KernelPlan(rec, adj.derive(rec), K, Kin, V, H, Hk, C, fwd, bwd)
 
 
 # -- names: what each symbol is called inside a kernel ----------------------------------------------

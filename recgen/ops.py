@@ -103,8 +103,8 @@ class Op:
         p = plan(self.rec, sizes)
         h0 = (mx.zeros(sizes.state_shape, dtype=mx.float32) if initial_state is None
               else initial_state.astype(mx.float32))
-        out_dtype = next(a.dtype for x, a in zip(self.rec.inputs, xs) if x.kind == "value") \
-            if any(x.kind == "value" for x in self.rec.inputs) else mx.float32
+        values = [a.dtype for x, a in zip(self.rec.inputs, xs) if x.kind == "value"]
+        out_dtype = str(values[0] if values else mx.float32).split(".")[-1]
         return kernel_op(p, get(backend), sizes, scale, out_dtype)(*xs, h0)
 
 

@@ -1,0 +1,186 @@
+r"""The per-element terms of a spec as MLX functions, bound to a chunk frame.
+
+A chunk of C tokens is bound to the frame ``[B, H, C, K, V]``: a per-token scalar to
+``[B,H,C,1,1]``, a key to ``[B,H,C,K,1]`` (key heads repeated over their GQA group), a key gate
+to ``[B,H,C,K,1]``, a value to ``[B,H,C,1,V]``, a parameter to ``[1,H,1,K|1,V|1]``. Each term is
+then evaluated elementwise with MLX ops (sympy ``lambdify`` with an MLX module table) and kept at
+its own broadcast shape; key-side roles are returned as ``[B,H,C,K]``, value-side roles as
+``[B,H,C,V]``.
+
+The decay enters the chunked forms through its logarithm (a cumulative sum of log-decays is the
+only stable way to form products of decays over a chunk). ``log_decay`` derives it symbolically:
+``log(exp(e)) = e`` exactly; otherwise ``log(D)`` is expanded over products and powers and
+``log(sigmoid(x))`` becomes ``logsigmoid(x)``. A decay that is not an exponential is assumed
+positive (the chunked form needs log D real); document that in the spec if you rely on it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import sympy as sp
+
+from .. import ir
+from ..features import sympow_pairs
+from ..fns import logsigmoid, sigmoid
+
+
+def _mx():
+    import mlx.core as mx
+
+    return mx
+
+
+def mlx_module() -> dict:
+    """The name table lambdify uses: gates and elementary functions as MLX ops."""
+    mx = _mx()
+    return {
+        "exp": mx.exp, "log": mx.log, "sqrt": mx.sqrt, "tanh": mx.tanh, "sin": mx.sin, "cos": mx.cos,
+        "Abs": mx.abs, "abs": mx.abs, "sign": mx.sign, "Max": mx.maximum, "Min": mx.minimum,
+        "sigmoid": mx.sigmoid,
+        "softplus": lambda x: mx.logaddexp(x, 0.0),
+        "logsigmoid": lambda x: -mx.logaddexp(-x, 0.0),
+        "E": float(np.e), "pi": float(np.pi),
+    }
+
+
+def log_decay_expr(decay: sp.Expr) -> sp.Expr:
+    """log D as a sympy expression that never forms D itself when D = exp(e) (then it is e)."""
+    decay = sp.sympify(decay)
+    if decay.func == sp.exp:
+        return decay.args[0]
+    if decay == 1:
+        return sp.Integer(0)
+    e = sp.expand_log(sp.log(decay), force=True)
+    e = e.replace(lambda x: x.func == sp.log and x.args[0].func == sp.exp, lambda x: x.args[0].args[0])
+    e = e.replace(lambda x: x.func == sp.log and x.args[0].func == sigmoid, lambda x: logsigmoid(x.args[0].args[0]))
+    return e
+
+
+KEY_ROLES = ("a", "b", "u", "r", "zdecay", "zupdate")
+VALUE_ROLES = ("w", "skip")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the chunked forms need of a spec, compiled once per spec."""
+
+    rec: ir.Recurrence
+    symbols: tuple
+    fns: dict           # role -> callable(*symbol values, scale); "logdecay", "zlogdecay" included
+    decay_class: str    # "scalar" | "key" | "full"
+    zdecay_class: str | None
+    N: object           # normalizer function of n, or None
+    fuse_z: bool        # z can ride along S as an extra value column (same decay and update, no transition)
+
+
+def _classify(rec: ir.Recurrence, expr: sp.Expr) -> str:
+    idx = rec.free_indices(expr)
+    if not idx:
+        return "scalar"
+    if idx == (ir.I,):
+        return "key"
+    return "full"
+
+
+@lru_cache(maxsize=64)
+def plan(rec: ir.Recurrence) -> Plan:
+    syms = tuple(rec.symbols) + (ir.SCALE,)
+    mod = [mlx_module()]
+    lam = lambda e: sp.lambdify(syms, e, modules=mod)  # noqa: E731
+    terms = rec.terms()
+    fns = {role: lam(e) for role, e in terms.items() if role not in ("decay", "zdecay")}
+    fns["logdecay"] = lam(log_decay_expr(terms["decay"]))
+    decay_class = _classify(rec, terms["decay"])
+    zclass, N, fuse = None, None, False
+    norm = rec.step.normalizer
+    if norm is not None:
+        fns["zlogdecay"] = lam(log_decay_expr(norm.decay))
+        zclass = _classify(rec, norm.decay)
+        N = sp.lambdify((ir.N_ARG,), norm.fn, modules=mod)
+        fuse = (rec.step.transition is None and decay_class != "full"
+                and sp.simplify(norm.decay - terms["decay"]) == 0 and sp.simplify(norm.update - terms["u"]) == 0)
+    return Plan(rec, syms, fns, decay_class, zclass, N, fuse)
+
+
+# -- binding -----------------------------------------------------------------------------------
+
+def sympow_mx(x):
+    """φ(x) of recgen.features.sympow with MLX ops (differentiable): [..., d] -> [..., d(d+1)/2]."""
+    mx = _mx()
+    a, b, c = sympow_pairs(x.shape[-1])
+    a, b = mx.array(a.astype(np.int32)), mx.array(b.astype(np.int32))
+    coef = mx.array(c, dtype=x.dtype)
+    return mx.take(x, a, axis=-1) * mx.take(x, b, axis=-1) * coef
+
+
+def expand_heads(x, H: int, gqa: str, axis: int):
+    """Key heads -> value heads along ``axis``: block (h // g) or tiled (h % Hk)."""
+    mx = _mx()
+    Hk = x.shape[axis]
+    if Hk == H:
+        return x
+    g = H // Hk
+    if gqa == "block":
+        return mx.repeat(x, g, axis=axis)
+    reps = [1] * x.ndim
+    reps[axis] = g
+    return mx.tile(x, reps)
+
+
+def bind(p: Plan, chunk: dict, H: int) -> dict:
+    """Symbol -> array in the chunk frame [B,H,C,K|1,V|1]; per-token inputs are [B,C,...] slices."""
+    rec = p.rec
+    vals = {}
+    feats = {f.source: f for f in rec.features}
+    for x in rec.inputs:
+        a = chunk[x.name]
+        if x.kind == "scalar":                       # [B,C,H]
+            vals[x.symbol] = a.transpose(0, 2, 1)[..., None, None]
+        elif x.kind == "key":                        # [B,C,Hk,Kin]
+            used_raw = any(x.symbol in e.free_symbols for e in rec.terms().values())
+            if used_raw:
+                vals[x.symbol] = expand_heads(a, H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None]
+            for f in rec.features:
+                if f.source == x.name:
+                    vals[f.symbol] = expand_heads(sympow_mx(a), H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None]
+        elif x.kind == "key_gate":                   # [B,C,H,K]
+            vals[x.symbol] = a.transpose(0, 2, 1, 3)[..., None]
+        elif x.kind == "value":                      # [B,C,H,V]
+            vals[x.symbol] = a.transpose(0, 2, 1, 3)[..., None, :]
+        else:                                        # param [H, *index]
+            shape = (1, a.shape[0], 1, a.shape[1] if ir.I in x.index else 1,
+                     a.shape[-1] if ir.J in x.index else 1)
+            vals[x.symbol] = a.reshape(shape)
+    del feats
+    return vals
+
+
+def evaluate(p: Plan, vals: dict, scale: float, B: int, H: int, C: int, K: int, V: int, dtype=None) -> dict:
+    """Every role on its domain: key roles [B,H,C,K], value roles [B,H,C,V]; log-decays at the
+    shape of their class: scalar [B,H,C], key [B,H,C,K], full [B,H,C,K|1,V] (broadcastable)."""
+    mx = _mx()
+    args = tuple(vals.get(s, None) for s in p.symbols[:-1]) + (scale,)
+    out = {}
+
+    def as_array(v):
+        return v if isinstance(v, mx.array) else mx.array(float(v), dtype=dtype or mx.float32)
+
+    for role, fn in p.fns.items():
+        v = as_array(fn(*args))
+        if role in KEY_ROLES:
+            out[role] = mx.broadcast_to(v, (B, H, C, K, 1))[..., 0]
+        elif role in VALUE_ROLES:
+            out[role] = mx.broadcast_to(v, (B, H, C, 1, V))[..., 0, :]
+        elif role in ("logdecay", "zlogdecay"):
+            cls = p.decay_class if role == "logdecay" else p.zdecay_class
+            if cls == "scalar":
+                out[role] = mx.broadcast_to(v, (B, H, C, 1, 1))[..., 0, 0]
+            elif cls == "key":
+                out[role] = mx.broadcast_to(v, (B, H, C, K, 1))[..., 0]
+            else:
+                v = v.reshape(v.shape if v.ndim == 5 else (1,) * (5 - v.ndim) + v.shape)
+                shp = (B, H, C, K if v.shape[3] != 1 else 1, V)
+                out[role] = mx.broadcast_to(v, shp)
+    return out

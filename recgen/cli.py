@@ -1,0 +1,167 @@
+"""The ``recgen`` command line: inspect built-in and user recurrences.
+
+    recgen list                          the built-in specs, one line each
+    recgen show SPEC                     the IR and its adjoint
+    SPEC := built-in name | path/to/file.py:function
+
+Subcommands are registered in ``COMMANDS`` (name -> (help, add_arguments, handler)); adding
+``emit`` or ``check`` is one entry: ``register("emit", "help", add_args, handler)``. A handler gets the
+parsed ``argparse.Namespace`` and the ``rich`` console and returns an exit code. User errors
+(malformed specs, bad inputs, missing files) are printed to stderr without a traceback, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from . import __version__, ir
+from .shapes import InputError
+
+# errors a user causes (a bad spec, bad input, a missing or broken file): one line, no traceback
+USER_ERRORS: tuple[type[BaseException], ...] = (ir.SpecError, InputError, OSError, ImportError, SyntaxError)
+
+
+class CliError(Exception):
+    """A user error the CLI reports in one line (exit code 2)."""
+
+
+# -- spec resolution -------------------------------------------------------------------------------
+
+def _builtins() -> dict:
+    from .specs import BUILTINS
+    return BUILTINS
+
+
+def _load_module(path: Path):
+    name = "recgen_user_" + "".join(c if c.isalnum() else "_" for c in str(path.resolve()))
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise CliError(f"{path}: cannot be loaded as a Python module")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return mod
+
+
+def resolve_spec(text: str) -> ir.Recurrence:
+    """A built-in name (``gated_delta_net``) or ``path/to/file.py:function`` -> the ``ir.Recurrence``.
+
+    Raises ``CliError`` (unknown name, bad form, wrong type, missing attribute) or
+    ``FileNotFoundError``; errors raised while importing the file (``ir.SpecError`` ...) propagate.
+    """
+    builtins = _builtins()
+    if text in builtins:
+        return builtins[text]
+    if ":" not in text:
+        if text.endswith(".py"):
+            raise CliError(f"{text!r}: name the recurrence too, as {text}:function")
+        names = ", ".join(sorted(builtins))
+        raise CliError(f"unknown spec {text!r}: not a built-in ({names}) and not of the form path/to/file.py:function")
+    path_s, _, attr = text.rpartition(":")
+    if not path_s or not attr:
+        raise CliError(f"{text!r}: expected path/to/file.py:function")
+    path = Path(path_s)
+    if not path.is_file():
+        raise FileNotFoundError(f"spec file {path_s!r} not found" if not path.exists()
+                                else f"spec file {path_s!r} is not a file")
+    mod = _load_module(path)
+    if not hasattr(mod, attr):
+        found = sorted(k for k, v in vars(mod).items() if isinstance(v, ir.Recurrence))
+        hint = f"; recurrences in the file: {', '.join(found)}" if found else "; the file defines no recurrence"
+        raise CliError(f"{path_s}: no attribute {attr!r}{hint}")
+    obj = getattr(mod, attr)
+    if not isinstance(obj, ir.Recurrence):
+        raise CliError(f"{path_s}:{attr} is a {type(obj).__name__}, not a recurrence "
+                       "(decorate the function with @recurrence)")
+    return obj
+
+
+def first_line(doc: str) -> str:
+    for line in (doc or "").strip().splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+# -- subcommands ----------------------------------------------------------------------------------
+
+def _cmd_list(args: argparse.Namespace, console: Console) -> int:
+    table = Table(title="built-in recurrences", show_lines=False)
+    table.add_column("name", style="bold cyan", no_wrap=True)
+    table.add_column("description")
+    for name, rec in _builtins().items():
+        table.add_row(name, Text(first_line(rec.doc)))
+    console.print(table)
+    return 0
+
+
+def _add_show(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", help="built-in name or path/to/file.py:function")
+
+
+def _cmd_show(args: argparse.Namespace, console: Console) -> int:
+    from .adjoint import derive
+    rec = resolve_spec(args.spec)
+    ad = derive(rec)
+    console.print(Panel(Text(rec.doc.strip() or "(no docstring)"), title=f"[bold]{rec.name}[/]",
+                        subtitle=f"spec hash {rec.spec_hash()}", expand=False))
+    console.print(Panel(Text(repr(rec)), title="IR", expand=False))
+    console.print(Panel(Text(repr(ad)), title="adjoint", expand=False))
+    return 0
+
+
+Handler = Callable[[argparse.Namespace, Console], int]
+
+# name -> (help, add_arguments(subparser), handler). Register ``emit`` / ``check`` here.
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {
+    "list": ("list the built-in recurrences", lambda p: None, _cmd_list),
+    "show": ("show a recurrence's IR and its adjoint", _add_show, _cmd_show),
+}
+
+
+def register(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+             handler: Handler) -> None:
+    """Add a subcommand (used for ``emit`` and ``check``)."""
+    COMMANDS[name] = (help, add_arguments, handler)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recgen", description=first_line(__doc__))
+    parser.add_argument("--version", action="version", version=f"recgen {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (help_, add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_, description=help_))
+    return parser
+
+
+def main(argv: list[str] | None = None, *, console: Console | None = None,
+         err_console: Console | None = None) -> int:
+    """Entry point; returns (and as a script exits with) the exit code."""
+    console = console or Console()
+    err_console = err_console or Console(stderr=True)
+    args = build_parser().parse_args(argv)  # argparse exits 2 on usage errors
+    handler = COMMANDS[args.command][2]
+    try:
+        return handler(args, console)
+    except (CliError, *USER_ERRORS) as e:
+        msg = str(e)
+        kind = "error" if isinstance(e, CliError) else type(e).__name__
+        err_console.print(Text(f"recgen {args.command}: {kind}: {msg}", style="bold red"))
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
