@@ -85,14 +85,16 @@ def _pow2_divisor(n: int, cap: int = 32) -> int:
 def choose_layouts(K: int, V: int) -> tuple[Layout, Layout, int]:
     """Lane mappings and checkpoint interval C by size (measured on the H100, BENCHMARKS.md).
 
-    Forward: 8 row lanes for K >= 64 (3-step butterflies, 16 or 8 rows per lane), 1-2 columns per
-    lane so that even B·H = 64 heads give ~1000 warps: the step is latency-bound, parallelism wins.
+    Forward: 8 row lanes for K >= 64 (2-step butterflies over rows), 4 adjacent columns per lane:
+    the fastest of 11 mappings swept on the H100 at both benchmark shapes
+    (benchmarks/results/2026-11-22-sweep-fwd.log): more columns per lane amortize the key loads
+    and give the scheduler independent chains.
     Backward: its C recomputed states live in registers (C·RK floats per lane, kept <= 64), one
     column per lane, 16 row lanes, 8 warps per threadgroup (each partial of a column-summed gradient
     leaves the kernel once per threadgroup).
     """
     lk_f = _pow2_divisor(K, 8 if K >= 64 else 32)
-    cpl_f = 2 if V > 64 and V % 2 == 0 else 1
+    cpl_f = next(c for c in (4, 2, 1) if V % c == 0 and V >= c * (32 // lk_f))
     lk_b = _pow2_divisor(K, 16 if K >= 32 else 32)
     rk_b = K // lk_b
     if rk_b > 32:
