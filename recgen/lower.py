@@ -94,7 +94,7 @@ def choose_layouts(K: int, V: int) -> tuple[Layout, Layout, int]:
     leaves the kernel once per threadgroup).
     """
     lk_f = _pow2_divisor(K, 8 if K >= 64 else 32)
-    cpl_f = next(c for c in (4, 2, 1) if V % c == 0 and V >= c * (32 // lk_f))
+    cpl_f = next((c for c in (4, 2) if V % c == 0 and V >= c * (32 // lk_f)), 1)
     lk_b = _pow2_divisor(K, 16 if K >= 32 else 32)
     rk_b = K // lk_b
     if rk_b > 32:
