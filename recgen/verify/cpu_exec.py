@@ -129,7 +129,7 @@ def build(source: str, kernel_name: str | None = None, sanitizer: str | None = N
     if clang is None:
         raise MSLCompileError("clang++ not found (apt-get install clang-19)")
     rewritten = rewrite_for_clang(source)
-    kernel = pick_kernel(rewritten, kernel_name)
+    kernel = pick_kernel(source, kernel_name)  # before the rewrite drops the host_name instantiation
     ntg = 1 + max([p.index for p in kernel.params if p.attr == "tg_slot"], default=-1)
     tu = (f'#include "{RUNTIME}"\n#line 1 "kernel.metal"\n{rewritten}\n#line 1 "launcher.cpp"\n'
           f"{_launcher(kernel, ntg)}")

@@ -1,0 +1,35 @@
+"""Random inputs for kernel checks (float32-representable, so kernel and reference see the same data)."""
+import numpy as np
+
+from recgen.shapes import Sizes
+
+
+def kernel_inputs(rec, sizes: Sizes, rng):
+    B, T, H, Hk, K, V = sizes.B, sizes.T, sizes.H, sizes.Hk, sizes.Kin, sizes.V
+    xs = {}
+    for x in rec.inputs:
+        if x.kind == "scalar":
+            a = -20.0 * rng.uniform(0, 1, (B, T, H)) ** 3 if x.name == "g" else 1 / (1 + np.exp(-rng.standard_normal((B, T, H))))
+        elif x.kind == "key":
+            a = rng.standard_normal((B, T, Hk, K))
+            if rec.step.transition is not None:
+                a /= np.linalg.norm(a, axis=-1, keepdims=True)
+        elif x.kind == "key_gate":
+            a = -20.0 * rng.uniform(0, 1, (B, T, H, sizes.K)) ** 3
+        elif x.kind == "value":
+            a = rng.uniform(0.05, 1.0, (B, T, H, V)) if x.name == "dt" else rng.standard_normal((B, T, H, V))
+        else:
+            shape = (H,) + tuple({"i": sizes.K, "j": V}[c] for c in x.index)
+            a = -rng.uniform(0.5, 8.0, shape) if x.name == "A" else rng.standard_normal(shape)
+        xs[x.name] = a.astype(np.float32).astype(np.float64)
+    h0 = rng.standard_normal(sizes.state_shape).astype(np.float32).astype(np.float64)
+    do = rng.standard_normal((B, T, H, V)).astype(np.float32).astype(np.float64)
+    dht = rng.standard_normal(sizes.state_shape).astype(np.float32).astype(np.float64)
+    scale = K ** -0.5 if rec.default_scale == "key" else 1.0
+    return xs, h0, do, dht, scale
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "non-finite output"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
