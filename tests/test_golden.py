@@ -1,0 +1,40 @@
+"""Goldens of every emitted kernel: a change to generated code shows in review as a diff here.
+
+Regenerate after an intended change with ``RECGEN_UPDATE_GOLDEN=1 pytest tests/test_golden.py``
+and read the diff of tests/golden/ before committing.
+"""
+import os
+from pathlib import Path
+
+import pytest
+
+from recgen import specs
+from recgen.emit import emit
+
+GOLDEN = Path(__file__).parent / "golden"
+KERNEL_SPECS = ["gated_delta_net", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt"]
+SIZES = dict(K=64, V=64, H=4, HK=2)  # the reference size of the goldens
+
+
+@pytest.mark.parametrize("target", ["metal", "cuda"])
+@pytest.mark.parametrize("name", KERNEL_SPECS)
+def test_emitted_kernels_match_golden(name, target, tmp_path):
+    rec = specs.BUILTINS[name]
+    sizes = dict(SIZES, HK=SIZES["H"] if name.startswith("selective") else SIZES["HK"])
+    paths = emit(rec, target, tmp_path, dtype="float32", command=f"recgen emit {name} --target {target}", **sizes)
+    for p in paths:
+        text = p.read_text()
+        assert text.isascii(), f"{p.name}: generated code must be ASCII"
+        assert "double" not in text.replace("double-", ""), f"{p.name}: Metal has no double"
+        gold = GOLDEN / name / p.name
+        if os.environ.get("RECGEN_UPDATE_GOLDEN"):
+            gold.parent.mkdir(parents=True, exist_ok=True)
+            gold.write_text(text)
+        assert gold.exists(), f"missing golden {gold}: run with RECGEN_UPDATE_GOLDEN=1"
+        assert text == gold.read_text(), f"{p.name} differs from its golden (RECGEN_UPDATE_GOLDEN=1 to accept)"
+
+
+def test_emission_is_deterministic(tmp_path):
+    a = emit(specs.gla, "metal", tmp_path / "a", dtype="bfloat16", **SIZES)
+    b = emit(specs.gla, "metal", tmp_path / "b", dtype="bfloat16", **SIZES)
+    assert [p.read_text() for p in a] == [p.read_text() for p in b]
