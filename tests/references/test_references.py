@@ -1,0 +1,430 @@
+"""Validate the hand-written backwards of the numpy references by complex-step
+differentiation (grad_i = Im f(x + i h e_i) / h, h = 1e-30: no subtractive cancellation, so
+the check is exact to rounding), plus independent closed-form / cross-model sanity checks
+of the forwards.  Small shapes, strong decays (log-decay down to -20), random initial states.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .delta_net import delta_net, delta_net_bwd
+from .gated_delta_net import gated_delta_net, gated_delta_net_bwd
+from .gla import gla, gla_bwd
+from .power_retention import power_retention, power_retention_bwd, sympow2, sympow2_bwd
+from .selective_scan import selective_scan, selective_scan_bwd, sigmoid, softplus
+from .simple_gla import simple_gla, simple_gla_bwd
+
+H_CS = 1e-30
+TOL = 1e-10
+B_, K_, V_ = 2, 3, 4
+
+# (T, Hk, H, scale): T=1 edge, GQA with trivial key heads, GQA with 2 key heads + explicit scale
+CASES = [(1, 1, 2, None), (5, 1, 2, None), (5, 2, 4, 0.7)]
+CASE_IDS = ["T1-Hk1-H2", "T5-Hk1-H2", "T5-Hk2-H4-scale"]
+
+
+# ----------------------------------------------------------------------------- helpers
+def rel_err(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    nb = np.linalg.norm(b)
+    return np.linalg.norm(a - b) / nb if nb > 0 else np.linalg.norm(a)
+
+
+def cs_grad(loss, inp, key):
+    """Complex-step gradient of the real scalar loss(inp) w.r.t. inp[key], element-wise."""
+    x = np.asarray(inp[key], dtype=np.float64)
+    g = np.zeros(x.shape)
+    for idx in np.ndindex(*x.shape):
+        xc = x.astype(np.complex128)
+        xc[idx] += 1j * H_CS
+        g[idx] = np.imag(loss({**inp, key: xc})) / H_CS
+    return g
+
+
+def check_grads(loss, inp, grads):
+    """grads: {input key: hand-written gradient}."""
+    assert abs(np.imag(loss(inp))) == 0.0
+    for key, gr in grads.items():
+        assert np.isrealobj(gr), key
+        ref = cs_grad(loss, inp, key)
+        assert np.linalg.norm(ref) > 0, key
+        err = rel_err(gr, ref)
+        assert err <= TOL, f"{key}: rel err {err:.3e}"
+
+
+def log_decay(rng, shape, lo=0.05, hi=1.5):
+    g = -rng.uniform(lo, hi, shape)
+    flat = g.reshape(-1)
+    flat[rng.integers(flat.size)] = -20.0
+    if flat.size > 2:
+        flat[rng.integers(flat.size)] = -8.0
+    return g
+
+
+def fla_data(rng, T, Hk, H, K=K_, V=V_):
+    return dict(
+        q=rng.standard_normal((B_, T, Hk, K)),
+        k=0.6 * rng.standard_normal((B_, T, Hk, K)),
+        v=rng.standard_normal((B_, T, H, V)),
+        S0=0.5 * rng.standard_normal((B_, H, K, V)),
+    )
+
+
+# ----------------------------------------------------------------------------- gated delta net
+def _gdn_data(rng, T, Hk, H):
+    d = fla_data(rng, T, Hk, H)
+    d["g"] = log_decay(rng, (B_, T, H))
+    d["beta"] = 1.0 / (1.0 + np.exp(-rng.standard_normal((B_, T, H))))
+    return d
+
+
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_gated_delta_net_grad(T, Hk, H, scale):
+    rng = np.random.default_rng(1000 + T + 10 * Hk)
+    inp = _gdn_data(rng, T, Hk, H)
+    do = rng.standard_normal((B_, T, H, V_))
+    dht = rng.standard_normal((B_, H, K_, V_))
+
+    def loss(x):
+        o, ht = gated_delta_net(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, initial_state=x["S0"])
+        return np.sum(o * do) + np.sum(ht * dht)
+
+    gr = gated_delta_net_bwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht,
+                             scale=scale, initial_state=inp["S0"])
+    check_grads(loss, inp, {"q": gr["q"], "k": gr["k"], "v": gr["v"], "g": gr["g"], "beta": gr["beta"],
+                            "S0": gr["initial_state"]})
+
+
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_gated_delta_net_transition_form(T, Hk, H, scale):
+    """Per-(b,h) loop in the transition-matrix form S_t = (I - b k k^T) a S + b k v^T, explicit GQA index."""
+    rng = np.random.default_rng(1100 + T + 10 * Hk)
+    x = _gdn_data(rng, T, Hk, H)
+    sc = K_ ** -0.5 if scale is None else scale
+    o, ht = gated_delta_net(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, initial_state=x["S0"])
+    G = H // Hk
+    for b in range(B_):
+        for h in range(H):
+            S = x["S0"][b, h].copy()
+            for t in range(T):
+                kk, bt = x["k"][b, t, h // G], x["beta"][b, t, h]
+                transition = np.eye(K_) - bt * np.outer(kk, kk)
+                S = transition @ (np.exp(x["g"][b, t, h]) * S) + bt * np.outer(kk, x["v"][b, t, h])
+                np.testing.assert_allclose(o[b, t, h], S.T @ (sc * x["q"][b, t, h // G]), rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(ht[b, h], S, rtol=1e-12, atol=1e-12)
+
+
+def test_gated_delta_net_none_initial_state():
+    rng = np.random.default_rng(1200)
+    x = _gdn_data(rng, 4, 1, 2)
+    do, dht = rng.standard_normal((B_, 4, 2, V_)), rng.standard_normal((B_, 2, K_, V_))
+    z = np.zeros_like(x["S0"])
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    o0, h0 = gated_delta_net(*args)
+    o1, h1 = gated_delta_net(*args, initial_state=z)
+    np.testing.assert_array_equal(o0, o1)
+    np.testing.assert_array_equal(h0, h1)
+    g0, g1 = gated_delta_net_bwd(*args, do, dht), gated_delta_net_bwd(*args, do, dht, initial_state=z)
+    for key in g0:
+        np.testing.assert_array_equal(g0[key], g1[key])
+    assert o0.dtype == np.float64 and g0["q"].dtype == np.float64
+
+
+# ----------------------------------------------------------------------------- delta net
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_delta_net_grad(T, Hk, H, scale):
+    rng = np.random.default_rng(2000 + T + 10 * Hk)
+    inp = _gdn_data(rng, T, Hk, H)
+    del inp["g"]
+    do = rng.standard_normal((B_, T, H, V_))
+    dht = rng.standard_normal((B_, H, K_, V_))
+
+    def loss(x):
+        o, ht = delta_net(x["q"], x["k"], x["v"], x["beta"], scale=scale, initial_state=x["S0"])
+        return np.sum(o * do) + np.sum(ht * dht)
+
+    gr = delta_net_bwd(inp["q"], inp["k"], inp["v"], inp["beta"], do, dht, scale=scale, initial_state=inp["S0"])
+    check_grads(loss, inp, {"q": gr["q"], "k": gr["k"], "v": gr["v"], "beta": gr["beta"],
+                            "S0": gr["initial_state"]})
+
+
+def test_delta_net_equals_gated_with_zero_gate():
+    rng = np.random.default_rng(2100)
+    T, Hk, H = 5, 2, 4
+    x = _gdn_data(rng, T, Hk, H)
+    do, dht = rng.standard_normal((B_, T, H, V_)), rng.standard_normal((B_, H, K_, V_))
+    g0 = np.zeros((B_, T, H))
+    oa, ha = delta_net(x["q"], x["k"], x["v"], x["beta"], initial_state=x["S0"])
+    ob, hb = gated_delta_net(x["q"], x["k"], x["v"], g0, x["beta"], initial_state=x["S0"])
+    np.testing.assert_allclose(oa, ob, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(ha, hb, rtol=1e-13, atol=1e-13)
+    ga = delta_net_bwd(x["q"], x["k"], x["v"], x["beta"], do, dht, initial_state=x["S0"])
+    gb = gated_delta_net_bwd(x["q"], x["k"], x["v"], g0, x["beta"], do, dht, initial_state=x["S0"])
+    for key in ga:
+        np.testing.assert_allclose(ga[key], gb[key], rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- gla
+def _gla_data(rng, T, Hk, H):
+    d = fla_data(rng, T, Hk, H)
+    d["gk"] = log_decay(rng, (B_, T, H, K_))
+    return d
+
+
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_gla_grad(T, Hk, H, scale):
+    rng = np.random.default_rng(3000 + T + 10 * Hk)
+    inp = _gla_data(rng, T, Hk, H)
+    do = rng.standard_normal((B_, T, H, V_))
+    dht = rng.standard_normal((B_, H, K_, V_))
+
+    def loss(x):
+        o, ht = gla(x["q"], x["k"], x["v"], x["gk"], scale=scale, initial_state=x["S0"])
+        return np.sum(o * do) + np.sum(ht * dht)
+
+    gr = gla_bwd(inp["q"], inp["k"], inp["v"], inp["gk"], do, dht, scale=scale, initial_state=inp["S0"])
+    check_grads(loss, inp, {"q": gr["q"], "k": gr["k"], "v": gr["v"], "gk": gr["gk"], "S0": gr["initial_state"]})
+
+
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_gla_closed_form(T, Hk, H, scale):
+    """o_t = sum_{s<=t} (qs_t * exp(G_t - G_s)) . k_s v_s + (qs_t * exp(G_t)) . S0, G = cumsum(gk)."""
+    rng = np.random.default_rng(3100 + T + 10 * Hk)
+    x = _gla_data(rng, T, Hk, H)
+    sc = K_ ** -0.5 if scale is None else scale
+    o, ht = gla(x["q"], x["k"], x["v"], x["gk"], scale=scale, initial_state=x["S0"])
+    G = np.cumsum(x["gk"], axis=1)
+    grp = H // Hk
+    for b in range(B_):
+        for h in range(H):
+            for t in range(T):
+                S = np.exp(G[b, t, h])[:, None] * x["S0"][b, h]
+                for s in range(t + 1):
+                    S = S + np.exp(G[b, t, h] - G[b, s, h])[:, None] * np.outer(x["k"][b, s, h // grp], x["v"][b, s, h])
+                np.testing.assert_allclose(o[b, t, h], S.T @ (sc * x["q"][b, t, h // grp]), rtol=1e-11, atol=1e-12)
+            np.testing.assert_allclose(ht[b, h], S, rtol=1e-11, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- simple gla
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_simple_gla_grad(T, Hk, H, scale):
+    rng = np.random.default_rng(4000 + T + 10 * Hk)
+    inp = fla_data(rng, T, Hk, H)
+    inp["g"] = log_decay(rng, (B_, T, H))
+    do = rng.standard_normal((B_, T, H, V_))
+    dht = rng.standard_normal((B_, H, K_, V_))
+
+    def loss(x):
+        o, ht = simple_gla(x["q"], x["k"], x["v"], x["g"], scale=scale, initial_state=x["S0"])
+        return np.sum(o * do) + np.sum(ht * dht)
+
+    gr = simple_gla_bwd(inp["q"], inp["k"], inp["v"], inp["g"], do, dht, scale=scale, initial_state=inp["S0"])
+    check_grads(loss, inp, {"q": gr["q"], "k": gr["k"], "v": gr["v"], "g": gr["g"], "S0": gr["initial_state"]})
+
+
+def test_simple_gla_equals_gla_broadcast():
+    rng = np.random.default_rng(4100)
+    T, Hk, H = 5, 2, 4
+    x = fla_data(rng, T, Hk, H)
+    g = log_decay(rng, (B_, T, H))
+    gk = np.repeat(g[..., None], K_, axis=-1)
+    do, dht = rng.standard_normal((B_, T, H, V_)), rng.standard_normal((B_, H, K_, V_))
+    oa, ha = simple_gla(x["q"], x["k"], x["v"], g, initial_state=x["S0"])
+    ob, hb = gla(x["q"], x["k"], x["v"], gk, initial_state=x["S0"])
+    np.testing.assert_allclose(oa, ob, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(ha, hb, rtol=1e-13, atol=1e-13)
+    ga = simple_gla_bwd(x["q"], x["k"], x["v"], g, do, dht, initial_state=x["S0"])
+    gb = gla_bwd(x["q"], x["k"], x["v"], gk, do, dht, initial_state=x["S0"])
+    for key in ("q", "k", "v", "initial_state"):
+        np.testing.assert_allclose(ga[key], gb[key], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(ga["g"], gb["gk"].sum(-1), rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- selective scan
+DCH, NST = 4, 3
+SS_CASES = [(1, True, True), (5, True, True), (5, False, False), (5, False, True), (1, False, False)]
+SS_IDS = ["L1-softplus-Dbias", "L5-softplus-Dbias", "L5-raw", "L5-raw-Dbias", "L1-raw"]
+
+
+def _ss_data(rng, L, softplus_, with_opt):
+    A = -np.exp(0.5 * rng.standard_normal((DCH, NST)))
+    A[0, 0] = -30.0  # dt * A ~ -20
+    A[2, 1] = -12.0
+    d = dict(
+        u=rng.standard_normal((B_, DCH, L)),
+        delta=(0.6 * rng.standard_normal((B_, DCH, L))) if softplus_ else rng.uniform(0.2, 1.0, (B_, DCH, L)),
+        A=A,
+        B=rng.standard_normal((B_, NST, L)),
+        C=rng.standard_normal((B_, NST, L)),
+        x0=rng.standard_normal((B_, DCH, NST)),
+    )
+    if with_opt:
+        d["D"] = rng.standard_normal(DCH)
+        d["delta_bias"] = 0.3 * rng.standard_normal(DCH) + (0.0 if softplus_ else 0.5)
+    return d
+
+
+def _ss_call(x, softplus_):
+    return selective_scan(x["u"], x["delta"], x["A"], x["B"], x["C"], D=x.get("D"),
+                          delta_bias=x.get("delta_bias"), delta_softplus=softplus_, initial_state=x["x0"])
+
+
+@pytest.mark.parametrize("L,softplus_,with_opt", SS_CASES, ids=SS_IDS)
+def test_selective_scan_grad(L, softplus_, with_opt):
+    rng = np.random.default_rng(5000 + L + 10 * softplus_ + 100 * with_opt)
+    inp = _ss_data(rng, L, softplus_, with_opt)
+    dout = rng.standard_normal((B_, DCH, L))
+    dht = rng.standard_normal((B_, DCH, NST))
+
+    def loss(x):
+        out, last = _ss_call(x, softplus_)
+        return np.sum(out * dout) + np.sum(last * dht)
+
+    gr = selective_scan_bwd(inp["u"], inp["delta"], inp["A"], inp["B"], inp["C"], dout, dht, D=inp.get("D"),
+                            delta_bias=inp.get("delta_bias"), delta_softplus=softplus_, initial_state=inp["x0"])
+    want = {key: gr[key] for key in ("u", "delta", "A", "B", "C")}
+    want["x0"] = gr["initial_state"]
+    if with_opt:
+        want["D"], want["delta_bias"] = gr["D"], gr["delta_bias"]
+    else:
+        assert gr["D"] is None and gr["delta_bias"] is None
+    check_grads(loss, inp, want)
+
+
+@pytest.mark.parametrize("L,softplus_,with_opt", SS_CASES, ids=SS_IDS)
+def test_selective_scan_closed_form(L, softplus_, with_opt):
+    """x_l = exp(A sum_{r<=l} dt_r) x0 + sum_{s<=l} exp(A sum_{s<r<=l} dt_r) dt_s B_s u_s."""
+    rng = np.random.default_rng(5100 + L + 10 * softplus_ + 100 * with_opt)
+    x = _ss_data(rng, L, softplus_, with_opt)
+    out, last = _ss_call(x, softplus_)
+    pre = x["delta"] + (x["delta_bias"][None, :, None] if with_opt else 0.0)
+    dt = np.log1p(np.exp(pre)) if softplus_ else pre
+    cum = np.concatenate([np.zeros((B_, DCH, 1)), np.cumsum(dt, axis=-1)], axis=-1)  # cum[..., l+1] = sum_{r<=l}
+    for l in range(L):
+        xs = np.exp(x["A"][None] * cum[:, :, l + 1, None]) * x["x0"]
+        for s in range(l + 1):
+            w = np.exp(x["A"][None] * (cum[:, :, l + 1] - cum[:, :, s + 1])[..., None])
+            xs = xs + w * (dt[:, :, s] * x["u"][:, :, s])[..., None] * x["B"][:, None, :, s]
+        y = np.einsum("bdn,bn->bd", xs, x["C"][:, :, l]) + (x["D"][None] * x["u"][:, :, l] if with_opt else 0.0)
+        np.testing.assert_allclose(out[:, :, l], y, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(last, xs, rtol=1e-11, atol=1e-12)
+
+
+def test_selective_scan_equals_gla_when_decay_is_channel_uniform():
+    """A[d,n] = a_n and dt uniform over channels -> GLA with K=N, V=Dch, q=C, k=B, v=dt*u, gk=dt*a, scale=1."""
+    rng = np.random.default_rng(5200)
+    L = 6
+    a = -np.exp(rng.standard_normal(NST))
+    a[0] = -20.0
+    A = np.repeat(a[None], DCH, axis=0)
+    delta = np.repeat(rng.uniform(0.1, 1.0, (B_, 1, L)), DCH, axis=1)
+    u, Bm, Cm = rng.standard_normal((B_, DCH, L)), rng.standard_normal((B_, NST, L)), rng.standard_normal((B_, NST, L))
+    D, x0 = rng.standard_normal(DCH), rng.standard_normal((B_, DCH, NST))
+    out, last = selective_scan(u, delta, A, Bm, Cm, D=D, initial_state=x0)
+    dt = delta[:, 0, :]                                            # [B, L]
+    q = Cm.transpose(0, 2, 1)[:, :, None, :]                       # [B, L, 1, N]
+    k = Bm.transpose(0, 2, 1)[:, :, None, :]
+    v = (dt[:, None, :] * u).transpose(0, 2, 1)[:, :, None, :]    # [B, L, 1, Dch]
+    gk = (dt[:, :, None] * a[None, None, :])[:, :, None, :]        # [B, L, 1, N]
+    o, ht = gla(q, k, v, gk, scale=1.0, initial_state=x0.transpose(0, 2, 1)[:, None])
+    np.testing.assert_allclose(out, o[:, :, 0, :].transpose(0, 2, 1) + D[None, :, None] * u, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(last, ht[:, 0].transpose(0, 2, 1), rtol=1e-12, atol=1e-12)
+
+
+def test_softplus_sigmoid():
+    x = np.array([-50.0, -3.0, -1e-3, 0.0, 2.0, 40.0])
+    np.testing.assert_allclose(softplus(x), np.logaddexp(0.0, x), rtol=1e-15, atol=0)
+    np.testing.assert_allclose(sigmoid(x), np.exp(-np.logaddexp(0.0, -x)), rtol=1e-14, atol=0)
+    for xi in x:  # derivative of softplus is sigmoid (complex step)
+        assert abs(np.imag(softplus(np.array([xi + 1j * H_CS])))[0] / H_CS - sigmoid(np.array([xi]))[0]) < 1e-15
+
+
+# ----------------------------------------------------------------------------- power retention
+def _pr_data(rng, T, Hk, H, d=K_, V=V_):
+    Dp = d * (d + 1) // 2
+    r = rng.standard_normal((B_, H, 3, d))
+    return dict(
+        q=rng.standard_normal((B_, T, Hk, d)),
+        k=rng.standard_normal((B_, T, Hk, d)),
+        v=rng.standard_normal((B_, T, H, V)),
+        log_g=log_decay(rng, (B_, T, H)),
+        S0=0.5 * rng.standard_normal((B_, H, Dp, V)),
+        z0=sympow2(r).sum(axis=2),  # a sum of features: phi(q).z0 = sum_j (q.r_j)^2 > 0
+    )
+
+
+def test_sympow2():
+    rng = np.random.default_rng(6000)
+    x, y = rng.standard_normal((5, 4)), rng.standard_normal((5, 4))
+    px = sympow2(x)
+    assert px.shape == (5, 10)
+    np.testing.assert_allclose(np.sum(px * sympow2(y), -1), np.sum(x * y, -1) ** 2, rtol=1e-13)
+    np.testing.assert_allclose(px[:, :4], np.stack([x[:, 0] ** 2, 2 ** 0.5 * x[:, 0] * x[:, 1],
+                                                     2 ** 0.5 * x[:, 0] * x[:, 2], 2 ** 0.5 * x[:, 0] * x[:, 3]], -1))
+    np.testing.assert_allclose(px[:, 4], x[:, 1] ** 2)
+    gphi = rng.standard_normal((5, 10))
+    dx = sympow2_bwd(x, gphi)
+    ref = cs_grad(lambda inp: np.sum(sympow2(inp["x"]) * gphi), {"x": x}, "x")
+    assert rel_err(dx, ref) <= TOL
+
+
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_power_retention_grad(T, Hk, H, scale):
+    rng = np.random.default_rng(7000 + T + 10 * Hk)
+    inp = _pr_data(rng, T, Hk, H)
+    Dp = K_ * (K_ + 1) // 2
+    do = rng.standard_normal((B_, T, H, V_))
+    dS, dz = rng.standard_normal((B_, H, Dp, V_)), rng.standard_normal((B_, H, Dp))
+    eps = 1e-3
+
+    def loss(x):
+        o, (S, z) = power_retention(x["q"], x["k"], x["v"], x["log_g"], scale=scale,
+                                    initial_state=(x["S0"], x["z0"]), eps=eps)
+        return np.sum(o * do) + np.sum(S * dS) + np.sum(z * dz)
+
+    gr = power_retention_bwd(inp["q"], inp["k"], inp["v"], inp["log_g"], do, (dS, dz), scale=scale,
+                             initial_state=(inp["S0"], inp["z0"]), eps=eps)
+    check_grads(loss, inp, {"q": gr["q"], "k": gr["k"], "v": gr["v"], "log_g": gr["log_g"],
+                            "S0": gr["initial_state"][0], "z0": gr["initial_state"][1]})
+
+
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_power_retention_quadratic_form(T, Hk, H, scale):
+    """Zero initial state: o_t = sum_s w_ts (qs_t.k_s)^2 v_s / (sum_s w_ts (qs_t.k_s)^2 + eps)."""
+    rng = np.random.default_rng(7100 + T + 10 * Hk)
+    x = _pr_data(rng, T, Hk, H)
+    sc = K_ ** -0.5 if scale is None else scale
+    eps = 1e-6
+    o, (S, z) = power_retention(x["q"], x["k"], x["v"], x["log_g"], scale=scale, eps=eps)
+    grp = H // Hk
+    lg = x["log_g"]
+    for b in range(B_):
+        for h in range(H):
+            for t in range(T):
+                num, den = np.zeros(V_), eps
+                for s in range(t + 1):
+                    qk = sc * x["q"][b, t, h // grp] @ x["k"][b, s, h // grp]
+                    w = np.exp(np.sum(lg[b, s + 1:t + 1, h])) * qk ** 2
+                    num, den = num + w * x["v"][b, s, h], den + w
+                np.testing.assert_allclose(o[b, t, h], num / den, rtol=1e-11, atol=1e-12)
+    # final state: z_T = sum_s w_Ts phi(k_s)
+    Tw = np.exp(np.cumsum(lg[:, ::-1], axis=1)[:, ::-1] - lg)     # w_Ts = exp(sum_{r>s} g_r)
+    ke = np.repeat(x["k"], grp, axis=2)
+    np.testing.assert_allclose(z, np.einsum("bth,bthd->bhd", Tw, sympow2(ke)), rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(S, np.einsum("bth,bthd,bthv->bhdv", Tw, sympow2(ke), x["v"]), rtol=1e-11, atol=1e-12)
+
+
+def test_power_retention_none_initial_state():
+    rng = np.random.default_rng(7200)
+    x = _pr_data(rng, 3, 1, 2)
+    args = (x["q"], x["k"], x["v"], x["log_g"])
+    do = rng.standard_normal((B_, 3, 2, V_))
+    zs = (np.zeros_like(x["S0"]), np.zeros_like(x["z0"]))
+    g0 = power_retention_bwd(*args, do, None)
+    g1 = power_retention_bwd(*args, do, (np.zeros_like(x["S0"]), np.zeros_like(x["z0"])), initial_state=zs)
+    for key in ("q", "k", "v", "log_g"):
+        np.testing.assert_array_equal(g0[key], g1[key])
+    np.testing.assert_array_equal(g0["initial_state"][0], g1["initial_state"][0])
+    np.testing.assert_array_equal(g0["initial_state"][1], g1["initial_state"][1])
