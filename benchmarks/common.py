@@ -24,8 +24,8 @@ def random_inputs(rec, sizes: Sizes, rng: np.random.Generator, strong: bool = Tr
                 a /= np.linalg.norm(a, axis=-1, keepdims=True)
         elif x.kind == "key_gate":
             a = -rng.uniform(0.0, 1.0, (B, T, H, sizes.K)) ** 3 * lo
-        elif x.kind == "value":
-            a = rng.standard_normal((B, T, H, V))
+        elif x.kind == "value":  # mamba's dt is a positive step size
+            a = rng.uniform(0.05, 1.0, (B, T, H, V)) if x.name == "dt" else rng.standard_normal((B, T, H, V))
         else:
             shape = (H,) + tuple({"i": sizes.K, "j": V}[c] for c in x.index)
             a = -rng.uniform(0.5, 4.0 if strong else 1.0, shape) if x.name == "A" else rng.standard_normal(shape)

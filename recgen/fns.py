@@ -38,8 +38,12 @@ class logsigmoid(sp.Function):
 
 
 def _np_sigmoid(x):
-    # tanh form: no overflow for any finite x, exact to rounding at both tails
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
+    # e^x / (1 + e^x) on the left, 1 / (1 + e^-x) on the right: no overflow and full relative
+    # accuracy in both tails; branching on the real part keeps it analytic for complex-step tests
+    x = np.asarray(x)
+    neg = np.real(x) < 0
+    e = np.exp(np.where(neg, x, -x))
+    return np.where(neg, e / (1.0 + e), 1.0 / (1.0 + e))
 
 
 def _np_softplus(x):

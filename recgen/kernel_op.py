@@ -32,7 +32,7 @@ class Launch:
     """One kernel call: extra runtime inputs, outputs (shape, dtype name), grid, template values."""
 
     source: KernelSource
-    runtime: dict          # name -> (values, dtype name) for rt and scale_in
+    runtime: tuple         # ((name, values, dtype name), ...) for rt and scale_in
     outputs: tuple         # ((shape, dtype name), ...) in source.outputs order
     grid: tuple
     threadgroup: tuple
@@ -41,7 +41,16 @@ class Launch:
 
 def forward_launch(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, out_dtype: str,
                    save: bool) -> Launch:
-    fsrc, _ = sources(plan, dialect.name)
+    return _forward_launch(plan, dialect.name, sizes, scale, out_dtype, save)
+
+
+def backward_launch(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float) -> Launch:
+    return _backward_launch(plan, dialect.name, sizes, scale)
+
+
+@lru_cache(maxsize=256)
+def _forward_launch(plan: KernelPlan, dialect: str, sizes: Sizes, scale: float, out_dtype: str, save: bool) -> Launch:
+    fsrc, _ = sources(plan, dialect)
     nc = -(-sizes.T // plan.C)
     grid, tg = plan.grid(plan.fwd, sizes.B)
     outs = (((sizes.B, sizes.T, sizes.H, sizes.V), out_dtype), (sizes.state_shape, "float32"),
@@ -50,8 +59,9 @@ def forward_launch(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: floa
     return Launch(fsrc, _runtime(sizes, scale), outs, grid, tg, tmpl)
 
 
-def backward_launch(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float) -> Launch:
-    _, bsrc = sources(plan, dialect.name)
+@lru_cache(maxsize=256)
+def _backward_launch(plan: KernelPlan, dialect: str, sizes: Sizes, scale: float) -> Launch:
+    _, bsrc = sources(plan, dialect)
     B, T, H, K, V = sizes.B, sizes.T, sizes.H, sizes.K, sizes.V
     npart, nwarp = plan.n_partials(), plan.n_partials() * plan.bwd.WV
     shapes = []
@@ -65,8 +75,8 @@ def backward_launch(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: flo
     return Launch(bsrc, _runtime(sizes, scale), outs, grid, tg, bsrc.template)
 
 
-def _runtime(sizes: Sizes, scale: float) -> dict:
-    return {"rt": ([sizes.T, sizes.B], "int32"), "scale_in": ([scale], "float32")}
+def _runtime(sizes: Sizes, scale: float) -> tuple:
+    return (("rt", (sizes.T, sizes.B), "int32"), ("scale_in", (scale,), "float32"))
 
 
 def finish_grads(plan: KernelPlan, sizes: Sizes, outs):
@@ -101,13 +111,20 @@ def mlx_call(launch: Launch, dialect: Dialect, user: list, extra: list):
     """Buffers in source order: the spec's inputs, the runtime values (T, B, scale), then ``extra``."""
     import mlx.core as mx
 
-    rt = [mx.array(v, dtype=getattr(mx, dt)) for v, dt in launch.runtime.values()]
-    ins = list(user) + rt + list(extra)
+    ins = list(user) + list(_runtime_arrays(launch.runtime)) + list(extra)
     return _mlx_kernel(launch.source, dialect.mlx_factory)(
         inputs=ins, output_shapes=[s for s, _ in launch.outputs],
         output_dtypes=[getattr(mx, dt) for _, dt in launch.outputs], grid=launch.grid,
         threadgroup=launch.threadgroup,
         template=[(n, getattr(mx, v) if isinstance(v, str) else v) for n, v in launch.template])
+
+
+@lru_cache(maxsize=256)
+def _runtime_arrays(runtime: tuple) -> tuple:
+    """T, B and scale as small device arrays, made once per distinct value (host uploads are not free)."""
+    import mlx.core as mx
+
+    return tuple(mx.array(list(v), dtype=getattr(mx, dt)) for _, v, dt in runtime)
 
 
 def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, out_dtype: str):

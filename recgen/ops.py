@@ -13,6 +13,7 @@ MLX is imported lazily: importing recgen builds nothing.
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 from . import ir, specs
 from .shapes import InputError, Sizes, check_state, infer_sizes
@@ -101,11 +102,18 @@ class Op:
         if sizes.T == 0 or sizes.B == 0:
             raise InputError(f"{self.rec.name}: empty batch or sequence (B={sizes.B}, T={sizes.T})")
         p = plan(self.rec, sizes)
-        h0 = (mx.zeros(sizes.state_shape, dtype=mx.float32) if initial_state is None
-              else initial_state.astype(mx.float32))
+        h0 = (_zeros(sizes.state_shape) if initial_state is None else initial_state.astype(mx.float32))
         values = [a.dtype for x, a in zip(self.rec.inputs, xs) if x.kind == "value"]
         out_dtype = str(values[0] if values else mx.float32).split(".")[-1]
         return kernel_op(p, get(backend), sizes, scale, out_dtype)(*xs, h0)
+
+
+@lru_cache(maxsize=32)
+def _zeros(shape):
+    """A cached zero initial state: built once per shape, never written (kernels only read h0)."""
+    import mlx.core as mx
+
+    return mx.zeros(shape, dtype=mx.float32)
 
 
 def load(spec, backend: str | None = None, chunk_size: int = 64) -> Op:

@@ -50,7 +50,18 @@ def _compile(rec: ir.Recurrence) -> _Compiled:
     return _Compiled(syms, terms, parts, N, dN)
 
 
+def _finite(name: str, a) -> np.ndarray:
+    a = np.asarray(a)
+    if np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a)):
+        raise InputError(f"argument {name!r}: contains NaN or Inf")
+    return a
+
+
 def _prepare(rec: ir.Recurrence, inputs: dict, initial_state, scale):
+    if initial_state is not None:
+        parts = initial_state if isinstance(initial_state, (tuple, list)) else (initial_state,)
+        for p in parts:
+            _finite("initial_state", p)
     arrays = {}
     for name, x in inputs.items():
         a = np.asarray(x)
@@ -156,7 +167,10 @@ def grad(rec: ir.Recurrence, *, do, dht=None, initial_state=None, scale=None, **
     arrays, sizes, scale, kh, S0, z0 = _prepare(rec, inputs, initial_state, scale)
     c = _compile(rec)
     _, _, _, steps = _walk(rec, arrays, sizes, scale, kh, S0, z0, keep=True)
-    do = np.asarray(do)
+    do = _finite("do", do)
+    if dht is not None:
+        for p in (dht if isinstance(dht, (tuple, list)) else (dht,)):
+            _finite("dht", p)
     if do.shape != (sizes.B, sizes.T, sizes.H, sizes.V):
         raise InputError(f"argument 'do': expected shape {(sizes.B, sizes.T, sizes.H, sizes.V)}, got {do.shape}")
     dS = np.zeros(sizes.state_shape, dtype=S0.dtype)

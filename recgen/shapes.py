@@ -6,6 +6,7 @@ param [H, *signature], initial state [B,H,K,V] (and z [B,H,K] with a normalizer)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from . import ir
 
@@ -61,6 +62,13 @@ LAYOUT = {"scalar": ("B", "T", "H"), "key": ("B", "T", "Hk", "Kin"), "key_gate":
 
 
 def infer_sizes(rec: ir.Recurrence, shapes: dict[str, tuple[int, ...]]) -> Sizes:
+    """The sizes of a call; raises InputError naming the first argument that does not fit."""
+    return _infer(rec, tuple(sorted((k, tuple(v)) for k, v in shapes.items())))
+
+
+@lru_cache(maxsize=512)
+def _infer(rec: ir.Recurrence, items: tuple) -> Sizes:
+    shapes = dict(items)
     missing = [x.name for x in rec.inputs if x.name not in shapes]
     if missing:
         raise InputError(f"{rec.name}: missing argument(s) {missing}")
@@ -84,7 +92,8 @@ def infer_sizes(rec: ir.Recurrence, shapes: dict[str, tuple[int, ...]]) -> Sizes
     H = u.get("H", "no value-head input (scalar, value, key gate or parameter)")
     Hk = u.values.get("Hk", (H, ""))[0]
     if H % Hk:
-        raise InputError(f"GQA needs H % Hk == 0: {H} value heads, {Hk} key heads")
+        raise InputError(f"argument {u.values['Hk'][1]!r}: {Hk} key heads do not divide the {H} value heads "
+                         f"of {u.values['H'][1]!r} (GQA needs H % Hk == 0)")
     Kin = u.values.get("Kin", (None, ""))[0]
     if rec.features:
         if Kin is None:

@@ -17,6 +17,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -129,7 +130,10 @@ def build(source: str, kernel_name: str | None = None, sanitizer: str | None = N
     if clang is None:
         raise MSLCompileError("clang++ not found (apt-get install clang-19)")
     rewritten = rewrite_for_clang(source)
-    kernel = pick_kernel(source, kernel_name)  # before the rewrite drops the host_name instantiation
+    # names and template arguments come from the original (the rewrite drops host_name instantiations),
+    # parameters from the rewritten source (whose attributes the launcher understands)
+    orig = pick_kernel(source, kernel_name)
+    kernel = replace(pick_kernel(rewritten, orig.function), name=orig.name, call=orig.call)
     ntg = 1 + max([p.index for p in kernel.params if p.attr == "tg_slot"], default=-1)
     tu = (f'#include "{RUNTIME}"\n#line 1 "kernel.metal"\n{rewritten}\n#line 1 "launcher.cpp"\n'
           f"{_launcher(kernel, ntg)}")

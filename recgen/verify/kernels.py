@@ -42,7 +42,7 @@ def _np(dtype: str):
 def _run(launch: Launch, user: dict, extra: dict, report: Report, sanitizer) -> list[np.ndarray]:
     src = launch.source
     ins = dict(user)
-    ins.update({n: np.asarray(v, dtype=_np(dt)) for n, (v, dt) in launch.runtime.items()})
+    ins.update({n: np.asarray(v, dtype=_np(dt)) for n, v, dt in launch.runtime})
     ins.update(extra)
     arrays = [ins[n] for n in src.inputs]
     tmpl = [(n, v if not isinstance(v, str) else _mx_dtype(v)) for n, v in launch.template]

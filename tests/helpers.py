@@ -1,0 +1,117 @@
+"""Shared test helpers: random inputs per spec in the IR layout, and the relative-error metric.
+
+Inputs follow DESIGN section 7: fresh random data per check (never zeros), strong decays (log-decay
+down to -20), K != V, GQA (Hk < H) wherever the model has key inputs, beta = sigmoid(normal), and
+L2-normalized keys for the delta rules.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from recgen import ir
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| (NaN never passes: a NaN anywhere makes this NaN, and NaN <= tol is False)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    nb = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (nb if nb > 0 else 1.0))
+
+
+def log_decay(rng, shape, lo=-20.0):
+    """Log-decays spread log-uniformly over [lo, -1e-3]: from ~no decay to e^{-20}."""
+    return -np.exp(rng.uniform(np.log(1e-3), np.log(-lo), size=shape))
+
+
+def sigmoid(x):
+    return 0.5 * (1 + np.tanh(0.5 * x))
+
+
+def l2norm(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+DELTA_RULES = {"gated_delta_net", "delta_net"}
+
+# per-spec special inputs: name -> (rng, shape) -> array
+_SPECIAL = {
+    ("gated_delta_net", "g"): log_decay,
+    ("simple_gla", "g"): log_decay,
+    ("power_retention", "g"): log_decay,
+    ("gla", "gk"): log_decay,
+    ("retnet", "log_gamma"): log_decay,
+    ("gated_delta_net", "beta"): lambda rng, s: sigmoid(rng.standard_normal(s)),
+    ("delta_net", "beta"): lambda rng, s: sigmoid(rng.standard_normal(s)),
+    # mamba: A = -exp(A_log) < 0 with magnitudes from 0.5 to 20; delta = softplus(dt + bias) ~ 0.1 .. 3
+    ("selective_scan", "A"): lambda rng, s: -np.exp(rng.uniform(np.log(0.5), np.log(20.0), s)),
+    ("selective_scan_linear_dt", "A"): lambda rng, s: -np.exp(rng.uniform(np.log(0.5), np.log(20.0), s)),
+    ("selective_scan", "dt_bias"): lambda rng, s: 0.5 * rng.standard_normal(s),
+    ("selective_scan_linear_dt", "dt"): lambda rng, s: rng.uniform(0.05, 1.5, s),
+    ("mlstm", "ig"): lambda rng, s: 2 * rng.standard_normal(s),
+    ("mlstm", "fg"): lambda rng, s: 3 * rng.standard_normal(s),
+    ("hgrn2", "fg"): lambda rng, s: 3 * rng.standard_normal(s),
+}
+
+
+def has_keys(spec: ir.Recurrence) -> bool:
+    return any(x.kind == "key" for x in spec.inputs)
+
+
+def input_shape(x: ir.Input, B, T, H, Hk, Kin, K, V) -> tuple[int, ...]:
+    if x.kind == "scalar":
+        return (B, T, H)
+    if x.kind == "key":
+        return (B, T, Hk, Kin)
+    if x.kind == "key_gate":
+        return (B, T, H, K)
+    if x.kind == "value":
+        return (B, T, H, V)
+    return (H,) + tuple({"i": K, "j": V}[c] for c in x.index)
+
+
+def state_width(spec: ir.Recurrence, Kin: int) -> int:
+    return spec.features[0].width(Kin) if spec.features else Kin
+
+
+def random_inputs(spec: ir.Recurrence, rng, *, B=2, T=7, H=4, Hk=2, K=5, V=3) -> dict:
+    """Random inputs of ``spec`` in the IR layout. ``K`` is the raw key width (Kin); with a feature
+    map the state has ``state_width(spec, K)`` rows. ``Hk`` applies only where the model has keys."""
+    Ks = state_width(spec, K)
+    Hk = Hk if has_keys(spec) else H
+    out = {}
+    for x in spec.inputs:
+        shape = input_shape(x, B, T, H, Hk, K, Ks, V)
+        gen = _SPECIAL.get((spec.name, x.name))
+        a = gen(rng, shape) if gen is not None else rng.standard_normal(shape)
+        if spec.name in DELTA_RULES and x.name == "k":
+            a = l2norm(a)
+        out[x.name] = np.ascontiguousarray(a, dtype=np.float64)
+    return out
+
+
+def random_state(spec: ir.Recurrence, rng, *, B=2, H=4, K=5, V=3):
+    """A random initial state (S, or (S, z) with a normalizer; z > 0 for power retention)."""
+    Ks = state_width(spec, K)
+    S = rng.standard_normal((B, H, Ks, V))
+    if not spec.has_normalizer:
+        return S
+    z = rng.standard_normal((B, H, Ks))
+    if spec.name == "power_retention":  # z = φ(w), a decayed sum of φ(k) could be: φ(q)ᵀz = (qᵀw)² ≥ 0
+        from recgen.features import sympow
+        z = sympow(rng.standard_normal((B, H, K)))
+    return (S, z)
+
+
+def random_cotangents(spec: ir.Recurrence, rng, *, B=2, T=7, H=4, K=5, V=3):
+    """(do, dht) shaped like (o, final_state)."""
+    return rng.standard_normal((B, T, H, V)), random_state(spec, rng, B=B, H=H, K=K, V=V)
+
+
+def state_parts(state) -> tuple:
+    return tuple(state) if isinstance(state, (tuple, list)) else (state,)
+
+
+def inner(a, b) -> float:
+    """Σ a·b over matching (possibly tuple-structured) arrays, without conjugation."""
+    return sum(float(np.sum(x * y)) for x, y in zip(state_parts(a), state_parts(b)))

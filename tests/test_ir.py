@@ -1,0 +1,454 @@
+"""The IR and the call checks: malformed specs and malformed inputs are rejected with messages that
+name the offending term or argument; spec hashes are stable and distinguish specs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sympy as sp
+
+from helpers import random_inputs, random_state
+from recgen import ir, reference
+from recgen.fns import exp, sigmoid
+from recgen.frontend import (Key, KeyGate, Param, Scalar, Step, Value, normalizer, outer, rank1,
+                             recurrence, sympow)
+from recgen.ir import SCALE as scale
+from recgen.shapes import InputError
+from recgen.specs import BUILTINS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def raises_spec(*fragments):
+    """pytest.raises(SpecError) whose message must contain every fragment."""
+    class _Ctx:
+        def __enter__(self):
+            self.cm = pytest.raises(ir.SpecError)
+            self.info = self.cm.__enter__()
+            return self.info
+
+        def __exit__(self, *exc):
+            out = self.cm.__exit__(*exc)
+            msg = str(self.info.value)
+            for f in fragments:
+                assert f in msg, f"{f!r} not in {msg!r}"
+            return out
+    return _Ctx()
+
+
+# -- well-formed specs -----------------------------------------------------------------------------
+
+def test_builtins_validate_and_repr():
+    for name, rec in BUILTINS.items():
+        assert rec.validate() is rec
+        text = repr(rec)
+        assert text.startswith(f"Recurrence {name} [{rec.spec_hash()}]")
+        for x in rec.inputs:
+            assert f"input {x.name}:" in text
+
+
+def test_term_kinds_from_free_indices():
+    sel = BUILTINS["selective_scan"]
+    assert sel.free_indices(sel.step.decay) == ("i", "j")
+    assert sel.free_indices(sel.step.update.w) == ("j",)
+    gla = BUILTINS["gla"]
+    assert gla.free_indices(gla.step.decay) == ("i",)
+    assert gla.input("gk").kind == "key_gate"
+    gdn = BUILTINS["gated_delta_net"]
+    assert gdn.free_indices(gdn.step.decay) == ()
+    assert gdn.input("q").key_heads and not gdn.input("v").key_heads
+    pr = BUILTINS["power_retention"]
+    assert [f.source for f in pr.features] == ["k", "q"] or {f.source for f in pr.features} == {"k", "q"}
+    assert pr.features[0].width(4) == 10
+
+
+def test_param_signatures():
+    assert Param["i", "j"].index == ("i", "j")
+    assert Param["j", "i"].index == ("i", "j")  # canonical order
+    assert Param["j"].index == ("j",)
+    assert Param[()].index == ()
+
+
+# -- malformed specs --------------------------------------------------------------------------------
+
+def test_update_not_an_outer_product():
+    with raises_spec("update", "outer"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value, beta: Scalar):
+            return Step(update=beta * k, readout=q)
+
+
+def test_update_u_with_value_index():
+    with raises_spec("update u", "['j']"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(update=outer(k * v, v), readout=q)
+
+
+def test_update_w_with_key_index():
+    with raises_spec("update w", "['i']"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(update=outer(k, v * q), readout=q)
+
+
+def test_readout_with_value_index():
+    with raises_spec("readout r", "['j']"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(update=outer(k, v), readout=v)
+
+
+def test_transition_with_value_index():
+    with raises_spec("transition a", "['j']"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(transition=rank1(v, k), update=outer(k, v), readout=q)
+
+
+def test_normalizer_update_with_value_index():
+    with raises_spec("normalizer update", "['j']"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(update=outer(k, v), readout=q, normalizer=normalizer(1, v))
+
+
+def test_skip_with_key_index():
+    with raises_spec("skip s", "['i']"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(update=outer(k, v), readout=q, skip=k)
+
+
+def test_unknown_symbol():
+    alpha = sp.Symbol("alpha", real=True)
+    with raises_spec("unknown symbols", "alpha", "decay D"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(decay=exp(alpha), update=outer(k, v), readout=q)
+
+
+def test_missing_annotation():
+    with raises_spec("'k'", "annotation"):
+        @recurrence
+        def bad(q: Key, k, v: Value):
+            return Step(update=outer(k, v), readout=q)
+
+
+def test_wrong_annotation():
+    with raises_spec("'v'", "annotation"):
+        @recurrence
+        def bad(q: Key, k: Key, v: float):
+            return Step(update=outer(k, v), readout=q)
+
+
+def test_not_returning_step():
+    with raises_spec("rg.Step", "bad"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return outer(k, v)
+
+
+def test_normalizer_fn_uses_other_symbols():
+    with raises_spec("normalizer function", "g"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value, g: Scalar):
+            return Step(decay=exp(g), update=outer(k, v), readout=q,
+                        normalizer=normalizer(exp(g), k, lambda n: n + g))
+
+
+def test_mixing_raw_keys_with_sympow():
+    with raises_spec("raw key", "feature map", "readout r"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(update=outer(sympow(k), v), readout=q)
+
+
+def test_sympow_of_an_expression():
+    with raises_spec("sympow()", "key input itself"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(update=outer(sympow(2 * k), v), readout=sympow(q))
+
+
+def test_sympow_of_a_value():
+    with raises_spec("feature 'phi_v'", "key input"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(update=outer(sympow(k), v), readout=sympow(v))
+
+
+def test_sympow_outside_a_spec():
+    with raises_spec("sympow()", "inside"):
+        sympow(sp.Symbol("k", real=True))
+
+
+def test_sympow_degree():
+    with raises_spec("degree 2"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(update=outer(sympow(k, 3), v), readout=sympow(q, 3))
+
+
+def test_duplicate_names():
+    rec = BUILTINS["simple_gla"]
+    dup = ir.Recurrence("dup", "", rec.inputs + (ir.Input("k", "key", ("i",)),), rec.step)
+    with raises_spec("duplicate", "'k'"):
+        dup.validate()
+
+
+@pytest.mark.parametrize("reserved", ["scale", "n", "initial_state"])
+def test_reserved_names(reserved):
+    rec = BUILTINS["simple_gla"]
+    bad = ir.Recurrence("bad", "", rec.inputs + (ir.Input(reserved, "scalar", ()),), rec.step)
+    with raises_spec(f"'{reserved}'", "reserved"):
+        bad.validate()
+
+
+def test_reserved_name_through_the_decorator():
+    with raises_spec("'scale'", "reserved"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value, scale: Scalar):
+            return Step(decay=exp(scale), update=outer(k, v), readout=q)
+
+
+@pytest.mark.parametrize("sig", [("k",), ("i", "i"), ("i", "j", "x")])
+def test_bad_param_signature(sig):
+    with raises_spec("Param", "signature"):
+        Param[sig]
+
+
+def test_index_on_non_param():
+    with raises_spec("only Param", "key"):
+        Key["i"]
+
+
+def test_unknown_input_kind():
+    rec = BUILTINS["simple_gla"]
+    bad = ir.Recurrence("bad", "", rec.inputs + (ir.Input("w", "matrix", ()),), rec.step)
+    with raises_spec("'w'", "unknown kind", "matrix"):
+        bad.validate()
+
+
+def test_bad_param_index_in_ir():
+    rec = BUILTINS["simple_gla"]
+    bad = ir.Recurrence("bad", "", rec.inputs + (ir.Input("w", "param", ("k",)),), rec.step)
+    with raises_spec("'w'", "parameter index"):
+        bad.validate()
+
+
+def test_gqa_value():
+    with raises_spec("gqa", "'interleaved'"):
+        @recurrence(gqa="interleaved")
+        def bad(q: Key, k: Key, v: Value):
+            return Step(update=outer(k, v), readout=q)
+
+
+def test_transition_and_normalizer_types():
+    with raises_spec("transition", "rank1"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(transition=(k, k), update=outer(k, v), readout=q)
+    with raises_spec("normalizer", "rg.normalizer"):
+        @recurrence
+        def bad2(q: Key, k: Key, v: Value):
+            return Step(update=outer(k, v), readout=q, normalizer=k)
+
+
+# -- spec hash ------------------------------------------------------------------------------------
+
+def test_spec_hash_stable_and_distinct():
+    hashes = {name: rec.spec_hash() for name, rec in BUILTINS.items()}
+    assert len(set(hashes.values())) == len(hashes)
+    assert all(len(h) == 12 for h in hashes.values())
+
+    # the same declaration twice hashes the same; a one-term change does not
+    def declare(gate):
+        @recurrence
+        def spec(q: Key, k: Key, v: Value, g: Scalar):
+            return Step(decay=gate(g), update=outer(k, v), readout=scale * q)
+        return spec
+
+    a, b, c = declare(exp), declare(exp), declare(sigmoid)
+    assert a.spec_hash() == b.spec_hash() and a == b
+    assert a.spec_hash() != c.spec_hash()
+    # simple_gla differs from `a` only in its name and docstring-free: the name is hashed
+    assert a.spec_hash() != BUILTINS["simple_gla"].spec_hash()
+
+
+def test_spec_hash_stable_across_processes():
+    code = ("from recgen.specs import BUILTINS; "
+            "print(' '.join(f'{n}={r.spec_hash()}' for n, r in BUILTINS.items()))")
+    outs = set()
+    for seed in ("0", "1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                             cwd=ROOT, check=True)
+        outs.add(res.stdout.strip())
+    assert len(outs) == 1
+    here = " ".join(f"{n}={r.spec_hash()}" for n, r in BUILTINS.items())
+    assert outs == {here}
+
+
+# -- malformed inputs to reference.run ---------------------------------------------------------------
+
+def _gdn_inputs(rng, **kw):
+    return random_inputs(BUILTINS["gated_delta_net"], rng, **kw)
+
+
+def raises_input(*fragments):
+    class _Ctx:
+        def __enter__(self):
+            self.cm = pytest.raises(InputError)
+            self.info = self.cm.__enter__()
+            return self.info
+
+        def __exit__(self, *exc):
+            out = self.cm.__exit__(*exc)
+            msg = str(self.info.value)
+            for f in fragments:
+                assert f in msg, f"{f!r} not in {msg!r}"
+            return out
+    return _Ctx()
+
+
+def test_input_wrong_ndim(rng):
+    x = _gdn_inputs(rng)
+    x["q"] = x["q"][:, :, 0]
+    with raises_input("'q'", "4-d"):
+        reference.run(BUILTINS["gated_delta_net"], **x)
+
+
+def test_input_scalar_wrong_ndim(rng):
+    x = _gdn_inputs(rng)
+    x["g"] = x["g"][..., None]
+    with raises_input("'g'", "3-d"):
+        reference.run(BUILTINS["gated_delta_net"], **x)
+
+
+def test_input_mismatched_T(rng):
+    x = _gdn_inputs(rng)
+    x["v"] = x["v"][:, :-1]
+    with raises_input("'v'", "T="):
+        reference.run(BUILTINS["gated_delta_net"], **x)
+
+
+def test_input_mismatched_B(rng):
+    x = _gdn_inputs(rng)
+    x["beta"] = x["beta"][:1]
+    with raises_input("'beta'", "B="):
+        reference.run(BUILTINS["gated_delta_net"], **x)
+
+
+def test_input_mismatched_K(rng):
+    x = _gdn_inputs(rng)
+    x["k"] = x["k"][..., :-1]
+    with raises_input("'k'", "Kin="):
+        reference.run(BUILTINS["gated_delta_net"], **x)
+
+
+def test_input_param_wrong_shape(rng):
+    spec = BUILTINS["selective_scan"]
+    x = random_inputs(spec, rng)
+    x["A"] = x["A"][:, :, :-1]
+    with raises_input("'A'", "V="):
+        reference.run(spec, **x)
+
+
+def test_input_gqa_heads_not_divisible_names_argument(rng):
+    x = _gdn_inputs(rng, H=4, Hk=3)
+    with raises_input("H % Hk", "'q'"):
+        reference.run(BUILTINS["gated_delta_net"], **x)
+
+
+def test_input_gqa_heads_not_divisible(rng):
+    x = _gdn_inputs(rng, H=4, Hk=3)
+    with raises_input("H % Hk", "4", "3"):
+        reference.run(BUILTINS["gated_delta_net"], **x)
+
+
+def test_input_missing_argument(rng):
+    x = _gdn_inputs(rng)
+    del x["beta"]
+    with raises_input("missing", "'beta'"):
+        reference.run(BUILTINS["gated_delta_net"], **x)
+
+
+def test_input_extra_argument(rng):
+    x = _gdn_inputs(rng)
+    x["gk"] = x["g"]
+    with raises_input("unexpected", "'gk'"):
+        reference.run(BUILTINS["gated_delta_net"], **x)
+
+
+def test_input_integer_dtype(rng):
+    x = _gdn_inputs(rng)
+    x["v"] = np.ones(x["v"].shape, dtype=np.int32)
+    with raises_input("'v'", "floating", "int32"):
+        reference.run(BUILTINS["gated_delta_net"], **x)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_input_nan(rng, bad):
+    x = _gdn_inputs(rng)
+    x["g"] = x["g"].copy()
+    x["g"][0, 3, 1] = bad
+    with raises_input("'g'", "NaN or Inf"):
+        reference.run(BUILTINS["gated_delta_net"], **x)
+
+
+def test_initial_state_nan(rng):
+    x = _gdn_inputs(rng)
+    h0 = random_state(BUILTINS["gated_delta_net"], rng)
+    h0[0, 0, 0, 0] = np.nan
+    with raises_input("'initial_state'", "NaN"):
+        reference.run(BUILTINS["gated_delta_net"], initial_state=h0, **x)
+
+
+def test_initial_state_wrong_shape(rng):
+    x = _gdn_inputs(rng)
+    h0 = random_state(BUILTINS["gated_delta_net"], rng)
+    with raises_input("'initial_state'", "[B,H,K,V]"):
+        reference.run(BUILTINS["gated_delta_net"], initial_state=h0[..., :-1], **x)
+    with raises_input("'initial_state'", "[B,H,K,V]"):
+        reference.run(BUILTINS["gated_delta_net"], initial_state=np.swapaxes(h0, 2, 3), **x)
+
+
+def test_power_retention_missing_z(rng):
+    spec = BUILTINS["power_retention"]
+    x = random_inputs(spec, rng)
+    S, z = random_state(spec, rng)
+    with raises_input("'initial_state'", "(S, z)"):
+        reference.run(spec, initial_state=S, **x)
+    with raises_input("'initial_state'", "z"):
+        reference.run(spec, initial_state=(S, z[..., :-1]), **x)
+    with raises_input("'initial_state'", "[B,H,K,V]"):   # S sized by Kin instead of the feature width
+        reference.run(spec, initial_state=(S[:, :, :5], z), **x)
+
+
+def test_grad_checks_do_and_dht(rng):
+    spec = BUILTINS["simple_gla"]
+    x = random_inputs(spec, rng)
+    do = rng.standard_normal((2, 7, 4, 3))
+    with raises_input("'do'"):
+        reference.grad(spec, do=do[:, :-1], **x)
+    with raises_input("'dht'"):
+        reference.grad(spec, do=do, dht=np.ones((2, 4, 3, 5)), **x)
+
+
+def test_valid_call_shapes(rng):
+    """Sanity: the generators produce valid calls for every built-in, outputs in the IR layout."""
+    for name, spec in BUILTINS.items():
+        x = random_inputs(spec, rng, B=2, T=3, H=4, Hk=2, K=3, V=2)
+        o, S = reference.run(spec, **x)
+        assert o.shape == (2, 3, 4, 2), name
+        Ks = 6 if spec.features else 3
+        if spec.has_normalizer:
+            S, z = S
+            assert z.shape == (2, 4, Ks)
+        assert S.shape == (2, 4, Ks, 2), name
+        assert np.all(np.isfinite(o))
