@@ -23,10 +23,13 @@ from rich.table import Table
 from rich.text import Text
 
 from . import __version__, ir
+from .cli_kernels import add_check, add_emit, cmd_check, cmd_emit
+from .lower import UnsupportedKernel
 from .shapes import InputError
 
 # errors a user causes (a bad spec, bad input, a missing or broken file): one line, no traceback
-USER_ERRORS: tuple[type[BaseException], ...] = (ir.SpecError, InputError, OSError, ImportError, SyntaxError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ir.SpecError, InputError, OSError, ImportError, SyntaxError,
+                                               UnsupportedKernel, ValueError)
 
 
 class CliError(Exception):
@@ -128,6 +131,8 @@ Handler = Callable[[argparse.Namespace, Console], int]
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handler]] = {
     "list": ("list the built-in recurrences", lambda p: None, _cmd_list),
     "show": ("show a recurrence's IR and its adjoint", _add_show, _cmd_show),
+    "emit": ("write standalone kernels, their MLX form and a manifest", add_emit, cmd_emit),
+    "check": ("verify the Metal kernels on this machine (capture, type check, limits, CPU run)", add_check, cmd_check),
 }
 
 

@@ -234,6 +234,12 @@ class Recurrence:
             raise SpecError(f"term {ROLE_NAMES[used_raw]} uses a raw key input while term "
                             f"{ROLE_NAMES[used_feat]} uses a feature map: the state rows must be one space")
 
+    def __call__(self, *args, **kwargs):
+        """Run as an MLX op: ``o, final_state = spec(q, k, v, ..., output_final_state=True)``."""
+        from .ops import load
+
+        return load(self)(*args, **kwargs)
+
     def __repr__(self) -> str:  # readable, one term per line
         lines = [f"Recurrence {self.name} [{self.spec_hash()}]"]
         lines += [f"  input {x.name}: {x.kind}{list(x.index)}" for x in self.inputs]

@@ -136,3 +136,32 @@ def test_example_main_runs(example):
     res = subprocess.run([sys.executable, f"examples/{example}.py"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
+
+
+def test_emit_writes_kernels_and_manifest(tmp_path):
+    from recgen.cli import main
+
+    rc = main(["emit", "gla", "--target", "cuda", "-o", str(tmp_path), "--sizes", "K=16,V=16,H=2,HK=2"])
+    assert rc == 0
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "gla.cuda.manifest.json" in names and "recgen_gla_fwd_cuda_float32.cu" in names
+
+
+def test_emit_and_check_user_errors(tmp_path, capsys):
+    from recgen.cli import main
+
+    assert main(["emit", "gla", "-o", str(tmp_path)]) == 2                      # no target
+    assert main(["emit", "gla", "--target", "metal", "--sizes", "K=x"]) == 2    # bad sizes
+    assert main(["check", "power_retention"]) == 2                               # no kernel: clear error
+    err = capsys.readouterr().err
+    assert "--target" in err and "--sizes" in err and "feature maps" in err
+
+
+def test_check_runs_metal_verification(capsys):
+    from recgen.cli import main
+    from recgen.verify.typecheck import find_clang
+
+    if find_clang() is None:
+        pytest.skip("clang++ not installed")
+    assert main(["check", "simple_gla", "--sizes", "K=8,V=8,H=2,HK=1", "--T", "3"]) == 0
+    assert "all layers passed" in capsys.readouterr().out

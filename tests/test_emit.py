@@ -10,7 +10,7 @@ from recgen.emit import emit
 from recgen.shapes import Sizes
 from recgen.verify.typecheck import find_clang
 
-from helpers_kernels import kernel_inputs, rel
+from recgen.testing import kernel_inputs, rel
 
 pytestmark = pytest.mark.skipif(find_clang() is None, reason="clang++ not installed")
 

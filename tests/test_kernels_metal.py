@@ -17,7 +17,7 @@ from recgen.verify.typecheck import find_clang  # noqa: E402
 
 pytestmark = pytest.mark.skipif(find_clang() is None, reason="clang++ not installed (apt-get install clang)")
 
-from helpers_kernels import kernel_inputs, rel  # noqa: E402
+from recgen.testing import kernel_inputs, rel  # noqa: E402
 
 KERNEL_SPECS = ["gated_delta_net", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt"]
 

@@ -1,10 +1,12 @@
-"""Random inputs for kernel checks (float32-representable, so kernel and reference see the same data)."""
+"""Random inputs for checks: fresh data, never zeros, float32-representable so that a kernel and the
+float64 reference see the same numbers. Log-decays reach -20, delta-rule keys are unit-norm."""
 import numpy as np
 
 from recgen.shapes import Sizes
 
 
 def kernel_inputs(rec, sizes: Sizes, rng):
+    """(inputs, initial_state, do, dht, scale) in IR layouts for ``rec`` at ``sizes``."""
     B, T, H, Hk, K, V = sizes.B, sizes.T, sizes.H, sizes.Hk, sizes.Kin, sizes.V
     xs = {}
     for x in rec.inputs:
