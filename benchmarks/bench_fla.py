@@ -55,12 +55,15 @@ def main():
     out = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else "."
     res = {}
     # the op that crashes (illegal address) runs alone and last, so it cannot poison the others
-    groups = [[n for n in OPS if n != "fused_recurrent_gated_delta_rule"], ["fused_recurrent_gated_delta_rule"]]
-    for shape in ["4,4096,16,128", "8,1024,8,64"]:
+    only = sys.argv[sys.argv.index("--ops") + 1].split(",") if "--ops" in sys.argv else OPS
+    shapes = sys.argv[sys.argv.index("--shapes") + 1].split(";") if "--shapes" in sys.argv else \
+        ["4,4096,16,128", "8,1024,8,64"]
+    groups = [[n] for n in only]  # one process each: Triton autotuning is per process anyway
+    for shape in shapes:
         for group in groups:
             try:
                 p = subprocess.run([sys.executable, __file__, "--one", ",".join(group), shape], capture_output=True,
-                                   text=True, timeout=400)
+                                   text=True, timeout=200)
                 stdout, stderr = p.stdout, p.stderr
             except subprocess.TimeoutExpired as e:
                 stdout, stderr = (e.stdout or b"").decode(), "timeout"

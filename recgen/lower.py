@@ -107,18 +107,23 @@ def choose_layouts(K: int, V: int) -> tuple[Layout, Layout, int]:
 
 
 def plan(rec: ir.Recurrence, sizes: Sizes) -> KernelPlan:
-    """The kernel plan of ``rec`` for the register-shaping sizes of a call (B and T are runtime)."""
-    return _plan(rec, sizes.K, sizes.Kin, sizes.V, sizes.H, sizes.Hk)
+    """The kernel plan of ``rec`` for the register-shaping sizes of a call (B and T are runtime;
+    T = 1, decoding, gets its own memory-bound lane mapping)."""
+    return _plan(rec, sizes.K, sizes.Kin, sizes.V, sizes.H, sizes.Hk, sizes.T == 1)
 
 
 @lru_cache(maxsize=128)
-def _plan(rec: ir.Recurrence, K: int, Kin: int, V: int, H: int, Hk: int) -> KernelPlan:
+def _plan(rec: ir.Recurrence, K: int, Kin: int, V: int, H: int, Hk: int, decode: bool = False) -> KernelPlan:
     if rec.features:
         raise UnsupportedKernel(f"{rec.name}: feature maps ({', '.join(f.name for f in rec.features)}) have no "
                                 "recurrent kernel yet; use backend='mlx'")
     if rec.has_normalizer:
         raise UnsupportedKernel(f"{rec.name}: the normalizer state has no recurrent kernel yet; use backend='mlx'")
     fwd, bwd, C = choose_layouts(K, V)
+    if decode and K % 4 == 0:
+        # one step: only the state's read and write matter. 4 row lanes x 8 one-column lanes read
+        # 8 adjacent floats per row, whole 32-byte sectors (fastest of 8 mappings, run-7 sweep)
+        fwd = Layout(4, 1, 4)
     forced = os.environ.get("RECGEN_FWD_LAYOUT")  # "LK,CPL,WV": for layout sweeps in benchmarks
     if forced:
         fwd = Layout(*map(int, forced.split(",")))
