@@ -106,10 +106,10 @@ def choose_layouts(K: int, V: int) -> tuple[Layout, Layout, int]:
     return Layout(lk_f, cpl_f, wv_f), Layout(lk_b, 1, wv_b), C
 
 
-def plan(rec: ir.Recurrence, sizes: Sizes) -> KernelPlan:
+def plan(rec: ir.Recurrence, sizes: Sizes, decode: bool | None = None) -> KernelPlan:
     """The kernel plan of ``rec`` for the register-shaping sizes of a call (B and T are runtime;
-    T = 1, decoding, gets its own memory-bound lane mapping)."""
-    return _plan(rec, sizes.K, sizes.Kin, sizes.V, sizes.H, sizes.Hk, sizes.T == 1)
+    decoding, T = 1 unless ``decode`` says otherwise, gets its own memory-bound lane mapping)."""
+    return _plan(rec, sizes.K, sizes.Kin, sizes.V, sizes.H, sizes.Hk, sizes.T == 1 if decode is None else decode)
 
 
 @lru_cache(maxsize=128)
