@@ -14,11 +14,13 @@ import mlx.core as mx
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import random_inputs, rel_err  # noqa: E402
+from common import rel_err  # noqa: E402
 
 from recgen import reference, specs  # noqa: E402
 from recgen.ops import Op  # noqa: E402
+from recgen.cli import resolve_spec  # noqa: E402
 from recgen.shapes import Sizes  # noqa: E402
+from recgen.testing import kernel_inputs  # noqa: E402
 
 SPECS = ["gated_delta_net", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt"]
 CASES = [  # B, T, H, Hk, K, V: T=1, odd and prime T, K != V, GQA, V not a multiple of the column tile
@@ -28,36 +30,42 @@ TOL = {"float32": (1e-5, 1e-4), "bfloat16": (1e-2, 2e-2)}
 
 
 def check(name, case, dtype, rng, backend):
-    rec = specs.BUILTINS[name]
+    rec = specs.BUILTINS[name] if name in specs.BUILTINS else resolve_spec(name)
     B, T, H, Hk, K, V = case
     if "selective" in name:
         Hk = H
     sizes = Sizes(B, T, H, Hk, K, K, V)
-    xs = random_inputs(rec, sizes, rng)
+    xs, h0, do, dht, _ = kernel_inputs(rec, sizes, rng)
     mdt = getattr(mx, dtype)
     xm = {k: mx.array(v.astype(np.float32)).astype(mdt) for k, v in xs.items()}
     xr = {k: np.array(v.astype(mx.float32)).astype(np.float64) for k, v in xm.items()}  # what the kernel saw
-    h0 = rng.standard_normal(sizes.state_shape)
-    do = rng.standard_normal((B, T, H, V))
-    dht = rng.standard_normal(sizes.state_shape)
     o_ref, ht_ref = reference.run(rec, initial_state=h0, **xr)
     g_ref = reference.grad(rec, do=do, dht=dht, initial_state=h0, **xr)
     op = Op(rec, backend=backend)
     names = [x.name for x in rec.inputs]
 
-    def f(*args):
-        o, ht = op(*args[:-1], initial_state=args[-1], output_final_state=True, check_finite=False)
-        return o, ht
+    norm = rec.has_normalizer
+    m32 = lambda a: mx.array(np.asarray(a, np.float32))  # noqa: E731
+    n_in = len(names)
 
-    prim = [xm[n] for n in names] + [mx.array(h0.astype(np.float32))]
-    (o, ht), vjps = mx.vjp(f, prim, [mx.array(do.astype(np.float32)).astype(mdt),
-                                    mx.array(dht.astype(np.float32))])
-    mx.eval(o, ht, vjps)
-    errs = {"o": rel_err(np.array(o.astype(mx.float32)), o_ref), "ht": rel_err(np.array(ht), ht_ref)}
-    for n, g in zip(names + ["initial_state"], vjps):
-        errs["d" + n] = rel_err(np.array(g.astype(mx.float32)), g_ref[n])
+    def f(*args):
+        state = tuple(args[n_in:]) if norm else args[n_in]
+        o, ht = op(*args[:n_in], initial_state=state, output_final_state=True, check_finite=False)
+        return (o, *ht) if norm else (o, ht)
+
+    prim = [xm[n] for n in names] + ([m32(h0[0]), m32(h0[1])] if norm else [m32(h0)])
+    cot = [m32(do).astype(mdt)] + ([m32(dht[0]), m32(dht[1])] if norm else [m32(dht)])
+    outs, vjps = mx.vjp(f, prim, cot)
+    mx.eval(outs, vjps)
+    errs = {"o": rel_err(np.array(outs[0].astype(mx.float32)), o_ref)}
+    refs = list(ht_ref) if norm else [ht_ref]
+    for i, (a, r) in enumerate(zip(outs[1:], refs)):
+        errs[f"ht{i}"] = rel_err(np.array(a), r)
+    gref = [g_ref[n] for n in names] + (list(g_ref["initial_state"]) if norm else [g_ref["initial_state"]])
+    for n, g, r in zip(names + ["initial_state", "initial_z"], vjps, gref):
+        errs["d" + n] = rel_err(np.array(g.astype(mx.float32)), r)
     ftol, gtol = TOL[dtype]
-    ok = all(v <= (ftol if k in ("o", "ht") else gtol) for k, v in errs.items())
+    ok = all(v <= (ftol if k == "o" or k.startswith("ht") else gtol) for k, v in errs.items())
     return ok, errs
 
 

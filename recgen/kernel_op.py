@@ -55,6 +55,8 @@ def _forward_launch(plan: KernelPlan, dialect: str, sizes: Sizes, scale: float, 
     grid, tg = plan.grid(plan.fwd, sizes.B)
     outs = (((sizes.B, sizes.T, sizes.H, sizes.V), out_dtype), (sizes.state_shape, "float32"),
             ((sizes.B, sizes.H, nc, sizes.K, sizes.V) if save else (1,), "float32"))
+    if plan.rec.has_normalizer:
+        outs += ((sizes.state_shape[:3], "float32"), ((sizes.B, sizes.H, nc, sizes.K) if save else (1,), "float32"))
     tmpl = tuple((n, {"SAVE": save, "OT": out_dtype}.get(n, v)) for n, v in fsrc.template)
     return Launch(fsrc, _runtime(sizes, scale), outs, grid, tg, tmpl)
 
@@ -72,6 +74,8 @@ def _backward_launch(plan: KernelPlan, dialect: str, sizes: Sizes, scale: float)
                        (): (nwarp, B, H)}[x.index])
     grid, tg = plan.grid(plan.bwd, B)
     outs = tuple((s, "float32") for s in shapes + [sizes.state_shape])
+    if plan.rec.has_normalizer:
+        outs += ((sizes.state_shape[:3], "float32"),)
     return Launch(bsrc, _runtime(sizes, scale), outs, grid, tg, bsrc.template)
 
 
@@ -95,7 +99,8 @@ def finish_grads(plan: KernelPlan, sizes: Sizes, outs):
         if x.kind == "param":
             g = g.sum(axis=0) if x.index in ((ir.I, ir.J), (ir.J,)) else g.sum(axis=(0, 1))
         grads.append(g)
-    return grads, outs[len(plan.rec.inputs)]
+    n = len(plan.rec.inputs)
+    return grads, (tuple(outs[n:n + 2]) if plan.rec.has_normalizer else outs[n])
 
 
 # -- MLX ----------------------------------------------------------------------------------------------
@@ -128,25 +133,28 @@ def _runtime_arrays(runtime: tuple) -> tuple:
 
 
 def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, out_dtype: str):
-    """An mx.custom_function (xs..., h0) -> (o, ht) running the generated kernels both ways."""
+    """An mx.custom_function (xs..., h0[, z0]) -> (o, ht[, zt]) running the generated kernels both ways."""
     import mlx.core as mx
 
     n = len(plan.rec.inputs)
+    norm = plan.rec.has_normalizer
 
     @mx.custom_function
     def op(*args):
-        launch = forward_launch(plan, dialect, sizes, scale, out_dtype, save=False)
-        o, ht, _ = mlx_call(launch, dialect, args[:n], [args[n]])
-        return o, ht
+        outs = mlx_call(forward_launch(plan, dialect, sizes, scale, out_dtype, save=False), dialect, args[:n],
+                        list(args[n:]))
+        return (outs[0], outs[1], outs[3]) if norm else (outs[0], outs[1])
 
     @op.vjp
     def op_vjp(primals, cotangents, outputs):
-        xs, h0 = list(primals[:n]), primals[n]
-        do, dht = cotangents
-        _, _, ckpt = mlx_call(forward_launch(plan, dialect, sizes, scale, out_dtype, save=True), dialect, xs, [h0])
-        outs = mlx_call(backward_launch(plan, dialect, sizes, scale), dialect, xs,
-                        [ckpt, do, dht.astype(mx.float32)])
-        grads, dh0 = finish_grads(plan, sizes, outs)
-        return tuple(g.astype(x.dtype) for g, x in zip(grads, xs)) + (dh0,)
+        xs, states = list(primals[:n]), list(primals[n:])
+        f = mlx_call(forward_launch(plan, dialect, sizes, scale, out_dtype, save=True), dialect, xs, states)
+        extra = [f[2], cotangents[0], cotangents[1].astype(mx.float32)]
+        if norm:  # sum_j do_j o_j, for dn: the one quantity that needs every value column
+            ydo = (cotangents[0].astype(mx.float32) * outputs[0].astype(mx.float32)).sum(axis=-1)
+            extra += [f[4], cotangents[2].astype(mx.float32), ydo]
+        outs = mlx_call(backward_launch(plan, dialect, sizes, scale), dialect, xs, extra)
+        grads, dstate = finish_grads(plan, sizes, outs)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, xs)) + (tuple(dstate) if norm else (dstate,))
 
     return op

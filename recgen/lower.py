@@ -117,9 +117,12 @@ def _plan(rec: ir.Recurrence, K: int, Kin: int, V: int, H: int, Hk: int, decode:
     if rec.features:
         raise UnsupportedKernel(f"{rec.name}: feature maps ({', '.join(f.name for f in rec.features)}) have no "
                                 "recurrent kernel yet; use backend='mlx'")
-    if rec.has_normalizer:
-        raise UnsupportedKernel(f"{rec.name}: the normalizer state has no recurrent kernel yet; use backend='mlx'")
+    if rec.has_normalizer and rec.step.skip is not None:
+        raise UnsupportedKernel(f"{rec.name}: a normalizer together with a skip term has no recurrent kernel yet; "
+                                "use backend='mlx'")
     fwd, bwd, C = choose_layouts(K, V)
+    if rec.has_normalizer:  # the backward also keeps the chunk's normalizer states in registers
+        C = max(2, C // 2)
     if decode and K % 4 == 0:
         # one step: only the state's read and write matter. 4 row lanes x 8 one-column lanes read
         # 8 adjacent floats per row, whole 32-byte sectors (fastest of 8 mappings, run-7 sweep)

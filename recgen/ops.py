@@ -102,10 +102,16 @@ class Op:
         if sizes.T == 0 or sizes.B == 0:
             raise InputError(f"{self.rec.name}: empty batch or sequence (B={sizes.B}, T={sizes.T})")
         p = plan(self.rec, sizes)
-        h0 = (_zeros(sizes.state_shape) if initial_state is None else initial_state.astype(mx.float32))
+        if self.rec.has_normalizer:
+            h0, z0 = initial_state if initial_state is not None else (None, None)
+            states = [_zeros(sizes.state_shape) if h0 is None else h0.astype(mx.float32),
+                      _zeros(sizes.state_shape[:3]) if z0 is None else z0.astype(mx.float32)]
+        else:
+            states = [_zeros(sizes.state_shape) if initial_state is None else initial_state.astype(mx.float32)]
         values = [a.dtype for x, a in zip(self.rec.inputs, xs) if x.kind == "value"]
         out_dtype = str(values[0] if values else mx.float32).split(".")[-1]
-        return kernel_op(p, get(backend), sizes, scale, out_dtype)(*xs, h0)
+        outs = kernel_op(p, get(backend), sizes, scale, out_dtype)(*xs, *states)
+        return (outs[0], (outs[1], outs[2])) if self.rec.has_normalizer else outs
 
 
 @lru_cache(maxsize=32)

@@ -19,7 +19,10 @@ from .backends.dialect import Dialect
 from .lower import KernelPlan, Layout, names
 from .printer import kprint
 
-ROLE_VAR = {"a": "ra_", "b": "rb_", "u": "ru_", "r": "rr_", "w": "rw_", "skip": "rs_"}
+ROLE_VAR = {"a": "ra_", "b": "rb_", "u": "ru_", "r": "rr_", "w": "rw_", "skip": "rs_", "zdecay": "rzd_",
+            "zupdate": "rzu_"}
+KEY_ROLES = ("a", "b", "u", "r", "zdecay", "zupdate")
+REPLICATED = ("zdecay", "zupdate")  # adjoints held identically by every column lane: counted by column 0 only
 
 
 @lru_cache(maxsize=1)
@@ -113,7 +116,8 @@ def _contribs(plan: KernelPlan, d: Dialect, decay_kind: str) -> list[str]:
             dsub = "".join(f"[{v}]" for v in dvars)
             stmts.append(_loops(f"{_target(x)} += dD_{dsub} * ({e});", dvars + tgt_vars))
         elif adj.ROLE_DOMAIN[p.role] == (ir.I,):
-            stmts.append(_loops(f"{_target(x)} += d{ROLE_VAR[p.role]}[r] * ({e});", "r" + tgt_vars))
+            guard = "if (col0 == 0) " if p.role in REPLICATED else ""
+            stmts.append(guard + _loops(f"{_target(x)} += d{ROLE_VAR[p.role]}[r] * ({e});", "r" + tgt_vars))
         else:  # value-side adjoints are complete on every row lane: count them once
             stmts.append("if (klane == 0) " + _loops(f"{_target(x)} += d{ROLE_VAR[p.role]}[c] * ({e});", "c" + tgt_vars))
     return stmts
@@ -189,10 +193,13 @@ def _context(plan: KernelPlan, d: Dialect, layout: Layout, banner: str) -> dict:
         "keys": [{"name": x.name, "heads": heads[x.kind][0], "head": heads[x.kind][1]}
                  for x in rec.inputs if x.kind in heads],
         "values": [x.name for x in rec.inputs if x.kind == "value"],
-        "key_roles": [{"var": ROLE_VAR[r], "expr": kprint(terms[r], d, nm)} for r in ("a", "b", "u", "r") if r in terms],
+        "key_roles": [{"var": ROLE_VAR[r], "expr": kprint(terms[r], d, nm)} for r in KEY_ROLES if r in terms],
         "value_roles": [{"var": ROLE_VAR[r], "expr": kprint(terms[r], d, nm)} for r in ("w", "skip") if r in terms],
         "decay": _decay(plan, d),
         "transition": "a" in terms, "skip": "skip" in terms,
+        "norm": rec.has_normalizer,
+        "norm_fn": kprint(rec.step.normalizer.fn, d, {ir.N_ARG: "n_"}) if rec.has_normalizer else "",
+        "norm_dfn": kprint(plan.adjoint.dN, d, {ir.N_ARG: "n_"}) if rec.has_normalizer else "",
     }
 
 
@@ -209,9 +216,11 @@ def kernel_name(plan: KernelPlan, d: Dialect, kind: str, body: str) -> str:
 def forward_source(plan: KernelPlan, d: Dialect) -> KernelSource:
     ctx = _context(plan, d, plan.fwd, f"recurrent forward of {plan.rec.name}: state in registers for all T steps")
     body = _env().get_template("recurrent_fwd.j2").render(**ctx)
-    ins = tuple(f"{x.name}_in" for x in plan.rec.inputs) + ("rt", "scale_in", "h0")
+    norm = plan.rec.has_normalizer
+    ins = tuple(f"{x.name}_in" for x in plan.rec.inputs) + ("rt", "scale_in", "h0") + (("z0",) if norm else ())
+    outs = ("o", "ht", "ckpt") + (("zt", "ckptz") if norm else ())
     tmpl = tuple(plan.template(plan.fwd).items())
-    return KernelSource(kernel_name(plan, d, "fwd", body), _header(plan, d), body, ins, ("o", "ht", "ckpt"),
+    return KernelSource(kernel_name(plan, d, "fwd", body), _header(plan, d), body, ins, outs,
                         tmpl + (("SAVE", False), ("OT", "float32")))
 
 
@@ -221,8 +230,10 @@ def backward_source(plan: KernelPlan, d: Dialect) -> KernelSource:
     ctx.update(grads=decls, contribs=_contribs(plan, d, ctx["decay"]["kind"]), finish=finish,
                param_finish=param_finish, smem_keys=nkeys, smem_scalars=nscal)
     body = _env().get_template("recurrent_bwd.j2").render(**ctx)
-    ins = tuple(f"{x.name}_in" for x in plan.rec.inputs) + ("rt", "scale_in", "ckpt", "do_in", "dht")
-    outs = tuple(f"d_{x.name}" for x in plan.rec.inputs) + ("dh0",)
+    norm = plan.rec.has_normalizer
+    ins = (tuple(f"{x.name}_in" for x in plan.rec.inputs) + ("rt", "scale_in", "ckpt", "do_in", "dht")
+           + (("ckptz", "dhtz", "ydo_in") if norm else ()))
+    outs = tuple(f"d_{x.name}" for x in plan.rec.inputs) + ("dh0",) + (("dz0",) if norm else ())
     return KernelSource(kernel_name(plan, d, "bwd", body), _header(plan, d), body, ins, outs,
                         tuple(plan.template(plan.bwd).items()))
 

@@ -24,9 +24,11 @@ def kernel_inputs(rec, sizes: Sizes, rng):
             shape = (H,) + tuple({"i": sizes.K, "j": V}[c] for c in x.index)
             a = -rng.uniform(0.5, 8.0, shape) if x.name == "A" else rng.standard_normal(shape)
         xs[x.name] = a.astype(np.float32).astype(np.float64)
-    h0 = rng.standard_normal(sizes.state_shape).astype(np.float32).astype(np.float64)
-    do = rng.standard_normal((B, T, H, V)).astype(np.float32).astype(np.float64)
-    dht = rng.standard_normal(sizes.state_shape).astype(np.float32).astype(np.float64)
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32).astype(np.float64)  # noqa: E731
+    h0, dht = f(*sizes.state_shape), f(*sizes.state_shape)
+    if rec.has_normalizer:  # (S, z) pairs
+        h0, dht = (h0, f(*sizes.state_shape[:3])), (dht, f(*sizes.state_shape[:3]))
+    do = f(B, T, H, V)
     scale = K ** -0.5 if rec.default_scale == "key" else 1.0
     return xs, h0, do, dht, scale
 

@@ -55,3 +55,20 @@ def test_metal_kernels_under_sanitizers(sanitizer):
 def test_unsupported_kernel_is_a_clear_error():
     with pytest.raises(UnsupportedKernel, match="feature maps"):
         plan(specs.power_retention, Sizes(1, 2, 1, 1, 4, 10, 4))
+
+
+def test_metal_normalizer_kernels_mlstm():
+    """A spec with a normalizer state (the mLSTM example: sigmoid input gate, N(n) = sqrt(n^2 + 1))."""
+    from recgen.cli import resolve_spec
+
+    rec = resolve_spec(str(__import__("pathlib").Path(__file__).parents[1] / "examples" / "mlstm.py") + ":mlstm")
+    for seed, sizes in enumerate([Sizes(B=2, T=5, H=4, Hk=2, Kin=8, K=8, V=12), Sizes(B=1, T=1, H=2, Hk=1, Kin=32, K=32, V=40)]):
+        xs, h0, do, dht, scale = kernel_inputs(rec, sizes, np.random.default_rng(10 + seed))
+        o, ht, g = verify.emulate(rec, xs, initial_state=h0, do=do, dht=dht, scale=scale)
+        o_r, ht_r = reference.run(rec, initial_state=h0, scale=scale, **xs)
+        g_r = reference.grad(rec, do=do, dht=dht, initial_state=h0, scale=scale, **xs)
+        assert rel(o, o_r) <= 1e-5 and rel(ht[0], ht_r[0]) <= 1e-5 and rel(ht[1], ht_r[1]) <= 1e-5
+        for k in g_r:
+            pairs = zip(g[k], g_r[k]) if k == "initial_state" else [(g[k], g_r[k])]
+            for a, b in pairs:
+                assert rel(a, b) <= 1e-4, (k, rel(a, b))

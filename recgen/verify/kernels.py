@@ -77,13 +77,16 @@ def emulate(rec: Recurrence, inputs: dict, *, initial_state, do, dht, scale: flo
     sizes = infer_sizes(rec, {k: v.shape for k, v in inputs.items()})
     p = make_plan(rec, sizes)
     user = {f"{x.name}_in": np.asarray(inputs[x.name], dtype=np.float32) for x in rec.inputs}
-    h0 = np.asarray(initial_state, dtype=np.float32)
+    f32 = lambda a: np.asarray(a, dtype=np.float32)  # noqa: E731
+    norm = rec.has_normalizer
+    states = {"h0": f32(initial_state[0]), "z0": f32(initial_state[1])} if norm else {"h0": f32(initial_state)}
     fl = forward_launch(p, METAL, sizes, scale, "float32", save=True)
-    o, ht, ckpt = _run(fl, user, {"h0": h0}, report, sanitizer)
-    bl = backward_launch(p, METAL, sizes, scale)
-    outs = _run(bl, user, {"ckpt": ckpt, "do_in": np.asarray(do, np.float32),
-                           "dht": np.asarray(dht, np.float32)}, report, sanitizer)
-    grads, dh0 = finish_grads(p, sizes, outs)
+    f = _run(fl, user, states, report, sanitizer)
+    extra = {"ckpt": f[2], "do_in": f32(do), "dht": f32(dht[0] if norm else dht)}
+    if norm:
+        extra.update(ckptz=f[4], dhtz=f32(dht[1]), ydo_in=(f32(do) * f[0]).sum(axis=-1))
+    outs = _run(backward_launch(p, METAL, sizes, scale), user, extra, report, sanitizer)
+    grads, dstate = finish_grads(p, sizes, outs)
     g = {x.name: gr for x, gr in zip(rec.inputs, grads)}
-    g["initial_state"] = dh0
-    return o, ht, g
+    g["initial_state"] = tuple(dstate) if norm else dstate
+    return f[0], ((f[1], f[3]) if norm else f[1]), g
