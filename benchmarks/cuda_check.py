@@ -89,7 +89,7 @@ def main():
                 print(f"{'PASS' if ok else 'FAIL'} {name:26s} {str(case):26s} {dtype:8s} worst={worst:.2e} "
                       f"({time.time() - t0:.1f}s) {'' if ok else errs}", flush=True)
     if out:
-        json.dump(rows, open(f"{out}/cuda_check_{only[0]}.json", "w"), indent=1)
+        json.dump(rows, open(f"{out}/cuda_check_{only[0].split(':')[-1]}.json", "w"), indent=1)
     print(f"{sum(r['ok'] for r in rows)} passed, {sum(not r['ok'] for r in rows)} failed")
     sys.exit(0 if allok else 1)
 
