@@ -83,22 +83,21 @@ OPS = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_delt
 
 def one(name, shape):
     B, T, H, D = map(int, shape.split(","))
-    if True:
-        q, k, v, g, beta, gk = make(B, T, H, D)
-        g32 = g.detach().float().requires_grad_()
-        runs = {
-            "chunk_gated_delta_rule": (lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0], (q, k, v, g, beta)),
-            "fused_recurrent_gated_delta_rule": (lambda: fused_recurrent_gated_delta_rule(q, k, v, g32, beta)[0], (q, k, v, g32, beta)),
-            "chunk_delta_rule": (lambda: chunk_delta_rule(q, k, v, beta)[0], (q, k, v, beta)),
-            "fused_recurrent_delta_rule": (lambda: fused_recurrent_delta_rule(q, k, v, beta)[0], (q, k, v, beta)),
-            "chunk_gla": (lambda: chunk_gla(q, k, v, gk)[0], (q, k, v, gk)),
-            "fused_recurrent_gla": (lambda: fused_recurrent_gla(q, k, v, gk)[0], (q, k, v, gk)),
-            "chunk_simple_gla": (lambda: chunk_simple_gla(q, k, v, g)[0], (q, k, v, g)),
-        }
-        for n in name.split(","):
-            fn, gi = runs[n]
-            t_f, t_fb = bench(fn, gi)
-            print(f"RESULT {n} {t_f} {t_fb}", flush=True)
+    q, k, v, g, beta, gk = make(B, T, H, D)
+    g32 = g.detach().float().requires_grad_()
+    runs = {
+        "chunk_gated_delta_rule": (lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0], (q, k, v, g, beta)),
+        "fused_recurrent_gated_delta_rule": (lambda: fused_recurrent_gated_delta_rule(q, k, v, g32, beta)[0], (q, k, v, g32, beta)),
+        "chunk_delta_rule": (lambda: chunk_delta_rule(q, k, v, beta)[0], (q, k, v, beta)),
+        "fused_recurrent_delta_rule": (lambda: fused_recurrent_delta_rule(q, k, v, beta)[0], (q, k, v, beta)),
+        "chunk_gla": (lambda: chunk_gla(q, k, v, gk)[0], (q, k, v, gk)),
+        "fused_recurrent_gla": (lambda: fused_recurrent_gla(q, k, v, gk)[0], (q, k, v, gk)),
+        "chunk_simple_gla": (lambda: chunk_simple_gla(q, k, v, g)[0], (q, k, v, g)),
+    }
+    for n in name.split(","):
+        fn, gi = runs[n]
+        t_f, t_fb = bench(fn, gi)
+        print(f"RESULT {n} {t_f} {t_fb}", flush=True)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,15 @@ def _buffers(rec: ir.Recurrence, launch, target: str, dtype: str, kind: str) -> 
     return out
 
 
+def _kind(v) -> str:
+    """The C++ kind of a template value: a dtype name is a type, then bool before int (bool is an int)."""
+    return "typename" if isinstance(v, str) else "bool" if isinstance(v, bool) else "int"
+
+
+def _spell(v, target: str) -> str:
+    return DTYPES[target][v] if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
+
+
 def emit(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V: int, H: int, HK: int,
          dtype: str = "float32", command: str = "") -> list[Path]:
     """Write the kernels of ``rec`` for ``target`` into ``outdir``; returns the written paths."""
@@ -75,15 +84,14 @@ def emit(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V: int, H:
         tmpl = dict(launch.template)
         entry = f"recgen_{rec.name}_{kind}_{target}_{dtype}"
         bufs = _buffers(rec, launch, target, dtype, "bwd" if kind == "bwd" else "fwd")
+        kinds = {n: _kind(v) for n, v in tmpl.items()}
+        values = {n: _spell(v, target) for n, v in tmpl.items()}
         ctx = {"banner": banner, "prelude": d.prelude, "body": src.source, "buffers": bufs, "entry": entry,
                "fn": entry + "_impl", "threads": launch.threadgroup[0],
-               "template_params": ", ".join(f"{'typename' if isinstance(v, str) else 'bool' if isinstance(v, bool) else 'int'} {n}"
-                                            for n, v in tmpl.items()),
-               "template_args": ", ".join(DTYPES[target][v] if isinstance(v, str) else str(v).lower() if isinstance(v, bool)
-                                          else str(v) for v in tmpl.values()),
-               "constants": [f"using {n} = {DTYPES[target][v]};" if isinstance(v, str) else
-                             f"constexpr {'bool' if isinstance(v, bool) else 'int'} {n} = {str(v).lower() if isinstance(v, bool) else v};"
-                             for n, v in tmpl.items()]}
+               "template_params": ", ".join(f"{kinds[n]} {n}" for n in tmpl),
+               "template_args": ", ".join(values.values()),
+               "constants": [f"using {n} = {values[n]};" if kinds[n] == "typename" else
+                             f"constexpr {kinds[n]} {n} = {values[n]};" for n in tmpl]}
         text = _env().get_template(f"standalone.{d.ext}.j2").render(**ctx)
         path = out / f"{entry}.{d.ext}"
         path.write_text(text)

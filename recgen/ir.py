@@ -18,7 +18,7 @@ key gate ``[B,T,H,K]``, value ``[B,T,H,V]``, parameter ``[H, *signature]``.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import sympy as sp
 
@@ -262,9 +262,3 @@ ROLE_WHY = {"decay": "it scales S elementwise", "a": "Q = P + a (bᵀP) needs a 
             "r": "the readout Sᵀr contracts the key side", "zdecay": "z is a key-sized vector",
             "zupdate": "z is a key-sized vector", "skip": "the skip adds to the value-sized output"}
 
-
-def replace_step(rec: Recurrence, **changes) -> Recurrence:
-    """A copy of ``rec`` with some step fields replaced (dataclasses.replace for the nested step)."""
-    kw = {f.name: getattr(rec.step, f.name) for f in fields(Step)}
-    kw.update(changes)
-    return Recurrence(rec.name, rec.doc, rec.inputs, Step(**kw), rec.features, rec.gqa, rec.default_scale)

@@ -37,7 +37,7 @@ def default_backend() -> str:
     return "mlx"
 
 
-def _check_arrays(rec: ir.Recurrence, arrays: dict, check_finite: bool):
+def _check_arrays(arrays: dict, check_finite: bool):
     import mlx.core as mx
 
     for name, a in arrays.items():
@@ -63,18 +63,17 @@ class Op:
 
     def __call__(self, *args, scale=None, initial_state=None, output_final_state=False, backend=None,
                  check_finite=True, **kwargs):
-        import mlx.core as mx
-
         rec = self.rec
         if len(args) > len(rec.inputs):
-            raise InputError(f"{rec.name}: takes {len(rec.inputs)} inputs {[x.name for x in rec.inputs]}, got {len(args)}")
+            raise InputError(f"{rec.name}: takes {len(rec.inputs)} inputs {[x.name for x in rec.inputs]}, "
+                             f"got {len(args)}")
         arrays = dict(zip([x.name for x in rec.inputs], args))
         dup = set(arrays) & set(kwargs)
         if dup:
             raise InputError(f"{rec.name}: argument(s) {sorted(dup)} given twice")
         arrays.update(kwargs)
         sizes = infer_sizes(rec, {k: tuple(v.shape) for k, v in arrays.items()})
-        _check_arrays(rec, arrays, check_finite)
+        _check_arrays(arrays, check_finite)
         if scale is None:
             scale = sizes.Kin ** -0.5 if rec.default_scale == "key" else 1.0
         if initial_state is not None:
