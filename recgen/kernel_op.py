@@ -10,6 +10,8 @@ and by the Metal CPU emulator (``recgen.verify.kernels``), so both run exactly t
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -107,6 +109,9 @@ def finish_grads(plan: KernelPlan, sizes: Sizes, outs):
 @lru_cache(maxsize=256)
 def _mlx_kernel(src: KernelSource, factory: str):
     import mlx.core as mx
+
+    if os.environ.get("RECGEN_DEBUG"):  # the generated source, once per kernel, as MLX receives it
+        print(f"// ---- {src.name} ({factory})\n{src.text}", file=sys.stderr)
 
     return getattr(mx.fast, factory)(name=src.name, input_names=list(src.inputs), output_names=list(src.outputs),
                                      source=src.source, header=src.header)
