@@ -86,7 +86,7 @@ def _params(plan: KernelPlan, d: Dialect) -> list[dict]:
         for v, n in (("c", "CPL"), ("r", "RK")):
             if v in loops:
                 acc_init = f"for (int {v} = 0; {v} < {n}; ++{v}) {acc_init}"
-        out.append({"name": x.name, "index": x.index, "decl": f"{x.name}_v{dims}", "load": load,
+        out.append({"name": x.name, "index": "".join(x.index), "decl": f"{x.name}_v{dims}", "load": load,
                     "acc_decl": f"float {x.name}_g{dims};\n  {acc_init}"})
     return out
 
@@ -121,64 +121,6 @@ def _contribs(plan: KernelPlan, d: Dialect, decay_kind: str) -> list[str]:
         else:  # value-side adjoints are complete on every row lane: count them once
             stmts.append("if (klane == 0) " + _loops(f"{_target(x)} += d{ROLE_VAR[p.role]}[c] * ({e});", "c" + tgt_vars))
     return stmts
-
-
-def _grad_io(plan: KernelPlan, d: Dialect):
-    """Per-step accumulators, their end-of-step reductions and writes, and the end-of-kernel param writes."""
-    I64 = d.int64
-    shfl = d.shfl_xor
-    decls, finish, param_finish = [], [], []
-    keyish = [x for x in plan.rec.inputs if x.kind in ("key", "key_gate")]
-    scalars = [x for x in plan.rec.inputs if x.kind == "scalar"]
-    for x in plan.rec.inputs:
-        g = f"{x.name}_g"
-        if x.kind in ("key", "key_gate"):
-            decls.append({"decl": f"float {g}[RK];\n        for (int r = 0; r < RK; ++r) {g}[r] = 0.0f;"})
-        elif x.kind == "scalar":
-            decls.append({"decl": f"float {g} = 0.0f;"})
-        elif x.kind == "value":
-            decls.append({"decl": f"float {g}[CPL];\n        for (int c = 0; c < CPL; ++c) {g}[c] = 0.0f;"})
-    # value inputs: sum over the row lanes, complete per column
-    for x in plan.rec.inputs:
-        if x.kind == "value":
-            finish.append(f"for (int c = 0; c < CPL; ++c) {{ float acc = {x.name}_g[c]; "
-                          f"for (int m = LV; m < 32; m <<= 1) acc += {shfl.format(x='acc', m='m')}; "
-                          f"if (klane == 0 && col0 + c < V) d_{x.name}[((({I64})b * T + t) * H + h) * V + col0 + c] = acc; }}")
-    # key-side and scalar inputs: sum over column lanes, then over the warps of the threadgroup
-    for n, x in enumerate(keyish):
-        finish.append(f"for (int r = 0; r < RK; ++r) {{ float acc = {x.name}_g[r]; "
-                      f"for (int m = 1; m < LV; m <<= 1) acc += {shfl.format(x='acc', m='m')}; "
-                      f"if (vlane == 0) red_k[{n}][warp][klane + LK * r] = acc; }}")
-    for n, x in enumerate(scalars):
-        finish.append(f"{{ float acc = {x.name}_g; for (int m = 1; m < 32; m <<= 1) acc += "
-                      f"{shfl.format(x='acc', m='m')}; if (lane == 0) red_s[{n}][warp] = acc; }}")
-    if keyish or scalars:
-        finish.append(f"{d.barrier};")
-        row = f"(((({I64})tg * B + b) * T + t) * H + h)"
-        for n, x in enumerate(keyish):
-            finish.append(f"for (int i = tid; i < K; i += 32 * WV) {{ float acc = 0.0f; "
-                          f"for (int w = 0; w < WV; ++w) acc += red_k[{n}][w][i]; d_{x.name}[{row} * K + i] = acc; }}")
-        for n, x in enumerate(scalars):
-            finish.append(f"if (tid == 0) {{ float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_s[{n}][w]; "
-                          f"d_{x.name}[{row}] = acc; }}")
-        finish.append(f"{d.barrier};")
-    for x in plan.rec.inputs:
-        if x.kind != "param":
-            continue
-        g, out = f"{x.name}_g", f"d_{x.name}"
-        warp_row = f"((({I64})tg * WV + warp) * B + b) * H + h"
-        if x.index == (ir.I, ir.J):
-            param_finish.append(_loops(f"if (col0 + c < V) {out}[((({I64})bh) * K + klane + LK * r) * V + col0 + c] = {g}[r][c];", "rc"))
-        elif x.index == (ir.J,):
-            param_finish.append(f"for (int c = 0; c < CPL; ++c) {{ float acc = {g}[c]; for (int m = LV; m < 32; m <<= 1) "
-                                f"acc += {shfl.format(x='acc', m='m')}; if (klane == 0 && col0 + c < V) {out}[({I64})bh * V + col0 + c] = acc; }}")
-        elif x.index == (ir.I,):
-            param_finish.append(f"for (int r = 0; r < RK; ++r) {{ float acc = {g}[r]; for (int m = 1; m < LV; m <<= 1) "
-                                f"acc += {shfl.format(x='acc', m='m')}; if (vlane == 0) {out}[({warp_row}) * K + klane + LK * r] = acc; }}")
-        else:
-            param_finish.append(f"{{ float acc = {g}; for (int m = 1; m < 32; m <<= 1) acc += {shfl.format(x='acc', m='m')}; "
-                                f"if (lane == 0) {out}[{warp_row}] = acc; }}")
-    return decls, finish, param_finish, len(keyish), len(scalars)
 
 
 def _context(plan: KernelPlan, d: Dialect, layout: Layout, banner: str) -> dict:
@@ -226,9 +168,7 @@ def forward_source(plan: KernelPlan, d: Dialect) -> KernelSource:
 
 def backward_source(plan: KernelPlan, d: Dialect) -> KernelSource:
     ctx = _context(plan, d, plan.bwd, f"recurrent backward of {plan.rec.name}: per chunk, recompute then sweep back")
-    decls, finish, param_finish, nkeys, nscal = _grad_io(plan, d)
-    ctx.update(grads=decls, contribs=_contribs(plan, d, ctx["decay"]["kind"]), finish=finish,
-               param_finish=param_finish, smem_keys=nkeys, smem_scalars=nscal)
+    ctx.update(contribs=_contribs(plan, d, ctx["decay"]["kind"]))
     body = _env().get_template("recurrent_bwd.j2").render(**ctx)
     norm = plan.rec.has_normalizer
     ins = (tuple(f"{x.name}_in" for x in plan.rec.inputs) + ("rt", "scale_in", "ckpt", "do_in", "dht")

@@ -72,3 +72,22 @@ def test_metal_normalizer_kernels_mlstm():
             pairs = zip(g[k], g_r[k]) if k == "initial_state" else [(g[k], g_r[k])]
             for a, b in pairs:
                 assert rel(a, b) <= 1e-4, (k, rel(a, b))
+
+
+def test_metal_kernels_param_signatures():
+    """Parameters of every signature: (i) decay, () gain, (j) skip weight, (i, j) covered by selective_scan."""
+    import recgen as rg
+
+    @rg.recurrence
+    def param_mix(q: rg.Key, k: rg.Key, v: rg.Value, lam: rg.Param["i"], gain: rg.Param[()], w: rg.Param["j"]):
+        return rg.Step(decay=rg.exp(lam), update=rg.outer(rg.sigmoid(gain) * k, v), readout=rg.scale * q, skip=w * v)
+
+    sizes = Sizes(B=2, T=4, H=4, Hk=2, Kin=8, K=8, V=12)
+    xs, h0, do, dht, scale = kernel_inputs(param_mix, sizes, np.random.default_rng(21))
+    xs["lam"] = -np.abs(xs["lam"])
+    o, ht, g = verify.emulate(param_mix, xs, initial_state=h0, do=do, dht=dht, scale=scale)
+    o_r, ht_r = reference.run(param_mix, initial_state=h0, scale=scale, **xs)
+    g_r = reference.grad(param_mix, do=do, dht=dht, initial_state=h0, scale=scale, **xs)
+    assert rel(o, o_r) <= 1e-5 and rel(ht, ht_r) <= 1e-5
+    for k in g_r:
+        assert rel(g[k], g_r[k]) <= 1e-4, (k, rel(g[k], g_r[k]))

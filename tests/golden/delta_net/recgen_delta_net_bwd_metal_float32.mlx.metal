@@ -186,13 +186,13 @@ inline float rg_logsigmoid(float x) { return -rg_softplus(-x); }
             dS_[r][c] *= D_;
           }
         // input gradients: sum over the role's domain of d[role] * (d role / d x)
+        float beta_g = 0.0f;
         float q_g[RK];
         for (int r = 0; r < RK; ++r) q_g[r] = 0.0f;
         float k_g[RK];
         for (int r = 0; r < RK; ++r) k_g[r] = 0.0f;
         float v_g[CPL];
         for (int c = 0; c < CPL; ++c) v_g[c] = 0.0f;
-        float beta_g = 0.0f;
         for (int r = 0; r < RK; ++r) beta_g += dra_[r] * (-k_v[r]);
         for (int r = 0; r < RK; ++r) k_g[r] += dra_[r] * (-beta_v);
         for (int r = 0; r < RK; ++r) k_g[r] += drb_[r] * (1.0f);
@@ -200,14 +200,43 @@ inline float rg_logsigmoid(float x) { return -rg_softplus(-x); }
         for (int r = 0; r < RK; ++r) k_g[r] += dru_[r] * (beta_v);
         if (klane == 0) for (int c = 0; c < CPL; ++c) v_g[c] += drw_[c] * (1.0f);
         for (int r = 0; r < RK; ++r) q_g[r] += drr_[r] * (scale_);
-        for (int c = 0; c < CPL; ++c) { float acc = v_g[c]; for (int m = LV; m < 32; m <<= 1) acc += simd_shuffle_xor(acc, m); if (klane == 0 && col0 + c < V) d_v[(((int64_t)b * T + t) * H + h) * V + col0 + c] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = q_g[r]; for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m); if (vlane == 0) red_k[0][warp][klane + LK * r] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = k_g[r]; for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m); if (vlane == 0) red_k[1][warp][klane + LK * r] = acc; }
-        { float acc = beta_g; for (int m = 1; m < 32; m <<= 1) acc += simd_shuffle_xor(acc, m); if (lane == 0) red_s[0][warp] = acc; }
+        for (int c = 0; c < CPL; ++c) {  // dv: sum over the row lanes, complete per column
+          float acc = v_g[c];
+          for (int m = LV; m < 32; m <<= 1) acc += simd_shuffle_xor(acc, m);
+          if (klane == 0 && col0 + c < V) d_v[(((int64_t)b * T + t) * H + h) * V + col0 + c] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dq: sum over the column lanes, then over the warps below
+          float acc = q_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m);
+          if (vlane == 0) red_k[0][warp][klane + LK * r] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dk: sum over the column lanes, then over the warps below
+          float acc = k_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m);
+          if (vlane == 0) red_k[1][warp][klane + LK * r] = acc;
+        }
+        {  // dbeta: sum over every lane, then over the warps below
+          float acc = beta_g;
+          for (int m = 1; m < 32; m <<= 1) acc += simd_shuffle_xor(acc, m);
+          if (lane == 0) red_s[0][warp] = acc;
+        }
         threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[0][w][i]; d_q[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc; }
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[1][w][i]; d_k[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc; }
-        if (tid == 0) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_s[0][w]; d_beta[((((int64_t)tg * B + b) * T + t) * H + h)] = acc; }
+        // one partial per threadgroup; the host sums the partials (deterministic, no atomics)
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[0][w][i];
+          d_q[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[1][w][i];
+          d_k[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
+        if (tid == 0) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_s[0][w];
+          d_beta[((((int64_t)tg * B + b) * T + t) * H + h)] = acc;
+        }
         threadgroup_barrier(metal::mem_flags::mem_threadgroup);
       }
     }

@@ -221,14 +221,14 @@ extern "C" __global__ void __launch_bounds__(256) recgen_gated_delta_net_bwd_cud
             dS_[r][c] *= D_;
           }
         // input gradients: sum over the role's domain of d[role] * (d role / d x)
+        float g_g = 0.0f;
+        float beta_g = 0.0f;
         float q_g[RK];
         for (int r = 0; r < RK; ++r) q_g[r] = 0.0f;
         float k_g[RK];
         for (int r = 0; r < RK; ++r) k_g[r] = 0.0f;
         float v_g[CPL];
         for (int c = 0; c < CPL; ++c) v_g[c] = 0.0f;
-        float g_g = 0.0f;
-        float beta_g = 0.0f;
         g_g += dD_ * (expf(g_v));
         for (int r = 0; r < RK; ++r) beta_g += dra_[r] * (-k_v[r]);
         for (int r = 0; r < RK; ++r) k_g[r] += dra_[r] * (-beta_v);
@@ -237,16 +237,53 @@ extern "C" __global__ void __launch_bounds__(256) recgen_gated_delta_net_bwd_cud
         for (int r = 0; r < RK; ++r) k_g[r] += dru_[r] * (beta_v);
         if (klane == 0) for (int c = 0; c < CPL; ++c) v_g[c] += drw_[c] * (1.0f);
         for (int r = 0; r < RK; ++r) q_g[r] += drr_[r] * (scale_);
-        for (int c = 0; c < CPL; ++c) { float acc = v_g[c]; for (int m = LV; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (klane == 0 && col0 + c < V) d_v[(((long long)b * T + t) * H + h) * V + col0 + c] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = q_g[r]; for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (vlane == 0) red_k[0][warp][klane + LK * r] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = k_g[r]; for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (vlane == 0) red_k[1][warp][klane + LK * r] = acc; }
-        { float acc = g_g; for (int m = 1; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (lane == 0) red_s[0][warp] = acc; }
-        { float acc = beta_g; for (int m = 1; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (lane == 0) red_s[1][warp] = acc; }
+        for (int c = 0; c < CPL; ++c) {  // dv: sum over the row lanes, complete per column
+          float acc = v_g[c];
+          for (int m = LV; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (klane == 0 && col0 + c < V) d_v[(((long long)b * T + t) * H + h) * V + col0 + c] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dq: sum over the column lanes, then over the warps below
+          float acc = q_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (vlane == 0) red_k[0][warp][klane + LK * r] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dk: sum over the column lanes, then over the warps below
+          float acc = k_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (vlane == 0) red_k[1][warp][klane + LK * r] = acc;
+        }
+        {  // dg: sum over every lane, then over the warps below
+          float acc = g_g;
+          for (int m = 1; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (lane == 0) red_s[0][warp] = acc;
+        }
+        {  // dbeta: sum over every lane, then over the warps below
+          float acc = beta_g;
+          for (int m = 1; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (lane == 0) red_s[1][warp] = acc;
+        }
         __syncthreads();
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[0][w][i]; d_q[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc; }
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[1][w][i]; d_k[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc; }
-        if (tid == 0) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_s[0][w]; d_g[((((long long)tg * B + b) * T + t) * H + h)] = acc; }
-        if (tid == 0) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_s[1][w]; d_beta[((((long long)tg * B + b) * T + t) * H + h)] = acc; }
+        // one partial per threadgroup; the host sums the partials (deterministic, no atomics)
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[0][w][i];
+          d_q[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[1][w][i];
+          d_k[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
+        if (tid == 0) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_s[0][w];
+          d_g[((((long long)tg * B + b) * T + t) * H + h)] = acc;
+        }
+        if (tid == 0) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_s[1][w];
+          d_beta[((((long long)tg * B + b) * T + t) * H + h)] = acc;
+        }
         __syncthreads();
       }
     }

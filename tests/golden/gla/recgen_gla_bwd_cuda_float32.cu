@@ -178,22 +178,51 @@ extern "C" __global__ void __launch_bounds__(256) recgen_gla_bwd_cuda_float32(
         for (int r = 0; r < RK; ++r) q_g[r] = 0.0f;
         float k_g[RK];
         for (int r = 0; r < RK; ++r) k_g[r] = 0.0f;
-        float v_g[CPL];
-        for (int c = 0; c < CPL; ++c) v_g[c] = 0.0f;
         float gk_g[RK];
         for (int r = 0; r < RK; ++r) gk_g[r] = 0.0f;
+        float v_g[CPL];
+        for (int c = 0; c < CPL; ++c) v_g[c] = 0.0f;
         for (int r = 0; r < RK; ++r) gk_g[r] += dD_[r] * (expf(gk_v[r]));
         for (int r = 0; r < RK; ++r) k_g[r] += dru_[r] * (1.0f);
         if (klane == 0) for (int c = 0; c < CPL; ++c) v_g[c] += drw_[c] * (1.0f);
         for (int r = 0; r < RK; ++r) q_g[r] += drr_[r] * (scale_);
-        for (int c = 0; c < CPL; ++c) { float acc = v_g[c]; for (int m = LV; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (klane == 0 && col0 + c < V) d_v[(((long long)b * T + t) * H + h) * V + col0 + c] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = q_g[r]; for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (vlane == 0) red_k[0][warp][klane + LK * r] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = k_g[r]; for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (vlane == 0) red_k[1][warp][klane + LK * r] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = gk_g[r]; for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (vlane == 0) red_k[2][warp][klane + LK * r] = acc; }
+        for (int c = 0; c < CPL; ++c) {  // dv: sum over the row lanes, complete per column
+          float acc = v_g[c];
+          for (int m = LV; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (klane == 0 && col0 + c < V) d_v[(((long long)b * T + t) * H + h) * V + col0 + c] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dq: sum over the column lanes, then over the warps below
+          float acc = q_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (vlane == 0) red_k[0][warp][klane + LK * r] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dk: sum over the column lanes, then over the warps below
+          float acc = k_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (vlane == 0) red_k[1][warp][klane + LK * r] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dgk: sum over the column lanes, then over the warps below
+          float acc = gk_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (vlane == 0) red_k[2][warp][klane + LK * r] = acc;
+        }
         __syncthreads();
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[0][w][i]; d_q[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc; }
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[1][w][i]; d_k[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc; }
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[2][w][i]; d_gk[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc; }
+        // one partial per threadgroup; the host sums the partials (deterministic, no atomics)
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[0][w][i];
+          d_q[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[1][w][i];
+          d_k[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[2][w][i];
+          d_gk[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
         __syncthreads();
       }
     }

@@ -153,22 +153,51 @@ inline float rg_logsigmoid(float x) { return -rg_softplus(-x); }
         for (int r = 0; r < RK; ++r) q_g[r] = 0.0f;
         float k_g[RK];
         for (int r = 0; r < RK; ++r) k_g[r] = 0.0f;
-        float v_g[CPL];
-        for (int c = 0; c < CPL; ++c) v_g[c] = 0.0f;
         float gk_g[RK];
         for (int r = 0; r < RK; ++r) gk_g[r] = 0.0f;
+        float v_g[CPL];
+        for (int c = 0; c < CPL; ++c) v_g[c] = 0.0f;
         for (int r = 0; r < RK; ++r) gk_g[r] += dD_[r] * (metal::exp(gk_v[r]));
         for (int r = 0; r < RK; ++r) k_g[r] += dru_[r] * (1.0f);
         if (klane == 0) for (int c = 0; c < CPL; ++c) v_g[c] += drw_[c] * (1.0f);
         for (int r = 0; r < RK; ++r) q_g[r] += drr_[r] * (scale_);
-        for (int c = 0; c < CPL; ++c) { float acc = v_g[c]; for (int m = LV; m < 32; m <<= 1) acc += simd_shuffle_xor(acc, m); if (klane == 0 && col0 + c < V) d_v[(((int64_t)b * T + t) * H + h) * V + col0 + c] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = q_g[r]; for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m); if (vlane == 0) red_k[0][warp][klane + LK * r] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = k_g[r]; for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m); if (vlane == 0) red_k[1][warp][klane + LK * r] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = gk_g[r]; for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m); if (vlane == 0) red_k[2][warp][klane + LK * r] = acc; }
+        for (int c = 0; c < CPL; ++c) {  // dv: sum over the row lanes, complete per column
+          float acc = v_g[c];
+          for (int m = LV; m < 32; m <<= 1) acc += simd_shuffle_xor(acc, m);
+          if (klane == 0 && col0 + c < V) d_v[(((int64_t)b * T + t) * H + h) * V + col0 + c] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dq: sum over the column lanes, then over the warps below
+          float acc = q_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m);
+          if (vlane == 0) red_k[0][warp][klane + LK * r] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dk: sum over the column lanes, then over the warps below
+          float acc = k_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m);
+          if (vlane == 0) red_k[1][warp][klane + LK * r] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dgk: sum over the column lanes, then over the warps below
+          float acc = gk_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m);
+          if (vlane == 0) red_k[2][warp][klane + LK * r] = acc;
+        }
         threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[0][w][i]; d_q[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc; }
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[1][w][i]; d_k[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc; }
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[2][w][i]; d_gk[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc; }
+        // one partial per threadgroup; the host sums the partials (deterministic, no atomics)
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[0][w][i];
+          d_q[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[1][w][i];
+          d_k[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[2][w][i];
+          d_gk[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
         threadgroup_barrier(metal::mem_flags::mem_threadgroup);
       }
     }

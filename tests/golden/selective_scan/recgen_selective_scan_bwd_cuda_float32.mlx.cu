@@ -167,14 +167,14 @@ __device__ __forceinline__ float rg_logsigmoid(float x) { return -rg_softplus(-x
             dS_[r][c] *= (expf(A_v[r][c]*rg_softplus(dt_v[c] + dt_bias_v[c])));
           }
         // input gradients: sum over the role's domain of d[role] * (d role / d x)
-        float x_g[CPL];
-        for (int c = 0; c < CPL; ++c) x_g[c] = 0.0f;
-        float dt_g[CPL];
-        for (int c = 0; c < CPL; ++c) dt_g[c] = 0.0f;
         float B_g[RK];
         for (int r = 0; r < RK; ++r) B_g[r] = 0.0f;
         float C_g[RK];
         for (int r = 0; r < RK; ++r) C_g[r] = 0.0f;
+        float x_g[CPL];
+        for (int c = 0; c < CPL; ++c) x_g[c] = 0.0f;
+        float dt_g[CPL];
+        for (int c = 0; c < CPL; ++c) dt_g[c] = 0.0f;
         for (int r = 0; r < RK; ++r) for (int c = 0; c < CPL; ++c) A_g[r][c] += dD_[r][c] * (rg_softplus(dt_v[c] + dt_bias_v[c])*expf(A_v[r][c]*rg_softplus(dt_v[c] + dt_bias_v[c])));
         for (int r = 0; r < RK; ++r) for (int c = 0; c < CPL; ++c) dt_g[c] += dD_[r][c] * (A_v[r][c]*rg_sigmoid(dt_v[c] + dt_bias_v[c])*expf(A_v[r][c]*rg_softplus(dt_v[c] + dt_bias_v[c])));
         for (int r = 0; r < RK; ++r) for (int c = 0; c < CPL; ++c) dt_bias_g[c] += dD_[r][c] * (A_v[r][c]*rg_sigmoid(dt_v[c] + dt_bias_v[c])*expf(A_v[r][c]*rg_softplus(dt_v[c] + dt_bias_v[c])));
@@ -185,20 +185,55 @@ __device__ __forceinline__ float rg_logsigmoid(float x) { return -rg_softplus(-x
         for (int r = 0; r < RK; ++r) C_g[r] += drr_[r] * (1.0f);
         if (klane == 0) for (int c = 0; c < CPL; ++c) D_g[c] += drs_[c] * (x_v[c]);
         if (klane == 0) for (int c = 0; c < CPL; ++c) x_g[c] += drs_[c] * (D_v[c]);
-        for (int c = 0; c < CPL; ++c) { float acc = x_g[c]; for (int m = LV; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (klane == 0 && col0 + c < V) d_x[(((long long)b * T + t) * H + h) * V + col0 + c] = acc; }
-        for (int c = 0; c < CPL; ++c) { float acc = dt_g[c]; for (int m = LV; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (klane == 0 && col0 + c < V) d_dt[(((long long)b * T + t) * H + h) * V + col0 + c] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = B_g[r]; for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (vlane == 0) red_k[0][warp][klane + LK * r] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = C_g[r]; for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (vlane == 0) red_k[1][warp][klane + LK * r] = acc; }
+        for (int c = 0; c < CPL; ++c) {  // dx: sum over the row lanes, complete per column
+          float acc = x_g[c];
+          for (int m = LV; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (klane == 0 && col0 + c < V) d_x[(((long long)b * T + t) * H + h) * V + col0 + c] = acc;
+        }
+        for (int c = 0; c < CPL; ++c) {  // ddt: sum over the row lanes, complete per column
+          float acc = dt_g[c];
+          for (int m = LV; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (klane == 0 && col0 + c < V) d_dt[(((long long)b * T + t) * H + h) * V + col0 + c] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dB: sum over the column lanes, then over the warps below
+          float acc = B_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (vlane == 0) red_k[0][warp][klane + LK * r] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dC: sum over the column lanes, then over the warps below
+          float acc = C_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+          if (vlane == 0) red_k[1][warp][klane + LK * r] = acc;
+        }
         __syncthreads();
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[0][w][i]; d_B[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc; }
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[1][w][i]; d_C[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc; }
+        // one partial per threadgroup; the host sums the partials (deterministic, no atomics)
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[0][w][i];
+          d_B[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[1][w][i];
+          d_C[((((long long)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
         __syncthreads();
       }
     }
   }
-  for (int r = 0; r < RK; ++r) for (int c = 0; c < CPL; ++c) if (col0 + c < V) d_A[(((long long)bh) * K + klane + LK * r) * V + col0 + c] = A_g[r][c];
-  for (int c = 0; c < CPL; ++c) { float acc = D_g[c]; for (int m = LV; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (klane == 0 && col0 + c < V) d_D[(long long)bh * V + col0 + c] = acc; }
-  for (int c = 0; c < CPL; ++c) { float acc = dt_bias_g[c]; for (int m = LV; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m); if (klane == 0 && col0 + c < V) d_dt_bias[(long long)bh * V + col0 + c] = acc; }
+  for (int r = 0; r < RK; ++r)  // dA: one element per lane, summed over batch by the host
+    for (int c = 0; c < CPL; ++c)
+      if (col0 + c < V) d_A[(((long long)bh) * K + klane + LK * r) * V + col0 + c] = A_g[r][c];
+  for (int c = 0; c < CPL; ++c) {  // dD: sum over the row lanes
+    float acc = D_g[c];
+    for (int m = LV; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    if (klane == 0 && col0 + c < V) d_D[(long long)bh * V + col0 + c] = acc;
+  }
+  for (int c = 0; c < CPL; ++c) {  // ddt_bias: sum over the row lanes
+    float acc = dt_bias_g[c];
+    for (int m = LV; m < 32; m <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    if (klane == 0 && col0 + c < V) d_dt_bias[(long long)bh * V + col0 + c] = acc;
+  }
   for (int r = 0; r < RK; ++r)
     for (int c = 0; c < CPL; ++c)
       if (col0 + c < V) dh0[(((long long)bh) * K + klane + LK * r) * V + col0 + c] = dS_[r][c];

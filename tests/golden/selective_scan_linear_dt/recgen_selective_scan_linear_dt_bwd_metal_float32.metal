@@ -185,14 +185,14 @@ template <int K, int KIN, int V, int H, int HK, int C, int LK, int RK, int CPL, 
             dS_[r][c] *= (metal::exp(A_v[r][c]*dt_v[c]));
           }
         // input gradients: sum over the role's domain of d[role] * (d role / d x)
-        float x_g[CPL];
-        for (int c = 0; c < CPL; ++c) x_g[c] = 0.0f;
-        float dt_g[CPL];
-        for (int c = 0; c < CPL; ++c) dt_g[c] = 0.0f;
         float B_g[RK];
         for (int r = 0; r < RK; ++r) B_g[r] = 0.0f;
         float C_g[RK];
         for (int r = 0; r < RK; ++r) C_g[r] = 0.0f;
+        float x_g[CPL];
+        for (int c = 0; c < CPL; ++c) x_g[c] = 0.0f;
+        float dt_g[CPL];
+        for (int c = 0; c < CPL; ++c) dt_g[c] = 0.0f;
         for (int r = 0; r < RK; ++r) for (int c = 0; c < CPL; ++c) A_g[r][c] += dD_[r][c] * (dt_v[c]*metal::exp(A_v[r][c]*dt_v[c]));
         for (int r = 0; r < RK; ++r) for (int c = 0; c < CPL; ++c) dt_g[c] += dD_[r][c] * (A_v[r][c]*metal::exp(A_v[r][c]*dt_v[c]));
         for (int r = 0; r < RK; ++r) B_g[r] += dru_[r] * (1.0f);
@@ -201,19 +201,50 @@ template <int K, int KIN, int V, int H, int HK, int C, int LK, int RK, int CPL, 
         for (int r = 0; r < RK; ++r) C_g[r] += drr_[r] * (1.0f);
         if (klane == 0) for (int c = 0; c < CPL; ++c) D_g[c] += drs_[c] * (x_v[c]);
         if (klane == 0) for (int c = 0; c < CPL; ++c) x_g[c] += drs_[c] * (D_v[c]);
-        for (int c = 0; c < CPL; ++c) { float acc = x_g[c]; for (int m = LV; m < 32; m <<= 1) acc += simd_shuffle_xor(acc, m); if (klane == 0 && col0 + c < V) d_x[(((int64_t)b * T + t) * H + h) * V + col0 + c] = acc; }
-        for (int c = 0; c < CPL; ++c) { float acc = dt_g[c]; for (int m = LV; m < 32; m <<= 1) acc += simd_shuffle_xor(acc, m); if (klane == 0 && col0 + c < V) d_dt[(((int64_t)b * T + t) * H + h) * V + col0 + c] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = B_g[r]; for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m); if (vlane == 0) red_k[0][warp][klane + LK * r] = acc; }
-        for (int r = 0; r < RK; ++r) { float acc = C_g[r]; for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m); if (vlane == 0) red_k[1][warp][klane + LK * r] = acc; }
+        for (int c = 0; c < CPL; ++c) {  // dx: sum over the row lanes, complete per column
+          float acc = x_g[c];
+          for (int m = LV; m < 32; m <<= 1) acc += simd_shuffle_xor(acc, m);
+          if (klane == 0 && col0 + c < V) d_x[(((int64_t)b * T + t) * H + h) * V + col0 + c] = acc;
+        }
+        for (int c = 0; c < CPL; ++c) {  // ddt: sum over the row lanes, complete per column
+          float acc = dt_g[c];
+          for (int m = LV; m < 32; m <<= 1) acc += simd_shuffle_xor(acc, m);
+          if (klane == 0 && col0 + c < V) d_dt[(((int64_t)b * T + t) * H + h) * V + col0 + c] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dB: sum over the column lanes, then over the warps below
+          float acc = B_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m);
+          if (vlane == 0) red_k[0][warp][klane + LK * r] = acc;
+        }
+        for (int r = 0; r < RK; ++r) {  // dC: sum over the column lanes, then over the warps below
+          float acc = C_g[r];
+          for (int m = 1; m < LV; m <<= 1) acc += simd_shuffle_xor(acc, m);
+          if (vlane == 0) red_k[1][warp][klane + LK * r] = acc;
+        }
         threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[0][w][i]; d_B[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc; }
-        for (int i = tid; i < K; i += 32 * WV) { float acc = 0.0f; for (int w = 0; w < WV; ++w) acc += red_k[1][w][i]; d_C[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc; }
+        // one partial per threadgroup; the host sums the partials (deterministic, no atomics)
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[0][w][i];
+          d_B[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
+        for (int i = tid; i < K; i += 32 * WV) {
+          float acc = 0.0f;
+          for (int w = 0; w < WV; ++w) acc += red_k[1][w][i];
+          d_C[((((int64_t)tg * B + b) * T + t) * H + h) * K + i] = acc;
+        }
         threadgroup_barrier(metal::mem_flags::mem_threadgroup);
       }
     }
   }
-  for (int r = 0; r < RK; ++r) for (int c = 0; c < CPL; ++c) if (col0 + c < V) d_A[(((int64_t)bh) * K + klane + LK * r) * V + col0 + c] = A_g[r][c];
-  for (int c = 0; c < CPL; ++c) { float acc = D_g[c]; for (int m = LV; m < 32; m <<= 1) acc += simd_shuffle_xor(acc, m); if (klane == 0 && col0 + c < V) d_D[(int64_t)bh * V + col0 + c] = acc; }
+  for (int r = 0; r < RK; ++r)  // dA: one element per lane, summed over batch by the host
+    for (int c = 0; c < CPL; ++c)
+      if (col0 + c < V) d_A[(((int64_t)bh) * K + klane + LK * r) * V + col0 + c] = A_g[r][c];
+  for (int c = 0; c < CPL; ++c) {  // dD: sum over the row lanes
+    float acc = D_g[c];
+    for (int m = LV; m < 32; m <<= 1) acc += simd_shuffle_xor(acc, m);
+    if (klane == 0 && col0 + c < V) d_D[(int64_t)bh * V + col0 + c] = acc;
+  }
   for (int r = 0; r < RK; ++r)
     for (int c = 0; c < CPL; ++c)
       if (col0 + c < V) dh0[(((int64_t)bh) * K + klane + LK * r) * V + col0 + c] = dS_[r][c];
