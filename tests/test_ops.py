@@ -1,0 +1,93 @@
+"""recgen.ops on this machine (the `mlx` backend): argument checks, dispatch, outputs, gradients.
+
+The generated kernels themselves are checked on the CPU emulator (tests/test_kernels_metal.py) and on a GPU
+(benchmarks/cuda_check.py); here the op layer around them is tested where every machine can run it."""
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import recgen as rg
+from recgen import ops, reference, specs
+from recgen.shapes import InputError
+
+
+def _gla_inputs(B=1, T=5, H=2, Hk=1, K=4, V=3, dtype=mx.float32):
+    rng = np.random.default_rng(3)
+    a = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)  # noqa: E731
+    gk = mx.array(-rng.uniform(0, 2, (B, T, H, K)).astype(np.float32)).astype(dtype)
+    return a(B, T, Hk, K), a(B, T, Hk, K), a(B, T, H, V), gk
+
+
+def test_outputs_and_final_state():
+    q, k, v, gk = _gla_inputs()
+    o, st = ops.gla(q, k, v, gk, backend="mlx")
+    assert o.shape == (1, 5, 2, 3) and st is None
+    o, st = ops.gla(q, k, v, gk, backend="mlx", output_final_state=True)
+    o_r, st_r = reference.run(specs.gla, q=np.array(q), k=np.array(k), v=np.array(v), gk=np.array(gk))
+    assert np.allclose(np.array(o), o_r, atol=1e-5) and np.allclose(np.array(st), st_r, atol=1e-5)
+
+
+def test_keyword_arguments_and_scale():
+    q, k, v, gk = _gla_inputs()
+    o1, _ = ops.gla(q=q, k=k, v=v, gk=gk, scale=0.3, backend="mlx")
+    o_r, _ = reference.run(specs.gla, q=np.array(q), k=np.array(k), v=np.array(v), gk=np.array(gk), scale=0.3)
+    assert np.allclose(np.array(o1), o_r, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda a: a[:3] + (a[3].astype(mx.int32),), "'gk'.*float32"),
+    (lambda a: (a[0], a[1], a[2][:, :, :1], a[3]), "'v'|'gk'"),
+    (lambda a: (a[0][..., :3], a[1], a[2], a[3]), "'q'|'k'"),
+    (lambda a: a[:3] + (a[3] * float("nan"),), "'gk'.*NaN"),
+])
+def test_bad_inputs_name_the_argument(bad, match):
+    with pytest.raises(InputError, match=match):
+        ops.gla(*bad(_gla_inputs()), backend="mlx")
+
+
+def test_bad_initial_state_backend_and_arity():
+    q, k, v, gk = _gla_inputs()
+    with pytest.raises(InputError, match="initial_state"):
+        ops.gla(q, k, v, gk, initial_state=mx.zeros((1, 2, 3, 3)), backend="mlx")
+    with pytest.raises(InputError, match="backend"):
+        ops.gla(q, k, v, gk, backend="opencl")
+    with pytest.raises(InputError, match="takes 4 inputs"):
+        ops.gla(q, k, v, gk, gk)
+    with pytest.raises(InputError, match="given twice"):
+        ops.gla(q, k, v, gk, q=q)
+
+
+def test_environment_forces_the_backend(monkeypatch):
+    monkeypatch.setenv("RECGEN_BACKEND", "mlx")
+    assert ops.default_backend() == "mlx"
+    monkeypatch.setenv("RECGEN_BACKEND", "vulkan")
+    with pytest.raises(InputError, match="RECGEN_BACKEND"):
+        ops.default_backend()
+
+
+def test_gradients_reach_inputs_and_initial_state_from_final_state():
+    q, k, v, gk = _gla_inputs()
+    h0 = mx.array(np.random.default_rng(4).standard_normal((1, 2, 4, 3)).astype(np.float32))
+    dht = np.random.default_rng(5).standard_normal((1, 2, 4, 3))
+
+    def loss(q, gk, h0):
+        _, st = ops.gla(q, k, v, gk, initial_state=h0, output_final_state=True, backend="mlx")
+        return (st * mx.array(dht.astype(np.float32))).sum()
+
+    gq, ggk, gh0 = mx.grad(loss, argnums=(0, 1, 2))(q, gk, h0)
+    g = reference.grad(specs.gla, do=np.zeros((1, 5, 2, 3)), dht=dht, initial_state=np.array(h0),
+                       q=np.array(q), k=np.array(k), v=np.array(v), gk=np.array(gk))
+    for a, b in ((gq, g["q"]), (ggk, g["gk"]), (gh0, g["initial_state"])):
+        assert np.linalg.norm(np.array(a) - b) <= 1e-4 * np.linalg.norm(b)
+
+
+def test_bf16_inputs_give_bf16_output():
+    o, _ = ops.gla(*_gla_inputs(dtype=mx.bfloat16), backend="mlx")
+    assert o.dtype == mx.bfloat16
+
+
+def test_load_by_name_and_path():
+    assert rg.load("gla").rec is specs.gla
+    assert rg.load("examples/retnet.py:retnet").rec.name == "retnet"
+    with pytest.raises(InputError, match="spec"):
+        rg.load(42)
