@@ -9,11 +9,14 @@ Everything is computed in float32; ``o`` is cast back to the dtype of the first 
 Both are plain MLX graphs: ``mx.grad`` / ``mx.vjp`` give gradients for every input and
 ``initial_state``, with cotangents accepted for ``final_state``.
 
-The forward is a Python loop over chunks of ``chunk_size`` tokens inside one ``mx.custom_function``
-whose VJP recomputes the chunk boundary states, then differentiates chunk by chunk in reverse
-(``mx.vjp`` per chunk, evaluated and detached before the next): fwd+bwd memory is one chunk's
-intermediates plus T/C boundary states, not T states. Second-order gradients are not supported.
-The per-chunk math is in ``recgen.chunked.core`` (formulas there).
+Scalar and key-vector decays (every built-in but the selective scan) use the chunk-parallel form
+of ``recgen.chunked.core`` (``chunks_diag`` / ``chunks_rank1``): every per-chunk quantity (the
+intra-chunk terms, the WY/UT inverse, the state contributions) for all chunks at once, decay
+products from one exp per token and a hierarchy of multiplications (no pairwise exp), and only the
+inter-chunk state scan sequential. Its VJP (``_parallel_scan``) recomputes stretches of
+``SEG_BYTES``-bounded length in reverse, each differentiated with ``mx.vjp`` and detached before the
+next: fwd+bwd memory is one stretch's intermediates plus the stretch boundary states, not T states.
+Full (i, j) decays keep the per-chunk loop (``_chunk_scan``). Second-order gradients are not supported.
 
 Supported: decay with no free index (scalar), key-indexed (i), value-indexed (j) or full (i, j);
 a rank-1 transition with a scalar or key-indexed decay; a normalizer state with a scalar or
@@ -150,6 +153,67 @@ def _chunk(p, names, scale, sizes, has_z, *arrays):
     return (o, S, z) if has_z else (o, S)
 
 
+SEG_BYTES = 2**15  # the backward differentiates stretches of about this many bytes of inputs at a time
+
+
+def _pow2(n: int) -> int:
+    c = 1
+    while c < n:
+        c *= 2
+    return c
+
+
+def _to_chunks(x, n, C):
+    """[B,H,T,F] -> [B,H,n,C,F], padding time with zeros."""
+    T = x.shape[2]
+    if n * C != T:
+        x = mx.pad(x, [(0, 0), (0, 0), (0, n * C - T), (0, 0)])
+    return x.reshape(x.shape[0], x.shape[1], n, C, x.shape[-1])
+
+
+def _segment(p, names, scale, sizes, has_z, C, *arrays):
+    """Chunk-parallel forward of one stretch of tokens (any length) from state (S, z).
+
+    Returns (o [B,T,H,V], S_end, z_end, chunk-entry states [B,H,n,K,V], z chunk-entry states)."""
+    rec = p.rec
+    S, z = arrays[0], (arrays[1] if has_z else None)
+    chunk = dict(zip(names, arrays[2 if has_z else 1:]))
+    T = next(chunk[x.name].shape[1] for x in rec.inputs if x.per_token)
+    B, H, K, V = sizes.B, sizes.H, sizes.K, sizes.V
+    t = evaluate(p, bind(p, chunk, H), scale, B, H, T, K, V, S.dtype)
+    n = -(-T // C)
+    ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
+    ld = t["logdecay"]
+    d = ch(mx.exp(ld if ld.ndim == 4 else ld[..., None]))
+    if n * C != T:  # padded tokens: decay 1, every other role 0
+        d = mx.where((mx.arange(n * C) < T).reshape(n, C, 1), d, 1.0)
+    r, u, w = ch(t["r"]), ch(t["u"]), ch(t["w"])
+    nz = zst = None
+    if p.fuse_z:  # z rides along as the extra value column of S (same decay and update)
+        w = mx.concatenate([w, ch(mx.ones((B, H, T, 1), dtype=S.dtype))], axis=-1)
+        ya, st, Sa = core.chunks_diag(mx.concatenate([S, z[..., None]], axis=-1), r, u, w, d)
+        ya = ya.reshape(B, H, n * C, V + 1)[:, :, :T]
+        y, nz, S, z = ya[..., :V], ya[..., V], Sa[..., :V], Sa[..., V]
+        st, zst = st[..., :V], st[..., V]
+    else:
+        if "a" in t:
+            rho = ch(t["rho"][..., None])[..., 0] if p.has_rho else None
+            y, st, S = core.chunks_rank1(S, r, u, w, ch(t["a"]), ch(t["b"]), d, rho)
+        else:
+            y, st, S = core.chunks_diag(S, r, u, w, d)
+        y = y.reshape(B, H, n * C, V)[:, :, :T]
+        if has_z:
+            zl = t["zlogdecay"]
+            dz = ch(mx.exp(zl if zl.ndim == 4 else zl[..., None]))
+            if n * C != T:
+                dz = mx.where((mx.arange(n * C) < T).reshape(n, C, 1), dz, 1.0)
+            ones = ch(mx.ones((B, H, T, 1), dtype=S.dtype))
+            yz, zst, zs = core.chunks_diag(z[..., None], r, ch(t["zupdate"]), ones, dz)
+            nz, z, zst = yz.reshape(B, H, n * C)[:, :, :T], zs[..., 0], zst[..., 0]
+    o = _readout(p, rec, t, y, nz)
+    return o, S, z, st, zst
+
+
 def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=None, chunk_size: int = 64,
             compute_dtype=None):
     """Chunked forward of ``rec``: returns (o [B,T,H,V], final_state); see the module docstring.
@@ -168,16 +232,77 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     T = sizes.T
     if T == 0 or sizes.B == 0:
         return _finish(rec, [], S, z, out_dtype, sizes, dtype)
-    C = min(chunk_size, T)
-    bounds = list(range(C, T, C))
     has_z = rec.has_normalizer
     names = [x.name for x in rec.inputs]
-    fn = partial(_chunk, p, names, float(scale), sizes, has_z)
-    scan = _chunk_scan(rec, fn, bounds, has_z)
     state = [S, z] if has_z else [S]
+    if p.decay_class == "full":
+        C = min(chunk_size, T)
+        bounds = list(range(C, T, C))
+        fn = partial(_chunk, p, names, float(scale), sizes, has_z)
+        scan = _chunk_scan(rec, fn, bounds, has_z)
+    else:
+        C = _pow2(min(chunk_size, T))  # chunk length only affects speed, not the result
+        tok_bytes = 4 * sizes.B * sizes.H * (sizes.K + sizes.V)
+        seg = max(1, SEG_BYTES // (tok_bytes * C)) * C
+        fn = partial(_segment, p, names, float(scale), sizes, has_z, C)
+        scan = _parallel_scan(rec, fn, T, C, seg, has_z)
     outs = scan(*state, *[xs[nm] for nm in names])
     o = outs[0].astype(out_dtype)
     return o, ((outs[1], outs[2]) if has_z else outs[1])
+
+
+def _parallel_scan(rec, fn, T, C, seg, has_z):
+    """The chunk-parallel forward as one custom function. Forward: all chunks at once.
+    Backward: the states entering each stretch of ``seg`` tokens (a states-only pass, stretch
+    by stretch; lazy evaluation skips the outputs), then stretches in reverse, each recomputed and
+    differentiated with ``mx.vjp`` (all its chunks at once) and evaluated before the next, so peak
+    memory is one stretch's intermediates plus T/seg states, whatever T."""
+    ns = 2 if has_z else 1
+    per_token = [x.per_token for x in rec.inputs]
+    starts = list(range(0, T, seg))
+    multi = len(starts) > 1
+
+    def seg_fn(*a):
+        res = fn(*a)
+        return list(res[:1 + ns])
+
+    def seg_args(xs, k):
+        t0, t1 = starts[k], min(T, starts[k] + seg)
+        return [x[:, t0:t1] if tok else x for x, tok in zip(xs, per_token)]
+
+    @mx.custom_function
+    def scan(*arrays):
+        return tuple(seg_fn(*arrays))
+
+    @scan.vjp
+    def scan_vjp(primals, cotangents, outputs):
+        cots = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs)]
+        state, xs = list(primals[:ns]), list(primals[ns:])
+        seg_states = [state]
+        for k in range(len(starts) - 1):
+            state = _detach(fn(*state, *seg_args(xs, k))[1:1 + ns])
+            seg_states.append(state)
+        dstate = list(cots[1:])
+        grads = [[] for _ in xs]
+        for k in reversed(range(len(starts))):
+            t0, t1 = starts[k], min(T, starts[k] + seg)
+            do = cots[0][:, t0:t1] if multi else cots[0]
+            prim, cot = [*seg_states[k], *seg_args(xs, k)], [do, *dstate]
+            g = mx.vjp(seg_fn, prim, cot)[1]
+            if multi:
+                g = _detach(g)
+            dstate = list(g[:ns])
+            for j, gj in enumerate(g[ns:]):
+                if per_token[j] or not grads[j]:
+                    grads[j].append(gj)
+                else:
+                    grads[j][0] = grads[j][0] + gj
+        out = []
+        for j, gl in enumerate(grads):
+            out.append(mx.concatenate(gl[::-1], axis=1) if (per_token[j] and len(gl) > 1) else gl[0])
+        return (*dstate, *out)
+
+    return scan
 
 
 def _detach(arrays):

@@ -178,3 +178,143 @@ def chunk_full(S, t: dict, ld):
         gend = mx.exp(G[:, :, -1:] - G)                                 # [B,H,c,K|1,V]
         S = mx.exp(G[:, :, -1]) * S + ((uc[..., None] * gend) * wc[:, :, :, None, :]).sum(axis=2)
     return (ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=2)), S
+
+
+# -- chunk-parallel forms (all chunks at once; only the state scan is sequential) -------------------
+#
+# Shapes: [B, H, n, C, F] with n chunks of C = 2^L tokens (time padded with identity tokens:
+# decay 1, every other role 0). F = K for key-vector decays, 1 for scalar ones.
+#
+# Products of decays come from one exp per token (d = e^{l}) and a hierarchy of multiplications,
+# never a division and never a pairwise exp: at level m (blocks of m tokens paired as (L, R)
+# inside blocks of 2m) P_t = Π d over R's start..t (= Γ(t, end of L) for t in R) and
+# Q_s = Π d over s+1..end of L (= Γ(end of L, s) for s in L). Both are ≤ 1 for decays ≤ 1, so
+# the off-diagonal block (X_R ⊙ P_R)(Y_L ⊙ Q_L)ᵀ = Σ_i X_ti Y_si Γ_i(t, s) is exact at any decay
+# strength, and every level is one batched matmul over all chunks. After the last level P_t is
+# Γ(t, chunk start) and Q_s is Γ(chunk end, s).
+
+
+def _blocks(x, m):
+    """[..., C, F] -> [..., C/(2m), 2, m, F]."""
+    s = x.shape
+    return x.reshape(*s[:-2], s[-2] // (2 * m), 2, m, s[-1])
+
+
+def _unblocks(x):
+    """[..., nb, 2, m, F] -> [..., nb·2m, F]."""
+    s = x.shape
+    return x.reshape(*s[:-4], s[-4] * 2 * s[-2], s[-1])
+
+
+def decay_levels(d):
+    """d [..., C, F] (C a power of 2) -> (levels [(m, P_R, Q_L)], P, Q) as described above."""
+    C = d.shape[-2]
+    P, Q = d, mx.ones_like(d)
+    levels = []
+    m = 1
+    while m < C:
+        Pb, Qb = _blocks(P, m), _blocks(Q, m)
+        PL, PR = Pb[..., 0, :, :], Pb[..., 1, :, :]
+        QL, QR = Qb[..., 0, :, :], Qb[..., 1, :, :]
+        levels.append((m, PR, QL))
+        P = _unblocks(mx.stack([PL, PR * PL[..., -1:, :]], axis=-3))
+        Q = _unblocks(mx.stack([QL * PR[..., -1:, :], QR], axis=-3))
+        m *= 2
+    return levels, P, Q
+
+
+def _half(x, m, side):
+    return _blocks(x, m)[..., side, :, :]
+
+
+def intra_apply(r, u, w, levels):
+    """y_t = Σ_{s≤t} [Σ_i r_ti u_si Γ_i(t,s)] w_s over the lower triangle only: [..., C, V]."""
+    y = (r * u).sum(-1, keepdims=True) * w
+    for m, PR, QL in levels:
+        rb, ub, wb = _half(r, m, 1) * PR, _half(u, m, 0) * QL, _half(w, m, 0)
+        if m == 1:
+            yR = (rb * ub).sum(-1, keepdims=True) * wb
+        else:
+            yR = (rb @ ub.swapaxes(-1, -2)) @ wb
+        y = y + _unblocks(mx.stack([mx.zeros_like(yR), yR], axis=-3))
+    return y
+
+
+def pair_levels(X, Y, levels, strict: bool):
+    """M[t,s] = Σ_i X_ti Y_si Γ_i(t,s) for s ≤ t (s < t when strict), 0 above: [..., C, C]."""
+    C = X.shape[-2]
+    if strict:
+        M = mx.zeros(X.shape[:-2] + (C, 1, 1), dtype=X.dtype)
+    else:
+        M = (X * Y).sum(-1)[..., None, None]
+    for m, PR, QL in levels:
+        Mb = M.reshape(*M.shape[:-3], M.shape[-3] // 2, 2, m, m)
+        ML, MR = Mb[..., 0, :, :], Mb[..., 1, :, :]
+        off = (_half(X, m, 1) * PR) @ (_half(Y, m, 0) * QL).swapaxes(-1, -2)
+        top = mx.concatenate([ML, mx.zeros_like(ML)], axis=-1)
+        bot = mx.concatenate([off, MR], axis=-1)
+        M = mx.concatenate([top, bot], axis=-2)
+    return M[..., 0, :, :]
+
+
+def _scan_diag(S, g, dS):
+    """S_c for every chunk (the state entering it) and the final state: S ← g ⊙ S + dS."""
+    states = []
+    for c in range(g.shape[2]):
+        states.append(S)
+        S = g[:, :, c] * S + dS[:, :, c]
+    return mx.stack(states, axis=2), S
+
+
+def chunks_diag(S, r, u, w, d):
+    """All chunks, no transition. r, u [B,H,n,C,K]; w [B,H,n,C,V]; d [B,H,n,C,F].
+    Returns (y [B,H,n,C,V], chunk-entry states [B,H,n,K,V], final state)."""
+    levels, P, Q = decay_levels(d)
+    g = P[..., -1, :, None]                                   # [B,H,n,F,1]
+    dS = (u * Q).swapaxes(-1, -2) @ w                         # [B,H,n,K,V]
+    states, S = _scan_diag(S, g, dS)
+    y = (r * P) @ states + intra_apply(r, u, w, levels)
+    return y, states, S
+
+
+def chunks_rank1(S, r, u, w, a, b, d, rho=None):
+    """All chunks with the rank-1 transition (see the module docstring for the WY/UT form).
+
+    With a = ρ u (ρ per token, the delta rules) the solve is for Z = w + ρ ⊙ X (FLA's v_new):
+    (I − diag(ρ) P_bu) Z = w + ρ ⊙ (b ⊙ e^G) S, P_bu = pair(b, u, strict); then
+    y = (r ⊙ e^G) S + pair(r, u) Z and S_new = e^{G_C} S + (u ⊙ Γ(C,·))ᵀ Z.
+    The inverse and every product not involving S are batched over all chunks; the scan does
+    two [C,K]·[K,V]-sized matmuls per chunk."""
+    levels, P, Q = decay_levels(d)
+    g = P[..., -1, :, None]
+    if rho is not None:
+        Pbu = pair_levels(b, u, levels, strict=True)
+        Tm = unit_lower_inv(rho[..., None] * Pbu)
+        U = Tm @ w
+        Wm = Tm @ (rho[..., None] * b * P)
+        uQt = (u * Q).swapaxes(-1, -2)
+        states, Zs = [], []
+        for c in range(d.shape[2]):
+            states.append(S)
+            Z = U[:, :, c] + Wm[:, :, c] @ S
+            Zs.append(Z)
+            S = g[:, :, c] * S + uQt[:, :, c] @ Z
+        states, Z = mx.stack(states, axis=2), mx.stack(Zs, axis=2)
+        y = (r * P) @ states + pair_levels(r, u, levels, strict=False) @ Z
+        return y, states, S
+    L = pair_levels(b, a, levels, strict=True)
+    Tm = unit_lower_inv(L)
+    U = Tm @ (pair_levels(b, u, levels, strict=True) @ w)
+    Wm = Tm @ (b * P)
+    aQt = (a * Q).swapaxes(-1, -2)
+    dSu = (u * Q).swapaxes(-1, -2) @ w
+    states, Xs = [], []
+    for c in range(d.shape[2]):
+        states.append(S)
+        X = U[:, :, c] + Wm[:, :, c] @ S
+        Xs.append(X)
+        S = g[:, :, c] * S + aQt[:, :, c] @ X + dSu[:, :, c]
+    states, X = mx.stack(states, axis=2), mx.stack(Xs, axis=2)
+    y = ((r * P) @ states + pair_levels(r, a, levels, strict=False) @ X
+         + intra_apply(r, u, w, levels))
+    return y, states, S

@@ -73,6 +73,7 @@ class Plan:
     zdecay_class: str | None
     N: object           # normalizer function of n, or None
     fuse_z: bool        # z can ride along S as an extra value column (same decay and update, no transition)
+    has_rho: bool = False  # transition a = ρ·u with ρ free of the key index (delta rules): fns["rho"]
 
 
 def _classify(rec: ir.Recurrence, expr: sp.Expr) -> str:
@@ -101,7 +102,14 @@ def plan(rec: ir.Recurrence) -> Plan:
         N = sp.lambdify((ir.N_ARG,), norm.fn, modules=mod)
         fuse = (rec.step.transition is None and decay_class != "full"
                 and sp.simplify(norm.decay - terms["decay"]) == 0 and sp.simplify(norm.update - terms["u"]) == 0)
-    return Plan(rec, syms, fns, decay_class, zclass, N, fuse)
+    has_rho = False
+    tr = rec.step.transition
+    if tr is not None and sp.sympify(terms["u"]) != 0:
+        rho = sp.simplify(sp.sympify(tr.a) / terms["u"])
+        if not rec.free_indices(rho) and rho.is_finite is not False and not rho.has(sp.zoo, sp.nan):
+            fns["rho"] = lam(rho)
+            has_rho = True
+    return Plan(rec, syms, fns, decay_class, zclass, N, fuse, has_rho)
 
 
 # -- binding -----------------------------------------------------------------------------------
@@ -173,6 +181,8 @@ def evaluate(p: Plan, vals: dict, scale: float, B: int, H: int, C: int, K: int, 
             out[role] = mx.broadcast_to(v, (B, H, C, K, 1))[..., 0]
         elif role in VALUE_ROLES:
             out[role] = mx.broadcast_to(v, (B, H, C, 1, V))[..., 0, :]
+        elif role == "rho":
+            out[role] = mx.broadcast_to(v, (B, H, C, 1, 1))[..., 0, 0]
         elif role in ("logdecay", "zlogdecay"):
             cls = p.decay_class if role == "logdecay" else p.zdecay_class
             if cls == "scalar":
