@@ -140,6 +140,7 @@ def _context(plan: KernelPlan, d: Dialect, layout: Layout, banner: str) -> dict:
         "decay": _decay(plan, d),
         "transition": "a" in terms, "skip": "skip" in terms,
         "norm": rec.has_normalizer,
+        "vec_state": layout.CPL == 4 and plan.V % 4 == 0,
         "norm_fn": kprint(rec.step.normalizer.fn, d, {ir.N_ARG: "n_"}) if rec.has_normalizer else "",
         "norm_dfn": kprint(plan.adjoint.dN, d, {ir.N_ARG: "n_"}) if rec.has_normalizer else "",
     }

@@ -21,6 +21,7 @@ class Dialect:
     barrier: str                  # threadgroup-wide barrier with memory fence
     smem: str                     # declaration prefix of threadgroup / shared memory
     int64: str                    # 64-bit index type
+    global_space: str             # address-space qualifier of kernel buffers in a pointer cast
     fns: dict                     # sympy function name -> emitted function name
     dtypes: dict                  # numpy-style dtype name -> emitted type name
     prelude: str                  # helper functions (gates) pasted into the kernel header

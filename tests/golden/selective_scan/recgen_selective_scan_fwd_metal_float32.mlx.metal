@@ -40,9 +40,12 @@ inline float rg_logsigmoid(float x) { return -rg_softplus(-x); }
   float C_n[RK];
   float x_n[CPL];
   float dt_n[CPL];
-  for (int r = 0; r < RK; ++r)
-    for (int c = 0; c < CPL; ++c)
-      S_[r][c] = col0 + c < V ? h0[(((int64_t)bh) * K + klane + LK * r) * V + col0 + c] : 0.0f;
+  for (int r = 0; r < RK; ++r) {  // 16-byte loads: a lane's 4 columns are adjacent and 16-byte aligned
+    float4 s4;
+    s4.x = 0.0f; s4.y = 0.0f; s4.z = 0.0f; s4.w = 0.0f;
+    if (col0 < V) s4 = *((const device float4*)(h0 + (((int64_t)bh) * K + klane + LK * r) * V + col0));
+    S_[r][0] = s4.x; S_[r][1] = s4.y; S_[r][2] = s4.z; S_[r][3] = s4.w;
+  }
   const int NC = (T + C - 1) / C;
       for (int r = 0; r < RK; ++r) B_n[r] = static_cast<float>(B_in[(((int64_t)b * T + 0) * HK + hk) * K + klane + LK * r]);
       for (int r = 0; r < RK; ++r) C_n[r] = static_cast<float>(C_in[(((int64_t)b * T + 0) * HK + hk) * K + klane + LK * r]);
@@ -86,6 +89,9 @@ inline float rg_logsigmoid(float x) { return -rg_softplus(-x); }
           o[(((int64_t)b * T + t) * H + h) * V + col0 + c] = static_cast<OT>(acc + rs_[c]);
       }
   }
-  for (int r = 0; r < RK; ++r)
-    for (int c = 0; c < CPL; ++c)
-      if (col0 + c < V) ht[(((int64_t)bh) * K + klane + LK * r) * V + col0 + c] = S_[r][c];
+  if (col0 < V)
+    for (int r = 0; r < RK; ++r) {
+      float4 s4;
+      s4.x = S_[r][0]; s4.y = S_[r][1]; s4.z = S_[r][2]; s4.w = S_[r][3];
+      *((device float4*)(ht + (((int64_t)bh) * K + klane + LK * r) * V + col0)) = s4;
+    }

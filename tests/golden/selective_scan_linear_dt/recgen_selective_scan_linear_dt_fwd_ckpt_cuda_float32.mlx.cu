@@ -38,9 +38,12 @@ __device__ __forceinline__ float rg_logsigmoid(float x) { return -rg_softplus(-x
   float C_n[RK];
   float x_n[CPL];
   float dt_n[CPL];
-  for (int r = 0; r < RK; ++r)
-    for (int c = 0; c < CPL; ++c)
-      S_[r][c] = col0 + c < V ? h0[(((long long)bh) * K + klane + LK * r) * V + col0 + c] : 0.0f;
+  for (int r = 0; r < RK; ++r) {  // 16-byte loads: a lane's 4 columns are adjacent and 16-byte aligned
+    float4 s4;
+    s4.x = 0.0f; s4.y = 0.0f; s4.z = 0.0f; s4.w = 0.0f;
+    if (col0 < V) s4 = *((const float4*)(h0 + (((long long)bh) * K + klane + LK * r) * V + col0));
+    S_[r][0] = s4.x; S_[r][1] = s4.y; S_[r][2] = s4.z; S_[r][3] = s4.w;
+  }
   const int NC = (T + C - 1) / C;
       for (int r = 0; r < RK; ++r) B_n[r] = static_cast<float>(B_in[(((long long)b * T + 0) * HK + hk) * K + klane + LK * r]);
       for (int r = 0; r < RK; ++r) C_n[r] = static_cast<float>(C_in[(((long long)b * T + 0) * HK + hk) * K + klane + LK * r]);
@@ -84,6 +87,9 @@ __device__ __forceinline__ float rg_logsigmoid(float x) { return -rg_softplus(-x
           o[(((long long)b * T + t) * H + h) * V + col0 + c] = static_cast<OT>(acc + rs_[c]);
       }
   }
-  for (int r = 0; r < RK; ++r)
-    for (int c = 0; c < CPL; ++c)
-      if (col0 + c < V) ht[(((long long)bh) * K + klane + LK * r) * V + col0 + c] = S_[r][c];
+  if (col0 < V)
+    for (int r = 0; r < RK; ++r) {
+      float4 s4;
+      s4.x = S_[r][0]; s4.y = S_[r][1]; s4.z = S_[r][2]; s4.w = S_[r][3];
+      *((float4*)(ht + (((long long)bh) * K + klane + LK * r) * V + col0)) = s4;
+    }

@@ -34,9 +34,12 @@ __device__ __forceinline__ float rg_logsigmoid(float x) { return -rg_softplus(-x
   float q_n[RK];
   float k_n[RK];
   float v_n[CPL];
-  for (int r = 0; r < RK; ++r)
-    for (int c = 0; c < CPL; ++c)
-      S_[r][c] = col0 + c < V ? h0[(((long long)bh) * K + klane + LK * r) * V + col0 + c] : 0.0f;
+  for (int r = 0; r < RK; ++r) {  // 16-byte loads: a lane's 4 columns are adjacent and 16-byte aligned
+    float4 s4;
+    s4.x = 0.0f; s4.y = 0.0f; s4.z = 0.0f; s4.w = 0.0f;
+    if (col0 < V) s4 = *((const float4*)(h0 + (((long long)bh) * K + klane + LK * r) * V + col0));
+    S_[r][0] = s4.x; S_[r][1] = s4.y; S_[r][2] = s4.z; S_[r][3] = s4.w;
+  }
   const int NC = (T + C - 1) / C;
       g_n = static_cast<float>(g_in[(((long long)b * T + 0) * H + h)]);
       for (int r = 0; r < RK; ++r) q_n[r] = static_cast<float>(q_in[(((long long)b * T + 0) * HK + hk) * K + klane + LK * r]);
@@ -78,6 +81,9 @@ __device__ __forceinline__ float rg_logsigmoid(float x) { return -rg_softplus(-x
           o[(((long long)b * T + t) * H + h) * V + col0 + c] = static_cast<OT>(acc);
       }
   }
-  for (int r = 0; r < RK; ++r)
-    for (int c = 0; c < CPL; ++c)
-      if (col0 + c < V) ht[(((long long)bh) * K + klane + LK * r) * V + col0 + c] = S_[r][c];
+  if (col0 < V)
+    for (int r = 0; r < RK; ++r) {
+      float4 s4;
+      s4.x = S_[r][0]; s4.y = S_[r][1]; s4.z = S_[r][2]; s4.w = S_[r][3];
+      *((float4*)(ht + (((long long)bh) * K + klane + LK * r) * V + col0)) = s4;
+    }
