@@ -123,10 +123,10 @@ def _plan(rec: ir.Recurrence, K: int, Kin: int, V: int, H: int, Hk: int, decode:
     fwd, bwd, C = choose_layouts(K, V)
     if rec.has_normalizer:  # the backward also keeps the chunk's normalizer states in registers
         C = max(2, C // 2)
-    if decode and K % 4 == 0:
-        # one step: only the state's read and write matter. 4 row lanes x 8 one-column lanes read
-        # 8 adjacent floats per row, whole 32-byte sectors (fastest of 8 mappings, run-7 sweep)
-        fwd = Layout(4, 1, 4)
+    if decode and K % 4 == 0 and V % 4 == 0:
+        # one step: only the state's read and write matter. 4 row lanes x 8 column lanes with 4 adjacent
+        # columns each, moved as 16-byte vectors (fastest of the mappings swept in runs 7 and 11)
+        fwd = Layout(4, 4, max(1, min(4, -(-V // 32))))
     forced = os.environ.get("RECGEN_FWD_LAYOUT")  # "LK,CPL,WV": for layout sweeps in benchmarks
     if forced:
         fwd = Layout(*map(int, forced.split(",")))
