@@ -45,8 +45,13 @@ def _check_arrays(arrays: dict, check_finite: bool):
             raise InputError(f"argument {name!r}: expected an mx.array, got {type(a).__name__}")
         if str(a.dtype).split(".")[-1] not in FLOAT_DTYPES:
             raise InputError(f"argument {name!r}: expected float32, float16 or bfloat16, got {a.dtype}")
-        if check_finite and not bool(mx.all(mx.isfinite(a)).item()):
-            raise InputError(f"argument {name!r}: contains NaN or Inf")
+    if not check_finite:
+        return
+    finite = [mx.all(mx.isfinite(a)) for a in arrays.values()]
+    if bool(mx.all(mx.stack(finite)).item()):  # one host sync for all inputs; name the culprit only on failure
+        return
+    bad = next(name for name, ok in zip(arrays, finite) if not bool(ok.item()))
+    raise InputError(f"argument {bad!r}: contains NaN or Inf")
 
 
 class Op:

@@ -14,7 +14,7 @@ import sympy as sp
 from helpers import random_inputs, random_state
 from recgen import ir, reference
 from recgen.fns import exp, sigmoid
-from recgen.frontend import (Key, KeyGate, Param, Scalar, Step, Value, normalizer, outer, rank1,
+from recgen.frontend import (Key, Param, Scalar, Step, Value, normalizer, outer, rank1,
                              recurrence, sympow)
 from recgen.ir import SCALE as scale
 from recgen.shapes import InputError
