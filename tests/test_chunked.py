@@ -26,7 +26,7 @@ mx = pytest.importorskip("mlx.core")
 from recgen import ir, reference, specs  # noqa: E402
 from recgen.chunked import forward, naive_loop, supported  # noqa: E402
 from recgen.features import sympow  # noqa: E402
-from recgen.frontend import Key, Scalar, Step, Value, Param, rank1, outer, recurrence  # noqa: E402
+from recgen.frontend import Key, Scalar, Step, Value, Param, normalizer, rank1, outer, recurrence  # noqa: E402
 from recgen.fns import exp, sigmoid  # noqa: E402
 from recgen.shapes import infer_sizes  # noqa: E402
 
@@ -90,7 +90,7 @@ def compare(rec, T, *, chunk=64, B=2, H=4, Hk=2, K=8, V=6, gmin=-20.0, init=True
     if init:
         if rec.has_normalizer:  # a reachable state: sums of features
             kk = rng.normal(size=(B, H, 3, sz.Kin))
-            phi = sympow(kk)
+            phi = sympow(kk) if rec.features else kk
             h0 = (r32(phi.transpose(0, 1, 3, 2) @ rng.normal(size=(B, H, 3, V))), r32(phi.sum(2)))
         else:
             h0 = r32(rng.normal(size=sz.state_shape))
@@ -207,23 +207,62 @@ def test_unsupported_transition_with_full_decay_names_the_term():
         supported(odd)
 
 
-def test_memory_bounded_in_T():
-    """fwd+bwd peak memory grows like the inputs (T/C boundary states), not like T states."""
-    rec = specs.simple_gla
-    peaks = []
-    rec = specs.gla  # [C, C, K] pairwise intermediates: ~1 MiB per chunk here
-    for T in (512, 2048):
-        rng = np.random.default_rng(0)
-        d = make_inputs(rec, rng, 1, T, 2, 2, 32, 32, -1.0)
-        ins = [mx.array(d[n].astype(np.float32)) for n in d]
+@recurrence
+def dplr(q: Key, k: Key, kk: Key, v: Value, g: Scalar, beta: Scalar):
+    """A rank-1 transition whose a is not a multiple of u (the general WY/UT path, by autodiff)."""
+    return Step(decay=exp(g), transition=rank1(-beta * kk, k), update=outer(beta * k, v), readout=ir.SCALE * q)
 
-        def loss(*a):
-            o, s = forward(rec, dict(zip(d, a)), scale=0.2, chunk_size=64)
-            return o.sum() + s.sum()
 
-        mx.eval(ins)
-        mx.reset_peak_memory()
-        mx.eval(mx.grad(loss, argnums=list(range(len(ins))))(*ins))
-        peaks.append(mx.get_peak_memory())
-    io_growth = 4 * 1536 * 2 * 32 * 4 * 3  # bytes: extra tokens × 4 inputs × (input, grad, slack)
-    assert peaks[1] - peaks[0] < io_growth + 2**20, peaks  # unbounded would add ~12 MiB per chunk
+@recurrence
+def two_decays(q: Key, k: Key, v: Value, g: Scalar, f: Scalar):
+    """A normalizer whose decay differs from the state's (z is not fused into S as a column)."""
+    return Step(decay=exp(g), update=outer(k, v), readout=ir.SCALE * q,
+                normalizer=normalizer(sigmoid(f), k, lambda n: n**2 + 1))
+
+
+def test_general_rank1_and_separate_normalizer():
+    from recgen.chunked.terms import plan
+
+    assert not plan(dplr).has_rho and not plan(two_decays).fuse_z  # the paths this test is for
+    assert_close(compare(dplr, 45, chunk=16, seed=4, gmin=-8.0))
+    assert_close(compare(two_decays, 45, chunk=16, seed=5, gmin=-8.0))
+
+
+@pytest.mark.parametrize("name", ["gated_delta_net", "gla", "dplr", "two_decays", "power_retention"])
+def test_segmented_matches_reference(name, monkeypatch):
+    """A 1-byte budget forces segments of one chunk: the segmented forward (entry states only) and
+    the reverse recomputation must give the same results as one piece."""
+    monkeypatch.setenv("RECGEN_CHUNKED_BUDGET", "1")
+    rec = {"dplr": dplr, "two_decays": two_decays}.get(name) or specs.BUILTINS[name]
+    gmin = -3.0 if name == "power_retention" else -20.0
+    assert_close(compare(rec, 70, chunk=16, seed=21, gmin=gmin))
+
+
+def _peak_fwd_bwd(rec, T, chunk):
+    rng = np.random.default_rng(0)
+    d = make_inputs(rec, rng, 1, T, 2, 2, 32, 32, -1.0)
+    ins = [mx.array(d[n].astype(np.float32)) for n in d]
+
+    def loss(*a):
+        o, s = forward(rec, dict(zip(d, a)), scale=0.2, chunk_size=chunk)
+        return o.sum() + s.sum()
+
+    mx.eval(ins)
+    mx.reset_peak_memory()
+    mx.eval(mx.grad(loss, argnums=list(range(len(ins))))(*ins))
+    return mx.get_peak_memory(), sum(a.nbytes for a in ins)
+
+
+def test_memory_bounded_in_T(monkeypatch):
+    """With segments, fwd+bwd peak memory grows like the inputs and their gradients (plus the
+    output and its cotangent), not like T states and not like the unsegmented working set."""
+    rec = specs.gla  # key-vector decay: the largest per-token working set of the built-ins
+    one_piece = [_peak_fwd_bwd(rec, T, 64) for T in (512, 2048)]
+    monkeypatch.setenv("RECGEN_CHUNKED_BUDGET", str(2**20))  # segments of 64 tokens here
+    segmented = [_peak_fwd_bwd(rec, T, 64) for T in (512, 2048)]
+    io_growth = segmented[1][1] - segmented[0][1]  # bytes of the extra inputs
+    growth = segmented[1][0] - segmented[0][0]
+    assert growth < 8 * io_growth, (growth, io_growth)  # inputs, grads (pieces + whole), o, do: ~6x
+    assert growth < 0.75 * (one_piece[1][0] - one_piece[0][0]), (segmented, one_piece)
+    naive_state_bytes = 1536 * 2 * 32 * 32 * 4  # the T states a naive loop keeps for its backward
+    assert growth < naive_state_bytes, growth

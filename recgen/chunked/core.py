@@ -6,24 +6,21 @@ l_t (scalar or key-vector) and its in-chunk inclusive cumulative sum G_t, write
 Γ(t, s) = exp(G_t − G_s) (the decay applied between token s and token t, s ≤ t), formed only
 for s ≤ t after masking, so it is ≤ 1 for decays ≤ 1 and never overflows.
 
-No transition (simple GLA, GLA, power retention):
-    y_t   = (r_t ⊙ e^{G_t})ᵀ S + Σ_{s≤t} [Σ_i r_ti u_si Γ_i(t,s)] w_s
-    S_new = e^{G_C} ⊙ S + Σ_s (u_s ⊙ Γ(C,s)) w_sᵀ
-
-Rank-1 transition Q = P + a (bᵀP), P = D ⊙ S (delta rules). Unrolling, S_t = Λ(t,0) S +
-Σ_{s≤t} Λ(t,s) (a_s x_sᵀ + u_s w_sᵀ) with x_t = (Λ_t S_{t-1})ᵀ b_t (the decayed "prediction"),
-which solves the unit lower-triangular system (WY/UT form)
+General rank-1 transition Q = P + a (bᵀP), P = D ⊙ S (``chunks_rank1``; the delta rules, a = ρ u,
+use the faster ``parallel`` core). Unrolling, S_t = Λ(t,0) S + Σ_{s≤t} Λ(t,s) (a_s x_sᵀ + u_s w_sᵀ)
+with x_t = (Λ_t S_{t-1})ᵀ b_t (the decayed "prediction"), which solves the unit lower-triangular
+system (WY/UT form)
     x_t − Σ_{s<t} L[t,s] x_s = (b_t ⊙ e^{G_t})ᵀ S + Σ_{s<t} [Σ_i b_ti u_si Γ_i(t,s)] w_s,
     L[t,s] = Σ_i b_ti a_si Γ_i(t,s)   (s < t),
 so X = (I − L)^{-1} RHS, then
     y_t   = (r_t ⊙ e^{G_t})ᵀ S + Σ_{s≤t} [r_t·Γ(t,s)·a_s] x_s + Σ_{s≤t} [r_t·Γ(t,s)·u_s] w_s
     S_new = e^{G_C} ⊙ S + Σ_s (a_s ⊙ Γ(C,s)) x_sᵀ + Σ_s (u_s ⊙ Γ(C,s)) w_sᵀ.
-(I − L)^{-1} comes from forward substitution on 16×16 diagonal blocks merged by the 2×2 block
-formula; no matrix power series.
+(I − L)^{-1} comes from the recursive 2×2 block inverse (``unit_lower_inv``); no matrix power series.
 
-Key-vector decays form the pairwise factor Γ_i(t, s) as a [C, C, K] tensor (exact at any decay
-strength; the split q·e^{G}, k·e^{−G} overflows). Full (i, j) decays (selective scan) form the
-[c, c, K, V] tensor over sub-chunks of c ≤ 16 tokens, passing the state between sub-chunks.
+Key-vector decays never form a [C, C, K] pairwise tensor (nor the split q·e^{G}, k·e^{−G}, which
+overflows): ``decay_levels`` builds every decay product from one exp per token by a hierarchy of
+multiplications. Full (i, j) decays (selective scan, ``chunk_full``) form the [c, c, K, V] tensor
+over sub-chunks of c ≤ 16 tokens, passing the state between sub-chunks.
 """
 from __future__ import annotations
 
@@ -38,116 +35,53 @@ def _mask(C: int, strict: bool):
     return (t[:, None] > t[None, :]) if strict else (t[:, None] >= t[None, :])
 
 
-def pair_decay(G, cls: str):
-    """Γ(t, s) = exp(G_t − G_s) for s ≤ t, 0 above the diagonal: [B,H,C,C] or [B,H,C,C,K]."""
-    C = G.shape[2]
-    m = _mask(C, strict=False)
-    if cls == "scalar":
-        d = G[..., :, None] - G[..., None, :]
-        return mx.exp(mx.where(m, d, NEG_INF))
-    d = G[:, :, :, None, :] - G[:, :, None, :, :]
-    return mx.exp(mx.where(m[:, :, None], d, NEG_INF))
+def _tr(x):
+    """xᵀ (last two axes) as a matmul's right operand; contiguous on the CPU (see parallel.tr)."""
+    x = x.swapaxes(-1, -2)
+    return mx.contiguous(x) if mx.default_device() == mx.cpu else x
 
 
-def pair(X, Y, E, cls: str, strict: bool):
-    """M[t,s] = Σ_i X_ti Y_si Γ_i(t,s), masked to s ≤ t (s < t when strict): [B,H,C,C]."""
-    if cls == "scalar":
-        M = (X @ Y.swapaxes(-1, -2)) * E
-    else:
-        M = ((X[:, :, :, None, :] * E) * Y[:, :, None, :, :]).sum(-1)
-    if strict:
-        M = M * _mask(X.shape[2], strict=True)
-    return M
+def _pow2(n: int) -> int:
+    c = 1
+    while c < n:
+        c *= 2
+    return c
 
 
-def _decay_to_end(G, cls):
-    """Γ(C, s) = exp(G_C − G_s) shaped to scale key rows: [B,H,C,1] or [B,H,C,K]."""
-    GC = G[:, :, -1:]
-    return mx.exp(GC - G)[..., None] if cls == "scalar" else mx.exp(GC - G)
-
-
-def _state_decay(G, cls):
-    """e^{G_C} shaped to scale S [B,H,K,V]."""
-    g = mx.exp(G[:, :, -1])
-    return g[..., None, None] if cls == "scalar" else g[..., None]
-
-
-def _row_scale(X, G, cls):
-    """X_t ⊙ e^{G_t}."""
-    return X * (mx.exp(G)[..., None] if cls == "scalar" else mx.exp(G))
-
-
-def _rowsub(L):
-    """(I − L)^{-1} for strictly lower L [..., n, n] (n small) by forward substitution."""
-    n = L.shape[-1]
-    eye = mx.eye(n, dtype=L.dtype)
-    batch = L.shape[:-2]
-    rows = [mx.broadcast_to(eye[0], batch + (n,))]
-    for t in range(1, n):
-        prev = mx.stack(rows, axis=-2)                       # [..., t, n]
-        rows.append(eye[t] + (L[..., t:t + 1, :t] @ prev)[..., 0, :])
-    return mx.stack(rows, axis=-2)
+def offdiag_blocks(M, m: int):
+    """The (right-half rows, left-half columns) m×m block of every 2m×2m diagonal block of
+    M [..., C, C] (C a multiple of 2m): [..., C/2m, m, m]."""
+    C = M.shape[-1]
+    nb = C // (2 * m)
+    x = M.reshape(*M.shape[:-2], nb, 2 * m, nb, 2 * m)
+    d = mx.moveaxis(mx.diagonal(x, 0, x.ndim - 4, x.ndim - 2), -1, -3)
+    return d[..., m:, :m]
 
 
 def unit_lower_inv(L):
-    """(I − L)^{-1} for strictly lower-triangular L [..., C, C]: blockwise forward substitution.
+    """(I − L)^{-1} for strictly lower-triangular L [..., C, C]: recursive 2×2 block inversion.
 
-    Diagonal blocks of 16 are inverted by forward substitution (batched over blocks), then
-    merged pairwise: [[A, 0], [N_c, D]]^{-1} with N = I − L has lower-left block D⁻¹ L_c A⁻¹.
+    From 1×1 blocks up, every level pairs neighbouring diagonal blocks at once:
+    (I − [[L_a, 0], [L_c, L_d]])^{-1} = [[A, 0], [D L_c A, D]] with A, D the inverses of the halves.
+    This is forward substitution reorganised into log2(C) batched levels (LAPACK's recursive
+    triangular inverse); no matrix power series.
     """
     C = L.shape[-1]
-    if C <= SUB:
-        return _rowsub(L)
-    nb = 1
-    while SUB * nb < C:
-        nb *= 2
-    Cp = SUB * nb
+    Cp = _pow2(C)
     if Cp != C:
-        pad = [(0, 0)] * (L.ndim - 2) + [(0, Cp - C), (0, Cp - C)]
-        L = mx.pad(L, pad)
-    blocks = mx.stack([L[..., k * SUB:(k + 1) * SUB, k * SUB:(k + 1) * SUB] for k in range(nb)], axis=-3)
-    inv = _rowsub(blocks)                                    # [..., nb, m, m]
-    m = SUB
-    while nb > 1:
-        merged = []
-        for k in range(nb // 2):
-            A, D = inv[..., 2 * k, :, :], inv[..., 2 * k + 1, :, :]
-            r0 = (2 * k + 1) * m
-            c0 = 2 * k * m
-            Lc = L[..., r0:r0 + m, c0:c0 + m]
-            low = D @ (Lc @ A)
-            top = mx.concatenate([A, mx.zeros_like(A)], axis=-1)
-            bot = mx.concatenate([low, D], axis=-1)
-            merged.append(mx.concatenate([top, bot], axis=-2))
-        inv = mx.stack(merged, axis=-3)
-        nb //= 2
+        L = mx.pad(L, [(0, 0)] * (L.ndim - 2) + [(0, Cp - C), (0, Cp - C)])
+    batch = L.shape[:-2]
+    T = mx.ones(batch + (Cp, 1, 1), dtype=L.dtype)
+    m = 1
+    while m < Cp:
+        Tb = T.reshape(*batch, Cp // (2 * m), 2, m, m)
+        TL, TR = Tb[..., 0, :, :], Tb[..., 1, :, :]
+        low = TR @ (offdiag_blocks(L, m) @ TL)
+        zero = mx.zeros_like(TL)
+        T = mx.concatenate([mx.concatenate([TL, zero], axis=-1), mx.concatenate([low, TR], axis=-1)], axis=-2)
         m *= 2
-    out = inv[..., 0, :, :]
-    return out[..., :C, :C] if Cp != C else out
-
-
-def chunk_diag(S, t: dict, cls: str, G=None):
-    """One chunk with scalar or key-vector decay (optionally a rank-1 transition).
-
-    S [B,H,K,V]; t: role -> [B,H,C,K] (key side) / [B,H,C,V] (w); G: cumulative log-decay
-    [B,H,C] or [B,H,C,K]. Returns (y [B,H,C,V], S_new).
-    """
-    r, u, w = t["r"], t["u"], t["w"]
-    E = pair_decay(G, cls)
-    y = _row_scale(r, G, cls) @ S
-    Ru = pair(r, u, E, cls, strict=False)
-    gend = _decay_to_end(G, cls)
-    S_new = _state_decay(G, cls) * S
-    if "a" in t:
-        a, b = t["a"], t["b"]
-        L = pair(b, a, E, cls, strict=True)
-        rhs = _row_scale(b, G, cls) @ S + pair(b, u, E, cls, strict=True) @ w
-        X = unit_lower_inv(L) @ rhs
-        y = y + pair(r, a, E, cls, strict=False) @ X
-        S_new = S_new + (a * gend).swapaxes(-1, -2) @ X
-    y = y + Ru @ w
-    S_new = S_new + (u * gend).swapaxes(-1, -2) @ w
-    return y, S_new
+    T = T[..., 0, :, :]
+    return T[..., :C, :C] if Cp != C else T
 
 
 def chunk_full(S, t: dict, ld):
@@ -250,58 +184,20 @@ def pair_levels(X, Y, levels, strict: bool):
     for m, PR, QL in levels:
         Mb = M.reshape(*M.shape[:-3], M.shape[-3] // 2, 2, m, m)
         ML, MR = Mb[..., 0, :, :], Mb[..., 1, :, :]
-        off = (_half(X, m, 1) * PR) @ (_half(Y, m, 0) * QL).swapaxes(-1, -2)
+        off = (_half(X, m, 1) * PR) @ _tr(_half(Y, m, 0) * QL)
         top = mx.concatenate([ML, mx.zeros_like(ML)], axis=-1)
         bot = mx.concatenate([off, MR], axis=-1)
         M = mx.concatenate([top, bot], axis=-2)
     return M[..., 0, :, :]
 
 
-def _scan_diag(S, g, dS):
-    """S_c for every chunk (the state entering it) and the final state: S ← g ⊙ S + dS."""
-    states = []
-    for c in range(g.shape[2]):
-        states.append(S)
-        S = g[:, :, c] * S + dS[:, :, c]
-    return mx.stack(states, axis=2), S
-
-
-def chunks_diag(S, r, u, w, d):
-    """All chunks, no transition. r, u [B,H,n,C,K]; w [B,H,n,C,V]; d [B,H,n,C,F].
-    Returns (y [B,H,n,C,V], chunk-entry states [B,H,n,K,V], final state)."""
-    levels, P, Q = decay_levels(d)
-    g = P[..., -1, :, None]                                   # [B,H,n,F,1]
-    dS = (u * Q).swapaxes(-1, -2) @ w                         # [B,H,n,K,V]
-    states, S = _scan_diag(S, g, dS)
-    y = (r * P) @ states + intra_apply(r, u, w, levels)
-    return y, states, S
-
-
-def chunks_rank1(S, r, u, w, a, b, d, rho=None):
-    """All chunks with the rank-1 transition (see the module docstring for the WY/UT form).
-
-    With a = ρ u (ρ per token, the delta rules) the solve is for Z = w + ρ ⊙ X (FLA's v_new):
-    (I − diag(ρ) P_bu) Z = w + ρ ⊙ (b ⊙ e^G) S, P_bu = pair(b, u, strict); then
-    y = (r ⊙ e^G) S + pair(r, u) Z and S_new = e^{G_C} S + (u ⊙ Γ(C,·))ᵀ Z.
-    The inverse and every product not involving S are batched over all chunks; the scan does
-    two [C,K]·[K,V]-sized matmuls per chunk."""
+def chunks_rank1(S, r, u, w, a, b, d):
+    """All chunks with a general rank-1 transition (a not a multiple of u; see the module docstring
+    for the WY/UT form), differentiated by MLX autodiff. The delta rules (a = ρ u) take the faster
+    ``parallel`` core instead. r, u, a, b [B,H,n,C,K]; w [B,H,n,C,V]; d = e^l [B,H,n,C,F].
+    Returns (y [B,H,n,C,V], chunk-entry states, final state)."""
     levels, P, Q = decay_levels(d)
     g = P[..., -1, :, None]
-    if rho is not None:
-        Pbu = pair_levels(b, u, levels, strict=True)
-        Tm = unit_lower_inv(rho[..., None] * Pbu)
-        U = Tm @ w
-        Wm = Tm @ (rho[..., None] * b * P)
-        uQt = (u * Q).swapaxes(-1, -2)
-        states, Zs = [], []
-        for c in range(d.shape[2]):
-            states.append(S)
-            Z = U[:, :, c] + Wm[:, :, c] @ S
-            Zs.append(Z)
-            S = g[:, :, c] * S + uQt[:, :, c] @ Z
-        states, Z = mx.stack(states, axis=2), mx.stack(Zs, axis=2)
-        y = (r * P) @ states + pair_levels(r, u, levels, strict=False) @ Z
-        return y, states, S
     L = pair_levels(b, a, levels, strict=True)
     Tm = unit_lower_inv(L)
     U = Tm @ (pair_levels(b, u, levels, strict=True) @ w)

@@ -1,0 +1,260 @@
+r"""Chunk-parallel forward and its hand-derived backward: the fast chunked core.
+
+Per (b, h) the sequence is cut into n chunks of C = 2^L tokens. A chunk enters with state S_c (K×V)
+and carries per-token roles r, u (key side, C×K), w (C×V), optionally b̃ = ρ ⊙ b (the delta-rule
+transition a = ρ u, ρ per token) and log-decays l (C×F: F = 1 scalar, F = K key-vector). With
+P_t = Γ(t, start) (decay from the chunk start through t), Q_s = Γ(end, s), g = P_end and the
+pair matrices M_XY[t, s] = Σ_i X_ti Y_si Γ_i(t, s) (s ≤ t, or s < t when strict):
+
+    A  = M_b̃u (strict),  T = (I − A)^{-1},  U = T w,  W = T (b̃ ⊙ P)      (W = 0, U = w without b̃)
+    Z_c     = U_c + W_c S_c                         ("v_new": the values that enter the state)
+    S_{c+1} = g_c ⊙ S_c + (u ⊙ Q)_cᵀ Z_c           (the only sequential step: a scan over chunks)
+    y_c     = (r ⊙ P)_c S_c + M_ru,c Z_c
+
+Backward, with dy and dS_n = the cotangent of the final state (derived by hand, checked against
+the float64 reference and MLX autodiff in the tests):
+
+    F = M_ruᵀ dy,   E = (r ⊙ P)ᵀ dy + Wᵀ F
+    dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ (u ⊙ Q)_c dS_{c+1}       (reverse scan; dS_0 = d initial state)
+    dZ = F + (u ⊙ Q) dS_{c+1};  Δ = Tᵀ dZ = dw;   d(b̃ ⊙ P) = Δ S_cᵀ
+    d(r ⊙ P) = dy S_cᵀ,  d(u ⊙ Q) = Z dS_{c+1}ᵀ,  dg = Σ_j dS_{c+1} ⊙ S_c
+    dM_ru = dy Zᵀ,  dA = Δ Zᵀ  →  pair gradients dX_t = Σ_s dM[t,s] Γ(t,s) Y_s, dY_s = Σ_t dM[t,s] Γ(t,s) X_t
+
+Decays enter through G_t = Σ_{τ≤t} l_τ: every factor is exp(G_t − G_s) for some pair, so
+∂/∂G_t collects X ⊙ dX for each factor's left side and −Y ⊙ dY for its right side, and
+dl = the reverse cumulative sum of dG inside each chunk. Everything but the two scans is batched
+over all chunks; memory is O(T·(K + V + C)) plus the n chunk-entry states, never T states.
+
+Decay products are never divisions. Scalar decays build Γ[t, s] = exp(Σ_{s<τ≤t} l_τ) from sums
+anchored at s (a cumulative sum of a masked C×C matrix), so a small decay far from the chunk start
+stays accurate; key-vector decays use the multiplicative hierarchy of ``core.decay_levels`` (one exp
+per token and element, no [C, C, K] tensor).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from .core import _half, _unblocks, decay_levels, offdiag_blocks, pair_levels, unit_lower_inv
+
+__all__ = ["core_fn"]
+
+
+def tr(x):
+    """xᵀ over the last two axes, for the right operand of a matmul. On the CPU the transpose is
+    materialised: mlx-cpu's BLAS (the reference one in the Linux wheels) runs a product whose right
+    operand is a transposed view as dot products, measured 2.6x slower than on a contiguous copy."""
+    x = x.swapaxes(-1, -2)
+    return mx.contiguous(x) if mx.default_device() == mx.cpu else x
+
+
+def _tri(C: int, strict: bool):
+    t = mx.arange(C)
+    return (t[:, None] > t[None, :]) if strict else (t[:, None] >= t[None, :])
+
+
+class ScalarDecay:
+    """One decay per token (F = 1): Γ as a [.., C, C] matrix; pair terms are masked matmuls."""
+
+    def __init__(self, l):
+        C = l.shape[-2]
+        lt = l[..., 0]
+        # D[t, s] = Σ_{s<τ≤t} l_τ, summed from s (anchored): accurate however far t is from the start
+        D = mx.cumsum(mx.where(_tri(C, True), lt[..., :, None], 0.0), axis=-2)
+        self.gamma = mx.where(_tri(C, False), mx.exp(D), 0.0)
+        self.gamma_strict = mx.where(_tri(C, True), self.gamma, 0.0)
+        self.P = mx.exp(mx.cumsum(l, axis=-2))
+        self.Q = self.gamma[..., -1, :][..., None]
+        self.g = self.P[..., -1, :]
+
+    def pair(self, X, Y, strict: bool):
+        return (X @ tr(Y)) * (self.gamma_strict if strict else self.gamma)
+
+    def pair_grad(self, dM, X, Y, strict: bool):
+        E = dM * (self.gamma_strict if strict else self.gamma)
+        return E @ Y, E.swapaxes(-1, -2) @ X
+
+    @staticmethod
+    def fold(x):
+        """A per-key-element quantity summed to the decay's shape."""
+        return x.sum(-1, keepdims=True)
+
+
+class KeyDecay:
+    """A decay per token and key element (F = K): the multiplicative hierarchy of ``decay_levels``."""
+
+    def __init__(self, l):
+        self.levels, self.P, self.Q = decay_levels(mx.exp(l))
+        self.g = self.P[..., -1, :]
+
+    def pair(self, X, Y, strict: bool):
+        return pair_levels(X, Y, self.levels, strict)
+
+    def pair_grad(self, dM, X, Y, strict: bool):
+        """dX_t = Σ_{s≤t} dM[t,s] Γ(t,s) ⊙ Y_s and dY_s = Σ_{t≥s} dM[t,s] Γ(t,s) ⊙ X_t, level by
+        level: an off-diagonal block factors as Γ_i(t,s) = P_R,i(t) Q_L,i(s)."""
+        if strict:
+            dX, dY = mx.zeros_like(X), mx.zeros_like(Y)
+        else:
+            dd = mx.diagonal(dM, 0, dM.ndim - 2, dM.ndim - 1)[..., None]
+            dX, dY = dd * Y, dd * X
+        for m, PR, QL in self.levels:
+            Db = offdiag_blocks(dM, m)
+            dXR = PR * (Db @ (_half(Y, m, 0) * QL))
+            dYL = QL * (Db.swapaxes(-1, -2) @ (_half(X, m, 1) * PR))
+            dX = dX + _unblocks(mx.stack([mx.zeros_like(dXR), dXR], axis=-3))
+            dY = dY + _unblocks(mx.stack([dYL, mx.zeros_like(dYL)], axis=-3))
+        return dX, dY
+
+    @staticmethod
+    def fold(x):
+        return x
+
+
+def _split(x):
+    """[..., n, a, b] -> n arrays [..., 1, a, b] (one op; the chunk axis stays for broadcasting)."""
+    n = x.shape[-3]
+    return mx.split(x, n, axis=-3) if n > 1 else [x]
+
+
+def _transition(geo, uQ, W):
+    """A_c = diag(g_c) + (u ⊙ Q)_cᵀ W_c: the K×K map S_c -> S_{c+1} of chunk c."""
+    K = uQ.shape[-1]
+    return geo.g[..., None] * mx.eye(K, dtype=uQ.dtype) + uQ.swapaxes(-1, -2) @ W
+
+
+def _scan_forward(geo, S0, uQ, U, W, compose: bool):
+    """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state."""
+    gs = geo.g[..., None]
+    uQt = uQ.swapaxes(-1, -2)
+    S = S0[..., None, :, :]
+    states = []
+    if W is None:
+        for gc, dc in zip(_split(gs), _split(uQt @ U)):
+            states.append(S)
+            S = gc * S + dc
+        Z = U
+    elif compose:  # one K×K·K×V product per chunk: as cheap as two C-sized ones when C ≥ K/2
+        for Ac, Bc in zip(_split(_transition(geo, uQ, W)), _split(uQt @ U)):
+            states.append(S)
+            S = mx.addmm(Bc, Ac, S)
+        Z = None
+    else:
+        Zs = []
+        for gc, uc, Uc, Wc in zip(_split(gs), _split(uQt), _split(U), _split(W)):
+            states.append(S)
+            Zc = mx.addmm(Uc, Wc, S)
+            Zs.append(Zc)
+            S = mx.addmm(gc * S, uc, Zc)
+        Z = mx.concatenate(Zs, axis=-3)
+    states = mx.concatenate(states, axis=-3)
+    if Z is None:
+        Z = U + W @ states
+    return states, Z, S[..., 0, :, :]
+
+
+def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool):
+    """Reverse scan over chunks: dS_{c+1} for every chunk c [.., n, K, V], dZ [.., n, C, V] and
+    dS_0, from dZ_c = F_c + (u ⊙ Q)_c dS_{c+1} and dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ dZ_c.
+    With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after."""
+    gs = geo.g[..., None]
+    dS = dS_end[..., None, :, :]
+    nxt, dZs = [], []
+    if W is None:
+        for gc, Ec in zip(reversed(_split(gs)), reversed(_split(E))):
+            nxt.append(dS)
+            dS = gc * dS + Ec
+    elif compose:
+        E = E + W.swapaxes(-1, -2) @ F
+        for At, Ec in zip(reversed(_split(_transition(geo, uQ, W).swapaxes(-1, -2))), reversed(_split(E))):
+            nxt.append(dS)
+            dS = mx.addmm(Ec, At, dS)
+    else:
+        for gc, uc, Wc, Fc, Ec in zip(*(reversed(_split(x)) for x in (gs, uQ, W.swapaxes(-1, -2), F, E))):
+            nxt.append(dS)
+            dZs.append(mx.addmm(Fc, uc, dS))
+            dS = mx.addmm(gc * dS + Ec, Wc, dZs[-1])
+    dSn = mx.concatenate(nxt[::-1], axis=-3)
+    dZ = mx.concatenate(dZs[::-1], axis=-3) if dZs else F + uQ @ dSn
+    return dSn, dZ, dS[..., 0, :, :]
+
+
+def _forward(geo, S0, r, u, w, bt, compose):
+    """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too."""
+    uQ = u * geo.Q
+    U, W, Tm = w, None, None
+    if bt is not None:
+        Tm = unit_lower_inv(geo.pair(bt, u, strict=True))
+        U, W = Tm @ w, Tm @ (bt * geo.P)
+    states, Z, S_end = _scan_forward(geo, S0, uQ, U, W, compose)
+    M = geo.pair(r, u, strict=False)
+    y = (r * geo.P) @ states + M @ Z
+    return y, S_end, (states, M) + ((Z, Tm, W) if bt is not None else ())
+
+
+def _backward(geo, r, u, w, bt, res, dy, dS_end, compose):
+    states, M = res[:2]
+    Z, Tm, W = res[2:] if bt is not None else (w, None, None)
+    P, Q = geo.P, geo.Q
+    rP, uQ = r * P, u * Q
+    F = M.swapaxes(-1, -2) @ dy
+    E = rP.swapaxes(-1, -2) @ dy
+    dSn, dZ, dS0 = _scan_backward(geo, dS_end, uQ, W, F, E, compose)
+    statesT, ZT = tr(states), tr(Z)
+    d_uQ = Z @ tr(dSn)
+    dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
+    du = Q * d_uQ + du_
+    if bt is None:
+        d_rP = dy @ statesT
+        dw = dZ
+        dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ
+        dbt = None
+    else:
+        Delta = Tm.swapaxes(-1, -2) @ dZ
+        C = dy.shape[-2]
+        both = mx.concatenate([dy, Delta], axis=-2) @ statesT     # d(r ⊙ P) and d(b̃ ⊙ P) in one product
+        d_rP, dR = both[..., :C, :], both[..., C:, :]
+        dbt_, du2 = geo.pair_grad(Delta @ ZT, bt, u, strict=True)
+        du = du + du2
+        dbt = P * dR + dbt_
+        dw = Delta
+        dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ + bt * dbt_ - u * du2 + (bt * P) * dR
+    dr = P * d_rP + dr_
+    dG = geo.fold(dG)
+    # G_end enters Q (for every s) and g = e^{G_end}
+    dg = (dSn * states).sum(-1)
+    dG_end = geo.fold((uQ * d_uQ).sum(-2) + geo.g * dg)
+    C = dG.shape[-2]
+    dG = dG + mx.where((mx.arange(C) == C - 1)[:, None], dG_end[..., None, :], 0.0)
+    dl = mx.cumsum(dG, axis=-2, reverse=True)
+    return dS0, dr, du, dw, dl, dbt
+
+
+@lru_cache(maxsize=None)
+def core_fn(key: bool, delta: bool, compose: bool):
+    """The chunked core as an ``mx.custom_function`` with the hand-derived VJP above.
+
+    Arguments (all chunked, [..., n, C, F]): S0 [..., K, V], r, u [.., C, K], w [.., C, V],
+    l [.., C, F] (log-decays; F = K when ``key``, else 1) and, when ``delta``, b̃ [.., C, K].
+    Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru and,
+    with b̃, Z, T, W) are for the VJP only and take no cotangent."""
+    Geo = KeyDecay if key else ScalarDecay
+
+    def fwd(S0, r, u, w, l, bt=None):
+        y, S_end, res = _forward(Geo(l), S0, r, u, w, bt, compose)
+        return (y, S_end) + res
+
+    @mx.custom_function
+    def core(*args):
+        return fwd(*args)
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        S0, r, u, w, l = primals[:5]
+        bt = primals[5] if delta else None
+        dy, dS_end = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents[:2], outputs[:2])]
+        dS0, dr, du, dw, dl, dbt = _backward(Geo(l), r, u, w, bt, outputs[2:], dy, dS_end, compose)
+        return (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
+
+    return core
