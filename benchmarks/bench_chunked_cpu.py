@@ -101,15 +101,21 @@ def main():
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--D", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=None, help="chunk size (default: recgen's, 16 on the CPU)")
+    ap.add_argument("--cache-gib", type=float, default=None,
+                    help="mx.set_cache_limit for both sides (MLX's CPU default is 32 MiB: every larger "
+                         "buffer is returned to the OS and faulted in again)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--long", type=int, default=8192, help="T of the bounded-memory fwd+bwd check (0: skip)")
     ap.add_argument("--long-spec", default="gated_delta_net")
     ap.add_argument("--specs", default="gated_delta_net,gla,simple_gla,delta_net,selective_scan")
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
+    if a.cache_gib is not None:
+        mx.set_cache_limit(int(a.cache_gib * 2**30))
     print(f"# recgen.chunked vs naive MLX loop, CPU ({platform.processor() or platform.machine()}), "
-          f"mlx {mx.__version__}, float32, B={a.B} T={a.T} H={a.H} D={a.D}, chunk={a.chunk}\n")
+          f"mlx {mx.__version__}, float32, B={a.B} T={a.T} H={a.H} D={a.D}, chunk={a.chunk or 'default'}, "
+          f"cache limit {'MLX default' if a.cache_gib is None else f'{a.cache_gib} GiB'}\n")
     print("| spec | mode | chunked ms | naive ms | speedup | chunked peak MiB | naive peak MiB |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in a.specs.split(","):

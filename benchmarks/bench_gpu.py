@@ -61,8 +61,8 @@ def naive_gdn(q, k, v, g, beta):
     return mx.stack(outs, axis=1)
 
 
-def bench_recgen(name, B, T, H, D):
-    op = Op(specs.BUILTINS[name], backend="cuda")
+def bench_recgen(name, B, T, H, D, backward="recurrent"):
+    op = Op(specs.BUILTINS[name], backend="cuda", backward=backward)
     xs = inputs(name, B, T, H, D)
     fwd = lambda: op(*xs, check_finite=False)[0]  # noqa: E731
     t_f = timeit(fwd, reps=5, queue=10)
@@ -82,10 +82,12 @@ def main():
     res = {}
     for shape in [(4, 4096, 16, 128), (8, 1024, 8, 64)]:
         for name in ("gated_delta_net", "delta_net", "gla", "simple_gla"):
-            t_f, t_fs, t_fb, peak = bench_recgen(name, *shape)
-            res[f"recgen/{name}/{shape}"] = {"fwd_ms": t_f, "fwd_sync_ms": t_fs, "fwdbwd_ms": t_fb, "peak_GiB": peak}
-            print(f"recgen {name:16s} {shape}: fwd {t_f:8.3f} ms (sync {t_fs:.3f})  fwd+bwd {t_fb:8.3f} ms  "
-                  f"peak {peak:.2f} GiB", flush=True)
+            for bw in ("recurrent", "chunked"):
+                t_f, t_fs, t_fb, peak = bench_recgen(name, *shape, backward=bw)
+                res[f"recgen/{name}/{shape}/{bw}"] = {"fwd_ms": t_f, "fwd_sync_ms": t_fs, "fwdbwd_ms": t_fb,
+                                                      "peak_GiB": peak}
+                print(f"recgen {name:16s} {shape} backward={bw:9s}: fwd {t_f:8.3f} ms (sync {t_fs:.3f})  "
+                      f"fwd+bwd {t_fb:8.3f} ms  peak {peak:.2f} GiB", flush=True)
     # baselines at the large shape: naive loop and mx.fast.gated_delta_update (forward only: its backward OOMs)
     B, T, H, D = 4, 4096, 16, 128
     q, k, v, g, beta = inputs("gated_delta_net", B, T, H, D)

@@ -137,8 +137,31 @@ def _runtime_arrays(runtime: tuple) -> tuple:
     return tuple(mx.array(list(v), dtype=getattr(mx, dt)) for _, v, dt in runtime)
 
 
-def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, out_dtype: str):
-    """An mx.custom_function (xs..., h0[, z0]) -> (o, ht[, zt]) running the generated kernels both ways."""
+def chunked_vjp(rec: ir.Recurrence, scale: float, primals, cotangents):
+    """The VJP of the chunked MLX form at the same point: recompute its forward, run its backward."""
+    import mlx.core as mx
+
+    from . import chunked
+
+    n, norm = len(rec.inputs), rec.has_normalizer
+    names = [x.name for x in rec.inputs]
+
+    def f(*a):
+        o, s = chunked.forward(rec, dict(zip(names, a[:n])), scale=scale,
+                               initial_state=tuple(a[n:]) if norm else a[n])
+        return (o, *s) if norm else (o, s)
+
+    cots = [mx.zeros_like(p) if c is None else c for c, p in zip(cotangents, f(*primals))]
+    return tuple(mx.vjp(f, list(primals), cots)[1])
+
+
+def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, out_dtype: str,
+              backward: str = "recurrent"):
+    """An mx.custom_function (xs..., h0[, z0]) -> (o, ht[, zt]) running the generated forward kernel.
+
+    Its VJP runs the generated backward kernel (``backward="recurrent"``) or the chunked form's
+    backward (``"chunked"``: matmuls over chunks, faster for long sequences on GPUs, see
+    ``recgen.ops``); both give the same gradients up to rounding."""
     import mlx.core as mx
 
     n = len(plan.rec.inputs)
@@ -152,6 +175,8 @@ def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, ou
 
     @op.vjp
     def op_vjp(primals, cotangents, outputs):
+        if backward == "chunked":
+            return chunked_vjp(plan.rec, scale, primals, cotangents)
         xs, states = list(primals[:n]), list(primals[n:])
         f = mlx_call(forward_launch(plan, dialect, sizes, scale, out_dtype, save=True), dialect, xs, states)
         extra = [f[2], cotangents[0], cotangents[1].astype(mx.float32)]

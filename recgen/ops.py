@@ -8,6 +8,12 @@ None unless asked for). Gradients flow to every input, to ``initial_state`` and 
 Backends: ``metal`` and ``cuda`` run the generated recurrent kernels; ``mlx`` runs the chunked
 fallback built from MLX ops (any device, CPU included). Default: metal on Apple silicon, cuda
 when MLX's CUDA backend is present, else mlx. ``backend=`` or ``RECGEN_BACKEND`` force one.
+
+Gradients of a kernel backend: ``backward="recurrent"`` runs the generated backward kernel (one
+sequential sweep, the state in registers); ``"chunked"`` runs the chunked form's backward (matmuls
+over chunks). ``None`` (default, or ``RECGEN_BACKWARD``) picks chunked when the spec has the fast
+chunked form (scalar or key-vector decay, no transition or a delta-rule one) and
+T ≥ ``CHUNKED_BACKWARD_MIN_T``: on the H100 it was 2.2× faster at T = 4096 (BENCHMARKS.md).
 MLX is imported lazily: importing recgen builds nothing.
 """
 from __future__ import annotations
@@ -19,6 +25,8 @@ from . import ir, specs
 from .shapes import InputError, Sizes, check_state, infer_sizes
 
 BACKENDS = ("metal", "cuda", "mlx")
+BACKWARDS = ("recurrent", "chunked")
+CHUNKED_BACKWARD_MIN_T = 512
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -57,10 +65,13 @@ def _check_arrays(arrays: dict, check_finite: bool):
 class Op:
     """A recurrence as a callable MLX op; see the module docstring for the arguments."""
 
-    def __init__(self, rec: ir.Recurrence, backend: str | None = None, chunk_size: int = 64):
-        self.rec, self.backend, self.chunk_size = rec.validate(), backend, chunk_size
+    def __init__(self, rec: ir.Recurrence, backend: str | None = None, chunk_size: int | None = None,
+                 backward: str | None = None):
+        self.rec, self.backend, self.chunk_size, self.backward = rec.validate(), backend, chunk_size, backward
         if backend is not None and backend not in BACKENDS:
             raise InputError(f"backend={backend!r}: expected one of {BACKENDS}")
+        if backward is not None and backward not in BACKWARDS:
+            raise InputError(f"backward={backward!r}: expected one of {BACKWARDS} or None")
         self.__doc__ = rec.doc
 
     def __repr__(self) -> str:
@@ -114,8 +125,26 @@ class Op:
             states = [_zeros(sizes.state_shape) if initial_state is None else initial_state.astype(mx.float32)]
         values = [a.dtype for x, a in zip(self.rec.inputs, xs) if x.kind == "value"]
         out_dtype = str(values[0] if values else mx.float32).split(".")[-1]
-        outs = kernel_op(p, get(backend), sizes, scale, out_dtype)(*xs, *states)
+        outs = kernel_op(p, get(backend), sizes, scale, out_dtype, self._backward(sizes))(*xs, *states)
         return (outs[0], (outs[1], outs[2])) if self.rec.has_normalizer else outs
+
+
+    def _backward(self, sizes: Sizes) -> str:
+        """The kernel op's backward path (see the module docstring)."""
+        choice = self.backward or os.environ.get("RECGEN_BACKWARD")
+        if choice:
+            if choice not in BACKWARDS:
+                raise InputError(f"RECGEN_BACKWARD={choice!r}: expected one of {BACKWARDS}")
+            if choice == "chunked":
+                from .chunked import supported
+
+                supported(self.rec)
+            return choice
+        from .chunked.terms import plan as chunk_plan
+
+        p = chunk_plan(self.rec)
+        fast = p.decay_class != "full" and (self.rec.step.transition is None or p.has_rho)
+        return "chunked" if fast and sizes.T >= CHUNKED_BACKWARD_MIN_T else "recurrent"
 
 
 @lru_cache(maxsize=32)
@@ -126,7 +155,7 @@ def _zeros(shape):
     return mx.zeros(shape, dtype=mx.float32)
 
 
-def load(spec, backend: str | None = None, chunk_size: int = 64) -> Op:
+def load(spec, backend: str | None = None, chunk_size: int | None = None, backward: str | None = None) -> Op:
     """The op of a spec: a Recurrence, a built-in name, or 'path/to/file.py:function'."""
     if isinstance(spec, str):
         from .cli import resolve_spec
@@ -134,7 +163,7 @@ def load(spec, backend: str | None = None, chunk_size: int = 64) -> Op:
         spec = resolve_spec(spec)
     if not isinstance(spec, ir.Recurrence):
         raise InputError(f"spec: expected a Recurrence (use @recgen.recurrence), got {type(spec).__name__}")
-    return Op(spec, backend=backend, chunk_size=chunk_size)
+    return Op(spec, backend=backend, chunk_size=chunk_size, backward=backward)
 
 
 gated_delta_net = Op(specs.gated_delta_net)

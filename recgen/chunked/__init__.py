@@ -139,7 +139,8 @@ def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None):
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     compose = 2 * C >= r.shape[-1]
-    fn = parallel.core_fn(key, delta_bt is not None, compose)
+    fn = parallel.core_fn(key, delta_bt is not None, compose, parallel.matrix_scan() and delta_bt is None,
+                          parallel.compiled())
     extra = [ch(delta_bt)] if delta_bt is not None else []
     y, S_end = fn(S, ch(r), ch(u), ch(w), ch(l), *extra)[:2]
     return y.reshape(B, H, n * C, y.shape[-1])[:, :, :T], S_end

@@ -57,7 +57,10 @@ def _tri(C: int, strict: bool):
 class ScalarDecay:
     """One decay per token (F = 1): Γ as a [.., C, C] matrix; pair terms are masked matmuls."""
 
+    key = False
+
     def __init__(self, l):
+        self.l = l
         C = l.shape[-2]
         lt = l[..., 0]
         # D[t, s] = Σ_{s<τ≤t} l_τ, summed from s (anchored): accurate however far t is from the start
@@ -84,7 +87,10 @@ class ScalarDecay:
 class KeyDecay:
     """A decay per token and key element (F = K): the multiplicative hierarchy of ``decay_levels``."""
 
+    key = True
+
     def __init__(self, l):
+        self.l = l
         self.levels, self.P, self.Q = decay_levels(mx.exp(l))
         self.g = self.P[..., -1, :]
 
@@ -124,12 +130,52 @@ def _transition(geo, uQ, W):
     return geo.g[..., None] * mx.eye(K, dtype=uQ.dtype) + uQ.swapaxes(-1, -2) @ W
 
 
-def _scan_forward(geo, S0, uQ, U, W, compose: bool):
+MATRIX_SCAN = None  # None: the matrix form on GPUs, the loop on the CPU; True/False force one (tests)
+
+
+def matrix_scan() -> bool:
+    """Whether the diagonal scan over n chunks runs as one (n+1)×(n+1) matmul instead of n steps.
+    The matmul costs n²·K·V flops against the loop's n·K·V, but one launch instead of 2n: a win on
+    GPUs (launch-bound), a loss on the CPU (flop-bound with the reference BLAS)."""
+    if MATRIX_SCAN is not None:
+        return MATRIX_SCAN
+    return mx.default_device() != mx.cpu
+
+
+def _chunk_decay_matrix(l, key: bool):
+    """L[c, j] = Π_{j ≤ c'' < c} g_{c''} for j ≤ c (0 above): the map from x = [S_0, ΔS_0, .., ΔS_{n-1}]
+    to the states S_0..S_n of the diagonal scan S_{c+1} = g_c ⊙ S_c + ΔS_c. Built from sums of
+    log g anchored at j (exp of a masked cumulative sum), so it is exact at any decay strength.
+    Returns [.., n+1, n+1] for scalar decays, [.., K, n+1, n+1] for key-vector ones."""
+    logg = l.sum(-2)                                            # [.., n, F]
+    if key:
+        logg = logg.swapaxes(-1, -2)                            # [.., K, n]
+    else:
+        logg = logg[..., 0]
+    n = logg.shape[-1]
+    c = mx.arange(n + 1)
+    prev = mx.pad(logg, [(0, 0)] * (logg.ndim - 1) + [(1, 0)])  # logg_{c-1} at row c
+    Y = mx.where((c[:, None] - 1) >= c[None, :], prev[..., :, None], 0.0)
+    return mx.where(c[:, None] >= c[None, :], mx.exp(mx.cumsum(Y, axis=-2)), 0.0)
+
+
+def _apply_rows(L, x, key: bool):
+    """L applied along the chunk axis of x [.., m, K, V] (per key row when ``key``)."""
+    if not key:
+        s = x.shape
+        return (L @ x.reshape(*s[:-2], s[-2] * s[-1])).reshape(*s[:-3], L.shape[-2], s[-2], s[-1])
+    return (L @ x.swapaxes(-3, -2)).swapaxes(-3, -2)
+
+
+def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool):
     """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state."""
     gs = geo.g[..., None]
     uQt = uQ.swapaxes(-1, -2)
     S = S0[..., None, :, :]
     states = []
+    if W is None and matrix:
+        S_all = _apply_rows(_chunk_decay_matrix(geo.l, geo.key), mx.concatenate([S, uQt @ U], axis=-3), geo.key)
+        return S_all[..., :-1, :, :], U, S_all[..., -1, :, :]
     if W is None:
         for gc, dc in zip(_split(gs), _split(uQt @ U)):
             states.append(S)
@@ -154,13 +200,18 @@ def _scan_forward(geo, S0, uQ, U, W, compose: bool):
     return states, Z, S[..., 0, :, :]
 
 
-def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool):
+def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
     """Reverse scan over chunks: dS_{c+1} for every chunk c [.., n, K, V], dZ [.., n, C, V] and
     dS_0, from dZ_c = F_c + (u ⊙ Q)_c dS_{c+1} and dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ dZ_c.
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after."""
     gs = geo.g[..., None]
     dS = dS_end[..., None, :, :]
     nxt, dZs = [], []
+    if W is None and matrix:  # the adjoint of the forward's matrix form is its transpose
+        L = _chunk_decay_matrix(geo.l, geo.key).swapaxes(-1, -2)
+        d_all = _apply_rows(L, mx.concatenate([E, dS], axis=-3), geo.key)
+        dSn = d_all[..., 1:, :, :]
+        return dSn, F + uQ @ dSn, d_all[..., 0, :, :]
     if W is None:
         for gc, Ec in zip(reversed(_split(gs)), reversed(_split(E))):
             nxt.append(dS)
@@ -180,27 +231,27 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool):
     return dSn, dZ, dS[..., 0, :, :]
 
 
-def _forward(geo, S0, r, u, w, bt, compose):
+def _forward(geo, S0, r, u, w, bt, compose, matrix=False):
     """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too."""
     uQ = u * geo.Q
     U, W, Tm = w, None, None
     if bt is not None:
         Tm = unit_lower_inv(geo.pair(bt, u, strict=True))
         U, W = Tm @ w, Tm @ (bt * geo.P)
-    states, Z, S_end = _scan_forward(geo, S0, uQ, U, W, compose)
+    states, Z, S_end = _scan_forward(geo, S0, uQ, U, W, compose, matrix)
     M = geo.pair(r, u, strict=False)
     y = (r * geo.P) @ states + M @ Z
     return y, S_end, (states, M) + ((Z, Tm, W) if bt is not None else ())
 
 
-def _backward(geo, r, u, w, bt, res, dy, dS_end, compose):
+def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False):
     states, M = res[:2]
     Z, Tm, W = res[2:] if bt is not None else (w, None, None)
     P, Q = geo.P, geo.Q
     rP, uQ = r * P, u * Q
     F = M.swapaxes(-1, -2) @ dy
     E = rP.swapaxes(-1, -2) @ dy
-    dSn, dZ, dS0 = _scan_backward(geo, dS_end, uQ, W, F, E, compose)
+    dSn, dZ, dS0 = _scan_backward(geo, dS_end, uQ, W, F, E, compose, matrix)
     statesT, ZT = tr(states), tr(Z)
     d_uQ = Z @ tr(dSn)
     dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
@@ -231,8 +282,19 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose):
     return dS0, dr, du, dw, dl, dbt
 
 
+COMPILE = None  # None: mx.compile the core on GPUs only; True/False force it (tests, benchmarks)
+
+
+def compiled() -> bool:
+    """Whether the core's forward and backward run through ``mx.compile``: it fuses the elementwise
+    work and replays the graph without Python, which pays where launches dominate (GPUs)."""
+    if COMPILE is not None:
+        return COMPILE
+    return mx.default_device() != mx.cpu
+
+
 @lru_cache(maxsize=None)
-def core_fn(key: bool, delta: bool, compose: bool):
+def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile: bool = False):
     """The chunked core as an ``mx.custom_function`` with the hand-derived VJP above.
 
     Arguments (all chunked, [..., n, C, F]): S0 [..., K, V], r, u [.., C, K], w [.., C, V],
@@ -240,10 +302,22 @@ def core_fn(key: bool, delta: bool, compose: bool):
     Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru and,
     with b̃, Z, T, W) are for the VJP only and take no cotangent."""
     Geo = KeyDecay if key else ScalarDecay
+    nres = 5 if delta else 2
 
     def fwd(S0, r, u, w, l, bt=None):
-        y, S_end, res = _forward(Geo(l), S0, r, u, w, bt, compose)
+        y, S_end, res = _forward(Geo(l), S0, r, u, w, bt, compose, matrix)
         return (y, S_end) + res
+
+    def bwd(*a):
+        S0, r, u, w, l = a[:5]
+        bt = a[5] if delta else None
+        k = 6 if delta else 5
+        res, (dy, dS_end) = a[k:k + nres], a[k + nres:]
+        dS0, dr, du, dw, dl, dbt = _backward(Geo(l), r, u, w, bt, res, dy, dS_end, compose, matrix)
+        return (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
+
+    if compile:
+        fwd, bwd = mx.compile(fwd), mx.compile(bwd)
 
     @mx.custom_function
     def core(*args):
@@ -251,10 +325,7 @@ def core_fn(key: bool, delta: bool, compose: bool):
 
     @core.vjp
     def core_vjp(primals, cotangents, outputs):
-        S0, r, u, w, l = primals[:5]
-        bt = primals[5] if delta else None
         dy, dS_end = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents[:2], outputs[:2])]
-        dS0, dr, du, dw, dl, dbt = _backward(Geo(l), r, u, w, bt, outputs[2:], dy, dS_end, compose)
-        return (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
+        return bwd(*primals, *outputs[2:], dy, dS_end)
 
     return core

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call: the stages named as arguments, each with its own time limit, logs under $OUT.
+#   bash benchmarks/run_gpu.sh profile check-chunked-bwd bench chunked-small fla ...
+# Expects the offline bundle (.gpu-bundle, see DESIGN/BENCHMARKS) to be carried along.
+source .gpu-bundle/install.sh || exit 1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+for stage in "$@"; do
+  echo "=== $stage"
+  case $stage in
+    profile) timeout 120 python benchmarks/profile_chunked.py 2>&1 | tee "$OUT/profile_scalar.log"
+             timeout 90 python benchmarks/profile_chunked.py --key 2>&1 | tee "$OUT/profile_key.log" ;;
+    check-cuda) timeout 240 python benchmarks/cuda_check.py --out "$OUT" > "$OUT/check_cuda.log" 2>&1
+             grep -E "FAIL|passed" "$OUT/check_cuda.log" ;;
+    check-chunked-bwd) MLX_ENABLE_TF32=0 timeout 150 python benchmarks/cuda_check.py --backend cuda --backward chunked \
+               --specs gated_delta_net,delta_net,gla,simple_gla,examples/mlstm.py:mlstm --out "$OUT" > "$OUT/check_cuda_chunkedbwd.log" 2>&1
+             grep -E "FAIL|passed" "$OUT/check_cuda_chunkedbwd.log" ;;
+    check-mlx) MLX_ENABLE_TF32=0 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 --out "$OUT" > "$OUT/check_mlx_f32.log" 2>&1
+             grep -E "FAIL|passed" "$OUT/check_mlx_f32.log"
+             timeout 100 python benchmarks/cuda_check.py --backend mlx --dtypes bfloat16 --out "$OUT" > "$OUT/check_mlx_bf16.log" 2>&1
+             grep -E "FAIL|passed" "$OUT/check_mlx_bf16.log" ;;
+    bench) timeout 300 python benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" ;;
+    chunked) timeout 200 python benchmarks/bench_chunked_gpu.py --variants compiled --gdu --out "$OUT" 2>&1 | tee "$OUT/chunked.log" ;;
+    chunked-small) timeout 100 python benchmarks/bench_chunked_gpu.py --shape 8,1024,8,64 --variants compiled --out "$OUT" 2>&1 | tee "$OUT/chunked_small.log" ;;
+    fla-*) timeout 280 python benchmarks/bench_fla.py --out "$OUT" --ops "${stage#fla-}" --shapes "4,4096,16,128" 2>&1 | tee -a "$OUT/fla.log" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
