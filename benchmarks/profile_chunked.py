@@ -71,7 +71,8 @@ def main():
     U, W = Tm @ w, Tm @ (bt * geo.P)
     uQ = u * geo.Q
     mx.eval(U, W, uQ)
-    t("scan with rank-1 (delta)", lambda: parallel._scan_forward(geo, S0, uQ, U, W, compose, False)[:2])
+    t("scan with rank-1 (delta), loop", lambda: parallel._scan_forward(geo, S0, uQ, U, W, compose, False)[:2])
+    t("scan with rank-1 (delta), blocked", lambda: parallel._scan_forward(geo, S0, uQ, U, W, compose, True)[:2])
     t("scan diagonal, loop", lambda: parallel._scan_forward(geo, S0, uQ, w, None, compose, False)[:2])
     t("scan diagonal, matrix", lambda: parallel._scan_forward(geo, S0, uQ, w, None, compose, True)[:2])
     st, Z, _ = parallel._scan_forward(geo, S0, uQ, U, W, compose, False)
@@ -79,12 +80,12 @@ def main():
     t("readout y", lambda: (r * geo.P) @ st + geo.pair(r, u, strict=False) @ Z)
     for delta in (True, False):
         for comp in (False, True):
-            fn = parallel.core_fn(key, delta, compose, not delta, comp)
+            fn = parallel.core_fn(key, delta, compose, True, comp)
             args = [S0, r, u, w, l] + ([bt] if delta else [])
             name = f"{'delta' if delta else 'diag'} {'compiled' if comp else 'eager'}"
             t(f"core fwd   {name}", lambda: fn(*args)[:2])
             t(f"core fwd+bwd {name}", lambda: mx.vjp(lambda *a: tuple(fn(*a)[:2]), args, [dy, dS])[1])
-        fn = parallel.core_fn(key, delta, compose, not delta, False)
+        fn = parallel.core_fn(key, delta, compose, True, False)
         args = [S0, r, u, w, l] + ([bt] if delta else [])
         print(f"  graph {'delta' if delta else 'diag'}: fwd {ops(*fn(*args)[:2])}, "
               f"fwd+bwd {ops(*mx.vjp(lambda *a: tuple(fn(*a)[:2]), args, [dy, dS])[1])}")

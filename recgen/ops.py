@@ -13,7 +13,8 @@ Gradients of a kernel backend: ``backward="recurrent"`` runs the generated backw
 sequential sweep, the state in registers); ``"chunked"`` runs the chunked form's backward (matmuls
 over chunks). ``None`` (default, or ``RECGEN_BACKWARD``) picks chunked when the spec has the fast
 chunked form (scalar or key-vector decay, no transition or a delta-rule one) and
-T ≥ ``CHUNKED_BACKWARD_MIN_T``: on the H100 it was 2.2× faster at T = 4096 (BENCHMARKS.md).
+T ≥ ``CHUNKED_BACKWARD_MIN_T``: on the H100 it was 1.6-4× faster at T = 4096 and about even at
+T = 1024 (BENCHMARKS.md, run 12).
 MLX is imported lazily: importing recgen builds nothing.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .shapes import InputError, Sizes, check_state, infer_sizes
 
 BACKENDS = ("metal", "cuda", "mlx")
 BACKWARDS = ("recurrent", "chunked")
-CHUNKED_BACKWARD_MIN_T = 512
+CHUNKED_BACKWARD_MIN_T = 2048
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 

@@ -241,13 +241,14 @@ def test_segmented_matches_reference(name, monkeypatch):
 @pytest.mark.parametrize("name", ["simple_gla", "gla", "power_retention", "gated_delta_net"])
 def test_gpu_forms_match_reference(name, monkeypatch):
     """The GPU forms, forced on the CPU: the diagonal scan over chunks as one (n+1)×(n+1) matmul,
-    and the core through mx.compile."""
+    the delta-rule scan blocked (T = 200 at chunk 16: 13 chunks, a partial last block), and the
+    core through mx.compile."""
     from recgen.chunked import parallel
 
-    monkeypatch.setattr(parallel, "MATRIX_SCAN", True)
+    monkeypatch.setattr(parallel, "GPU_FORMS", True)
     monkeypatch.setattr(parallel, "COMPILE", True)
     gmin = -3.0 if name == "power_retention" else -20.0
-    assert_close(compare(specs.BUILTINS[name], 70, chunk=16, seed=22, gmin=gmin))
+    assert_close(compare(specs.BUILTINS[name], 200, chunk=16, K=16, seed=22, gmin=gmin))
 
 
 def _peak_fwd_bwd(rec, T, chunk):

@@ -43,7 +43,9 @@ from .terms import bind, evaluate, plan
 
 __all__ = ["forward", "naive_loop", "supported", "segment_budget", "default_chunk_size"]
 
-WORKSET_FACTOR = 16  # measured peak bytes per token ≈ 14 × 4·B·H·(K + V + C) on the CPU (fwd+bwd)
+# Peak fwd+bwd bytes per token ≈ factor × 4·B·H·(K + V + C), measured (H100, run 12; CPU): scalar
+# decays ≈ 14-18, key-vector decays (the multiplicative hierarchy) ≈ 55.
+WORKSET_FACTOR = {"scalar": 20, "key": 60}
 
 
 def supported(rec: ir.Recurrence) -> None:
@@ -59,8 +61,8 @@ def supported(rec: ir.Recurrence) -> None:
 
 
 def segment_budget() -> int:
-    """Bytes of working set one segment may use: ``RECGEN_CHUNKED_BUDGET`` if set, else an eighth
-    of the GPU's memory, else 512 MiB on the CPU."""
+    """Bytes of working set one segment may use: ``RECGEN_CHUNKED_BUDGET`` if set, else on a GPU
+    an eighth of its memory up to 6 GiB, else 512 MiB (the CPU)."""
     env = os.environ.get("RECGEN_CHUNKED_BUDGET")
     if env:
         return int(env)
@@ -68,7 +70,7 @@ def segment_budget() -> int:
         info = mx.device_info()
         total = info.get("total_memory") or info.get("memory_size")
         if total:
-            return int(total) // 8
+            return min(int(total) // 8, 6 * 2**30)
     return 512 * 2**20
 
 
@@ -139,8 +141,7 @@ def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None):
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     compose = 2 * C >= r.shape[-1]
-    fn = parallel.core_fn(key, delta_bt is not None, compose, parallel.matrix_scan() and delta_bt is None,
-                          parallel.compiled())
+    fn = parallel.core_fn(key, delta_bt is not None, compose, parallel.gpu_forms(), parallel.compiled())
     extra = [ch(delta_bt)] if delta_bt is not None else []
     y, S_end = fn(S, ch(r), ch(u), ch(w), ch(l), *extra)[:2]
     return y.reshape(B, H, n * C, y.shape[-1])[:, :, :T], S_end
@@ -288,7 +289,7 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
         C = _pow2(min(C, T))
         body = _fast if (rec.step.transition is None or p.has_rho) else _general
         fn = partial(body, p, names, float(scale), sizes, has_z, C)
-        per_token = 4 * sizes.B * sizes.H * (sizes.K + sizes.V + C) * WORKSET_FACTOR
+        per_token = 4 * sizes.B * sizes.H * (sizes.K + sizes.V + C) * WORKSET_FACTOR[p.decay_class]
         seg = max(1, segment_budget() // (per_token * C)) * C
     if seg >= T:
         outs = fn(*state, *args)

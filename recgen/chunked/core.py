@@ -24,7 +24,10 @@ over sub-chunks of c ≤ 16 tokens, passing the state between sub-chunks.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
+import numpy as np
 
 NEG_INF = float("-inf")
 SUB = 16  # block size of the triangular solve and sub-chunk length for full (i, j) decays
@@ -58,29 +61,38 @@ def offdiag_blocks(M, m: int):
     return d[..., m:, :m]
 
 
+@lru_cache(maxsize=32)
+def _level_masks(C: int) -> tuple:
+    """For m = 1, 2, 4, .. < C: the 0/1 mask of the entries (t, s) in the lower-left m×m block of
+    every 2m×2m diagonal block (t in the right half, s in the left half)."""
+    t = np.arange(C)
+    masks, m = [], 1
+    while m < C:
+        same = (t[:, None] // (2 * m)) == (t[None, :] // (2 * m))
+        lower = ((t[:, None] // m) % 2 == 1) & ((t[None, :] // m) % 2 == 0)
+        masks.append((same & lower).astype(np.float32))
+        m *= 2
+    return tuple(masks)
+
+
 def unit_lower_inv(L):
     """(I − L)^{-1} for strictly lower-triangular L [..., C, C]: recursive 2×2 block inversion.
 
-    From 1×1 blocks up, every level pairs neighbouring diagonal blocks at once:
-    (I − [[L_a, 0], [L_c, L_d]])^{-1} = [[A, 0], [D L_c A, D]] with A, D the inverses of the halves.
-    This is forward substitution reorganised into log2(C) batched levels (LAPACK's recursive
-    triangular inverse); no matrix power series.
+    With T_m the block-diagonal inverse of the m×m diagonal blocks of I − L,
+    T_2m = T_m + T_m (L ⊙ mask_m) T_m, mask_m the lower-left m×m block of every 2m block:
+    [[A, 0], [L_c, D]]-style merging ([[A⁻¹, 0], [D⁻¹ L_c A⁻¹, D⁻¹]]) of all blocks of a level at
+    once, written on the full C×C matrix (two matmuls a level, no block extraction). This is forward
+    substitution reorganised into log2(C) levels (LAPACK's recursive triangular inverse), not a matrix
+    power series (whose terms overflow float32 for correlated keys).
     """
     C = L.shape[-1]
     Cp = _pow2(C)
     if Cp != C:
         L = mx.pad(L, [(0, 0)] * (L.ndim - 2) + [(0, Cp - C), (0, Cp - C)])
-    batch = L.shape[:-2]
-    T = mx.ones(batch + (Cp, 1, 1), dtype=L.dtype)
-    m = 1
-    while m < Cp:
-        Tb = T.reshape(*batch, Cp // (2 * m), 2, m, m)
-        TL, TR = Tb[..., 0, :, :], Tb[..., 1, :, :]
-        low = TR @ (offdiag_blocks(L, m) @ TL)
-        zero = mx.zeros_like(TL)
-        T = mx.concatenate([mx.concatenate([TL, zero], axis=-1), mx.concatenate([low, TR], axis=-1)], axis=-2)
-        m *= 2
-    T = T[..., 0, :, :]
+    masks = [mx.array(m, dtype=L.dtype) for m in _level_masks(Cp)]
+    T = mx.eye(Cp, dtype=L.dtype) + (L * masks[0] if masks else 0)
+    for mask in masks[1:]:
+        T = T + T @ (L * mask) @ T
     return T[..., :C, :C] if Cp != C else T
 
 
