@@ -63,7 +63,8 @@ def main():
         for group in groups:
             try:
                 p = subprocess.run([sys.executable, __file__, "--one", ",".join(group), shape], capture_output=True,
-                                   text=True, timeout=200)
+                                   text=True, timeout=int(sys.argv[sys.argv.index("--timeout") + 1])
+                                   if "--timeout" in sys.argv else 200)
                 stdout, stderr = p.stdout, p.stderr
             except subprocess.TimeoutExpired as e:
                 stdout, stderr = (e.stdout or b"").decode(), "timeout"

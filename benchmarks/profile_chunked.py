@@ -72,7 +72,6 @@ def main():
     uQ = u * geo.Q
     mx.eval(U, W, uQ)
     t("scan with rank-1 (delta), loop", lambda: parallel._scan_forward(geo, S0, uQ, U, W, compose, False)[:2])
-    t("scan with rank-1 (delta), blocked", lambda: parallel._scan_forward(geo, S0, uQ, U, W, compose, True)[:2])
     t("scan diagonal, loop", lambda: parallel._scan_forward(geo, S0, uQ, w, None, compose, False)[:2])
     t("scan diagonal, matrix", lambda: parallel._scan_forward(geo, S0, uQ, w, None, compose, True)[:2])
     st, Z, _ = parallel._scan_forward(geo, S0, uQ, U, W, compose, False)

@@ -23,7 +23,8 @@ for stage in "$@"; do
     bench) timeout 300 python benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" ;;
     chunked) timeout 200 python benchmarks/bench_chunked_gpu.py --variants compiled --gdu --out "$OUT" 2>&1 | tee "$OUT/chunked.log" ;;
     chunked-small) timeout 100 python benchmarks/bench_chunked_gpu.py --shape 8,1024,8,64 --variants compiled --out "$OUT" 2>&1 | tee "$OUT/chunked_small.log" ;;
-    fla-*) timeout 280 python benchmarks/bench_fla.py --out "$OUT" --ops "${stage#fla-}" --shapes "4,4096,16,128" 2>&1 | tee -a "$OUT/fla.log" ;;
+    fla-*) timeout 290 python benchmarks/bench_fla.py --out "$OUT" --ops "${stage#fla-}" --shapes "4,4096,16,128" --timeout 285 2>&1 | tee -a "$OUT/fla.log"
+           cp "$OUT/bench_fla.json" "$OUT/bench_fla_${stage#fla-}.json" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

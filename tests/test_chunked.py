@@ -240,9 +240,8 @@ def test_segmented_matches_reference(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["simple_gla", "gla", "power_retention", "gated_delta_net"])
 def test_gpu_forms_match_reference(name, monkeypatch):
-    """The GPU forms, forced on the CPU: the diagonal scan over chunks as one (n+1)×(n+1) matmul,
-    the delta-rule scan blocked (T = 200 at chunk 16: 13 chunks, a partial last block), and the
-    core through mx.compile."""
+    """The GPU forms, forced on the CPU: the diagonal scan over chunks as one (n+1)×(n+1) matmul
+    and the core through mx.compile (T = 200 at chunk 16: 13 chunks, the last one partial)."""
     from recgen.chunked import parallel
 
     monkeypatch.setattr(parallel, "GPU_FORMS", True)

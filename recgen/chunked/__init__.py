@@ -62,7 +62,7 @@ def supported(rec: ir.Recurrence) -> None:
 
 def segment_budget() -> int:
     """Bytes of working set one segment may use: ``RECGEN_CHUNKED_BUDGET`` if set, else on a GPU
-    an eighth of its memory up to 6 GiB, else 512 MiB (the CPU)."""
+    an eighth of its memory up to 8 GiB, else 512 MiB (the CPU)."""
     env = os.environ.get("RECGEN_CHUNKED_BUDGET")
     if env:
         return int(env)
@@ -70,7 +70,7 @@ def segment_budget() -> int:
         info = mx.device_info()
         total = info.get("total_memory") or info.get("memory_size")
         if total:
-            return min(int(total) // 8, 6 * 2**30)
+            return min(int(total) // 8, 8 * 2**30)
     return 512 * 2**20
 
 

@@ -75,6 +75,19 @@ def _level_masks(C: int) -> tuple:
     return tuple(masks)
 
 
+_MASKS: dict = {}
+
+
+def _device_masks(C: int, dtype) -> list:
+    """The level masks as device arrays, made once per (C, dtype, device): an upload per call costs
+    a host-device copy each time."""
+    key = (C, dtype, str(mx.default_device()))
+    if key not in _MASKS:
+        _MASKS[key] = [mx.array(m, dtype=dtype) for m in _level_masks(C)]
+        mx.eval(_MASKS[key])
+    return _MASKS[key]
+
+
 def unit_lower_inv(L):
     """(I − L)^{-1} for strictly lower-triangular L [..., C, C]: recursive 2×2 block inversion.
 
@@ -89,7 +102,7 @@ def unit_lower_inv(L):
     Cp = _pow2(C)
     if Cp != C:
         L = mx.pad(L, [(0, 0)] * (L.ndim - 2) + [(0, Cp - C), (0, Cp - C)])
-    masks = [mx.array(m, dtype=L.dtype) for m in _level_masks(Cp)]
+    masks = _device_masks(Cp, L.dtype)
     T = mx.eye(Cp, dtype=L.dtype) + (L * masks[0] if masks else 0)
     for mask in masks[1:]:
         T = T + T @ (L * mask) @ T

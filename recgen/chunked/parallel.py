@@ -134,10 +134,11 @@ GPU_FORMS = None  # None: on GPUs only; True/False force them (tests)
 
 
 def gpu_forms() -> bool:
-    """Whether the scans over the n chunks take their GPU forms: the diagonal scan as one
-    (n+1)×(n+1) matmul, the delta-rule scan blocked (about 2√n sequential steps). Both cost more
-    flops (n²·K·V, n·K²·(K+V)) for far fewer launches: a win on GPUs, where MLX spends ~16 µs a
-    launch (BENCHMARKS.md), a loss on the CPU, where the reference BLAS makes flops the cost."""
+    """Whether the diagonal scan over the n chunks runs as one (n+1)×(n+1) matmul: n²·K·V flops
+    instead of n·K·V, one launch instead of 2n. A win on GPUs, where MLX spends ~16 µs a launch
+    (BENCHMARKS.md), a loss on the CPU, where the reference BLAS makes flops the cost. (A blocked
+    form of the delta-rule scan, ~2√n steps, was measured slower on the H100 than the n-step loop:
+    4.5 vs 3.2 ms, its prefix products move too many bytes; not kept.)"""
     if GPU_FORMS is not None:
         return GPU_FORMS
     return mx.default_device() != mx.cpu
@@ -168,36 +169,6 @@ def _apply_rows(L, x, key: bool):
     return (L @ x.swapaxes(-3, -2)).swapaxes(-3, -2)
 
 
-def _affine_scan_blocked(A, X, S0, b: int = 8):
-    """All states of S_{c+1} = A_c S_c + X_c (A [.., n, K, K], X [.., n, K, V]) in about b + n/b
-    sequential steps instead of n: prefix products inside blocks of b chunks (all blocks at once),
-    a scan over block ends, then every state in one batched product. Returns (S_0..S_{n-1}, S_n).
-    Costs n·K²(K+V) extra flops: a GPU form (launches dominate there), not a CPU one."""
-    n, K, V = A.shape[-3], A.shape[-1], X.shape[-1]
-    lead = A.shape[:-3]
-    nb = -(-n // b)
-    if nb * b != n:  # identity transitions pad the last block
-        eye = mx.broadcast_to(mx.eye(K, dtype=A.dtype), (*lead, nb * b - n, K, K))
-        A = mx.concatenate([A, eye], axis=-3)
-        X = mx.concatenate([X, mx.zeros((*lead, nb * b - n, K, V), dtype=X.dtype)], axis=-3)
-    A = A.reshape(*lead, nb, b, K, K)
-    Xp = mx.concatenate([mx.zeros((*lead, nb * b, K, K), dtype=X.dtype), X], axis=-1).reshape(*lead, nb, b, K, K + V)
-    cur = mx.broadcast_to(mx.concatenate([mx.eye(K, dtype=A.dtype), mx.zeros((K, V), dtype=A.dtype)], axis=-1),
-                          (*lead, nb, K, K + V))
-    pre = []
-    for k in range(b):  # [Π_k | Σ_k] = A_k [Π_{k-1} | Σ_{k-1}] + [0 | X_k]
-        cur = mx.addmm(Xp[..., k, :, :], A[..., k, :, :], cur)
-        pre.append(cur)
-    pre = mx.stack(pre, axis=-3)                                   # [.., nb, b, K, K+V]
-    S, entries = S0[..., None, :, :], []
-    for Pj, Sj in zip(_split(pre[..., b - 1, :, :K]), _split(pre[..., b - 1, :, K:])):
-        entries.append(S)
-        S = mx.addmm(Sj, Pj, S)
-    entries = mx.concatenate(entries, axis=-3)                     # [.., nb, K, V]
-    after = (pre[..., :K] @ entries[..., None, :, :] + pre[..., K:]).reshape(*lead, nb * b, K, V)[..., :n, :, :]
-    return mx.concatenate([S0[..., None, :, :], after[..., :n - 1, :, :]], axis=-3), after[..., n - 1, :, :]
-
-
 def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool):
     """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state."""
     gs = geo.g[..., None]
@@ -212,9 +183,6 @@ def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool):
             states.append(S)
             S = gc * S + dc
         Z = U
-    elif compose and matrix:
-        states, S_end = _affine_scan_blocked(_transition(geo, uQ, W), uQt @ U, S0)
-        return states, U + W @ states, S_end
     elif compose:  # one K×K·K×V product per chunk: as cheap as two C-sized ones when C ≥ K/2
         for Ac, Bc in zip(_split(_transition(geo, uQ, W)), _split(uQt @ U)):
             states.append(S)
@@ -250,12 +218,6 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
         for gc, Ec in zip(reversed(_split(gs)), reversed(_split(E))):
             nxt.append(dS)
             dS = gc * dS + Ec
-    elif compose and matrix:  # the reverse scan is the same affine scan, backwards, transposed
-        E = E + W.swapaxes(-1, -2) @ F
-        At = _transition(geo, uQ, W).swapaxes(-1, -2)[..., ::-1, :, :]
-        rev, dS0 = _affine_scan_blocked(At, E[..., ::-1, :, :], dS_end)
-        dSn = rev[..., ::-1, :, :]
-        return dSn, F + uQ @ dSn, dS0
     elif compose:
         E = E + W.swapaxes(-1, -2) @ F
         for At, Ec in zip(reversed(_split(_transition(geo, uQ, W).swapaxes(-1, -2))), reversed(_split(E))):
