@@ -128,10 +128,13 @@ def main():
                   f"{pc / 2**20:.0f} | {pn / 2**20:.0f} |", flush=True)
     if a.long:
         rec = specs.BUILTINS[a.long_spec]
-        print(f"\n## Bounded memory: {a.long_spec} fwd+bwd, chunked, B={a.B} H={a.H} D={a.D}\n")
+        from recgen.chunked import segment_budget
+
+        print(f"\n## Bounded memory: {a.long_spec} fwd+bwd, chunked, B={a.B} H={a.H} D={a.D}, "
+              f"segment budget {segment_budget() / 2**20:.0f} MiB\n")
         print("| T | ms | peak MiB | inputs+grads MiB |")
         print("|---:|---:|---:|---:|")
-        for T in (a.long // 4, a.long // 2, a.long):
+        for T in (a.long // 4, a.long // 2, a.long, 2 * a.long):
             ins = make_inputs(rec, a.B, T, a.H, a.D)
             t, p = run_case(rec, chunked_fn(a.chunk), ins, "fwd+bwd", 1)
             io = 2 * sum(v.nbytes for v in ins.values())
