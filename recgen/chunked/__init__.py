@@ -17,7 +17,8 @@ Three forms, by the spec's terms:
   inputs by MLX ops and differentiated by MLX autodiff; the core's matmul algebra has its own VJP.
 - Any other rank-1 transition with a scalar or key-vector decay: ``core.chunks_rank1``, all chunks
   at once, differentiated by MLX autodiff.
-- Full (i, j) or value-indexed decays (selective scan): ``core.chunk_full`` chunk after chunk.
+- Full (i, j) or value-indexed decays (selective scan): ``core.scan_full``, a two-level scan
+  (~2√T sequential elementwise steps per segment), by MLX autodiff.
 
 Memory: a sequence whose working set fits the budget (``segment_budget``) runs as one piece. A
 longer one runs in segments: the forward keeps only each segment's entry state, the backward
@@ -45,7 +46,7 @@ __all__ = ["forward", "naive_loop", "supported", "segment_budget", "default_chun
 
 # Peak fwd+bwd bytes per token ≈ factor × 4·B·H·(K + V + C), measured (H100, run 12; CPU): scalar
 # decays ≈ 14-18, key-vector decays (the multiplicative hierarchy) ≈ 55.
-WORKSET_FACTOR = {"scalar": 20, "key": 60}
+WORKSET_FACTOR = {"scalar": 20, "key": 60, "full": 40}  # full: × 4·B·H·K·V (per-token states)
 
 
 def supported(rec: ir.Recurrence) -> None:
@@ -195,10 +196,10 @@ def _general(p, names, scale, sizes, has_z, C, S, *rest):
 
 
 def _full(p, names, scale, sizes, has_z, S, *rest):
-    """One chunk with a full (i, j) or value-indexed decay: ``core.chunk_full`` (autodiff)."""
+    """A stretch with a full (i, j) or value-indexed decay: ``core.scan_full`` (autodiff)."""
     z = rest[0] if has_z else None
     T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
-    y, S = core.chunk_full(S, t, t["logdecay"])
+    y, S = core.scan_full(S, t["r"], t["u"], t["w"], t["logdecay"])
     nz = None
     if has_z:
         ones = mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)
@@ -282,9 +283,10 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     state = [S, z] if has_z else [S]
     args = [xs[nm] for nm in names]
     C = chunk_size or default_chunk_size(sizes.K)
-    if p.decay_class == "full":
+    if p.decay_class == "full":  # O(T·K·V) working set: the segment budget sets the stretch
         fn = partial(_full, p, names, float(scale), sizes, has_z)
-        seg = min(C, T)
+        per_token = 4 * sizes.B * sizes.H * sizes.K * sizes.V * WORKSET_FACTOR["full"]
+        seg = max(1, segment_budget() // per_token)
     else:
         C = _pow2(min(C, T))
         body = _fast if (rec.step.transition is None or p.has_rho) else _general
