@@ -119,10 +119,9 @@ class KeyDecay:
 
 
 def _split(x):
-    """[..., n, a, b] -> n arrays [..., a, b], each a contiguous block: the chunk axis is moved first
-    (one copy), so a step's operands need no per-step gather and matmuls see plain strided batches."""
-    xm = mx.contiguous(mx.moveaxis(x, -3, 0))
-    return [xm[i] for i in range(x.shape[-3])]
+    """[..., n, a, b] -> n arrays [..., 1, a, b] (one op; the chunk axis stays for broadcasting)."""
+    n = x.shape[-3]
+    return mx.split(x, n, axis=-3) if n > 1 else [x]
 
 
 def _transition(geo, uQ, W):
@@ -174,11 +173,10 @@ def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool):
     """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state."""
     gs = geo.g[..., None]
     uQt = uQ.swapaxes(-1, -2)
-    S = S0
+    S = S0[..., None, :, :]
     states = []
     if W is None and matrix:
-        S_all = _apply_rows(_chunk_decay_matrix(geo.l, geo.key), mx.concatenate([S0[..., None, :, :], uQt @ U], axis=-3),
-                            geo.key)
+        S_all = _apply_rows(_chunk_decay_matrix(geo.l, geo.key), mx.concatenate([S, uQt @ U], axis=-3), geo.key)
         return S_all[..., :-1, :, :], U, S_all[..., -1, :, :]
     if W is None:
         for gc, dc in zip(_split(gs), _split(uQt @ U)):
@@ -197,11 +195,11 @@ def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool):
             Zc = mx.addmm(Uc, Wc, S)
             Zs.append(Zc)
             S = mx.addmm(gc * S, uc, Zc)
-        Z = mx.stack(Zs, axis=-3)
-    states = mx.stack(states, axis=-3)
+        Z = mx.concatenate(Zs, axis=-3)
+    states = mx.concatenate(states, axis=-3)
     if Z is None:
         Z = U + W @ states
-    return states, Z, S
+    return states, Z, S[..., 0, :, :]
 
 
 def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
@@ -209,11 +207,11 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
     dS_0, from dZ_c = F_c + (u ⊙ Q)_c dS_{c+1} and dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ dZ_c.
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after."""
     gs = geo.g[..., None]
-    dS = dS_end
+    dS = dS_end[..., None, :, :]
     nxt, dZs = [], []
     if W is None and matrix:  # the adjoint of the forward's matrix form is its transpose
         L = _chunk_decay_matrix(geo.l, geo.key).swapaxes(-1, -2)
-        d_all = _apply_rows(L, mx.concatenate([E, dS_end[..., None, :, :]], axis=-3), geo.key)
+        d_all = _apply_rows(L, mx.concatenate([E, dS], axis=-3), geo.key)
         dSn = d_all[..., 1:, :, :]
         return dSn, F + uQ @ dSn, d_all[..., 0, :, :]
     if W is None:
@@ -230,9 +228,9 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
             nxt.append(dS)
             dZs.append(mx.addmm(Fc, uc, dS))
             dS = mx.addmm(gc * dS + Ec, Wc, dZs[-1])
-    dSn = mx.stack(nxt[::-1], axis=-3)
-    dZ = mx.stack(dZs[::-1], axis=-3) if dZs else F + uQ @ dSn
-    return dSn, dZ, dS
+    dSn = mx.concatenate(nxt[::-1], axis=-3)
+    dZ = mx.concatenate(dZs[::-1], axis=-3) if dZs else F + uQ @ dSn
+    return dSn, dZ, dS[..., 0, :, :]
 
 
 def _forward(geo, S0, r, u, w, bt, compose, matrix=False):
