@@ -119,7 +119,9 @@ class KeyDecay:
 
 
 def _split(x):
-    """[..., n, a, b] -> n arrays [..., 1, a, b] (one op; the chunk axis stays for broadcasting)."""
+    """[..., n, a, b] -> n arrays [..., 1, a, b] (one op; the chunk axis stays for broadcasting).
+    Moving the chunk axis first and indexing contiguous blocks instead measured 1.7x slower on the
+    H100 (run 15: more ops, and the copy), so the views stay."""
     n = x.shape[-3]
     return mx.split(x, n, axis=-3) if n > 1 else [x]
 
