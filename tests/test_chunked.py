@@ -27,7 +27,7 @@ from recgen import ir, reference, specs  # noqa: E402
 from recgen.chunked import forward, naive_loop, supported  # noqa: E402
 from recgen.features import sympow  # noqa: E402
 from recgen.frontend import Key, Scalar, Step, Value, Param, normalizer, rank1, outer, recurrence  # noqa: E402
-from recgen.fns import exp, sigmoid  # noqa: E402
+from recgen.fns import exp, sigmoid, softplus  # noqa: E402
 from recgen.shapes import infer_sizes  # noqa: E402
 
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -220,20 +220,32 @@ def two_decays(q: Key, k: Key, v: Value, g: Scalar, f: Scalar):
                 normalizer=normalizer(sigmoid(f), k, lambda n: n**2 + 1))
 
 
+@recurrence
+def scan_with_normalizer(x: Value, dt: Value, A: Param["i", "j"], Bk: Key, Ck: Key, f: Scalar):
+    """A full (i, j) decay (the two-level scan) beside a normalizer with a scalar decay."""
+    d = softplus(dt)
+    return Step(decay=exp(d * A), update=outer(Bk, d * x), readout=Ck,
+                normalizer=normalizer(sigmoid(f), Bk, lambda n: n**2 + 1))
+
+
 def test_general_rank1_and_separate_normalizer():
     from recgen.chunked.terms import plan
 
     assert not plan(dplr).has_rho and not plan(two_decays).fuse_z  # the paths this test is for
+    assert plan(scan_with_normalizer).decay_class == "full"
     assert_close(compare(dplr, 45, chunk=16, seed=4, gmin=-8.0))
     assert_close(compare(two_decays, 45, chunk=16, seed=5, gmin=-8.0))
+    assert_close(compare(scan_with_normalizer, 45, chunk=16, seed=6, gmin=-8.0))
 
 
-@pytest.mark.parametrize("name", ["gated_delta_net", "gla", "dplr", "two_decays", "power_retention"])
+@pytest.mark.parametrize("name", ["gated_delta_net", "gla", "dplr", "two_decays", "power_retention",
+                                  "scan_with_normalizer"])
 def test_segmented_matches_reference(name, monkeypatch):
     """A 1-byte budget forces segments of one chunk: the segmented forward (entry states only) and
     the reverse recomputation must give the same results as one piece."""
     monkeypatch.setenv("RECGEN_CHUNKED_BUDGET", "1")
-    rec = {"dplr": dplr, "two_decays": two_decays}.get(name) or specs.BUILTINS[name]
+    rec = {"dplr": dplr, "two_decays": two_decays, "scan_with_normalizer": scan_with_normalizer}.get(name) \
+        or specs.BUILTINS[name]
     gmin = -3.0 if name == "power_retention" else -20.0
     assert_close(compare(rec, 70, chunk=16, seed=21, gmin=gmin))
 

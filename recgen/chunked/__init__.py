@@ -157,14 +157,24 @@ def _roles(p, names, scale, sizes, S, arrays):
     return T, evaluate(p, bind(p, chunk, sizes.H), scale, sizes.B, sizes.H, T, sizes.K, sizes.V, S.dtype)
 
 
+def _z_scan(p, t, z, C):
+    """A normalizer with its own decay (not fused into S): z_t = d_t ⊙ z_{t-1} + u'_t, n_t = z_tᵀ r_t,
+    through the parallel core with a single value column. Returns (n [B,H,T], z_end)."""
+    B, H, T = t["r"].shape[:3]
+    ones = mx.ones((B, H, T, 1), dtype=z.dtype)
+    yz, zs = _diag_scan(z[..., None], t["r"], t["zupdate"], ones, _as_f(t["zlogdecay"]), C,
+                        p.zdecay_class == "key")
+    return yz[..., 0], zs[..., 0]
+
+
 def _fast(p, names, scale, sizes, has_z, C, S, *rest):
     """Scalar or key-vector decay, no transition or a = ρ·u: (S[, z], *inputs) -> (o, S[, z])."""
     z = rest[0] if has_z else None
     T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
     V, key = sizes.V, p.decay_class == "key"
-    ones = mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype) if has_z else None
     nz = None
     if p.fuse_z:  # z rides along as the extra value column of S (same decay and update)
+        ones = mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)
         ya, Sa = _diag_scan(mx.concatenate([S, z[..., None]], axis=-1), t["r"], t["u"],
                             mx.concatenate([t["w"], ones], axis=-1), _as_f(t["logdecay"]), C, key)
         y, nz, S, z = ya[..., :V], ya[..., V], Sa[..., :V], Sa[..., V]
@@ -172,9 +182,7 @@ def _fast(p, names, scale, sizes, has_z, C, S, *rest):
         bt = t["rho"][..., None] * t["b"] if "rho" in t else None
         y, S = _diag_scan(S, t["r"], t["u"], t["w"], _as_f(t["logdecay"]), C, key, bt)
         if has_z:
-            yz, zs = _diag_scan(z[..., None], t["r"], t["zupdate"], ones, _as_f(t["zlogdecay"]), C,
-                                p.zdecay_class == "key")
-            nz, z = yz[..., 0], zs[..., 0]
+            nz, z = _z_scan(p, t, z, C)
     o = _readout(p, p.rec, t, y, nz)
     return (o, S, z) if has_z else (o, S)
 
@@ -188,27 +196,18 @@ def _general(p, names, scale, sizes, has_z, C, S, *rest):
     y, _, S = core.chunks_rank1(S, ch(t["r"]), ch(t["u"]), ch(t["w"]), ch(t["a"]), ch(t["b"]),
                                 mx.exp(ch(_as_f(t["logdecay"]))))  # pad l (decay 1), then exp
     y = y.reshape(sizes.B, sizes.H, n * C, sizes.V)[:, :, :T]
-    nz = None
-    if has_z:
-        ones = mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)
-        yz, zs = _diag_scan(z[..., None], t["r"], t["zupdate"], ones, _as_f(t["zlogdecay"]), _pow2(C),
-                            p.zdecay_class == "key")
-        nz, z = yz[..., 0], zs[..., 0]
+    nz, z = _z_scan(p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)
     return (o, S, z) if has_z else (o, S)
 
 
-def _full(p, names, scale, sizes, has_z, S, *rest):
-    """A stretch with a full (i, j) or value-indexed decay: ``core.scan_full`` (autodiff)."""
+def _full(p, names, scale, sizes, has_z, C, S, *rest):
+    """A stretch with a full (i, j) or value-indexed decay: ``core.scan_full`` (autodiff); a
+    normalizer (scalar or key decay) through the parallel core with chunk C."""
     z = rest[0] if has_z else None
     T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
     y, S = core.scan_full(S, t["r"], t["u"], t["w"], t["logdecay"])
-    nz = None
-    if has_z:
-        ones = mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)
-        yz, zs = _diag_scan(z[..., None], t["r"], t["zupdate"], ones, _as_f(t["zlogdecay"]), _pow2(T),
-                            p.zdecay_class == "key")
-        nz, z = yz[..., 0], zs[..., 0]
+    nz, z = _z_scan(p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)
     return (o, S, z) if has_z else (o, S)
 
@@ -285,13 +284,12 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     names = [x.name for x in rec.inputs]
     state = [S, z] if has_z else [S]
     args = [xs[nm] for nm in names]
-    C = chunk_size or default_chunk_size(sizes.K)
+    C = _pow2(min(chunk_size or default_chunk_size(sizes.K), T))  # speed and memory only, not the result
     if p.decay_class == "full":  # O(T·K·V) working set: the segment budget sets the stretch
-        fn = partial(_full, p, names, float(scale), sizes, has_z)
+        fn = partial(_full, p, names, float(scale), sizes, has_z, C)
         per_token = 4 * sizes.B * sizes.H * sizes.K * sizes.V * WORKSET_FACTOR["full"]
         seg = max(1, segment_budget() // per_token)
     else:
-        C = _pow2(min(C, T))
         body = _fast if (rec.step.transition is None or p.has_rho) else _general
         fn = partial(body, p, names, float(scale), sizes, has_z, C)
         per_token = 4 * sizes.B * sizes.H * (sizes.K + sizes.V + C) * WORKSET_FACTOR[p.decay_class]
