@@ -25,6 +25,9 @@ for stage in "$@"; do
     chunked-small) timeout 100 python benchmarks/bench_chunked_gpu.py --shape 8,1024,8,64 --variants compiled --out "$OUT" 2>&1 | tee "$OUT/chunked_small.log" ;;
     fla-*) timeout 290 python benchmarks/bench_fla.py --out "$OUT" --ops "${stage#fla-}" --shapes "4,4096,16,128" --timeout 285 2>&1 | tee -a "$OUT/fla.log"
            cp "$OUT/bench_fla.json" "$OUT/bench_fla_${stage#fla-}.json" ;;
+    decode) timeout 120 python benchmarks/bench_decode.py 2>&1 | tee "$OUT/decode.log"
+            timeout 150 bash benchmarks/ncu_decode.sh > "$OUT/ncu_decode.log" 2>&1
+            grep -E "custom_kernel|Kernel|kernel|gpu__time|dram__bytes" "$OUT/ncu_decode.log" | cut -c1-150 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -155,9 +155,11 @@ def chunked_vjp(rec: ir.Recurrence, scale: float, primals, cotangents):
     return tuple(mx.vjp(f, list(primals), cots)[1])
 
 
+@lru_cache(maxsize=256)
 def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, out_dtype: str,
               backward: str = "recurrent"):
-    """An mx.custom_function (xs..., h0[, z0]) -> (o, ht[, zt]) running the generated forward kernel.
+    """An mx.custom_function (xs..., h0[, z0]) -> (o, ht[, zt]) running the generated forward kernel,
+    made once per (plan, dialect, sizes, scale, dtype, backward): decode calls it per token.
 
     Its VJP runs the generated backward kernel (``backward="recurrent"``) or the chunked form's
     backward (``"chunked"``: matmuls over chunks, faster for long sequences on GPUs, see
