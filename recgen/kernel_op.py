@@ -155,16 +155,23 @@ def chunked_vjp(rec: ir.Recurrence, scale: float, primals, cotangents):
     return tuple(mx.vjp(f, list(primals), cots)[1])
 
 
-@lru_cache(maxsize=256)
 def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, out_dtype: str,
               backward: str = "recurrent"):
-    """An mx.custom_function (xs..., h0[, z0]) -> (o, ht[, zt]) running the generated forward kernel,
-    made once per (plan, dialect, sizes, scale, dtype, backward): decode calls it per token.
+    """See ``_kernel_op``; made once per (plan, dialect, sizes, scale, dtype, backward): decode calls
+    it per token, and building the custom function each time is host time on every step."""
+    return _kernel_op(plan, dialect.name, sizes, scale, out_dtype, backward)
+
+
+@lru_cache(maxsize=256)
+def _kernel_op(plan: KernelPlan, dialect_name: str, sizes: Sizes, scale: float, out_dtype: str, backward: str):
+    """An mx.custom_function (xs..., h0[, z0]) -> (o, ht[, zt]) running the generated forward kernel.
 
     Its VJP runs the generated backward kernel (``backward="recurrent"``) or the chunked form's
     backward (``"chunked"``: matmuls over chunks, faster for long sequences on GPUs, see
     ``recgen.ops``); both give the same gradients up to rounding."""
     import mlx.core as mx
+
+    dialect = get(dialect_name)
 
     n = len(plan.rec.inputs)
     norm = plan.rec.has_normalizer

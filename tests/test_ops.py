@@ -91,3 +91,18 @@ def test_load_by_name_and_path():
     assert rg.load("examples/retnet.py:retnet").rec.name == "retnet"
     with pytest.raises(InputError, match="spec"):
         rg.load(42)
+
+
+def test_kernel_op_is_built_once_per_call_signature():
+    """Decode calls the op per token: the custom function is cached, not rebuilt (no GPU needed to build it)."""
+    from recgen.backends import get
+    from recgen.kernel_op import kernel_op
+    from recgen.lower import plan
+    from recgen.shapes import Sizes
+
+    s = Sizes(2, 1, 4, 4, 32, 32, 32)
+    p = plan(specs.gated_delta_net, s)
+    a = kernel_op(p, get("cuda"), s, 0.1, "float32", "recurrent")
+    assert a is kernel_op(p, get("cuda"), s, 0.1, "float32", "recurrent")
+    assert a is not kernel_op(p, get("cuda"), s, 0.1, "float32", "chunked")
+    assert a is not kernel_op(p, get("metal"), s, 0.1, "float32", "recurrent")
