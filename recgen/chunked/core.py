@@ -182,23 +182,6 @@ def decay_levels(d):
     return levels, P, Q
 
 
-def decay_levels_exp(l):
-    """The same (levels, P, Q) as ``decay_levels`` from the log-decays l [..., C, F]: each factor is
-    the exp of a sum anchored at its own block boundary (inclusive cumulative sums inside the right
-    half, exclusive reverse ones inside the left half), so it is as exact as the products. Two exps
-    per element and level instead of one multiply-up, and no full-size array per level: the GPU form
-    (exps are cheap there, memory traffic is not)."""
-    C = l.shape[-2]
-    levels = []
-    m = 1
-    while m < C:
-        lb = _blocks(l, m)
-        levels.append((m, mx.exp(mx.cumsum(lb[..., 1, :, :], axis=-2)),
-                       mx.exp(mx.cumsum(lb[..., 0, :, :], axis=-2, reverse=True, inclusive=False))))
-        m *= 2
-    return levels, mx.exp(mx.cumsum(l, axis=-2)), mx.exp(mx.cumsum(l, axis=-2, reverse=True, inclusive=False))
-
-
 def _half(x, m, side):
     return _blocks(x, m)[..., side, :, :]
 

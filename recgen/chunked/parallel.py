@@ -36,7 +36,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .core import _half, _unblocks, decay_levels, decay_levels_exp, offdiag_blocks, pair_levels, unit_lower_inv
+from .core import _half, _unblocks, decay_levels, offdiag_blocks, pair_levels, unit_lower_inv
 
 __all__ = ["core_fn"]
 
@@ -91,7 +91,7 @@ class KeyDecay:
 
     def __init__(self, l):
         self.l = l
-        self.levels, self.P, self.Q = decay_levels_exp(l) if gpu_forms() else decay_levels(mx.exp(l))
+        self.levels, self.P, self.Q = decay_levels(mx.exp(l))
         self.g = self.P[..., -1, :]
 
     def pair(self, X, Y, strict: bool):
