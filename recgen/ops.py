@@ -12,9 +12,10 @@ when MLX's CUDA backend is present, else mlx. ``backend=`` or ``RECGEN_BACKEND``
 Gradients of a kernel backend: ``backward="recurrent"`` runs the generated backward kernel (one
 sequential sweep, the state in registers); ``"chunked"`` runs the chunked form's backward (matmuls
 over chunks). ``None`` (default, or ``RECGEN_BACKWARD``) picks chunked when the spec has the fast
-chunked form (scalar or key-vector decay, no transition or a delta-rule one) and
-T ≥ ``CHUNKED_BACKWARD_MIN_T``: on the H100 it was 1.6-4× faster at T = 4096 and about even at
-T = 1024 (BENCHMARKS.md, run 12).
+chunked form (scalar or key-vector decay, no transition or a delta-rule one) and T reaches the
+backend's measured ``Dialect.chunked_backward_min_t``: 2048 for CUDA (on the H100 it was 1.6-4×
+faster at T = 4096 and about even at T = 1024, BENCHMARKS.md runs 12-13); none yet for Metal, whose
+default stays the recurrent backward until it is measured on an Apple GPU.
 MLX is imported lazily: importing recgen builds nothing.
 """
 from __future__ import annotations
@@ -27,7 +28,6 @@ from .shapes import InputError, Sizes, check_state, infer_sizes
 
 BACKENDS = ("metal", "cuda", "mlx")
 BACKWARDS = ("recurrent", "chunked")
-CHUNKED_BACKWARD_MIN_T = 2048
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -126,11 +126,12 @@ class Op:
             states = [_zeros(sizes.state_shape) if initial_state is None else initial_state.astype(mx.float32)]
         values = [a.dtype for x, a in zip(self.rec.inputs, xs) if x.kind == "value"]
         out_dtype = str(values[0] if values else mx.float32).split(".")[-1]
-        outs = kernel_op(p, get(backend), sizes, scale, out_dtype, self._backward(sizes))(*xs, *states)
+        dialect = get(backend)
+        outs = kernel_op(p, dialect, sizes, scale, out_dtype, self._backward(sizes, dialect))(*xs, *states)
         return (outs[0], (outs[1], outs[2])) if self.rec.has_normalizer else outs
 
 
-    def _backward(self, sizes: Sizes) -> str:
+    def _backward(self, sizes: Sizes, dialect) -> str:
         """The kernel op's backward path (see the module docstring)."""
         choice = self.backward or os.environ.get("RECGEN_BACKWARD")
         if choice:
@@ -145,7 +146,8 @@ class Op:
 
         p = chunk_plan(self.rec)
         fast = p.decay_class != "full" and (self.rec.step.transition is None or p.has_rho)
-        return "chunked" if fast and sizes.T >= CHUNKED_BACKWARD_MIN_T else "recurrent"
+        min_t = dialect.chunked_backward_min_t
+        return "chunked" if fast and min_t is not None and sizes.T >= min_t else "recurrent"
 
 
 @lru_cache(maxsize=32)

@@ -106,3 +106,27 @@ def test_kernel_op_is_built_once_per_call_signature():
     assert a is kernel_op(p, get("cuda"), s, 0.1, "float32", "recurrent")
     assert a is not kernel_op(p, get("cuda"), s, 0.1, "float32", "chunked")
     assert a is not kernel_op(p, get("metal"), s, 0.1, "float32", "recurrent")
+
+
+def test_backward_choice_follows_the_backend_table(monkeypatch):
+    """The default gradient path of a kernel op: chunked from the backend's measured T, recurrent below
+    it, recurrent where the table has no measurement (Metal), and an explicit choice always wins."""
+    from recgen.backends import get
+    from recgen.shapes import Sizes
+
+    monkeypatch.delenv("RECGEN_BACKWARD", raising=False)
+    op = ops.Op(specs.gated_delta_net)
+    long, short = Sizes(1, 4096, 2, 2, 8, 8, 8), Sizes(1, 100, 2, 2, 8, 8, 8)
+    assert get("cuda").chunked_backward_min_t == 2048 and get("metal").chunked_backward_min_t is None
+    assert op._backward(long, get("cuda")) == "chunked"
+    assert op._backward(short, get("cuda")) == "recurrent"
+    assert op._backward(long, get("metal")) == "recurrent"
+    assert ops.Op(specs.selective_scan)._backward(long, get("cuda")) == "recurrent"  # no fast chunked form
+    assert ops.Op(specs.gated_delta_net, backward="recurrent")._backward(long, get("cuda")) == "recurrent"
+    monkeypatch.setenv("RECGEN_BACKWARD", "chunked")
+    assert op._backward(short, get("metal")) == "chunked"
+    monkeypatch.setenv("RECGEN_BACKWARD", "sideways")
+    with pytest.raises(InputError, match="RECGEN_BACKWARD"):
+        op._backward(short, get("cuda"))
+    with pytest.raises(InputError, match="backward="):
+        ops.Op(specs.gla, backward="sideways")

@@ -1,4 +1,4 @@
-"""The schema of a backend: names and spellings only, no logic.
+"""The schema of a backend: names, spellings and measured tuning constants only, no logic.
 
 Shared code never asks which backend it renders for; it reads these fields. A field holding
 ``{x}``-style placeholders is a spelling with holes, filled by ``str.format``.
@@ -26,3 +26,6 @@ class Dialect:
     dtypes: dict                  # numpy-style dtype name -> emitted type name
     prelude: str                  # helper functions (gates) pasted into the kernel header
     float_suffix: str = "f"       # float literal suffix
+    # From this sequence length on, a kernel op's VJP defaults to the chunked backward (recgen.ops);
+    # a measured tuning constant per backend, None where it has not been measured (never by default).
+    chunked_backward_min_t: int | None = None
