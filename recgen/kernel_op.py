@@ -137,8 +137,9 @@ def _runtime_arrays(runtime: tuple) -> tuple:
     return tuple(mx.array(list(v), dtype=getattr(mx, dt)) for _, v, dt in runtime)
 
 
-def chunked_vjp(rec: ir.Recurrence, scale: float, primals, cotangents):
-    """The VJP of the chunked MLX form at the same point: recompute its forward, run its backward."""
+def chunked_vjp(rec: ir.Recurrence, scale: float, primals, cotangents, outputs):
+    """The VJP of the chunked MLX form at the same point: recompute its forward, run its backward.
+    ``outputs`` (the kernel op's, same shapes) stand in for a missing cotangent's shape."""
     import mlx.core as mx
 
     from . import chunked
@@ -151,7 +152,7 @@ def chunked_vjp(rec: ir.Recurrence, scale: float, primals, cotangents):
                                initial_state=tuple(a[n:]) if norm else a[n])
         return (o, *s) if norm else (o, s)
 
-    cots = [mx.zeros_like(p) if c is None else c for c, p in zip(cotangents, f(*primals))]
+    cots = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs)]
     return tuple(mx.vjp(f, list(primals), cots)[1])
 
 
@@ -185,7 +186,7 @@ def _kernel_op(plan: KernelPlan, dialect_name: str, sizes: Sizes, scale: float, 
     @op.vjp
     def op_vjp(primals, cotangents, outputs):
         if backward == "chunked":
-            return chunked_vjp(plan.rec, scale, primals, cotangents)
+            return chunked_vjp(plan.rec, scale, primals, cotangents, outputs)
         xs, states = list(primals[:n]), list(primals[n:])
         f = mlx_call(forward_launch(plan, dialect, sizes, scale, out_dtype, save=True), dialect, xs, states)
         extra = [f[2], cotangents[0], cotangents[1].astype(mx.float32)]

@@ -130,7 +130,6 @@ class Op:
         outs = kernel_op(p, dialect, sizes, scale, out_dtype, self._backward(sizes, dialect))(*xs, *states)
         return (outs[0], (outs[1], outs[2])) if self.rec.has_normalizer else outs
 
-
     def _backward(self, sizes: Sizes, dialect) -> str:
         """The kernel op's backward path (see the module docstring)."""
         choice = self.backward or os.environ.get("RECGEN_BACKWARD")
@@ -142,12 +141,10 @@ class Op:
 
                 supported(self.rec)
             return choice
-        from .chunked.terms import plan as chunk_plan
+        from .chunked import fast_form
 
-        p = chunk_plan(self.rec)
-        fast = p.decay_class != "full" and (self.rec.step.transition is None or p.has_rho)
         min_t = dialect.chunked_backward_min_t
-        return "chunked" if fast and min_t is not None and sizes.T >= min_t else "recurrent"
+        return "chunked" if fast_form(self.rec) and min_t is not None and sizes.T >= min_t else "recurrent"
 
 
 @lru_cache(maxsize=32)

@@ -40,9 +40,10 @@ import mlx.core as mx
 from .. import ir
 from ..shapes import InputError, check_state, infer_sizes
 from . import core, parallel
+from .core import _pow2
 from .terms import bind, evaluate, plan
 
-__all__ = ["forward", "naive_loop", "supported", "segment_budget", "default_chunk_size"]
+__all__ = ["forward", "naive_loop", "supported", "fast_form", "segment_budget", "default_chunk_size"]
 
 # Peak fwd+bwd bytes per token ≈ factor × 4·B·H·(K + V + C), measured (H100, run 12; CPU): scalar
 # decays ≈ 14-18, key-vector decays (the multiplicative hierarchy) ≈ 55.
@@ -59,6 +60,13 @@ def supported(rec: ir.Recurrence) -> None:
             f"D = {rec.step.decay} (free indices {rec.free_indices(rec.step.decay)}); use naive_loop or a kernel backend")
     if p.zdecay_class == "full":  # validate() forbids it; guard anyway
         raise NotImplementedError(f"{rec.name}: normalizer decay {rec.step.normalizer.decay} is value-indexed")
+
+
+def fast_form(rec: ir.Recurrence) -> bool:
+    """Whether ``rec`` runs on the parallel core with its written VJP: a scalar or key-vector decay
+    with no transition or a delta-rule one (a = ρ·u)."""
+    p = plan(rec)
+    return p.decay_class != "full" and (rec.step.transition is None or p.has_rho)
 
 
 def segment_budget() -> int:
@@ -117,13 +125,6 @@ def _readout(p, rec, t, y, n):
     if "skip" in t:
         y = y + t["skip"]
     return y.transpose(0, 2, 1, 3)
-
-
-def _pow2(n: int) -> int:
-    c = 1
-    while c < n:
-        c *= 2
-    return c
 
 
 def _to_chunks(x, n, C):
@@ -279,8 +280,7 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     T = sizes.T
     has_z = rec.has_normalizer
     if T == 0 or sizes.B == 0:
-        o = mx.zeros((sizes.B, 0, sizes.H, sizes.V), dtype=out_dtype)
-        return o, ((S, z) if has_z else S)
+        return _finish(rec, [], S, z, out_dtype, sizes, dtype)
     names = [x.name for x in rec.inputs]
     state = [S, z] if has_z else [S]
     args = [xs[nm] for nm in names]
@@ -290,7 +290,7 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
         per_token = 4 * sizes.B * sizes.H * sizes.K * sizes.V * WORKSET_FACTOR["full"]
         seg = max(1, segment_budget() // per_token)
     else:
-        body = _fast if (rec.step.transition is None or p.has_rho) else _general
+        body = _fast if fast_form(rec) else _general
         fn = partial(body, p, names, float(scale), sizes, has_z, C)
         per_token = 4 * sizes.B * sizes.H * (sizes.K + sizes.V + C) * WORKSET_FACTOR[p.decay_class]
         seg = max(1, segment_budget() // (per_token * C)) * C

@@ -29,8 +29,11 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-def _tr(x):
-    """xᵀ (last two axes) as a matmul's right operand; contiguous on the CPU (see parallel.tr)."""
+
+def tr(x):
+    """xᵀ over the last two axes, for the right operand of a matmul. On the CPU the transpose is
+    materialised: mlx-cpu's BLAS (the reference one in the Linux wheels) runs a product whose right
+    operand is a transposed view as dot products, measured 2.6x slower than on a contiguous copy."""
     x = x.swapaxes(-1, -2)
     return mx.contiguous(x) if mx.default_device() == mx.cpu else x
 
@@ -209,7 +212,7 @@ def pair_levels(X, Y, levels, strict: bool):
     for m, PR, QL in levels:
         Mb = M.reshape(*M.shape[:-3], M.shape[-3] // 2, 2, m, m)
         ML, MR = Mb[..., 0, :, :], Mb[..., 1, :, :]
-        off = (_half(X, m, 1) * PR) @ _tr(_half(Y, m, 0) * QL)
+        off = (_half(X, m, 1) * PR) @ tr(_half(Y, m, 0) * QL)
         top = mx.concatenate([ML, mx.zeros_like(ML)], axis=-1)
         bot = mx.concatenate([off, MR], axis=-1)
         M = mx.concatenate([top, bot], axis=-2)

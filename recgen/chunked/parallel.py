@@ -36,17 +36,9 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .core import _half, _unblocks, decay_levels, offdiag_blocks, pair_levels, unit_lower_inv
+from .core import _half, _unblocks, decay_levels, offdiag_blocks, pair_levels, tr, unit_lower_inv
 
 __all__ = ["core_fn"]
-
-
-def tr(x):
-    """xᵀ over the last two axes, for the right operand of a matmul. On the CPU the transpose is
-    materialised: mlx-cpu's BLAS (the reference one in the Linux wheels) runs a product whose right
-    operand is a transposed view as dot products, measured 2.6x slower than on a contiguous copy."""
-    x = x.swapaxes(-1, -2)
-    return mx.contiguous(x) if mx.default_device() == mx.cpu else x
 
 
 def _tri(C: int, strict: bool):
