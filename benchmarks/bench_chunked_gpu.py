@@ -1,10 +1,12 @@
 """The chunked MLX fallback (backend='mlx') on the GPU through MLX's CUDA backend.
 
-    python benchmarks/bench_chunked_gpu.py [--out DIR] [--shape B,T,H,D] [--specs a,b] [--variants compiled,eager] [--gdu]
+    python benchmarks/bench_chunked_gpu.py [--out DIR] [--shape B,T,H,D] [--specs a,b] [--variants compiled,eager] [--gdu] [--tag X] [--memory-limit GiB] [--chunk C]
 
 B=4, T=4096, H=16, D=128 (default), bf16: forward (queued: 10 calls per eval, as bench_gpu.py; and sync: one
 call per eval) and forward+backward (one call per eval) with peak memory, per spec and variant:
 ``compiled`` runs the chunk core through mx.compile (the GPU default), ``eager`` without.
+``--memory-limit`` sets ``mx.set_memory_limit`` first: MLX's evaluation then waits for queued GPU work
+whenever active memory exceeds it, which bounds the buffers held for in-flight kernels.
 ``--gdu`` also times mx.fast.gated_delta_update's forward on the same inputs (the ratio target).
 """
 from __future__ import annotations
@@ -29,12 +31,14 @@ def arg(name, default):
 
 def main():
     out = arg("--out", ".")
+    if "--memory-limit" in sys.argv:
+        mx.set_memory_limit(int(float(arg("--memory-limit", "0")) * GiB))
     res = {}
     B, T, H, D = map(int, arg("--shape", "4,4096,16,128").split(","))
     for name in arg("--specs", "gated_delta_net,delta_net,gla,simple_gla").split(","):
         for variant in arg("--variants", "compiled,eager").split(","):
             parallel.COMPILE = variant == "compiled"
-            op = Op(specs.BUILTINS[name], backend="mlx")
+            op = Op(specs.BUILTINS[name], backend="mlx", chunk_size=int(arg("--chunk", "0")) or None)
             xs = inputs(name, B, T, H, D)
             fwd = lambda: op(*xs, check_finite=False)[0]  # noqa: E731
             t_f = timeit(fwd, reps=5, warm=2, queue=10)
@@ -57,7 +61,8 @@ def main():
         t = timeit(lambda: mx.fast.gated_delta_update(q, k, v, mx.exp(g), beta)[0], reps=2, warm=1)
         res["mx.fast.gated_delta_update/fwd_ms"] = t
         print(f"mx.fast.gated_delta_update fwd {t:.1f} ms", flush=True)
-    json.dump(res, open(f"{out}/bench_chunked_gpu_{B}_{T}_{H}_{D}.json", "w"), indent=1)
+    tag = arg("--tag", "")
+    json.dump(res, open(f"{out}/bench_chunked_gpu_{B}_{T}_{H}_{D}{tag and '_' + tag}.json", "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,18 @@ for stage in "$@"; do
              grep -E "FAIL|passed" "$OUT/check_mlx_bf16.log" ;;
     bench) timeout 300 python benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" ;;
     chunked) timeout 200 python benchmarks/bench_chunked_gpu.py --variants compiled --gdu --out "$OUT" 2>&1 | tee "$OUT/chunked.log" ;;
+    knobs) for n in 20 80 250; do  # MLX's CUDA graph size (ops per committed graph; default 20)
+             echo "MLX_MAX_OPS_PER_BUFFER=$n"
+             MLX_MAX_OPS_PER_BUFFER=$n timeout 150 python benchmarks/bench_chunked_gpu.py --variants compiled \
+               --specs gated_delta_net,simple_gla,gla --tag ops$n --out "$OUT" 2>&1 | tee -a "$OUT/knobs.log"; done ;;
+    one-segment) RECGEN_CHUNKED_BUDGET=$((60<<30)) timeout 100 python benchmarks/bench_chunked_gpu.py --variants compiled \
+               --specs gla --tag oneseg --out "$OUT" 2>&1 | tee "$OUT/one_segment.log" ;;
+    memlimit) for g in 4 6; do echo "mx.set_memory_limit($g GiB)"
+             timeout 100 python benchmarks/bench_chunked_gpu.py --variants compiled --memory-limit $g \
+               --specs gated_delta_net,simple_gla,gla --tag mem$g --out "$OUT" 2>&1 | tee -a "$OUT/memlimit.log"; done ;;
+    chunks) for c in 32 128; do echo "chunk $c"
+             timeout 100 python benchmarks/bench_chunked_gpu.py --variants compiled --chunk $c \
+               --specs gated_delta_net,simple_gla,gla --tag c$c --out "$OUT" 2>&1 | tee -a "$OUT/chunks.log"; done ;;
     chunked-small) timeout 100 python benchmarks/bench_chunked_gpu.py --shape 8,1024,8,64 --variants compiled --out "$OUT" 2>&1 | tee "$OUT/chunked_small.log" ;;
     fla-*) timeout 290 python benchmarks/bench_fla.py --out "$OUT" --ops "${stage#fla-}" --shapes "4,4096,16,128" --timeout 285 2>&1 | tee -a "$OUT/fla.log"
            cp "$OUT/bench_fla.json" "$OUT/bench_fla_${stage#fla-}.json" ;;

@@ -33,7 +33,7 @@ must be positive.
 from __future__ import annotations
 
 import os
-from functools import partial
+from functools import lru_cache, partial
 
 import mlx.core as mx
 
@@ -104,7 +104,6 @@ def _prepare(rec, inputs, initial_state, dtype=mx.float32):
         if not isinstance(a, mx.array):
             raise InputError(f"argument {name!r}: expected an mx.array, got {type(a).__name__}")
     sizes = infer_sizes(rec, {k: tuple(v.shape) for k, v in inputs.items()})
-    xs = {k: v.astype(dtype) for k, v in inputs.items()}
     if initial_state is None:
         S = mx.zeros(sizes.state_shape, dtype=dtype)
         z = mx.zeros(sizes.state_shape[:3], dtype=dtype) if rec.has_normalizer else None
@@ -115,7 +114,7 @@ def _prepare(rec, inputs, initial_state, dtype=mx.float32):
             S, z = S.astype(dtype), z.astype(dtype)
         else:
             S, z = initial_state.astype(dtype), None
-    return sizes, xs, S, z
+    return sizes, S, z
 
 
 def _readout(p, rec, t, y, n):
@@ -153,7 +152,7 @@ def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None):
 
 
 def _roles(p, names, scale, sizes, S, arrays):
-    chunk = dict(zip(names, arrays))
+    chunk = {n: a.astype(S.dtype) for n, a in zip(names, arrays)}  # upcast here: fused with the role math
     T = next(chunk[x.name].shape[1] for x in p.rec.inputs if x.per_token)
     return T, evaluate(p, bind(p, chunk, sizes.H), scale, sizes.B, sizes.H, T, sizes.K, sizes.V, S.dtype)
 
@@ -211,6 +210,22 @@ def _full(p, names, scale, sizes, has_z, C, S, *rest):
     nz, z = _z_scan(p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)
     return (o, S, z) if has_z else (o, S)
+
+
+@lru_cache(maxsize=64)
+def _body(body, rec, names, scale, sizes, has_z, C, out_dtype, compile: bool):
+    """``body`` bound to one spec and shape, its output cast to ``out_dtype``. With ``compile`` the
+    whole stretch (input casts, layout copies, role math, the chunk core, the readout, the output
+    cast) is one ``mx.compile``d graph, so the elementwise work around the core fuses into few
+    kernels (on GPUs each MLX launch costs ~16 µs and a pass over HBM). Cached: a call must not
+    retrace."""
+    bound = partial(body, plan(rec), names, scale, sizes, has_z, C)
+
+    def fn(*arrays):
+        outs = bound(*arrays)
+        return (outs[0].astype(out_dtype), *outs[1:])
+
+    return mx.compile(fn) if compile else fn
 
 
 def _segmented(rec, fn, bounds, ns):
@@ -275,7 +290,7 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
         raise InputError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
     supported(rec)
     p = plan(rec)
-    sizes, xs, S, z = _prepare(rec, inputs, initial_state, dtype)
+    sizes, S, z = _prepare(rec, inputs, initial_state, dtype)
     out_dtype = dtype if compute_dtype is not None else _out_dtype(rec, inputs)
     T = sizes.T
     has_z = rec.has_normalizer
@@ -283,22 +298,22 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
         return _finish(rec, [], S, z, out_dtype, sizes, dtype)
     names = [x.name for x in rec.inputs]
     state = [S, z] if has_z else [S]
-    args = [xs[nm] for nm in names]
+    args = [inputs[nm] for nm in names]  # cast to ``dtype`` inside the bodies (``_roles``): fused there
     C = _pow2(min(chunk_size or default_chunk_size(sizes.K), T))  # speed and memory only, not the result
     if p.decay_class == "full":  # O(T·K·V) working set: the segment budget sets the stretch
-        fn = partial(_full, p, names, float(scale), sizes, has_z, C)
+        fn = _body(_full, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, False)
         per_token = 4 * sizes.B * sizes.H * sizes.K * sizes.V * WORKSET_FACTOR["full"]
         seg = max(1, segment_budget() // per_token)
     else:
         body = _fast if fast_form(rec) else _general
-        fn = partial(body, p, names, float(scale), sizes, has_z, C)
+        fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, parallel.compiled())
         per_token = 4 * sizes.B * sizes.H * (sizes.K + sizes.V + C) * WORKSET_FACTOR[p.decay_class]
         seg = max(1, segment_budget() // (per_token * C)) * C
     if seg >= T:
         outs = fn(*state, *args)
     else:
         outs = _segmented(rec, fn, list(range(seg, T, seg)), len(state))(*state, *args)
-    o = outs[0].astype(out_dtype)
+    o = outs[0]
     return o, ((outs[1], outs[2]) if has_z else outs[1])
 
 
@@ -342,7 +357,8 @@ def _finish(rec, ys, S, z, out_dtype, sizes, dtype=mx.float32):
 def naive_loop(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=None):
     """The per-token MLX loop of the same spec (the benchmark baseline; memory grows with T)."""
     p = plan(rec)
-    sizes, xs, S, z = _prepare(rec, inputs, initial_state)
+    sizes, S, z = _prepare(rec, inputs, initial_state)
+    xs = {k: v.astype(S.dtype) for k, v in inputs.items()}
     out_dtype = _out_dtype(rec, inputs)
     T, B, H, K, V = sizes.T, sizes.B, sizes.H, sizes.K, sizes.V
     parts = _split_time(rec, xs, list(range(1, T)))
