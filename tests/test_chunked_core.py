@@ -64,3 +64,18 @@ def test_matrix_scan_equals_loop(key):
     (y2, s2), g2 = mx.vjp(lambda *a: tuple(matrix(*a)[:2]), args, cot)
     assert _rel(y2, y1) < 1e-8 and _rel(s2, s1) < 1e-8
     assert max(_rel(b, a) for a, b in zip(g1, g2)) < 1e-8
+
+
+@pytest.mark.parametrize("C", [1, 2, 5, 16, 37, 64])
+def test_unit_lower_inverses(C):
+    """Both triangular inverses (diagonal blocks: the CPU's; full C×C levels: the GPU's) in float64
+    against numpy's inverse, including C that is not a power of two, on entries large enough that a
+    truncated power series would be far off."""
+    from recgen.chunked.core import unit_lower_inv, unit_lower_inv_full
+
+    rng = np.random.default_rng(C)
+    L = np.tril(rng.normal(size=(3, 2, C, C)) * 0.5, -1)
+    ref = np.linalg.inv(np.eye(C) - L)
+    for inv in (unit_lower_inv, unit_lower_inv_full):
+        got = np.array(inv(mx.array(L, dtype=mx.float64)))
+        np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12 * np.abs(ref).max(), err_msg=inv.__name__)

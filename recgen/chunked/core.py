@@ -83,21 +83,46 @@ def _device_masks(C: int, dtype) -> list:
 
 
 def unit_lower_inv(L):
-    """(I − L)^{-1} for strictly lower-triangular L [..., C, C]: recursive 2×2 block inversion.
+    """(I − L)^{-1} for strictly lower-triangular L [..., C, C]: recursive 2×2 block inversion on
+    the diagonal blocks only.
 
-    With T_m the block-diagonal inverse of the m×m diagonal blocks of I − L,
-    T_2m = T_m + T_m (L ⊙ mask_m) T_m, mask_m the lower-left m×m block of every 2m block:
-    [[A, 0], [L_c, D]]-style merging ([[A⁻¹, 0], [D⁻¹ L_c A⁻¹, D⁻¹]]) of all blocks of a level at
-    once, written on the full C×C matrix (two matmuls a level, no block extraction). This is forward
-    substitution reorganised into log2(C) levels (LAPACK's recursive triangular inverse), not a matrix
-    power series (whose terms overflow float32 for correlated keys).
-    """
+    With T_L, T_R the inverses of the two m×m diagonal blocks of a 2m×2m diagonal block of I − L
+    and L_RL its lower-left block,
+        T_2m = [[T_L, 0], [T_R L_RL T_L, T_R]],
+    all 2m-blocks of a level at once (batched m×m products), from m = 1 (T = 1) up to m = C. This is
+    forward substitution reorganised into log2(C) levels (LAPACK's recursive triangular inverse), not
+    a matrix power series (whose terms overflow float32 for correlated keys). Level m touches C·m
+    numbers per chunk, so all levels together cost about two passes over a C×C matrix."""
+    C = L.shape[-1]
+    Cp = _pow2(C)
+    if Cp != C:
+        L = mx.pad(L, [(0, 0)] * (L.ndim - 2) + [(0, Cp - C), (0, Cp - C)])
+    lead = L.shape[:-2]
+    Tb = mx.ones((*lead, Cp, 1, 1), dtype=L.dtype)   # the 1×1 diagonal blocks
+    m = 1
+    while m < Cp:
+        pairs = Tb.reshape(*lead, Cp // (2 * m), 2, m, m)
+        TL, TR = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        X = offdiag_blocks(L, m)                         # L_RL of every 2m-block: [.., C/2m, m, m]
+        if m > 1:
+            X = TR @ X @ TL
+        Tb = mx.concatenate([mx.concatenate([TL, mx.zeros_like(TL)], axis=-1),
+                             mx.concatenate([X, TR], axis=-1)], axis=-2)
+        m *= 2
+    T = Tb[..., 0, :, :]
+    return T[..., :C, :C] if Cp != C else T
+
+
+def unit_lower_inv_full(L):
+    """The same inverse written on the full C×C matrix, T_2m = T_m + T_m (L ⊙ mask_m) T_m: two
+    C×C×C products a level but only ~2 ops, which wins where each launch costs more than its bytes
+    (GPUs, ``parallel.gpu_forms``)."""
     C = L.shape[-1]
     Cp = _pow2(C)
     if Cp != C:
         L = mx.pad(L, [(0, 0)] * (L.ndim - 2) + [(0, Cp - C), (0, Cp - C)])
     masks = _device_masks(Cp, L.dtype)
-    T = mx.eye(Cp, dtype=L.dtype) + (L * masks[0] if masks else 0)
+    T = mx.eye(Cp, dtype=L.dtype) + (L * masks[0] if masks else mx.zeros_like(L))
     for mask in masks[1:]:
         T = T + T @ (L * mask) @ T
     return T[..., :C, :C] if Cp != C else T
