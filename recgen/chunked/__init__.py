@@ -213,12 +213,12 @@ def _full(p, names, scale, sizes, has_z, C, S, *rest):
 
 
 @lru_cache(maxsize=64)
-def _body(body, rec, names, scale, sizes, has_z, C, out_dtype, compile: bool):
+def _body(body, rec, names, scale, sizes, has_z, C, out_dtype, compile: bool, forms: bool = False):
     """``body`` bound to one spec and shape, its output cast to ``out_dtype``. With ``compile`` the
     whole stretch (input casts, layout copies, role math, the chunk core, the readout, the output
     cast) is one ``mx.compile``d graph, so the elementwise work around the core fuses into few
     kernels (on GPUs each MLX launch costs ~16 µs and a pass over HBM). Cached: a call must not
-    retrace."""
+    retrace. ``forms`` (``parallel.gpu_forms()``, baked into a trace) is part of the cache key only."""
     bound = partial(body, plan(rec), names, scale, sizes, has_z, C)
 
     def fn(*arrays):
@@ -306,7 +306,8 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
         seg = max(1, segment_budget() // per_token)
     else:
         body = _fast if fast_form(rec) else _general
-        fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, parallel.compiled())
+        fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, parallel.compiled(),
+                   parallel.gpu_forms())
         per_token = 4 * sizes.B * sizes.H * (sizes.K + sizes.V + C) * WORKSET_FACTOR[p.decay_class]
         seg = max(1, segment_budget() // (per_token * C)) * C
     if seg >= T:
