@@ -106,16 +106,23 @@ def main():
                     help="mx.set_cache_limit for both sides (MLX's CPU default is 32 MiB: every larger "
                          "buffer is returned to the OS and faulted in again)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--compile", choices=["default", "on", "off"], default="default",
+                    help="run the chunk core and the stretch through mx.compile (recgen.chunked.parallel.COMPILE)")
     ap.add_argument("--long", type=int, default=8192, help="T of the bounded-memory fwd+bwd check (0: skip)")
     ap.add_argument("--long-spec", default="gated_delta_net")
     ap.add_argument("--specs", default="gated_delta_net,gla,simple_gla,delta_net,selective_scan")
+    ap.add_argument("--no-naive", action="store_true", help="time the chunked side only (quick comparisons)")
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
+    if a.compile != "default":
+        from recgen.chunked import parallel
+
+        parallel.COMPILE = a.compile == "on"
     if a.cache_gib is not None:
         mx.set_cache_limit(int(a.cache_gib * 2**30))
     print(f"# recgen.chunked vs naive MLX loop, CPU ({platform.processor() or platform.machine()}), "
           f"mlx {mx.__version__}, float32, B={a.B} T={a.T} H={a.H} D={a.D}, chunk={a.chunk or 'default'}, "
-          f"cache limit {'MLX default' if a.cache_gib is None else f'{a.cache_gib} GiB'}\n")
+          f"cache limit {'MLX default' if a.cache_gib is None else f'{a.cache_gib} GiB'}, compile {a.compile}\n")
     print("| spec | mode | chunked ms | naive ms | speedup | chunked peak MiB | naive peak MiB |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in a.specs.split(","):
@@ -123,7 +130,7 @@ def main():
         ins = make_inputs(rec, a.B, a.T, a.H, a.D)
         for mode in ("fwd", "fwd+bwd"):
             tc, pc = run_case(rec, chunked_fn(a.chunk), ins, mode, a.reps)
-            tn, pn = run_case(rec, naive_loop, ins, mode, a.reps)
+            tn, pn = (float("nan"), float("nan")) if a.no_naive else run_case(rec, naive_loop, ins, mode, a.reps)
             print(f"| {name} | {mode} | {tc * 1e3:.1f} | {tn * 1e3:.1f} | {tn / tc:.1f}x | "
                   f"{pc / 2**20:.0f} | {pn / 2**20:.0f} |", flush=True)
     if a.long:
