@@ -64,9 +64,9 @@ def main():
     t("geometry", lambda: [Geo(l).P, Geo(l).Q])
     A = geo.pair(bt, u, strict=True)
     t("pair (C×C per chunk)", lambda: geo.pair(bt, u, strict=True))
-    t("unit_lower_inv (diagonal blocks)", lambda: core.unit_lower_inv(A))
-    t("unit_lower_inv_full (C×C levels)", lambda: core.unit_lower_inv_full(A))
-    Tm = core.unit_lower_inv(A)
+    for base in (1, 8, 16, 32, C):
+        t(f"unit_lower_inv, base {base}", lambda: core.unit_lower_inv(A, base))
+    Tm = core.unit_lower_inv(A, parallel.inverse_base())
     mx.eval(Tm)
     t("U, W", lambda: [Tm @ w, Tm @ (bt * geo.P)])
     U, W = Tm @ w, Tm @ (bt * geo.P)

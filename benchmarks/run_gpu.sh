@@ -34,6 +34,9 @@ for stage in "$@"; do
     chunks) for c in 32 128; do echo "chunk $c"
              timeout 100 python benchmarks/bench_chunked_gpu.py --variants compiled --chunk $c \
                --specs gated_delta_net,simple_gla,gla --tag c$c --out "$OUT" 2>&1 | tee -a "$OUT/chunks.log"; done ;;
+    inv-base) for b in 64 16 8 32; do echo "RECGEN_INVERSE_BASE=$b"
+             RECGEN_INVERSE_BASE=$b timeout 100 python benchmarks/bench_chunked_gpu.py --variants compiled \
+               --specs gated_delta_net,delta_net --tag inv$b --out "$OUT" 2>&1 | tee -a "$OUT/inv_base.log"; done ;;
     chunked-small) timeout 100 python benchmarks/bench_chunked_gpu.py --shape 8,1024,8,64 --variants compiled --out "$OUT" 2>&1 | tee "$OUT/chunked_small.log" ;;
     fla-*) timeout 290 python benchmarks/bench_fla.py --out "$OUT" --ops "${stage#fla-}" --shapes "4,4096,16,128" --timeout 285 2>&1 | tee -a "$OUT/fla.log"
            cp "$OUT/bench_fla.json" "$OUT/bench_fla_${stage#fla-}.json" ;;

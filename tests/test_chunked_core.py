@@ -9,6 +9,7 @@ and the GPU form of the diagonal scan (one matrix product) against the loop.
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import numpy as np
 import pytest
@@ -68,14 +69,15 @@ def test_matrix_scan_equals_loop(key):
 
 @pytest.mark.parametrize("C", [1, 2, 5, 16, 37, 64])
 def test_unit_lower_inverses(C):
-    """Both triangular inverses (diagonal blocks: the CPU's; full C×C levels: the GPU's) in float64
-    against numpy's inverse, including C that is not a power of two, on entries large enough that a
+    """The triangular inverse from every base block size (1: block levels only, the CPU's; C: full
+    C×C doubling only; between: mixed, the GPU's) in float64 against numpy's inverse, including C that is not a power of two, on entries large enough that a
     truncated power series would be far off."""
     from recgen.chunked.core import unit_lower_inv, unit_lower_inv_full
 
     rng = np.random.default_rng(C)
     L = np.tril(rng.normal(size=(3, 2, C, C)) * 0.5, -1)
     ref = np.linalg.inv(np.eye(C) - L)
-    for inv in (unit_lower_inv, unit_lower_inv_full):
+    for name, inv in [("full", unit_lower_inv_full)] + [(f"base {b}", partial(unit_lower_inv, base=b))
+                                                        for b in (1, 2, 8, 16, 64)]:
         got = np.array(inv(mx.array(L, dtype=mx.float64)))
-        np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12 * np.abs(ref).max(), err_msg=inv.__name__)
+        np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12 * np.abs(ref).max(), err_msg=name)

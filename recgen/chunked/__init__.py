@@ -145,7 +145,8 @@ def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None):
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     compose = 2 * C >= r.shape[-1]
-    fn = parallel.core_fn(key, delta_bt is not None, compose, parallel.gpu_forms(), parallel.compiled())
+    fn = parallel.core_fn(key, delta_bt is not None, compose, parallel.gpu_forms(), parallel.compiled(),
+                          parallel.inverse_base())
     extra = [ch(delta_bt)] if delta_bt is not None else []
     y, S_end = fn(S, ch(r), ch(u), ch(w), ch(l), *extra)[:2]
     return y.reshape(B, H, n * C, y.shape[-1])[:, :, :T], S_end
@@ -213,12 +214,12 @@ def _full(p, names, scale, sizes, has_z, C, S, *rest):
 
 
 @lru_cache(maxsize=64)
-def _body(body, rec, names, scale, sizes, has_z, C, out_dtype, compile: bool, forms: bool = False):
+def _body(body, rec, names, scale, sizes, has_z, C, out_dtype, compile: bool, forms: tuple = ()):
     """``body`` bound to one spec and shape, its output cast to ``out_dtype``. With ``compile`` the
     whole stretch (input casts, layout copies, role math, the chunk core, the readout, the output
     cast) is one ``mx.compile``d graph, so the elementwise work around the core fuses into few
     kernels (on GPUs each MLX launch costs ~16 µs and a pass over HBM). Cached: a call must not
-    retrace. ``forms`` (``parallel.gpu_forms()``, baked into a trace) is part of the cache key only."""
+    retrace. ``forms`` (the device forms a trace bakes in) is part of the cache key only."""
     bound = partial(body, plan(rec), names, scale, sizes, has_z, C)
 
     def fn(*arrays):
@@ -307,7 +308,7 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     else:
         body = _fast if fast_form(rec) else _general
         fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, parallel.compiled(),
-                   parallel.gpu_forms())
+                   (parallel.gpu_forms(), parallel.inverse_base()))
         per_token = 4 * sizes.B * sizes.H * (sizes.K + sizes.V + C) * WORKSET_FACTOR[p.decay_class]
         seg = max(1, segment_budget() // (per_token * C)) * C
     if seg >= T:

@@ -45,14 +45,18 @@ def _pow2(n: int) -> int:
     return c
 
 
+def diag_blocks(M, m: int):
+    """The m×m diagonal blocks of M [..., C, C] (C a multiple of m): [..., C/m, m, m]."""
+    C = M.shape[-1]
+    nb = C // m
+    x = M.reshape(*M.shape[:-2], nb, m, nb, m)
+    return mx.moveaxis(mx.diagonal(x, 0, x.ndim - 4, x.ndim - 2), -1, -3)
+
+
 def offdiag_blocks(M, m: int):
     """The (right-half rows, left-half columns) m×m block of every 2m×2m diagonal block of
     M [..., C, C] (C a multiple of 2m): [..., C/2m, m, m]."""
-    C = M.shape[-1]
-    nb = C // (2 * m)
-    x = M.reshape(*M.shape[:-2], nb, 2 * m, nb, 2 * m)
-    d = mx.moveaxis(mx.diagonal(x, 0, x.ndim - 4, x.ndim - 2), -1, -3)
-    return d[..., m:, :m]
+    return diag_blocks(M, 2 * m)[..., m:, :m]
 
 
 @lru_cache(maxsize=32)
@@ -82,24 +86,29 @@ def _device_masks(C: int, dtype) -> list:
     return _MASKS[key]
 
 
-def unit_lower_inv(L):
+def unit_lower_inv(L, base: int = 1):
     """(I − L)^{-1} for strictly lower-triangular L [..., C, C]: recursive 2×2 block inversion on
     the diagonal blocks only.
 
     With T_L, T_R the inverses of the two m×m diagonal blocks of a 2m×2m diagonal block of I − L
     and L_RL its lower-left block,
         T_2m = [[T_L, 0], [T_R L_RL T_L, T_R]],
-    all 2m-blocks of a level at once (batched m×m products), from m = 1 (T = 1) up to m = C. This is
-    forward substitution reorganised into log2(C) levels (LAPACK's recursive triangular inverse), not
-    a matrix power series (whose terms overflow float32 for correlated keys). Level m touches C·m
-    numbers per chunk, so all levels together cost about two passes over a C×C matrix."""
+    all 2m-blocks of a level at once (batched m×m products), up to m = C. This is forward
+    substitution reorganised into log2(C) levels (LAPACK's recursive triangular inverse), not a
+    matrix power series (whose terms overflow float32 for correlated keys). Level m touches C·m
+    numbers per chunk, so all levels together cost about two passes over a C×C matrix.
+
+    The levels start from the inverses of the ``base``×``base`` diagonal blocks, made by
+    ``unit_lower_inv_full`` (few large ops instead of many small ones: ``base`` = C is that form
+    alone, ``base`` = 1 this one alone; GPUs and the CPU differ in which pays, see
+    ``parallel.inverse_base``)."""
     C = L.shape[-1]
     Cp = _pow2(C)
     if Cp != C:
         L = mx.pad(L, [(0, 0)] * (L.ndim - 2) + [(0, Cp - C), (0, Cp - C)])
     lead = L.shape[:-2]
-    Tb = mx.ones((*lead, Cp, 1, 1), dtype=L.dtype)   # the 1×1 diagonal blocks
-    m = 1
+    m = min(_pow2(base), Cp)
+    Tb = unit_lower_inv_full(diag_blocks(L, m)) if m > 1 else mx.ones((*lead, Cp, 1, 1), dtype=L.dtype)
     while m < Cp:
         pairs = Tb.reshape(*lead, Cp // (2 * m), 2, m, m)
         TL, TR = pairs[..., 0, :, :], pairs[..., 1, :, :]

@@ -32,12 +32,12 @@ per token and element, no [C, C, K] tensor).
 """
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import mlx.core as mx
 
-from .core import (_half, _unblocks, decay_levels, offdiag_blocks, pair_levels, tr, unit_lower_inv,
-                   unit_lower_inv_full)
+from .core import _half, _unblocks, decay_levels, offdiag_blocks, pair_levels, tr, unit_lower_inv
 
 __all__ = ["core_fn"]
 
@@ -135,13 +135,28 @@ def gpu_forms() -> bool:
     form of the delta-rule scan, ~2√n steps, was measured slower on the H100 than the n-step loop:
     4.5 vs 3.2 ms, its prefix products move too many bytes; not kept.)
 
-    The same switch picks the triangular inverse written on full C×C matrices (~10 ops, measured
-    faster on the H100: 2.0 vs 3.1 ms, run 23) over the one on diagonal blocks only (~40 smaller
-    ops; 3-9x faster on the CPU, where flops and bytes cost and launches do not).
     """
     if GPU_FORMS is not None:
         return GPU_FORMS
     return mx.default_device() != mx.cpu
+
+
+INVERSE_BASE = None  # None: by device (``inverse_base``); an int forces it (tests, benchmarks)
+
+
+def inverse_base() -> int:
+    """The block size from which ``core.unit_lower_inv`` climbs by 2×2 block levels (below it, the
+    diagonal blocks are inverted by full-matrix doubling). The full form is few large ops, the block
+    form many small ones with ~5x fewer flops and bytes: on the CPU flops and bytes cost (1: the
+    block form throughout, 3-9x faster than the full one); on the H100 the full form beat the pure
+    block form (2.0 vs 3.1 ms, run 23), and 16 (full doubling inside 16×16 blocks, then two block
+    levels) beat both: GDN forward 5.82 ms against 6.28 (64) and 5.99 / 5.89 (8 / 32), run 28.
+    ``RECGEN_INVERSE_BASE`` overrides the GPU default (benchmarks)."""
+    if INVERSE_BASE is not None:
+        return INVERSE_BASE
+    if not gpu_forms():
+        return 1
+    return int(os.environ.get("RECGEN_INVERSE_BASE", "16"))
 
 
 def _chunk_decay_matrix(l, key: bool):
@@ -233,12 +248,12 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
     return dSn, dZ, dS[..., 0, :, :]
 
 
-def _forward(geo, S0, r, u, w, bt, compose, matrix=False):
+def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1):
     """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too."""
     uQ = u * geo.Q
     U, W, Tm = w, None, None
     if bt is not None:
-        Tm = (unit_lower_inv_full if matrix else unit_lower_inv)(geo.pair(bt, u, strict=True))
+        Tm = unit_lower_inv(geo.pair(bt, u, strict=True), inv_base)
         U, W = Tm @ w, Tm @ (bt * geo.P)
     states, Z, S_end = _scan_forward(geo, S0, uQ, U, W, compose, matrix)
     M = geo.pair(r, u, strict=False)
@@ -296,18 +311,19 @@ def compiled() -> bool:
 
 
 @lru_cache(maxsize=None)
-def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile: bool = False):
+def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile: bool = False, inv_base: int = 1):
     """The chunked core as an ``mx.custom_function`` with the hand-derived VJP above.
 
     Arguments (all chunked, [..., n, C, F]): S0 [..., K, V], r, u [.., C, K], w [.., C, V],
     l [.., C, F] (log-decays; F = K when ``key``, else 1) and, when ``delta``, b̃ [.., C, K].
+    ``inv_base``: see ``inverse_base``.
     Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru and,
     with b̃, Z, T, W) are for the VJP only and take no cotangent."""
     Geo = KeyDecay if key else ScalarDecay
     nres = 5 if delta else 2
 
     def fwd(S0, r, u, w, l, bt=None):
-        y, S_end, res = _forward(Geo(l), S0, r, u, w, bt, compose, matrix)
+        y, S_end, res = _forward(Geo(l), S0, r, u, w, bt, compose, matrix, inv_base)
         return (y, S_end) + res
 
     def bwd(*a):
