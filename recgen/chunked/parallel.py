@@ -37,7 +37,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from .core import _half, _unblocks, decay_levels, offdiag_blocks, pair_levels, tr, unit_lower_inv
+from .core import _blocks, _half, _unblocks, decay_levels, offdiag_blocks, pair_levels, tr, unit_lower_inv
 
 __all__ = ["core_fn"]
 
@@ -77,6 +77,16 @@ class ScalarDecay:
         return x.sum(-1, keepdims=True)
 
 
+def _add_half(x, h, m: int, side: int):
+    """x [.., C, F] with h [.., C/2m, m, F] added to the ``side`` half (0 left, 1 right) of every
+    2m-block: one concatenation and a half-size add instead of a zero-padded full-size addend
+    (GLA fwd+bwd 7% faster on the CPU, measured interleaved in one process)."""
+    xb = _blocks(x, m)
+    halves = [xb[..., 0:1, :, :], xb[..., 1:2, :, :]]
+    halves[side] = halves[side] + h[..., None, :, :]
+    return _unblocks(mx.concatenate(halves, axis=-3))
+
+
 class KeyDecay:
     """A decay per token and key element (F = K): the multiplicative hierarchy of ``decay_levels``."""
 
@@ -102,8 +112,7 @@ class KeyDecay:
             Db = offdiag_blocks(dM, m)
             dXR = PR * (Db @ (_half(Y, m, 0) * QL))
             dYL = QL * (Db.swapaxes(-1, -2) @ (_half(X, m, 1) * PR))
-            dX = dX + _unblocks(mx.stack([mx.zeros_like(dXR), dXR], axis=-3))
-            dY = dY + _unblocks(mx.stack([dYL, mx.zeros_like(dYL)], axis=-3))
+            dX, dY = _add_half(dX, dXR, m, 1), _add_half(dY, dYL, m, 0)
         return dX, dY
 
     @staticmethod
