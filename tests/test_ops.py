@@ -117,7 +117,7 @@ def test_backward_choice_follows_the_backend_table(monkeypatch):
     monkeypatch.delenv("RECGEN_BACKWARD", raising=False)
     op = ops.Op(specs.gated_delta_net)
     long, short = Sizes(1, 4096, 2, 2, 8, 8, 8), Sizes(1, 100, 2, 2, 8, 8, 8)
-    assert get("cuda").chunked_backward_min_t == 2048 and get("metal").chunked_backward_min_t is None
+    assert get("cuda").chunked_backward_min_t == 1024 and get("metal").chunked_backward_min_t is None
     assert op._backward(long, get("cuda")) == "chunked"
     assert op._backward(short, get("cuda")) == "recurrent"
     assert op._backward(long, get("metal")) == "recurrent"
