@@ -124,8 +124,8 @@ def unit_lower_inv(L, base: int = 1):
 
 def unit_lower_inv_full(L):
     """The same inverse written on the full C×C matrix, T_2m = T_m + T_m (L ⊙ mask_m) T_m: two
-    C×C×C products a level but only ~2 ops, which wins where each launch costs more than its bytes
-    (GPUs, ``parallel.gpu_forms``)."""
+    C×C×C products a level but only ~2 ops a level, which pays for small C where launches cost more
+    than flops (``unit_lower_inv``'s base blocks on GPUs)."""
     C = L.shape[-1]
     Cp = _pow2(C)
     if Cp != C:

@@ -142,9 +142,8 @@ def gpu_forms() -> bool:
     instead of n·K·V, one launch instead of 2n. A win on GPUs, where MLX spends ~16 µs a launch
     (BENCHMARKS.md), a loss on the CPU, where the reference BLAS makes flops the cost. (A blocked
     form of the delta-rule scan, ~2√n steps, was measured slower on the H100 than the n-step loop:
-    4.5 vs 3.2 ms, its prefix products move too many bytes; not kept.)
-
-    """
+    4.5 vs 3.2 ms, its prefix products move too many bytes; so was composing pairs of chunks, run 24;
+    neither kept.)"""
     if GPU_FORMS is not None:
         return GPU_FORMS
     return mx.default_device() != mx.cpu
