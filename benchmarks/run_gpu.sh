@@ -37,7 +37,9 @@ for stage in "$@"; do
     inv-base) for b in 64 16 8 32; do echo "RECGEN_INVERSE_BASE=$b"
              RECGEN_INVERSE_BASE=$b timeout 100 python benchmarks/bench_chunked_gpu.py --variants compiled \
                --specs gated_delta_net,delta_net --tag inv$b --out "$OUT" 2>&1 | tee -a "$OUT/inv_base.log"; done ;;
-    gla) timeout 100 python benchmarks/bench_chunked_gpu.py --variants compiled --specs gla --tag gla --out "$OUT" 2>&1 | tee "$OUT/gla.log" ;;
+    gla) timeout 100 python benchmarks/bench_chunked_gpu.py --variants compiled --specs gla --tag gla --out "$OUT" 2>&1 | tee "$OUT/gla.log"
+         timeout 100 python benchmarks/bench_chunked_gpu.py --variants compiled --specs gla --memory-limit 4 --tag gla_mem4 \
+           --out "$OUT" 2>&1 | tee -a "$OUT/gla.log" ;;
     sweep-backward) timeout 300 python benchmarks/sweep_backward.py --out "$OUT" 2>&1 | tee "$OUT/sweep_backward.log" ;;
     chunked-small) timeout 100 python benchmarks/bench_chunked_gpu.py --shape 8,1024,8,64 --variants compiled --out "$OUT" 2>&1 | tee "$OUT/chunked_small.log" ;;
     fla-*) timeout 290 python benchmarks/bench_fla.py --out "$OUT" --ops "${stage#fla-}" --shapes "4,4096,16,128" --timeout 285 2>&1 | tee -a "$OUT/fla.log"

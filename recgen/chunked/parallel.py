@@ -52,7 +52,7 @@ class ScalarDecay:
 
     key = False
 
-    def __init__(self, l):
+    def __init__(self, l, saved=()):
         self.l = l
         C = l.shape[-2]
         lt = l[..., 0]
@@ -66,6 +66,11 @@ class ScalarDecay:
 
     def pair(self, X, Y, strict: bool):
         return (X @ tr(Y)) * (self.gamma_strict if strict else self.gamma)
+
+    @staticmethod
+    def saved() -> list:
+        """Nothing kept for the backward: recomputing Γ is cheaper than holding it."""
+        return []
 
     def pair_grad(self, dM, X, Y, strict: bool):
         E = dM * (self.gamma_strict if strict else self.gamma)
@@ -92,10 +97,19 @@ class KeyDecay:
 
     key = True
 
-    def __init__(self, l):
+    def __init__(self, l, saved=()):
+        """From the log-decays l, or from ``saved()`` of the forward's instance (the backward reuses
+        the hierarchy instead of recomputing it: one exp and log2(C) levels of [T, K] products)."""
         self.l = l
-        self.levels, self.P, self.Q = decay_levels(mx.exp(l))
+        if saved:
+            self.P, self.Q, *lv = saved
+            self.levels = [(2 ** i, lv[2 * i], lv[2 * i + 1]) for i in range(len(lv) // 2)]
+        else:
+            self.levels, self.P, self.Q = decay_levels(mx.exp(l))
         self.g = self.P[..., -1, :]
+
+    def saved(self) -> list:
+        return [self.P, self.Q] + [x for _, PR, QL in self.levels for x in (PR, QL)]
 
     def pair(self, X, Y, strict: bool):
         return pair_levels(X, Y, self.levels, strict)
@@ -325,21 +339,22 @@ def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile
     Arguments (all chunked, [..., n, C, F]): S0 [..., K, V], r, u [.., C, K], w [.., C, V],
     l [.., C, F] (log-decays; F = K when ``key``, else 1) and, when ``delta``, b̃ [.., C, K].
     ``inv_base``: see ``inverse_base``.
-    Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru and,
-    with b̃, Z, T, W) are for the VJP only and take no cotangent."""
+    Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru, with b̃
+    Z, T, W, and a key-vector decay's hierarchy) are for the VJP only and take no cotangent."""
     Geo = KeyDecay if key else ScalarDecay
     nres = 5 if delta else 2
 
     def fwd(S0, r, u, w, l, bt=None):
-        y, S_end, res = _forward(Geo(l), S0, r, u, w, bt, compose, matrix, inv_base)
-        return (y, S_end) + res
+        geo = Geo(l)
+        y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base)
+        return (y, S_end) + res + tuple(geo.saved())
 
     def bwd(*a):
         S0, r, u, w, l = a[:5]
         bt = a[5] if delta else None
         k = 6 if delta else 5
-        res, (dy, dS_end) = a[k:k + nres], a[k + nres:]
-        dS0, dr, du, dw, dl, dbt = _backward(Geo(l), r, u, w, bt, res, dy, dS_end, compose, matrix)
+        res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
+        dS0, dr, du, dw, dl, dbt = _backward(Geo(l, geo_saved), r, u, w, bt, res, dy, dS_end, compose, matrix)
         return (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
 
     if compile:
