@@ -250,16 +250,19 @@ def test_segmented_matches_reference(name, monkeypatch):
     assert_close(compare(rec, 70, chunk=16, seed=21, gmin=gmin))
 
 
-@pytest.mark.parametrize("name", ["simple_gla", "gla", "power_retention", "gated_delta_net"])
-def test_gpu_forms_match_reference(name, monkeypatch):
-    """The GPU forms, forced on the CPU: the diagonal scan over chunks as one (n+1)×(n+1) matmul
-    and the core through mx.compile (T = 200 at chunk 16: 13 chunks, the last one partial)."""
+@pytest.mark.parametrize("name,chunk", [("simple_gla", 16), ("gla", 16), ("power_retention", 16),
+                                        ("gated_delta_net", 16), ("gated_delta_net", 64), ("gla", 64)])
+def test_gpu_forms_match_reference(name, chunk, monkeypatch):
+    """The GPU forms, forced on the CPU: the diagonal scan over chunks as one (n+1)×(n+1) matmul,
+    the triangular inverse from 16×16 blocks (at chunk 64: two block levels above them) and the whole
+    stretch through mx.compile (T = 200: 13 chunks of 16 or 4 of 64, the last one partial)."""
     from recgen.chunked import parallel
 
     monkeypatch.setattr(parallel, "GPU_FORMS", True)
     monkeypatch.setattr(parallel, "COMPILE", True)
+    assert parallel.inverse_base() == 16
     gmin = -3.0 if name == "power_retention" else -20.0
-    assert_close(compare(specs.BUILTINS[name], 200, chunk=16, K=16, seed=22, gmin=gmin))
+    assert_close(compare(specs.BUILTINS[name], 200, chunk=chunk, K=16, seed=22, gmin=gmin))
 
 
 def _peak_fwd_bwd(rec, T, chunk):
