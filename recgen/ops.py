@@ -14,9 +14,9 @@ sequential sweep, the state in registers); ``"chunked"`` runs the chunked form's
 over chunks). ``None`` (default, or ``RECGEN_BACKWARD``) picks chunked when the spec has the fast
 chunked form (scalar or key-vector decay, no transition or a delta-rule one) and T reaches the
 backend's measured ``Dialect.chunked_backward_min_t``: 1024 for CUDA (on the H100 it was 1.6-4×
-faster at T = 4096 and 1.1-2.9× at T = 1024-2048, except GLA at D = 64: 0.85-0.99×; BENCHMARKS.md run 33);
-none yet for Metal, whose
-default stays the recurrent backward until it is measured on an Apple GPU.
+faster at T = 4096 and 1.1-2.9× at T = 1024-2048, except GLA at D = 64: 0.85-0.99×; BENCHMARKS.md
+run 33); none yet for Metal, whose default stays the recurrent backward until it is measured on an
+Apple GPU.
 MLX is imported lazily: importing recgen builds nothing.
 """
 from __future__ import annotations

@@ -206,7 +206,7 @@ def _full(p, names, scale, sizes, has_z, C, S, *rest):
     """A stretch with a full (i, j) or value-indexed decay: ``core.scan_full`` (autodiff); a
     normalizer (scalar or key decay) through the parallel core with chunk C."""
     z = rest[0] if has_z else None
-    T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
+    _, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
     y, S = core.scan_full(S, t["r"], t["u"], t["w"], t["logdecay"])
     nz, z = _z_scan(p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)

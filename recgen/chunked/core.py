@@ -115,8 +115,7 @@ def unit_lower_inv(L, base: int = 1):
         X = offdiag_blocks(L, m)                         # L_RL of every 2m-block: [.., C/2m, m, m]
         if m > 1:
             X = TR @ X @ TL
-        Tb = mx.concatenate([mx.concatenate([TL, mx.zeros_like(TL)], axis=-1),
-                             mx.concatenate([X, TR], axis=-1)], axis=-2)
+        Tb = _join_lower(TL, X, TR)
         m *= 2
     T = Tb[..., 0, :, :]
     return T[..., :C, :C] if Cp != C else T
@@ -224,6 +223,22 @@ def _half(x, m, side):
     return _blocks(x, m)[..., side, :, :]
 
 
+def _add_half(x, h, m: int, side: int):
+    """x [.., C, F] with h [.., C/2m, m, F] added to the ``side`` half (0 left, 1 right) of every
+    2m-block: one concatenation and a half-size add instead of a zero-padded full-size addend
+    (GLA fwd+bwd 7% faster on the CPU, measured interleaved in one process)."""
+    xb = _blocks(x, m)
+    halves = [xb[..., 0:1, :, :], xb[..., 1:2, :, :]]
+    halves[side] = halves[side] + h[..., None, :, :]
+    return _unblocks(mx.concatenate(halves, axis=-3))
+
+
+def _join_lower(A, X, B):
+    """[[A, 0], [X, B]] from m×m blocks [.., nb, m, m]: the 2m×2m diagonal blocks [.., nb, 2m, 2m]."""
+    return mx.concatenate([mx.concatenate([A, mx.zeros_like(A)], axis=-1),
+                           mx.concatenate([X, B], axis=-1)], axis=-2)
+
+
 def intra_apply(r, u, w, levels):
     """y_t = Σ_{s≤t} [Σ_i r_ti u_si Γ_i(t,s)] w_s over the lower triangle only: [..., C, V]."""
     y = (r * u).sum(-1, keepdims=True) * w
@@ -233,7 +248,7 @@ def intra_apply(r, u, w, levels):
             yR = (rb * ub).sum(-1, keepdims=True) * wb
         else:
             yR = (rb @ ub.swapaxes(-1, -2)) @ wb
-        y = y + _unblocks(mx.stack([mx.zeros_like(yR), yR], axis=-3))
+        y = _add_half(y, yR, m, 1)
     return y
 
 
@@ -247,10 +262,7 @@ def pair_levels(X, Y, levels, strict: bool):
     for m, PR, QL in levels:
         Mb = M.reshape(*M.shape[:-3], M.shape[-3] // 2, 2, m, m)
         ML, MR = Mb[..., 0, :, :], Mb[..., 1, :, :]
-        off = (_half(X, m, 1) * PR) @ tr(_half(Y, m, 0) * QL)
-        top = mx.concatenate([ML, mx.zeros_like(ML)], axis=-1)
-        bot = mx.concatenate([off, MR], axis=-1)
-        M = mx.concatenate([top, bot], axis=-2)
+        M = _join_lower(ML, (_half(X, m, 1) * PR) @ tr(_half(Y, m, 0) * QL), MR)
     return M[..., 0, :, :]
 
 
