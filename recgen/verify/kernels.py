@@ -64,6 +64,12 @@ def _run(launch: Launch, user: dict, extra: dict, report: Report, sanitizer) -> 
     return [outs[n] for n in src.outputs]
 
 
+def run_launch(launch: Launch, inputs: dict, sanitizer=None, report: Report | None = None) -> list[np.ndarray]:
+    """Any Metal ``Launch`` (e.g. ``recgen.chunked.kernels``) through every layer; ``inputs`` maps
+    the source's buffer names (runtime ones excluded) to numpy arrays. Returns its outputs."""
+    return _run(launch, inputs, {}, report if report is not None else Report(), sanitizer)
+
+
 def _mx_dtype(name: str):
     import mlx.core as mx
 
