@@ -29,3 +29,6 @@ class Dialect:
     # From this sequence length on, a kernel op's VJP defaults to the chunked backward (recgen.ops);
     # a measured tuning constant per backend, None where it has not been measured (never by default).
     chunked_backward_min_t: int | None = None
+    # Whether the chunked core uses the generated chunk kernels (recgen.chunked.kernels) on this
+    # backend's GPUs by default: a measured choice, False where it has not been measured on hardware.
+    chunk_kernels: bool = False

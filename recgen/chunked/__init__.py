@@ -146,7 +146,7 @@ def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None):
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     compose = 2 * C >= r.shape[-1]
     fn = parallel.core_fn(key, delta_bt is not None, compose, parallel.gpu_forms(), parallel.compiled(),
-                          parallel.inverse_base())
+                          parallel.inverse_base(), parallel.chunk_kernels())
     extra = [ch(delta_bt)] if delta_bt is not None else []
     y, S_end = fn(S, ch(r), ch(u), ch(w), ch(l), *extra)[:2]
     return y.reshape(B, H, n * C, y.shape[-1])[:, :, :T], S_end
@@ -308,7 +308,7 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     else:
         body = _fast if fast_form(rec) else _general
         fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, parallel.compiled(),
-                   (parallel.gpu_forms(), parallel.inverse_base()))
+                   (parallel.gpu_forms(), parallel.inverse_base(), parallel.chunk_kernels()))
         per_token = 4 * sizes.B * sizes.H * (sizes.K + sizes.V + C) * WORKSET_FACTOR[p.decay_class]
         seg = max(1, segment_budget() // (per_token * C)) * C
     if seg >= T:

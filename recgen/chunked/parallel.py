@@ -37,6 +37,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from . import kernels
 from .core import _add_half, _half, decay_levels, offdiag_blocks, pair_levels, tr, unit_lower_inv
 
 __all__ = ["core_fn"]
@@ -196,8 +197,11 @@ def _apply_rows(L, x, key: bool):
     return (L @ x.swapaxes(-3, -2)).swapaxes(-3, -2)
 
 
-def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool):
-    """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state."""
+def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool, kern=None):
+    """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state. ``kern``: the dialect
+    of the generated chunk scan (``kernels.chunk_scan``) for the delta-rule scan, or None."""
+    if W is not None and kern and kernels.scan_supported(U.shape[-2], S0.shape[-2]):
+        return kernels.chunk_scan(S0, W, U, uQ, geo.g, None, kern, reverse=False)
     gs = geo.g[..., None]
     uQt = uQ.swapaxes(-1, -2)
     S = S0[..., None, :, :]
@@ -229,10 +233,13 @@ def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool):
     return states, Z, S[..., 0, :, :]
 
 
-def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
+def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=None):
     """Reverse scan over chunks: dS_{c+1} for every chunk c [.., n, K, V], dZ [.., n, C, V] and
     dS_0, from dZ_c = F_c + (u ⊙ Q)_c dS_{c+1} and dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ dZ_c.
-    With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after."""
+    With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after.
+    With ``kern`` the delta-rule scan is the generated one, (A, X, B, E) = (u ⊙ Q, F, W, E) reversed."""
+    if W is not None and kern and kernels.scan_supported(F.shape[-2], dS_end.shape[-2]):
+        return kernels.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True)
     gs = geo.g[..., None]
     dS = dS_end[..., None, :, :]
     nxt, dZs = [], []
@@ -260,27 +267,31 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
     return dSn, dZ, dS[..., 0, :, :]
 
 
-def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1):
+def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None):
     """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too."""
     uQ = u * geo.Q
     U, W, Tm = w, None, None
     if bt is not None:
-        Tm = unit_lower_inv(geo.pair(bt, u, strict=True), inv_base)
+        A = geo.pair(bt, u, strict=True)
+        if kern and kernels.inverse_supported(A.shape[-1]):
+            Tm = kernels.tril_inverse(A, kern)
+        else:
+            Tm = unit_lower_inv(A, inv_base)
         U, W = Tm @ w, Tm @ (bt * geo.P)
-    states, Z, S_end = _scan_forward(geo, S0, uQ, U, W, compose, matrix)
+    states, Z, S_end = _scan_forward(geo, S0, uQ, U, W, compose, matrix, kern)
     M = geo.pair(r, u, strict=False)
     y = (r * geo.P) @ states + M @ Z
     return y, S_end, (states, M) + ((Z, Tm, W) if bt is not None else ())
 
 
-def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False):
+def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=None):
     states, M = res[:2]
     Z, Tm, W = res[2:] if bt is not None else (w, None, None)
     P, Q = geo.P, geo.Q
     rP, uQ = r * P, u * Q
     F = M.swapaxes(-1, -2) @ dy
     E = rP.swapaxes(-1, -2) @ dy
-    dSn, dZ, dS0 = _scan_backward(geo, dS_end, uQ, W, F, E, compose, matrix)
+    dSn, dZ, dS0 = _scan_backward(geo, dS_end, uQ, W, F, E, compose, matrix, kern)
     statesT, ZT = tr(states), tr(Z)
     d_uQ = Z @ tr(dSn)
     dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
@@ -322,13 +333,36 @@ def compiled() -> bool:
     return mx.default_device() != mx.cpu
 
 
+CHUNK_KERNELS = None  # None: by device (``chunk_kernels``); a dialect name, or "" for none, forces it (tests)
+
+
+def chunk_kernels() -> str | None:
+    """The dialect whose generated chunk kernels (``kernels``: the triangular inverse and the
+    delta-rule scan) the core uses, or None for MLX ops only. Default: the GPU's dialect where its
+    table marks them measured faster (``Dialect.chunk_kernels``), none on the CPU.
+    ``RECGEN_CHUNK_KERNELS=0`` keeps MLX ops only (``=1`` forces the kernels on a GPU)."""
+    if CHUNK_KERNELS is not None:
+        return CHUNK_KERNELS or None
+    if mx.default_device() == mx.cpu:
+        return None
+    from ..backends import get
+
+    name = "metal" if mx.metal.is_available() else "cuda" if hasattr(mx, "cuda") and mx.cuda.is_available() else None
+    if name is None:
+        return None
+    env = os.environ.get("RECGEN_CHUNK_KERNELS")
+    use = get(name).chunk_kernels if env is None else env not in ("0", "")
+    return name if use else None
+
+
 @lru_cache(maxsize=None)
-def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile: bool = False, inv_base: int = 1):
+def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile: bool = False, inv_base: int = 1,
+            kern: str | None = None):
     """The chunked core as an ``mx.custom_function`` with the hand-derived VJP above.
 
     Arguments (all chunked, [..., n, C, F]): S0 [..., K, V], r, u [.., C, K], w [.., C, V],
     l [.., C, F] (log-decays; F = K when ``key``, else 1) and, when ``delta``, b̃ [.., C, K].
-    ``inv_base``: see ``inverse_base``.
+    ``inv_base``: see ``inverse_base``; ``kern``: see ``chunk_kernels``.
     Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru, with b̃
     Z, T, W, and a key-vector decay's hierarchy) are for the VJP only and take no cotangent."""
     Geo = KeyDecay if key else ScalarDecay
@@ -336,7 +370,7 @@ def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile
 
     def fwd(S0, r, u, w, l, bt=None):
         geo = Geo(l)
-        y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base)
+        y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base, kern)
         return (y, S_end) + res + tuple(geo.saved())
 
     def bwd(*a):
@@ -344,7 +378,7 @@ def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile
         bt = a[5] if delta else None
         k = 6 if delta else 5
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
-        dS0, dr, du, dw, dl, dbt = _backward(Geo(l, geo_saved), r, u, w, bt, res, dy, dS_end, compose, matrix)
+        dS0, dr, du, dw, dl, dbt = _backward(Geo(l, geo_saved), r, u, w, bt, res, dy, dS_end, compose, matrix, kern)
         return (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
 
     if compile:
