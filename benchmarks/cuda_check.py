@@ -29,6 +29,7 @@ from recgen.testing import kernel_inputs  # noqa: E402
 SPECS = ["gated_delta_net", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt"]
 CASES = [  # B, T, H, Hk, K, V: T=1, odd and prime T, K != V, GQA, V not a multiple of the column tile
     (2, 1, 4, 2, 32, 48), (2, 37, 4, 2, 64, 40), (1, 67, 2, 1, 128, 72),
+    (1, 300, 2, 1, 64, 40),  # several chunks of 64 with a partial last one (the chunked scans)
 ]
 TOL = {"float32": (1e-5, 1e-4), "bfloat16": (1e-2, 2e-2)}
 

@@ -20,6 +20,16 @@ for stage in "$@"; do
              grep -E "FAIL|passed" "$OUT/check_mlx_f32.log"
              timeout 100 python benchmarks/cuda_check.py --backend mlx --dtypes bfloat16 --out "$OUT" > "$OUT/check_mlx_bf16.log" 2>&1
              grep -E "FAIL|passed" "$OUT/check_mlx_bf16.log" ;;
+    kernels) timeout 200 python benchmarks/bench_chunk_kernels.py --layouts 128/16,256/32,128/32,512/32 2>&1 | tee "$OUT/chunk_kernels.log" ;;
+    check-kernels) RECGEN_CHUNK_KERNELS=1 MLX_ENABLE_TF32=0 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 \
+               --out "$OUT" > "$OUT/check_kernels_f32.log" 2>&1
+             grep -E "FAIL|passed" "$OUT/check_kernels_f32.log"
+             RECGEN_CHUNK_KERNELS=1 timeout 100 python benchmarks/cuda_check.py --backend mlx --dtypes bfloat16 --out "$OUT" \
+               > "$OUT/check_kernels_bf16.log" 2>&1
+             grep -E "FAIL|passed" "$OUT/check_kernels_bf16.log" ;;
+    ab-kernels) for v in 0 1; do echo "RECGEN_CHUNK_KERNELS=$v"
+             RECGEN_CHUNK_KERNELS=$v timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
+               --specs gated_delta_net,delta_net --tag kern$v --out "$OUT" 2>&1 | tee -a "$OUT/ab_kernels.log"; done ;;
     bench) timeout 300 python benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" ;;
     chunked) timeout 200 python benchmarks/bench_chunked_gpu.py --variants compiled --gdu --out "$OUT" 2>&1 | tee "$OUT/chunked.log" ;;
     knobs) for n in 20 80 250; do  # MLX's CUDA graph size (ops per committed graph; default 20)

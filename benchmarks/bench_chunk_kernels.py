@@ -1,0 +1,85 @@
+"""The generated chunk kernels alone on a GPU, against the MLX-op forms they replace, same inputs.
+
+    python benchmarks/bench_chunk_kernels.py [--shape B,T,H,D] [--chunk C] [--layouts NT/BV,...]
+
+At B=4, T=4096, H=16, D=128 and chunk 64 (the GDN forward's operands, float32): the triangular
+inverse (kernel vs ``core.unit_lower_inv`` from 16×16 blocks, both compiled), the forward delta-rule
+scan (kernel vs the composed MLX loop the GPU form runs) and the backward scan (kernel vs its MLX
+loop), each checked against the other (max relative difference) and timed (median of 10 queued
+calls, ms). ``--layouts`` times the scan kernel at other threadgroup layouts (threads / columns).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import mlx.core as mx
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_gpu import timeit  # noqa: E402
+
+from recgen.chunked import kernels as ck  # noqa: E402
+from recgen.chunked import parallel  # noqa: E402
+from recgen.chunked.core import unit_lower_inv  # noqa: E402
+
+
+def arg(name, default):
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else default
+
+
+class Geo:  # the two fields the scans read
+    def __init__(self, g):
+        self.g, self.l, self.key = g, None, g.shape[-1] > 1
+
+
+def maxrel(a, b):
+    return float(mx.abs(a - b).max() / mx.abs(b).max())
+
+
+def main():
+    B, T, H, D = map(int, arg("--shape", "4,4096,16,128").split(","))
+    C = int(arg("--chunk", "64"))
+    n, K, V = T // C, D, D
+    dialect = "cuda" if mx.cuda.is_available() else "metal"
+    mx.random.seed(0)
+    nrm = lambda *s, a=1.0: a * mx.random.normal(s)  # noqa: E731
+    k = nrm(B, H, n, C, K)
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    L = mx.tril(0.3 * (k @ k.swapaxes(-1, -2)), -1)
+    inv_k = mx.compile(lambda x: ck.tril_inverse(x, dialect))
+    inv_m = mx.compile(lambda x: unit_lower_inv(x, 16))
+    print(f"tril inverse [{B},{H},{n},{C},{C}]: max rel diff {maxrel(inv_k(L), inv_m(L)):.2e}; "
+          f"kernel {timeit(lambda: inv_k(L), queue=10):.3f} ms, MLX ops {timeit(lambda: inv_m(L), queue=10):.3f} ms")
+
+    S0, U, W, uQ = nrm(B, H, K, V), nrm(B, H, n, C, V), nrm(B, H, n, C, K, a=0.05), nrm(B, H, n, C, K, a=0.05)
+    F, E = nrm(B, H, n, C, V), nrm(B, H, n, K, V)
+    for key in (False, True):
+        g = mx.exp(-0.5 * mx.random.uniform(shape=(B, H, n, K if key else 1)))
+        geo = Geo(g)
+        fk = mx.compile(lambda *a: parallel._scan_forward(geo, *a, kern=dialect))
+        fm = mx.compile(lambda *a: parallel._scan_forward(geo, *a))
+        bk = mx.compile(lambda *a: parallel._scan_backward(geo, *a, kern=dialect))
+        bm = mx.compile(lambda *a: parallel._scan_backward(geo, *a))
+        fa, ba = (S0, uQ, U, W, True, True), (S0, uQ, W, F, E, False, True)
+        dk = [maxrel(x, y) for x, y in zip(fk(*fa), fm(*fa))] + [maxrel(x, y) for x, y in zip(bk(*ba), bm(*ba))]
+        print(f"scan decay={'key' if key else 'scalar'}: max rel diff fwd (states, Z, S_end) / bwd (dS, dZ, dS0) "
+              + " ".join(f"{d:.1e}" for d in dk))
+        print(f"  forward  kernel {timeit(lambda: fk(*fa), queue=10):.3f} ms, MLX loop (composed) "
+              f"{timeit(lambda: fm(*fa), queue=10):.3f} ms")
+        print(f"  backward kernel {timeit(lambda: bk(*ba), queue=10):.3f} ms, MLX loop "
+              f"{timeit(lambda: bm(*ba), queue=10):.3f} ms")
+    for lay in arg("--layouts", "").split(","):
+        if not lay:
+            continue
+        ck.NT, ck.BV = map(int, lay.split("/"))
+        ck.scan_launch.cache_clear()
+        geo = Geo(mx.exp(-0.5 * mx.random.uniform(shape=(B, H, n, 1))))
+        fk = mx.compile(lambda *a: parallel._scan_forward(geo, *a, kern=dialect))
+        ref = mx.compile(lambda *a: parallel._scan_forward(geo, *a))(S0, uQ, U, W, True, True)[1]
+        d = maxrel(fk(S0, uQ, U, W, True, True)[1], ref)
+        print(f"  layout NT={ck.NT} BV={ck.BV}: forward kernel "
+              f"{timeit(lambda: fk(S0, uQ, U, W, True, True), queue=10):.3f} ms (Z max rel diff {d:.1e})")
+
+
+if __name__ == "__main__":
+    main()
