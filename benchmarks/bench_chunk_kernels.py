@@ -1,12 +1,12 @@
 """The generated chunk kernels alone on a GPU, against the MLX-op forms they replace, same inputs.
 
-    python benchmarks/bench_chunk_kernels.py [--shape B,T,H,D] [--chunk C] [--layouts NT/BV,...]
+    python benchmarks/bench_chunk_kernels.py [--shape B,T,H,D] [--chunk C] [--layouts BV/NR,...]
 
 At B=4, T=4096, H=16, D=128 and chunk 64 (the GDN forward's operands, float32): the triangular
 inverse (kernel vs ``core.unit_lower_inv`` from 16×16 blocks, both compiled), the forward delta-rule
 scan (kernel vs the composed MLX loop the GPU form runs) and the backward scan (kernel vs its MLX
 loop), each checked against the other (max relative difference) and timed (median of 10 queued
-calls, ms). ``--layouts`` times the scan kernel at other threadgroup layouts (threads / columns).
+calls, ms). ``--layouts`` times the scan kernel at other threadgroup layouts (columns BV / most row groups MAX_NR).
 """
 from __future__ import annotations
 
@@ -71,13 +71,14 @@ def main():
     for lay in arg("--layouts", "").split(","):
         if not lay:
             continue
-        ck.NT, ck.BV = map(int, lay.split("/"))
+        ck.BV, ck.MAX_NR = map(int, lay.split("/"))
         ck.scan_launch.cache_clear()
+        ck.scan_layout.cache_clear()
         geo = Geo(mx.exp(-0.5 * mx.random.uniform(shape=(B, H, n, 1))))
         fk = mx.compile(lambda *a: parallel._scan_forward(geo, *a, kern=dialect))
         ref = mx.compile(lambda *a: parallel._scan_forward(geo, *a))(S0, uQ, U, W, True, True)[1]
         d = maxrel(fk(S0, uQ, U, W, True, True)[1], ref)
-        print(f"  layout NT={ck.NT} BV={ck.BV}: forward kernel "
+        print(f"  layout BV={ck.BV} MAX_NR={ck.MAX_NR} {ck.scan_layout(dialect, C, K)}: forward kernel "
               f"{timeit(lambda: fk(S0, uQ, U, W, True, True), queue=10):.3f} ms (Z max rel diff {d:.1e})")
 
 

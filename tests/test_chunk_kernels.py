@@ -45,7 +45,7 @@ def _scan_ref(S0, A, X, Bm, g, E, reverse):
 @pytest.mark.parametrize("F,has_e,reverse", [(1, False, False), (32, False, False), (1, True, True), (32, True, True)])
 def test_chunk_scan_matches_numpy(F, has_e, reverse):
     rng = np.random.default_rng(F + 2 * has_e)
-    BH, n, C, K, V = 2, 3, 16, 32, 20
+    BH, n, C, K, V = 2, 3, 16, 32, 42  # two column tiles, the second partial
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     S0, A, X, Bm = f(BH, K, V), f(BH, n, C, K) * 0.2, f(BH, n, C, V), f(BH, n, C, K) * 0.2
     g = np.exp(-20 * rng.uniform(size=(BH, n, F))).astype(np.float32)  # down to e^-20
@@ -58,8 +58,14 @@ def test_chunk_scan_matches_numpy(F, has_e, reverse):
 
 
 def test_chunk_scan_refuses_unsupported_sizes():
-    with pytest.raises(ValueError, match="multiples of 16"):
-        ck.scan_launch("metal", 1, 2, 8, 32, 4, 1, False, False)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ck.scan_launch("metal", 1, 2, 8, 30, 4, 1, False, False)
+
+
+def test_chunk_scan_layout_fits_each_dialect():
+    """At GDN's shapes the staging depths follow each dialect's threadgroup memory."""
+    assert ck.scan_layout("cuda", 64, 128) == {"NR": 16, "NT": 128, "KB": 32, "TB": 32, "SLAB": 4224}
+    assert ck.scan_layout("metal", 64, 128) == {"NR": 16, "NT": 128, "KB": 16, "TB": 8, "SLAB": 1088}
 
 
 def _emulated_call(launch, dialect, user, extra):
@@ -75,7 +81,7 @@ def _emulated_call(launch, dialect, user, extra):
 def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     """The chunked core with the generated inverse and scan (forward and backward scans) wired in,
     end to end against the float64 reference: forward, final state, every gradient; strong decays,
-    K != V, GQA, a partial last chunk (T = 40 with chunk 16), T = 1 (the inverse alone: C = 1)."""
+    K != V, GQA, a partial last chunk (T = 40 with chunk 16), T = 1 (C = 1: one row group)."""
     pytest.importorskip("mlx.core")
     from recgen import specs
     from recgen.chunked import parallel
@@ -86,5 +92,20 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     assert_close(compare(specs.BUILTINS[name], T, chunk=16, K=16, V=6, seed=5))
     kinds = {c.split("_metal")[0] for c in calls}
-    want = {"recgen_chunk_tril_inverse"} | ({"recgen_chunk_scan", "recgen_chunk_scan_e_rev"} if T >= 16 else set())
-    assert kinds == want, kinds
+    assert kinds == {"recgen_chunk_tril_inverse", "recgen_chunk_scan", "recgen_chunk_scan_e_rev"}, kinds
+
+
+@pytest.mark.parametrize("sanitizer", ["address", "thread"])
+def test_chunk_kernels_under_sanitizers(sanitizer):
+    """ASan+UBSan (bounds) and TSan (threadgroup-memory races across the staging barriers)."""
+    rng = np.random.default_rng(7)
+    BH, n, C, K, V = 1, 2, 16, 16, 36
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    ins = {"S0": f(BH, K, V), "A": f(BH, n, C, K), "X": f(BH, n, C, V), "Bm": f(BH, n, C, K),
+           "g": np.full((BH, n, K), 0.5, np.float32), "E": f(BH, n, K, V)}
+    outs = verify.run_launch(ck.scan_launch("metal", BH, n, C, K, V, K, True, True), ins, sanitizer=sanitizer)
+    for got, want in zip(outs, _scan_ref(*(ins[k] for k in ("S0", "A", "X", "Bm", "g", "E")), True)):
+        assert _rel(got, want) < 1e-5
+    L = np.tril(f(2, C, C), -1)
+    (T,) = verify.run_launch(ck.inverse_launch("metal", 2, C), {"L": L}, sanitizer=sanitizer)
+    assert _rel(T, np.linalg.inv(np.eye(C) - L.astype(np.float64))) < 1e-4

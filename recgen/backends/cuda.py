@@ -13,7 +13,8 @@ CUDA = Dialect(
     tg_x="blockIdx.x", tg_y="blockIdx.y",
     shfl_xor="__shfl_xor_sync(0xffffffffu, {x}, {m})",
     barrier="__syncthreads()",
-    smem="__shared__", int64="long long", global_space="",
+    smem="__shared__", int64="long long", global_space="", shared_space="",
+    smem_bytes=48 * 1024,  # static __shared__ per block without opting in
     fns={"exp": "expf", "log": "logf", "sqrt": "sqrtf", "tanh": "tanhf",
          "sigmoid": "rg_sigmoid", "softplus": "rg_softplus", "logsigmoid": "rg_logsigmoid", "Abs": "fabsf"},
     dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"},

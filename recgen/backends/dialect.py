@@ -22,6 +22,8 @@ class Dialect:
     smem: str                     # declaration prefix of threadgroup / shared memory
     int64: str                    # 64-bit index type
     global_space: str             # address-space qualifier of kernel buffers in a pointer cast
+    shared_space: str             # address-space qualifier of threadgroup / shared memory in a pointer cast
+    smem_bytes: int               # threadgroup / static shared memory one kernel may declare
     fns: dict                     # sympy function name -> emitted function name
     dtypes: dict                  # numpy-style dtype name -> emitted type name
     prelude: str                  # helper functions (gates) pasted into the kernel header

@@ -14,7 +14,8 @@ METAL = Dialect(
     tg_x="threadgroup_position_in_grid.x", tg_y="threadgroup_position_in_grid.y",
     shfl_xor="simd_shuffle_xor({x}, {m})",
     barrier="threadgroup_barrier(metal::mem_flags::mem_threadgroup)",
-    smem="threadgroup", int64="int64_t", global_space="device ",
+    smem="threadgroup", int64="int64_t", global_space="device ", shared_space="threadgroup ",
+    smem_bytes=32 * 1024,  # maxTotalThreadgroupMemoryLength of Apple GPUs
     fns={"exp": "metal::exp", "log": "metal::log", "sqrt": "metal::sqrt", "tanh": "metal::precise::tanh",
          "sigmoid": "rg_sigmoid", "softplus": "rg_softplus", "logsigmoid": "rg_logsigmoid", "Abs": "metal::abs"},
     dtypes={"float32": "float", "float16": "half", "bfloat16": "bfloat16_t"},

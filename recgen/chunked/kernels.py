@@ -25,8 +25,8 @@ from ..backends import get
 from ..kernel_op import Launch, mlx_call
 from ..render import KernelSource, _env
 
-NT = 256          # threads per scan threadgroup
-BV = 16           # value columns per scan threadgroup
+BV = 32           # value columns per scan threadgroup (4 per thread)
+MAX_NR = 16       # row groups of the scan (threads = row groups × BV/4): 128 threads at K = 128
 
 
 def _source(d, template: str, kind: str, banner: str, inputs: tuple, outputs: tuple, template_args: tuple,
@@ -52,9 +52,25 @@ def scan_source(dialect: str, has_e: bool, reverse: bool) -> KernelSource:
 
 
 def scan_supported(C: int, K: int) -> bool:
-    """The scan's thread layout needs C and K multiples of its row groups (NT / BV)."""
-    nr = NT // BV
-    return C % nr == 0 and K % nr == 0
+    """The scan's 4-row reads need K a multiple of 4 (any C: row groups divide it)."""
+    return K % 4 == 0
+
+
+@lru_cache(maxsize=None)
+def scan_layout(dialect: str, C: int, K: int) -> dict:
+    """Template constants of the scan: NR row groups (C and K/4 multiples of NR), NT threads, and the
+    staging depths KB (key columns of A_c) and TB (tokens of B_c), the largest (≤ 32) whose slab fits
+    the dialect's threadgroup memory beside the state and Y tiles (Metal: 32 KiB, CUDA: 48 KiB)."""
+    if not scan_supported(C, K):
+        raise ValueError(f"chunk_scan: K={K} must be a multiple of 4")
+    nr = next(r for r in (MAX_NR, 8, 4, 2, 1) if C % r == 0 and K % (4 * r) == 0)
+    room = get(dialect).smem_bytes // 4 - BV * (K + C)                     # floats left for the slab
+    kb = next((b for b in (32, 16, 8, 4) if K % b == 0 and C * (b + 1) <= room), None)
+    tb = next((t for t in (32, 16, 8, 4, 2, 1) if C % t == 0 and t * (K + 4) <= room), None)
+    if kb is None or tb is None:
+        raise ValueError(f"chunk_scan: C={C}, K={K} leave no room for staging in {dialect}'s threadgroup memory")
+    slab = -(-max(C * (kb + 1), tb * (K + 4)) // 4) * 4
+    return {"NR": nr, "NT": nr * BV // 4, "KB": kb, "TB": tb, "SLAB": slab}
 
 
 def inverse_supported(C: int) -> bool:
@@ -70,15 +86,12 @@ def inverse_launch(dialect: str, N: int, C: int) -> Launch:
 
 @lru_cache(maxsize=256)
 def scan_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: int, has_e: bool, reverse: bool) -> Launch:
-    if not scan_supported(C, K):
-        raise ValueError(f"chunk_scan: C={C} and K={K} must be multiples of {NT // BV}")
+    lay = scan_layout(dialect, C, K)
     src = scan_source(dialect, has_e, reverse)
     ntg = -(-V // BV)
     outs = (((BH, n, K, V), "float32"), ((BH, n, C, V), "float32"), ((BH, K, V), "float32"))
-    kb = 32 if K % 32 == 0 else NT // BV  # key columns of A staged at a time
-    slab = max(C * (kb + 1), (NT // BV) * (K + 1))  # floats of the staging buffer (padded rows)
-    tmpl = (("C", C), ("K", K), ("V", V), ("F", F), ("BV", BV), ("NT", NT), ("KB", kb), ("SLAB", slab))
-    return Launch(src, (("rt", (n,), "int32"),), outs, (ntg * NT, BH, 1), (NT, 1, 1), tmpl)
+    tmpl = (("C", C), ("K", K), ("V", V), ("F", F), ("BV", BV)) + tuple(lay.items())
+    return Launch(src, (("rt", (n,), "int32"),), outs, (ntg * lay["NT"], BH, 1), (lay["NT"], 1, 1), tmpl)
 
 
 def tril_inverse(L, dialect: str):
