@@ -64,8 +64,8 @@ def test_chunk_scan_refuses_unsupported_sizes():
 
 def test_chunk_scan_layout_fits_each_dialect():
     """At GDN's shapes the staging depths follow each dialect's threadgroup memory."""
-    assert ck.scan_layout("cuda", 64, 128) == {"NR": 16, "NT": 128, "KB": 32, "TB": 32, "SLAB": 4224, "PER": 32}
-    assert ck.scan_layout("metal", 64, 128) == {"NR": 16, "NT": 128, "KB": 16, "TB": 8, "SLAB": 1088, "PER": 8}
+    assert ck.scan_layout("cuda", 64, 128) == {"NR": 16, "NT": 128, "KB": 32, "TB": 32, "SLAB": 4224}
+    assert ck.scan_layout("metal", 64, 128) == {"NR": 16, "NT": 128, "KB": 16, "TB": 8, "SLAB": 1088}
 
 
 def _emulated_call(launch, dialect, user, extra):

@@ -70,8 +70,7 @@ def scan_layout(dialect: str, C: int, K: int) -> dict:
     if kb is None or tb is None:
         raise ValueError(f"chunk_scan: C={C}, K={K} leave no room for staging in {dialect}'s threadgroup memory")
     slab = -(-max(C * (kb + 1), tb * (K + 4)) // 4) * 4
-    nt = nr * BV // 4
-    return {"NR": nr, "NT": nt, "KB": kb, "TB": tb, "SLAB": slab, "PER": -(-max(C * kb, tb * K) // nt)}
+    return {"NR": nr, "NT": nr * BV // 4, "KB": kb, "TB": tb, "SLAB": slab}
 
 
 def inverse_supported(C: int) -> bool:
