@@ -28,31 +28,34 @@ def test_tril_inverse_matches_numpy(C):
     assert _rel(T, ref) < 1e-5
 
 
-def _scan_ref(S0, A, X, Bm, g, E, reverse):
+def _scan_ref(S0, A, X, Bm, g, E, reverse, has_a=True):
     """float64: carried_c = S; Y_c = X_c + A_c S; S <- g_c ⊙ S + B_cᵀ Y_c (+ E_c)."""
     BH, n = X.shape[:2]
     S = S0.astype(np.float64).copy()
     carried, Y = np.zeros((BH, n) + S0.shape[1:]), np.zeros(X.shape)
     for c in (range(n - 1, -1, -1) if reverse else range(n)):
         carried[:, c] = S
-        Y[:, c] = X[:, c] + A[:, c] @ S
+        Y[:, c] = X[:, c] + (A[:, c] @ S if has_a else 0)
         S = g[:, c][..., None] * S + Bm[:, c].swapaxes(-1, -2) @ Y[:, c]
         if E is not None:
             S = S + E[:, c]
     return carried, Y, S
 
 
-@pytest.mark.parametrize("F,has_e,reverse", [(1, False, False), (32, False, False), (1, True, True), (32, True, True)])
-def test_chunk_scan_matches_numpy(F, has_e, reverse):
+@pytest.mark.parametrize("F,has_e,reverse,has_a", [(1, False, False, True), (32, False, False, True), (1, True, True, True),
+                                                   (32, True, True, True), (1, False, False, False), (32, True, True, False)])
+def test_chunk_scan_matches_numpy(F, has_e, reverse, has_a):
     rng = np.random.default_rng(F + 2 * has_e)
     BH, n, C, K, V = 2, 3, 16, 32, 42  # two column tiles, the second partial
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     S0, A, X, Bm = f(BH, K, V), f(BH, n, C, K) * 0.2, f(BH, n, C, V), f(BH, n, C, K) * 0.2
     g = np.exp(-20 * rng.uniform(size=(BH, n, F))).astype(np.float32)  # down to e^-20
     E = f(BH, n, K, V) if has_e else None
-    ins = {"S0": S0, "A": A, "X": X, "Bm": Bm, "g": g} | ({"E": E} if has_e else {})
-    outs = verify.run_launch(ck.scan_launch("metal", BH, n, C, K, V, F, has_e, reverse), ins)
-    for got, want in zip(outs, _scan_ref(S0, A, X, Bm, g, E, reverse)):
+    ins = {"S0": S0, "X": X, "Bm": Bm, "g": g} | ({"E": E} if has_e else {}) | ({"A": A} if has_a else {})
+    outs = verify.run_launch(ck.scan_launch("metal", BH, n, C, K, V, F, has_e, reverse, has_a), ins)
+    if not has_a:  # no Y written: Y = X
+        outs[1] = X
+    for got, want in zip(outs, _scan_ref(S0, A, X, Bm, g, E, reverse, has_a)):
         assert got.shape == want.shape
         assert _rel(got, want) < 1e-5, _rel(got, want)
 
@@ -77,7 +80,8 @@ def _emulated_call(launch, dialect, user, extra):
     return [mx.array(o) for o in verify.run_launch(launch, ins)]
 
 
-@pytest.mark.parametrize("name,T", [("gated_delta_net", 40), ("delta_net", 16), ("gated_delta_net", 1)])
+@pytest.mark.parametrize("name,T", [("gated_delta_net", 40), ("delta_net", 16), ("gated_delta_net", 1),
+                                    ("simple_gla", 40), ("gla", 40)])
 def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     """The chunked core with the generated inverse and scan (forward and backward scans) wired in,
     end to end against the float64 reference: forward, final state, every gradient; strong decays,
@@ -92,7 +96,9 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     assert_close(compare(specs.BUILTINS[name], T, chunk=16, K=16, V=6, seed=5))
     kinds = {c.split("_metal")[0] for c in calls}
-    assert kinds == {"recgen_chunk_tril_inverse", "recgen_chunk_scan", "recgen_chunk_scan_e_rev"}, kinds
+    delta = specs.BUILTINS[name].step.transition is not None
+    want = {"recgen_chunk_tril_inverse", "recgen_chunk_scan", "recgen_chunk_scan_e_rev"} if delta else {"recgen_chunk_scan_diag"}
+    assert kinds == want, kinds
 
 
 @pytest.mark.parametrize("sanitizer", ["address", "thread"])

@@ -38,3 +38,24 @@ def test_emission_is_deterministic(tmp_path):
     a = emit(specs.gla, "metal", tmp_path / "a", dtype="bfloat16", **SIZES)
     b = emit(specs.gla, "metal", tmp_path / "b", dtype="bfloat16", **SIZES)
     assert [p.read_text() for p in a] == [p.read_text() for p in b]
+
+
+@pytest.mark.parametrize("target", ["metal", "cuda"])
+def test_chunk_kernels_match_golden(target):
+    """The generated chunk kernels (MLX form: header and body) with their template constants at
+    GDN's GPU shapes (C = 64, K = V = 128, scalar decay)."""
+    from recgen.chunked import kernels as ck
+
+    launches = [ck.inverse_launch(target, 8, 64)] + [ck.scan_launch(target, 8, 4, 64, 128, 128, 1, e, e)
+                                                      for e in (False, True)]
+    for launch in launches:
+        src = launch.source
+        text = (f"// template: {dict(launch.template)}; grid {launch.grid}, threadgroup {launch.threadgroup}\n"
+                + src.text)
+        assert text.isascii()
+        gold = GOLDEN / "chunk" / f"{src.name.rsplit('_', 1)[0]}.{'metal' if target == 'metal' else 'cu'}"
+        if os.environ.get("RECGEN_UPDATE_GOLDEN"):
+            gold.parent.mkdir(parents=True, exist_ok=True)
+            gold.write_text(text)
+        assert gold.exists(), f"missing golden {gold}: run with RECGEN_UPDATE_GOLDEN=1"
+        assert text == gold.read_text(), f"{gold.name} differs from its golden (RECGEN_UPDATE_GOLDEN=1 to accept)"

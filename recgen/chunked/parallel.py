@@ -200,7 +200,7 @@ def _apply_rows(L, x, key: bool):
 def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool, kern=None):
     """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state. ``kern``: the dialect
     of the generated chunk scan (``kernels.chunk_scan``) for the delta-rule scan, or None."""
-    if W is not None and kern and kernels.scan_supported(U.shape[-2], S0.shape[-2]):
+    if kern and kernels.scan_supported(U.shape[-2], S0.shape[-2]):  # W None: the diagonal scan, Z = U
         return kernels.chunk_scan(S0, W, U, uQ, geo.g, None, kern, reverse=False)
     gs = geo.g[..., None]
     uQt = uQ.swapaxes(-1, -2)
