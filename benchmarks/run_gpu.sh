@@ -29,7 +29,7 @@ for stage in "$@"; do
              grep -E "FAIL|passed" "$OUT/check_kernels_bf16.log" ;;
     ab-kernels) for v in 0 1; do echo "RECGEN_CHUNK_KERNELS=$v"
              RECGEN_CHUNK_KERNELS=$v timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
-               --specs gated_delta_net,delta_net --tag kern$v --out "$OUT" 2>&1 | tee -a "$OUT/ab_kernels.log"; done ;;
+               --specs gated_delta_net,delta_net,gla,simple_gla --tag kern$v --out "$OUT" 2>&1 | tee -a "$OUT/ab_kernels.log"; done ;;
     bench) timeout 300 python benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" ;;
     chunked) timeout 200 python benchmarks/bench_chunked_gpu.py --variants compiled --gdu --out "$OUT" 2>&1 | tee "$OUT/chunked.log" ;;
     knobs) for n in 20 80 250; do  # MLX's CUDA graph size (ops per committed graph; default 20)

@@ -83,7 +83,8 @@ def _emulated_call(launch, dialect, user, extra):
 @pytest.mark.parametrize("name,T", [("gated_delta_net", 40), ("delta_net", 16), ("gated_delta_net", 1),
                                     ("simple_gla", 40), ("gla", 40)])
 def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
-    """The chunked core with the generated inverse and scan (forward and backward scans) wired in,
+    """The chunked core with the generated kernels wired in (inverse, forward and backward scans, the
+    key-vector decay's pair kernels),
     end to end against the float64 reference: forward, final state, every gradient; strong decays,
     K != V, GQA, a partial last chunk (T = 40 with chunk 16), T = 1 (C = 1: one row group)."""
     pytest.importorskip("mlx.core")
@@ -94,10 +95,13 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     monkeypatch.setattr(parallel, "CHUNK_KERNELS", "metal")
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    assert_close(compare(specs.BUILTINS[name], T, chunk=16, K=16, V=6, seed=5))
+    key = name == "gla"  # K = 32: the pair kernels' lanes
+    assert_close(compare(specs.BUILTINS[name], T, chunk=16, K=32 if key else 16, V=6, seed=5))
     kinds = {c.split("_metal")[0] for c in calls}
     delta = specs.BUILTINS[name].step.transition is not None
     want = {"recgen_chunk_tril_inverse", "recgen_chunk_scan", "recgen_chunk_scan_e_rev"} if delta else {"recgen_chunk_scan_diag"}
+    if key:
+        want |= {"recgen_chunk_pair", "recgen_chunk_pair_grad"}
     assert kinds == want, kinds
 
 
@@ -115,3 +119,33 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     L = np.tril(f(2, C, C), -1)
     (T,) = verify.run_launch(ck.inverse_launch("metal", 2, C), {"L": L}, sanitizer=sanitizer)
     assert _rel(T, np.linalg.inv(np.eye(C) - L.astype(np.float64))) < 1e-4
+
+
+def _pair_ref(X, Y, dk, strict):
+    """float64 M[t, s] = sum_i X_ti Y_si prod_{s<tau<=t} d_tau,i (s <= t or s < t)."""
+    N, C, K = X.shape
+    M = np.zeros((N, C, C))
+    for t in range(C):
+        for s in range(t if strict else t + 1):
+            gam = np.prod(dk[:, s + 1:t + 1].astype(np.float64), axis=1)
+            M[:, t, s] = (X[:, t] * Y[:, s] * gam).sum(-1)
+    return M
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_pair_kernels_match_numpy(strict):
+    """Forward pair matrix and its two gradients (checked as the adjoint: <dM, M(X, Y)> is linear in
+    X and in Y, so dX = ∂<dM, M>/∂X exactly), per-token decays down to e^-20."""
+    rng = np.random.default_rng(11 + strict)
+    N, C, K = 3, 8, 64
+    X, Y, dM = (rng.normal(size=s).astype(np.float32) for s in ((N, C, K), (N, C, K), (N, C, C)))
+    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
+    (M,) = verify.run_launch(ck.pair_launch("metal", N, C, K, strict), {"X": X, "Y": Y, "dk": dk})
+    assert _rel(M, _pair_ref(X, Y, dk, strict)) < 1e-5
+    dX, dY = verify.run_launch(ck.pair_launch("metal", N, C, K, strict, grad=True), {"dM": dM, "X": X, "Y": Y, "dk": dk})
+    eye = np.eye(K)
+    # <dM, M(X, Y)> = sum_t,i X_ti dX_ti: dX[:, t, i] = <dM, M(e_ti, Y)>, built from the reference column by column
+    G = np.stack([_pair_ref(np.broadcast_to(eye[i], (N, C, K)) * 1.0, Y, dk, strict) for i in range(K)], -1)
+    assert _rel(dX, np.einsum("nts,ntsi->nti", dM, G)) < 1e-5
+    G = np.stack([_pair_ref(X, np.broadcast_to(eye[i], (N, C, K)) * 1.0, dk, strict) for i in range(K)], -1)
+    assert _rel(dY, np.einsum("nts,ntsi->nsi", dM, G)) < 1e-5

@@ -52,6 +52,61 @@ def scan_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True) ->
                    ("carried", "Y", "S_end"), (), has_e=has_e, reverse=reverse, has_a=has_a)
 
 
+WPT = 4           # SIMD groups per threadgroup of the pair kernels (one chunk row or column each)
+
+
+@lru_cache(maxsize=None)
+def pair_source(dialect: str, strict: bool) -> KernelSource:
+    return _source(get(dialect), "chunk_pair.j2", "pair" + ("_strict" if strict else ""),
+                   "key-vector decay pair matrix of a chunk", ("X", "Y", "dk", "rt"), ("M",), (), strict=strict)
+
+
+@lru_cache(maxsize=None)
+def pair_grad_source(dialect: str, strict: bool) -> KernelSource:
+    return _source(get(dialect), "chunk_pair_grad.j2", "pair_grad" + ("_strict" if strict else ""),
+                   "gradients of the key-vector decay pair matrix", ("dM", "X", "Y", "dk", "rt"), ("dX", "dY"), (),
+                   strict=strict)
+
+
+def pair_supported(K: int) -> bool:
+    """Lanes split K: K a multiple of 32."""
+    return K % 32 == 0
+
+
+@lru_cache(maxsize=256)
+def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False) -> Launch:
+    if not pair_supported(K):
+        raise ValueError(f"chunk_pair: K={K} must be a multiple of 32")
+    src = (pair_grad_source if grad else pair_source)(dialect, strict)
+    groups = N * C * (2 if grad else 1)
+    outs = (((N, C, K), "float32"), ((N, C, K), "float32")) if grad else (((N, C, C), "float32"),)
+    tmpl = (("C", C), ("K", K), ("RK", K // 32), ("WPT", WPT))
+    return Launch(src, (("rt", (N * C,), "int32"),), outs, (-(-groups // WPT) * WPT * 32, 1, 1), (WPT * 32, 1, 1), tmpl)
+
+
+def _lead(x, tail: int):
+    n = 1
+    for s in x.shape[:-tail]:
+        n *= s
+    return n
+
+
+def pair(X, Y, dk, strict: bool, dialect: str):
+    """M [.., C, C] of the key-vector decay pair (see chunk_pair.j2) from X, Y, per-token decays dk [.., C, K]."""
+    N, (C, K) = _lead(X, 2), X.shape[-2:]
+    (M,) = mlx_call(pair_launch(dialect, N, C, K, strict), get(dialect),
+                    [X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)], [])
+    return M.reshape(*X.shape[:-1], C)
+
+
+def pair_grad(dM, X, Y, dk, strict: bool, dialect: str):
+    """(dX, dY) [.., C, K] for the cotangent dM [.., C, C] of ``pair``."""
+    N, (C, K) = _lead(X, 2), X.shape[-2:]
+    dX, dY = mlx_call(pair_launch(dialect, N, C, K, strict, grad=True), get(dialect),
+                      [dM.reshape(N, C, C), X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)], [])
+    return dX.reshape(X.shape), dY.reshape(Y.shape)
+
+
 def scan_supported(C: int, K: int) -> bool:
     """The scan's 4-row reads need K a multiple of 4 (any C: row groups divide it)."""
     return K % 4 == 0

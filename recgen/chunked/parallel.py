@@ -125,6 +125,36 @@ class KeyDecay:
         return x
 
 
+class KernelKeyDecay:
+    """A key-vector decay through the generated pair kernels (``kernels.pair`` / ``pair_grad``): each
+    pair matrix is one sweep per chunk row carrying Γ(t, s) by multiplications, so no hierarchy of
+    levels is built or kept. P and Q come from cumulative sums anchored at the chunk's start and end
+    (P_t = exp(Σ_{τ≤t} l_τ), Q_s = exp(Σ_{τ>s} l_τ)): no difference of large sums."""
+
+    key = True
+
+    def __init__(self, l, saved=(), kern: str = ""):
+        self.l, self.kern = l, kern
+        self.d = mx.exp(l)
+        self.P = mx.exp(mx.cumsum(l, axis=-2))
+        after = mx.cumsum(l, axis=-2, reverse=True)[..., 1:, :]          # Σ_{τ>s} l_τ for s < C-1
+        self.Q = mx.exp(mx.concatenate([after, mx.zeros_like(l[..., :1, :])], axis=-2))
+        self.g = self.P[..., -1, :]
+
+    @staticmethod
+    def saved() -> list:
+        """Nothing kept: three elementwise passes rebuild it in the backward."""
+        return []
+
+    def pair(self, X, Y, strict: bool):
+        return kernels.pair(X, Y, self.d, strict, self.kern)
+
+    def pair_grad(self, dM, X, Y, strict: bool):
+        return kernels.pair_grad(dM, X, Y, self.d, strict, self.kern)
+
+    fold = staticmethod(KeyDecay.fold)
+
+
 def _split(x):
     """[..., n, a, b] -> n arrays [..., 1, a, b] (one op; the chunk axis stays for broadcasting).
     Moving the chunk axis first and indexing contiguous blocks instead measured 1.7x slower on the
@@ -333,6 +363,14 @@ def compiled() -> bool:
     return mx.default_device() != mx.cpu
 
 
+def _key_geo(kern: str):
+    def make(l, saved=()):
+        if kernels.pair_supported(l.shape[-1]):
+            return KernelKeyDecay(l, saved, kern)
+        return KeyDecay(l, saved)
+    return make
+
+
 CHUNK_KERNELS = None  # None: by device (``chunk_kernels``); a dialect name, or "" for none, forces it (tests)
 
 
@@ -366,6 +404,8 @@ def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile
     Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru, with b̃
     Z, T, W, and a key-vector decay's hierarchy) are for the VJP only and take no cotangent."""
     Geo = KeyDecay if key else ScalarDecay
+    if key and kern:  # the pair kernels need K % 32 == 0, known at the first call: chosen per call below
+        Geo = _key_geo(kern)
     nres = 5 if delta else 2
 
     def fwd(S0, r, u, w, l, bt=None):
