@@ -28,7 +28,7 @@ def test_tril_inverse_matches_numpy(C):
     assert _rel(T, ref) < 1e-5
 
 
-def _scan_ref(S0, A, X, Bm, g, E, reverse, has_a=True):
+def _scan_ref(S0, A, X, Bm, g, E, reverse, has_a=True, has_b=True):
     """float64: carried_c = S; Y_c = X_c + A_c S; S <- g_c ⊙ S + B_cᵀ Y_c (+ E_c)."""
     BH, n = X.shape[:2]
     S = S0.astype(np.float64).copy()
@@ -36,26 +36,28 @@ def _scan_ref(S0, A, X, Bm, g, E, reverse, has_a=True):
     for c in (range(n - 1, -1, -1) if reverse else range(n)):
         carried[:, c] = S
         Y[:, c] = X[:, c] + (A[:, c] @ S if has_a else 0)
-        S = g[:, c][..., None] * S + Bm[:, c].swapaxes(-1, -2) @ Y[:, c]
+        S = g[:, c][..., None] * S + (Bm[:, c].swapaxes(-1, -2) @ Y[:, c] if has_b else 0)
         if E is not None:
             S = S + E[:, c]
     return carried, Y, S
 
 
-@pytest.mark.parametrize("F,has_e,reverse,has_a", [(1, False, False, True), (32, False, False, True), (1, True, True, True),
-                                                   (32, True, True, True), (1, False, False, False), (32, True, True, False)])
-def test_chunk_scan_matches_numpy(F, has_e, reverse, has_a):
+@pytest.mark.parametrize("F,has_e,reverse,has_a,has_b", [
+    (1, False, False, True, True), (32, False, False, True, True), (1, True, True, True, True), (32, True, True, True, True),
+    (1, False, False, False, True), (32, True, True, False, True), (1, True, True, True, False), (32, True, True, True, False)])
+def test_chunk_scan_matches_numpy(F, has_e, reverse, has_a, has_b):
     rng = np.random.default_rng(F + 2 * has_e)
     BH, n, C, K, V = 2, 3, 16, 32, 42  # two column tiles, the second partial
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     S0, A, X, Bm = f(BH, K, V), f(BH, n, C, K) * 0.2, f(BH, n, C, V), f(BH, n, C, K) * 0.2
     g = np.exp(-20 * rng.uniform(size=(BH, n, F))).astype(np.float32)  # down to e^-20
     E = f(BH, n, K, V) if has_e else None
-    ins = {"S0": S0, "X": X, "Bm": Bm, "g": g} | ({"E": E} if has_e else {}) | ({"A": A} if has_a else {})
-    outs = verify.run_launch(ck.scan_launch("metal", BH, n, C, K, V, F, has_e, reverse, has_a), ins)
+    ins = ({"S0": S0, "X": X, "g": g} | ({"E": E} if has_e else {}) | ({"A": A} if has_a else {})
+           | ({"Bm": Bm} if has_b else {}))
+    outs = verify.run_launch(ck.scan_launch("metal", BH, n, C, K, V, F, has_e, reverse, has_a, has_b), ins)
     if not has_a:  # no Y written: Y = X
         outs[1] = X
-    for got, want in zip(outs, _scan_ref(S0, A, X, Bm, g, E, reverse, has_a)):
+    for got, want in zip(outs, _scan_ref(S0, A, X, Bm, g, E, reverse, has_a, has_b)):
         assert got.shape == want.shape
         assert _rel(got, want) < 1e-5, _rel(got, want)
 
@@ -99,7 +101,7 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     assert_close(compare(specs.BUILTINS[name], T, chunk=16, K=32 if key else 16, V=6, seed=5))
     kinds = {c.split("_metal")[0] for c in calls}
     delta = specs.BUILTINS[name].step.transition is not None
-    want = {"recgen_chunk_tril_inverse", "recgen_chunk_scan", "recgen_chunk_scan_e_rev"} if delta else {"recgen_chunk_scan_diag"}
+    want = {"recgen_chunk_tril_inverse", "recgen_chunk_scan", "recgen_chunk_scan_e_rev"} if delta else {"recgen_chunk_scan_noa", "recgen_chunk_scan_nob_e_rev"}
     if key:
         want |= {"recgen_chunk_pair", "recgen_chunk_pair_grad"}
     assert kinds == want, kinds
@@ -113,9 +115,14 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     ins = {"S0": f(BH, K, V), "A": f(BH, n, C, K), "X": f(BH, n, C, V), "Bm": f(BH, n, C, K),
            "g": np.full((BH, n, K), 0.5, np.float32), "E": f(BH, n, K, V)}
-    outs = verify.run_launch(ck.scan_launch("metal", BH, n, C, K, V, K, True, True), ins, sanitizer=sanitizer)
-    for got, want in zip(outs, _scan_ref(*(ins[k] for k in ("S0", "A", "X", "Bm", "g", "E")), True)):
-        assert _rel(got, want) < 1e-5
+    for has_a, has_b in ((True, True), (False, True), (True, False)):
+        sub = {k: v for k, v in ins.items() if (k != "A" or has_a) and (k != "Bm" or has_b)}
+        outs = verify.run_launch(ck.scan_launch("metal", BH, n, C, K, V, K, True, True, has_a, has_b), sub,
+                                 sanitizer=sanitizer)
+        if not has_a:
+            outs[1] = ins["X"]
+        for got, want in zip(outs, _scan_ref(*(ins[k] for k in ("S0", "A", "X", "Bm", "g", "E")), True, has_a, has_b)):
+            assert _rel(got, want) < 1e-5
     L = np.tril(f(2, C, C), -1)
     (T,) = verify.run_launch(ck.inverse_launch("metal", 2, C), {"L": L}, sanitizer=sanitizer)
     assert _rel(T, np.linalg.inv(np.eye(C) - L.astype(np.float64))) < 1e-4

@@ -44,12 +44,15 @@ def inverse_source(dialect: str) -> KernelSource:
 
 
 @lru_cache(maxsize=None)
-def scan_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True) -> KernelSource:
-    """Without A (no delta rule: Y = X) the kernel reads no A and writes no Y (its Y output is unused)."""
-    ins = ("S0",) + (("A",) if has_a else ()) + ("X", "Bm", "g") + (("E",) if has_e else ()) + ("rt",)
-    kind = "scan" + ("" if has_a else "_diag") + ("_e" if has_e else "") + ("_rev" if reverse else "")
+def scan_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, has_b: bool = True) -> KernelSource:
+    """Without A (Y = X: the forward diagonal scan) the kernel reads no A and writes no Y (its Y output
+    is unused); without B (S <- g S + E: the backward diagonal scan) it reads no B."""
+    if not (has_a or has_b):
+        raise ValueError("chunk_scan: needs A or B")
+    ins = ("S0",) + (("A",) if has_a else ()) + ("X",) + (("Bm",) if has_b else ()) + ("g",) + (("E",) if has_e else ()) + ("rt",)
+    kind = "scan" + ("" if has_a else "_noa") + ("" if has_b else "_nob") + ("_e" if has_e else "") + ("_rev" if reverse else "")
     return _source(get(dialect), "chunk_scan.j2", kind, "chunk scan of the chunked core", ins,
-                   ("carried", "Y", "S_end"), (), has_e=has_e, reverse=reverse, has_a=has_a)
+                   ("carried", "Y", "S_end"), (), has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b)
 
 
 WPT = 4           # SIMD groups per threadgroup of the pair kernels (one chunk row or column each)
@@ -142,9 +145,9 @@ def inverse_launch(dialect: str, N: int, C: int) -> Launch:
 
 @lru_cache(maxsize=256)
 def scan_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: int, has_e: bool, reverse: bool,
-                has_a: bool = True) -> Launch:
+                has_a: bool = True, has_b: bool = True) -> Launch:
     lay = scan_layout(dialect, C, K)
-    src = scan_source(dialect, has_e, reverse, has_a)
+    src = scan_source(dialect, has_e, reverse, has_a, has_b)
     ntg = -(-V // BV)
     outs = (((BH, n, K, V), "float32"), ((BH, n, C, V) if has_a else (1,), "float32"), ((BH, K, V), "float32"))
     tmpl = (("C", C), ("K", K), ("V", V), ("F", F), ("BV", BV)) + tuple(lay.items())
@@ -164,7 +167,7 @@ def tril_inverse(L, dialect: str):
 
 def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool):
     """The scan above over [..., n, ·, ·] operands (leading axes flattened to one (b, h) axis).
-    S0 [.., K, V], A (None: Y = X) and Bm [.., n, C, K], X [.., n, C, V], g [.., n, F] (F = 1 or K),
+    S0 [.., K, V], A (None: Y = X) and Bm (None: no B term) [.., n, C, K], X [.., n, C, V], g [.., n, F] (F = 1 or K),
     E None or [.., n, K, V]. Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32."""
     lead = S0.shape[:-2]
     K, V = S0.shape[-2:]
@@ -174,11 +177,9 @@ def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool):
     for s in lead:
         BH *= s
     flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
-    user = [flat(S0, K, V)] + ([flat(A, n, C, K)] if A is not None else []) + [flat(X, n, C, V), flat(Bm, n, C, K),
-                                                                             flat(g, n, F)]
-    if E is not None:
-        user.append(flat(E, n, K, V))
-    launch = scan_launch(dialect, BH, n, C, K, V, F, E is not None, reverse, A is not None)
+    user = ([flat(S0, K, V)] + ([flat(A, n, C, K)] if A is not None else []) + [flat(X, n, C, V)]
+            + ([flat(Bm, n, C, K)] if Bm is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else []))
+    launch = scan_launch(dialect, BH, n, C, K, V, F, E is not None, reverse, A is not None, Bm is not None)
     carried, Y, S_end = mlx_call(launch, get(dialect), user, [])
     Y = Y.reshape(*lead, n, C, V) if A is not None else X
     return carried.reshape(*lead, n, K, V), Y, S_end.reshape(*lead, K, V)

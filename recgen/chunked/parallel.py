@@ -268,7 +268,7 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=N
     dS_0, from dZ_c = F_c + (u ⊙ Q)_c dS_{c+1} and dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ dZ_c.
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after.
     With ``kern`` the delta-rule scan is the generated one, (A, X, B, E) = (u ⊙ Q, F, W, E) reversed."""
-    if W is not None and kern and kernels.scan_supported(F.shape[-2], dS_end.shape[-2]):
+    if kern and kernels.scan_supported(F.shape[-2], dS_end.shape[-2]):  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
         return kernels.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True)
     gs = geo.g[..., None]
     dS = dS_end[..., None, :, :]
