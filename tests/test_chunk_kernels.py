@@ -47,7 +47,7 @@ def _scan_ref(S0, A, X, Bm, g, E, reverse, has_a=True, has_b=True):
     (1, False, False, False, True), (32, True, True, False, True), (1, True, True, True, False), (32, True, True, True, False)])
 def test_chunk_scan_matches_numpy(F, has_e, reverse, has_a, has_b):
     rng = np.random.default_rng(F + 2 * has_e)
-    BH, n, C, K, V = 2, 3, 16, 32, 42  # two column tiles, the second partial
+    BH, n, C, K, V = 2, 3, 16, 32, 42 if has_e else 44  # two column tiles, the second partial; 44: 16-byte accesses
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     S0, A, X, Bm = f(BH, K, V), f(BH, n, C, K) * 0.2, f(BH, n, C, V), f(BH, n, C, K) * 0.2
     g = np.exp(-20 * rng.uniform(size=(BH, n, F))).astype(np.float32)  # down to e^-20
@@ -101,7 +101,8 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     assert_close(compare(specs.BUILTINS[name], T, chunk=16, K=32 if key else 16, V=6, seed=5))
     kinds = {c.split("_metal")[0] for c in calls}
     delta = specs.BUILTINS[name].step.transition is not None
-    want = {"recgen_chunk_tril_inverse", "recgen_chunk_scan", "recgen_chunk_scan_e_rev"} if delta else {"recgen_chunk_scan_noa", "recgen_chunk_scan_nob_e_rev"}
+    want = ({"recgen_chunk_tril_inverse", "recgen_chunk_scan", "recgen_chunk_scan_e_rev"} if delta
+            else {"recgen_chunk_scan_noa", "recgen_chunk_scan_nob_e_rev"})
     if key:
         want |= {"recgen_chunk_pair", "recgen_chunk_pair_grad"}
     assert kinds == want, kinds

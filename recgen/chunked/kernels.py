@@ -44,15 +44,18 @@ def inverse_source(dialect: str) -> KernelSource:
 
 
 @lru_cache(maxsize=None)
-def scan_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, has_b: bool = True) -> KernelSource:
+def scan_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, has_b: bool = True,
+                vec: bool = False) -> KernelSource:
     """Without A (Y = X: the forward diagonal scan) the kernel reads no A and writes no Y (its Y output
-    is unused); without B (S <- g S + E: the backward diagonal scan) it reads no B."""
+    is unused); without B (S <- g S + E: the backward diagonal scan) it reads no B. ``vec`` (V a
+    multiple of 4): a thread's 4 columns move as one 16-byte access."""
     if not (has_a or has_b):
         raise ValueError("chunk_scan: needs A or B")
     ins = ("S0",) + (("A",) if has_a else ()) + ("X",) + (("Bm",) if has_b else ()) + ("g",) + (("E",) if has_e else ()) + ("rt",)
-    kind = "scan" + ("" if has_a else "_noa") + ("" if has_b else "_nob") + ("_e" if has_e else "") + ("_rev" if reverse else "")
+    kind = ("scan" + ("" if has_a else "_noa") + ("" if has_b else "_nob") + ("_e" if has_e else "")
+            + ("_rev" if reverse else "") + ("_v4" if vec else ""))
     return _source(get(dialect), "chunk_scan.j2", kind, "chunk scan of the chunked core", ins,
-                   ("carried", "Y", "S_end"), (), has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b)
+                   ("carried", "Y", "S_end"), (), has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, vec=vec)
 
 
 WPT = 4           # SIMD groups per threadgroup of the pair kernels (one chunk row or column each)
@@ -147,7 +150,7 @@ def inverse_launch(dialect: str, N: int, C: int) -> Launch:
 def scan_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: int, has_e: bool, reverse: bool,
                 has_a: bool = True, has_b: bool = True) -> Launch:
     lay = scan_layout(dialect, C, K)
-    src = scan_source(dialect, has_e, reverse, has_a, has_b)
+    src = scan_source(dialect, has_e, reverse, has_a, has_b, V % 4 == 0)
     ntg = -(-V // BV)
     outs = (((BH, n, K, V), "float32"), ((BH, n, C, V) if has_a else (1,), "float32"), ((BH, K, V), "float32"))
     tmpl = (("C", C), ("K", K), ("V", V), ("F", F), ("BV", BV)) + tuple(lay.items())
