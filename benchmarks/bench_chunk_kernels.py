@@ -74,6 +74,11 @@ def main():
         ck.BV, ck.MAX_NR = map(int, lay.split("/"))
         ck.scan_launch.cache_clear()
         ck.scan_layout.cache_clear()
+        try:
+            ck.scan_layout(dialect, C, K)
+        except ValueError as e:
+            print(f"  layout BV={ck.BV} MAX_NR={ck.MAX_NR}: {e}")
+            continue
         geo = Geo(mx.exp(-0.5 * mx.random.uniform(shape=(B, H, n, 1))))
         fk = mx.compile(lambda *a: parallel._scan_forward(geo, *a, kern=dialect))
         ref = mx.compile(lambda *a: parallel._scan_forward(geo, *a))(S0, uQ, U, W, True, True)[1]

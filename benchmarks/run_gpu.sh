@@ -22,7 +22,7 @@ for stage in "$@"; do
              grep -E "FAIL|passed" "$OUT/check_mlx_bf16.log" ;;
     ncu-chunked) for sp in gated_delta_net simple_gla; do timeout 200 bash benchmarks/ncu_chunked.sh $sp > "$OUT/ncu_chunked_$sp.log" 2>&1; done
              tail -c 3000 "$OUT/ncu_chunked_gated_delta_net.log" ;;
-    kernels) timeout 200 python benchmarks/bench_chunk_kernels.py --layouts 32/8,16/16,64/16,32/16 2>&1 | tee "$OUT/chunk_kernels.log" ;;
+    kernels) timeout 200 python benchmarks/bench_chunk_kernels.py --layouts 16/32,8/32,16/16,32/32,32/16 2>&1 | tee "$OUT/chunk_kernels.log" ;;
     check-kernels) RECGEN_CHUNK_KERNELS=1 MLX_ENABLE_TF32=0 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 \
                --out "$OUT" > "$OUT/check_kernels_f32.log" 2>&1
              grep -E "FAIL|passed" "$OUT/check_kernels_f32.log"
