@@ -1,4 +1,6 @@
-r"""Pure-MLX chunked (matmul) forms of any recurrence spec: the ``mlx`` backend of ``recgen.ops``.
+r"""Chunked (matmul) forms of any recurrence spec from MLX ops: the ``mlx`` backend of ``recgen.ops``.
+On GPUs whose dialect enables them (``parallel.chunk_kernels``: CUDA) the core's inverse, scans and
+key-decay pair matrices run as generated kernels (``recgen.chunked.kernels``); elsewhere, MLX ops only.
 
     o, final_state = recgen.chunked.forward(rec, inputs, scale=..., initial_state=None, chunk_size=None)
     o, final_state = recgen.chunked.naive_loop(rec, inputs, scale=..., initial_state=None)
