@@ -68,7 +68,10 @@ def test_chunk_scan_refuses_unsupported_sizes():
 
 
 def test_chunk_scan_layout_fits_each_dialect():
-    """At GDN's shapes the staging depths follow each dialect's threadgroup memory."""
+    """At GDN's shapes the staging depths follow each dialect's threadgroup memory; a size whose tiles
+    do not fit has no kernel (the core keeps its MLX ops) rather than a failing launch."""
+    assert ck.scan_supported("cuda", 64, 256) and not ck.scan_supported("metal", 64, 256)
+    assert not ck.scan_supported("cuda", 64, 30)
     assert ck.scan_layout("cuda", 64, 128) == {"NR": 16, "NT": 128, "KB": 32, "TB": 32, "SLAB": 4224}
     assert ck.scan_layout("metal", 64, 128) == {"NR": 16, "NT": 128, "KB": 16, "TB": 8, "SLAB": 1088}
 

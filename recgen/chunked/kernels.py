@@ -1,19 +1,23 @@
-r"""Generated GPU kernels for the two sequential pieces of the chunked core (DESIGN §5: "first as pure
-MLX ops, then as generated GPU kernels").
+r"""Generated GPU kernels for the pieces of the chunked core that MLX ops cannot make fast (DESIGN §5:
+"first as pure MLX ops, then as generated GPU kernels").
 
-The pure-MLX core spends its GPU time where MLX's per-op cost dominates (run 23): the triangular
-inverse (log-levels of small batched products) and the scan over chunks (2 tiny matmuls per chunk,
-64 chunks in a row). Both are spec-free matrix algebra, so one frame per kernel serves every spec:
+The pure-MLX core spends its GPU time where MLX's per-op cost and an HBM round trip per op dominate
+(run 23): the triangular inverse (log-levels of small batched products), the scan over chunks (2 tiny
+matmuls per chunk, 64 chunks in a row) and, for key-vector decays, the decay hierarchy behind every
+pair matrix. All three are spec-free algebra, so one frame per kernel serves every spec:
 
 - ``tril_inverse``: (I − L)^{-1} of a strictly lower C×C block per threadgroup, forward substitution.
 - ``chunk_scan``: carried_c = S,  Y_c = X_c + A_c S,  S ← g_c ⊙ S + B_cᵀ Y_c (+ E_c), over the chunks
-  in order or in reverse. The core's forward delta-rule scan is (A, X, B) = (W, U, u ⊙ Q), giving
-  the chunk-entry states and Z; its backward is (A, X, B, E) = (u ⊙ Q, F, W, E) in reverse, giving
-  dS_{c+1}, dZ and dS_0.
+  in order or in reverse, A or B optional. The core's forward delta-rule scan is (A, X, B) = (W, U, u ⊙ Q),
+  giving the chunk-entry states and Z; its backward is (A, X, B, E) = (u ⊙ Q, F, W, E) in reverse,
+  giving dS_{c+1}, dZ and dS_0. Without a delta rule the forward has no A and the backward no B.
+- ``pair`` / ``pair_grad``: M[t, s] = Σ_i X_ti Y_si Γ_i(t, s) of a key-vector decay and its two
+  gradients, Γ carried along a row (or column) by one multiplication per step.
 
-Rendered through a ``Dialect`` like the recurrent kernels (frames in ``templates/``), called through
-``mx.fast.<dialect.mlx_factory>``; the Metal form is verified on the CPU emulator, the CUDA form on a
-GPU. ``Launch`` recipes are shared with the emulator (``recgen.verify``).
+Rendered through a ``Dialect`` like the recurrent kernels (frames ``templates/chunk_*.j2``), called
+through ``mx.fast.<dialect.mlx_factory>``; the Metal form is verified on the CPU emulator, the CUDA form
+on a GPU. ``Launch`` recipes are shared with the emulator (``recgen.verify.kernels.run_launch``). A
+``*_supported`` check says when a size has no kernel; the core then keeps its MLX ops.
 """
 from __future__ import annotations
 
@@ -27,8 +31,10 @@ from ..render import KernelSource, _env
 
 BV = 32           # value columns per scan threadgroup (4 per thread)
 MAX_NR = 16       # row groups of the scan (threads = row groups × BV/4): 128 threads at K = 128
+WPT = 4           # SIMD groups per threadgroup of the pair kernels (one chunk row or column each)
 
 
+# -- sources ---------------------------------------------------------------------------------------
 def _source(d, template: str, kind: str, banner: str, inputs: tuple, outputs: tuple, template_args: tuple,
             **ctx) -> KernelSource:
     body = _env().get_template(template).render(d=d, banner=banner, **ctx)
@@ -58,9 +64,6 @@ def scan_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, ha
                    ("carried", "Y", "S_end"), (), has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, vec=vec)
 
 
-WPT = 4           # SIMD groups per threadgroup of the pair kernels (one chunk row or column each)
-
-
 @lru_cache(maxsize=None)
 def pair_source(dialect: str, strict: bool) -> KernelSource:
     return _source(get(dialect), "chunk_pair.j2", "pair" + ("_strict" if strict else ""),
@@ -74,48 +77,20 @@ def pair_grad_source(dialect: str, strict: bool) -> KernelSource:
                    strict=strict)
 
 
-def pair_supported(K: int) -> bool:
-    """Lanes split K: K a multiple of 32."""
-    return K % 32 == 0
+# -- which sizes have a kernel, and their layouts --------------------------------------------------
+def inverse_supported(C: int) -> bool:
+    """One thread per column: C threads a threadgroup, C² floats of threadgroup memory."""
+    return 1 <= C <= 64
 
 
-@lru_cache(maxsize=256)
-def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False) -> Launch:
-    if not pair_supported(K):
-        raise ValueError(f"chunk_pair: K={K} must be a multiple of 32")
-    src = (pair_grad_source if grad else pair_source)(dialect, strict)
-    groups = N * C * (2 if grad else 1)
-    outs = (((N, C, K), "float32"), ((N, C, K), "float32")) if grad else (((N, C, C), "float32"),)
-    tmpl = (("C", C), ("K", K), ("RK", K // 32), ("WPT", WPT))
-    return Launch(src, (("rt", (N * C,), "int32"),), outs, (-(-groups // WPT) * WPT * 32, 1, 1), (WPT * 32, 1, 1), tmpl)
-
-
-def _lead(x, tail: int):
-    n = 1
-    for s in x.shape[:-tail]:
-        n *= s
-    return n
-
-
-def pair(X, Y, dk, strict: bool, dialect: str):
-    """M [.., C, C] of the key-vector decay pair (see chunk_pair.j2) from X, Y, per-token decays dk [.., C, K]."""
-    N, (C, K) = _lead(X, 2), X.shape[-2:]
-    (M,) = mlx_call(pair_launch(dialect, N, C, K, strict), get(dialect),
-                    [X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)], [])
-    return M.reshape(*X.shape[:-1], C)
-
-
-def pair_grad(dM, X, Y, dk, strict: bool, dialect: str):
-    """(dX, dY) [.., C, K] for the cotangent dM [.., C, C] of ``pair``."""
-    N, (C, K) = _lead(X, 2), X.shape[-2:]
-    dX, dY = mlx_call(pair_launch(dialect, N, C, K, strict, grad=True), get(dialect),
-                      [dM.reshape(N, C, C), X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)], [])
-    return dX.reshape(X.shape), dY.reshape(Y.shape)
-
-
-def scan_supported(C: int, K: int) -> bool:
-    """The scan's 4-row reads need K a multiple of 4 (any C: row groups divide it)."""
-    return K % 4 == 0
+def scan_supported(dialect: str, C: int, K: int) -> bool:
+    """Whether the scan has a layout for (C, K): K a multiple of 4 (4-row reads) and the tiles fit the
+    dialect's threadgroup memory (``scan_layout``)."""
+    try:
+        scan_layout(dialect, C, K)
+    except ValueError:
+        return False
+    return True
 
 
 @lru_cache(maxsize=None)
@@ -123,11 +98,11 @@ def scan_layout(dialect: str, C: int, K: int) -> dict:
     """Template constants of the scan: NR row groups (C and K/4 multiples of NR), NT threads, and the
     staging depths KB (key columns of A_c) and TB (tokens of B_c), the largest (≤ 32) whose slab fits
     the dialect's threadgroup memory beside the state and Y tiles (Metal: 32 KiB, CUDA: 48 KiB)."""
-    if not scan_supported(C, K):
+    if K % 4:
         raise ValueError(f"chunk_scan: K={K} must be a multiple of 4")
     nr = next(r for r in (MAX_NR, 8, 4, 2, 1) if C % r == 0 and K % (4 * r) == 0)
     room = get(dialect).smem_bytes // 4 - BV * (K + C)                     # floats left for the slab
-    kb = next((b for b in (32, 16, 8, 4) if K % b == 0 and C * (b + 1) <= room), None)
+    kb = next((b for b in (32, 16, 8, 4) if K % b == 0 and C * (b + 1) <= room), None)  # K % 4 == 0: 4 divides
     tb = next((t for t in (32, 16, 8, 4, 2, 1) if C % t == 0 and t * (K + 4) <= room), None)
     if kb is None or tb is None:
         raise ValueError(f"chunk_scan: C={C}, K={K} leave no room for staging in {dialect}'s threadgroup memory")
@@ -135,11 +110,12 @@ def scan_layout(dialect: str, C: int, K: int) -> dict:
     return {"NR": nr, "NT": nr * BV // 4, "KB": kb, "TB": tb, "SLAB": slab}
 
 
-def inverse_supported(C: int) -> bool:
-    """One thread per column: C threads a threadgroup, C² floats of threadgroup memory."""
-    return 1 <= C <= 64
+def pair_supported(K: int) -> bool:
+    """Lanes split K: K a multiple of 32."""
+    return K % 32 == 0
 
 
+# -- launch recipes (shared with the Metal emulator) -----------------------------------------------
 @lru_cache(maxsize=256)
 def inverse_launch(dialect: str, N: int, C: int) -> Launch:
     src = inverse_source(dialect)
@@ -157,12 +133,29 @@ def scan_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: int, h
     return Launch(src, (("rt", (n,), "int32"),), outs, (ntg * lay["NT"], BH, 1), (lay["NT"], 1, 1), tmpl)
 
 
+@lru_cache(maxsize=256)
+def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False) -> Launch:
+    if not pair_supported(K):
+        raise ValueError(f"chunk_pair: K={K} must be a multiple of 32")
+    src = (pair_grad_source if grad else pair_source)(dialect, strict)
+    groups = N * C * (2 if grad else 1)
+    outs = (((N, C, K), "float32"), ((N, C, K), "float32")) if grad else (((N, C, C), "float32"),)
+    tmpl = (("C", C), ("K", K), ("RK", K // 32), ("WPT", WPT))
+    return Launch(src, (("rt", (N * C,), "int32"),), outs, (-(-groups // WPT) * WPT * 32, 1, 1), (WPT * 32, 1, 1), tmpl)
+
+
+# -- MLX calls -------------------------------------------------------------------------------------
+def _lead(x, tail: int) -> int:
+    """The number of matrices in x: the product of its shape but the last ``tail`` axes."""
+    n = 1
+    for s in x.shape[:-tail]:
+        n *= s
+    return n
+
+
 def tril_inverse(L, dialect: str):
     """(I − L)^{-1} for strictly lower L [..., C, C] (float32), by the generated kernel."""
-    lead, C = L.shape[:-2], L.shape[-1]
-    N = 1
-    for s in lead:
-        N *= s
+    N, C = _lead(L, 2), L.shape[-1]
     launch = inverse_launch(dialect, N, C)
     (T,) = mlx_call(launch, get(dialect), [L.reshape(N, C, C)], [])
     return T.reshape(L.shape)
@@ -176,9 +169,7 @@ def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool):
     K, V = S0.shape[-2:]
     n, C = X.shape[-3], X.shape[-2]
     F = g.shape[-1]
-    BH = 1
-    for s in lead:
-        BH *= s
+    BH = _lead(S0, 2)
     flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
     user = ([flat(S0, K, V)] + ([flat(A, n, C, K)] if A is not None else []) + [flat(X, n, C, V)]
             + ([flat(Bm, n, C, K)] if Bm is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else []))
@@ -186,3 +177,19 @@ def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool):
     carried, Y, S_end = mlx_call(launch, get(dialect), user, [])
     Y = Y.reshape(*lead, n, C, V) if A is not None else X
     return carried.reshape(*lead, n, K, V), Y, S_end.reshape(*lead, K, V)
+
+
+def pair(X, Y, dk, strict: bool, dialect: str):
+    """M [.., C, C] of the key-vector decay pair (see chunk_pair.j2) from X, Y, per-token decays dk [.., C, K]."""
+    N, (C, K) = _lead(X, 2), X.shape[-2:]
+    (M,) = mlx_call(pair_launch(dialect, N, C, K, strict), get(dialect),
+                    [X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)], [])
+    return M.reshape(*X.shape[:-1], C)
+
+
+def pair_grad(dM, X, Y, dk, strict: bool, dialect: str):
+    """(dX, dY) [.., C, K] for the cotangent dM [.., C, C] of ``pair``."""
+    N, (C, K) = _lead(X, 2), X.shape[-2:]
+    dX, dY = mlx_call(pair_launch(dialect, N, C, K, strict, grad=True), get(dialect),
+                      [dM.reshape(N, C, C), X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)], [])
+    return dX.reshape(X.shape), dY.reshape(Y.shape)

@@ -230,7 +230,7 @@ def _apply_rows(L, x, key: bool):
 def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool, kern=None):
     """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state. ``kern``: the dialect
     of the generated chunk scan (``kernels.chunk_scan``) for the delta-rule scan, or None."""
-    if kern and kernels.scan_supported(U.shape[-2], S0.shape[-2]):  # W None: the diagonal scan, Z = U
+    if kern and kernels.scan_supported(kern, U.shape[-2], S0.shape[-2]):  # W None: the diagonal scan, Z = U
         return kernels.chunk_scan(S0, W, U, uQ, geo.g, None, kern, reverse=False)
     gs = geo.g[..., None]
     uQt = uQ.swapaxes(-1, -2)
@@ -268,7 +268,7 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=N
     dS_0, from dZ_c = F_c + (u ⊙ Q)_c dS_{c+1} and dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ dZ_c.
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after.
     With ``kern`` the delta-rule scan is the generated one, (A, X, B, E) = (u ⊙ Q, F, W, E) reversed."""
-    if kern and kernels.scan_supported(F.shape[-2], dS_end.shape[-2]):  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
+    if kern and kernels.scan_supported(kern, F.shape[-2], dS_end.shape[-2]):  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
         return kernels.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True)
     gs = geo.g[..., None]
     dS = dS_end[..., None, :, :]
