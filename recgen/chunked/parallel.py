@@ -28,7 +28,9 @@ over all chunks; memory is O(T·(K + V + C)) plus the n chunk-entry states, neve
 Decay products are never divisions. Scalar decays build Γ[t, s] = exp(Σ_{s<τ≤t} l_τ) from sums
 anchored at s (a cumulative sum of a masked C×C matrix), so a small decay far from the chunk start
 stays accurate; key-vector decays use the multiplicative hierarchy of ``core.decay_levels`` (one exp
-per token and element, no [C, C, K] tensor).
+per token and element, no [C, C, K] tensor), or on GPUs with chunk kernels (``chunk_kernels``) the
+pair kernels, which multiply Γ up one step at a time. There the inverse and both scans run as
+generated kernels too (``recgen.chunked.kernels``).
 """
 from __future__ import annotations
 
@@ -134,6 +136,7 @@ class KernelKeyDecay:
     key = True
 
     def __init__(self, l, saved=(), kern: str = ""):
+        """``saved`` (KeyDecay's signature) is always empty here: see ``saved``."""
         self.l, self.kern = l, kern
         self.d = mx.exp(l)
         self.P = mx.exp(mx.cumsum(l, axis=-2))
@@ -364,6 +367,8 @@ def compiled() -> bool:
 
 
 def _key_geo(kern: str):
+    """The key-vector decay class for chunk kernels of dialect ``kern``: the pair kernels where K is a
+    multiple of 32 (their lanes), the hierarchy otherwise."""
     def make(l, saved=()):
         if kernels.pair_supported(l.shape[-1]):
             return KernelKeyDecay(l, saved, kern)
