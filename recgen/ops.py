@@ -33,18 +33,14 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def default_backend() -> str:
-    import mlx.core as mx
+    from .backends import machine_dialect
 
     forced = os.environ.get("RECGEN_BACKEND")
     if forced:
         if forced not in BACKENDS:
             raise InputError(f"RECGEN_BACKEND={forced!r}: expected one of {BACKENDS}")
         return forced
-    if mx.metal.is_available():
-        return "metal"
-    if hasattr(mx, "cuda") and mx.cuda.is_available():
-        return "cuda"
-    return "mlx"
+    return machine_dialect() or "mlx"
 
 
 def _check_arrays(arrays: dict, check_finite: bool):

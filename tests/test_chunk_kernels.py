@@ -80,7 +80,8 @@ def _emulated_call(launch, dialect, user, extra):
     """``kernel_op.mlx_call`` with the Metal CPU emulator underneath: the same launch recipe, the
     buffers through numpy (fine outside mx.compile, which the CPU path does not use)."""
     mx = pytest.importorskip("mlx.core")
-    names = [n for n in launch.source.inputs if n not in dict((r[0], r) for r in launch.runtime)]
+    runtime = {r[0] for r in launch.runtime}
+    names = [n for n in launch.source.inputs if n not in runtime]
     ins = {n: np.array(a.astype(mx.float32)) for n, a in zip(names, list(user) + list(extra))}
     return [mx.array(o) for o in verify.run_launch(launch, ins)]
 

@@ -22,6 +22,7 @@ on a GPU. ``Launch`` recipes are shared with the emulator (``recgen.verify.kerne
 from __future__ import annotations
 
 import hashlib
+import math
 from functools import lru_cache
 
 from .. import __version__
@@ -147,10 +148,7 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
 # -- MLX calls -------------------------------------------------------------------------------------
 def _lead(x, tail: int) -> int:
     """The number of matrices in x: the product of its shape but the last ``tail`` axes."""
-    n = 1
-    for s in x.shape[:-tail]:
-        n *= s
-    return n
+    return math.prod(x.shape[:-tail])
 
 
 def tril_inverse(L, dialect: str):

@@ -232,7 +232,7 @@ def _apply_rows(L, x, key: bool):
 
 def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool, kern=None):
     """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state. ``kern``: the dialect
-    of the generated chunk scan (``kernels.chunk_scan``) for the delta-rule scan, or None."""
+    of the generated chunk scan (``kernels.chunk_scan``: delta-rule or diagonal), or None."""
     if kern and kernels.scan_supported(kern, U.shape[-2], S0.shape[-2]):  # W None: the diagonal scan, Z = U
         return kernels.chunk_scan(S0, W, U, uQ, geo.g, None, kern, reverse=False)
     gs = geo.g[..., None]
@@ -270,7 +270,8 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=N
     """Reverse scan over chunks: dS_{c+1} for every chunk c [.., n, K, V], dZ [.., n, C, V] and
     dS_0, from dZ_c = F_c + (u ⊙ Q)_c dS_{c+1} and dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ dZ_c.
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after.
-    With ``kern`` the delta-rule scan is the generated one, (A, X, B, E) = (u ⊙ Q, F, W, E) reversed."""
+    With ``kern`` the scan is the generated one, (A, X, B, E) = (u ⊙ Q, F, W, E) reversed (no B
+    without a delta rule)."""
     if kern and kernels.scan_supported(kern, F.shape[-2], dS_end.shape[-2]):  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
         return kernels.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True)
     gs = geo.g[..., None]
@@ -380,17 +381,17 @@ CHUNK_KERNELS = None  # None: by device (``chunk_kernels``); a dialect name, or 
 
 
 def chunk_kernels() -> str | None:
-    """The dialect whose generated chunk kernels (``kernels``: the triangular inverse and the
-    delta-rule scan) the core uses, or None for MLX ops only. Default: the GPU's dialect where its
-    table marks them measured faster (``Dialect.chunk_kernels``), none on the CPU.
-    ``RECGEN_CHUNK_KERNELS=0`` keeps MLX ops only (``=1`` forces the kernels on a GPU)."""
+    """The dialect whose generated chunk kernels (``kernels``: the triangular inverse, the scans over
+    chunks, the key-vector decay pair matrices) the core uses, or None for MLX ops only. Default: the
+    GPU's dialect where its table marks them measured faster (``Dialect.chunk_kernels``), none on the
+    CPU. ``RECGEN_CHUNK_KERNELS=0`` keeps MLX ops only (``=1`` forces the kernels on a GPU)."""
     if CHUNK_KERNELS is not None:
         return CHUNK_KERNELS or None
     if mx.default_device() == mx.cpu:
         return None
-    from ..backends import get
+    from ..backends import get, machine_dialect
 
-    name = "metal" if mx.metal.is_available() else "cuda" if hasattr(mx, "cuda") and mx.cuda.is_available() else None
+    name = machine_dialect()
     if name is None:
         return None
     env = os.environ.get("RECGEN_CHUNK_KERNELS")
