@@ -1,12 +1,13 @@
 """The generated chunk kernels alone on a GPU, against the MLX-op forms they replace, same inputs.
 
-    python benchmarks/bench_chunk_kernels.py [--shape B,T,H,D] [--chunk C] [--layouts BV/NR,...]
+    python benchmarks/bench_chunk_kernels.py [--shape B,T,H,D] [--chunk C] [--layouts BV/NR,...] [--mma-layouts BV/NW,...]
 
 At B=4, T=4096, H=16, D=128 and chunk 64 (the GDN forward's operands, float32): the triangular
 inverse (kernel vs ``core.unit_lower_inv`` from 16×16 blocks, both compiled), the forward delta-rule
 scan (kernel vs the composed MLX loop the GPU form runs) and the backward scan (kernel vs its MLX
 loop), each checked against the other (max relative difference) and timed (median of 10 queued
-calls, ms). ``--layouts`` times the scan kernel at other threadgroup layouts (columns BV / most row groups MAX_NR).
+calls, ms); each scan in both frames (FMA, fragment multiply-adds). ``--mma-layouts BV/NW,..`` times the fragment
+scan at other layouts (columns / SIMD groups per threadgroup). ``--layouts`` times the scan kernel at other threadgroup layouts (columns BV / most row groups MAX_NR).
 """
 from __future__ import annotations
 
@@ -56,18 +57,32 @@ def main():
     for key in (False, True):
         g = mx.exp(-0.5 * mx.random.uniform(shape=(B, H, n, K if key else 1)))
         geo = Geo(g)
-        fk = mx.compile(lambda *a: parallel._scan_forward(geo, *a, kern=dialect))
-        fm = mx.compile(lambda *a: parallel._scan_forward(geo, *a))
-        bk = mx.compile(lambda *a: parallel._scan_backward(geo, *a, kern=dialect))
-        bm = mx.compile(lambda *a: parallel._scan_backward(geo, *a))
         fa, ba = (S0, uQ, U, W, True, True), (S0, uQ, W, F, E, False, True)
-        dk = [maxrel(x, y) for x, y in zip(fk(*fa), fm(*fa))] + [maxrel(x, y) for x, y in zip(bk(*ba), bm(*ba))]
-        print(f"scan decay={'key' if key else 'scalar'}: max rel diff fwd (states, Z, S_end) / bwd (dS, dZ, dS0) "
-              + " ".join(f"{d:.1e}" for d in dk))
-        print(f"  forward  kernel {timeit(lambda: fk(*fa), queue=10):.3f} ms, MLX loop (composed) "
-              f"{timeit(lambda: fm(*fa), queue=10):.3f} ms")
-        print(f"  backward kernel {timeit(lambda: bk(*ba), queue=10):.3f} ms, MLX loop "
-              f"{timeit(lambda: bm(*ba), queue=10):.3f} ms")
+        fm = mx.compile(lambda *a: parallel._scan_forward(geo, *a))
+        bm = mx.compile(lambda *a: parallel._scan_backward(geo, *a))
+        for mma in (False, True):  # the FMA frame, then the fragment frame (traced with the switch set)
+            ck.MMA_SCAN = mma
+            fk = mx.compile(lambda *a: parallel._scan_forward(geo, *a, kern=dialect))
+            bk = mx.compile(lambda *a: parallel._scan_backward(geo, *a, kern=dialect))
+            dk = [maxrel(x, y) for x, y in zip(fk(*fa), fm(*fa))] + [maxrel(x, y) for x, y in zip(bk(*ba), bm(*ba))]
+            ck.MMA_SCAN = None
+            frame = "fragment (mma)" if mma else "FMA"
+            print(f"scan decay={'key' if key else 'scalar'}, {frame} frame: max rel diff to the MLX loop, fwd "
+                  "(states, Z, S_end) / bwd (dS, dZ, dS0) " + " ".join(f"{d:.1e}" for d in dk))
+            print(f"  forward  kernel {timeit(lambda: fk(*fa), queue=10):.3f} ms, MLX loop (composed) "
+                  f"{timeit(lambda: fm(*fa), queue=10):.3f} ms")
+            print(f"  backward kernel {timeit(lambda: bk(*ba), queue=10):.3f} ms, MLX loop "
+                  f"{timeit(lambda: bm(*ba), queue=10):.3f} ms")
+    for bv, nw in ((int(a), int(b)) for a, b in (x.split("/") for x in arg("--mma-layouts", "").split(",") if x)):
+        ck.MMA_BV, ck.MMA_NW, ck.MMA_SCAN = bv, nw, True
+        ck.scan_mma_layout.cache_clear()
+        ck.scan_mma_launch.cache_clear()
+        geo = Geo(mx.exp(-0.5 * mx.random.uniform(shape=(B, H, n, 1))))
+        fk = mx.compile(lambda *a: parallel._scan_forward(geo, *a, kern=dialect))
+        bk = mx.compile(lambda *a: parallel._scan_backward(geo, *a, kern=dialect))
+        print(f"  fragment layout {ck.scan_mma_layout(C, K, V)}: forward {timeit(lambda: fk(*fa), queue=10):.3f} ms, "
+              f"backward {timeit(lambda: bk(*ba), queue=10):.3f} ms")
+    ck.MMA_SCAN = None
     for lay in arg("--layouts", "").split(","):
         if not lay:
             continue

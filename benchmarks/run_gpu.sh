@@ -22,7 +22,7 @@ for stage in "$@"; do
              grep -E "FAIL|passed" "$OUT/check_mlx_bf16.log" ;;
     ncu-chunked) for sp in gated_delta_net simple_gla; do timeout 200 bash benchmarks/ncu_chunked.sh $sp > "$OUT/ncu_chunked_$sp.log" 2>&1; done
              tail -c 3000 "$OUT/ncu_chunked_gated_delta_net.log" ;;
-    kernels) timeout 200 python benchmarks/bench_chunk_kernels.py --layouts 16/32,8/32,16/16,32/32,32/16 2>&1 | tee "$OUT/chunk_kernels.log" ;;
+    kernels) timeout 200 python benchmarks/bench_chunk_kernels.py --mma-layouts 32/4,16/4,8/4,32/2,16/2,32/1 2>&1 | tee "$OUT/chunk_kernels.log" ;;
     check-kernels) RECGEN_CHUNK_KERNELS=1 MLX_ENABLE_TF32=0 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 \
                --out "$OUT" > "$OUT/check_kernels_f32.log" 2>&1
              grep -E "FAIL|passed" "$OUT/check_kernels_f32.log"
@@ -32,6 +32,12 @@ for stage in "$@"; do
     ab-kernels) for v in 0 1; do echo "RECGEN_CHUNK_KERNELS=$v"
              RECGEN_CHUNK_KERNELS=$v timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
                --specs gated_delta_net,delta_net,gla,simple_gla --tag kern$v --out "$OUT" 2>&1 | tee -a "$OUT/ab_kernels.log"; done ;;
+    ab-mma) for v in 0 1; do echo "RECGEN_MMA_SCAN=$v"
+             RECGEN_MMA_SCAN=$v timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
+               --specs gated_delta_net,delta_net,gla,simple_gla --tag mma$v --out "$OUT" 2>&1 | tee -a "$OUT/ab_mma.log"; done ;;
+    check-mma) RECGEN_CHUNK_KERNELS=1 RECGEN_MMA_SCAN=1 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 \
+               --out "$OUT" > "$OUT/check_mma_f32_tf32.log" 2>&1
+             grep -E "FAIL|passed" "$OUT/check_mma_f32_tf32.log" ;;
     bench) timeout 300 python benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" ;;
     chunked) timeout 200 python benchmarks/bench_chunked_gpu.py --variants compiled --gdu --out "$OUT" 2>&1 | tee "$OUT/chunked.log" ;;
     knobs) for n in 20 80 250; do  # MLX's CUDA graph size (ops per committed graph; default 20)

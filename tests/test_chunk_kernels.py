@@ -62,6 +62,45 @@ def test_chunk_scan_matches_numpy(F, has_e, reverse, has_a, has_b):
         assert _rel(got, want) < 1e-5, _rel(got, want)
 
 
+@pytest.mark.parametrize("F,has_e,reverse,has_a,has_b,C,K,V", [
+    (1, False, False, True, True, 32, 32, 48),    # 2 groups, 2 row blocks of Y round-robin, BV 16
+    (64, True, True, True, True, 16, 64, 40),     # 4 groups, 1 block of Y (groups 1-3 idle), BV 8
+    (1, False, False, False, True, 16, 32, 32),   # Y = X: B fragments straight from X
+    (32, True, True, True, False, 16, 32, 64)])   # S <- g S + E: no B term, 2 column threadgroups
+def test_chunk_scan_mma_matches_numpy(F, has_e, reverse, has_a, has_b, C, K, V):
+    """The fragment scan (chunk_scan_mma.j2) in the Metal spelling of the 16x8x8 multiply-add (SIMD
+    shuffles in the PTX m16n8k8 lane layout that CUDA's tensor cores use)."""
+    rng = np.random.default_rng(F + C + V)
+    BH, n = 2, 3
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    S0, A, X, Bm = f(BH, K, V), f(BH, n, C, K) * 0.2, f(BH, n, C, V), f(BH, n, C, K) * 0.2
+    g = np.exp(-20 * rng.uniform(size=(BH, n, F))).astype(np.float32)
+    E = f(BH, n, K, V) if has_e else None
+    ins = ({"S0": S0, "X": X, "g": g} | ({"E": E} if has_e else {}) | ({"A": A} if has_a else {})
+           | ({"Bm": Bm} if has_b else {}))
+    launch = ck.scan_mma_launch("metal", BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
+    assert launch.source.name.startswith("recgen_chunk_scan_mma")
+    outs = verify.run_launch(launch, ins)
+    if not has_a:
+        outs[1] = X
+    for got, want in zip(outs, _scan_ref(S0, A, X, Bm, g, E, reverse, has_a, has_b)):
+        assert got.shape == want.shape
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+
+
+def test_chunk_scan_mma_layouts():
+    """Which sizes the fragment scan takes, and the dialect choice: CUDA by default (tensor cores), Metal
+    never by default (its multiply-add is a shuffle reference); outside its layouts the FMA frame runs."""
+    assert ck.scan_mma_layout(64, 128, 128) == {"BV": 32, "NW": 4, "LD": 40}
+    assert ck.scan_mma_layout(16, 32, 40) == {"BV": 8, "NW": 2, "LD": 8}
+    assert ck.scan_mma_layout(64, 128, 44) is None and ck.scan_mma_layout(8, 128, 128) is None
+    assert ck.scan_launch("cuda", 4, 2, 64, 128, 128, 1, False, False).source.name.startswith("recgen_chunk_scan_mma")
+    assert ck.scan_launch("cuda", 4, 2, 64, 128, 44, 1, False, False).source.name.startswith("recgen_chunk_scan_v4")
+    assert ck.scan_launch("metal", 4, 2, 64, 128, 128, 1, False, False).source.name.startswith("recgen_chunk_scan_v4")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        ck.scan_mma_launch("metal", 1, 2, 8, 32, 8, 1, False, False)
+
+
 def test_chunk_scan_refuses_unsupported_sizes():
     with pytest.raises(ValueError, match="multiple of 4"):
         ck.scan_launch("metal", 1, 2, 8, 30, 4, 1, False, False)
@@ -112,6 +151,23 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     assert kinds == want, kinds
 
 
+def test_chunked_core_with_mma_scan_matches_reference(monkeypatch):
+    """GDN's chunked core end to end with the fragment scans (forward and backward) in place of the FMA
+    scans: K = 16 (one group), V = 8 (one column tile), chunk 16, a partial last chunk."""
+    pytest.importorskip("mlx.core")
+    from recgen import specs
+    from recgen.chunked import parallel
+    from test_chunked import assert_close, compare
+
+    monkeypatch.setattr(parallel, "CHUNK_KERNELS", "metal")
+    monkeypatch.setattr(ck, "MMA_SCAN", True)
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    assert_close(compare(specs.BUILTINS["gated_delta_net"], 40, chunk=16, K=16, V=8, seed=9))
+    kinds = {c.split("_metal")[0] for c in calls}
+    assert kinds == {"recgen_chunk_tril_inverse", "recgen_chunk_scan_mma", "recgen_chunk_scan_mma_e_rev"}, kinds
+
+
 @pytest.mark.parametrize("sanitizer", ["address", "thread"])
 def test_chunk_kernels_under_sanitizers(sanitizer):
     """ASan+UBSan (bounds) and TSan (threadgroup-memory races across the staging barriers)."""
@@ -128,6 +184,11 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
             outs[1] = ins["X"]
         for got, want in zip(outs, _scan_ref(*(ins[k] for k in ("S0", "A", "X", "Bm", "g", "E")), True, has_a, has_b)):
             assert _rel(got, want) < 1e-5
+    V = 32  # the fragment scan: K = 16 (one group), C = 16, 2 column tiles per threadgroup
+    sub = ins | {"S0": f(BH, K, V), "X": f(BH, n, C, V), "E": f(BH, n, K, V)}
+    outs = verify.run_launch(ck.scan_mma_launch("metal", BH, n, C, K, V, K, True, True), sub, sanitizer=sanitizer)
+    for got, want in zip(outs, _scan_ref(*(sub[k] for k in ("S0", "A", "X", "Bm", "g", "E")), True)):
+        assert _rel(got, want) < 1e-5
     L = np.tril(f(2, C, C), -1)
     (T,) = verify.run_launch(ck.inverse_launch("metal", 2, C), {"L": L}, sanitizer=sanitizer)
     assert _rel(T, np.linalg.inv(np.eye(C) - L.astype(np.float64))) < 1e-4

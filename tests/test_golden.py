@@ -43,14 +43,15 @@ def test_emission_is_deterministic(tmp_path):
 @pytest.mark.parametrize("target", ["metal", "cuda"])
 def test_chunk_kernels_match_golden(target):
     """The generated chunk kernels (MLX form: header and body) with their template constants at the
-    GPU shapes (C = 64, K = V = 128): inverse, delta-rule scans (scalar decay), diagonal scans and pair
-    kernels (key-vector decay)."""
+    GPU shapes (C = 64, K = V = 128): inverse, delta-rule scans (scalar decay) and diagonal scans in both
+    frames (FMA, fragment multiply-adds), pair kernels (key-vector decay)."""
     from recgen.chunked import kernels as ck
 
     launches = ([ck.inverse_launch(target, 8, 64)]
-                + [ck.scan_launch(target, 8, 4, 64, 128, 128, 1, e, e) for e in (False, True)]
-                + [ck.scan_launch(target, 8, 4, 64, 128, 128, 128, False, False, False, True),
-                   ck.scan_launch(target, 8, 4, 64, 128, 128, 128, True, True, True, False)]
+                + [scan(target, 8, 4, 64, 128, 128, 1, e, e) for e in (False, True)
+                   for scan in (ck.scan_fma_launch, ck.scan_mma_launch)]
+                + [scan(target, 8, 4, 64, 128, 128, 128, False, False, False, True) for scan in (ck.scan_fma_launch, ck.scan_mma_launch)]
+                + [scan(target, 8, 4, 64, 128, 128, 128, True, True, True, False) for scan in (ck.scan_fma_launch, ck.scan_mma_launch)]
                 + [ck.pair_launch(target, 8, 64, 128, strict, grad) for strict in (False, True) for grad in (False, True)])
     for launch in launches:
         src = launch.source

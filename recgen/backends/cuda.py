@@ -7,6 +7,22 @@ __device__ __forceinline__ float rg_softplus(float x) { return x > 0.0f ? x + lo
 __device__ __forceinline__ float rg_logsigmoid(float x) { return -rg_softplus(-x); }
 """
 
+# The warp's tensor cores: one mma.sync m16n8k8 on TF32 operands (rounded to nearest), FP32 accumulators.
+# TF32 is what MLX's own float32 GEMMs use on this backend (cuBLAS sm90 tf32 kernels, run 43).
+MMA_PRELUDE = """\
+__device__ __forceinline__ unsigned rg_tf32(float x) {
+  unsigned u;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(u) : "f"(x));
+  return u;
+}
+__device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b, int) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(rg_tf32(a[0])), "r"(rg_tf32(a[1])), "r"(rg_tf32(a[2])), "r"(rg_tf32(a[3])),
+                 "r"(rg_tf32(b[0])), "r"(rg_tf32(b[1])));
+}
+"""
+
 CUDA = Dialect(
     name="cuda", ext="cu", mlx_factory="cuda_kernel",
     lane="(threadIdx.x & 31)", thread_in_tg="threadIdx.x",
@@ -19,6 +35,9 @@ CUDA = Dialect(
          "sigmoid": "rg_sigmoid", "softplus": "rg_softplus", "logsigmoid": "rg_logsigmoid", "Abs": "fabsf"},
     dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"},
     prelude=PRELUDE,
+    mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE,
+    mma_scan=True,  # H100: to be measured (this line is updated with the run)
+    mma_env="MLX_ENABLE_TF32",
     chunk_kernels=True,  # H100, runs 36-38: GDN chunked forward 4.40 vs 5.47 ms, fwd+bwd 16.8 vs 18.8 ms
     chunked_backward_min_t=1024,  # H100, run 33: 1.1-2.9x faster from T=1024 (GLA at D=64: 0.85x), 1.6-4x at 4096
 )

@@ -27,6 +27,11 @@ class Dialect:
     fns: dict                     # sympy function name -> emitted function name
     dtypes: dict                  # numpy-style dtype name -> emitted type name
     prelude: str                  # helper functions (gates) pasted into the kernel header
+    # One 16x8x8 fragment multiply-add D += A B across a SIMD group, every lane holding its part of
+    # each fragment in the PTX m16n8k8 layout (chunk_scan_mma.j2 spells it out): {acc} float[4] of D,
+    # {a} float[4] of A, {b} float[2] of B, {lane} the lane index. ``mma_prelude`` defines it.
+    mma: str
+    mma_prelude: str
     float_suffix: str = "f"       # float literal suffix
     # From this sequence length on, a kernel op's VJP defaults to the chunked backward (recgen.ops);
     # a measured tuning constant per backend, None where it has not been measured (never by default).
@@ -34,3 +39,9 @@ class Dialect:
     # Whether the chunked core uses the generated chunk kernels (recgen.chunked.kernels) on this
     # backend's GPUs by default: a measured choice, False where it has not been measured on hardware.
     chunk_kernels: bool = False
+    # Whether the chunk scan runs on ``mma`` (chunk_scan_mma.j2) rather than on FMAs (chunk_scan.j2)
+    # where the sizes allow: a measured choice; False where ``mma`` is only a reference spelling.
+    mma_scan: bool = False
+    # An environment switch that, set to "0", keeps the scan on FMAs: CUDA's fragments round their
+    # operands to TF32, so the scan follows MLX's own switch for TF32 in float32 GEMMs.
+    mma_env: str | None = None
