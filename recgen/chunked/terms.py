@@ -137,33 +137,31 @@ def expand_heads(x, H: int, gqa: str, axis: int):
     return mx.tile(x, reps)
 
 
-def bind(p: Plan, chunk: dict, H: int, dtype=None) -> dict:
-    """Symbol -> array in the chunk frame [B,H,C,K|1,V|1]; per-token inputs are [B,C,...] slices.
-    ``dtype``: the compute dtype, cast to after the head-major transpose (a view), so that in a
-    compiled graph the cast, the transpose and the role math are one strided kernel rather than a
-    contiguous cast pass followed by a strided one (H100, run 50: 3 casts of 70 µs in a GDN forward)."""
+def bind(p: Plan, chunk: dict, H: int) -> dict:
+    """Symbol -> array in the chunk frame [B,H,C,K|1,V|1]; per-token inputs are [B,C,...] slices."""
     rec = p.rec
     vals = {}
-    up = (lambda a: a.astype(dtype)) if dtype is not None else (lambda a: a)  # noqa: E731
+    feats = {f.source: f for f in rec.features}
     for x in rec.inputs:
         a = chunk[x.name]
         if x.kind == "scalar":                       # [B,C,H]
-            vals[x.symbol] = up(a.transpose(0, 2, 1))[..., None, None]
+            vals[x.symbol] = a.transpose(0, 2, 1)[..., None, None]
         elif x.kind == "key":                        # [B,C,Hk,Kin]
             used_raw = any(x.symbol in e.free_symbols for e in rec.terms().values())
             if used_raw:
-                vals[x.symbol] = up(expand_heads(a, H, rec.gqa, 2).transpose(0, 2, 1, 3))[..., None]
+                vals[x.symbol] = expand_heads(a, H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None]
             for f in rec.features:
                 if f.source == x.name:
-                    vals[f.symbol] = expand_heads(sympow_mx(up(a)), H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None]
+                    vals[f.symbol] = expand_heads(sympow_mx(a), H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None]
         elif x.kind == "key_gate":                   # [B,C,H,K]
-            vals[x.symbol] = up(a.transpose(0, 2, 1, 3))[..., None]
+            vals[x.symbol] = a.transpose(0, 2, 1, 3)[..., None]
         elif x.kind == "value":                      # [B,C,H,V]
-            vals[x.symbol] = up(a.transpose(0, 2, 1, 3))[..., None, :]
+            vals[x.symbol] = a.transpose(0, 2, 1, 3)[..., None, :]
         else:                                        # param [H, *index]
             shape = (1, a.shape[0], 1, a.shape[1] if ir.I in x.index else 1,
                      a.shape[-1] if ir.J in x.index else 1)
-            vals[x.symbol] = up(a.reshape(shape))
+            vals[x.symbol] = a.reshape(shape)
+    del feats
     return vals
 
 
