@@ -64,6 +64,7 @@ def test_chunk_scan_matches_numpy(F, has_e, reverse, has_a, has_b):
 
 @pytest.mark.parametrize("F,has_e,reverse,has_a,has_b,C,K,V", [
     (1, False, False, True, True, 32, 32, 48),    # 2 groups, 2 row blocks of Y round-robin, BV 16
+    (32, True, False, True, True, 16, 32, 32),    # 2 groups share Y's one row block by columns (YCT 2)
     (64, True, True, True, True, 16, 64, 40),     # 4 groups, 1 block of Y (groups 1-3 idle), BV 8
     (1, False, False, False, True, 16, 32, 32),   # Y = X: B fragments straight from X
     (32, True, True, True, False, 16, 32, 64)])   # S <- g S + E: no B term, 2 column threadgroups
@@ -91,8 +92,9 @@ def test_chunk_scan_mma_matches_numpy(F, has_e, reverse, has_a, has_b, C, K, V):
 def test_chunk_scan_mma_layouts():
     """Which sizes the fragment scan takes, and the dialect choice: CUDA by default (tensor cores), Metal
     never by default (its multiply-add is a shuffle reference); outside its layouts the FMA frame runs."""
-    assert ck.scan_mma_layout(64, 128, 128) == {"BV": 32, "NW": 4, "LD": 40}
-    assert ck.scan_mma_layout(16, 32, 40) == {"BV": 8, "NW": 2, "LD": 8}
+    assert ck.scan_mma_layout(64, 128, 128) == {"BV": 32, "NW": 4, "LD": 40, "YCT": 4}
+    assert ck.scan_mma_layout(16, 32, 40) == {"BV": 8, "NW": 2, "LD": 8, "YCT": 1}
+    assert ck.scan_mma_layout(16, 32, 32) == {"BV": 32, "NW": 2, "LD": 40, "YCT": 2}  # Y's columns split: 2 items
     assert ck.scan_mma_layout(64, 128, 44) is None and ck.scan_mma_layout(8, 128, 128) is None
     assert ck.scan_launch("cuda", 4, 2, 64, 128, 128, 1, False, False).source.name.startswith("recgen_chunk_scan_mma")
     assert ck.scan_launch("cuda", 4, 2, 64, 128, 44, 1, False, False).source.name.startswith("recgen_chunk_scan_v4")

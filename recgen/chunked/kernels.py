@@ -140,14 +140,17 @@ def scan_mma_layout(C: int, K: int, V: int) -> dict | None:
     """Template constants of the fragment scan, or None where it has no layout: C and K multiples of
     16 (fragment rows), V a multiple of 8 (fragment columns; BV the largest of MMA_BV, 16, 8 dividing V),
     NW groups (at most MMA_NW) sharing K / 16 state blocks evenly, the row stride LD of the threadgroup
-    copies (≥ BV, 8 or 24 mod 32: conflict-free B fragments). Threadgroup memory: (K + C) LD floats,
+    copies (≥ BV, 8 or 24 mod 32: conflict-free B fragments), YCT column tiles per item of Y_c (all BV / 8
+    unless C / 16 row blocks would leave groups idle). Threadgroup memory: (K + C) LD floats,
     at most 30 KiB at K = 128, C = 64 (both dialects)."""
     if C % 16 or K % 16 or V % 8:
         return None
     bv = next(b for b in (MMA_BV, 16, 8) if V % b == 0)
     nw = next(w for w in (MMA_NW, 4, 2, 1) if (K // 16) % w == 0)
     ld = next(x for x in range(bv, bv + 32) if x % 32 in (8, 24))
-    return {"BV": bv, "NW": nw, "LD": ld}
+    ct = bv // 8
+    yct = next((y for y in range(ct, 0, -1) if ct % y == 0 and (C // 16) * (ct // y) >= nw), 1)
+    return {"BV": bv, "NW": nw, "LD": ld, "YCT": yct}
 
 
 def _use_mma(dialect: str, C: int, K: int, V: int) -> bool:
