@@ -73,6 +73,18 @@ def main():
                   f"{timeit(lambda: fm(*fa), queue=10):.3f} ms")
             print(f"  backward kernel {timeit(lambda: bk(*ba), queue=10):.3f} ms, MLX loop "
                   f"{timeit(lambda: bm(*ba), queue=10):.3f} ms")
+        # the backward with E = Paᵀ Pb given as its factors (the core's (r ⊙ P, dy)), fragment frame: read as
+        # factors by the kernel, against multiplied out by MLX first
+        ck.MMA_SCAN = True
+        bp = mx.compile(lambda s0, uq, w, f, pa, pb: parallel._scan_backward(geo, s0, uq, w, f, (pa, pb), False, True,
+                                                                             kern=dialect))
+        bo = mx.compile(lambda s0, uq, w, f, pa, pb: parallel._scan_backward(geo, s0, uq, w, f, pa.swapaxes(-1, -2) @ pb,
+                                                                             False, True, kern=dialect))
+        pargs = (S0, uQ, W, F, uQ, U)
+        d = [maxrel(x, y) for x, y in zip(bp(*pargs), bo(*pargs))]
+        ck.MMA_SCAN = None
+        print(f"  backward, E as factors: kernel {timeit(lambda: bp(*pargs), queue=10):.3f} ms; multiplied out first "
+              f"{timeit(lambda: bo(*pargs), queue=10):.3f} ms; max rel diff " + " ".join(f"{x:.1e}" for x in d))
     for bv, nw in ((int(a), int(b)) for a, b in (x.split("/") for x in arg("--mma-layouts", "").split(",") if x)):
         ck.MMA_BV, ck.MMA_NW, ck.MMA_SCAN = bv, nw, True
         ck.scan_mma_layout.cache_clear()

@@ -89,6 +89,23 @@ def test_chunk_scan_mma_matches_numpy(F, has_e, reverse, has_a, has_b, C, K, V):
         assert _rel(got, want) < 1e-5, _rel(got, want)
 
 
+@pytest.mark.parametrize("has_e", [False, True])
+def test_chunk_scan_mma_with_product_term(has_e):
+    """The fragment scan's E term given as factors: S <- g S + B^T Y (+ E) + Pa^T Pb, never multiplied out."""
+    rng = np.random.default_rng(3 + has_e)
+    BH, n, C, K, V = 2, 3, 16, 32, 16
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    ins = {"S0": f(BH, K, V), "A": f(BH, n, C, K) * 0.2, "X": f(BH, n, C, V), "Bm": f(BH, n, C, K) * 0.2,
+           "g": np.exp(-20 * rng.uniform(size=(BH, n, K))).astype(np.float32), "Pa": f(BH, n, C, K), "Pb": f(BH, n, C, V)}
+    E = ins["Pa"].astype(np.float64).swapaxes(-1, -2) @ ins["Pb"]
+    if has_e:
+        ins["E"] = f(BH, n, K, V)
+        E = E + ins["E"]
+    outs = verify.run_launch(ck.scan_mma_launch("metal", BH, n, C, K, V, K, has_e, True, True, True, True), ins)
+    for got, want in zip(outs, _scan_ref(ins["S0"], ins["A"], ins["X"], ins["Bm"], ins["g"], E, True)):
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+
+
 def test_chunk_scan_mma_layouts():
     """Which sizes the fragment scan takes, and the dialect choice: CUDA by default (tensor cores), Metal
     never by default (its multiply-add is a shuffle reference); outside its layouts the FMA frame runs."""
@@ -155,7 +172,8 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
 
 def test_chunked_core_with_mma_scan_matches_reference(monkeypatch):
     """GDN's chunked core end to end with the fragment scans (forward and backward) in place of the FMA
-    scans: K = 16 (one group), V = 8 (one column tile), chunk 16, a partial last chunk."""
+    scans, the backward taking E = (r ⊙ P)ᵀ dy as its factors: K = 16 (one group), V = 8 (one column
+    tile), chunk 16, a partial last chunk."""
     pytest.importorskip("mlx.core")
     from recgen import specs
     from recgen.chunked import parallel
@@ -167,7 +185,7 @@ def test_chunked_core_with_mma_scan_matches_reference(monkeypatch):
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     assert_close(compare(specs.BUILTINS["gated_delta_net"], 40, chunk=16, K=16, V=8, seed=9))
     kinds = {c.split("_metal")[0] for c in calls}
-    assert kinds == {"recgen_chunk_tril_inverse", "recgen_chunk_scan_mma", "recgen_chunk_scan_mma_e_rev"}, kinds
+    assert kinds == {"recgen_chunk_tril_inverse", "recgen_chunk_scan_mma", "recgen_chunk_scan_mma_p_rev"}, kinds
 
 
 @pytest.mark.parametrize("sanitizer", ["address", "thread"])

@@ -71,22 +71,24 @@ def scan_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, ha
                    ("carried", "Y", "S_end"), (), has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, vec=vec)
 
 
-def _scan_inputs(has_e: bool, has_a: bool, has_b: bool) -> tuple:
+def _scan_inputs(has_e: bool, has_a: bool, has_b: bool, has_p: bool = False) -> tuple:
     return (("S0",) + (("A",) if has_a else ()) + ("X",) + (("Bm",) if has_b else ()) + ("g",)
-            + (("E",) if has_e else ()) + ("rt",))
+            + (("E",) if has_e else ()) + (("Pa", "Pb") if has_p else ()) + ("rt",))
 
 
 @lru_cache(maxsize=None)
-def scan_mma_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, has_b: bool = True) -> KernelSource:
-    """The scan of ``scan_source`` on the dialect's fragment multiply-add (``Dialect.mma``)."""
+def scan_mma_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, has_b: bool = True,
+                    has_p: bool = False) -> KernelSource:
+    """The scan of ``scan_source`` on the dialect's fragment multiply-add (``Dialect.mma``). ``has_p``:
+    one more term Pa_cᵀ Pb_c ([C, K]ᵀ [C, V]) in the state update, an E given as its factors."""
     if not (has_a or has_b):
         raise ValueError("chunk_scan: needs A or B")
     d = get(dialect)
     kind = ("scan_mma" + ("" if has_a else "_noa") + ("" if has_b else "_nob") + ("_e" if has_e else "")
-            + ("_rev" if reverse else ""))
+            + ("_p" if has_p else "") + ("_rev" if reverse else ""))
     return _source(d, "chunk_scan_mma.j2", kind, "chunk scan of the chunked core, fragment multiply-adds",
-                   _scan_inputs(has_e, has_a, has_b), ("carried", "Y", "S_end"), (), helpers=d.mma_prelude,
-                   has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b)
+                   _scan_inputs(has_e, has_a, has_b, has_p), ("carried", "Y", "S_end"), (), helpers=d.mma_prelude,
+                   has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, has_p=has_p)
 
 
 @lru_cache(maxsize=None)
@@ -185,17 +187,23 @@ def scan_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: int, h
     return scan_fma_launch(dialect, BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
 
 
+def scan_fuses_products(dialect: str, C: int, K: int, V: int) -> bool:
+    """Whether ``chunk_scan`` takes an E term as its factors (the fragment frame) rather than as a
+    product MLX materialises first."""
+    return _use_mma(dialect, C, K, V)
+
+
 def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, has_a: bool) -> tuple:
     return (((BH, n, K, V), "float32"), ((BH, n, C, V) if has_a else (1,), "float32"), ((BH, K, V), "float32"))
 
 
 @lru_cache(maxsize=256)
 def scan_mma_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: int, has_e: bool, reverse: bool,
-                    has_a: bool = True, has_b: bool = True) -> Launch:
+                    has_a: bool = True, has_b: bool = True, has_p: bool = False) -> Launch:
     lay = scan_mma_layout(C, K, V)
     if lay is None:
         raise ValueError(f"chunk_scan_mma: C={C}, K={K} must be multiples of 16 and V={V} of 8")
-    src = scan_mma_source(dialect, has_e, reverse, has_a, has_b)
+    src = scan_mma_source(dialect, has_e, reverse, has_a, has_b, has_p)
     tmpl = (("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items())
     nt = 32 * lay["NW"]
     return Launch(src, (("rt", (n,), "int32"),), _scan_outputs(BH, n, C, K, V, has_a), (V // lay["BV"] * nt, BH, 1),
@@ -238,19 +246,28 @@ def tril_inverse(L, dialect: str):
     return T.reshape(L.shape)
 
 
-def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool):
+def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool, P=None):
     """The scan above over [..., n, ·, ·] operands (leading axes flattened to one (b, h) axis).
     S0 [.., K, V], A (None: Y = X) and Bm (None: no B term) [.., n, C, K], X [.., n, C, V], g [.., n, F] (F = 1 or K),
-    E None or [.., n, K, V]. Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32."""
+    E None or [.., n, K, V]; P None or the factors (Pa [.., n, C, K], Pb [.., n, C, V]) of one more E term
+    Paᵀ Pb (read as factors by the fragment frame, ``scan_fuses_products``; multiplied out by MLX first
+    otherwise). Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32."""
     lead = S0.shape[:-2]
     K, V = S0.shape[-2:]
     n, C = X.shape[-3], X.shape[-2]
     F = g.shape[-1]
     BH = _lead(S0, 2)
+    if P is not None and not scan_fuses_products(dialect, C, K, V):
+        Pe = P[0].swapaxes(-1, -2) @ P[1]
+        E, P = (Pe if E is None else E + Pe), None
     flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
     user = ([flat(S0, K, V)] + ([flat(A, n, C, K)] if A is not None else []) + [flat(X, n, C, V)]
-            + ([flat(Bm, n, C, K)] if Bm is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else []))
-    launch = scan_launch(dialect, BH, n, C, K, V, F, E is not None, reverse, A is not None, Bm is not None)
+            + ([flat(Bm, n, C, K)] if Bm is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
+            + ([flat(P[0], n, C, K), flat(P[1], n, C, V)] if P is not None else []))
+    if P is not None:
+        launch = scan_mma_launch(dialect, BH, n, C, K, V, F, E is not None, reverse, A is not None, Bm is not None, True)
+    else:
+        launch = scan_launch(dialect, BH, n, C, K, V, F, E is not None, reverse, A is not None, Bm is not None)
     carried, Y, S_end = mlx_call(launch, get(dialect), user, [])
     Y = Y.reshape(*lead, n, C, V) if A is not None else X
     return carried.reshape(*lead, n, K, V), Y, S_end.reshape(*lead, K, V)

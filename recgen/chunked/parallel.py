@@ -271,9 +271,14 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=N
     dS_0, from dZ_c = F_c + (u ⊙ Q)_c dS_{c+1} and dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ dZ_c.
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after.
     With ``kern`` the scan is the generated one, (A, X, B, E) = (u ⊙ Q, F, W, E) reversed (no B
-    without a delta rule)."""
+    without a delta rule). ``E`` may come as its factors (Pa, Pb), E_c = Pa_cᵀ Pb_c: the generated
+    scan takes them as they are where it can (``kernels.scan_fuses_products``), the rest multiply out."""
     if kern and kernels.scan_supported(kern, F.shape[-2], dS_end.shape[-2]):  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
+        if isinstance(E, tuple):
+            return kernels.chunk_scan(dS_end, uQ, F, W, geo.g, None, kern, reverse=True, P=E)
         return kernels.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True)
+    if isinstance(E, tuple):
+        E = E[0].swapaxes(-1, -2) @ E[1]
     gs = geo.g[..., None]
     dS = dS_end[..., None, :, :]
     nxt, dZs = [], []
@@ -324,8 +329,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     P, Q = geo.P, geo.Q
     rP, uQ = r * P, u * Q
     F = M.swapaxes(-1, -2) @ dy
-    E = rP.swapaxes(-1, -2) @ dy
-    dSn, dZ, dS0 = _scan_backward(geo, dS_end, uQ, W, F, E, compose, matrix, kern)
+    dSn, dZ, dS0 = _scan_backward(geo, dS_end, uQ, W, F, (rP, dy), compose, matrix, kern)  # E = (r ⊙ P)ᵀ dy
     statesT, ZT = tr(states), tr(Z)
     d_uQ = Z @ tr(dSn)
     dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
@@ -337,9 +341,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
         dbt = None
     else:
         Delta = Tm.swapaxes(-1, -2) @ dZ
-        C = dy.shape[-2]
-        both = mx.concatenate([dy, Delta], axis=-2) @ statesT     # d(r ⊙ P) and d(b̃ ⊙ P) in one product
-        d_rP, dR = both[..., :C, :], both[..., C:, :]
+        d_rP, dR = dy @ statesT, Delta @ statesT  # two products: one over [dy; Delta] held a 2C-row copy and its result
         dbt_, du2 = geo.pair_grad(Delta @ ZT, bt, u, strict=True)
         du = du + du2
         dbt = P * dR + dbt_

@@ -15,6 +15,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // chunk scan of the chunked core, fragment multiply-adds
   // The chunk scan on the SIMD groups' matrix units (same recurrence as chunk_scan.j2):
   //   carried_c = S;   Y_c = X_c + A_c S;   S <- g_c * S + B_c^T Y_c + E_c
+
   // (chunks in reverse order). One threadgroup: one (batch, head), BV value
   // columns, NW SIMD groups. Products are 16x8x8 fragment multiply-adds, D += A B, each lane holding
   // a fixed part of every fragment (the PTX m16n8k8 layout; gq = lane / 4, tq = lane % 4):
