@@ -91,19 +91,32 @@ def test_chunk_scan_mma_matches_numpy(F, has_e, reverse, has_a, has_b, C, K, V):
 
 @pytest.mark.parametrize("has_e", [False, True])
 def test_chunk_scan_mma_with_product_term(has_e):
-    """The fragment scan's E term given as factors: S <- g S + B^T Y (+ E) + Pa^T Pb, never multiplied out."""
+    """The fragment scan's E term given as factors: S <- g S + B^T Y (+ E) + Pa^T Pb, never multiplied out;
+    and the decay gradient's row sums dg_c = sum_j carried_c * St_c, per threadgroup of columns (V = 32: 2)."""
     rng = np.random.default_rng(3 + has_e)
-    BH, n, C, K, V = 2, 3, 16, 32, 16
+    BH, n, C, K, V = 2, 3, 16, 32, 32
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     ins = {"S0": f(BH, K, V), "A": f(BH, n, C, K) * 0.2, "X": f(BH, n, C, V), "Bm": f(BH, n, C, K) * 0.2,
-           "g": np.exp(-20 * rng.uniform(size=(BH, n, K))).astype(np.float32), "Pa": f(BH, n, C, K), "Pb": f(BH, n, C, V)}
+           "g": np.exp(-20 * rng.uniform(size=(BH, n, K))).astype(np.float32), "Pa": f(BH, n, C, K), "Pb": f(BH, n, C, V),
+           "St": f(BH, n, K, V)}
     E = ins["Pa"].astype(np.float64).swapaxes(-1, -2) @ ins["Pb"]
     if has_e:
         ins["E"] = f(BH, n, K, V)
         E = E + ins["E"]
-    outs = verify.run_launch(ck.scan_mma_launch("metal", BH, n, C, K, V, K, has_e, True, True, True, True), ins)
-    for got, want in zip(outs, _scan_ref(ins["S0"], ins["A"], ins["X"], ins["Bm"], ins["g"], E, True)):
-        assert _rel(got, want) < 1e-5, _rel(got, want)
+    ck.MMA_BV = 16  # two threadgroups of columns: two partial sums per row
+    ck.scan_mma_layout.cache_clear()
+    try:
+        launch = ck.scan_mma_launch("metal", BH, n, C, K, V, K, has_e, True, True, True, True, True)
+    finally:
+        ck.MMA_BV = 32
+        ck.scan_mma_layout.cache_clear()
+        ck.scan_mma_launch.cache_clear()
+    outs = verify.run_launch(launch, ins)
+    want = _scan_ref(ins["S0"], ins["A"], ins["X"], ins["Bm"], ins["g"], E, True)
+    for got, w in zip(outs[:3], want):
+        assert _rel(got, w) < 1e-5, _rel(got, w)
+    assert outs[3].shape == (BH, n, 2, K)
+    assert _rel(outs[3].sum(2), (want[0] * ins["St"]).sum(-1)) < 1e-5
 
 
 def test_chunk_scan_mma_layouts():
@@ -185,7 +198,7 @@ def test_chunked_core_with_mma_scan_matches_reference(monkeypatch):
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     assert_close(compare(specs.BUILTINS["gated_delta_net"], 40, chunk=16, K=16, V=8, seed=9))
     kinds = {c.split("_metal")[0] for c in calls}
-    assert kinds == {"recgen_chunk_tril_inverse", "recgen_chunk_scan_mma", "recgen_chunk_scan_mma_p_rev"}, kinds
+    assert kinds == {"recgen_chunk_tril_inverse", "recgen_chunk_scan_mma", "recgen_chunk_scan_mma_p_dg_rev"}, kinds
 
 
 @pytest.mark.parametrize("sanitizer", ["address", "thread"])

@@ -52,7 +52,7 @@ def test_chunk_kernels_match_golden(target):
                    for scan in (ck.scan_fma_launch, ck.scan_mma_launch)]
                 + [scan(target, 8, 4, 64, 128, 128, 128, False, False, False, True) for scan in (ck.scan_fma_launch, ck.scan_mma_launch)]
                 + [scan(target, 8, 4, 64, 128, 128, 128, True, True, True, False) for scan in (ck.scan_fma_launch, ck.scan_mma_launch)]
-                + [ck.scan_mma_launch(target, 8, 4, 64, 128, 128, 1, False, True, True, True, True)]
+                + [ck.scan_mma_launch(target, 8, 4, 64, 128, 128, 1, False, True, True, True, True, True)]
                 + [ck.pair_launch(target, 8, 64, 128, strict, grad) for strict in (False, True) for grad in (False, True)])
     for launch in launches:
         src = launch.source

@@ -71,24 +71,27 @@ def scan_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, ha
                    ("carried", "Y", "S_end"), (), has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, vec=vec)
 
 
-def _scan_inputs(has_e: bool, has_a: bool, has_b: bool, has_p: bool = False) -> tuple:
+def _scan_inputs(has_e: bool, has_a: bool, has_b: bool, has_p: bool = False, has_dg: bool = False) -> tuple:
     return (("S0",) + (("A",) if has_a else ()) + ("X",) + (("Bm",) if has_b else ()) + ("g",)
-            + (("E",) if has_e else ()) + (("Pa", "Pb") if has_p else ()) + ("rt",))
+            + (("E",) if has_e else ()) + (("Pa", "Pb") if has_p else ()) + (("St",) if has_dg else ()) + ("rt",))
 
 
 @lru_cache(maxsize=None)
 def scan_mma_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, has_b: bool = True,
-                    has_p: bool = False) -> KernelSource:
+                    has_p: bool = False, has_dg: bool = False) -> KernelSource:
     """The scan of ``scan_source`` on the dialect's fragment multiply-add (``Dialect.mma``). ``has_p``:
-    one more term Pa_cᵀ Pb_c ([C, K]ᵀ [C, V]) in the state update, an E given as its factors."""
+    one more term Pa_cᵀ Pb_c ([C, K]ᵀ [C, V]) in the state update, an E given as its factors.
+    ``has_dg``: also dgp [.., n, V / BV, K], per threadgroup of columns the row sums of carried_c ⊙ St_c
+    for given St [.., n, K, V] (the backward's decay gradient Σ_j dS_{c+1} ⊙ S_c, never formed)."""
     if not (has_a or has_b):
         raise ValueError("chunk_scan: needs A or B")
     d = get(dialect)
     kind = ("scan_mma" + ("" if has_a else "_noa") + ("" if has_b else "_nob") + ("_e" if has_e else "")
-            + ("_p" if has_p else "") + ("_rev" if reverse else ""))
+            + ("_p" if has_p else "") + ("_dg" if has_dg else "") + ("_rev" if reverse else ""))
+    outs = ("carried", "Y", "S_end") + (("dgp",) if has_dg else ())
     return _source(d, "chunk_scan_mma.j2", kind, "chunk scan of the chunked core, fragment multiply-adds",
-                   _scan_inputs(has_e, has_a, has_b, has_p), ("carried", "Y", "S_end"), (), helpers=d.mma_prelude,
-                   has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, has_p=has_p)
+                   _scan_inputs(has_e, has_a, has_b, has_p, has_dg), outs, (), helpers=d.mma_prelude,
+                   has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, has_p=has_p, has_dg=has_dg)
 
 
 @lru_cache(maxsize=None)
@@ -187,10 +190,12 @@ def scan_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: int, h
     return scan_fma_launch(dialect, BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
 
 
-def scan_fuses_products(dialect: str, C: int, K: int, V: int) -> bool:
-    """Whether ``chunk_scan`` takes an E term as its factors (the fragment frame) rather than as a
-    product MLX materialises first."""
-    return _use_mma(dialect, C, K, V)
+def scan_fuses_products(dialect: str, C: int, K: int, V: int, has_b: bool) -> bool:
+    """Whether ``chunk_scan`` takes an E term as its factors (the fragment frame, with a B term) rather
+    than as a product MLX materialises first. Without B the scan is otherwise elementwise and the
+    fused product only adds latency to its sequential steps (H100, run 53: simple GLA fwd+bwd 11.07
+    against 10.77 ms); with B (delta rules) it is faster (0.78 against 1.01 ms) and saves E's memory."""
+    return has_b and _use_mma(dialect, C, K, V)
 
 
 def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, has_a: bool) -> tuple:
@@ -199,15 +204,15 @@ def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, has_a: bool) -> tuple
 
 @lru_cache(maxsize=256)
 def scan_mma_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: int, has_e: bool, reverse: bool,
-                    has_a: bool = True, has_b: bool = True, has_p: bool = False) -> Launch:
+                    has_a: bool = True, has_b: bool = True, has_p: bool = False, has_dg: bool = False) -> Launch:
     lay = scan_mma_layout(C, K, V)
     if lay is None:
         raise ValueError(f"chunk_scan_mma: C={C}, K={K} must be multiples of 16 and V={V} of 8")
-    src = scan_mma_source(dialect, has_e, reverse, has_a, has_b, has_p)
+    src = scan_mma_source(dialect, has_e, reverse, has_a, has_b, has_p, has_dg)
     tmpl = (("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items())
     nt = 32 * lay["NW"]
-    return Launch(src, (("rt", (n,), "int32"),), _scan_outputs(BH, n, C, K, V, has_a), (V // lay["BV"] * nt, BH, 1),
-                  (nt, 1, 1), tmpl)
+    outs = _scan_outputs(BH, n, C, K, V, has_a) + ((((BH, n, V // lay["BV"], K), "float32"),) if has_dg else ())
+    return Launch(src, (("rt", (n,), "int32"),), outs, (V // lay["BV"] * nt, BH, 1), (nt, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -246,31 +251,39 @@ def tril_inverse(L, dialect: str):
     return T.reshape(L.shape)
 
 
-def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool, P=None):
+def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool, P=None, St=None):
     """The scan above over [..., n, ·, ·] operands (leading axes flattened to one (b, h) axis).
     S0 [.., K, V], A (None: Y = X) and Bm (None: no B term) [.., n, C, K], X [.., n, C, V], g [.., n, F] (F = 1 or K),
     E None or [.., n, K, V]; P None or the factors (Pa [.., n, C, K], Pb [.., n, C, V]) of one more E term
     Paᵀ Pb (read as factors by the fragment frame, ``scan_fuses_products``; multiplied out by MLX first
-    otherwise). Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32."""
+    otherwise). Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32, and with
+    ``St`` [.., n, K, V] also dg = Σ_j carried ⊙ St [.., n, K] (in the kernel where it fuses products)."""
     lead = S0.shape[:-2]
     K, V = S0.shape[-2:]
     n, C = X.shape[-3], X.shape[-2]
     F = g.shape[-1]
     BH = _lead(S0, 2)
-    if P is not None and not scan_fuses_products(dialect, C, K, V):
+    fuse = scan_fuses_products(dialect, C, K, V, Bm is not None)
+    if P is not None and not fuse:
         Pe = P[0].swapaxes(-1, -2) @ P[1]
         E, P = (Pe if E is None else E + Pe), None
+    dg_here = St is not None and fuse
     flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
     user = ([flat(S0, K, V)] + ([flat(A, n, C, K)] if A is not None else []) + [flat(X, n, C, V)]
             + ([flat(Bm, n, C, K)] if Bm is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
-            + ([flat(P[0], n, C, K), flat(P[1], n, C, V)] if P is not None else []))
-    if P is not None:
-        launch = scan_mma_launch(dialect, BH, n, C, K, V, F, E is not None, reverse, A is not None, Bm is not None, True)
+            + ([flat(P[0], n, C, K), flat(P[1], n, C, V)] if P is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
+    if P is not None or dg_here:
+        launch = scan_mma_launch(dialect, BH, n, C, K, V, F, E is not None, reverse, A is not None, Bm is not None,
+                                 P is not None, dg_here)
     else:
         launch = scan_launch(dialect, BH, n, C, K, V, F, E is not None, reverse, A is not None, Bm is not None)
-    carried, Y, S_end = mlx_call(launch, get(dialect), user, [])
+    outs = mlx_call(launch, get(dialect), user, [])
+    carried, Y, S_end = outs[0].reshape(*lead, n, K, V), outs[1], outs[2].reshape(*lead, K, V)
     Y = Y.reshape(*lead, n, C, V) if A is not None else X
-    return carried.reshape(*lead, n, K, V), Y, S_end.reshape(*lead, K, V)
+    if St is None:
+        return carried, Y, S_end
+    dg = outs[3].reshape(*lead, n, -1, K).sum(-2) if dg_here else (carried * St).sum(-1)
+    return carried, Y, S_end, dg
 
 
 def pair(X, Y, dk, strict: bool, dialect: str):

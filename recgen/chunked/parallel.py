@@ -266,19 +266,26 @@ def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool, kern=None):
     return states, Z, S[..., 0, :, :]
 
 
-def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=None):
+def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=None, states=None):
     """Reverse scan over chunks: dS_{c+1} for every chunk c [.., n, K, V], dZ [.., n, C, V] and
     dS_0, from dZ_c = F_c + (u ⊙ Q)_c dS_{c+1} and dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ dZ_c.
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after.
     With ``kern`` the scan is the generated one, (A, X, B, E) = (u ⊙ Q, F, W, E) reversed (no B
     without a delta rule). ``E`` may come as its factors (Pa, Pb), E_c = Pa_cᵀ Pb_c: the generated
-    scan takes them as they are where it can (``kernels.scan_fuses_products``), the rest multiply out."""
+    scan takes them as they are where it can (``kernels.scan_fuses_products``), the rest multiply out.
+    With ``states`` (the forward's [.., n, K, V]) a fourth result: dg = Σ_j dS_{c+1} ⊙ S_c [.., n, K],
+    formed inside the generated scan where it fuses products."""
     if kern and kernels.scan_supported(kern, F.shape[-2], dS_end.shape[-2]):  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
-        if isinstance(E, tuple):
-            return kernels.chunk_scan(dS_end, uQ, F, W, geo.g, None, kern, reverse=True, P=E)
-        return kernels.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True)
+        P, E = (E, None) if isinstance(E, tuple) else (None, E)
+        return kernels.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True, P=P, St=states)
     if isinstance(E, tuple):
         E = E[0].swapaxes(-1, -2) @ E[1]
+    out = _scan_backward_ops(geo, dS_end, uQ, W, F, E, compose, matrix)
+    return out if states is None else out + ((out[0] * states).sum(-1),)
+
+
+def _scan_backward_ops(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
+    """``_scan_backward`` in MLX ops."""
     gs = geo.g[..., None]
     dS = dS_end[..., None, :, :]
     nxt, dZs = [], []
@@ -329,7 +336,10 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     P, Q = geo.P, geo.Q
     rP, uQ = r * P, u * Q
     F = M.swapaxes(-1, -2) @ dy
-    dSn, dZ, dS0 = _scan_backward(geo, dS_end, uQ, W, F, (rP, dy), compose, matrix, kern)  # E = (r ⊙ P)ᵀ dy
+    C, K, V = dy.shape[-2], r.shape[-1], dy.shape[-1]
+    fuse = kern and kernels.scan_supported(kern, C, K) and kernels.scan_fuses_products(kern, C, K, V, W is not None)
+    E = (rP, dy) if fuse else rP.swapaxes(-1, -2) @ dy                     # E = (r ⊙ P)ᵀ dy, or its factors
+    dSn, dZ, dS0, dg = _scan_backward(geo, dS_end, uQ, W, F, E, compose, matrix, kern, states)
     statesT, ZT = tr(states), tr(Z)
     d_uQ = Z @ tr(dSn)
     dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
@@ -350,7 +360,6 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     dr = P * d_rP + dr_
     dG = geo.fold(dG)
     # G_end enters Q (for every s) and g = e^{G_end}
-    dg = (dSn * states).sum(-1)
     dG_end = geo.fold((uQ * d_uQ).sum(-2) + geo.g * dg)
     C = dG.shape[-2]
     dG = dG + mx.where((mx.arange(C) == C - 1)[:, None], dG_end[..., None, :], 0.0)
