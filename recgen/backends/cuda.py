@@ -36,7 +36,7 @@ CUDA = Dialect(
     dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"},
     prelude=PRELUDE,
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE,
-    mma_scan=True,  # H100: to be measured (this line is updated with the run)
+    mma_scan=True,  # H100, runs 49-55: scan 1.0 -> 0.58 ms fwd, 1.2 -> 0.72 ms bwd; GDN fwd 4.43 -> 3.70 ms (run 49)
     mma_env="MLX_ENABLE_TF32",
     chunk_kernels=True,  # H100, runs 36-38: GDN chunked forward 4.40 vs 5.47 ms, fwd+bwd 16.8 vs 18.8 ms
     chunked_backward_min_t=1024,  # H100, run 33: 1.1-2.9x faster from T=1024 (GLA at D=64: 0.85x), 1.6-4x at 4096
