@@ -255,3 +255,78 @@ def test_pair_kernels_match_numpy(strict):
     assert _rel(dX, np.einsum("nts,ntsi->nti", dM, G)) < 1e-5
     G = np.stack([_pair_ref(X, np.broadcast_to(eye[i], (N, C, K)) * 1.0, dk, strict) for i in range(K)], -1)
     assert _rel(dY, np.einsum("nts,ntsi->nsi", dM, G)) < 1e-5
+
+
+@pytest.fixture
+def fresh_probe():
+    probe = ck._probe  # the cached function itself (tests may monkeypatch the name)
+    probe.cache_clear()
+    ck._failed.clear()
+    yield
+    probe.cache_clear()
+    ck._failed.clear()
+
+
+@pytest.mark.parametrize("frame", ["base", "mma"])
+def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
+    """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass."""
+    monkeypatch.setattr(ck, "mlx_call", _emulated_call)
+    assert ck._probe("metal", frame) is None
+    assert ck.usable("metal", frame)
+
+
+def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):
+    """A kernel that fails to build (the error is kept) or returns wrong numbers is not used, with one warning."""
+    def broken(launch, *a):
+        raise RuntimeError("nvrtc: error: mma.sync needs sm_80")
+
+    monkeypatch.setattr(ck, "mlx_call", broken)
+    with pytest.warns(RuntimeWarning, match="fragment scan .* failed a self-test .*sm_80"):
+        assert not ck.usable("cuda", "mma")
+    assert not ck.usable("cuda", "mma")  # cached; warned once
+    # remembered: the scan now takes the FMA frame where the table would take fragments
+    assert ck.scan_launch("cuda", 4, 2, 64, 128, 128, 1, False, False).source.name.startswith("recgen_chunk_scan_v4")
+    mx = pytest.importorskip("mlx.core")
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: [mx.zeros(s) for s, _ in launch.outputs])
+    assert "off by" in ck._probe("cuda", "base")
+
+
+def test_chunk_kernels_default_follows_the_probe(monkeypatch, fresh_probe):
+    """parallel.chunk_kernels() on a GPU machine: the dialect's table entry, unless the probe fails."""
+    pytest.importorskip("mlx.core")
+    from recgen import backends
+    from recgen.chunked import parallel
+
+    monkeypatch.setattr(parallel, "CHUNK_KERNELS", None)
+    monkeypatch.delenv("RECGEN_CHUNK_KERNELS", raising=False)
+    monkeypatch.setattr(parallel.mx, "default_device", lambda: "gpu")
+    monkeypatch.setattr(backends, "machine_dialect", lambda: "cuda")
+    monkeypatch.setattr(ck, "_probe", lambda dialect, frame: None)
+    assert parallel.chunk_kernels() == "cuda"
+    monkeypatch.setattr(ck, "_probe", lambda dialect, frame: "RuntimeError: no" if frame == "base" else None)
+    with pytest.warns(RuntimeWarning, match="chunk kernels"):
+        assert parallel.chunk_kernels() is None
+    monkeypatch.setenv("RECGEN_CHUNK_KERNELS", "1")  # forced: no self-test
+    assert parallel.chunk_kernels() == "cuda"
+
+
+def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
+    """Inside mx.compile the self-test still runs (its arrays do not depend on the traced inputs); where
+    MLX refuses to evaluate during a transformation, it assumes a pass and caches nothing."""
+    mx = pytest.importorskip("mlx.core")
+    monkeypatch.setattr(ck, "mlx_call", _emulated_call)
+    seen = []
+
+    def f(x):
+        seen.append(ck.usable("metal", "mma"))
+        return x * 2
+
+    mx.eval(mx.compile(f)(mx.array(1.0)))
+    assert seen == [True] and ck._probe.cache_info().currsize == 1
+    ck._probe.cache_clear()
+
+    def refuse(launch, *a):
+        raise ValueError("[eval] Attempting to eval an array during function transformations like compile")
+
+    monkeypatch.setattr(ck, "mlx_call", refuse)
+    assert ck.usable("cuda", "mma") and ck._probe.cache_info().currsize == 0 and not ck._failed

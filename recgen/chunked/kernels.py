@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import warnings
 from functools import lru_cache
 
 from .. import __version__
@@ -160,12 +161,13 @@ def scan_mma_layout(C: int, K: int, V: int) -> dict | None:
 
 def _use_mma(dialect: str, C: int, K: int, V: int) -> bool:
     """Whether the scan at (C, K, V) runs on fragments: ``MMA_SCAN`` if set, else ``RECGEN_MMA_SCAN``
-    (0 / 1) if set, else the dialect's measured choice unless its ``mma_env`` switch is "0"; and only
-    where a layout exists and fits."""
+    (0 / 1) if set, else the dialect's measured choice unless its ``mma_env`` switch is "0" or the
+    fragment frame failed its self-test on this GPU (``usable``, run by ``parallel.chunk_kernels``);
+    and only where a layout exists and fits."""
     d = get(dialect)
     env = os.environ.get("RECGEN_MMA_SCAN")
     on = (MMA_SCAN if MMA_SCAN is not None else env not in ("0", "") if env is not None
-          else d.mma_scan and not (d.mma_env and os.environ.get(d.mma_env) == "0"))
+          else d.mma_scan and not (d.mma_env and os.environ.get(d.mma_env) == "0") and (dialect, "mma") not in _failed)
     lay = scan_mma_layout(C, K, V)
     return bool(on) and lay is not None and (K + C) * lay["LD"] * 4 <= d.smem_bytes
 
@@ -235,6 +237,77 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     outs = (((N, C, K), "float32"), ((N, C, K), "float32")) if grad else (((N, C, C), "float32"),)
     tmpl = (("C", C), ("K", K), ("RK", K // 32), ("WPT", WPT))
     return Launch(src, (("rt", (N * C,), "int32"),), outs, (-(-groups // WPT) * WPT * 32, 1, 1), (WPT * 32, 1, 1), tmpl)
+
+
+# -- does it build here? ---------------------------------------------------------------------------
+class _InTransform(Exception):
+    """MLX refused to evaluate the probe inside a transformation (its arrays are constants, which MLX
+    evaluates even inside mx.compile, so this is a safety net): try again later."""
+
+
+@lru_cache(maxsize=None)
+def _probe(dialect: str, frame: str) -> str | None:
+    """Build and run tiny instances of a frame's kernels on this machine's GPU and check them against
+    float64 numpy: None where they pass, else what went wrong. ``frame``: "base" (the inverse, the FMA
+    scan, the pair kernel) or "mma" (the fragment scan). A GPU whose compiler rejects a frame (an old
+    CUDA architecture without TF32 fragments, say) then keeps MLX ops, or the FMA scan, instead of
+    raising from inside every chunked call."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n, C, K, V = 2, 16, 32, 8
+    S0, X = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V))
+    A, Bm = 0.2 * rng.normal(size=(1, n, C, K)), 0.2 * rng.normal(size=(1, n, C, K))
+    g = np.full((1, n, 1), 0.5)
+    S, want = S0[0], []
+    for c in range(n):                               # the scan in float64: carried, Y, then S_end
+        Y = X[0, c] + A[0, c] @ S
+        want.append((S, Y))
+        S = 0.5 * S + Bm[0, c].T @ Y
+    f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
+    try:
+        if frame == "mma":
+            launch = scan_mma_launch(dialect, 1, n, C, K, V, 1, False, False)
+        else:
+            launch = scan_fma_launch(dialect, 1, n, C, K, V, 1, False, False)
+        carried, Y, S_end = mlx_call(launch, get(dialect), [f32(S0), f32(A), f32(X), f32(Bm), f32(g)], [])
+        got = [carried, Y, S_end]
+        if frame == "base":
+            L = np.tril(0.3 * rng.normal(size=(1, C, C)), -1)
+            Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
+            got += [tril_inverse(f32(L), dialect), pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, dialect)]
+        mx.eval(got)
+    except Exception as e:  # noqa: BLE001 -- any build or launch failure means: do not use this frame
+        if "transformation" in str(e):  # MLX: "[eval] Attempting to eval an array during function transformations"
+            raise _InTransform() from e
+        return f"{type(e).__name__}: {e}"
+    ref = [np.stack([w[0] for w in want])[None], np.stack([w[1] for w in want])[None], S[None]]
+    if frame == "base":
+        ref += [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None]]
+    for name, a, b in zip(("carried", "Y", "S_end", "inverse", "pair"), got, ref):
+        err = float(np.abs(np.array(a, np.float64) - b).max() / (np.abs(b).max() + 1e-30))
+        if not err < 1e-2:  # TF32 fragments: ~1e-3
+            return f"{name} off by {err:.1e} relative"
+    return None
+
+
+def usable(dialect: str, frame: str = "base") -> bool:
+    """Whether ``frame``'s kernels pass their self-test (``_probe``) on this machine's GPU, whose dialect
+    ``dialect`` must be; a failure warns once and is remembered (``_failed``: the fragment frame's then
+    keeps the scan on FMAs). Where MLX refuses to evaluate it (inside a transformation) it is assumed to pass."""
+    try:
+        err = _probe(dialect, frame)
+    except _InTransform:
+        return True
+    if err is not None and (dialect, frame) not in _failed:
+        _failed.add((dialect, frame))
+        what = "the fragment scan (the FMA scan is used)" if frame == "mma" else "the chunk kernels (MLX ops are used)"
+        warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
+    return err is None
+
+
+_failed: set = set()  # (dialect, frame) that failed ``usable`` in this process
 
 
 # -- MLX calls -------------------------------------------------------------------------------------

@@ -394,8 +394,10 @@ CHUNK_KERNELS = None  # None: by device (``chunk_kernels``); a dialect name, or 
 def chunk_kernels() -> str | None:
     """The dialect whose generated chunk kernels (``kernels``: the triangular inverse, the scans over
     chunks, the key-vector decay pair matrices) the core uses, or None for MLX ops only. Default: the
-    GPU's dialect where its table marks them measured faster (``Dialect.chunk_kernels``), none on the
-    CPU. ``RECGEN_CHUNK_KERNELS=0`` keeps MLX ops only (``=1`` forces the kernels on a GPU)."""
+    GPU's dialect where its table marks them measured faster (``Dialect.chunk_kernels``) and they pass
+    their self-test on this GPU (``kernels.usable``: built, run and checked once per process; a failure
+    warns and keeps MLX ops), none on the CPU. ``RECGEN_CHUNK_KERNELS=0`` keeps MLX ops only (``=1``
+    forces the kernels on a GPU, untested)."""
     if CHUNK_KERNELS is not None:
         return CHUNK_KERNELS or None
     if mx.default_device() == mx.cpu:
@@ -406,8 +408,12 @@ def chunk_kernels() -> str | None:
     if name is None:
         return None
     env = os.environ.get("RECGEN_CHUNK_KERNELS")
-    use = get(name).chunk_kernels if env is None else env not in ("0", "")
-    return name if use else None
+    if env is not None:
+        return name if env not in ("0", "") else None
+    if not (get(name).chunk_kernels and kernels.usable(name)):
+        return None
+    kernels.usable(name, "mma")  # probe the fragment frame here, outside any mx.compile trace
+    return name
 
 
 @lru_cache(maxsize=None)
