@@ -258,7 +258,9 @@ def test_pair_kernels_match_numpy(strict):
 
 
 @pytest.fixture
-def fresh_probe():
+def fresh_probe(monkeypatch):
+    """A clean self-test cache, at emulator-sized shapes (the GPU's are the common case's, C = 64, K = 128)."""
+    monkeypatch.setattr(ck, "PROBE", (2, 16, 32, 32))
     probe = ck._probe  # the cached function itself (tests may monkeypatch the name)
     probe.cache_clear()
     ck._failed.clear()
@@ -267,7 +269,7 @@ def fresh_probe():
     ck._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "mma"])
+@pytest.mark.parametrize("frame", ["base", "scan", "mma"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass."""
     monkeypatch.setattr(ck, "mlx_call", _emulated_call)
@@ -303,6 +305,11 @@ def test_chunk_kernels_default_follows_the_probe(monkeypatch, fresh_probe):
     monkeypatch.setattr(backends, "machine_dialect", lambda: "cuda")
     monkeypatch.setattr(ck, "_probe", lambda dialect, frame: None)
     assert parallel.chunk_kernels() == "cuda"
+    monkeypatch.setattr(ck, "_probe", lambda dialect, frame: "RuntimeError: no" if frame == "mma" else None)
+    with pytest.warns(RuntimeWarning, match="fragment scan"):
+        assert parallel.chunk_kernels() == "cuda"  # the FMA scan passed
+    assert not ck.mma_on("cuda")
+    ck._failed.clear()
     monkeypatch.setattr(ck, "_probe", lambda dialect, frame: "RuntimeError: no" if frame == "base" else None)
     with pytest.warns(RuntimeWarning, match="chunk kernels"):
         assert parallel.chunk_kernels() is None

@@ -40,6 +40,7 @@ WPT = 4           # SIMD groups per threadgroup of the pair kernels (one chunk r
 MMA_BV = 32       # value columns per threadgroup of the fragment scan (most; fewer where V needs)
 MMA_NW = 4        # SIMD groups per threadgroup of the fragment scan (most; fewer where K needs)
 MMA_SCAN = None   # tests and benchmarks: True / False overrides Dialect.mma_scan
+PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test (``_probe``): the common case's template constants
 
 
 # -- sources ---------------------------------------------------------------------------------------
@@ -159,17 +160,24 @@ def scan_mma_layout(C: int, K: int, V: int) -> dict | None:
     return {"BV": bv, "NW": nw, "LD": ld, "YCT": yct}
 
 
-def _use_mma(dialect: str, C: int, K: int, V: int) -> bool:
-    """Whether the scan at (C, K, V) runs on fragments: ``MMA_SCAN`` if set, else ``RECGEN_MMA_SCAN``
-    (0 / 1) if set, else the dialect's measured choice unless its ``mma_env`` switch is "0" or the
-    fragment frame failed its self-test on this GPU (``usable``, run by ``parallel.chunk_kernels``);
-    and only where a layout exists and fits."""
+def mma_on(dialect: str) -> bool:
+    """Whether the scan should run on fragments where sizes allow: ``MMA_SCAN`` if set, else
+    ``RECGEN_MMA_SCAN`` (0 / 1) if set, else the dialect's measured choice unless its ``mma_env`` switch
+    is "0" or the fragment frame failed its self-test on this GPU (``usable``, run by
+    ``parallel.chunk_kernels``)."""
     d = get(dialect)
     env = os.environ.get("RECGEN_MMA_SCAN")
-    on = (MMA_SCAN if MMA_SCAN is not None else env not in ("0", "") if env is not None
-          else d.mma_scan and not (d.mma_env and os.environ.get(d.mma_env) == "0") and (dialect, "mma") not in _failed)
+    if MMA_SCAN is not None:
+        return bool(MMA_SCAN)
+    if env is not None:
+        return env not in ("0", "")
+    return d.mma_scan and not (d.mma_env and os.environ.get(d.mma_env) == "0") and (dialect, "mma") not in _failed
+
+
+def _use_mma(dialect: str, C: int, K: int, V: int) -> bool:
+    """``mma_on``, where a fragment layout exists for (C, K, V) and fits threadgroup memory."""
     lay = scan_mma_layout(C, K, V)
-    return bool(on) and lay is not None and (K + C) * lay["LD"] * 4 <= d.smem_bytes
+    return mma_on(dialect) and lay is not None and (K + C) * lay["LD"] * 4 <= get(dialect).smem_bytes
 
 
 def pair_supported(K: int) -> bool:
@@ -247,48 +255,45 @@ class _InTransform(Exception):
 
 @lru_cache(maxsize=None)
 def _probe(dialect: str, frame: str) -> str | None:
-    """Build and run tiny instances of a frame's kernels on this machine's GPU and check them against
-    float64 numpy: None where they pass, else what went wrong. ``frame``: "base" (the inverse, the FMA
-    scan, the pair kernel) or "mma" (the fragment scan). A GPU whose compiler rejects a frame (an old
-    CUDA architecture without TF32 fragments, say) then keeps MLX ops, or the FMA scan, instead of
-    raising from inside every chunked call."""
+    """Build and run one small instance of a frame's kernels on this machine's GPU, at the template
+    constants of the common case (C = 64, K = V = 128: the very kernels a model then uses, so nothing is
+    compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
+    ``frame``: "base" (the inverse and the key-decay pair), "scan" (the FMA scan) or "mma" (the fragment
+    scan). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
+    then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked call."""
     import mlx.core as mx
     import numpy as np
 
     rng = np.random.default_rng(0)
-    n, C, K, V = 2, 16, 32, 8
-    S0, X = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V))
-    A, Bm = 0.2 * rng.normal(size=(1, n, C, K)), 0.2 * rng.normal(size=(1, n, C, K))
-    g = np.full((1, n, 1), 0.5)
-    S, want = S0[0], []
-    for c in range(n):                               # the scan in float64: carried, Y, then S_end
-        Y = X[0, c] + A[0, c] @ S
-        want.append((S, Y))
-        S = 0.5 * S + Bm[0, c].T @ Y
+    n, C, K, V = PROBE
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
     try:
-        if frame == "mma":
-            launch = scan_mma_launch(dialect, 1, n, C, K, V, 1, False, False)
-        else:
-            launch = scan_fma_launch(dialect, 1, n, C, K, V, 1, False, False)
-        carried, Y, S_end = mlx_call(launch, get(dialect), [f32(S0), f32(A), f32(X), f32(Bm), f32(g)], [])
-        got = [carried, Y, S_end]
         if frame == "base":
-            L = np.tril(0.3 * rng.normal(size=(1, C, C)), -1)
+            L = np.tril(0.3 * rng.normal(size=(1, C, C)) / np.sqrt(C), -1)
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
-            got += [tril_inverse(f32(L), dialect), pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, dialect)]
+            got = [tril_inverse(f32(L), dialect), pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, dialect)]
+            ref = [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None]]
+        else:
+            S0, X = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V))
+            A, Bm = rng.normal(size=(1, n, C, K)) / K, rng.normal(size=(1, n, C, K)) / C
+            S, ref_c, ref_y = S0[0], [], []
+            for c in range(n):                   # the scan in float64
+                Y = X[0, c] + A[0, c] @ S
+                ref_c.append(S)
+                ref_y.append(Y)
+                S = 0.5 * S + Bm[0, c].T @ Y
+            launch = (scan_mma_launch if frame == "mma" else scan_fma_launch)(dialect, 1, n, C, K, V, 1, False, False)
+            got = mlx_call(launch, get(dialect), [f32(S0), f32(A), f32(X), f32(Bm), f32(np.full((1, n, 1), 0.5))], [])
+            ref = [np.stack(ref_c)[None], np.stack(ref_y)[None], S[None]]
         mx.eval(got)
     except Exception as e:  # noqa: BLE001 -- any build or launch failure means: do not use this frame
         if "transformation" in str(e):  # MLX: "[eval] Attempting to eval an array during function transformations"
             raise _InTransform() from e
         return f"{type(e).__name__}: {e}"
-    ref = [np.stack([w[0] for w in want])[None], np.stack([w[1] for w in want])[None], S[None]]
-    if frame == "base":
-        ref += [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None]]
-    for name, a, b in zip(("carried", "Y", "S_end", "inverse", "pair"), got, ref):
+    for a, b in zip(got, ref):
         err = float(np.abs(np.array(a, np.float64) - b).max() / (np.abs(b).max() + 1e-30))
         if not err < 1e-2:  # TF32 fragments: ~1e-3
-            return f"{name} off by {err:.1e} relative"
+            return f"{frame} kernel output off by {err:.1e} relative"
     return None
 
 
@@ -302,7 +307,7 @@ def usable(dialect: str, frame: str = "base") -> bool:
         return True
     if err is not None and (dialect, frame) not in _failed:
         _failed.add((dialect, frame))
-        what = "the fragment scan (the FMA scan is used)" if frame == "mma" else "the chunk kernels (MLX ops are used)"
+        what = {"mma": "the fragment scan (the FMA scan is used)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
     return err is None
 

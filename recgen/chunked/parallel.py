@@ -410,10 +410,11 @@ def chunk_kernels() -> str | None:
     env = os.environ.get("RECGEN_CHUNK_KERNELS")
     if env is not None:
         return name if env not in ("0", "") else None
-    if not (get(name).chunk_kernels and kernels.usable(name)):
+    if not (get(name).chunk_kernels and kernels.usable(name, "base")):
         return None
-    kernels.usable(name, "mma")  # probe the fragment frame here, outside any mx.compile trace
-    return name
+    if kernels.mma_on(name) and kernels.usable(name, "mma"):  # the scan's frame: fragments, else FMAs
+        return name
+    return name if kernels.usable(name, "scan") else None
 
 
 @lru_cache(maxsize=None)
