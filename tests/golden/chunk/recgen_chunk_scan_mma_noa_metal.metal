@@ -15,7 +15,6 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // chunk scan of the chunked core, fragment multiply-adds
   // The chunk scan on the SIMD groups' matrix units (same recurrence as chunk_scan.j2):
   //   carried_c = S;   Y_c = X_c;   S <- g_c * S + B_c^T Y_c
-
   // (chunks in forward order). One threadgroup: one (batch, head), BV value
   // columns, NW SIMD groups. Products are 16x8x8 fragment multiply-adds, D += A B, each lane holding
   // a fixed part of every fragment (the PTX m16n8k8 layout; gq = lane / 4, tq = lane % 4):
@@ -42,10 +41,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
       const int c = col0 + 8 * ct + 2 * tq;
-      S_[rb][ct][0] = S0[(bh * K + r) * V + c];
-      S_[rb][ct][1] = S0[(bh * K + r) * V + c + 1];
-      S_[rb][ct][2] = S0[(bh * K + r + 8) * V + c];
-      S_[rb][ct][3] = S0[(bh * K + r + 8) * V + c + 1];
+      S_[rb][ct][0] = S0[(bh * K + r) * V + c]; S_[rb][ct][1] = S0[(bh * K + r) * V + c + 1];
+      S_[rb][ct][2] = S0[(bh * K + r + 8) * V + c]; S_[rb][ct][3] = S0[(bh * K + r + 8) * V + c + 1];
     }
   }
   for (int step = 0; step < n; ++step) {
@@ -58,10 +55,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         const int c = 8 * ct + 2 * tq;
-        carried[(bc * K + r) * V + col0 + c] = S_[rb][ct][0];
-        carried[(bc * K + r) * V + col0 + c + 1] = S_[rb][ct][1];
-        carried[(bc * K + r + 8) * V + col0 + c] = S_[rb][ct][2];
-        carried[(bc * K + r + 8) * V + col0 + c + 1] = S_[rb][ct][3];
+        carried[(bc * K + r) * V + col0 + c] = S_[rb][ct][0]; carried[(bc * K + r) * V + col0 + c + 1] = S_[rb][ct][1];
+        carried[(bc * K + r + 8) * V + col0 + c] = S_[rb][ct][2]; carried[(bc * K + r + 8) * V + col0 + c + 1] = S_[rb][ct][3];
       }
     }
     // S <- g_c * S, then + B_c^T Y_c in C / 8 fragment steps (B_c^T read as A fragments)
@@ -96,9 +91,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
       const int c = col0 + 8 * ct + 2 * tq;
-      S_end[(bh * K + r) * V + c] = S_[rb][ct][0];
-      S_end[(bh * K + r) * V + c + 1] = S_[rb][ct][1];
-      S_end[(bh * K + r + 8) * V + c] = S_[rb][ct][2];
-      S_end[(bh * K + r + 8) * V + c + 1] = S_[rb][ct][3];
+      S_end[(bh * K + r) * V + c] = S_[rb][ct][0]; S_end[(bh * K + r) * V + c + 1] = S_[rb][ct][1];
+      S_end[(bh * K + r + 8) * V + c] = S_[rb][ct][2]; S_end[(bh * K + r + 8) * V + c + 1] = S_[rb][ct][3];
     }
   }

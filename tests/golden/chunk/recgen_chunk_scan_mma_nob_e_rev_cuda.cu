@@ -15,7 +15,6 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   // chunk scan of the chunked core, fragment multiply-adds
   // The chunk scan on the SIMD groups' matrix units (same recurrence as chunk_scan.j2):
   //   carried_c = S;   Y_c = X_c + A_c S;   S <- g_c * S + E_c
-
   // (chunks in reverse order). One threadgroup: one (batch, head), BV value
   // columns, NW SIMD groups. Products are 16x8x8 fragment multiply-adds, D += A B, each lane holding
   // a fixed part of every fragment (the PTX m16n8k8 layout; gq = lane / 4, tq = lane % 4):
@@ -43,10 +42,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
       const int c = col0 + 8 * ct + 2 * tq;
-      S_[rb][ct][0] = S0[(bh * K + r) * V + c];
-      S_[rb][ct][1] = S0[(bh * K + r) * V + c + 1];
-      S_[rb][ct][2] = S0[(bh * K + r + 8) * V + c];
-      S_[rb][ct][3] = S0[(bh * K + r + 8) * V + c + 1];
+      S_[rb][ct][0] = S0[(bh * K + r) * V + c]; S_[rb][ct][1] = S0[(bh * K + r) * V + c + 1];
+      S_[rb][ct][2] = S0[(bh * K + r + 8) * V + c]; S_[rb][ct][3] = S0[(bh * K + r + 8) * V + c + 1];
     }
   }
   for (int step = 0; step < n; ++step) {
@@ -59,14 +56,10 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         const int c = 8 * ct + 2 * tq;
-        carried[(bc * K + r) * V + col0 + c] = S_[rb][ct][0];
-        carried[(bc * K + r) * V + col0 + c + 1] = S_[rb][ct][1];
-        carried[(bc * K + r + 8) * V + col0 + c] = S_[rb][ct][2];
-        carried[(bc * K + r + 8) * V + col0 + c + 1] = S_[rb][ct][3];
-        Ss_[r * LD + c] = S_[rb][ct][0];
-        Ss_[r * LD + c + 1] = S_[rb][ct][1];
-        Ss_[(r + 8) * LD + c] = S_[rb][ct][2];
-        Ss_[(r + 8) * LD + c + 1] = S_[rb][ct][3];
+        carried[(bc * K + r) * V + col0 + c] = S_[rb][ct][0]; carried[(bc * K + r) * V + col0 + c + 1] = S_[rb][ct][1];
+        carried[(bc * K + r + 8) * V + col0 + c] = S_[rb][ct][2]; carried[(bc * K + r + 8) * V + col0 + c + 1] = S_[rb][ct][3];
+        Ss_[(r) * LD + c] = S_[rb][ct][0]; Ss_[(r) * LD + c + 1] = S_[rb][ct][1];
+        Ss_[(r + 8) * LD + c] = S_[rb][ct][2]; Ss_[(r + 8) * LD + c + 1] = S_[rb][ct][3];
       }
     }
     __syncthreads();  // the state copy is complete
@@ -78,10 +71,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
       for (int ct = 0; ct < YCT; ++ct) {
         const int c = col0 + 8 * (ct0 + ct) + 2 * tq;
-        y_[ct][0] = X[(bc * C + r) * V + c];
-        y_[ct][1] = X[(bc * C + r) * V + c + 1];
-        y_[ct][2] = X[(bc * C + r + 8) * V + c];
-        y_[ct][3] = X[(bc * C + r + 8) * V + c + 1];
+        y_[ct][0] = X[(bc * C + r) * V + c]; y_[ct][1] = X[(bc * C + r) * V + c + 1];
+        y_[ct][2] = X[(bc * C + r + 8) * V + c]; y_[ct][3] = X[(bc * C + r + 8) * V + c + 1];
       }
 #pragma unroll 4
       for (int k0 = 0; k0 < K; k0 += 8) {
@@ -96,10 +87,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
       for (int ct = 0; ct < YCT; ++ct) {
         const int c = 8 * (ct0 + ct) + 2 * tq;
-        Y[(bc * C + r) * V + col0 + c] = y_[ct][0];
-        Y[(bc * C + r) * V + col0 + c + 1] = y_[ct][1];
-        Y[(bc * C + r + 8) * V + col0 + c] = y_[ct][2];
-        Y[(bc * C + r + 8) * V + col0 + c + 1] = y_[ct][3];
+        Y[(bc * C + r) * V + col0 + c] = y_[ct][0]; Y[(bc * C + r) * V + col0 + c + 1] = y_[ct][1];
+        Y[(bc * C + r + 8) * V + col0 + c] = y_[ct][2]; Y[(bc * C + r + 8) * V + col0 + c + 1] = y_[ct][3];
       }
     }
     __syncthreads();  // Y_c is complete and no group reads the state copy any more
@@ -113,10 +102,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       for (int ct = 0; ct < CT; ++ct) {
         S_[rb][ct][0] *= g0; S_[rb][ct][1] *= g0; S_[rb][ct][2] *= g8; S_[rb][ct][3] *= g8;
         const int c = col0 + 8 * ct + 2 * tq;
-        S_[rb][ct][0] += E[(bc * K + r) * V + c];
-        S_[rb][ct][1] += E[(bc * K + r) * V + c + 1];
-        S_[rb][ct][2] += E[(bc * K + r + 8) * V + c];
-        S_[rb][ct][3] += E[(bc * K + r + 8) * V + c + 1];
+        S_[rb][ct][0] += E[(bc * K + r) * V + c]; S_[rb][ct][1] += E[(bc * K + r) * V + c + 1];
+        S_[rb][ct][2] += E[(bc * K + r + 8) * V + c]; S_[rb][ct][3] += E[(bc * K + r + 8) * V + c + 1];
       }
     }
   }
@@ -126,9 +113,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
       const int c = col0 + 8 * ct + 2 * tq;
-      S_end[(bh * K + r) * V + c] = S_[rb][ct][0];
-      S_end[(bh * K + r) * V + c + 1] = S_[rb][ct][1];
-      S_end[(bh * K + r + 8) * V + c] = S_[rb][ct][2];
-      S_end[(bh * K + r + 8) * V + c + 1] = S_[rb][ct][3];
+      S_end[(bh * K + r) * V + c] = S_[rb][ct][0]; S_end[(bh * K + r) * V + c + 1] = S_[rb][ct][1];
+      S_end[(bh * K + r + 8) * V + c] = S_[rb][ct][2]; S_end[(bh * K + r + 8) * V + c + 1] = S_[rb][ct][3];
     }
   }
