@@ -6,8 +6,8 @@ At B=4, T=4096, H=16, D=128 and chunk 64 (the GDN forward's operands, float32): 
 inverse (kernel vs ``core.unit_lower_inv`` from 16×16 blocks, both compiled), the forward delta-rule
 scan (kernel vs the composed MLX loop the GPU form runs) and the backward scan (kernel vs its MLX
 loop), each checked against the other (max relative difference) and timed (median of 10 queued
-calls, ms); each scan in both frames (FMA, fragment multiply-adds). ``--mma-layouts BV/NW[/1],..`` times the fragment
-scan at other layouts (columns / SIMD groups per threadgroup / 1: A_c, B_c staged through threadgroup memory). ``--layouts`` times the scan kernel at other threadgroup layouts (columns BV / most row groups MAX_NR).
+calls, ms); each scan in both frames (FMA, fragment multiply-adds). ``--mma-layouts BV/NW,..`` times the fragment
+scan at other layouts (columns / SIMD groups per threadgroup). ``--layouts`` times the scan kernel at other threadgroup layouts (columns BV / most row groups MAX_NR).
 """
 from __future__ import annotations
 
@@ -85,23 +85,15 @@ def main():
         ck.MMA_SCAN = None
         print(f"  backward, E as factors: kernel {timeit(lambda: bp(*pargs), queue=10):.3f} ms; multiplied out first "
               f"{timeit(lambda: bo(*pargs), queue=10):.3f} ms; max rel diff " + " ".join(f"{x:.1e}" for x in d))
-    for spec in (x for x in arg("--mma-layouts", "").split(",") if x):
-        bv, nw, *st = map(int, spec.split("/"))
-        ck.MMA_BV, ck.MMA_NW, ck.MMA_STAGE, ck.MMA_SCAN = bv, nw, bool(st and st[0]), True
-        for cached in (ck.scan_mma_layout, ck.scan_mma_stage, ck.scan_mma_launch):
-            cached.cache_clear()
+    for bv, nw in ((int(a), int(b)) for a, b in (x.split("/") for x in arg("--mma-layouts", "").split(",") if x)):
+        ck.MMA_BV, ck.MMA_NW, ck.MMA_SCAN = bv, nw, True
+        ck.scan_mma_layout.cache_clear()
+        ck.scan_mma_launch.cache_clear()
         geo = Geo(mx.exp(-0.5 * mx.random.uniform(shape=(B, H, n, 1))))
         fk = mx.compile(lambda *a: parallel._scan_forward(geo, *a, kern=dialect))
         bk = mx.compile(lambda *a: parallel._scan_backward(geo, *a, kern=dialect))
-        bp = mx.compile(lambda s0, uq, w, f, pa, pb: parallel._scan_backward(geo, s0, uq, w, f, (pa, pb), False, True,
-                                                                             kern=dialect))
-        ref = mx.compile(lambda *a: parallel._scan_forward(geo, *a))(*fa)
-        d = max(maxrel(x, y) for x, y in zip(fk(*fa), ref))
-        lay = ck.scan_mma_layout(C, K, V) | ck.scan_mma_stage(dialect, C, K, ck.scan_mma_layout(C, K, V)["LD"])
-        print(f"  fragment layout {lay}: forward {timeit(lambda: fk(*fa), queue=10):.3f} ms (max rel diff {d:.1e}), "
-              f"backward {timeit(lambda: bk(*ba), queue=10):.3f} ms, with E as factors "
-              f"{timeit(lambda: bp(S0, uQ, W, F, uQ, U), queue=10):.3f} ms")
-    ck.MMA_STAGE = False
+        print(f"  fragment layout {ck.scan_mma_layout(C, K, V)}: forward {timeit(lambda: fk(*fa), queue=10):.3f} ms, "
+              f"backward {timeit(lambda: bk(*ba), queue=10):.3f} ms")
     ck.MMA_SCAN = None
     for lay in arg("--layouts", "").split(","):
         if not lay:

@@ -23,7 +23,7 @@ for stage in "$@"; do
     ncu-chunked) for sp in gated_delta_net simple_gla; do timeout 200 bash benchmarks/ncu_chunked.sh $sp > "$OUT/ncu_chunked_$sp.log" 2>&1; done
              tail -c 3000 "$OUT/ncu_chunked_gated_delta_net.log" ;;
     ncu-scan) timeout 200 bash benchmarks/ncu_scan.sh > "$OUT/ncu_scan.log" 2>&1; grep -E "Duration|Stall|Occupancy|Registers|Issued|Eligible" "$OUT/ncu_scan.log" | head -60 ;;
-    kernels) timeout 200 python benchmarks/bench_chunk_kernels.py --mma-layouts 32/4,32/4/1,32/2/1,16/4/1 2>&1 | tee "$OUT/chunk_kernels.log" ;;
+    kernels) timeout 200 python benchmarks/bench_chunk_kernels.py 2>&1 | tee "$OUT/chunk_kernels.log" ;;
     check-kernels) RECGEN_CHUNK_KERNELS=1 MLX_ENABLE_TF32=0 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 \
                --out "$OUT" > "$OUT/check_kernels_f32.log" 2>&1
              grep -E "FAIL|passed" "$OUT/check_kernels_f32.log"

@@ -40,7 +40,6 @@ WPT = 4           # SIMD groups per threadgroup of the pair kernels (one chunk r
 MMA_BV = 32       # value columns per threadgroup of the fragment scan (most; fewer where V needs)
 MMA_NW = 4        # SIMD groups per threadgroup of the fragment scan (most; fewer where K needs)
 MMA_SCAN = None   # tests and benchmarks: True / False overrides Dialect.mma_scan
-MMA_STAGE = False  # stage A_c, B_c through threadgroup memory in the fragment scan (``scan_mma_stage``)
 PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test (``_probe``): the common case's template constants
 
 
@@ -81,21 +80,20 @@ def _scan_inputs(has_e: bool, has_a: bool, has_b: bool, has_p: bool = False, has
 
 @lru_cache(maxsize=None)
 def scan_mma_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, has_b: bool = True,
-                    has_p: bool = False, has_dg: bool = False, stage: bool = False) -> KernelSource:
+                    has_p: bool = False, has_dg: bool = False) -> KernelSource:
     """The scan of ``scan_source`` on the dialect's fragment multiply-add (``Dialect.mma``). ``has_p``:
     one more term Pa_cᵀ Pb_c ([C, K]ᵀ [C, V]) in the state update, an E given as its factors.
     ``has_dg``: also dgp [.., n, V / BV, K], per threadgroup of columns the row sums of carried_c ⊙ St_c
-    for given St [.., n, K, V] (the backward's decay gradient Σ_j dS_{c+1} ⊙ S_c, never formed).
-    ``stage``: A_c and B_c pass through threadgroup memory by 16-byte loads (``scan_mma_stage``)."""
+    for given St [.., n, K, V] (the backward's decay gradient Σ_j dS_{c+1} ⊙ S_c, never formed)."""
     if not (has_a or has_b):
         raise ValueError("chunk_scan: needs A or B")
     d = get(dialect)
     kind = ("scan_mma" + ("" if has_a else "_noa") + ("" if has_b else "_nob") + ("_e" if has_e else "")
-            + ("_p" if has_p else "") + ("_dg" if has_dg else "") + ("_st" if stage else "") + ("_rev" if reverse else ""))
+            + ("_p" if has_p else "") + ("_dg" if has_dg else "") + ("_rev" if reverse else ""))
     outs = ("carried", "Y", "S_end") + (("dgp",) if has_dg else ())
     return _source(d, "chunk_scan_mma.j2", kind, "chunk scan of the chunked core, fragment multiply-adds",
                    _scan_inputs(has_e, has_a, has_b, has_p, has_dg), outs, (), helpers=d.mma_prelude,
-                   has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, has_p=has_p, has_dg=has_dg, stage=stage)
+                   has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, has_p=has_p, has_dg=has_dg)
 
 
 @lru_cache(maxsize=None)
@@ -162,22 +160,6 @@ def scan_mma_layout(C: int, K: int, V: int) -> dict | None:
     return {"BV": bv, "NW": nw, "LD": ld, "YCT": yct}
 
 
-@lru_cache(maxsize=None)
-def scan_mma_stage(dialect: str, C: int, K: int, LD: int) -> dict:
-    """Staging constants of the fragment scan where ``MMA_STAGE``, else {}: A_c KB key columns at a time
-    (row stride LDA = KB + 4), B_c TB tokens at a time (LDB = K + 8), in one slab of SLAB floats beside
-    the state and Y copies, the largest KB (≤ 64) and TB (≤ 32) that fit the dialect's threadgroup memory."""
-    if not MMA_STAGE:
-        return {}
-    room = get(dialect).smem_bytes // 4 - (K + C) * LD
-    for kb in (b for b in (64, 32, 16, 8) if K % b == 0):
-        for tb in (t for t in (32, 16, 8) if C % t == 0):
-            slab = max(C * (kb + 4), tb * (K + 8))
-            if slab <= room:
-                return {"KB": kb, "LDA": kb + 4, "TB": tb, "LDB": K + 8, "SLAB": slab}
-    return {}
-
-
 def mma_on(dialect: str) -> bool:
     """Whether the scan should run on fragments where sizes allow: ``MMA_SCAN`` if set, else
     ``RECGEN_MMA_SCAN`` (0 / 1) if set, else the dialect's measured choice unless its ``mma_env`` switch
@@ -236,9 +218,8 @@ def scan_mma_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: in
     lay = scan_mma_layout(C, K, V)
     if lay is None:
         raise ValueError(f"chunk_scan_mma: C={C}, K={K} must be multiples of 16 and V={V} of 8")
-    st = scan_mma_stage(dialect, C, K, lay["LD"]) if has_a else {}
-    src = scan_mma_source(dialect, has_e, reverse, has_a, has_b, has_p, has_dg, bool(st))
-    tmpl = (("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items()) + tuple(st.items())
+    src = scan_mma_source(dialect, has_e, reverse, has_a, has_b, has_p, has_dg)
+    tmpl = (("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items())
     nt = 32 * lay["NW"]
     outs = _scan_outputs(BH, n, C, K, V, has_a) + ((((BH, n, V // lay["BV"], K), "float32"),) if has_dg else ())
     return Launch(src, (("rt", (n,), "int32"),), outs, (V // lay["BV"] * nt, BH, 1), (nt, 1, 1), tmpl)
