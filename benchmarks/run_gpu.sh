@@ -60,6 +60,8 @@ for stage in "$@"; do
          timeout 100 python benchmarks/bench_chunked_gpu.py --variants compiled --specs gla --memory-limit 4 --tag gla_mem4 \
            --out "$OUT" 2>&1 | tee -a "$OUT/gla.log" ;;
     sweep-backward) timeout 300 python benchmarks/sweep_backward.py --out "$OUT" 2>&1 | tee "$OUT/sweep_backward.log" ;;
+    chunked-gdn-sgla) timeout 150 python benchmarks/bench_chunked_gpu.py --variants compiled --specs gated_delta_net,simple_gla \
+               --out "$OUT" 2>&1 | tee -a "$OUT/chunked.log" ;;
     chunked-small) timeout 100 python benchmarks/bench_chunked_gpu.py --shape 8,1024,8,64 --variants compiled --out "$OUT" 2>&1 | tee "$OUT/chunked_small.log" ;;
     fla-*) timeout 290 python benchmarks/bench_fla.py --out "$OUT" --ops "${stage#fla-}" --shapes "4,4096,16,128" --timeout 285 2>&1 | tee -a "$OUT/fla.log"
            cp "$OUT/bench_fla.json" "$OUT/bench_fla_${stage#fla-}.json" ;;
