@@ -42,24 +42,29 @@ def _scan_ref(S0, A, X, Bm, g, E, reverse, has_a=True, has_b=True):
     return carried, Y, S
 
 
-@pytest.mark.parametrize("F,has_e,reverse,has_a,has_b", [
-    (1, False, False, True, True), (32, False, False, True, True), (1, True, True, True, True), (32, True, True, True, True),
-    (1, False, False, False, True), (32, True, True, False, True), (1, True, True, True, False), (32, True, True, True, False)])
-def test_chunk_scan_matches_numpy(F, has_e, reverse, has_a, has_b):
-    rng = np.random.default_rng(F + 2 * has_e)
-    BH, n, C, K, V = 2, 3, 16, 32, 42 if has_e else 44  # two column tiles, the second partial; 44: 16-byte accesses
+def _check_scan(launch, rng, BH, n, C, K, V, F, has_e, reverse, has_a, has_b):
+    """Run a scan launch on the emulator with fresh inputs (decays down to e^-20) against ``_scan_ref``."""
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     S0, A, X, Bm = f(BH, K, V), f(BH, n, C, K) * 0.2, f(BH, n, C, V), f(BH, n, C, K) * 0.2
-    g = np.exp(-20 * rng.uniform(size=(BH, n, F))).astype(np.float32)  # down to e^-20
+    g = np.exp(-20 * rng.uniform(size=(BH, n, F))).astype(np.float32)
     E = f(BH, n, K, V) if has_e else None
     ins = ({"S0": S0, "X": X, "g": g} | ({"E": E} if has_e else {}) | ({"A": A} if has_a else {})
            | ({"Bm": Bm} if has_b else {}))
-    outs = verify.run_launch(ck.scan_launch("metal", BH, n, C, K, V, F, has_e, reverse, has_a, has_b), ins)
+    outs = verify.run_launch(launch, ins)
     if not has_a:  # no Y written: Y = X
         outs[1] = X
     for got, want in zip(outs, _scan_ref(S0, A, X, Bm, g, E, reverse, has_a, has_b)):
         assert got.shape == want.shape
         assert _rel(got, want) < 1e-5, _rel(got, want)
+
+
+@pytest.mark.parametrize("F,has_e,reverse,has_a,has_b", [
+    (1, False, False, True, True), (32, False, False, True, True), (1, True, True, True, True), (32, True, True, True, True),
+    (1, False, False, False, True), (32, True, True, False, True), (1, True, True, True, False), (32, True, True, True, False)])
+def test_chunk_scan_matches_numpy(F, has_e, reverse, has_a, has_b):
+    BH, n, C, K, V = 2, 3, 16, 32, 42 if has_e else 44  # two column tiles, the second partial; 44: 16-byte accesses
+    launch = ck.scan_launch("metal", BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
+    _check_scan(launch, np.random.default_rng(F + 2 * has_e), BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
 
 
 @pytest.mark.parametrize("F,has_e,reverse,has_a,has_b,C,K,V", [
@@ -71,22 +76,10 @@ def test_chunk_scan_matches_numpy(F, has_e, reverse, has_a, has_b):
 def test_chunk_scan_mma_matches_numpy(F, has_e, reverse, has_a, has_b, C, K, V):
     """The fragment scan (chunk_scan_mma.j2) in the Metal spelling of the 16x8x8 multiply-add (SIMD
     shuffles in the PTX m16n8k8 lane layout that CUDA's tensor cores use)."""
-    rng = np.random.default_rng(F + C + V)
     BH, n = 2, 3
-    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
-    S0, A, X, Bm = f(BH, K, V), f(BH, n, C, K) * 0.2, f(BH, n, C, V), f(BH, n, C, K) * 0.2
-    g = np.exp(-20 * rng.uniform(size=(BH, n, F))).astype(np.float32)
-    E = f(BH, n, K, V) if has_e else None
-    ins = ({"S0": S0, "X": X, "g": g} | ({"E": E} if has_e else {}) | ({"A": A} if has_a else {})
-           | ({"Bm": Bm} if has_b else {}))
     launch = ck.scan_mma_launch("metal", BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
     assert launch.source.name.startswith("recgen_chunk_scan_mma")
-    outs = verify.run_launch(launch, ins)
-    if not has_a:
-        outs[1] = X
-    for got, want in zip(outs, _scan_ref(S0, A, X, Bm, g, E, reverse, has_a, has_b)):
-        assert got.shape == want.shape
-        assert _rel(got, want) < 1e-5, _rel(got, want)
+    _check_scan(launch, np.random.default_rng(F + C + V), BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
 
 
 @pytest.mark.parametrize("has_e", [False, True])

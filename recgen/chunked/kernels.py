@@ -64,13 +64,18 @@ def scan_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, ha
     """Without A (Y = X: the forward diagonal scan) the kernel reads no A and writes no Y (its Y output
     is unused); without B (S <- g S + E: the backward diagonal scan) it reads no B. ``vec`` (V a
     multiple of 4): a thread's 4 columns move as one 16-byte access."""
+    kind = _scan_kind("scan", has_e, reverse, has_a, has_b, vec=vec)
+    return _source(get(dialect), "chunk_scan.j2", kind, "chunk scan of the chunked core", _scan_inputs(has_e, has_a, has_b),
+                   ("carried", "Y", "S_end"), (), has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, vec=vec)
+
+
+def _scan_kind(frame: str, has_e: bool, reverse: bool, has_a: bool, has_b: bool, has_p: bool = False,
+               has_dg: bool = False, vec: bool = False) -> str:
+    """The kernel name's variant part, shared by both scan frames; a scan needs an A or a B term."""
     if not (has_a or has_b):
         raise ValueError("chunk_scan: needs A or B")
-    ins = _scan_inputs(has_e, has_a, has_b)
-    kind = ("scan" + ("" if has_a else "_noa") + ("" if has_b else "_nob") + ("_e" if has_e else "")
-            + ("_rev" if reverse else "") + ("_v4" if vec else ""))
-    return _source(get(dialect), "chunk_scan.j2", kind, "chunk scan of the chunked core", ins,
-                   ("carried", "Y", "S_end"), (), has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, vec=vec)
+    return (frame + ("" if has_a else "_noa") + ("" if has_b else "_nob") + ("_e" if has_e else "")
+            + ("_p" if has_p else "") + ("_dg" if has_dg else "") + ("_rev" if reverse else "") + ("_v4" if vec else ""))
 
 
 def _scan_inputs(has_e: bool, has_a: bool, has_b: bool, has_p: bool = False, has_dg: bool = False) -> tuple:
@@ -85,11 +90,8 @@ def scan_mma_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True
     one more term Pa_cᵀ Pb_c ([C, K]ᵀ [C, V]) in the state update, an E given as its factors.
     ``has_dg``: also dgp [.., n, V / BV, K], per threadgroup of columns the row sums of carried_c ⊙ St_c
     for given St [.., n, K, V] (the backward's decay gradient Σ_j dS_{c+1} ⊙ S_c, never formed)."""
-    if not (has_a or has_b):
-        raise ValueError("chunk_scan: needs A or B")
     d = get(dialect)
-    kind = ("scan_mma" + ("" if has_a else "_noa") + ("" if has_b else "_nob") + ("_e" if has_e else "")
-            + ("_p" if has_p else "") + ("_dg" if has_dg else "") + ("_rev" if reverse else ""))
+    kind = _scan_kind("scan_mma", has_e, reverse, has_a, has_b, has_p, has_dg)
     outs = ("carried", "Y", "S_end") + (("dgp",) if has_dg else ())
     return _source(d, "chunk_scan_mma.j2", kind, "chunk scan of the chunked core, fragment multiply-adds",
                    _scan_inputs(has_e, has_a, has_b, has_p, has_dg), outs, (), helpers=d.mma_prelude,
@@ -165,12 +167,12 @@ def mma_on(dialect: str) -> bool:
     ``RECGEN_MMA_SCAN`` (0 / 1) if set, else the dialect's measured choice unless its ``mma_env`` switch
     is "0" or the fragment frame failed its self-test on this GPU (``usable``, run by
     ``parallel.chunk_kernels``)."""
-    d = get(dialect)
-    env = os.environ.get("RECGEN_MMA_SCAN")
     if MMA_SCAN is not None:
         return bool(MMA_SCAN)
+    env = os.environ.get("RECGEN_MMA_SCAN")
     if env is not None:
         return env not in ("0", "")
+    d = get(dialect)
     return d.mma_scan and not (d.mma_env and os.environ.get(d.mma_env) == "0") and (dialect, "mma") not in _failed
 
 

@@ -272,14 +272,17 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=N
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after.
     With ``kern`` the scan is the generated one, (A, X, B, E) = (u ⊙ Q, F, W, E) reversed (no B
     without a delta rule). ``E`` may come as its factors (Pa, Pb), E_c = Pa_cᵀ Pb_c: the generated
-    scan takes them as they are where it can (``kernels.scan_fuses_products``), the rest multiply out.
+    scan takes them as they are where it can (``kernels.scan_fuses_products``); elsewhere they are
+    multiplied out here, before the scan.
     With ``states`` (the forward's [.., n, K, V]) a fourth result: dg = Σ_j dS_{c+1} ⊙ S_c [.., n, K],
     formed inside the generated scan where it fuses products."""
-    if kern and kernels.scan_supported(kern, F.shape[-2], dS_end.shape[-2]):  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
+    (C, K), V = uQ.shape[-2:], F.shape[-1]
+    generated = kern and kernels.scan_supported(kern, C, K)  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
+    if isinstance(E, tuple) and not (generated and kernels.scan_fuses_products(kern, C, K, V, W is not None)):
+        E = E[0].swapaxes(-1, -2) @ E[1]
+    if generated:
         P, E = (E, None) if isinstance(E, tuple) else (None, E)
         return kernels.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True, P=P, St=states)
-    if isinstance(E, tuple):
-        E = E[0].swapaxes(-1, -2) @ E[1]
     out = _scan_backward_ops(geo, dS_end, uQ, W, F, E, compose, matrix)
     return out if states is None else out + ((out[0] * states).sum(-1),)
 
@@ -336,10 +339,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     P, Q = geo.P, geo.Q
     rP, uQ = r * P, u * Q
     F = M.swapaxes(-1, -2) @ dy
-    C, K, V = dy.shape[-2], r.shape[-1], dy.shape[-1]
-    fuse = kern and kernels.scan_supported(kern, C, K) and kernels.scan_fuses_products(kern, C, K, V, W is not None)
-    E = (rP, dy) if fuse else rP.swapaxes(-1, -2) @ dy                     # E = (r ⊙ P)ᵀ dy, or its factors
-    dSn, dZ, dS0, dg = _scan_backward(geo, dS_end, uQ, W, F, E, compose, matrix, kern, states)
+    dSn, dZ, dS0, dg = _scan_backward(geo, dS_end, uQ, W, F, (rP, dy), compose, matrix, kern, states)  # E = (r⊙P)ᵀ dy
     statesT, ZT = tr(states), tr(Z)
     d_uQ = Z @ tr(dSn)
     dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
