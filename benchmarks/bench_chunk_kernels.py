@@ -8,6 +8,8 @@ scan (kernel vs the composed MLX loop the GPU form runs) and the backward scan (
 loop), each checked against the other (max relative difference) and timed (median of 10 queued
 calls, ms); each scan in both frames (FMA, fragment multiply-adds). ``--mma-layouts BV/NW,..`` times the fragment
 scan at other layouts (columns / SIMD groups per threadgroup). ``--layouts`` times the scan kernel at other threadgroup layouts (columns BV / most row groups MAX_NR).
+The scalar-decay readout: the fragment kernel at column blocks ``--out-bv`` (default 32,64,128) against
+MLX's products.
 """
 from __future__ import annotations
 
@@ -85,6 +87,26 @@ def main():
         ck.MMA_SCAN = None
         print(f"  backward, E as factors: kernel {timeit(lambda: bp(*pargs), queue=10):.3f} ms; multiplied out first "
               f"{timeit(lambda: bo(*pargs), queue=10):.3f} ms; max rel diff " + " ".join(f"{x:.1e}" for x in d))
+    # the scalar-decay readout y = (r ⊙ P) S_c + M_ru Z: the fragment kernel (at several column blocks) against
+    # the MLX products it replaces (M_ru = (r uᵀ) ⊙ Γ, two GEMMs), GDN's operand sizes
+    r, u = nrm(B, H, n, C, K, a=K ** -0.5), nrm(B, H, n, C, K, a=K ** -0.5)
+    st, lg = nrm(B, H, n, K, V), -0.5 * mx.random.uniform(shape=(B, H, n, C, 1))
+    def out_ops(r, u, z, st, lg):
+        geo = parallel.ScalarDecay(lg)
+        return (r * geo.P) @ st + geo.pair(r, u, strict=False) @ z
+    om = mx.compile(out_ops)
+    want = om(r, u, U, st, lg)
+    print(f"readout [{B},{H},{n},{C},{K}|{V}]: MLX ops {timeit(lambda: om(r, u, U, st, lg), queue=10):.3f} ms")
+    for bv in (int(x) for x in arg("--out-bv", "32,64,128").split(",")):
+        ck.OUT_BV = bv
+        ck.out_mma_layout.cache_clear()
+        ck.out_mma_launch.cache_clear()
+        ok = mx.compile(lambda *a: ck.chunk_out(*a, dialect))
+        print(f"  fragment kernel {ck.out_mma_layout(C, K, V)}: {timeit(lambda: ok(r, u, U, st, lg), queue=10):.3f} ms, "
+              f"max rel diff {maxrel(ok(r, u, U, st, lg), want):.1e}")
+    ck.OUT_BV = 64
+    ck.out_mma_layout.cache_clear()
+    ck.out_mma_launch.cache_clear()
     for bv, nw in ((int(a), int(b)) for a, b in (x.split("/") for x in arg("--mma-layouts", "").split(",") if x)):
         ck.MMA_BV, ck.MMA_NW, ck.MMA_SCAN = bv, nw, True
         ck.scan_mma_layout.cache_clear()

@@ -176,10 +176,15 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     assert kinds == want, kinds
 
 
-def test_chunked_core_with_mma_scan_matches_reference(monkeypatch):
-    """GDN's chunked core end to end with the fragment scans (forward and backward) in place of the FMA
-    scans, the backward taking E = (r ⊙ P)ᵀ dy as its factors: K = 16 (one group), V = 8 (one column
-    tile), chunk 16, a partial last chunk."""
+@pytest.mark.parametrize("name,want", [
+    ("gated_delta_net", {"recgen_chunk_tril_inverse", "recgen_chunk_scan_mma", "recgen_chunk_scan_mma_p_dg_rev",
+                         "recgen_chunk_out_mma"}),
+    ("simple_gla", {"recgen_chunk_scan_mma_noa", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_out_mma"})])
+def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
+    """The chunked core end to end on the fragment frames: the scans (forward and backward; GDN's backward
+    taking E = (r ⊙ P)ᵀ dy as its factors) and the fused readout (M_ru formed again in the backward) in
+    place of the FMA scans and MLX's products: K = 16 (one group), V = 8 (one column tile), chunk 16, a
+    partial last chunk; forward, final state and every gradient against the float64 reference."""
     pytest.importorskip("mlx.core")
     from recgen import specs
     from recgen.chunked import parallel
@@ -189,9 +194,53 @@ def test_chunked_core_with_mma_scan_matches_reference(monkeypatch):
     monkeypatch.setattr(ck, "MMA_SCAN", True)
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    assert_close(compare(specs.BUILTINS["gated_delta_net"], 40, chunk=16, K=16, V=8, seed=9))
+    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=9))
     kinds = {c.split("_metal")[0] for c in calls}
-    assert kinds == {"recgen_chunk_tril_inverse", "recgen_chunk_scan_mma", "recgen_chunk_scan_mma_p_dg_rev"}, kinds
+    assert kinds == want, kinds
+
+
+def _out_ref(r, u, Z, St, l):
+    """float64 y_t = e^{G_t} r_t S + sum_{s<=t} (r_t . u_s) prod_{s<tau<=t} e^{l_tau} z_s, per chunk."""
+    N, C, _ = r.shape
+    l = l.astype(np.float64)
+    y = np.zeros(Z.shape)
+    for t in range(C):
+        y[:, t] = np.exp(l[:, :t + 1].sum(1))[:, None] * np.einsum("nk,nkv->nv", r[:, t], St)
+        for s in range(t + 1):
+            gam = np.exp(l[:, s + 1:t + 1].sum(1))
+            y[:, t] += ((r[:, t] * u[:, s]).sum(-1) * gam)[:, None] * Z[:, s]
+    return y
+
+
+@pytest.mark.parametrize("C,K,V,bv", [(16, 16, 24, 64), (32, 40, 32, 16), (64, 16, 16, 64)])  # BV 8, 16, 16
+def test_chunk_out_mma_matches_numpy(C, K, V, bv, monkeypatch):
+    """The fragment readout (chunk_out_mma.j2): one chunk per threadgroup row, C / 16 groups each forming
+    its rows of M = (R U^T) * Gamma; V split over threadgroups of BV columns (V = 32 at BV 16: two); decays
+    down to e^-20 a token, a run of weak ones after strong ones (anchored sums)."""
+    monkeypatch.setattr(ck, "OUT_BV", bv)
+    ck.out_mma_layout.cache_clear()
+    ck.out_mma_launch.cache_clear()
+    rng = np.random.default_rng(C + K + V)
+    N = 3
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
+    l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
+    ins = {"R": f(N, C, K), "U": f(N, C, K), "Z": f(N, C, V), "St": f(N, K, V), "logd": l}
+    launch = ck.out_mma_launch("metal", N, C, K, V)
+    assert dict(launch.template)["BV"] == next(b for b in (bv, 64, 32, 16, 8) if V % b == 0)
+    (y,) = verify.run_launch(launch, ins)
+    ck.out_mma_layout.cache_clear()
+    ck.out_mma_launch.cache_clear()
+    assert _rel(y, _out_ref(*(ins[k] for k in ("R", "U", "Z", "St", "logd")))) < 1e-5
+
+
+def test_chunk_out_mma_layouts():
+    assert ck.out_mma_layout(64, 128, 128) == {"BV": 64, "LD": 68}
+    assert ck.out_mma_layout(16, 8, 40) == {"BV": 8, "LD": 36}
+    assert ck.out_mma_layout(128, 128, 128) is None and ck.out_mma_layout(64, 12, 128) is None
+    assert ck.out_mma_layout(64, 128, 44) is None
+    with pytest.raises(ValueError, match="16, 32 or 64"):
+        ck.out_mma_launch("metal", 1, 8, 16, 16)
 
 
 @pytest.mark.parametrize("sanitizer", ["address", "thread"])

@@ -39,6 +39,7 @@ MAX_NR = 16       # row groups of the scan (threads = row groups × BV/4): 128 t
 WPT = 4           # SIMD groups per threadgroup of the pair kernels (one chunk row or column each)
 MMA_BV = 32       # value columns per threadgroup of the fragment scan (most; fewer where V needs)
 MMA_NW = 4        # SIMD groups per threadgroup of the fragment scan (most; fewer where K needs)
+OUT_BV = 64       # value columns per threadgroup of the fragment readout (most)
 MMA_SCAN = None   # tests and benchmarks: True / False overrides Dialect.mma_scan
 PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test (``_probe``): the common case's template constants
 
@@ -96,6 +97,13 @@ def scan_mma_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True
     return _source(d, "chunk_scan_mma.j2", kind, "chunk scan of the chunked core, fragment multiply-adds",
                    _scan_inputs(has_e, has_a, has_b, has_p, has_dg), outs, (), helpers=d.mma_prelude,
                    has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, has_p=has_p, has_dg=has_dg)
+
+
+@lru_cache(maxsize=None)
+def out_mma_source(dialect: str) -> KernelSource:
+    d = get(dialect)
+    return _source(d, "chunk_out_mma.j2", "out_mma", "chunk readout of the chunked core, fragment multiply-adds",
+                   ("R", "U", "Z", "St", "logd"), ("Y",), (), helpers=d.mma_prelude)
 
 
 @lru_cache(maxsize=None)
@@ -182,6 +190,27 @@ def _use_mma(dialect: str, C: int, K: int, V: int) -> bool:
     return mma_on(dialect) and lay is not None and (K + C) * lay["LD"] * 4 <= get(dialect).smem_bytes
 
 
+@lru_cache(maxsize=None)
+def out_mma_layout(C: int, K: int, V: int) -> dict | None:
+    """Template constants of the fragment readout, or None where it has no layout: C one of 16, 32, 64
+    (C / 16 SIMD groups of 16 rows; M's C × LD floats, at most 17 KiB, in threadgroup memory), K and V
+    multiples of 8; BV the largest of OUT_BV, 64, 32, 16, 8 dividing V; LD ≥ C, 4 mod 32."""
+    if C not in (16, 32, 64) or K % 8 or V % 8:
+        return None
+    bv = next(b for b in (OUT_BV, 64, 32, 16, 8) if V % b == 0)
+    return {"BV": bv, "LD": next(x for x in range(C, C + 32) if x % 32 == 4)}
+
+
+def fuses_readout(dialect: str, C: int, K: int, V: int) -> bool:
+    """Whether the core's scalar-decay readout y = (r ⊙ P) S_c + M_ru Z runs as the fragment kernel
+    (``chunk_out``; then M_ru is never in memory and the backward forms it again): where the fragment
+    frames are on (``mma_on``) and a layout exists. ``RECGEN_FUSED_READOUT=0`` keeps MLX's products
+    (benchmarks: the same code with it off and on)."""
+    if os.environ.get("RECGEN_FUSED_READOUT") == "0":
+        return False
+    return mma_on(dialect) and out_mma_layout(C, K, V) is not None
+
+
 def pair_supported(K: int) -> bool:
     """Lanes split K: K a multiple of 32."""
     return K % 32 == 0
@@ -239,6 +268,17 @@ def scan_fma_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: in
 
 
 @lru_cache(maxsize=256)
+def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int) -> Launch:
+    lay = out_mma_layout(C, K, V)
+    if lay is None:
+        raise ValueError(f"chunk_out_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8")
+    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items())
+    nt = 2 * C  # C / 16 SIMD groups of 32
+    return Launch(out_mma_source(dialect), (), (((N, C, V), "float32"),), (N * (V // lay["BV"]) * nt, 1, 1),
+                  (nt, 1, 1), tmpl)
+
+
+@lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False) -> Launch:
     if not pair_supported(K):
         raise ValueError(f"chunk_pair: K={K} must be a multiple of 32")
@@ -261,7 +301,7 @@ def _probe(dialect: str, frame: str) -> str | None:
     constants of the common case (C = 64, K = V = 128: the very kernels a model then uses, so nothing is
     compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
     ``frame``: "base" (the inverse and the key-decay pair), "scan" (the FMA scan) or "mma" (the fragment
-    scan). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
+    scan and readout). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
     then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked call."""
     import mlx.core as mx
     import numpy as np
@@ -287,6 +327,12 @@ def _probe(dialect: str, frame: str) -> str | None:
             launch = (scan_mma_launch if frame == "mma" else scan_fma_launch)(dialect, 1, n, C, K, V, 1, False, False)
             got = mlx_call(launch, get(dialect), [f32(S0), f32(A), f32(X), f32(Bm), f32(np.full((1, n, 1), 0.5))], [])
             ref = [np.stack(ref_c)[None], np.stack(ref_y)[None], S[None]]
+            if frame == "mma":  # and the readout, at decay e^-0.1 a token: y = e^{G} R S_c + ((R Uᵀ) ⊙ Γ) X_c
+                R, U = rng.normal(size=(n, C, K)) / K, rng.normal(size=(n, C, K))
+                G = -0.1 * np.arange(1, C + 1)
+                gam = np.tril(np.exp(G[:, None] - G[None, :]))
+                got = [*got, chunk_out(f32(R), f32(U), f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1)), dialect)]
+                ref.append(np.exp(G)[:, None] * (R @ np.stack(ref_c)) + ((R @ U.swapaxes(-1, -2)) * gam) @ X[0])
         mx.eval(got)
     except Exception as e:  # noqa: BLE001 -- any build or launch failure means: do not use this frame
         if "transformation" in str(e):  # MLX: "[eval] Attempting to eval an array during function transformations"
@@ -364,6 +410,18 @@ def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool, P=None, St=None)
         return carried, Y, S_end
     dg = outs[3].reshape(*lead, n, -1, K).sum(-2) if dg_here else (carried * St).sum(-1)
     return carried, Y, S_end, dg
+
+
+def chunk_out(r, u, Z, states, l, dialect: str):
+    """y = (r ⊙ P) S_c + M_ru Z per chunk for a scalar decay (P_t = e^{G_t}, M_ru[t, s] = (r_t · u_s) Γ(t, s),
+    s ≤ t), by the fragment kernel: r, u [.., n, C, K], Z [.., n, C, V], states [.., n, K, V], l (log-decays)
+    [.., n, C, 1]. Returns y [.., n, C, V], float32."""
+    (C, K), V = r.shape[-2:], Z.shape[-1]
+    N = _lead(r, 2)
+    (y,) = mlx_call(out_mma_launch(dialect, N, C, K, V), get(dialect),
+                    [r.reshape(N, C, K), u.reshape(N, C, K), Z.reshape(N, C, V), states.reshape(N, K, V),
+                     l.reshape(N, C)], [])
+    return y.reshape(*Z.shape)
 
 
 def pair(X, Y, dk, strict: bool, dialect: str):

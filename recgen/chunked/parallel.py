@@ -328,13 +328,25 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None)
             Tm = unit_lower_inv(A, inv_base)
         U, W = Tm @ w, Tm @ (bt * geo.P)
     states, Z, S_end = _scan_forward(geo, S0, uQ, U, W, compose, matrix, kern)
-    M = geo.pair(r, u, strict=False)
-    y = (r * geo.P) @ states + M @ Z
+    if _fused_readout(geo, kern, r, w):
+        y, M = kernels.chunk_out(r, u, Z, states, geo.l, kern), mx.zeros((1,), dtype=r.dtype)  # M: formed again in the backward
+    else:
+        M = geo.pair(r, u, strict=False)
+        y = (r * geo.P) @ states + M @ Z
     return y, S_end, (states, M) + ((Z, Tm, W) if bt is not None else ())
+
+
+def _fused_readout(geo, kern, r, w) -> bool:
+    """Whether the readout y = (r ⊙ P) S_c + M_ru Z runs as one generated kernel (``kernels.chunk_out``:
+    scalar decays, where the fragment frames are on): M_ru is then never in memory, so the forward keeps
+    a placeholder in its residual slot and the backward forms M_ru again (one product and a mask)."""
+    return bool(kern) and not geo.key and kernels.fuses_readout(kern, r.shape[-2], r.shape[-1], w.shape[-1])
 
 
 def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=None):
     states, M = res[:2]
+    if _fused_readout(geo, kern, r, w):
+        M = geo.pair(r, u, strict=False)
     Z, Tm, W = res[2:] if bt is not None else (w, None, None)
     P, Q = geo.P, geo.Q
     rP, uQ = r * P, u * Q
