@@ -200,23 +200,25 @@ def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
 
 
 def _out_ref(r, u, Z, St, l):
-    """float64 y_t = e^{G_t} r_t S + sum_{s<=t} (r_t . u_s) prod_{s<tau<=t} e^{l_tau} z_s, per chunk."""
+    """float64 M[t, s] = (r_t . u_s) prod_{s<tau<=t} e^{l_tau} (s <= t, else 0) and
+    y_t = e^{G_t} r_t S + sum_{s<=t} M[t, s] z_s, per chunk."""
     N, C, _ = r.shape
     l = l.astype(np.float64)
-    y = np.zeros(Z.shape)
+    y, M = np.zeros(Z.shape), np.zeros((N, C, C))
     for t in range(C):
         y[:, t] = np.exp(l[:, :t + 1].sum(1))[:, None] * np.einsum("nk,nkv->nv", r[:, t], St)
         for s in range(t + 1):
-            gam = np.exp(l[:, s + 1:t + 1].sum(1))
-            y[:, t] += ((r[:, t] * u[:, s]).sum(-1) * gam)[:, None] * Z[:, s]
-    return y
+            M[:, t, s] = (r[:, t] * u[:, s]).sum(-1) * np.exp(l[:, s + 1:t + 1].sum(1))
+            y[:, t] += M[:, t, s][:, None] * Z[:, s]
+    return y, M
 
 
-@pytest.mark.parametrize("C,K,V,bv", [(16, 16, 24, 64), (32, 40, 32, 16), (64, 16, 16, 64)])  # BV 8, 16, 16
+@pytest.mark.parametrize("C,K,V,bv", [(16, 16, 24, 64), (32, 40, 32, 16), (64, 16, 16, 64), (32, 64, 128, 128)])
 def test_chunk_out_mma_matches_numpy(C, K, V, bv, monkeypatch):
     """The fragment readout (chunk_out_mma.j2): one chunk per threadgroup row, C / 16 groups each forming
-    its rows of M = (R U^T) * Gamma; V split over threadgroups of BV columns (V = 32 at BV 16: two); decays
-    down to e^-20 a token, a run of weak ones after strong ones (anchored sums)."""
+    its rows of M = (R U^T) * Gamma; V split over threadgroups of BV columns (V = 32 at BV 16: two), R, U,
+    S_c, Z staged KB at a time (K = 40: five blocks of 8; the last case CUDA's BV 128, KB 32); decays down to
+    e^-20 a token, a run of weak ones after strong ones (anchored sums)."""
     monkeypatch.setattr(ck, "OUT_BV", bv)
     ck.out_mma_layout.cache_clear()
     ck.out_mma_launch.cache_clear()
@@ -227,18 +229,22 @@ def test_chunk_out_mma_matches_numpy(C, K, V, bv, monkeypatch):
     l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
     ins = {"R": f(N, C, K), "U": f(N, C, K), "Z": f(N, C, V), "St": f(N, K, V), "logd": l}
     launch = ck.out_mma_launch("metal", N, C, K, V)
-    assert dict(launch.template)["BV"] == next(b for b in (bv, 64, 32, 16, 8) if V % b == 0)
-    (y,) = verify.run_launch(launch, ins)
     ck.out_mma_layout.cache_clear()
     ck.out_mma_launch.cache_clear()
-    assert _rel(y, _out_ref(*(ins[k] for k in ("R", "U", "Z", "St", "logd")))) < 1e-5
+    assert dict(launch.template)["BV"] == next(b for b in (bv, 64, 32, 16, 8) if V % b == 0)
+    y, M = verify.run_launch(launch, ins)
+    want_y, want_M = _out_ref(*(ins[k] for k in ("R", "U", "Z", "St", "logd")))
+    assert _rel(y, want_y) < 1e-5 and _rel(M, want_M) < 1e-5
 
 
 def test_chunk_out_mma_layouts():
-    assert ck.out_mma_layout(64, 128, 128) == {"BV": 64, "LD": 68}
-    assert ck.out_mma_layout(16, 8, 40) == {"BV": 8, "LD": 36}
-    assert ck.out_mma_layout(128, 128, 128) is None and ck.out_mma_layout(64, 12, 128) is None
-    assert ck.out_mma_layout(64, 128, 44) is None
+    """Column blocks and staging depths by dialect: CUDA's 48 KiB take BV 64 (OUT_BV) and KB 32; Metal's 32 KiB
+    a shallower staging depth; sizes outside the layouts have none."""
+    assert ck.out_mma_layout("cuda", 64, 128, 128) == {"BV": 64, "KB": 32, "LD": 68, "LDA": 36, "LDB": 72, "XB": 2304}
+    assert ck.out_mma_layout("metal", 64, 128, 128) == {"BV": 64, "KB": 16, "LD": 68, "LDA": 20, "LDB": 72, "XB": 1280}
+    assert ck.out_mma_layout("metal", 16, 8, 40) == {"BV": 8, "KB": 8, "LD": 36, "LDA": 12, "LDB": 8, "XB": 192}
+    assert ck.out_mma_layout("cuda", 128, 128, 128) is None and ck.out_mma_layout("cuda", 64, 12, 128) is None
+    assert ck.out_mma_layout("cuda", 64, 128, 44) is None
     with pytest.raises(ValueError, match="16, 32 or 64"):
         ck.out_mma_launch("metal", 1, 8, 16, 16)
 
@@ -263,6 +269,10 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     sub = ins | {"S0": f(BH, K, V), "X": f(BH, n, C, V), "E": f(BH, n, K, V)}
     outs = verify.run_launch(ck.scan_mma_launch("metal", BH, n, C, K, V, K, True, True), sub, sanitizer=sanitizer)
     for got, want in zip(outs, _scan_ref(*(sub[k] for k in ("S0", "A", "X", "Bm", "g", "E")), True)):
+        assert _rel(got, want) < 1e-5
+    ro = {"R": f(2, 32, 16), "U": f(2, 32, 16), "Z": f(2, 32, 8), "St": f(2, 16, 8), "logd": -f(2, 32) ** 2}
+    outs = verify.run_launch(ck.out_mma_launch("metal", 2, 32, 16, 8), ro, sanitizer=sanitizer)  # 2 groups, 2 staged blocks
+    for got, want in zip(outs, _out_ref(*(ro[k] for k in ("R", "U", "Z", "St", "logd")))):
         assert _rel(got, want) < 1e-5
     L = np.tril(f(2, C, C), -1)
     (T,) = verify.run_launch(ck.inverse_launch("metal", 2, C), {"L": L}, sanitizer=sanitizer)

@@ -103,7 +103,7 @@ def scan_mma_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True
 def out_mma_source(dialect: str) -> KernelSource:
     d = get(dialect)
     return _source(d, "chunk_out_mma.j2", "out_mma", "chunk readout of the chunked core, fragment multiply-adds",
-                   ("R", "U", "Z", "St", "logd"), ("Y",), (), helpers=d.mma_prelude)
+                   ("R", "U", "Z", "St", "logd"), ("Y", "M"), (), helpers=d.mma_prelude)
 
 
 @lru_cache(maxsize=None)
@@ -191,24 +191,31 @@ def _use_mma(dialect: str, C: int, K: int, V: int) -> bool:
 
 
 @lru_cache(maxsize=None)
-def out_mma_layout(C: int, K: int, V: int) -> dict | None:
+def out_mma_layout(dialect: str, C: int, K: int, V: int) -> dict | None:
     """Template constants of the fragment readout, or None where it has no layout: C one of 16, 32, 64
-    (C / 16 SIMD groups of 16 rows; M's C × LD floats, at most 17 KiB, in threadgroup memory), K and V
-    multiples of 8; BV the largest of OUT_BV, 64, 32, 16, 8 dividing V; LD ≥ C, 4 mod 32."""
+    (C / 16 SIMD groups of 16 rows), K and V multiples of 8; the first (BV, KB) whose tiles fit the
+    dialect's threadgroup memory, BV from OUT_BV, 64, 32, 16, 8 dividing V (columns per threadgroup), KB
+    from 32, 16, 8 dividing C and K (staging depth). Threadgroup memory: M (C × LD), R's staged block
+    (C × LDA) and one block of U, S_c or Z (XB = C × LDA or KB × LDB): 44 KiB at C = 64, BV = 128 (CUDA)."""
     if C not in (16, 32, 64) or K % 8 or V % 8:
         return None
-    bv = next(b for b in (OUT_BV, 64, 32, 16, 8) if V % b == 0)
-    return {"BV": bv, "LD": next(x for x in range(C, C + 32) if x % 32 == 4)}
+    room = get(dialect).smem_bytes // 4
+    ld = next(x for x in range(C, C + 32) if x % 32 == 4)
+    for bv in (b for b in dict.fromkeys((OUT_BV, 64, 32, 16, 8)) if V % b == 0):
+        for kb in (b for b in (32, 16, 8) if C % b == 0 and K % b == 0):
+            lda, ldb = kb + 4, next(x for x in range(bv, bv + 32) if x % 32 in (8, 24))
+            if C * ld + C + C * lda + max(C * lda, kb * ldb) <= room:
+                return {"BV": bv, "KB": kb, "LD": ld, "LDA": lda, "LDB": ldb, "XB": max(C * lda, kb * ldb)}
+    return None
 
 
 def fuses_readout(dialect: str, C: int, K: int, V: int) -> bool:
     """Whether the core's scalar-decay readout y = (r ⊙ P) S_c + M_ru Z runs as the fragment kernel
-    (``chunk_out``; then M_ru is never in memory and the backward forms it again): where the fragment
-    frames are on (``mma_on``) and a layout exists. ``RECGEN_FUSED_READOUT=0`` keeps MLX's products
+    (``chunk_out``): where the fragment frames are on (``mma_on``) and a layout exists. ``RECGEN_FUSED_READOUT=0`` keeps MLX's products
     (benchmarks: the same code with it off and on)."""
     if os.environ.get("RECGEN_FUSED_READOUT") == "0":
         return False
-    return mma_on(dialect) and out_mma_layout(C, K, V) is not None
+    return mma_on(dialect) and out_mma_layout(dialect, C, K, V) is not None
 
 
 def pair_supported(K: int) -> bool:
@@ -269,13 +276,13 @@ def scan_fma_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: in
 
 @lru_cache(maxsize=256)
 def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int) -> Launch:
-    lay = out_mma_layout(C, K, V)
+    lay = out_mma_layout(dialect, C, K, V)
     if lay is None:
         raise ValueError(f"chunk_out_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8")
     tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items())
     nt = 2 * C  # C / 16 SIMD groups of 32
-    return Launch(out_mma_source(dialect), (), (((N, C, V), "float32"),), (N * (V // lay["BV"]) * nt, 1, 1),
-                  (nt, 1, 1), tmpl)
+    return Launch(out_mma_source(dialect), (), (((N, C, V), "float32"), ((N, C, C), "float32")),
+                  (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -331,8 +338,9 @@ def _probe(dialect: str, frame: str) -> str | None:
                 R, U = rng.normal(size=(n, C, K)) / K, rng.normal(size=(n, C, K))
                 G = -0.1 * np.arange(1, C + 1)
                 gam = np.tril(np.exp(G[:, None] - G[None, :]))
-                got = [*got, chunk_out(f32(R), f32(U), f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1)), dialect)]
-                ref.append(np.exp(G)[:, None] * (R @ np.stack(ref_c)) + ((R @ U.swapaxes(-1, -2)) * gam) @ X[0])
+                M = (R @ U.swapaxes(-1, -2)) * gam
+                got = [*got, *chunk_out(f32(R), f32(U), f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1)), dialect)]
+                ref += [np.exp(G)[:, None] * (R @ np.stack(ref_c)) + M @ X[0], M]
         mx.eval(got)
     except Exception as e:  # noqa: BLE001 -- any build or launch failure means: do not use this frame
         if "transformation" in str(e):  # MLX: "[eval] Attempting to eval an array during function transformations"
@@ -414,14 +422,14 @@ def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool, P=None, St=None)
 
 def chunk_out(r, u, Z, states, l, dialect: str):
     """y = (r ⊙ P) S_c + M_ru Z per chunk for a scalar decay (P_t = e^{G_t}, M_ru[t, s] = (r_t · u_s) Γ(t, s),
-    s ≤ t), by the fragment kernel: r, u [.., n, C, K], Z [.., n, C, V], states [.., n, K, V], l (log-decays)
-    [.., n, C, 1]. Returns y [.., n, C, V], float32."""
+    s ≤ t, 0 above), by the fragment kernel: r, u [.., n, C, K], Z [.., n, C, V], states [.., n, K, V], l
+    (log-decays) [.., n, C, 1]. Returns (y [.., n, C, V], M_ru [.., n, C, C]), float32."""
     (C, K), V = r.shape[-2:], Z.shape[-1]
     N = _lead(r, 2)
-    (y,) = mlx_call(out_mma_launch(dialect, N, C, K, V), get(dialect),
+    y, M = mlx_call(out_mma_launch(dialect, N, C, K, V), get(dialect),
                     [r.reshape(N, C, K), u.reshape(N, C, K), Z.reshape(N, C, V), states.reshape(N, K, V),
                      l.reshape(N, C)], [])
-    return y.reshape(*Z.shape)
+    return y.reshape(*Z.shape), M.reshape(*r.shape[:-1], C)
 
 
 def pair(X, Y, dk, strict: bool, dialect: str):

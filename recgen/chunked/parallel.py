@@ -329,7 +329,7 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None)
         U, W = Tm @ w, Tm @ (bt * geo.P)
     states, Z, S_end = _scan_forward(geo, S0, uQ, U, W, compose, matrix, kern)
     if _fused_readout(geo, kern, r, w):
-        y, M = kernels.chunk_out(r, u, Z, states, geo.l, kern), mx.zeros((1,), dtype=r.dtype)  # M: formed again in the backward
+        y, M = kernels.chunk_out(r, u, Z, states, geo.l, kern)
     else:
         M = geo.pair(r, u, strict=False)
         y = (r * geo.P) @ states + M @ Z
@@ -338,15 +338,14 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None)
 
 def _fused_readout(geo, kern, r, w) -> bool:
     """Whether the readout y = (r ⊙ P) S_c + M_ru Z runs as one generated kernel (``kernels.chunk_out``:
-    scalar decays, where the fragment frames are on): M_ru is then never in memory, so the forward keeps
-    a placeholder in its residual slot and the backward forms M_ru again (one product and a mask)."""
+    scalar decays, where the fragment frames are on), which also writes M_ru for the backward. (Forming
+    M_ru again in the backward instead, and never writing it, cost GDN 1.1 ms of its 14.4 ms fwd+bwd for
+    0.3 GiB of peak, H100 run 61.)"""
     return bool(kern) and not geo.key and kernels.fuses_readout(kern, r.shape[-2], r.shape[-1], w.shape[-1])
 
 
 def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=None):
     states, M = res[:2]
-    if _fused_readout(geo, kern, r, w):
-        M = geo.pair(r, u, strict=False)
     Z, Tm, W = res[2:] if bt is not None else (w, None, None)
     P, Q = geo.P, geo.Q
     rP, uQ = r * P, u * Q
