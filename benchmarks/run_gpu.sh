@@ -24,6 +24,7 @@ for stage in "$@"; do
              tail -c 3000 "$OUT/ncu_chunked_gated_delta_net.log" ;;
     ncu-scan) timeout 200 bash benchmarks/ncu_scan.sh > "$OUT/ncu_scan.log" 2>&1; grep -E "Duration|Stall|Occupancy|Registers|Issued|Eligible" "$OUT/ncu_scan.log" | head -60 ;;
     kernels) timeout 200 python benchmarks/bench_chunk_kernels.py 2>&1 | tee "$OUT/chunk_kernels.log" ;;
+    readout) timeout 100 python benchmarks/bench_chunk_kernels.py --readout-only 2>&1 | tee "$OUT/readout.log" ;;
     check-kernels) RECGEN_CHUNK_KERNELS=1 MLX_ENABLE_TF32=0 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 \
                --out "$OUT" > "$OUT/check_kernels_f32.log" 2>&1
              grep -E "FAIL|passed" "$OUT/check_kernels_f32.log"
