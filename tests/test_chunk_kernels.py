@@ -239,10 +239,9 @@ def test_chunk_out_mma_matches_numpy(C, K, V, bv, monkeypatch):
 
 def test_chunk_out_mma_layouts():
     """Column blocks and staging depths by dialect: CUDA's 48 KiB take BV 128 (OUT_BV) and KB 32; Metal's 32 KiB
-    a shallower staging depth (and at V = 256 fewer columns); sizes outside the layouts have none."""
+    a shallower staging depth; sizes outside the layouts have none."""
     assert ck.out_mma_layout("cuda", 64, 128, 128) == {"BV": 128, "KB": 32, "LD": 68, "LDA": 36, "LDB": 136, "XB": 4352}
     assert ck.out_mma_layout("metal", 64, 128, 128) == {"BV": 128, "KB": 16, "LD": 68, "LDA": 20, "LDB": 136, "XB": 2176}
-    assert ck.out_mma_layout("metal", 64, 128, 256) == {"BV": 64, "KB": 16, "LD": 68, "LDA": 20, "LDB": 72, "XB": 1280}
     assert ck.out_mma_layout("metal", 16, 8, 40) == {"BV": 8, "KB": 8, "LD": 36, "LDA": 12, "LDB": 8, "XB": 192}
     assert ck.out_mma_layout("cuda", 128, 128, 128) is None and ck.out_mma_layout("cuda", 64, 12, 128) is None
     assert ck.out_mma_layout("cuda", 64, 128, 44) is None
