@@ -40,6 +40,9 @@ for stage in "$@"; do
     ab-readout) for v in 0 1; do echo "RECGEN_FUSED_READOUT=$v"
              RECGEN_FUSED_READOUT=$v timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
                --specs gated_delta_net,simple_gla,delta_net --tag readout$v --out "$OUT" 2>&1 | tee -a "$OUT/ab_readout.log"; done ;;
+    ab-ut) for v in 0 1; do echo "RECGEN_FUSED_UT=$v"
+             RECGEN_FUSED_UT=$v timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
+               --specs gated_delta_net,delta_net --tag ut$v --out "$OUT" 2>&1 | tee -a "$OUT/ab_ut.log"; done ;;
     check-mma) RECGEN_CHUNK_KERNELS=1 RECGEN_MMA_SCAN=1 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 \
                --out "$OUT" > "$OUT/check_mma_f32_tf32.log" 2>&1
              grep -E "FAIL|passed" "$OUT/check_mma_f32_tf32.log" ;;

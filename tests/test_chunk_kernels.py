@@ -177,13 +177,13 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
 
 
 @pytest.mark.parametrize("name,want", [
-    ("gated_delta_net", {"recgen_chunk_tril_inverse", "recgen_chunk_scan_mma", "recgen_chunk_scan_mma_p_dg_rev",
+    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma", "recgen_chunk_scan_mma_p_dg_rev",
                          "recgen_chunk_out_mma"}),
     ("simple_gla", {"recgen_chunk_scan_mma_noa", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_out_mma"})])
 def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
-    """The chunked core end to end on the fragment frames: the scans (forward and backward; GDN's backward
-    taking E = (r ⊙ P)ᵀ dy as its factors) and the fused readout (M_ru formed again in the backward) in
-    place of the FMA scans and MLX's products: K = 16 (one group), V = 8 (one column tile), chunk 16, a
+    """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
+    backward; GDN's backward taking E = (r ⊙ P)ᵀ dy as its factors) and the readout in place of the inverse
+    kernel, the FMA scans and MLX's products: K = 16 (one group), V = 8 (one column tile), chunk 16, a
     partial last chunk; forward, final state and every gradient against the float64 reference."""
     pytest.importorskip("mlx.core")
     from recgen import specs
@@ -249,6 +249,47 @@ def test_chunk_out_mma_layouts():
         ck.out_mma_launch("metal", 1, 8, 16, 16)
 
 
+def _ut_ref(bt, u, w, l):
+    """float64 A[t, s] = (bt_t . u_s) prod_{s<tau<=t} e^{l_tau} (s < t), T = (I - A)^{-1}, T w, T (bt * e^{G})."""
+    N, C, _ = bt.shape
+    l = l.astype(np.float64)
+    A = np.zeros((N, C, C))
+    for t in range(C):
+        for s in range(t):
+            A[:, t, s] = (bt[:, t] * u[:, s]).sum(-1) * np.exp(l[:, s + 1:t + 1].sum(1))
+    T = np.linalg.inv(np.eye(C) - A)
+    return T, T @ w, T @ (bt * np.exp(np.cumsum(l, 1))[..., None])
+
+
+@pytest.mark.parametrize("C,K,V", [(16, 16, 24), (32, 40, 16), (32, 64, 128)])
+def test_chunk_ut_mma_matches_numpy(C, K, V):
+    """The fragment UT transform (chunk_ut_mma.j2): A formed on fragments, inverted in threadgroup memory,
+    applied to W and Bt * e^G in passes of BW columns (K = 40: BW 8, five passes; K = 64, V = 128: BW 64, KB 32);
+    keys scaled like unit-norm ones times beta (A's entries below 1), decays down to e^-20 a token, a run of
+    weak ones after strong ones."""
+    rng = np.random.default_rng(C + K + V)
+    N = 3
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
+    l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
+    ins = {"Bt": -f(N, C, K) / np.sqrt(K), "U": f(N, C, K) / np.sqrt(K), "W": f(N, C, V), "logd": l}
+    outs = verify.run_launch(ck.ut_mma_launch("metal", N, C, K, V), ins)
+    for got, want in zip(outs, _ut_ref(*(ins[k] for k in ("Bt", "U", "W", "logd")))):
+        assert got.shape == want.shape
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+
+
+def test_chunk_ut_mma_layouts():
+    """CUDA's 48 KiB hold C = 64 (A and Tm, 17 KiB each, staging 16 deep); Metal's 32 KiB do not (MLX ops and the
+    inverse kernel there); BW divides both K and V."""
+    assert ck.ut_mma_layout("cuda", 64, 128, 128) == {"BW": 64, "KB": 16, "LD": 68, "LDA": 20, "LDB": 72, "XS": 2560}
+    assert ck.ut_mma_layout("metal", 64, 128, 128) is None
+    assert ck.ut_mma_layout("metal", 32, 40, 16)["BW"] == 8
+    assert ck.ut_mma_layout("cuda", 8, 16, 16) is None and ck.ut_mma_layout("cuda", 64, 12, 16) is None
+    with pytest.raises(ValueError, match="threadgroup memory"):
+        ck.ut_mma_launch("metal", 1, 64, 128, 128)
+
+
 @pytest.mark.parametrize("sanitizer", ["address", "thread"])
 def test_chunk_kernels_under_sanitizers(sanitizer):
     """ASan+UBSan (bounds) and TSan (threadgroup-memory races across the staging barriers)."""
@@ -273,6 +314,10 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     ro = {"R": f(2, 32, 16), "U": f(2, 32, 16), "Z": f(2, 32, 8), "St": f(2, 16, 8), "logd": -f(2, 32) ** 2}
     outs = verify.run_launch(ck.out_mma_launch("metal", 2, 32, 16, 8), ro, sanitizer=sanitizer)  # 2 groups, 2 staged blocks
     for got, want in zip(outs, _out_ref(*(ro[k] for k in ("R", "U", "Z", "St", "logd")))):
+        assert _rel(got, want) < 1e-5
+    ut = {"Bt": -f(2, 32, 16) / 4, "U": f(2, 32, 16) / 4, "W": f(2, 32, 8), "logd": -f(2, 32) ** 2}
+    outs = verify.run_launch(ck.ut_mma_launch("metal", 2, 32, 16, 8), ut, sanitizer=sanitizer)
+    for got, want in zip(outs, _ut_ref(*(ut[k] for k in ("Bt", "U", "W", "logd")))):
         assert _rel(got, want) < 1e-5
     L = np.tril(f(2, C, C), -1)
     (T,) = verify.run_launch(ck.inverse_launch("metal", 2, C), {"L": L}, sanitizer=sanitizer)

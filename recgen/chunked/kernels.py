@@ -107,6 +107,13 @@ def out_mma_source(dialect: str) -> KernelSource:
 
 
 @lru_cache(maxsize=None)
+def ut_mma_source(dialect: str) -> KernelSource:
+    d = get(dialect)
+    return _source(d, "chunk_ut_mma.j2", "ut_mma", "UT transform of the chunked core's delta rule, fragment multiply-adds",
+                   ("Bt", "U", "W", "logd"), ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude)
+
+
+@lru_cache(maxsize=None)
 def pair_source(dialect: str, strict: bool) -> KernelSource:
     return _source(get(dialect), "chunk_pair.j2", "pair" + ("_strict" if strict else ""),
                    "key-vector decay pair matrix of a chunk", ("X", "Y", "dk", "rt"), ("M",), (), strict=strict)
@@ -218,6 +225,35 @@ def fuses_readout(dialect: str, C: int, K: int, V: int) -> bool:
     return mma_on(dialect) and out_mma_layout(dialect, C, K, V) is not None
 
 
+@lru_cache(maxsize=None)
+def ut_mma_layout(dialect: str, C: int, K: int, V: int) -> dict | None:
+    """Template constants of the fragment UT transform, or None where it has no layout: C one of 16, 32, 64,
+    K and V multiples of 8; BW the largest of 64, 32, 16, 8 dividing K and V (columns a pass of Tm W and
+    Tm (Bt ⊙ e^G)); the deepest KB of 32, 16, 8 dividing C and K whose tiles fit the dialect's threadgroup
+    memory: A and Tm (C × LD each) and the staging buffer XS (Bt's and U's blocks, C × LDA each, or KB rows of
+    BW columns). At C = 64 that is 45 KiB (KB 16): CUDA only."""
+    if C not in (16, 32, 64) or K % 8 or V % 8:
+        return None
+    room = get(dialect).smem_bytes // 4
+    ld = next(x for x in range(C, C + 32) if x % 32 == 4)
+    bw = next(b for b in (64, 32, 16, 8) if K % b == 0 and V % b == 0)
+    ldb = next(x for x in range(bw, bw + 32) if x % 32 in (8, 24))
+    for kb in (b for b in (32, 16, 8) if C % b == 0 and K % b == 0):
+        xs = max(2 * C * (kb + 4), kb * ldb)
+        if 2 * C * ld + C + xs <= room:
+            return {"BW": bw, "KB": kb, "LD": ld, "LDA": kb + 4, "LDB": ldb, "XS": xs}
+    return None
+
+
+def fuses_ut(dialect: str, C: int, K: int, V: int) -> bool:
+    """Whether the core's delta-rule UT transform (A = M_b̃u, T = (I − A)^{-1}, U = T w, W = T (b̃ ⊙ P)) runs as
+    the fragment kernel (``chunk_ut``) for a scalar decay: where the fragment frames are on and a layout exists.
+    ``RECGEN_FUSED_UT=0`` keeps MLX's products and the inverse kernel (benchmarks)."""
+    if os.environ.get("RECGEN_FUSED_UT") == "0":
+        return False
+    return mma_on(dialect) and ut_mma_layout(dialect, C, K, V) is not None
+
+
 def pair_supported(K: int) -> bool:
     """Lanes split K: K a multiple of 32."""
     return K % 32 == 0
@@ -286,6 +322,17 @@ def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int) -> Launch:
 
 
 @lru_cache(maxsize=256)
+def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int) -> Launch:
+    lay = ut_mma_layout(dialect, C, K, V)
+    if lay is None:
+        raise ValueError(f"chunk_ut_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8, "
+                         f"and the tiles must fit {dialect}'s threadgroup memory")
+    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items())
+    outs = (((N, C, C), "float32"), ((N, C, V), "float32"), ((N, C, K), "float32"))
+    return Launch(ut_mma_source(dialect), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
+
+
+@lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False) -> Launch:
     if not pair_supported(K):
         raise ValueError(f"chunk_pair: K={K} must be a multiple of 32")
@@ -308,7 +355,7 @@ def _probe(dialect: str, frame: str) -> str | None:
     constants of the common case (C = 64, K = V = 128: the very kernels a model then uses, so nothing is
     compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
     ``frame``: "base" (the inverse and the key-decay pair), "scan" (the FMA scan) or "mma" (the fragment
-    scan and readout). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
+    scan, readout and UT transform). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
     then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked call."""
     import mlx.core as mx
     import numpy as np
@@ -341,6 +388,12 @@ def _probe(dialect: str, frame: str) -> str | None:
                 M = (R @ U.swapaxes(-1, -2)) * gam
                 got = [*got, *chunk_out(f32(R), f32(U), f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1)), dialect)]
                 ref += [np.exp(G)[:, None] * (R @ np.stack(ref_c)) + M @ X[0], M]
+                # and the UT transform (A = (-R Uᵀ / K) ⊙ Γ strictly below the diagonal), where its tiles fit
+                if ut_mma_layout(dialect, C, K, V) is not None:
+                    A = np.tril(-(R @ U.swapaxes(-1, -2)) / K * gam, -1)
+                    T = np.linalg.inv(np.eye(C) - A)
+                    got = [*got, *chunk_ut(f32(-R / K), f32(U), f32(X[0]), f32(np.full((n, C, 1), -0.1)), dialect)]
+                    ref += [T, T @ X[0], T @ (-R / K * np.exp(G)[:, None])]
         mx.eval(got)
     except Exception as e:  # noqa: BLE001 -- any build or launch failure means: do not use this frame
         if "transformation" in str(e):  # MLX: "[eval] Attempting to eval an array during function transformations"
@@ -430,6 +483,17 @@ def chunk_out(r, u, Z, states, l, dialect: str):
                     [r.reshape(N, C, K), u.reshape(N, C, K), Z.reshape(N, C, V), states.reshape(N, K, V),
                      l.reshape(N, C)], [])
     return y.reshape(*Z.shape), M.reshape(*r.shape[:-1], C)
+
+
+def chunk_ut(bt, u, w, l, dialect: str):
+    """The delta rule's UT transform per chunk for a scalar decay, by the fragment kernel: A[t, s] =
+    (b̃_t · u_s) Γ(t, s) for s < t, Tm = (I − A)^{-1}, U = Tm w, W = Tm (b̃ ⊙ P). bt, u [.., n, C, K], w
+    [.., n, C, V], l (log-decays) [.., n, C, 1]. Returns (Tm [.., n, C, C], U [.., n, C, V], W [.., n, C, K])."""
+    (C, K), V = bt.shape[-2:], w.shape[-1]
+    N = _lead(bt, 2)
+    Tm, U, W = mlx_call(ut_mma_launch(dialect, N, C, K, V), get(dialect),
+                        [bt.reshape(N, C, K), u.reshape(N, C, K), w.reshape(N, C, V), l.reshape(N, C)], [])
+    return Tm.reshape(*bt.shape[:-1], C), U.reshape(w.shape), W.reshape(bt.shape)
 
 
 def pair(X, Y, dk, strict: bool, dialect: str):

@@ -320,7 +320,9 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None)
     """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too."""
     uQ = u * geo.Q
     U, W, Tm = w, None, None
-    if bt is not None:
+    if bt is not None and kern and not geo.key and kernels.fuses_ut(kern, *u.shape[-2:], w.shape[-1]):
+        Tm, U, W = kernels.chunk_ut(bt, u, w, geo.l, kern)  # A never in memory
+    elif bt is not None:
         A = geo.pair(bt, u, strict=True)
         if kern and kernels.inverse_supported(A.shape[-1]):
             Tm = kernels.tril_inverse(A, kern)
