@@ -20,7 +20,10 @@ for stage in "$@"; do
              grep -E "FAIL|passed" "$OUT/check_mlx_f32.log"
              timeout 100 python benchmarks/cuda_check.py --backend mlx --dtypes bfloat16 --out "$OUT" > "$OUT/check_mlx_bf16.log" 2>&1
              grep -E "FAIL|passed" "$OUT/check_mlx_bf16.log" ;;
-    ncu-chunked) for sp in gated_delta_net simple_gla; do timeout 200 bash benchmarks/ncu_chunked.sh $sp > "$OUT/ncu_chunked_$sp.log" 2>&1; done
+    ncu-gdn) timeout 200 bash benchmarks/ncu_chunked.sh gated_delta_net > "$OUT/ncu_chunked_gdn.log" 2>&1
+             python benchmarks/ncu_summary.py "$OUT/ncu_chunked_gdn.log" | tee "$OUT/ncu_chunked_gdn.summary.txt" | head -24 ;;
+    ncu-chunked) for sp in gated_delta_net simple_gla; do timeout 200 bash benchmarks/ncu_chunked.sh $sp > "$OUT/ncu_chunked_$sp.log" 2>&1
+               python benchmarks/ncu_summary.py "$OUT/ncu_chunked_$sp.log" | tee "$OUT/ncu_chunked_$sp.summary.txt" | head -16; done
              tail -c 3000 "$OUT/ncu_chunked_gated_delta_net.log" ;;
     ncu-scan) timeout 200 bash benchmarks/ncu_scan.sh > "$OUT/ncu_scan.log" 2>&1; grep -E "Duration|Stall|Occupancy|Registers|Issued|Eligible" "$OUT/ncu_scan.log" | head -60 ;;
     kernels) timeout 200 python benchmarks/bench_chunk_kernels.py 2>&1 | tee "$OUT/chunk_kernels.log" ;;
