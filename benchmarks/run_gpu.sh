@@ -25,6 +25,8 @@ for stage in "$@"; do
     ncu-chunked) for sp in gated_delta_net simple_gla; do timeout 200 bash benchmarks/ncu_chunked.sh $sp > "$OUT/ncu_chunked_$sp.log" 2>&1
                python benchmarks/ncu_summary.py "$OUT/ncu_chunked_$sp.log" | tee "$OUT/ncu_chunked_$sp.summary.txt" | head -16; done
              tail -c 3000 "$OUT/ncu_chunked_gated_delta_net.log" ;;
+    ncu-fused) timeout 200 bash benchmarks/ncu_fused.sh > "$OUT/ncu_fused.log" 2>&1
+             grep -E "chunk_|Duration|Stall|Occupancy|Registers|Issued|Eligible|Throughput|Shared Memory Config|Block Limit" "$OUT/ncu_fused.log" | head -80 ;;
     ncu-scan) timeout 200 bash benchmarks/ncu_scan.sh > "$OUT/ncu_scan.log" 2>&1; grep -E "Duration|Stall|Occupancy|Registers|Issued|Eligible" "$OUT/ncu_scan.log" | head -60 ;;
     kernels) timeout 200 python benchmarks/bench_chunk_kernels.py 2>&1 | tee "$OUT/chunk_kernels.log" ;;
     readout) timeout 100 python benchmarks/bench_chunk_kernels.py --readout-only 2>&1 | tee "$OUT/readout.log" ;;
