@@ -279,6 +279,30 @@ def test_chunk_ut_mma_matches_numpy(C, K, V):
         assert _rel(got, want) < 1e-5, _rel(got, want)
 
 
+def test_chunk_ut_mma_at_the_cuda_layout(monkeypatch):
+    """C = 64 (the GPU default: block levels m = 16 and 32 of the inverse) at CUDA's layout, which exceeds Metal's
+    32 KiB of threadgroup memory, so the Metal spelling runs with only that limit waived (the lint and the type
+    check's static_assert; the CPU emulator has no such limit); every other layer as usual."""
+    import sys
+
+    vk, vt = sys.modules["recgen.verify.kernels"], sys.modules["recgen.verify.typecheck"]  # the modules, not the functions
+
+    real = vk.lint
+    monkeypatch.setattr(vk, "lint", lambda *a, **k: [i for i in real(*a, **k) if i.rule != "threadgroup_memory"])
+    monkeypatch.setattr(vt, "_limit_asserts", lambda src: "")
+    rng = np.random.default_rng(64)
+    N, C, K, V = 2, 64, 32, 16
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    l = (-3 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
+    l[1] = -0.01  # weak decays: the whole chunk couples (A's far blocks matter)
+    ins = {"Bt": -f(N, C, K) / np.sqrt(K), "U": f(N, C, K) / np.sqrt(K), "W": f(N, C, V), "logd": l}
+    lay = ck.ut_mma_layout("cuda", C, K, V)
+    launch = ck.Launch(ck.ut_mma_source("metal"), (), (((N, C, C), "float32"), ((N, C, V), "float32"), ((N, C, K), "float32")),
+                       (N * 2 * C, 1, 1), (2 * C, 1, 1), (("C", C), ("K", K), ("V", V)) + tuple(lay.items()))
+    for got, want in zip(verify.run_launch(launch, ins), _ut_ref(*(ins[k] for k in ("Bt", "U", "W", "logd")))):
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+
+
 def test_chunk_ut_mma_layouts():
     """CUDA's 48 KiB hold C = 64 (A and Tm, 17 KiB each, staging 16 deep); Metal's 32 KiB do not (MLX ops and the
     inverse kernel there); BW divides both K and V."""

@@ -231,7 +231,7 @@ def ut_mma_layout(dialect: str, C: int, K: int, V: int) -> dict | None:
     K and V multiples of 8; BW the largest of 64, 32, 16, 8 dividing K and V (columns a pass of Tm W and
     Tm (Bt ⊙ e^G)); the deepest KB of 32, 16, 8 dividing C and K whose tiles fit the dialect's threadgroup
     memory: A and Tm (C × LD each) and the staging buffer XS (Bt's and U's blocks, C × LDA each, or KB rows of
-    BW columns). At C = 64 that is 45 KiB (KB 16): CUDA only."""
+    BW columns, or the block inverse's products). At C = 64 that is 45 KiB (KB 16): CUDA only."""
     if C not in (16, 32, 64) or K % 8 or V % 8:
         return None
     room = get(dialect).smem_bytes // 4
@@ -239,7 +239,7 @@ def ut_mma_layout(dialect: str, C: int, K: int, V: int) -> dict | None:
     bw = next(b for b in (64, 32, 16, 8) if K % b == 0 and V % b == 0)
     ldb = next(x for x in range(bw, bw + 32) if x % 32 in (8, 24))
     for kb in (b for b in (32, 16, 8) if C % b == 0 and K % b == 0):
-        xs = max(2 * C * (kb + 4), kb * ldb)
+        xs = max(2 * C * (kb + 4), kb * ldb, 20 * C)  # 20 C: the inverse's X blocks (C / 2m of m × (m + 8), m ≤ 32)
         if 2 * C * ld + C + xs <= room:
             return {"BW": bw, "KB": kb, "LD": ld, "LDA": kb + 4, "LDB": ldb, "XS": xs}
     return None

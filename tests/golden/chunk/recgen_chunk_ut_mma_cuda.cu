@@ -16,8 +16,10 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   // The delta rule's UT transform of one chunk (scalar decay), per threadgroup:
   //   A = (Bt U^T) * Gamma (s < t, 0 on and above the diagonal),  Tm = (I - A)^{-1},
   //   Uw = Tm W,  Wb = Tm (Bt * e^{G})          (Gamma(t, s) = e^{sum_{s < tau <= t} l_tau}, G_t = sum_{tau <= t} l_tau)
-  // A is formed on fragment multiply-adds in threadgroup memory, inverted there by forward substitution (thread j
-  // owns column j of Tm), and Tm is applied from threadgroup memory; only Tm, Uw, Wb are written out.
+  // A is formed on fragment multiply-adds in threadgroup memory, inverted there (16 x 16 diagonal blocks by forward
+  // substitution, then block levels on fragments), and Tm is applied from threadgroup memory; only Tm, Uw, Wb are
+  // written out. (Forward substitution over the whole chunk, thread j owning column j, left the kernel 1.0 ms on
+  // its C^2 / 2-step chains, H100 run 66.)
   // Fragments as in chunk_scan_mma.j2 (PTX m16n8k8: gq = lane / 4, tq = lane % 4); SIMD group w owns rows
   // 16 w .. 16 w + 15 of A and of the products (C / 16 groups). Operands are staged through threadgroup memory
   // by coalesced loads. Template constants: C (16, 32 or 64), K, V (multiples of 8), BW (columns a pass of
@@ -85,17 +87,52 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     }
   }
   __syncthreads();  // A is complete
-  // Tm[t, j] = [t == j] + sum_{j <= s < t} A[t, s] Tm[s, j]: thread j walks its column down (only it touches the
-  // column, so no barrier inside); 0 above the diagonal
-  if (tid < C) {
-    const int j = tid;
-    for (int t = 0; t < C; ++t) {
+  // Tm = (I - A)^{-1} by the recursive 2x2 block inverse (as the MLX form's unit_lower_inv), so no thread runs a
+  // C^2 / 2 chain: group w inverts diagonal block w (16 x 16) by forward substitution, lane j < 16 walking its
+  // column down (Tm[t, j] = [t == j] + sum_{j <= s < t} A[t, s] Tm[s, j]); then for m = 16, 32, .. < C every
+  // 2m-block's lower-left m x m block is T21 = T22 (A21 T11), two fragment products through the staging buffer.
+  if (lane < 16) {
+    const int j = r0 + lane;
+    for (int t = r0; t < r0 + 16; ++t) {
       float acc = t == j ? 1.0f : 0.0f;
       for (int s = j; s < t; ++s) acc += As_[t * LD + s] * Ts_[s * LD + j];
       Ts_[t * LD + j] = acc;
-      Tm[(bc * C + t) * C + j] = acc;
     }
   }
+  for (int m = 16; m < C; m *= 2) {
+    const int ldx = m + 8;  // row stride of X = A21 T11 in the staging buffer (8 mod 32 at m = 16, 32)
+    // items: (2m-block p, 16-row block rb, 8-column tile ct) of an m x m product, round-robin over the groups
+    for (int step = 0; step < 2; ++step) {
+      __syncthreads();  // the previous level (or step) is complete
+      for (int it = tid / 32; it < (C / (2 * m)) * (m / 16) * (m / 8); it += NT / 32) {
+        const int p = it / ((m / 16) * (m / 8)), rb = (it / (m / 8)) % (m / 16), ct = it % (m / 8);
+        const int o = 2 * m * p;  // the 2m-block's first row and column
+        float x_[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k0 = 0; k0 < m; k0 += 8) {
+          if (step == 0) {  // X = A21 T11: A21 rows o + m + 16 rb .., T11 rows o + k ..
+            const int ra = o + m + 16 * rb + gq, ca = o + k0 + tq;
+            const float a_[4] = {As_[ra * LD + ca], As_[(ra + 8) * LD + ca], As_[ra * LD + ca + 4], As_[(ra + 8) * LD + ca + 4]};
+            const float b_[2] = {Ts_[(o + k0 + tq) * LD + o + 8 * ct + gq], Ts_[(o + k0 + tq + 4) * LD + o + 8 * ct + gq]};
+            rg_mma(x_, a_, b_, lane);
+          } else {  // T21 = T22 X: T22 rows o + m + 16 rb .., columns o + m + k
+            const int ra = o + m + 16 * rb + gq, ca = o + m + k0 + tq;
+            const float a_[4] = {Ts_[ra * LD + ca], Ts_[(ra + 8) * LD + ca], Ts_[ra * LD + ca + 4], Ts_[(ra + 8) * LD + ca + 4]};
+            const float b_[2] = {Xs_[(p * m + k0 + tq) * ldx + 8 * ct + gq], Xs_[(p * m + k0 + tq + 4) * ldx + 8 * ct + gq]};
+            rg_mma(x_, a_, b_, lane);
+          }
+        }
+        if (step == 0) {
+          Xs_[(p * m + 16 * rb + gq) * ldx + 8 * ct + 2 * tq] = x_[0]; Xs_[(p * m + 16 * rb + gq) * ldx + 8 * ct + 2 * tq + 1] = x_[1];
+          Xs_[(p * m + 16 * rb + gq + 8) * ldx + 8 * ct + 2 * tq] = x_[2]; Xs_[(p * m + 16 * rb + gq + 8) * ldx + 8 * ct + 2 * tq + 1] = x_[3];
+        } else {
+          Ts_[(o + m + 16 * rb + gq) * LD + o + 8 * ct + 2 * tq] = x_[0]; Ts_[(o + m + 16 * rb + gq) * LD + o + 8 * ct + 2 * tq + 1] = x_[1];
+          Ts_[(o + m + 16 * rb + gq + 8) * LD + o + 8 * ct + 2 * tq] = x_[2]; Ts_[(o + m + 16 * rb + gq + 8) * LD + o + 8 * ct + 2 * tq + 1] = x_[3];
+        }
+      }
+    }
+  }
+  __syncthreads();  // Tm is complete
+  for (int i = tid; i < C * C; i += NT) Tm[bc * C * C + i] = i % C > i / C ? 0.0f : Ts_[(i / C) * LD + i % C];
   // Uw = Tm W, then Wb = Tm (Bt * e^{G}) (the staging loops' barriers order them after the inverse)
   for (int c0 = 0; c0 < V; c0 += BW) {
     float y_[BW / 8][4];
