@@ -93,6 +93,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // 2m-block's lower-left m x m block is T21 = T22 (A21 T11), two fragment products through the staging buffer.
   if (lane < 16) {
     const int j = r0 + lane;
+    for (int t = 0; t < r0; ++t) Ts_[t * LD + j] = 0.0f;  // above the diagonal blocks: the block products read it
     for (int t = r0; t < r0 + 16; ++t) {
       float acc = t == j ? 1.0f : 0.0f;
       for (int s = j; s < t; ++s) acc += As_[t * LD + s] * Ts_[s * LD + j];
