@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import replace
@@ -121,6 +122,16 @@ def cache_dir() -> Path:
     return d
 
 
+def poison_threadgroup(src: str) -> str:
+    """Fill every kernel-scope threadgroup array with 0xFF bytes (NaN for floats) once, before its first use:
+    a static local starts zeroed on the CPU, while a GPU's threadgroup memory holds whatever ran before, so a
+    read of never-written threadgroup memory would pass here and fail there (as it did for the UT transform's
+    upper blocks on the H100, run 67). C++'s guarded static initialisation runs the fill exactly once, with
+    every thread of the first threadgroup waiting for it. Same line: diagnostics keep their line numbers."""
+    return re.sub(r"(?m)^([ \t]*static\s+threadgroup\s+[^;*&=(]*?(\w+)\s*(?:\[[^\]]*\]\s*)+;)",
+                  r"\1 static const bool \2_rg_poisoned_ = rg_poison(\2, sizeof(\2));", src)
+
+
 def build(source: str, kernel_name: str | None = None, sanitizer: str | None = None,
           clang: str | None = None) -> tuple[Path, Kernel]:
     """Compile `source` into a driver executable (cached by content hash); returns (path, kernel)."""
@@ -129,7 +140,7 @@ def build(source: str, kernel_name: str | None = None, sanitizer: str | None = N
     clang = clang or find_clang()
     if clang is None:
         raise MSLCompileError("clang++ not found (apt-get install clang-19)")
-    rewritten = rewrite_for_clang(source)
+    rewritten = poison_threadgroup(rewrite_for_clang(source))
     # names and template arguments come from the original (the rewrite drops host_name instantiations),
     # parameters from the rewritten source (whose attributes the launcher understands)
     orig = pick_kernel(source, kernel_name)

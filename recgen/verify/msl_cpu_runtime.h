@@ -206,6 +206,9 @@ inline IdxT elem_to_loc(IdxT elem, const int* shape, const int64_t* strides, int
   return loc;
 }
 
+// Threadgroup arrays start as 0xFF bytes (NaN), not zeros (cpu_exec.poison_threadgroup).
+inline bool rg_poison(void* p, size_t n) { std::memset(p, 0xFF, n); return true; }
+
 // Address spaces vanish on the CPU.  Defined last: `thread` would break std::thread above.
 #define device
 #define constant
