@@ -104,9 +104,30 @@ def main():
         ok = mx.compile(lambda *a: ck.chunk_out(*a, dialect))
         print(f"  fragment kernel {ck.out_mma_layout(dialect, C, K, V)}: {timeit(lambda: ok(r, u, U, st, lg), queue=10):.3f} ms, "
               f"max rel diff {maxrel(ok(r, u, U, st, lg)[0], want):.1e}")
-    ck.OUT_BV = 64
+    ck.OUT_BV = 128
     ck.out_mma_layout.cache_clear()
     ck.out_mma_launch.cache_clear()
+    # the delta rule's UT transform (A = M_b̃u, Tm = (I − A)^{-1}, Tm w, Tm (b̃ ⊙ P)): the fragment kernel at two
+    # column passes against the MLX products and the inverse kernel it replaces
+    bt = -0.5 * r
+    def ut_ops(bt, u, w, lg):
+        geo = parallel.ScalarDecay(lg)
+        Tm = ck.tril_inverse(geo.pair(bt, u, strict=True), dialect)
+        return Tm, Tm @ w, Tm @ (bt * geo.P)
+    um = mx.compile(ut_ops)
+    want = um(bt, u, U, lg)
+    print(f"UT transform: MLX products and the inverse kernel {timeit(lambda: um(bt, u, U, lg), queue=10):.3f} ms")
+    for bw in (64, 128):
+        ck.UT_BW = bw
+        ck.ut_mma_layout.cache_clear()
+        ck.ut_mma_launch.cache_clear()
+        uk = mx.compile(lambda *a: ck.chunk_ut(*a, dialect))
+        got = uk(bt, u, U, lg)
+        print(f"  fragment kernel {ck.ut_mma_layout(dialect, C, K, V)}: {timeit(lambda: uk(bt, u, U, lg), queue=10):.3f} ms, "
+              "max rel diff (Tm, U, W) " + " ".join(f"{maxrel(a, b):.1e}" for a, b in zip(got, want)))
+    ck.UT_BW = 64
+    ck.ut_mma_layout.cache_clear()
+    ck.ut_mma_launch.cache_clear()
     for bv, nw in ((int(a), int(b)) for a, b in (x.split("/") for x in arg("--mma-layouts", "").split(",") if x)):
         ck.MMA_BV, ck.MMA_NW, ck.MMA_SCAN = bv, nw, True
         ck.scan_mma_layout.cache_clear()

@@ -261,10 +261,11 @@ def _ut_ref(bt, u, w, l):
     return T, T @ w, T @ (bt * np.exp(np.cumsum(l, 1))[..., None])
 
 
-@pytest.mark.parametrize("C,K,V", [(16, 16, 24), (32, 40, 16), (32, 64, 128)])
-def test_chunk_ut_mma_matches_numpy(C, K, V):
+@pytest.mark.parametrize("C,K,V,bw", [(16, 16, 24, 64), (32, 40, 16, 64), (32, 64, 128, 64), (16, 128, 128, 128)])
+def test_chunk_ut_mma_matches_numpy(C, K, V, bw, monkeypatch):
     """The fragment UT transform (chunk_ut_mma.j2): A formed on fragments, inverted in threadgroup memory,
-    applied to W and Bt * e^G in passes of BW columns (K = 40: BW 8, five passes; K = 64, V = 128: BW 64, KB 32);
+    applied to W and Bt * e^G in passes of BW columns (K = 40: BW 8, five passes; K = 64, V = 128: BW 64, KB 32;
+    BW 128: one pass each);
     keys scaled like unit-norm ones times beta (A's entries below 1), decays down to e^-20 a token, a run of
     weak ones after strong ones."""
     rng = np.random.default_rng(C + K + V)
@@ -273,7 +274,14 @@ def test_chunk_ut_mma_matches_numpy(C, K, V):
     l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
     l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
     ins = {"Bt": -f(N, C, K) / np.sqrt(K), "U": f(N, C, K) / np.sqrt(K), "W": f(N, C, V), "logd": l}
-    outs = verify.run_launch(ck.ut_mma_launch("metal", N, C, K, V), ins)
+    monkeypatch.setattr(ck, "UT_BW", bw)
+    ck.ut_mma_layout.cache_clear()
+    ck.ut_mma_launch.cache_clear()
+    launch = ck.ut_mma_launch("metal", N, C, K, V)
+    ck.ut_mma_layout.cache_clear()
+    ck.ut_mma_launch.cache_clear()
+    assert dict(launch.template)["BW"] == next(b for b in (bw, 64, 32, 16, 8) if K % b == 0 and V % b == 0)
+    outs = verify.run_launch(launch, ins)
     for got, want in zip(outs, _ut_ref(*(ins[k] for k in ("Bt", "U", "W", "logd")))):
         assert got.shape == want.shape
         assert _rel(got, want) < 1e-5, _rel(got, want)

@@ -40,6 +40,7 @@ WPT = 4           # SIMD groups per threadgroup of the pair kernels (one chunk r
 MMA_BV = 32       # value columns per threadgroup of the fragment scan (most; fewer where V needs)
 MMA_NW = 4        # SIMD groups per threadgroup of the fragment scan (most; fewer where K needs)
 OUT_BV = 128      # value columns per threadgroup of the fragment readout (most; H100 run 63: 0.66 ms at 128, 0.86 at 64, 1.27 at 32)
+UT_BW = 64        # columns a pass of the fragment UT transform's products (most)
 MMA_SCAN = None   # tests and benchmarks: True / False overrides Dialect.mma_scan
 PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test (``_probe``): the common case's template constants
 
@@ -228,7 +229,7 @@ def fuses_readout(dialect: str, C: int, K: int, V: int) -> bool:
 @lru_cache(maxsize=None)
 def ut_mma_layout(dialect: str, C: int, K: int, V: int) -> dict | None:
     """Template constants of the fragment UT transform, or None where it has no layout: C one of 16, 32, 64,
-    K and V multiples of 8; BW the largest of 64, 32, 16, 8 dividing K and V (columns a pass of Tm W and
+    K and V multiples of 8; BW the first of UT_BW, 64, 32, 16, 8 dividing K and V (columns a pass of Tm W and
     Tm (Bt ⊙ e^G)); the deepest KB of 32, 16, 8 dividing C and K whose tiles fit the dialect's threadgroup
     memory: A and Tm (C × LD each) and the staging buffer XS (Bt's and U's blocks, C × LDA each, or KB rows of
     BW columns, or the block inverse's products). At C = 64 that is 45 KiB (KB 16): CUDA only."""
@@ -236,7 +237,7 @@ def ut_mma_layout(dialect: str, C: int, K: int, V: int) -> dict | None:
         return None
     room = get(dialect).smem_bytes // 4
     ld = next(x for x in range(C, C + 32) if x % 32 == 4)
-    bw = next(b for b in (64, 32, 16, 8) if K % b == 0 and V % b == 0)
+    bw = next(b for b in dict.fromkeys((UT_BW, 64, 32, 16, 8)) if K % b == 0 and V % b == 0)
     ldb = next(x for x in range(bw, bw + 32) if x % 32 in (8, 24))
     for kb in (b for b in (32, 16, 8) if C % b == 0 and K % b == 0):
         xs = max(2 * C * (kb + 4), kb * ldb, 20 * C)  # 20 C: the inverse's X blocks (C / 2m of m × (m + 8), m ≤ 32)
