@@ -125,7 +125,7 @@ def main():
         got = uk(bt, u, U, lg)
         print(f"  fragment kernel {ck.ut_mma_layout(dialect, C, K, V)}: {timeit(lambda: uk(bt, u, U, lg), queue=10):.3f} ms, "
               "max rel diff (Tm, U, W) " + " ".join(f"{maxrel(a, b):.1e}" for a, b in zip(got, want)))
-    ck.UT_BW = 64
+    ck.UT_BW = 128
     ck.ut_mma_layout.cache_clear()
     ck.ut_mma_launch.cache_clear()
     for bv, nw in ((int(a), int(b)) for a, b in (x.split("/") for x in arg("--mma-layouts", "").split(",") if x)):

@@ -261,7 +261,7 @@ def _ut_ref(bt, u, w, l):
     return T, T @ w, T @ (bt * np.exp(np.cumsum(l, 1))[..., None])
 
 
-@pytest.mark.parametrize("C,K,V,bw", [(16, 16, 24, 64), (32, 40, 16, 64), (32, 64, 128, 64), (16, 128, 128, 128)])
+@pytest.mark.parametrize("C,K,V,bw", [(16, 16, 24, 128), (32, 40, 16, 128), (32, 64, 128, 64), (16, 128, 128, 128)])
 def test_chunk_ut_mma_matches_numpy(C, K, V, bw, monkeypatch):
     """The fragment UT transform (chunk_ut_mma.j2): A formed on fragments, inverted in threadgroup memory,
     applied to W and Bt * e^G in passes of BW columns (K = 40: BW 8, five passes; K = 64, V = 128: BW 64, KB 32;
@@ -313,8 +313,8 @@ def test_chunk_ut_mma_at_the_cuda_layout(monkeypatch):
 
 def test_chunk_ut_mma_layouts():
     """CUDA's 48 KiB hold C = 64 (A and Tm, 17 KiB each, staging 16 deep); Metal's 32 KiB do not (MLX ops and the
-    inverse kernel there); BW divides both K and V."""
-    assert ck.ut_mma_layout("cuda", 64, 128, 128) == {"BW": 64, "KB": 16, "LD": 68, "LDA": 20, "LDB": 72, "XS": 2560}
+    inverse kernel there); BW (UT_BW = 128 where it divides K and V) divides both."""
+    assert ck.ut_mma_layout("cuda", 64, 128, 128) == {"BW": 128, "KB": 16, "LD": 68, "LDA": 20, "LDB": 136, "XS": 2560}
     assert ck.ut_mma_layout("metal", 64, 128, 128) is None
     assert ck.ut_mma_layout("metal", 32, 40, 16)["BW"] == 8
     assert ck.ut_mma_layout("cuda", 8, 16, 16) is None and ck.ut_mma_layout("cuda", 64, 12, 16) is None

@@ -40,7 +40,7 @@ WPT = 4           # SIMD groups per threadgroup of the pair kernels (one chunk r
 MMA_BV = 32       # value columns per threadgroup of the fragment scan (most; fewer where V needs)
 MMA_NW = 4        # SIMD groups per threadgroup of the fragment scan (most; fewer where K needs)
 OUT_BV = 128      # value columns per threadgroup of the fragment readout (most; H100 run 63: 0.66 ms at 128, 0.86 at 64, 1.27 at 32)
-UT_BW = 64        # columns a pass of the fragment UT transform's products (most)
+UT_BW = 128       # columns a pass of the fragment UT transform's products (most; H100 run 69: 0.62 ms at 128, 0.71 at 64)
 MMA_SCAN = None   # tests and benchmarks: True / False overrides Dialect.mma_scan
 PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test (``_probe``): the common case's template constants
 
