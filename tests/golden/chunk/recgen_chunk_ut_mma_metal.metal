@@ -38,7 +38,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   const int r0 = 16 * (tid / 32);
   const int64_t bc = threadgroup_position_in_grid.x;
   // Decay products from sums anchored at their first token (as the MLX form's ScalarDecay): thread s < C
-  // sweeps column s of Gamma (strictly below the diagonal) down the chunk, thread C the sums from the start
+  // sweeps column s of Gamma (strictly below the diagonal) down the chunk, thread C the sums from the chunk start (e^{G_t})
   if (tid <= C) {
     float acc = 0.0f;
     for (int t = 0; t < C; ++t) {
