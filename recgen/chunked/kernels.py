@@ -15,6 +15,10 @@ pair matrix. All three are spec-free algebra, so one frame per kernel serves eve
   giving dS_{c+1}, dZ and dS_0. Without a delta rule the forward has no A and the backward no B.
 - ``pair`` / ``pair_grad``: M[t, s] = Σ_i X_ti Y_si Γ_i(t, s) of a key-vector decay and its two
   gradients, Γ carried along a row (or column) by one multiplication per step.
+- ``chunk_ut`` and ``chunk_out`` (scalar decays, fragment frames only, ``fuses_ut`` / ``fuses_readout``): the
+  delta rule's UT transform (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout
+  y = (r ⊙ P) S_c + M_ru Z, each one kernel per chunk with A or M_ru formed in threadgroup memory
+  (``chunk_ut_mma.j2``, ``chunk_out_mma.j2``; shared helpers in ``_fragments.j2``).
 
 Rendered through a ``Dialect`` like the recurrent kernels (frames ``templates/chunk_*.j2``), called
 through ``mx.fast.<dialect.mlx_factory>``; the Metal form is verified on the CPU emulator, the CUDA form

@@ -30,7 +30,8 @@ anchored at s (a cumulative sum of a masked C×C matrix), so a small decay far f
 stays accurate; key-vector decays use the multiplicative hierarchy of ``core.decay_levels`` (one exp
 per token and element, no [C, C, K] tensor), or on GPUs with chunk kernels (``chunk_kernels``) the
 pair kernels, which multiply Γ up one step at a time. There the inverse and both scans run as
-generated kernels too (``recgen.chunked.kernels``).
+generated kernels too (``recgen.chunked.kernels``), and where the fragment frames are on (CUDA) a scalar
+decay's UT transform (A, T, U, W) and readout (y, M_ru) are one kernel each.
 """
 from __future__ import annotations
 
@@ -320,7 +321,9 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None)
     """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too."""
     uQ = u * geo.Q
     U, W, Tm = w, None, None
-    if bt is not None and kern and not geo.key and kernels.fuses_ut(kern, *u.shape[-2:], w.shape[-1]):
+    (C, K), V = u.shape[-2:], w.shape[-1]
+    fused = bool(kern) and not geo.key  # the fragment UT transform and readout take scalar decays
+    if bt is not None and fused and kernels.fuses_ut(kern, C, K, V):
         Tm, U, W = kernels.chunk_ut(bt, u, w, geo.l, kern)  # A never in memory
     elif bt is not None:
         A = geo.pair(bt, u, strict=True)
@@ -330,20 +333,13 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None)
             Tm = unit_lower_inv(A, inv_base)
         U, W = Tm @ w, Tm @ (bt * geo.P)
     states, Z, S_end = _scan_forward(geo, S0, uQ, U, W, compose, matrix, kern)
-    if _fused_readout(geo, kern, r, w):
+    if fused and kernels.fuses_readout(kern, C, K, V):
+        # M_ru is written for the backward: forming it again there cost GDN 1.1 ms of fwd+bwd (H100, run 61)
         y, M = kernels.chunk_out(r, u, Z, states, geo.l, kern)
     else:
         M = geo.pair(r, u, strict=False)
         y = (r * geo.P) @ states + M @ Z
     return y, S_end, (states, M) + ((Z, Tm, W) if bt is not None else ())
-
-
-def _fused_readout(geo, kern, r, w) -> bool:
-    """Whether the readout y = (r ⊙ P) S_c + M_ru Z runs as one generated kernel (``kernels.chunk_out``:
-    scalar decays, where the fragment frames are on), which also writes M_ru for the backward. (Forming
-    M_ru again in the backward instead, and never writing it, cost GDN 1.1 ms of its 14.4 ms fwd+bwd for
-    0.3 GiB of peak, H100 run 61.)"""
-    return bool(kern) and not geo.key and kernels.fuses_readout(kern, r.shape[-2], r.shape[-1], w.shape[-1])
 
 
 def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=None):
