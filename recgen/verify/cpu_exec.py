@@ -123,11 +123,13 @@ def cache_dir() -> Path:
 
 
 def poison_threadgroup(src: str) -> str:
-    """Fill every kernel-scope threadgroup array with 0xFF bytes (NaN for floats) once, before its first use:
-    a static local starts zeroed on the CPU, while a GPU's threadgroup memory holds whatever ran before, so a
-    read of never-written threadgroup memory would pass here and fail there (as it did for the UT transform's
-    upper blocks on the H100, run 67). C++'s guarded static initialisation runs the fill exactly once, with
-    every thread of the first threadgroup waiting for it. Same line: diagnostics keep their line numbers."""
+    """Fill every kernel-scope threadgroup array with 0xFF bytes (NaN for floats) before each threadgroup: a
+    static local starts zeroed on the CPU and keeps the previous threadgroup's values, while a GPU's threadgroup
+    memory holds whatever ran before, so a read of memory the threadgroup did not write would pass here and fail
+    there (as the UT transform's upper blocks did on the H100, run 67). The rewrite registers each array at its
+    first use (C++'s guarded static initialisation: once, every thread of the first threadgroup waiting for it;
+    ``msl_emu::register_tg_array``), and the dispatcher refills the registered arrays before every later
+    threadgroup. Same line: diagnostics keep their line numbers."""
     return re.sub(r"(?m)^([ \t]*static\s+threadgroup\s+[^;*&=(]*?(\w+)\s*(?:\[[^\]]*\]\s*)+;)",
                   r"\1 static const bool \2_rg_poisoned_ = rg_poison(\2, sizeof(\2));", src)
 

@@ -11,6 +11,22 @@ namespace msl_emu {
   std::fflush(stderr);
   std::_Exit(3);
 }
+// Kernel-scope threadgroup arrays are static locals on the CPU; cpu_exec.poison_threadgroup's rewrite registers
+// each at its first use (filled with 0xFF bytes: NaN for floats), and dispatch refills them before every
+// threadgroup, as a GPU's threadgroup memory holds whatever ran before: a read of memory this threadgroup did
+// not write then shows as NaN.
+struct TgArrays { std::mutex m; std::vector<std::pair<void*, size_t>> list; };
+inline TgArrays& tg_arrays() { static TgArrays a; return a; }
+inline bool register_tg_array(void* p, size_t n) {
+  std::memset(p, 0xFF, n);
+  std::lock_guard<std::mutex> g(tg_arrays().m);
+  tg_arrays().list.emplace_back(p, n);
+  return true;
+}
+inline void poison_tg_arrays() {
+  std::lock_guard<std::mutex> g(tg_arrays().m);
+  for (auto& [p, n] : tg_arrays().list) std::memset(p, 0xFF, n);
+}
 inline double timeout_s() { const char* e = std::getenv("MSL_EMU_TIMEOUT"); return e ? std::atof(e) : 20.0; }
 
 // Counting barrier over a fixed set of threads; finished threads drop out.  Every arrival
@@ -124,6 +140,7 @@ inline int dispatch(uint3 grid, uint3 tg, const std::function<void(const Ctx&)>&
           g.sgs[s].bar.expected = (int)std::min<uint>(kSimdWidth, n - s * kSimdWidth);
           g.sgs[s].bar.what = "simdgroup operation";
         }
+        poison_tg_arrays();
         if (group_begin) group_begin();
         std::vector<std::thread> ths; ths.reserve(n);
         for (uint i = 0; i < n; ++i) {
