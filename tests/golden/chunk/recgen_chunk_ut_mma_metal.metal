@@ -150,7 +150,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
         if (sb + kk < r0 + 16) {  // T[t, s] = 0 for s > t
           const float a_[4] = {Ts_[(r0 + gq) * LD + sb + kk + tq], Ts_[(r0 + gq + 8) * LD + sb + kk + tq],
                                Ts_[(r0 + gq) * LD + sb + kk + tq + 4], Ts_[(r0 + gq + 8) * LD + sb + kk + tq + 4]};
-#pragma unroll
+          #pragma unroll
           for (int ct = 0; ct < BW / 8; ++ct) {
             const float b_[2] = {Xs_[(kk + tq) * LDB + 8 * ct + gq], Xs_[(kk + tq + 4) * LDB + 8 * ct + gq]};
             rg_mma(y_[ct], a_, b_, lane);
@@ -181,7 +181,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
         if (sb + kk < r0 + 16) {  // T[t, s] = 0 for s > t
           const float a_[4] = {Ts_[(r0 + gq) * LD + sb + kk + tq], Ts_[(r0 + gq + 8) * LD + sb + kk + tq],
                                Ts_[(r0 + gq) * LD + sb + kk + tq + 4], Ts_[(r0 + gq + 8) * LD + sb + kk + tq + 4]};
-#pragma unroll
+          #pragma unroll
           for (int ct = 0; ct < BW / 8; ++ct) {
             const float b_[2] = {Xs_[(kk + tq) * LDB + 8 * ct + gq], Xs_[(kk + tq + 4) * LDB + 8 * ct + gq]};
             rg_mma(y_[ct], a_, b_, lane);
