@@ -164,6 +164,18 @@ def scan_layout(dialect: str, C: int, K: int) -> dict:
     return {"NR": nr, "NT": nr * BV // 4, "KB": kb, "TB": tb, "SLAB": slab}
 
 
+def _a_stride(n: int) -> int:
+    """The row stride (≥ n) of a threadgroup tile read as A fragments: 4 mod 32, so a fragment's 8 rows × 4
+    columns hit 32 distinct banks."""
+    return next(x for x in range(n, n + 32) if x % 32 == 4)
+
+
+def _b_stride(n: int) -> int:
+    """The row stride (≥ n) of a threadgroup tile read as B fragments: 8 or 24 mod 32, so a fragment's 4 rows ×
+    8 columns hit 32 distinct banks."""
+    return next(x for x in range(n, n + 32) if x % 32 in (8, 24))
+
+
 @lru_cache(maxsize=None)
 def scan_mma_layout(C: int, K: int, V: int) -> dict | None:
     """Template constants of the fragment scan, or None where it has no layout: C and K multiples of
@@ -176,7 +188,7 @@ def scan_mma_layout(C: int, K: int, V: int) -> dict | None:
         return None
     bv = next(b for b in (MMA_BV, 16, 8) if V % b == 0)
     nw = next(w for w in (MMA_NW, 4, 2, 1) if (K // 16) % w == 0)
-    ld = next(x for x in range(bv, bv + 32) if x % 32 in (8, 24))
+    ld = _b_stride(bv)
     ct = bv // 8
     yct = next((y for y in range(ct, 0, -1) if ct % y == 0 and (C // 16) * (ct // y) >= nw), 1)
     return {"BV": bv, "NW": nw, "LD": ld, "YCT": yct}
@@ -212,10 +224,10 @@ def out_mma_layout(dialect: str, C: int, K: int, V: int) -> dict | None:
     if C not in (16, 32, 64) or K % 8 or V % 8:
         return None
     room = get(dialect).smem_bytes // 4
-    ld = next(x for x in range(C, C + 32) if x % 32 == 4)
+    ld = _a_stride(C)
     for bv in (b for b in dict.fromkeys((OUT_BV, 64, 32, 16, 8)) if V % b == 0):
         for kb in (b for b in (32, 16, 8) if C % b == 0 and K % b == 0):
-            lda, ldb = kb + 4, next(x for x in range(bv, bv + 32) if x % 32 in (8, 24))
+            lda, ldb = kb + 4, _b_stride(bv)
             if C * ld + C + C * lda + max(C * lda, kb * ldb) <= room:
                 return {"BV": bv, "KB": kb, "LD": ld, "LDA": lda, "LDB": ldb, "XB": max(C * lda, kb * ldb)}
     return None
@@ -240,9 +252,9 @@ def ut_mma_layout(dialect: str, C: int, K: int, V: int) -> dict | None:
     if C not in (16, 32, 64) or K % 8 or V % 8:
         return None
     room = get(dialect).smem_bytes // 4
-    ld = next(x for x in range(C, C + 32) if x % 32 == 4)
+    ld = _a_stride(C)
     bw = next(b for b in dict.fromkeys((UT_BW, 64, 32, 16, 8)) if K % b == 0 and V % b == 0)
-    ldb = next(x for x in range(bw, bw + 32) if x % 32 in (8, 24))
+    ldb = _b_stride(bw)
     for kb in (b for b in (32, 16, 8) if C % b == 0 and K % b == 0):
         xs = max(2 * C * (kb + 4), kb * ldb, 20 * C)  # 20 C: the inverse's X blocks (C / 2m of m × (m + 8), m ≤ 32)
         if 2 * C * ld + C + xs <= room:
