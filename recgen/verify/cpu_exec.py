@@ -131,7 +131,7 @@ def poison_threadgroup(src: str) -> str:
     ``msl_emu::register_tg_array``), and the dispatcher refills the registered arrays before every later
     threadgroup. Same line: diagnostics keep their line numbers."""
     return re.sub(r"(?m)^([ \t]*static\s+threadgroup\s+[^;*&=(]*?(\w+)\s*(?:\[[^\]]*\]\s*)+;)",
-                  r"\1 static const bool \2_rg_poisoned_ = rg_poison(\2, sizeof(\2));", src)
+                  r"\1 static const bool \2_rg_poisoned_ = msl_emu::register_tg_array(\2, sizeof(\2));", src)
 
 
 def build(source: str, kernel_name: str | None = None, sanitizer: str | None = None,

@@ -206,9 +206,6 @@ inline IdxT elem_to_loc(IdxT elem, const int* shape, const int64_t* strides, int
   return loc;
 }
 
-// Threadgroup arrays hold 0xFF bytes (NaN) at the start of every threadgroup (cpu_exec.poison_threadgroup).
-inline bool rg_poison(void* p, size_t n) { return msl_emu::register_tg_array(p, n); }
-
 // Address spaces vanish on the CPU.  Defined last: `thread` would break std::thread above.
 #define device
 #define constant
