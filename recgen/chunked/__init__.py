@@ -155,9 +155,9 @@ def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None):
 
 
 def _roles(p, names, scale, sizes, S, arrays):
-    chunk = {n: a.astype(S.dtype) for n, a in zip(names, arrays)}  # upcast here: fused with the role math
+    chunk = dict(zip(names, arrays))  # upcast by ``bind``, after the layout views: fused with the role math
     T = next(chunk[x.name].shape[1] for x in p.rec.inputs if x.per_token)
-    return T, evaluate(p, bind(p, chunk, sizes.H), scale, sizes.B, sizes.H, T, sizes.K, sizes.V, S.dtype)
+    return T, evaluate(p, bind(p, chunk, sizes.H, S.dtype), scale, sizes.B, sizes.H, T, sizes.K, sizes.V, S.dtype)
 
 
 def _z_scan(p, t, z, C):

@@ -36,7 +36,7 @@ decay's UT transform (A, T, U, W) and readout (y, M_ru) are one kernel each.
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import mlx.core as mx
 
@@ -51,6 +51,13 @@ def _tri(C: int, strict: bool):
     return (t[:, None] > t[None, :]) if strict else (t[:, None] >= t[None, :])
 
 
+def _decay_to_end(l):
+    """Q_s = Γ(end, s) = exp(Σ_{τ>s} l_τ) [.., C, F]: a reverse cumulative sum anchored at the chunk's end,
+    so no difference of large sums."""
+    after = mx.cumsum(l, axis=-2, reverse=True)[..., 1:, :]          # Σ_{τ>s} l_τ for s < C-1
+    return mx.exp(mx.concatenate([after, mx.zeros_like(l[..., :1, :])], axis=-2))
+
+
 class ScalarDecay:
     """One decay per token (F = 1): Γ as a [.., C, C] matrix; pair terms are masked matmuls."""
 
@@ -58,15 +65,22 @@ class ScalarDecay:
 
     def __init__(self, l, saved=()):
         self.l = l
-        C = l.shape[-2]
-        lt = l[..., 0]
-        # D[t, s] = Σ_{s<τ≤t} l_τ, summed from s (anchored): accurate however far t is from the start
-        D = mx.cumsum(mx.where(_tri(C, True), lt[..., :, None], 0.0), axis=-2)
-        self.gamma = mx.where(_tri(C, False), mx.exp(D), 0.0)
-        self.gamma_strict = mx.where(_tri(C, True), self.gamma, 0.0)
         self.P = mx.exp(mx.cumsum(l, axis=-2))
-        self.Q = self.gamma[..., -1, :][..., None]
+        self.Q = _decay_to_end(l)
         self.g = self.P[..., -1, :]
+
+    @cached_property
+    def gamma(self):
+        """Γ [.., C, C], formed only where a product needs it: the fused kernels form it themselves (the
+        forward's Q once came from its last row, a [.., C, C] cumulative sum, exp and mask per forward)."""
+        C = self.l.shape[-2]
+        # D[t, s] = Σ_{s<τ≤t} l_τ, summed from s (anchored): accurate however far t is from the start
+        D = mx.cumsum(mx.where(_tri(C, True), self.l[..., 0][..., :, None], 0.0), axis=-2)
+        return mx.where(_tri(C, False), mx.exp(D), 0.0)
+
+    @cached_property
+    def gamma_strict(self):
+        return mx.where(_tri(self.l.shape[-2], True), self.gamma, 0.0)
 
     def pair(self, X, Y, strict: bool):
         return (X @ tr(Y)) * (self.gamma_strict if strict else self.gamma)
@@ -141,8 +155,7 @@ class KernelKeyDecay:
         self.l, self.kern = l, kern
         self.d = mx.exp(l)
         self.P = mx.exp(mx.cumsum(l, axis=-2))
-        after = mx.cumsum(l, axis=-2, reverse=True)[..., 1:, :]          # Σ_{τ>s} l_τ for s < C-1
-        self.Q = mx.exp(mx.concatenate([after, mx.zeros_like(l[..., :1, :])], axis=-2))
+        self.Q = _decay_to_end(l)
         self.g = self.P[..., -1, :]
 
     @staticmethod
