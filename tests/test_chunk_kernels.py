@@ -146,7 +146,8 @@ def _emulated_call(launch, dialect, user, extra):
     mx = pytest.importorskip("mlx.core")
     runtime = {r[0] for r in launch.runtime}
     names = [n for n in launch.source.inputs if n not in runtime]
-    ins = {n: np.array(a.astype(mx.float32)) for n, a in zip(names, list(user) + list(extra))}
+    ins = {n: a if a.dtype in (mx.bfloat16, mx.float16) else np.array(a.astype(mx.float32))  # 16 bits: typed buffers
+           for n, a in zip(names, list(user) + list(extra))}
     return [mx.array(o) for o in verify.run_launch(launch, ins)]
 
 
@@ -466,3 +467,48 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
 
     monkeypatch.setattr(ck, "mlx_call", refuse)
     assert ck.usable("cuda", "mma") and ck._probe.cache_info().currsize == 0 and not ck._failed
+
+
+@pytest.mark.parametrize("name,typed", [
+    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_out_mma"}),
+    ("simple_gla", {"recgen_chunk_scan_mma_noa", "recgen_chunk_out_mma"})])
+def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, monkeypatch):
+    """bf16 inputs on the fragment frames: the roles reach the fused kernels in bf16 (``parallel.role_dtype``;
+    they convert on load) and MLX's products and the backward in float32. End to end against the float64
+    reference at the same bf16-rounded inputs: forward, final state and every gradient within 1e-2 (the
+    roles r = q / sqrt(K) and b̃ = β k are rounded to bf16 once, as are o and the input gradients; a wrong
+    conversion or a product in bf16 gives O(1) or ~1e-1)."""
+    mx = pytest.importorskip("mlx.core")
+    from recgen import specs
+    from recgen.chunked import parallel
+    from test_chunked import assert_close, compare
+
+    monkeypatch.setattr(parallel, "CHUNK_KERNELS", "metal")
+    monkeypatch.setattr(ck, "MMA_SCAN", True)
+    seen = {}
+
+    def call(launch, dialect, user, extra):
+        kind = launch.source.name.split("_metal")[0]
+        seen.setdefault(kind, set()).update(str(a.dtype) for a in user)
+        return _emulated_call(launch, dialect, user, extra)
+
+    monkeypatch.setattr(ck, "mlx_call", call)
+    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=4, in_dtype=mx.bfloat16), 1e-2, 1e-2)
+    assert {k for k, v in seen.items() if "mlx.core.bfloat16" in v} == typed, seen
+
+
+def test_role_dtype_is_16_bit_only_where_fused_kernels_read_the_roles(monkeypatch):
+    mx = pytest.importorskip("mlx.core")
+    from recgen.chunked import parallel
+
+    monkeypatch.setattr(ck, "MMA_SCAN", True)
+    bf, f32 = mx.bfloat16, mx.float32
+    assert parallel.role_dtype("cuda", False, True, 64, 128, 128, bf, f32) == bf
+    assert parallel.role_dtype("cuda", False, False, 64, 128, 128, mx.float16, f32) == mx.float16
+    assert parallel.role_dtype("cuda", False, True, 64, 128, 128, f32, f32) == f32     # float32 inputs
+    assert parallel.role_dtype(None, False, True, 64, 128, 128, bf, f32) == f32        # no chunk kernels (CPU)
+    assert parallel.role_dtype("cuda", True, False, 64, 128, 128, bf, f32) == f32      # key-vector decay: MLX and pair kernels
+    assert parallel.role_dtype("metal", False, True, 64, 128, 128, bf, f32) == f32     # no UT layout in 32 KiB at C = 64
+    assert parallel.role_dtype("cuda", False, True, 64, 128, 12, bf, f32) == f32       # V = 12: no fragment scan
+    monkeypatch.setattr(ck, "MMA_SCAN", False)
+    assert parallel.role_dtype("cuda", False, False, 64, 128, 128, bf, f32) == f32     # fragment frames off

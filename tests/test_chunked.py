@@ -72,18 +72,22 @@ def make_inputs(rec, rng, B, T, H, Hk, K, V, gmin):
 
 
 def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    a, b = (np.asarray(x.astype(mx.float32) if isinstance(x, mx.array) else x, np.float64) for x in (a, b))
     assert np.all(np.isfinite(a)), "NaN/Inf in the chunked result"
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def compare(rec, T, *, chunk=64, B=2, H=4, Hk=2, K=8, V=6, gmin=-20.0, init=True, seed=0,
-            f64=False, fn=None):
-    """Chunked (or ``fn``) vs the reference: returns {quantity: relative error}."""
+            f64=False, fn=None, in_dtype=None):
+    """Chunked (or ``fn``) vs the reference: returns {quantity: relative error}. ``in_dtype`` (e.g.
+    mx.bfloat16): the inputs are given in it, rounded to it for the reference too (states stay float32)."""
     rng = np.random.default_rng(seed)
     if rec.features:
         K = 4  # raw key width; the state has K(K+1)/2 = 10 rows
     d = make_inputs(rec, rng, B, T, H, Hk, K, V, gmin)
+    if in_dtype is not None:
+        d = {k: np.array(mx.array(v.astype(np.float32)).astype(in_dtype).astype(mx.float32)).astype(np.float64)
+             for k, v in d.items()}
     sz = infer_sizes(rec, {k: v.shape for k, v in d.items()})
     scale = sz.Kin ** -0.5 if rec.default_scale == "key" else 1.0
     h0 = None
@@ -104,9 +108,11 @@ def compare(rec, T, *, chunk=64, B=2, H=4, Hk=2, K=8, V=6, gmin=-20.0, init=True
     dt = np.float64 if f64 else np.float32
     names = list(d)
     flat_h0 = [] if h0 is None else (list(h0) if isinstance(h0, tuple) else [h0])
-    primals = [mx.array(d[n].astype(dt)) for n in names] + [mx.array(x.astype(dt)) for x in flat_h0]
+    given = in_dtype or (mx.float64 if f64 else mx.float32)
+    primals = [mx.array(d[n].astype(dt)).astype(given) for n in names]
+    primals += [mx.array(x.astype(dt)) for x in flat_h0]
     flat_dht = list(dht) if isinstance(dht, tuple) else [dht]
-    cot = [mx.array(do.astype(dt))] + [mx.array(x.astype(dt)) for x in flat_dht]
+    cot = [mx.array(do.astype(dt)).astype(given)] + [mx.array(x.astype(dt)) for x in flat_dht]
     kw = {"compute_dtype": mx.float64} if f64 else {}
     call = fn or (lambda r, ins, **k: forward(r, ins, chunk_size=chunk, **k, **kw))
 

@@ -183,7 +183,10 @@ def _fast(p, names, scale, sizes, has_z, C, S, *rest):
         y, nz, S, z = ya[..., :V], ya[..., V], Sa[..., :V], Sa[..., V]
     else:
         bt = t["rho"][..., None] * t["b"] if "rho" in t else None
-        y, S = _diag_scan(S, t["r"], t["u"], t["w"], _as_f(t["logdecay"]), C, key, bt)
+        given = next(a.dtype for x, a in zip(p.rec.inputs, rest[1:] if has_z else rest) if x.kind == "value")
+        store = parallel.role_dtype(parallel.chunk_kernels(), key, bt is not None, C, sizes.K, V, given, S.dtype)
+        r, u, w, bt = (None if x is None else x.astype(store) for x in (t["r"], t["u"], t["w"], bt))
+        y, S = _diag_scan(S, r, u, w, _as_f(t["logdecay"]), C, key, bt)
         if has_z:
             nz, z = _z_scan(p, t, z, C)
     o = _readout(p, p.rec, t, y, nz)

@@ -208,7 +208,7 @@ def mma_on(dialect: str) -> bool:
     return d.mma_scan and not (d.mma_env and os.environ.get(d.mma_env) == "0") and (dialect, "mma") not in _failed
 
 
-def _use_mma(dialect: str, C: int, K: int, V: int) -> bool:
+def use_mma(dialect: str, C: int, K: int, V: int) -> bool:
     """``mma_on``, where a fragment layout exists for (C, K, V) and fits threadgroup memory."""
     lay = scan_mma_layout(C, K, V)
     return mma_on(dialect) and lay is not None and (K + C) * lay["LD"] * 4 <= get(dialect).smem_bytes
@@ -285,8 +285,8 @@ def inverse_launch(dialect: str, N: int, C: int) -> Launch:
 
 def scan_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: int, has_e: bool, reverse: bool,
                 has_a: bool = True, has_b: bool = True) -> Launch:
-    """The scan's launch: the fragment frame where ``_use_mma``, else the FMA frame."""
-    if _use_mma(dialect, C, K, V):
+    """The scan's launch: the fragment frame where ``use_mma``, else the FMA frame."""
+    if use_mma(dialect, C, K, V):
         return scan_mma_launch(dialect, BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
     return scan_fma_launch(dialect, BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
 
@@ -296,7 +296,7 @@ def scan_fuses_products(dialect: str, C: int, K: int, V: int, has_b: bool) -> bo
     than as a product MLX materialises first. Without B the scan is otherwise elementwise and the
     fused product only adds latency to its sequential steps (H100, run 53: simple GLA fwd+bwd 11.07
     against 10.77 ms); with B (delta rules) it is faster (0.78 against 1.01 ms) and saves E's memory."""
-    return has_b and _use_mma(dialect, C, K, V)
+    return has_b and use_mma(dialect, C, K, V)
 
 
 def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, has_a: bool) -> tuple:

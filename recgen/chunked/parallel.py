@@ -330,34 +330,60 @@ def _scan_backward_ops(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
     return dSn, dZ, dS[..., 0, :, :]
 
 
+def role_dtype(kern, key: bool, delta: bool, C: int, K: int, V: int, dtype, compute):
+    """The dtype the roles r, u, w, b̃ are handed to the core in: ``dtype`` (the inputs') where it is a 16-bit
+    float and every forward product that reads them is a fused fragment kernel (a scalar decay, the fragment
+    scan, the readout kernel and, for a delta rule, the UT transform: they convert on load), else ``compute``. In 16 bits the
+    role passes and the kernels' reads of them move half the bytes; the roles are then rounded once to the
+    inputs' precision (FLA keeps its operands in bf16 throughout). MLX's products and the backward take
+    them in ``compute`` (``_up``)."""
+    if dtype not in (mx.bfloat16, mx.float16) or not kern or key:
+        return compute
+    if not (kernels.use_mma(kern, C, K, V) and kernels.fuses_readout(kern, C, K, V)
+            and (not delta or kernels.fuses_ut(kern, C, K, V))):
+        return compute
+    return dtype
+
+
+def _up(geo, *xs):
+    """Roles in the compute dtype (that of the log-decays): MLX products of 16-bit operands would round."""
+    return [None if x is None else x.astype(geo.l.dtype) for x in xs]
+
+
 def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None):
-    """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too."""
-    uQ = u * geo.Q
+    """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too. The roles may
+    arrive in 16 bits (``role_dtype``): the fused kernels read them so, MLX's products in the compute dtype."""
+    uQ = _up(geo, u)[0] * geo.Q
     U, W, Tm = w, None, None
     (C, K), V = u.shape[-2:], w.shape[-1]
     fused = bool(kern) and not geo.key  # the fragment UT transform and readout take scalar decays
     if bt is not None and fused and kernels.fuses_ut(kern, C, K, V):
         Tm, U, W = kernels.chunk_ut(bt, u, w, geo.l, kern)  # A never in memory
     elif bt is not None:
-        A = geo.pair(bt, u, strict=True)
+        bt_, u_, w_ = _up(geo, bt, u, w)
+        A = geo.pair(bt_, u_, strict=True)
         if kern and kernels.inverse_supported(A.shape[-1]):
             Tm = kernels.tril_inverse(A, kern)
         else:
             Tm = unit_lower_inv(A, inv_base)
-        U, W = Tm @ w, Tm @ (bt * geo.P)
+        U, W = Tm @ w_, Tm @ (bt_ * geo.P)
+    elif not (kern and kernels.scan_supported(kern, C, K)):
+        U = _up(geo, w)[0]
     states, Z, S_end = _scan_forward(geo, S0, uQ, U, W, compose, matrix, kern)
     if fused and kernels.fuses_readout(kern, C, K, V):
         # M_ru is written for the backward: forming it again there cost GDN 1.1 ms of fwd+bwd (H100, run 61)
         y, M = kernels.chunk_out(r, u, Z, states, geo.l, kern)
     else:
-        M = geo.pair(r, u, strict=False)
-        y = (r * geo.P) @ states + M @ Z
+        r_, u_, Z_ = _up(geo, r, u, Z)
+        M = geo.pair(r_, u_, strict=False)
+        y = (r_ * geo.P) @ states + M @ Z_
     return y, S_end, (states, M) + ((Z, Tm, W) if bt is not None else ())
 
 
 def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=None):
     states, M = res[:2]
     Z, Tm, W = res[2:] if bt is not None else (w, None, None)
+    r, u, w, bt, Z = _up(geo, r, u, w, bt, Z)
     P, Q = geo.P, geo.Q
     rP, uQ = r * P, u * Q
     F = M.swapaxes(-1, -2) @ dy
@@ -465,7 +491,8 @@ def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile
         k = 6 if delta else 5
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
         dS0, dr, du, dw, dl, dbt = _backward(Geo(l, geo_saved), r, u, w, bt, res, dy, dS_end, compose, matrix, kern)
-        return (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
+        grads = (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, a))  # a 16-bit role (``role_dtype``) takes its own type
 
     if compile:
         fwd, bwd = mx.compile(fwd), mx.compile(bwd)

@@ -44,7 +44,8 @@ def _run(launch: Launch, user: dict, extra: dict, report: Report, sanitizer) -> 
     ins = dict(user)
     ins.update({n: np.asarray(v, dtype=_np(dt)) for n, v, dt in launch.runtime})
     ins.update(extra)
-    arrays = [ins[n] for n in src.inputs]
+    arrays = [ins[n] for n in src.inputs]  # to the capture as given: an mx array keeps its dtype (a bfloat buffer)
+    ins = {n: _host(v) for n, v in ins.items()}
     tmpl = [(n, v if not isinstance(v, str) else _mx_dtype(v)) for n, v in launch.template]
     msl = wrapped_source(src.name, list(src.inputs), list(src.outputs), src.source, src.header, arrays,
                          [s for s, _ in launch.outputs], [_mx_dtype(dt) for _, dt in launch.outputs],
@@ -64,9 +65,19 @@ def _run(launch: Launch, user: dict, extra: dict, report: Report, sanitizer) -> 
     return [outs[n] for n in src.outputs]
 
 
+def _host(v):
+    """An mx array as float32 numpy (the emulator converts to the buffer's declared type); anything else as is."""
+    if type(v).__module__.startswith("mlx"):
+        import mlx.core as mx
+
+        return np.array(v.astype(mx.float32))
+    return v
+
+
 def run_launch(launch: Launch, inputs: dict, sanitizer=None, report: Report | None = None) -> list[np.ndarray]:
     """Any Metal ``Launch`` (e.g. ``recgen.chunked.kernels``) through every layer; ``inputs`` maps
-    the source's buffer names (runtime ones excluded) to numpy arrays. Returns its outputs."""
+    the source's buffer names (runtime ones excluded) to numpy arrays, or mx arrays where a buffer's type
+    should be theirs (bfloat16, float16). Returns its outputs."""
     return _run(launch, inputs, {}, report if report is not None else Report(), sanitizer)
 
 

@@ -66,8 +66,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       __syncthreads();  // the staged blocks are free
       for (int i = tid; i < C * KB; i += NT) {
         const int row = i / KB, col = i % KB;
-        Ra_[row * LDA + col] = R[(bc * C + row) * K + kb + col];
-        Xb_[row * LDA + col] = U[(bc * C + row) * K + kb + col];
+        Ra_[row * LDA + col] = static_cast<float>(R[(bc * C + row) * K + kb + col]);
+        Xb_[row * LDA + col] = static_cast<float>(U[(bc * C + row) * K + kb + col]);
       }
       __syncthreads();
 #pragma unroll
@@ -101,7 +101,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   for (int ct = 0; ct < CT; ++ct) { y_[ct][0] = 0.0f; y_[ct][1] = 0.0f; y_[ct][2] = 0.0f; y_[ct][3] = 0.0f; }
   for (int kb = 0; kb < K; kb += KB) {
     __syncthreads();
-    for (int i = tid; i < C * KB; i += NT) Ra_[(i / KB) * LDA + i % KB] = R[(bc * C + i / KB) * K + kb + i % KB];
+    for (int i = tid; i < C * KB; i += NT) Ra_[(i / KB) * LDA + i % KB] = static_cast<float>(R[(bc * C + i / KB) * K + kb + i % KB]);
     for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = St[(bc * K + kb + i / BV) * V + col0 + i % BV];
     __syncthreads();
 #pragma unroll
@@ -121,7 +121,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   for (int ct = 0; ct < CT; ++ct) { y_[ct][0] *= p0; y_[ct][1] *= p0; y_[ct][2] *= p8; y_[ct][3] *= p8; }
   for (int sb = 0; sb < C; sb += KB) {
     __syncthreads();
-    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = Z[(bc * C + sb + i / BV) * V + col0 + i % BV];
+    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = static_cast<float>(Z[(bc * C + sb + i / BV) * V + col0 + i % BV]);
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < KB; kk += 8) {

@@ -66,8 +66,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // the staged blocks are free
       for (int i = tid; i < C * KB; i += NT) {
         const int row = i / KB, col = i % KB;
-        Ra_[row * LDA + col] = R[(bc * C + row) * K + kb + col];
-        Xb_[row * LDA + col] = U[(bc * C + row) * K + kb + col];
+        Ra_[row * LDA + col] = static_cast<float>(R[(bc * C + row) * K + kb + col]);
+        Xb_[row * LDA + col] = static_cast<float>(U[(bc * C + row) * K + kb + col]);
       }
       threadgroup_barrier(metal::mem_flags::mem_threadgroup);
 #pragma unroll
@@ -101,7 +101,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   for (int ct = 0; ct < CT; ++ct) { y_[ct][0] = 0.0f; y_[ct][1] = 0.0f; y_[ct][2] = 0.0f; y_[ct][3] = 0.0f; }
   for (int kb = 0; kb < K; kb += KB) {
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-    for (int i = tid; i < C * KB; i += NT) Ra_[(i / KB) * LDA + i % KB] = R[(bc * C + i / KB) * K + kb + i % KB];
+    for (int i = tid; i < C * KB; i += NT) Ra_[(i / KB) * LDA + i % KB] = static_cast<float>(R[(bc * C + i / KB) * K + kb + i % KB]);
     for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = St[(bc * K + kb + i / BV) * V + col0 + i % BV];
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
 #pragma unroll
@@ -121,7 +121,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   for (int ct = 0; ct < CT; ++ct) { y_[ct][0] *= p0; y_[ct][1] *= p0; y_[ct][2] *= p8; y_[ct][3] *= p8; }
   for (int sb = 0; sb < C; sb += KB) {
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = Z[(bc * C + sb + i / BV) * V + col0 + i % BV];
+    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = static_cast<float>(Z[(bc * C + sb + i / BV) * V + col0 + i % BV]);
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
 #pragma unroll
     for (int kk = 0; kk < KB; kk += 8) {

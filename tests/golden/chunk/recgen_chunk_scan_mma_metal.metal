@@ -43,8 +43,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
       const int c = col0 + 8 * ct + 2 * tq;
-      S_[rb][ct][0] = S0[(bh * K + r) * V + c]; S_[rb][ct][1] = S0[(bh * K + r) * V + c + 1];
-      S_[rb][ct][2] = S0[(bh * K + r + 8) * V + c]; S_[rb][ct][3] = S0[(bh * K + r + 8) * V + c + 1];
+      S_[rb][ct][0] = static_cast<float>(S0[(bh * K + r) * V + c]); S_[rb][ct][1] = static_cast<float>(S0[(bh * K + r) * V + c + 1]);
+      S_[rb][ct][2] = static_cast<float>(S0[(bh * K + r + 8) * V + c]); S_[rb][ct][3] = static_cast<float>(S0[(bh * K + r + 8) * V + c + 1]);
     }
   }
   for (int step = 0; step < n; ++step) {
@@ -72,8 +72,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
       for (int ct = 0; ct < YCT; ++ct) {
         const int c = col0 + 8 * (ct0 + ct) + 2 * tq;
-        y_[ct][0] = X[(bc * C + r) * V + c]; y_[ct][1] = X[(bc * C + r) * V + c + 1];
-        y_[ct][2] = X[(bc * C + r + 8) * V + c]; y_[ct][3] = X[(bc * C + r + 8) * V + c + 1];
+        y_[ct][0] = static_cast<float>(X[(bc * C + r) * V + c]); y_[ct][1] = static_cast<float>(X[(bc * C + r) * V + c + 1]);
+        y_[ct][2] = static_cast<float>(X[(bc * C + r + 8) * V + c]); y_[ct][3] = static_cast<float>(X[(bc * C + r + 8) * V + c + 1]);
       }
 #pragma unroll 4
       for (int k0 = 0; k0 < K; k0 += 8) {

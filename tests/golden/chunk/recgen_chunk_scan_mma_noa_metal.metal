@@ -41,8 +41,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
       const int c = col0 + 8 * ct + 2 * tq;
-      S_[rb][ct][0] = S0[(bh * K + r) * V + c]; S_[rb][ct][1] = S0[(bh * K + r) * V + c + 1];
-      S_[rb][ct][2] = S0[(bh * K + r + 8) * V + c]; S_[rb][ct][3] = S0[(bh * K + r + 8) * V + c + 1];
+      S_[rb][ct][0] = static_cast<float>(S0[(bh * K + r) * V + c]); S_[rb][ct][1] = static_cast<float>(S0[(bh * K + r) * V + c + 1]);
+      S_[rb][ct][2] = static_cast<float>(S0[(bh * K + r + 8) * V + c]); S_[rb][ct][3] = static_cast<float>(S0[(bh * K + r + 8) * V + c + 1]);
     }
   }
   for (int step = 0; step < n; ++step) {

@@ -61,8 +61,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       __syncthreads();  // the staged blocks are free
       for (int i = tid; i < C * KB; i += NT) {
         const int row = i / KB, col = i % KB;
-        Xs_[row * LDA + col] = Bt[(bc * C + row) * K + kb + col];
-        Xs_[C * LDA + row * LDA + col] = U[(bc * C + row) * K + kb + col];
+        Xs_[row * LDA + col] = static_cast<float>(Bt[(bc * C + row) * K + kb + col]);
+        Xs_[C * LDA + row * LDA + col] = static_cast<float>(U[(bc * C + row) * K + kb + col]);
       }
       __syncthreads();
 #pragma unroll
@@ -142,7 +142,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     for (int sb = 0; sb < C; sb += KB) {
       __syncthreads();
       for (int i = tid; i < KB * BW; i += NT) {
-        Xs_[(i / BW) * LDB + i % BW] = W[(bc * C + sb + i / BW) * V + c0 + i % BW];
+        Xs_[(i / BW) * LDB + i % BW] = static_cast<float>(W[(bc * C + sb + i / BW) * V + c0 + i % BW]);
       }
       __syncthreads();
 #pragma unroll
@@ -173,7 +173,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     for (int sb = 0; sb < C; sb += KB) {
       __syncthreads();
       for (int i = tid; i < KB * BW; i += NT) {
-        Xs_[(i / BW) * LDB + i % BW] = Bt[(bc * C + sb + i / BW) * K + c0 + i % BW] * Ps_[sb + i / BW];
+        Xs_[(i / BW) * LDB + i % BW] = static_cast<float>(Bt[(bc * C + sb + i / BW) * K + c0 + i % BW]) * Ps_[sb + i / BW];
       }
       __syncthreads();
 #pragma unroll
