@@ -48,6 +48,13 @@ for stage in "$@"; do
     ab-ut) for v in 0 1; do echo "RECGEN_FUSED_UT=$v"
              RECGEN_FUSED_UT=$v timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
                --specs gated_delta_net,delta_net --tag ut$v --out "$OUT" 2>&1 | tee -a "$OUT/ab_ut.log"; done ;;
+    ab-roles) for v in 0 1; do echo "RECGEN_16BIT_ROLES=$v"
+             RECGEN_16BIT_ROLES=$v timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
+               --specs gated_delta_net,simple_gla --tag roles$v --out "$OUT" 2>&1 | tee -a "$OUT/ab_roles.log"; done ;;
+    ab-prev) for v in prev cur prev cur; do echo "recgen: $v"  # bench_prev/: an earlier commit's recgen/ (git archive)
+             P=$PWD; [ $v = prev ] && P=$PWD/bench_prev
+             PYTHONPATH=$P:$PYTHONPATH timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
+               --specs gated_delta_net,simple_gla --tag $v --out "$OUT" 2>&1 | tee -a "$OUT/ab_prev.log"; done ;;
     check-mma) RECGEN_CHUNK_KERNELS=1 RECGEN_MMA_SCAN=1 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 \
                --out "$OUT" > "$OUT/check_mma_f32_tf32.log" 2>&1
              grep -E "FAIL|passed" "$OUT/check_mma_f32_tf32.log" ;;

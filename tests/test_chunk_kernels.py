@@ -112,6 +112,34 @@ def test_chunk_scan_mma_with_product_term(has_e):
     assert _rel(outs[3].sum(2), (want[0] * ins["St"]).sum(-1)) < 1e-5
 
 
+@pytest.mark.parametrize("has_a", [True, False])
+def test_chunk_scan_mma_scales_b_rows(has_a):
+    """The forward's u ⊙ Q formed as read: B's rows scaled by Bq (decays down to e^-20), B given in bf16 (the
+    roles' 16-bit type), against float64 numpy at the bf16-rounded B; V = 32 at BV 16: two column threadgroups."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(11 + has_a)
+    BH, n, C, K, V = 2, 3, 16, 32, 32
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    Bm = mx.array(f(BH, n, C, K) * 0.2).astype(mx.bfloat16)
+    Bq = np.exp(-20 * rng.uniform(size=(BH, n, C))).astype(np.float32)
+    ins = {"S0": f(BH, K, V), "X": f(BH, n, C, V), "Bm": Bm, "Bq": Bq,
+           "g": np.exp(-20 * rng.uniform(size=(BH, n, 1))).astype(np.float32)} | ({"A": f(BH, n, C, K) * 0.2} if has_a else {})
+    ck.MMA_BV = 16
+    ck.scan_mma_layout.cache_clear()
+    try:
+        launch = ck.scan_mma_launch("metal", BH, n, C, K, V, 1, False, False, has_a, True, has_q=True)
+    finally:
+        ck.MMA_BV = 32
+        ck.scan_mma_layout.cache_clear()
+        ck.scan_mma_launch.cache_clear()
+    assert "_q_" in launch.source.name
+    outs = verify.run_launch(launch, ins)
+    B64 = np.array(Bm.astype(mx.float32)).astype(np.float64) * Bq[..., None]
+    want = _scan_ref(ins["S0"], ins.get("A"), ins["X"], B64, ins["g"], None, False, has_a)
+    for got, w in list(zip(outs, want))[:: 1 if has_a else 2]:  # without A no Y is written
+        assert _rel(got, w) < 1e-5, _rel(got, w)
+
+
 def test_chunk_scan_mma_layouts():
     """Which sizes the fragment scan takes, and the dialect choice: CUDA by default (tensor cores), Metal
     never by default (its multiply-add is a shuffle reference); outside its layouts the FMA frame runs."""
@@ -178,9 +206,9 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
 
 
 @pytest.mark.parametrize("name,want", [
-    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma", "recgen_chunk_scan_mma_p_dg_rev",
+    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_p_dg_rev",
                          "recgen_chunk_out_mma"}),
-    ("simple_gla", {"recgen_chunk_scan_mma_noa", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_out_mma"})])
+    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_out_mma"})])
 def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
     """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
     backward; GDN's backward taking E = (r ⊙ P)ᵀ dy as its factors) and the readout in place of the inverse
@@ -470,8 +498,8 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
 
 
 @pytest.mark.parametrize("name,typed", [
-    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_out_mma"}),
-    ("simple_gla", {"recgen_chunk_scan_mma_noa", "recgen_chunk_out_mma"})])
+    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma"}),
+    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_out_mma"})])
 def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, monkeypatch):
     """bf16 inputs on the fragment frames: the roles reach the fused kernels in bf16 (``parallel.role_dtype``;
     they convert on load) and MLX's products and the backward in float32. End to end against the float64

@@ -76,32 +76,36 @@ def scan_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, ha
 
 
 def _scan_kind(frame: str, has_e: bool, reverse: bool, has_a: bool, has_b: bool, has_p: bool = False,
-               has_dg: bool = False, vec: bool = False) -> str:
+               has_dg: bool = False, vec: bool = False, has_q: bool = False) -> str:
     """The kernel name's variant part, shared by both scan frames; a scan needs an A or a B term."""
     if not (has_a or has_b):
         raise ValueError("chunk_scan: needs A or B")
-    return (frame + ("" if has_a else "_noa") + ("" if has_b else "_nob") + ("_e" if has_e else "")
+    if has_q and not has_b:
+        raise ValueError("chunk_scan: row scales Bq need a B term")
+    return (frame + ("" if has_a else "_noa") + ("" if has_b else "_nob") + ("_q" if has_q else "") + ("_e" if has_e else "")
             + ("_p" if has_p else "") + ("_dg" if has_dg else "") + ("_rev" if reverse else "") + ("_v4" if vec else ""))
 
 
-def _scan_inputs(has_e: bool, has_a: bool, has_b: bool, has_p: bool = False, has_dg: bool = False) -> tuple:
-    return (("S0",) + (("A",) if has_a else ()) + ("X",) + (("Bm",) if has_b else ()) + ("g",)
-            + (("E",) if has_e else ()) + (("Pa", "Pb") if has_p else ()) + (("St",) if has_dg else ()) + ("rt",))
+def _scan_inputs(has_e: bool, has_a: bool, has_b: bool, has_p: bool = False, has_dg: bool = False,
+                 has_q: bool = False) -> tuple:
+    return (("S0",) + (("A",) if has_a else ()) + ("X",) + (("Bm",) if has_b else ()) + (("Bq",) if has_q else ())
+            + ("g",) + (("E",) if has_e else ()) + (("Pa", "Pb") if has_p else ()) + (("St",) if has_dg else ()) + ("rt",))
 
 
 @lru_cache(maxsize=None)
 def scan_mma_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True, has_b: bool = True,
-                    has_p: bool = False, has_dg: bool = False) -> KernelSource:
+                    has_p: bool = False, has_dg: bool = False, has_q: bool = False) -> KernelSource:
     """The scan of ``scan_source`` on the dialect's fragment multiply-add (``Dialect.mma``). ``has_p``:
     one more term Pa_cᵀ Pb_c ([C, K]ᵀ [C, V]) in the state update, an E given as its factors.
     ``has_dg``: also dgp [.., n, V / BV, K], per threadgroup of columns the row sums of carried_c ⊙ St_c
-    for given St [.., n, K, V] (the backward's decay gradient Σ_j dS_{c+1} ⊙ S_c, never formed)."""
+    for given St [.., n, K, V] (the backward's decay gradient Σ_j dS_{c+1} ⊙ S_c, never formed).
+    ``has_q``: B_c's rows scaled by Bq_c [.., n, C] as they are read (the forward's u ⊙ Q from u and Q)."""
     d = get(dialect)
-    kind = _scan_kind("scan_mma", has_e, reverse, has_a, has_b, has_p, has_dg)
+    kind = _scan_kind("scan_mma", has_e, reverse, has_a, has_b, has_p, has_dg, has_q=has_q)
     outs = ("carried", "Y", "S_end") + (("dgp",) if has_dg else ())
     return _source(d, "chunk_scan_mma.j2", kind, "chunk scan of the chunked core, fragment multiply-adds",
-                   _scan_inputs(has_e, has_a, has_b, has_p, has_dg), outs, (), helpers=d.mma_prelude,
-                   has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, has_p=has_p, has_dg=has_dg)
+                   _scan_inputs(has_e, has_a, has_b, has_p, has_dg, has_q), outs, (), helpers=d.mma_prelude,
+                   has_e=has_e, reverse=reverse, has_a=has_a, has_b=has_b, has_p=has_p, has_dg=has_dg, has_q=has_q)
 
 
 @lru_cache(maxsize=None)
@@ -305,11 +309,12 @@ def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, has_a: bool) -> tuple
 
 @lru_cache(maxsize=256)
 def scan_mma_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: int, has_e: bool, reverse: bool,
-                    has_a: bool = True, has_b: bool = True, has_p: bool = False, has_dg: bool = False) -> Launch:
+                    has_a: bool = True, has_b: bool = True, has_p: bool = False, has_dg: bool = False,
+                    has_q: bool = False) -> Launch:
     lay = scan_mma_layout(C, K, V)
     if lay is None:
         raise ValueError(f"chunk_scan_mma: C={C}, K={K} must be multiples of 16 and V={V} of 8")
-    src = scan_mma_source(dialect, has_e, reverse, has_a, has_b, has_p, has_dg)
+    src = scan_mma_source(dialect, has_e, reverse, has_a, has_b, has_p, has_dg, has_q)
     tmpl = (("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items())
     nt = 32 * lay["NW"]
     outs = _scan_outputs(BH, n, C, K, V, has_a) + ((((BH, n, V // lay["BV"], K), "float32"),) if has_dg else ())
@@ -455,9 +460,11 @@ def tril_inverse(L, dialect: str):
     return T.reshape(L.shape)
 
 
-def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool, P=None, St=None):
+def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool, P=None, St=None, Bq=None):
     """The scan above over [..., n, ·, ·] operands (leading axes flattened to one (b, h) axis).
     S0 [.., K, V], A (None: Y = X) and Bm (None: no B term) [.., n, C, K], X [.., n, C, V], g [.., n, F] (F = 1 or K),
+    Bq None or row scales of Bm [.., n, C, 1] (the B term is then (Bq ⊙ Bm)ᵀ Y: formed as read where the
+    fragment frame runs, by MLX first otherwise),
     E None or [.., n, K, V]; P None or the factors (Pa [.., n, C, K], Pb [.., n, C, V]) of one more E term
     Paᵀ Pb (read as factors by the fragment frame, ``scan_fuses_products``; multiplied out by MLX first
     otherwise). Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32, and with
@@ -468,17 +475,19 @@ def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool, P=None, St=None)
     F = g.shape[-1]
     BH = _lead(S0, 2)
     fuse = scan_fuses_products(dialect, C, K, V, Bm is not None)
+    if Bq is not None and not fuse:
+        Bm, Bq = Bq * Bm, None
     if P is not None and not fuse:
         Pe = P[0].swapaxes(-1, -2) @ P[1]
         E, P = (Pe if E is None else E + Pe), None
     dg_here = St is not None and fuse
     flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
     user = ([flat(S0, K, V)] + ([flat(A, n, C, K)] if A is not None else []) + [flat(X, n, C, V)]
-            + ([flat(Bm, n, C, K)] if Bm is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
+            + ([flat(Bm, n, C, K)] if Bm is not None else []) + ([flat(Bq, n, C)] if Bq is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
             + ([flat(P[0], n, C, K), flat(P[1], n, C, V)] if P is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
-    if P is not None or dg_here:
+    if P is not None or dg_here or Bq is not None:
         launch = scan_mma_launch(dialect, BH, n, C, K, V, F, E is not None, reverse, A is not None, Bm is not None,
-                                 P is not None, dg_here)
+                                 P is not None, dg_here, Bq is not None)
     else:
         launch = scan_launch(dialect, BH, n, C, K, V, F, E is not None, reverse, A is not None, Bm is not None)
     outs = mlx_call(launch, get(dialect), user, [])

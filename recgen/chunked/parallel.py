@@ -244,11 +244,15 @@ def _apply_rows(L, x, key: bool):
     return (L @ x.swapaxes(-3, -2)).swapaxes(-3, -2)
 
 
-def _scan_forward(geo, S0, uQ, U, W, compose: bool, matrix: bool, kern=None):
-    """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state. ``kern``: the dialect
-    of the generated chunk scan (``kernels.chunk_scan``: delta-rule or diagonal), or None."""
+def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None):
+    """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state, the state update taking
+    u ⊙ Q. ``kern``: the dialect of the generated chunk scan (``kernels.chunk_scan``: delta-rule or
+    diagonal), or None; it scales a scalar decay's u by Q as it reads u (u ⊙ Q never in memory)."""
     if kern and kernels.scan_supported(kern, U.shape[-2], S0.shape[-2]):  # W None: the diagonal scan, Z = U
-        return kernels.chunk_scan(S0, W, U, uQ, geo.g, None, kern, reverse=False)
+        if geo.key:
+            return kernels.chunk_scan(S0, W, U, _up(geo, u)[0] * geo.Q, geo.g, None, kern, reverse=False)
+        return kernels.chunk_scan(S0, W, U, u, geo.g, None, kern, reverse=False, Bq=geo.Q)
+    uQ = _up(geo, u)[0] * geo.Q
     gs = geo.g[..., None]
     uQt = uQ.swapaxes(-1, -2)
     S = S0[..., None, :, :]
@@ -336,8 +340,8 @@ def role_dtype(kern, key: bool, delta: bool, C: int, K: int, V: int, dtype, comp
     scan, the readout kernel and, for a delta rule, the UT transform: they convert on load), else ``compute``. In 16 bits the
     role passes and the kernels' reads of them move half the bytes; the roles are then rounded once to the
     inputs' precision (FLA keeps its operands in bf16 throughout). MLX's products and the backward take
-    them in ``compute`` (``_up``)."""
-    if dtype not in (mx.bfloat16, mx.float16) or not kern or key:
+    them in ``compute`` (``_up``). ``RECGEN_16BIT_ROLES=0`` keeps ``compute`` (benchmarks: the same code off and on)."""
+    if dtype not in (mx.bfloat16, mx.float16) or not kern or key or os.environ.get("RECGEN_16BIT_ROLES") == "0":
         return compute
     if not (kernels.use_mma(kern, C, K, V) and kernels.fuses_readout(kern, C, K, V)
             and (not delta or kernels.fuses_ut(kern, C, K, V))):
@@ -353,7 +357,6 @@ def _up(geo, *xs):
 def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None):
     """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too. The roles may
     arrive in 16 bits (``role_dtype``): the fused kernels read them so, MLX's products in the compute dtype."""
-    uQ = _up(geo, u)[0] * geo.Q
     U, W, Tm = w, None, None
     (C, K), V = u.shape[-2:], w.shape[-1]
     fused = bool(kern) and not geo.key  # the fragment UT transform and readout take scalar decays
@@ -369,7 +372,7 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None)
         U, W = Tm @ w_, Tm @ (bt_ * geo.P)
     elif not (kern and kernels.scan_supported(kern, C, K)):
         U = _up(geo, w)[0]
-    states, Z, S_end = _scan_forward(geo, S0, uQ, U, W, compose, matrix, kern)
+    states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern)
     if fused and kernels.fuses_readout(kern, C, K, V):
         # M_ru is written for the backward: forming it again there cost GDN 1.1 ms of fwd+bwd (H100, run 61)
         y, M = kernels.chunk_out(r, u, Z, states, geo.l, kern)

@@ -75,11 +75,11 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
       for (int rb = 0; rb < RBS; ++rb) {
         const int r = 16 * (warp * RBS + rb) + gq;
-        const float a_[4] = {Bm[(bc * C + t0 + tq) * K + r], Bm[(bc * C + t0 + tq) * K + r + 8],
-                             Bm[(bc * C + t0 + tq + 4) * K + r], Bm[(bc * C + t0 + tq + 4) * K + r + 8]};
+        const float a_[4] = {static_cast<float>(Bm[(bc * C + t0 + tq) * K + r]), static_cast<float>(Bm[(bc * C + t0 + tq) * K + r + 8]),
+                             static_cast<float>(Bm[(bc * C + t0 + tq + 4) * K + r]), static_cast<float>(Bm[(bc * C + t0 + tq + 4) * K + r + 8])};
 #pragma unroll
         for (int ct = 0; ct < CT; ++ct) {
-          const float b_[2] = {X[(bc * C + t0 + tq) * V + col0 + 8 * ct + gq], X[(bc * C + t0 + tq + 4) * V + col0 + 8 * ct + gq]};
+          const float b_[2] = {static_cast<float>(X[(bc * C + t0 + tq) * V + col0 + 8 * ct + gq]), static_cast<float>(X[(bc * C + t0 + tq + 4) * V + col0 + 8 * ct + gq])};
           rg_mma(S_[rb][ct], a_, b_, lane);
         }
       }
