@@ -513,6 +513,7 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, monke
 
     monkeypatch.setattr(parallel, "CHUNK_KERNELS", "metal")
     monkeypatch.setattr(ck, "MMA_SCAN", True)
+    monkeypatch.setenv("RECGEN_16BIT_ROLES", "1")
     seen = {}
 
     def call(launch, dialect, user, extra):
@@ -531,6 +532,8 @@ def test_role_dtype_is_16_bit_only_where_fused_kernels_read_the_roles(monkeypatc
 
     monkeypatch.setattr(ck, "MMA_SCAN", True)
     bf, f32 = mx.bfloat16, mx.float32
+    assert parallel.role_dtype("cuda", False, True, 64, 128, 128, bf, f32) == f32      # off by default (backward cost)
+    monkeypatch.setenv("RECGEN_16BIT_ROLES", "1")
     assert parallel.role_dtype("cuda", False, True, 64, 128, 128, bf, f32) == bf
     assert parallel.role_dtype("cuda", False, False, 64, 128, 128, mx.float16, f32) == mx.float16
     assert parallel.role_dtype("cuda", False, True, 64, 128, 128, f32, f32) == f32     # float32 inputs

@@ -340,8 +340,11 @@ def role_dtype(kern, key: bool, delta: bool, C: int, K: int, V: int, dtype, comp
     scan, the readout kernel and, for a delta rule, the UT transform: they convert on load), else ``compute``. In 16 bits the
     role passes and the kernels' reads of them move half the bytes; the roles are then rounded once to the
     inputs' precision (FLA keeps its operands in bf16 throughout). MLX's products and the backward take
-    them in ``compute`` (``_up``). ``RECGEN_16BIT_ROLES=0`` keeps ``compute`` (benchmarks: the same code off and on)."""
-    if dtype not in (mx.bfloat16, mx.float16) or not kern or key or os.environ.get("RECGEN_16BIT_ROLES") == "0":
+    them in ``compute`` (``_up``). Off unless ``RECGEN_16BIT_ROLES=1``: measured on the H100 (run 72) it left
+    GDN's forward as it was (2.783 against 2.791 ms) and took simple GLA's from 1.980 to 1.894 ms, but the
+    backward's casts made fwd+bwd slower (GDN 13.5 → 18.5 ms, simple GLA 9.2 → 10.3) and its peak higher
+    (GDN 7.11 → 8.29 GiB, over the 8 GiB target). A forward-only (inference) choice, for now."""
+    if dtype not in (mx.bfloat16, mx.float16) or not kern or key or os.environ.get("RECGEN_16BIT_ROLES") != "1":
         return compute
     if not (kernels.use_mma(kern, C, K, V) and kernels.fuses_readout(kern, C, K, V)
             and (not delta or kernels.fuses_ut(kern, C, K, V))):

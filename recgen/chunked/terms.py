@@ -74,6 +74,7 @@ class Plan:
     N: object           # normalizer function of n, or None
     fuse_z: bool        # z can ride along S as an extra value column (same decay and update, no transition)
     has_rho: bool = False  # transition a = ρ·u with ρ free of the key index (delta rules): fns["rho"]
+    bare: frozenset = frozenset()  # input symbols some role is verbatim (GDN's u = k, w = v): see ``bind``
 
 
 def _classify(rec: ir.Recurrence, expr: sp.Expr) -> str:
@@ -109,7 +110,8 @@ def plan(rec: ir.Recurrence) -> Plan:
         if not rec.free_indices(rho) and rho.is_finite is not False and not rho.has(sp.zoo, sp.nan):
             fns["rho"] = lam(rho)
             has_rho = True
-    return Plan(rec, syms, fns, decay_class, zclass, N, fuse, has_rho)
+    bare = frozenset(e for e in terms.values() if isinstance(e, sp.Symbol) and e in rec.symbols)
+    return Plan(rec, syms, fns, decay_class, zclass, N, fuse, has_rho, bare)
 
 
 # -- binding -----------------------------------------------------------------------------------
@@ -142,10 +144,16 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None) -> dict:
     With ``dtype`` each value is cast after its layout view (transpose, head expansion), so under
     ``mx.compile`` the cast fuses into the role math's strided pass instead of being a pass of its
     own before the transpose (run 66: three standalone bf16 -> float32 casts, 0.21 ms of GDN's forward).
-    Features (sympow) are formed from the cast input: products of bf16 values lose precision."""
+    Features (sympow) are formed from the cast input: products of bf16 values lose precision.
+
+    A key or value that a role is verbatim (``Plan.bare``) is first copied to row-major order in its own
+    type: MLX's cast keeps a transposed view's strides, so the chunked core's reshape would copy it again in
+    float32 (run 73: a cast and a float32 layout copy per such input, 0.16 ms of GDN's forward for k and v)."""
+    mx = _mx()
     rec = p.rec
     vals = {}
     cast = (lambda a: a.astype(dtype)) if dtype is not None else (lambda a: a)
+    row_major = lambda a, x: mx.contiguous(a) if x.symbol in p.bare else a  # noqa: E731
     for x in rec.inputs:
         a = chunk[x.name]
         if x.kind == "scalar":                       # [B,C,H]
@@ -153,14 +161,14 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None) -> dict:
         elif x.kind == "key":                        # [B,C,Hk,Kin]
             used_raw = any(x.symbol in e.free_symbols for e in rec.terms().values())
             if used_raw:
-                vals[x.symbol] = cast(expand_heads(a, H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None])
+                vals[x.symbol] = cast(row_major(expand_heads(a, H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None], x))
             for f in rec.features:
                 if f.source == x.name:
                     vals[f.symbol] = expand_heads(sympow_mx(cast(a)), H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None]
         elif x.kind == "key_gate":                   # [B,C,H,K]
             vals[x.symbol] = cast(a.transpose(0, 2, 1, 3)[..., None])
         elif x.kind == "value":                      # [B,C,H,V]
-            vals[x.symbol] = cast(a.transpose(0, 2, 1, 3)[..., None, :])
+            vals[x.symbol] = cast(row_major(a.transpose(0, 2, 1, 3)[..., None, :], x))
         else:                                        # param [H, *index]
             shape = (1, a.shape[0], 1, a.shape[1] if ir.I in x.index else 1,
                      a.shape[-1] if ir.J in x.index else 1)
