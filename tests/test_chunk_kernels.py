@@ -207,8 +207,8 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
 
 @pytest.mark.parametrize("name,want", [
     ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_p_dg_rev",
-                         "recgen_chunk_out_mma"}),
-    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_out_mma"})])
+                         "recgen_chunk_out_mma_yt"}),
+    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_out_mma_yt"})])
 def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
     """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
     backward; GDN's backward taking E = (r ⊙ P)ᵀ dy as its factors) and the readout in place of the inverse
@@ -264,6 +264,27 @@ def test_chunk_out_mma_matches_numpy(C, K, V, bv, monkeypatch):
     y, M = verify.run_launch(launch, ins)
     want_y, want_M = _out_ref(*(ins[k] for k in ("R", "U", "Z", "St", "logd")))
     assert _rel(y, want_y) < 1e-5 and _rel(M, want_M) < 1e-5
+
+
+@pytest.mark.parametrize("out", ["float32", "bfloat16"])
+def test_chunk_out_mma_writes_the_model_layout(out):
+    """``yt``: y written as [B, n C, H, V] in the output's type (B = 2, H = 3, n = 2 chunks: every index of the
+    chunk -> (b, h, chunk) map differs), against the float64 readout moved there (bf16: within its rounding)."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(7)
+    B, H, n, C, K, V = 2, 3, 2, 16, 16, 24
+    N = B * H * n
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    ins = {"R": f(N, C, K), "U": f(N, C, K), "Z": f(N, C, V), "St": f(N, K, V),
+           "logd": (-5 * rng.uniform(size=(N, C))).astype(np.float32)}
+    launch = ck.out_mma_launch("metal", N, C, K, V, (H, n, out))
+    assert launch.outputs[0] == ((B, n * C, H, V), out)
+    y, M = verify.run_launch(launch, ins)
+    want_y, want_M = _out_ref(*(ins[k] for k in ("R", "U", "Z", "St", "logd")))
+    want_y = want_y.reshape(B, H, n * C, V).transpose(0, 2, 1, 3)
+    assert y.shape == want_y.shape
+    assert _rel(y, want_y) < (1e-5 if out == "float32" else 4e-3) and _rel(M, want_M) < 1e-5
+    del mx
 
 
 def test_chunk_out_mma_layouts():
@@ -497,15 +518,17 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
     assert ck.usable("cuda", "mma") and ck._probe.cache_info().currsize == 0 and not ck._failed
 
 
+@pytest.mark.parametrize("roles16", ["1", "0"])
 @pytest.mark.parametrize("name,typed", [
-    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma"}),
-    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_out_mma"})])
-def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, monkeypatch):
-    """bf16 inputs on the fragment frames: the roles reach the fused kernels in bf16 (``parallel.role_dtype``;
-    they convert on load) and MLX's products and the backward in float32. End to end against the float64
-    reference at the same bf16-rounded inputs: forward, final state and every gradient within 1e-2 (the
-    roles r = q / sqrt(K) and b̃ = β k are rounded to bf16 once, as are o and the input gradients; a wrong
-    conversion or a product in bf16 gives O(1) or ~1e-1)."""
+    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_yt"}),
+    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_out_mma_yt"})])
+def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, roles16, monkeypatch):
+    """bf16 inputs on the fragment frames, the readout writing o in bf16 in the model's layout. With
+    ``RECGEN_16BIT_ROLES=1`` the roles reach the fused kernels in bf16 (``parallel.role_dtype``; they convert
+    on load) and MLX's products and the backward in float32; without, every kernel reads float32. End to end
+    against the float64 reference at the same bf16-rounded inputs: forward, final state and every gradient
+    within 1e-2 (o and the input gradients are rounded to bf16, and with 16-bit roles r = q / sqrt(K) and
+    b̃ = β k once; a wrong conversion or a product in bf16 gives O(1) or ~1e-1)."""
     mx = pytest.importorskip("mlx.core")
     from recgen import specs
     from recgen.chunked import parallel
@@ -513,7 +536,7 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, monke
 
     monkeypatch.setattr(parallel, "CHUNK_KERNELS", "metal")
     monkeypatch.setattr(ck, "MMA_SCAN", True)
-    monkeypatch.setenv("RECGEN_16BIT_ROLES", "1")
+    monkeypatch.setenv("RECGEN_16BIT_ROLES", roles16)
     seen = {}
 
     def call(launch, dialect, user, extra):
@@ -523,7 +546,7 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, monke
 
     monkeypatch.setattr(ck, "mlx_call", call)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=4, in_dtype=mx.bfloat16), 1e-2, 1e-2)
-    assert {k for k, v in seen.items() if "mlx.core.bfloat16" in v} == typed, seen
+    assert {k for k, v in seen.items() if "mlx.core.bfloat16" in v} == (typed if roles16 == "1" else set()), seen
 
 
 def test_role_dtype_is_16_bit_only_where_fused_kernels_read_the_roles(monkeypatch):

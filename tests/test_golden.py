@@ -56,7 +56,7 @@ def test_chunk_kernels_match_golden(target):
                 + [ck.scan_mma_launch(target, 8, 4, 64, 128, 128, 1, False, True, True, True, True, True)]
                 + [ck.scan_mma_launch(target, 8, 4, 64, 128, 128, 1, False, False, has_a, True, has_q=True) for has_a in (True, False)]
                 + [ck.pair_launch(target, 8, 64, 128, strict, grad) for strict in (False, True) for grad in (False, True)]
-                + [ck.out_mma_launch(target, 8, 64, 128, 128)]
+                + [ck.out_mma_launch(target, 8, 64, 128, 128), ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"))]
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128)])
     for launch in launches:
         src = launch.source

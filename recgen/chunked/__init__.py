@@ -141,16 +141,19 @@ def _as_f(x):
     return x if x.ndim == 4 else x[..., None]
 
 
-def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None):
-    """The parallel core over a whole stretch [B,H,T,·]: returns (y [B,H,T,V'], S_end)."""
+def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None, out=None):
+    """The parallel core over a whole stretch [B,H,T,·]: returns (y [B,H,T,V'], S_end), or with ``out`` (a
+    dtype) y as [B,T,H,V'] of that type, the model's layout (``parallel.core_fn``)."""
     B, H, T = r.shape[:3]
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     compose = 2 * C >= r.shape[-1]
     fn = parallel.core_fn(key, delta_bt is not None, compose, parallel.gpu_forms(), parallel.compiled(),
-                          parallel.inverse_base(), parallel.chunk_kernels())
+                          parallel.inverse_base(), parallel.chunk_kernels(), out)
     extra = [ch(delta_bt)] if delta_bt is not None else []
     y, S_end = fn(S, ch(r), ch(u), ch(w), ch(l), *extra)[:2]
+    if out is not None:
+        return y[:, :T], S_end
     return y.reshape(B, H, n * C, y.shape[-1])[:, :, :T], S_end
 
 
@@ -170,8 +173,9 @@ def _z_scan(p, t, z, C):
     return yz[..., 0], zs[..., 0]
 
 
-def _fast(p, names, scale, sizes, has_z, C, S, *rest):
-    """Scalar or key-vector decay, no transition or a = ρ·u: (S[, z], *inputs) -> (o, S[, z])."""
+def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
+    """Scalar or key-vector decay, no transition or a = ρ·u: (S[, z], *inputs) -> (o, S[, z]). Without a
+    normalizer or skip term the core writes o in its layout and type (``out_dtype``) itself."""
     z = rest[0] if has_z else None
     T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
     V, key = sizes.V, p.decay_class == "key"
@@ -186,14 +190,17 @@ def _fast(p, names, scale, sizes, has_z, C, S, *rest):
         given = next(a.dtype for x, a in zip(p.rec.inputs, rest[1:] if has_z else rest) if x.kind == "value")
         store = parallel.role_dtype(parallel.chunk_kernels(), key, bt is not None, C, sizes.K, V, given, S.dtype)
         r, u, w, bt = (None if x is None else x.astype(store) for x in (t["r"], t["u"], t["w"], bt))
-        y, S = _diag_scan(S, r, u, w, _as_f(t["logdecay"]), C, key, bt)
+        native = not has_z and "skip" not in t
+        y, S = _diag_scan(S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None)
+        if native:
+            return y, S
         if has_z:
             nz, z = _z_scan(p, t, z, C)
     o = _readout(p, p.rec, t, y, nz)
     return (o, S, z) if has_z else (o, S)
 
 
-def _general(p, names, scale, sizes, has_z, C, S, *rest):
+def _general(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """A rank-1 transition with a ≠ ρ·u (scalar or key decay): ``core.chunks_rank1`` by autodiff."""
     z = rest[0] if has_z else None
     T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
@@ -207,7 +214,7 @@ def _general(p, names, scale, sizes, has_z, C, S, *rest):
     return (o, S, z) if has_z else (o, S)
 
 
-def _full(p, names, scale, sizes, has_z, C, S, *rest):
+def _full(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """A stretch with a full (i, j) or value-indexed decay: ``core.scan_full`` (autodiff); a
     normalizer (scalar or key decay) through the parallel core with chunk C."""
     z = rest[0] if has_z else None
@@ -225,7 +232,7 @@ def _body(body, rec, names, scale, sizes, has_z, C, out_dtype, compile: bool, fo
     cast) is one ``mx.compile``d graph, so the elementwise work around the core fuses into few
     kernels (on GPUs each MLX launch costs ~16 µs and a pass over HBM). Cached: a call must not
     retrace. ``forms`` (the device forms a trace bakes in) is part of the cache key only."""
-    bound = partial(body, plan(rec), names, scale, sizes, has_z, C)
+    bound = partial(body, plan(rec), names, scale, sizes, has_z, C, out_dtype)
 
     def fn(*arrays):
         outs = bound(*arrays)

@@ -109,10 +109,12 @@ def scan_mma_source(dialect: str, has_e: bool, reverse: bool, has_a: bool = True
 
 
 @lru_cache(maxsize=None)
-def out_mma_source(dialect: str) -> KernelSource:
+def out_mma_source(dialect: str, yt: bool = False) -> KernelSource:
+    """``yt``: y written in the model's layout [B, T, H, V] and its type (template constants H, NCH, OT)."""
     d = get(dialect)
-    return _source(d, "chunk_out_mma.j2", "out_mma", "chunk readout of the chunked core, fragment multiply-adds",
-                   ("R", "U", "Z", "St", "logd"), ("Y", "M"), (), helpers=d.mma_prelude)
+    return _source(d, "chunk_out_mma.j2", "out_mma" + ("_yt" if yt else ""),
+                   "chunk readout of the chunked core, fragment multiply-adds",
+                   ("R", "U", "Z", "St", "logd"), ("Y", "M"), (), helpers=d.mma_prelude, yt=yt)
 
 
 @lru_cache(maxsize=None)
@@ -333,13 +335,19 @@ def scan_fma_launch(dialect: str, BH: int, n: int, C: int, K: int, V: int, F: in
 
 
 @lru_cache(maxsize=256)
-def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int) -> Launch:
+def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | None = None) -> Launch:
+    """``yt`` = (H, n, dtype name): y as [N / (H n), n C, H, V] of that type (N = B H n chunks), else [N, C, V] float32."""
     lay = out_mma_layout(dialect, C, K, V)
     if lay is None:
         raise ValueError(f"chunk_out_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8")
     tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items())
+    y = ((N, C, V), "float32")
+    if yt is not None:
+        H, n, dt = yt
+        tmpl += (("H", H), ("NCH", n), ("OT", dt))
+        y = ((N // (H * n), n * C, H, V), dt)
     nt = 2 * C  # C / 16 SIMD groups of 32
-    return Launch(out_mma_source(dialect), (), (((N, C, V), "float32"), ((N, C, C), "float32")),
+    return Launch(out_mma_source(dialect, yt is not None), (), (y, ((N, C, C), "float32")),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
@@ -499,16 +507,18 @@ def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool, P=None, St=None,
     return carried, Y, S_end, dg
 
 
-def chunk_out(r, u, Z, states, l, dialect: str):
+def chunk_out(r, u, Z, states, l, dialect: str, out=None):
     """y = (r ⊙ P) S_c + M_ru Z per chunk for a scalar decay (P_t = e^{G_t}, M_ru[t, s] = (r_t · u_s) Γ(t, s),
     s ≤ t, 0 above), by the fragment kernel: r, u [.., n, C, K], Z [.., n, C, V], states [.., n, K, V], l
-    (log-decays) [.., n, C, 1]. Returns (y [.., n, C, V], M_ru [.., n, C, C]), float32."""
-    (C, K), V = r.shape[-2:], Z.shape[-1]
+    (log-decays) [.., n, C, 1]. Returns (y [.., n, C, V] float32, M_ru [.., n, C, C]), or with ``out`` (an
+    mx dtype; r then [B, H, n, C, K]) y in the model's layout [B, n C, H, V] and that type."""
+    (n, C, K), V = r.shape[-3:], Z.shape[-1]
     N = _lead(r, 2)
-    y, M = mlx_call(out_mma_launch(dialect, N, C, K, V), get(dialect),
+    yt = None if out is None else (r.shape[-4], n, str(out).split(".")[-1])
+    y, M = mlx_call(out_mma_launch(dialect, N, C, K, V, yt), get(dialect),
                     [r.reshape(N, C, K), u.reshape(N, C, K), Z.reshape(N, C, V), states.reshape(N, K, V),
                      l.reshape(N, C)], [])
-    return y.reshape(*Z.shape), M.reshape(*r.shape[:-1], C)
+    return (y if out is not None else y.reshape(*Z.shape)), M.reshape(*r.shape[:-1], C)
 
 
 def chunk_ut(bt, u, w, l, dialect: str):

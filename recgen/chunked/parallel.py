@@ -357,9 +357,23 @@ def _up(geo, *xs):
     return [None if x is None else x.astype(geo.l.dtype) for x in xs]
 
 
-def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None):
+def model_layout(y, out):
+    """y [B, H, n, C, V] -> [B, n C, H, V] of dtype ``out`` (the model's layout)."""
+    B, H, n, C, V = y.shape
+    return y.transpose(0, 2, 3, 1, 4).reshape(B, n * C, H, V).astype(out)
+
+
+def core_layout(y, n: int, C: int, dtype):
+    """``model_layout``'s inverse: [B, n C, H, V] -> [B, H, n, C, V] of ``dtype``."""
+    B, _, H, V = y.shape
+    return y.reshape(B, n, C, H, V).transpose(0, 3, 1, 2, 4).astype(dtype)
+
+
+def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None, out=None):
     """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too. The roles may
-    arrive in 16 bits (``role_dtype``): the fused kernels read them so, MLX's products in the compute dtype."""
+    arrive in 16 bits (``role_dtype``): the fused kernels read them so, MLX's products in the compute dtype.
+    With ``out`` (a dtype) y comes in the model's layout and that type (``model_layout``): the fused readout
+    writes it so (run 73: the transposing cast after it was a pass over y in float32)."""
     U, W, Tm = w, None, None
     (C, K), V = u.shape[-2:], w.shape[-1]
     fused = bool(kern) and not geo.key  # the fragment UT transform and readout take scalar decays
@@ -378,11 +392,13 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None)
     states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern)
     if fused and kernels.fuses_readout(kern, C, K, V):
         # M_ru is written for the backward: forming it again there cost GDN 1.1 ms of fwd+bwd (H100, run 61)
-        y, M = kernels.chunk_out(r, u, Z, states, geo.l, kern)
+        y, M = kernels.chunk_out(r, u, Z, states, geo.l, kern, out)
     else:
         r_, u_, Z_ = _up(geo, r, u, Z)
         M = geo.pair(r_, u_, strict=False)
         y = (r_ * geo.P) @ states + M @ Z_
+        if out is not None:
+            y = model_layout(y, out)
     return y, S_end, (states, M) + ((Z, Tm, W) if bt is not None else ())
 
 
@@ -473,12 +489,13 @@ def chunk_kernels() -> str | None:
 
 @lru_cache(maxsize=None)
 def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile: bool = False, inv_base: int = 1,
-            kern: str | None = None):
+            kern: str | None = None, out=None):
     """The chunked core as an ``mx.custom_function`` with the hand-derived VJP above.
 
     Arguments (all chunked, [..., n, C, F]): S0 [..., K, V], r, u [.., C, K], w [.., C, V],
     l [.., C, F] (log-decays; F = K when ``key``, else 1) and, when ``delta``, b̃ [.., C, K].
-    ``inv_base``: see ``inverse_base``; ``kern``: see ``chunk_kernels``.
+    ``inv_base``: see ``inverse_base``; ``kern``: see ``chunk_kernels``; ``out``: None, or a dtype for y in the
+    model's layout [B, n C, H, V] (leading axes then B, H; its cotangent arrives so too).
     Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru, with b̃
     Z, T, W, and a key-vector decay's hierarchy) are for the VJP only and take no cotangent."""
     Geo = KeyDecay if key else ScalarDecay
@@ -488,7 +505,7 @@ def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile
 
     def fwd(S0, r, u, w, l, bt=None):
         geo = Geo(l)
-        y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base, kern)
+        y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base, kern, out)
         return (y, S_end) + res + tuple(geo.saved())
 
     def bwd(*a):
@@ -496,6 +513,8 @@ def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile
         bt = a[5] if delta else None
         k = 6 if delta else 5
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
+        if out is not None:
+            dy = core_layout(dy, *r.shape[-3:-1], l.dtype)
         dS0, dr, du, dw, dl, dbt = _backward(Geo(l, geo_saved), r, u, w, bt, res, dy, dS_end, compose, matrix, kern)
         grads = (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
         return tuple(g.astype(x.dtype) for g, x in zip(grads, a))  # a 16-bit role (``role_dtype``) takes its own type

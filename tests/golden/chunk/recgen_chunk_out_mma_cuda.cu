@@ -16,7 +16,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   // The chunked core's readout for a scalar decay, on the SIMD groups' fragment multiply-adds:
   //   y_t = e^{G_t} (r_t S_c) + sum_{s <= t} (r_t . u_s) Gamma(t, s) z_s,   Gamma(t, s) = e^{sum_{s < tau <= t} l_tau}
   // (G_t = sum_{tau <= t} l_tau; S_c the chunk-entry state, z the values that entered it). M = (R U^T) * Gamma
-  // is formed in threadgroup memory and never written out. One threadgroup: one chunk, BV value columns;
+  // is formed in threadgroup memory. One threadgroup: one chunk, BV value columns;
   // SIMD group w owns rows 16 w .. 16 w + 15 (C / 16 groups), so it needs M's columns s < 16 (w + 1) only.
   // Fragments as in chunk_scan_mma.j2 (PTX m16n8k8: gq = lane / 4, tq = lane % 4):
   //   A (16x8): A[gq][tq], A[gq+8][tq], A[gq][tq+4], A[gq+8][tq+4]      B (8x8): B[tq][gq], B[tq+4][gq]
