@@ -518,14 +518,15 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
     assert ck.usable("cuda", "mma") and ck._probe.cache_info().currsize == 0 and not ck._failed
 
 
-@pytest.mark.parametrize("roles16", ["1", "0"])
-@pytest.mark.parametrize("name,typed", [
-    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_yt"}),
-    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_out_mma_yt"})])
-def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, roles16, monkeypatch):
+@pytest.mark.parametrize("roles16", ["1", None, "0"])
+@pytest.mark.parametrize("name,typed,bare", [
+    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_yt"}, {"recgen_chunk_ut_mma"}),
+    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_out_mma_yt"}, {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_out_mma_yt"})])
+def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare, roles16, monkeypatch):
     """bf16 inputs on the fragment frames, the readout writing o in bf16 in the model's layout. With
     ``RECGEN_16BIT_ROLES=1`` the roles reach the fused kernels in bf16 (``parallel.role_dtype``; they convert
-    on load) and MLX's products and the backward in float32; without, every kernel reads float32. End to end
+    on load) and MLX's products and the backward in float32; by default only the roles that are inputs verbatim
+    (GDN's w = v, simple GLA's u = k and w = v: exact in bf16); with ``=0`` every kernel reads float32. End to end
     against the float64 reference at the same bf16-rounded inputs: forward, final state and every gradient
     within 1e-2 (o and the input gradients are rounded to bf16, and with 16-bit roles r = q / sqrt(K) and
     b̃ = β k once; a wrong conversion or a product in bf16 gives O(1) or ~1e-1)."""
@@ -536,7 +537,10 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, roles
 
     monkeypatch.setattr(parallel, "CHUNK_KERNELS", "metal")
     monkeypatch.setattr(ck, "MMA_SCAN", True)
-    monkeypatch.setenv("RECGEN_16BIT_ROLES", roles16)
+    if roles16 is None:
+        monkeypatch.delenv("RECGEN_16BIT_ROLES", raising=False)
+    else:
+        monkeypatch.setenv("RECGEN_16BIT_ROLES", roles16)
     seen = {}
 
     def call(launch, dialect, user, extra):
@@ -546,7 +550,7 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, roles
 
     monkeypatch.setattr(ck, "mlx_call", call)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=4, in_dtype=mx.bfloat16), 1e-2, 1e-2)
-    assert {k for k, v in seen.items() if "mlx.core.bfloat16" in v} == (typed if roles16 == "1" else set()), seen
+    assert {k for k, v in seen.items() if "mlx.core.bfloat16" in v} == {"1": typed, None: bare, "0": set()}[roles16], seen
 
 
 def test_role_dtype_is_16_bit_only_where_fused_kernels_read_the_roles(monkeypatch):
@@ -555,7 +559,12 @@ def test_role_dtype_is_16_bit_only_where_fused_kernels_read_the_roles(monkeypatc
 
     monkeypatch.setattr(ck, "MMA_SCAN", True)
     bf, f32 = mx.bfloat16, mx.float32
+    monkeypatch.delenv("RECGEN_16BIT_ROLES", raising=False)
     assert parallel.role_dtype("cuda", False, True, 64, 128, 128, bf, f32) == f32      # off by default (backward cost)
+    assert parallel.role_dtype("cuda", False, True, 64, 128, 128, bf, f32, bare=True) == bf  # but an input verbatim: exact
+    assert parallel.role_dtype(None, False, True, 64, 128, 128, bf, f32, bare=True) == f32
+    monkeypatch.setenv("RECGEN_16BIT_ROLES", "0")
+    assert parallel.role_dtype("cuda", False, True, 64, 128, 128, bf, f32, bare=True) == f32
     monkeypatch.setenv("RECGEN_16BIT_ROLES", "1")
     assert parallel.role_dtype("cuda", False, True, 64, 128, 128, bf, f32) == bf
     assert parallel.role_dtype("cuda", False, False, 64, 128, 128, mx.float16, f32) == mx.float16

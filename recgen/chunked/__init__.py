@@ -157,10 +157,12 @@ def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None, out=None):
     return y.reshape(B, H, n * C, y.shape[-1])[:, :, :T], S_end
 
 
-def _roles(p, names, scale, sizes, S, arrays):
+def _roles(p, names, scale, sizes, S, arrays, raw=None):
+    """(T, roles); ``raw``: see ``terms.bind``."""
     chunk = dict(zip(names, arrays))  # upcast by ``bind``, after the layout views: fused with the role math
     T = next(chunk[x.name].shape[1] for x in p.rec.inputs if x.per_token)
-    return T, evaluate(p, bind(p, chunk, sizes.H, S.dtype), scale, sizes.B, sizes.H, T, sizes.K, sizes.V, S.dtype)
+    vals = bind(p, chunk, sizes.H, S.dtype, raw)
+    return T, evaluate(p, vals, scale, sizes.B, sizes.H, T, sizes.K, sizes.V, S.dtype)
 
 
 def _z_scan(p, t, z, C):
@@ -173,11 +175,22 @@ def _z_scan(p, t, z, C):
     return yz[..., 0], zs[..., 0]
 
 
+def _role_as(p, role, x, raw, dtype):
+    """Role ``x`` in ``dtype``: a role that is an input verbatim, in that input's own type, is the input's
+    row-major copy itself (no cast, no rounding: ``terms.bind``)."""
+    sym = dict(p.bare_roles).get(role)
+    if sym is not None and sym in raw and raw[sym].dtype == dtype:
+        a = raw[sym]
+        return a[..., 0] if role in ("r", "u") else a[..., 0, :]  # [B,H,T,K,1] / [B,H,T,1,V] -> role layout
+    return x.astype(dtype)
+
+
 def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """Scalar or key-vector decay, no transition or a = ρ·u: (S[, z], *inputs) -> (o, S[, z]). Without a
     normalizer or skip term the core writes o in its layout and type (``out_dtype``) itself."""
     z = rest[0] if has_z else None
-    T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
+    raw = {}
+    T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest, raw)
     V, key = sizes.V, p.decay_class == "key"
     nz = None
     if p.fuse_z:  # z rides along as the extra value column of S (same decay and update)
@@ -188,8 +201,10 @@ def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     else:
         bt = t["rho"][..., None] * t["b"] if "rho" in t else None
         given = next(a.dtype for x, a in zip(p.rec.inputs, rest[1:] if has_z else rest) if x.kind == "value")
-        store = parallel.role_dtype(parallel.chunk_kernels(), key, bt is not None, C, sizes.K, V, given, S.dtype)
-        r, u, w, bt = (None if x is None else x.astype(store) for x in (t["r"], t["u"], t["w"], bt))
+        kw = (parallel.chunk_kernels(), key, bt is not None, C, sizes.K, V, given, S.dtype)
+        r, u, w = (_role_as(p, role, t[role], raw, parallel.role_dtype(*kw, bare=role in dict(p.bare_roles)))
+                   for role in ("r", "u", "w"))
+        bt = None if bt is None else bt.astype(parallel.role_dtype(*kw))
         native = not has_z and "skip" not in t
         y, S = _diag_scan(S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None)
         if native:

@@ -334,7 +334,7 @@ def _scan_backward_ops(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
     return dSn, dZ, dS[..., 0, :, :]
 
 
-def role_dtype(kern, key: bool, delta: bool, C: int, K: int, V: int, dtype, compute):
+def role_dtype(kern, key: bool, delta: bool, C: int, K: int, V: int, dtype, compute, bare: bool = False):
     """The dtype the roles r, u, w, b̃ are handed to the core in: ``dtype`` (the inputs') where it is a 16-bit
     float and every forward product that reads them is a fused fragment kernel (a scalar decay, the fragment
     scan, the readout kernel and, for a delta rule, the UT transform: they convert on load), else ``compute``. In 16 bits the
@@ -343,8 +343,11 @@ def role_dtype(kern, key: bool, delta: bool, C: int, K: int, V: int, dtype, comp
     them in ``compute`` (``_up``). Off unless ``RECGEN_16BIT_ROLES=1``: measured on the H100 (run 72) it left
     GDN's forward as it was (2.783 against 2.791 ms) and took simple GLA's from 1.980 to 1.894 ms, but the
     backward's casts made fwd+bwd slower (GDN 13.5 → 18.5 ms, simple GLA 9.2 → 10.3) and its peak higher
-    (GDN 7.11 → 8.29 GiB, over the 8 GiB target). A forward-only (inference) choice, for now."""
-    if dtype not in (mx.bfloat16, mx.float16) or not kern or key or os.environ.get("RECGEN_16BIT_ROLES") != "1":
+    (GDN 7.11 → 8.29 GiB, over the 8 GiB target). A forward-only (inference) choice, for now.
+    A ``bare`` role (an input verbatim: GDN's w = v, simple GLA's u = k and w = v) is exact in its input's type, so
+    it stays there wherever the kernels read it, unless ``RECGEN_16BIT_ROLES=0``: no cast pass in the forward."""
+    env = os.environ.get("RECGEN_16BIT_ROLES")
+    if dtype not in (mx.bfloat16, mx.float16) or not kern or key or env == "0" or not (bare or env == "1"):
         return compute
     if not (kernels.use_mma(kern, C, K, V) and kernels.fuses_readout(kern, C, K, V)
             and (not delta or kernels.fuses_ut(kern, C, K, V))):

@@ -74,7 +74,7 @@ class Plan:
     N: object           # normalizer function of n, or None
     fuse_z: bool        # z can ride along S as an extra value column (same decay and update, no transition)
     has_rho: bool = False  # transition a = ρ·u with ρ free of the key index (delta rules): fns["rho"]
-    bare: frozenset = frozenset()  # input symbols some role is verbatim (GDN's u = k, w = v): see ``bind``
+    bare_roles: tuple = ()  # (role, input symbol) where the role is that input verbatim (GDN's b = k, w = v): see ``bind``
 
 
 def _classify(rec: ir.Recurrence, expr: sp.Expr) -> str:
@@ -110,7 +110,8 @@ def plan(rec: ir.Recurrence) -> Plan:
         if not rec.free_indices(rho) and rho.is_finite is not False and not rho.has(sp.zoo, sp.nan):
             fns["rho"] = lam(rho)
             has_rho = True
-    bare = frozenset(e for e in terms.values() if isinstance(e, sp.Symbol) and e in rec.symbols)
+    bare = tuple((role, e) for role, e in terms.items()
+                 if role in KEY_ROLES + VALUE_ROLES and isinstance(e, sp.Symbol) and e in rec.symbols)
     return Plan(rec, syms, fns, decay_class, zclass, N, fuse, has_rho, bare)
 
 
@@ -139,21 +140,31 @@ def expand_heads(x, H: int, gqa: str, axis: int):
     return mx.tile(x, reps)
 
 
-def bind(p: Plan, chunk: dict, H: int, dtype=None) -> dict:
+def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None) -> dict:
     """Symbol -> array in the chunk frame [B,H,C,K|1,V|1]; per-token inputs are [B,C,...] slices.
     With ``dtype`` each value is cast after its layout view (transpose, head expansion), so under
     ``mx.compile`` the cast fuses into the role math's strided pass instead of being a pass of its
     own before the transpose (run 66: three standalone bf16 -> float32 casts, 0.21 ms of GDN's forward).
     Features (sympow) are formed from the cast input: products of bf16 values lose precision.
 
-    A key or value that a role is verbatim (``Plan.bare``) is first copied to row-major order in its own
+    A key or value that a role is verbatim (``Plan.bare_roles``) is first copied to row-major order in its own
     type: MLX's cast keeps a transposed view's strides, so the chunked core's reshape would copy it again in
-    float32 (run 73: a cast and a float32 layout copy per such input, 0.16 ms of GDN's forward for k and v)."""
+    float32 (run 73: a cast and a float32 layout copy per such input, 0.16 ms of GDN's forward for k and v).
+    ``raw`` (a dict), if given, receives those row-major copies before the cast, by symbol."""
     mx = _mx()
     rec = p.rec
     vals = {}
     cast = (lambda a: a.astype(dtype)) if dtype is not None else (lambda a: a)
-    row_major = lambda a, x: mx.contiguous(a) if x.symbol in p.bare else a  # noqa: E731
+    bare = {s for _, s in p.bare_roles}
+
+    def row_major(a, x):
+        if x.symbol not in bare:
+            return a
+        a = mx.contiguous(a)
+        if raw is not None:
+            raw[x.symbol] = a
+        return a
+
     for x in rec.inputs:
         a = chunk[x.name]
         if x.kind == "scalar":                       # [B,C,H]
