@@ -18,7 +18,10 @@ pair matrix. All three are spec-free algebra, so one frame per kernel serves eve
 - ``chunk_ut`` and ``chunk_out`` (scalar decays, fragment frames only, ``fuses_ut`` / ``fuses_readout``): the
   delta rule's UT transform (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout
   y = (r ⊙ P) S_c + M_ru Z, each one kernel per chunk with A or M_ru formed in threadgroup memory
-  (``chunk_ut_mma.j2``, ``chunk_out_mma.j2``; shared helpers in ``_fragments.j2``).
+  (``chunk_ut_mma.j2``, ``chunk_out_mma.j2``; shared helpers in ``_fragments.j2``). The readout may write y in the
+  model's layout and type (``chunk_out(..., out=dtype)``), the forward scan may scale B's rows as it reads them
+  (``chunk_scan(..., Bq=Q)``: u ⊙ Q never in memory), and every operand read converts to float, so a role may come
+  in its input's 16-bit type (``parallel.role_dtype``).
 
 Rendered through a ``Dialect`` like the recurrent kernels (frames ``templates/chunk_*.j2``), called
 through ``mx.fast.<dialect.mlx_factory>``; the Metal form is verified on the CPU emulator, the CUDA form
