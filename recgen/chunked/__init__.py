@@ -43,7 +43,7 @@ from .. import ir
 from ..shapes import InputError, check_state, infer_sizes
 from . import core, parallel
 from .core import _pow2
-from .terms import bind, evaluate, plan
+from .terms import KEY_ROLES, bind, evaluate, plan
 
 __all__ = ["forward", "naive_loop", "supported", "fast_form", "segment_budget", "default_chunk_size"]
 
@@ -181,7 +181,7 @@ def _role_as(p, role, x, raw, dtype):
     sym = dict(p.bare_roles).get(role)
     if sym is not None and sym in raw and raw[sym].dtype == dtype:
         a = raw[sym]
-        return a[..., 0] if role in ("r", "u") else a[..., 0, :]  # [B,H,T,K,1] / [B,H,T,1,V] -> role layout
+        return a[..., 0] if role in KEY_ROLES else a[..., 0, :]  # [B,H,T,K,1] / [B,H,T,1,V] -> role layout
     return x.astype(dtype)
 
 
