@@ -520,13 +520,16 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
 
 @pytest.mark.parametrize("roles16", ["1", None, "0"])
 @pytest.mark.parametrize("name,typed,bare", [
-    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_yt"}, {"recgen_chunk_ut_mma"}),
-    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_out_mma_yt"}, {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_out_mma_yt"})])
+    ("gated_delta_net", {"ut_mma": {"Bt", "U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_yt": {"R", "U"}},
+     {"ut_mma": {"Bt", "W"}}),
+    ("simple_gla", {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}},
+     {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"U", "Z"}})])
 def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare, roles16, monkeypatch):
     """bf16 inputs on the fragment frames, the readout writing o in bf16 in the model's layout. With
     ``RECGEN_16BIT_ROLES=1`` the roles reach the fused kernels in bf16 (``parallel.role_dtype``; they convert
-    on load) and MLX's products and the backward in float32; by default only the roles that are inputs verbatim
-    (GDN's w = v, simple GLA's u = k and w = v: exact in bf16); with ``=0`` every kernel reads float32. End to end
+    on load) and MLX's products and the backward in float32; by default only the roles exact in bf16: inputs
+    verbatim (GDN's w = v, simple GLA's u = k and w = v) and GDN's b̃ = -k; with ``=0`` every kernel reads
+    float32 (asserted per kernel buffer). End to end
     against the float64 reference at the same bf16-rounded inputs: forward, final state and every gradient
     within 1e-2 (o and the input gradients are rounded to bf16, and with 16-bit roles r = q / sqrt(K) and
     b̃ = β k once; a wrong conversion or a product in bf16 gives O(1) or ~1e-1)."""
@@ -544,13 +547,16 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare,
     seen = {}
 
     def call(launch, dialect, user, extra):
-        kind = launch.source.name.split("_metal")[0]
-        seen.setdefault(kind, set()).update(str(a.dtype) for a in user)
+        kind = launch.source.name.split("_metal")[0].removeprefix("recgen_chunk_")
+        names = [n for n in launch.source.inputs if n not in {r[0] for r in launch.runtime}]
+        bf = {n for n, a in zip(names, user) if a.dtype == mx.bfloat16}
+        if bf:
+            seen.setdefault(kind, set()).update(bf)
         return _emulated_call(launch, dialect, user, extra)
 
     monkeypatch.setattr(ck, "mlx_call", call)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=4, in_dtype=mx.bfloat16), 1e-2, 1e-2)
-    assert {k for k, v in seen.items() if "mlx.core.bfloat16" in v} == {"1": typed, None: bare, "0": set()}[roles16], seen
+    assert seen == {"1": typed, None: bare, "0": {}}[roles16], seen
 
 
 def test_role_dtype_is_16_bit_only_where_fused_kernels_read_the_roles(monkeypatch):

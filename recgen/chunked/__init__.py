@@ -185,6 +185,16 @@ def _role_as(p, role, x, raw, dtype):
     return x.astype(dtype)
 
 
+def _transition_role(p, bt, raw, kw):
+    """b̃ = ρ b in ``role_dtype``'s type; where b is an input verbatim and ρ a constant ±2^e (the delta rules'
+    -1), ρ b is exact in b's own type, so b̃ is formed there from b's row-major copy, like a bare role."""
+    sym = dict(p.bare_roles).get("b")
+    dtype = parallel.role_dtype(*kw, bare=sym is not None and p.rho_pow2 is not None)
+    if sym is not None and p.rho_pow2 is not None and sym in raw and raw[sym].dtype == dtype:
+        return raw[sym][..., 0] * p.rho_pow2  # a Python scalar keeps the array's type
+    return bt.astype(dtype)
+
+
 def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """Scalar or key-vector decay, no transition or a = ρ·u: (S[, z], *inputs) -> (o, S[, z]). Without a
     normalizer or skip term the core writes o in its layout and type (``out_dtype``) itself."""
@@ -204,7 +214,7 @@ def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         kw = (parallel.chunk_kernels(), key, bt is not None, C, sizes.K, V, given, S.dtype)
         r, u, w = (_role_as(p, role, t[role], raw, parallel.role_dtype(*kw, bare=role in dict(p.bare_roles)))
                    for role in ("r", "u", "w"))
-        bt = None if bt is None else bt.astype(parallel.role_dtype(*kw))
+        bt = None if bt is None else _transition_role(p, bt, raw, kw)
         native = not has_z and "skip" not in t
         y, S = _diag_scan(S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None)
         if native:

@@ -75,6 +75,7 @@ class Plan:
     fuse_z: bool        # z can ride along S as an extra value column (same decay and update, no transition)
     has_rho: bool = False  # transition a = ρ·u with ρ free of the key index (delta rules): fns["rho"]
     bare_roles: tuple = ()  # (role, input symbol) where the role is that input verbatim (GDN's b = k, w = v): see ``bind``
+    rho_pow2: float | None = None  # ρ when it is a constant ±2^e (the delta rules' -1): ρ·b is then exact in b's type
 
 
 def _classify(rec: ir.Recurrence, expr: sp.Expr) -> str:
@@ -103,16 +104,18 @@ def plan(rec: ir.Recurrence) -> Plan:
         N = sp.lambdify((ir.N_ARG,), norm.fn, modules=mod)
         fuse = (rec.step.transition is None and decay_class != "full"
                 and sp.simplify(norm.decay - terms["decay"]) == 0 and sp.simplify(norm.update - terms["u"]) == 0)
-    has_rho = False
+    has_rho, rho_pow2 = False, None
     tr = rec.step.transition
     if tr is not None and sp.sympify(terms["u"]) != 0:
         rho = sp.simplify(sp.sympify(tr.a) / terms["u"])
         if not rec.free_indices(rho) and rho.is_finite is not False and not rho.has(sp.zoo, sp.nan):
             fns["rho"] = lam(rho)
             has_rho = True
+            if rho.is_Number and rho != 0 and float(np.log2(abs(float(rho)))).is_integer():
+                rho_pow2 = float(rho)
     bare = tuple((role, e) for role, e in terms.items()
                  if role in KEY_ROLES + VALUE_ROLES and isinstance(e, sp.Symbol) and e in rec.symbols)
-    return Plan(rec, syms, fns, decay_class, zclass, N, fuse, has_rho, bare)
+    return Plan(rec, syms, fns, decay_class, zclass, N, fuse, has_rho, bare, rho_pow2)
 
 
 # -- binding -----------------------------------------------------------------------------------
