@@ -388,7 +388,8 @@ def _probe(dialect: str, frame: str) -> str | None:
     constants of the common case (C = 64, K = V = 128: the very kernels a model then uses, so nothing is
     compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
     ``frame``: "base" (the inverse and the key-decay pair), "scan" (the FMA scan) or "mma" (the fragment
-    scan, readout and UT transform). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
+    scan as the forward runs it, B in bf16 with its rows scaled as read; the readout in both output layouts,
+    bf16 in the model's; the UT transform). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
     then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked call."""
     import mlx.core as mx
     import numpy as np
@@ -405,22 +406,35 @@ def _probe(dialect: str, frame: str) -> str | None:
         else:
             S0, X = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V))
             A, Bm = rng.normal(size=(1, n, C, K)) / K, rng.normal(size=(1, n, C, K)) / C
+            # the fragment frame as the forward runs it: B (u) in bf16, its rows scaled by Bq (Q) as read
+            Bq = np.exp(-0.1 * np.arange(C - 1, -1, -1.0))[None, None].repeat(n, 1)
+            Bm16 = f32(Bm).astype(mx.bfloat16)
+            Bs = np.array(Bm16.astype(mx.float32), np.float64) * Bq[..., None] if frame == "mma" else Bm
             S, ref_c, ref_y = S0[0], [], []
             for c in range(n):                   # the scan in float64
                 Y = X[0, c] + A[0, c] @ S
                 ref_c.append(S)
                 ref_y.append(Y)
-                S = 0.5 * S + Bm[0, c].T @ Y
-            launch = (scan_mma_launch if frame == "mma" else scan_fma_launch)(dialect, 1, n, C, K, V, 1, False, False)
-            got = mlx_call(launch, get(dialect), [f32(S0), f32(A), f32(X), f32(Bm), f32(np.full((1, n, 1), 0.5))], [])
+                S = 0.5 * S + Bs[0, c].T @ Y
+            g = f32(np.full((1, n, 1), 0.5))
+            if frame == "mma":
+                launch = scan_mma_launch(dialect, 1, n, C, K, V, 1, False, False, has_q=True)
+                got = mlx_call(launch, get(dialect), [f32(S0), f32(A), f32(X), Bm16, f32(Bq), g], [])
+            else:
+                launch = scan_fma_launch(dialect, 1, n, C, K, V, 1, False, False)
+                got = mlx_call(launch, get(dialect), [f32(S0), f32(A), f32(X), f32(Bm), g], [])
             ref = [np.stack(ref_c)[None], np.stack(ref_y)[None], S[None]]
             if frame == "mma":  # and the readout, at decay e^-0.1 a token: y = e^{G} R S_c + ((R Uᵀ) ⊙ Γ) X_c
                 R, U = rng.normal(size=(n, C, K)) / K, rng.normal(size=(n, C, K))
                 G = -0.1 * np.arange(1, C + 1)
                 gam = np.tril(np.exp(G[:, None] - G[None, :]))
                 M = (R @ U.swapaxes(-1, -2)) * gam
-                got = [*got, *chunk_out(f32(R), f32(U), f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1)), dialect)]
-                ref += [np.exp(G)[:, None] * (R @ np.stack(ref_c)) + M @ X[0], M]
+                outs = [f32(R), f32(U), f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1))]
+                yref = np.exp(G)[:, None] * (R @ np.stack(ref_c)) + M @ X[0]
+                got = [*got, *chunk_out(*outs, dialect)]
+                # and in the model's layout and type (B = H = 1: [1, n C, 1, V] bf16)
+                got.append(chunk_out(*(x[None, None] for x in outs), dialect, mx.bfloat16)[0])
+                ref += [yref, M, yref.reshape(1, n * C, 1, V)]
                 # and the UT transform (A = (-R Uᵀ / K) ⊙ Γ strictly below the diagonal), where its tiles fit
                 if ut_mma_layout(dialect, C, K, V) is not None:
                     A = np.tril(-(R @ U.swapaxes(-1, -2)) / K * gam, -1)
@@ -433,8 +447,8 @@ def _probe(dialect: str, frame: str) -> str | None:
             raise _InTransform() from e
         return f"{type(e).__name__}: {e}"
     for a, b in zip(got, ref):
-        err = float(np.abs(np.array(a, np.float64) - b).max() / (np.abs(b).max() + 1e-30))
-        if not err < 1e-2:  # TF32 fragments: ~1e-3
+        err = float(np.abs(np.array(a.astype(mx.float32), np.float64) - b).max() / (np.abs(b).max() + 1e-30))
+        if not err < 1e-2:  # TF32 fragments: ~1e-3; a bf16 output: ~4e-3
             return f"{frame} kernel output off by {err:.1e} relative"
     return None
 
