@@ -82,6 +82,20 @@ def test_chunk_scan_mma_matches_numpy(F, has_e, reverse, has_a, has_b, C, K, V):
     _check_scan(launch, np.random.default_rng(F + C + V), BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
 
 
+def _scan_mma_launch_at_bv(bv, *args, **kw):
+    """``ck.scan_mma_launch`` with MMA_BV = bv (fewer columns a threadgroup: more threadgroups of columns), the
+    layout caches cleared on both sides so no other test sees that layout."""
+    saved = ck.MMA_BV
+    ck.MMA_BV = bv
+    ck.scan_mma_layout.cache_clear()
+    try:
+        return ck.scan_mma_launch(*args, **kw)
+    finally:
+        ck.MMA_BV = saved
+        ck.scan_mma_layout.cache_clear()
+        ck.scan_mma_launch.cache_clear()
+
+
 @pytest.mark.parametrize("has_e", [False, True])
 def test_chunk_scan_mma_with_product_term(has_e):
     """The fragment scan's E term given as factors: S <- g S + B^T Y (+ E) + Pa^T Pb, never multiplied out;
@@ -96,14 +110,7 @@ def test_chunk_scan_mma_with_product_term(has_e):
     if has_e:
         ins["E"] = f(BH, n, K, V)
         E = E + ins["E"]
-    ck.MMA_BV = 16  # two threadgroups of columns: two partial sums per row
-    ck.scan_mma_layout.cache_clear()
-    try:
-        launch = ck.scan_mma_launch("metal", BH, n, C, K, V, K, has_e, True, True, True, True, True)
-    finally:
-        ck.MMA_BV = 32
-        ck.scan_mma_layout.cache_clear()
-        ck.scan_mma_launch.cache_clear()
+    launch = _scan_mma_launch_at_bv(16, "metal", BH, n, C, K, V, K, has_e, True, True, True, True, True)  # 2 partial sums a row
     outs = verify.run_launch(launch, ins)
     want = _scan_ref(ins["S0"], ins["A"], ins["X"], ins["Bm"], ins["g"], E, True)
     for got, w in zip(outs[:3], want):
@@ -124,14 +131,7 @@ def test_chunk_scan_mma_scales_b_rows(has_a):
     Bq = np.exp(-20 * rng.uniform(size=(BH, n, C))).astype(np.float32)
     ins = {"S0": f(BH, K, V), "X": f(BH, n, C, V), "Bm": Bm, "Bq": Bq,
            "g": np.exp(-20 * rng.uniform(size=(BH, n, 1))).astype(np.float32)} | ({"A": f(BH, n, C, K) * 0.2} if has_a else {})
-    ck.MMA_BV = 16
-    ck.scan_mma_layout.cache_clear()
-    try:
-        launch = ck.scan_mma_launch("metal", BH, n, C, K, V, 1, False, False, has_a, True, has_q=True)
-    finally:
-        ck.MMA_BV = 32
-        ck.scan_mma_layout.cache_clear()
-        ck.scan_mma_launch.cache_clear()
+    launch = _scan_mma_launch_at_bv(16, "metal", BH, n, C, K, V, 1, False, False, has_a, True, has_q=True)
     assert "_q_" in launch.source.name
     outs = verify.run_launch(launch, ins)
     B64 = np.array(Bm.astype(mx.float32)).astype(np.float64) * Bq[..., None]

@@ -175,24 +175,16 @@ def _z_scan(p, t, z, C):
     return yz[..., 0], zs[..., 0]
 
 
-def _role_as(p, role, x, raw, dtype):
-    """Role ``x`` in ``dtype``: a role that is an input verbatim, in that input's own type, is the input's
-    row-major copy itself (no cast, no rounding: ``terms.bind``)."""
+def _role_as(p, role, x, raw, dtype, factor=1.0):
+    """``x`` = ``factor`` × role ``role``, in ``dtype``. Where the role is an input verbatim, in that input's own
+    type, and ``factor`` a constant (None: not one), ``x`` is formed from the input's row-major copy (``terms.bind``)
+    itself: no cast, and no rounding where ``factor`` is ±2^e (b̃ = ρ b with the delta rules' ρ = -1)."""
     sym = dict(p.bare_roles).get(role)
-    if sym is not None and sym in raw and raw[sym].dtype == dtype:
+    if factor is not None and sym in raw and raw[sym].dtype == dtype:
         a = raw[sym]
-        return a[..., 0] if role in KEY_ROLES else a[..., 0, :]  # [B,H,T,K,1] / [B,H,T,1,V] -> role layout
+        a = a[..., 0] if role in KEY_ROLES else a[..., 0, :]  # [B,H,T,K,1] / [B,H,T,1,V] -> role layout
+        return a if factor == 1.0 else a * factor  # a Python scalar keeps the array's type
     return x.astype(dtype)
-
-
-def _transition_role(p, bt, raw, kw):
-    """b̃ = ρ b in ``role_dtype``'s type; where b is an input verbatim and ρ a constant ±2^e (the delta rules'
-    -1), ρ b is exact in b's own type, so b̃ is formed there from b's row-major copy, like a bare role."""
-    sym = dict(p.bare_roles).get("b")
-    dtype = parallel.role_dtype(*kw, bare=sym is not None and p.rho_pow2 is not None)
-    if sym is not None and p.rho_pow2 is not None and sym in raw and raw[sym].dtype == dtype:
-        return raw[sym][..., 0] * p.rho_pow2  # a Python scalar keeps the array's type
-    return bt.astype(dtype)
 
 
 def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
@@ -210,11 +202,12 @@ def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         y, nz, S, z = ya[..., :V], ya[..., V], Sa[..., :V], Sa[..., V]
     else:
         bt = t["rho"][..., None] * t["b"] if "rho" in t else None
-        given = next(a.dtype for x, a in zip(p.rec.inputs, rest[1:] if has_z else rest) if x.kind == "value")
-        kw = (parallel.chunk_kernels(), key, bt is not None, C, sizes.K, V, given, S.dtype)
-        r, u, w = (_role_as(p, role, t[role], raw, parallel.role_dtype(*kw, bare=role in dict(p.bare_roles)))
-                   for role in ("r", "u", "w"))
-        bt = None if bt is None else _transition_role(p, bt, raw, kw)
+        bare = dict(p.bare_roles)
+        kw = (parallel.chunk_kernels(), key, bt is not None, C, sizes.K, V, out_dtype, S.dtype)  # out_dtype: the values'
+        r, u, w = (_role_as(p, role, t[role], raw, parallel.role_dtype(*kw, bare=role in bare)) for role in ("r", "u", "w"))
+        if bt is not None:
+            exact = "b" in bare and p.rho_pow2 is not None
+            bt = _role_as(p, "b", bt, raw, parallel.role_dtype(*kw, bare=exact), p.rho_pow2)
         native = not has_z and "skip" not in t
         y, S = _diag_scan(S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None)
         if native:

@@ -253,7 +253,8 @@ def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None):
         if geo.key:
             return kernels.chunk_scan(S0, W, U, _up(geo, u)[0] * geo.Q, geo.g, None, kern, reverse=False)
         return kernels.chunk_scan(S0, W, U, u, geo.g, None, kern, reverse=False, Bq=geo.Q)
-    uQ = _up(geo, u)[0] * geo.Q
+    u, U = _up(geo, u, U)
+    uQ = u * geo.Q
     gs = geo.g[..., None]
     uQt = uQ.swapaxes(-1, -2)
     S = S0[..., None, :, :]
@@ -391,8 +392,6 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
         else:
             Tm = unit_lower_inv(A, inv_base)
         U, W = Tm @ w_, Tm @ (bt_ * geo.P)
-    elif not (kern and kernels.scan_supported(kern, C, K)):
-        U = _up(geo, w)[0]
     states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern)
     if fused and kernels.fuses_readout(kern, C, K, V):
         # M_ru is written for the backward: forming it again there cost GDN 1.1 ms of fwd+bwd (H100, run 61)
