@@ -581,3 +581,26 @@ def test_role_dtype_is_16_bit_only_where_fused_kernels_read_the_roles(monkeypatc
     assert parallel.role_dtype("cuda", False, True, 64, 128, 12, bf, f32) == f32       # V = 12: no fragment scan
     monkeypatch.setattr(ck, "MMA_SCAN", False)
     assert parallel.role_dtype("cuda", False, False, 64, 128, 128, bf, f32) == f32     # fragment frames off
+
+
+def test_a_bare_role_keeps_its_own_inputs_type(monkeypatch):
+    """``chunked._role_as``: a role that is an input verbatim is that input's row-major copy where the kernels take
+    its type (bf16 k for simple GLA's u, even when the values are float32), and stays float32 when k is float32
+    though the values are bf16 (no rounding of an exact role); a computed role (r) follows the values' rule."""
+    mx = pytest.importorskip("mlx.core")
+    from recgen import specs
+    from recgen import chunked
+    from recgen.chunked import parallel
+    from recgen.chunked.terms import plan
+
+    monkeypatch.setattr(ck, "MMA_SCAN", True)
+    monkeypatch.delenv("RECGEN_16BIT_ROLES", raising=False)
+    p = plan(specs.simple_gla)
+    k = dict(p.bare_roles)["u"]
+    pick = lambda dtype, bare: parallel.role_dtype("cuda", False, False, 64, 128, 128, dtype, mx.float32, bare=bare)  # noqa: E731
+    x = mx.random.normal((1, 2, 64, 128))
+    for own, values in ((mx.bfloat16, mx.float32), (mx.float32, mx.bfloat16)):
+        raw = {k: x[..., None].astype(own)}
+        u = chunked._role_as(p, "u", x, raw, pick, values)
+        assert u.dtype == own and mx.array_equal(u, raw[k][..., 0])
+    assert chunked._role_as(p, "r", x, raw, pick, mx.bfloat16).dtype == mx.float32

@@ -175,16 +175,19 @@ def _z_scan(p, t, z, C):
     return yz[..., 0], zs[..., 0]
 
 
-def _role_as(p, role, x, raw, dtype, factor=1.0):
-    """``x`` = ``factor`` × role ``role``, in ``dtype``. Where the role is an input verbatim, in that input's own
-    type, and ``factor`` a constant (None: not one), ``x`` is formed from the input's row-major copy (``terms.bind``)
-    itself: no cast, and no rounding where ``factor`` is ±2^e (b̃ = ρ b with the delta rules' ρ = -1)."""
-    sym = dict(p.bare_roles).get(role)
-    if factor is not None and sym in raw and raw[sym].dtype == dtype:
-        a = raw[sym]
-        a = a[..., 0] if role in KEY_ROLES else a[..., 0, :]  # [B,H,T,K,1] / [B,H,T,1,V] -> role layout
-        return a if factor == 1.0 else a * factor  # a Python scalar keeps the array's type
-    return x.astype(dtype)
+def _role_as(p, role, x, raw, pick, dtype, factor=1.0):
+    """``x`` = ``factor`` × role ``role``, in the type ``pick`` (``parallel.role_dtype`` but for its dtype and bare
+    arguments) chooses: from ``dtype`` (the values') in general, from the input's own type where the role is an
+    input verbatim and ``factor`` a constant ±2^e (None: not one; b̃ = ρ b with the delta rules' ρ = -1). Such a
+    role, kept in its input's type, is formed from the input's row-major copy (``terms.bind``) itself: exact."""
+    sym = dict(p.bare_roles).get(role) if factor is not None else None
+    if sym not in raw:
+        return x.astype(pick(dtype, bare=False))
+    a = raw[sym]
+    if pick(a.dtype, bare=True) != a.dtype:
+        return x.astype(pick(a.dtype, bare=True))
+    a = a[..., 0] if role in KEY_ROLES else a[..., 0, :]  # [B,H,T,K,1] / [B,H,T,1,V] -> role layout
+    return a if factor == 1.0 else a * factor  # a Python scalar keeps the array's type
 
 
 def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
@@ -202,12 +205,10 @@ def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         y, nz, S, z = ya[..., :V], ya[..., V], Sa[..., :V], Sa[..., V]
     else:
         bt = t["rho"][..., None] * t["b"] if "rho" in t else None
-        bare = dict(p.bare_roles)
-        kw = (parallel.chunk_kernels(), key, bt is not None, C, sizes.K, V, out_dtype, S.dtype)  # out_dtype: the values'
-        r, u, w = (_role_as(p, role, t[role], raw, parallel.role_dtype(*kw, bare=role in bare)) for role in ("r", "u", "w"))
-        if bt is not None:
-            exact = "b" in bare and p.rho_pow2 is not None
-            bt = _role_as(p, "b", bt, raw, parallel.role_dtype(*kw, bare=exact), p.rho_pow2)
+        kw = (parallel.chunk_kernels(), key, bt is not None, C, sizes.K, V)
+        pick = lambda dtype, bare: parallel.role_dtype(*kw, dtype, S.dtype, bare=bare)  # noqa: E731
+        r, u, w = (_role_as(p, role, t[role], raw, pick, out_dtype) for role in ("r", "u", "w"))  # out_dtype: the values'
+        bt = None if bt is None else _role_as(p, "b", bt, raw, pick, out_dtype, p.rho_pow2)
         native = not has_z and "skip" not in t
         y, S = _diag_scan(S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None)
         if native:
