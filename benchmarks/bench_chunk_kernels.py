@@ -39,6 +39,45 @@ def maxrel(a, b):
     return float(mx.abs(a - b).max() / mx.abs(b).max())
 
 
+def diag_layouts(dialect, B, H, n, C, K, V, S0, U, uQ, F, E):
+    """The diagonal scans of a scalar decay without a delta rule (simple GLA), as the core runs them: forward
+    (no A; B = u in bf16, its rows scaled by Q as read) and backward (no B; A = u ⊙ Q, E), at the fragment
+    layouts ``--diag-layouts BV/NW,..``, each checked against the default layout (32/4)."""
+    k16, v16 = uQ.astype(mx.bfloat16), U.astype(mx.bfloat16)
+    Qd = mx.exp(-0.01 * mx.random.uniform(shape=(B, H, n, C, 1)))
+    g1 = mx.exp(-0.5 * mx.random.uniform(shape=(B, H, n, 1)))
+    for bv, nw in ((int(a), int(b)) for a, b in (x.split("/") for x in arg("--diag-layouts", "").split(",") if x)):
+        ck.MMA_BV, ck.MMA_NW, ck.MMA_SCAN = bv, nw, True
+        ck.scan_mma_layout.cache_clear()
+        ck.scan_mma_launch.cache_clear()
+        dfw = mx.compile(lambda s0, x, b, q, g: ck.chunk_scan(s0, None, x, b, g, None, dialect, reverse=False, Bq=q))
+        dbw = mx.compile(lambda s0, a, x, g, e: ck.chunk_scan(s0, a, x, None, g, e, dialect, reverse=True))
+        fw = dfw(S0, v16, k16, Qd, g1)
+        ref = mx.compile(lambda s0, x, b, q, g: ck.chunk_scan(s0, None, x, (q * b).astype(mx.float32), g, None, dialect,
+                                                              reverse=False))
+        print(f"  diagonal scans at {ck.scan_mma_layout(C, K, V)}: forward (bf16 u, v; Q on read) "
+              f"{timeit(lambda: dfw(S0, v16, k16, Qd, g1), queue=10):.3f} ms, backward "
+              f"{timeit(lambda: dbw(S0, uQ, F, g1, E), queue=10):.3f} ms; forward states max rel diff to layout 32/4 "
+              f"{maxrel(fw[0], _diag_ref(ref, S0, v16, k16, Qd, g1)):.1e}")
+    ck.MMA_BV, ck.MMA_NW = 32, 4
+    ck.scan_mma_layout.cache_clear()
+    ck.scan_mma_launch.cache_clear()
+
+
+def _diag_ref(f, *a):
+    """f's first result at the default fragment layout (32/4)."""
+    saved = ck.MMA_BV, ck.MMA_NW
+    ck.MMA_BV, ck.MMA_NW = 32, 4
+    ck.scan_mma_layout.cache_clear()
+    ck.scan_mma_launch.cache_clear()
+    out = f(*a)[0]
+    mx.eval(out)
+    ck.MMA_BV, ck.MMA_NW = saved
+    ck.scan_mma_layout.cache_clear()
+    ck.scan_mma_launch.cache_clear()
+    return out
+
+
 def main():
     B, T, H, D = map(int, arg("--shape", "4,4096,16,128").split(","))
     C = int(arg("--chunk", "64"))
@@ -56,6 +95,8 @@ def main():
 
     S0, U, W, uQ = nrm(B, H, K, V), nrm(B, H, n, C, V), nrm(B, H, n, C, K, a=0.05), nrm(B, H, n, C, K, a=0.05)
     F, E = nrm(B, H, n, C, V), nrm(B, H, n, K, V)
+    if "--diag-only" in sys.argv:
+        return diag_layouts(dialect, B, H, n, C, K, V, S0, U, uQ, F, E)
     for key in (() if "--readout-only" in sys.argv else (False, True)):
         g = mx.exp(-0.5 * mx.random.uniform(shape=(B, H, n, K if key else 1)))
         geo = Geo(g)
@@ -137,6 +178,7 @@ def main():
         bk = mx.compile(lambda *a: parallel._scan_backward(geo, *a, kern=dialect))
         print(f"  fragment layout {ck.scan_mma_layout(C, K, V)}: forward {timeit(lambda: fk(*fa), queue=10):.3f} ms, "
               f"backward {timeit(lambda: bk(*ba), queue=10):.3f} ms")
+    diag_layouts(dialect, B, H, n, C, K, V, S0, U, uQ, F, E)
     ck.MMA_SCAN = None
     for lay in arg("--layouts", "").split(","):
         if not lay:

@@ -30,6 +30,7 @@ for stage in "$@"; do
     ncu-scan) timeout 200 bash benchmarks/ncu_scan.sh > "$OUT/ncu_scan.log" 2>&1; grep -E "Duration|Stall|Occupancy|Registers|Issued|Eligible" "$OUT/ncu_scan.log" | head -60 ;;
     kernels) timeout 200 python benchmarks/bench_chunk_kernels.py 2>&1 | tee "$OUT/chunk_kernels.log" ;;
     readout) timeout 100 python benchmarks/bench_chunk_kernels.py --readout-only 2>&1 | tee "$OUT/readout.log" ;;
+    diag) timeout 150 python benchmarks/bench_chunk_kernels.py --diag-only --diag-layouts ${DIAG:-32/4,32/8,16/4,16/8,8/4,8/8,64/8,32/4} 2>&1 | tee "$OUT/diag.log" ;;
     check-kernels) RECGEN_CHUNK_KERNELS=1 MLX_ENABLE_TF32=0 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 \
                --out "$OUT" > "$OUT/check_kernels_f32.log" 2>&1
              grep -E "FAIL|passed" "$OUT/check_kernels_f32.log"
@@ -51,6 +52,9 @@ for stage in "$@"; do
     ab-roles) for v in 0 1; do echo "RECGEN_16BIT_ROLES=$v"
              RECGEN_16BIT_ROLES=$v timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
                --specs gated_delta_net,simple_gla --tag roles$v --out "$OUT" 2>&1 | tee -a "$OUT/ab_roles.log"; done ;;
+    ab-knobs) for k in ${KNOBS:-RECGEN_PREFETCH=0 RECGEN_PREFETCH=1}; do echo "knobs: $k"  # KNOBS: entries of comma-joined VAR=value
+             env $(echo "$k" | tr , ' ') timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
+               --specs ${SPECS:-gated_delta_net,simple_gla} --tag "$(echo "$k" | tr ,= _-)" --out "$OUT" 2>&1 | tee -a "$OUT/ab_knobs.log"; done ;;
     ab-prev) for v in prev cur prev cur; do echo "recgen: $v"  # bench_prev/: an earlier commit's recgen/ (git archive)
              P=$PWD; [ $v = prev ] && P=$PWD/bench_prev
              PYTHONPATH=$P:$PYTHONPATH timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \

@@ -256,13 +256,13 @@ def test_chunk_out_mma_matches_numpy(C, K, V, bv, monkeypatch):
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
     l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
-    ins = {"R": f(N, C, K), "U": f(N, C, K), "Z": f(N, C, V), "St": f(N, K, V), "logd": l}
+    ins = {"R": f(N, C, K), "U": f(N, C, K), "Z": f(N, C, V), "St": f(N, K, V), "logd": l, "Rs": np.array([0.3], np.float32)}
     launch = ck.out_mma_launch("metal", N, C, K, V)
     ck.out_mma_layout.cache_clear()
     ck.out_mma_launch.cache_clear()
     assert dict(launch.template)["BV"] == next(b for b in (bv, 64, 32, 16, 8) if V % b == 0)
     y, M = verify.run_launch(launch, ins)
-    want_y, want_M = _out_ref(*(ins[k] for k in ("R", "U", "Z", "St", "logd")))
+    want_y, want_M = _out_ref(0.3 * ins["R"], *(ins[k] for k in ("U", "Z", "St", "logd")))  # the readout role is Rs R
     assert _rel(y, want_y) < 1e-5 and _rel(M, want_M) < 1e-5
 
 
@@ -276,7 +276,7 @@ def test_chunk_out_mma_writes_the_model_layout(out):
     N = B * H * n
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     ins = {"R": f(N, C, K), "U": f(N, C, K), "Z": f(N, C, V), "St": f(N, K, V),
-           "logd": (-5 * rng.uniform(size=(N, C))).astype(np.float32)}
+           "logd": (-5 * rng.uniform(size=(N, C))).astype(np.float32), "Rs": np.ones(1, np.float32)}
     launch = ck.out_mma_launch("metal", N, C, K, V, (H, n, out))
     assert launch.outputs[0] == ((B, n * C, H, V), out)
     y, M = verify.run_launch(launch, ins)
@@ -393,7 +393,8 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     outs = verify.run_launch(ck.scan_mma_launch("metal", BH, n, C, K, V, K, True, True), sub, sanitizer=sanitizer)
     for got, want in zip(outs, _scan_ref(*(sub[k] for k in ("S0", "A", "X", "Bm", "g", "E")), True)):
         assert _rel(got, want) < 1e-5
-    ro = {"R": f(2, 32, 16), "U": f(2, 32, 16), "Z": f(2, 32, 8), "St": f(2, 16, 8), "logd": -f(2, 32) ** 2}
+    ro = {"R": f(2, 32, 16), "U": f(2, 32, 16), "Z": f(2, 32, 8), "St": f(2, 16, 8), "logd": -f(2, 32) ** 2,
+          "Rs": np.ones(1, np.float32)}
     outs = verify.run_launch(ck.out_mma_launch("metal", 2, 32, 16, 8), ro, sanitizer=sanitizer)  # 2 groups, 2 staged blocks
     for got, want in zip(outs, _out_ref(*(ro[k] for k in ("R", "U", "Z", "St", "logd")))):
         assert _rel(got, want) < 1e-5
@@ -521,14 +522,15 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
 @pytest.mark.parametrize("roles16", ["1", None, "0"])
 @pytest.mark.parametrize("name,typed,bare", [
     ("gated_delta_net", {"ut_mma": {"Bt", "U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_yt": {"R", "U"}},
-     {"ut_mma": {"Bt", "W"}}),
+     {"ut_mma": {"Bt", "W"}, "out_mma_yt": {"R"}}),
     ("simple_gla", {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}},
-     {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"U", "Z"}})])
+     {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}})])
 def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare, roles16, monkeypatch):
     """bf16 inputs on the fragment frames, the readout writing o in bf16 in the model's layout. With
     ``RECGEN_16BIT_ROLES=1`` the roles reach the fused kernels in bf16 (``parallel.role_dtype``; they convert
     on load) and MLX's products and the backward in float32; by default only the roles exact in bf16: inputs
-    verbatim (GDN's w = v, simple GLA's u = k and w = v) and GDN's b̃ = -k; with ``=0`` every kernel reads
+    verbatim (GDN's w = v, simple GLA's u = k and w = v), GDN's b̃ = -k, and q for r = scale·q (the readout
+    kernel applies the scale, ``chunked._readout_role``); with ``=0`` every kernel reads
     float32 (asserted per kernel buffer). End to end
     against the float64 reference at the same bf16-rounded inputs: forward, final state and every gradient
     within 1e-2 (o and the input gradients are rounded to bf16, and with 16-bit roles r = q / sqrt(K) and
@@ -604,3 +606,30 @@ def test_a_bare_role_keeps_its_own_inputs_type(monkeypatch):
         u = chunked._role_as(p, "u", x, raw, pick, values)
         assert u.dtype == own and mx.array_equal(u, raw[k][..., 0])
     assert chunked._role_as(p, "r", x, raw, pick, mx.bfloat16).dtype == mx.float32
+
+
+def test_readout_role_is_the_input_and_its_constant_where_kernels_run(monkeypatch):
+    """``Plan.r_scaled``: r = c·x for an input x and a constant c (every built-in's r = scale·q; power retention's
+    r = scale²·φ(q) is a feature, not an input, so it has no row-major copy and keeps r). ``chunked._readout_role``
+    then hands the core x (its row-major copy, in the type an input verbatim takes) and c, where chunk kernels run;
+    without them r itself."""
+    mx = pytest.importorskip("mlx.core")
+    from recgen import chunked, specs
+    from recgen.chunked import parallel
+    from recgen.chunked.terms import plan
+
+    for name in ("gated_delta_net", "delta_net", "gla", "simple_gla"):
+        x, c = plan(specs.BUILTINS[name]).r_scaled
+        assert str(x) == "q" and c(0.25) == 0.25
+    assert plan(specs.selective_scan).r_scaled is None  # r = C verbatim: a bare role
+    monkeypatch.setattr(ck, "MMA_SCAN", True)
+    monkeypatch.delenv("RECGEN_16BIT_ROLES", raising=False)
+    p = plan(specs.simple_gla)
+    q = mx.random.normal((1, 2, 64, 128, 1)).astype(mx.bfloat16)
+    r = 0.5 * q[..., 0].astype(mx.float32)
+    pick = lambda dtype, bare: parallel.role_dtype("cuda", False, False, 64, 128, 128, dtype, mx.float32, bare=bare)  # noqa: E731
+    x, c = chunked._readout_role(p, r, {p.r_scaled[0]: q}, pick, "cuda", 0.5)
+    assert c == 0.5 and x.dtype == mx.bfloat16 and mx.array_equal(x, q[..., 0])
+    assert chunked._readout_role(p, r, {p.r_scaled[0]: q}, pick, None, 0.5) == (r, None)
+    pr = plan(specs.power_retention)
+    assert pr.r_scaled is not None and chunked._readout_role(pr, r, {}, pick, "cuda", 0.5) == (r, None)

@@ -141,15 +141,16 @@ def _as_f(x):
     return x if x.ndim == 4 else x[..., None]
 
 
-def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None, out=None):
+def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None, out=None, rfac=None):
     """The parallel core over a whole stretch [B,H,T,·]: returns (y [B,H,T,V'], S_end), or with ``out`` (a
-    dtype) y as [B,T,H,V'] of that type, the model's layout (``parallel.core_fn``)."""
+    dtype) y as [B,T,H,V'] of that type, the model's layout (``parallel.core_fn``). With ``rfac`` (a float) the
+    readout role is rfac·r."""
     B, H, T = r.shape[:3]
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     compose = 2 * C >= r.shape[-1]
     fn = parallel.core_fn(key, delta_bt is not None, compose, parallel.gpu_forms(), parallel.compiled(),
-                          parallel.inverse_base(), parallel.chunk_kernels(), out)
+                          parallel.inverse_base(), parallel.chunk_kernels(), out, rfac)
     extra = [ch(delta_bt)] if delta_bt is not None else []
     y, S_end = fn(S, ch(r), ch(u), ch(w), ch(l), *extra)[:2]
     if out is not None:
@@ -190,6 +191,18 @@ def _role_as(p, role, x, raw, pick, dtype, factor=1.0):
     return a if factor == 1.0 else a * factor  # a Python scalar keeps the array's type
 
 
+def _readout_role(p, r, raw, pick, kern, scale):
+    """(x, c) where r = c·x for an input x (``Plan.r_scaled``: r = scale·q) and chunk kernels run: the core takes x,
+    in the type ``pick`` chooses for an input verbatim, and applies c inside (the fused readout as it reads x), so
+    r is never formed in memory (H100 run 86: forming scale·q in float32 and the core's layout copy of it cost
+    0.16 ms of simple GLA's forward). Else (r, None)."""
+    sym = p.r_scaled[0] if p.r_scaled and kern else None
+    if sym not in raw:
+        return r, None
+    x = raw[sym][..., 0]  # [B,H,T,K,1] -> [B,H,T,K]
+    return x.astype(pick(x.dtype, bare=True)), float(p.r_scaled[1](scale))
+
+
 def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """Scalar or key-vector decay, no transition or a = ρ·u: (S[, z], *inputs) -> (o, S[, z]). Without a
     normalizer or skip term the core writes o in its layout and type (``out_dtype``) itself."""
@@ -209,8 +222,9 @@ def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         pick = lambda dtype, bare: parallel.role_dtype(*kw, dtype, S.dtype, bare=bare)  # noqa: E731
         r, u, w = (_role_as(p, role, t[role], raw, pick, out_dtype) for role in ("r", "u", "w"))  # out_dtype: the values'
         bt = None if bt is None else _role_as(p, "b", bt, raw, pick, out_dtype, p.rho_pow2)
+        r, rfac = _readout_role(p, r, raw, pick, kw[0], scale)
         native = not has_z and "skip" not in t
-        y, S = _diag_scan(S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None)
+        y, S = _diag_scan(S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None, rfac)
         if native:
             return y, S
         if has_z:

@@ -117,7 +117,7 @@ def out_mma_source(dialect: str, yt: bool = False) -> KernelSource:
     d = get(dialect)
     return _source(d, "chunk_out_mma.j2", "out_mma" + ("_yt" if yt else ""),
                    "chunk readout of the chunked core, fragment multiply-adds",
-                   ("R", "U", "Z", "St", "logd"), ("Y", "M"), (), helpers=d.mma_prelude, yt=yt)
+                   ("R", "U", "Z", "St", "logd", "Rs"), ("Y", "M"), (), helpers=d.mma_prelude, yt=yt)
 
 
 @lru_cache(maxsize=None)
@@ -524,17 +524,20 @@ def chunk_scan(S0, A, X, Bm, g, E, dialect: str, reverse: bool, P=None, St=None,
     return carried, Y, S_end, dg
 
 
-def chunk_out(r, u, Z, states, l, dialect: str, out=None):
+def chunk_out(r, u, Z, states, l, dialect: str, out=None, rs=None):
     """y = (r ⊙ P) S_c + M_ru Z per chunk for a scalar decay (P_t = e^{G_t}, M_ru[t, s] = (r_t · u_s) Γ(t, s),
     s ≤ t, 0 above), by the fragment kernel: r, u [.., n, C, K], Z [.., n, C, V], states [.., n, K, V], l
     (log-decays) [.., n, C, 1]. Returns (y [.., n, C, V] float32, M_ru [.., n, C, C]), or with ``out`` (an
-    mx dtype; r then [B, H, n, C, K]) y in the model's layout [B, n C, H, V] and that type."""
+    mx dtype; r then [B, H, n, C, K]) y in the model's layout [B, n C, H, V] and that type. With ``rs`` (a
+    float) the readout role is rs·r, scaled by the kernel (y and M_ru are linear in r)."""
+    import mlx.core as mx
+
     (n, C, K), V = r.shape[-3:], Z.shape[-1]
     N = _lead(r, 2)
     yt = None if out is None else (r.shape[-4], n, str(out).split(".")[-1])
     y, M = mlx_call(out_mma_launch(dialect, N, C, K, V, yt), get(dialect),
                     [r.reshape(N, C, K), u.reshape(N, C, K), Z.reshape(N, C, V), states.reshape(N, K, V),
-                     l.reshape(N, C)], [])
+                     l.reshape(N, C), mx.array([1.0 if rs is None else rs], dtype=mx.float32)], [])
     return (y if out is not None else y.reshape(*Z.shape)), M.reshape(*r.shape[:-1], C)
 
 

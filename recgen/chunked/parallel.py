@@ -374,11 +374,12 @@ def core_layout(y, n: int, C: int, dtype):
     return y.reshape(B, n, C, H, V).transpose(0, 3, 1, 2, 4).astype(dtype)
 
 
-def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None, out=None):
+def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None, out=None, rfac=None):
     """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too. The roles may
     arrive in 16 bits (``role_dtype``): the fused kernels read them so, MLX's products in the compute dtype.
     With ``out`` (a dtype) y comes in the model's layout and that type (``model_layout``): the fused readout
-    writes it so (run 73: the transposing cast after it was a pass over y in float32)."""
+    writes it so (run 73: the transposing cast after it was a pass over y in float32). With ``rfac`` the
+    readout role is rfac·r: the fused readout scales as it reads r (M_ru and y are linear in r)."""
     U, W, Tm = w, None, None
     (C, K), V = u.shape[-2:], w.shape[-1]
     fused = bool(kern) and not geo.key  # the fragment UT transform and readout take scalar decays
@@ -395,9 +396,9 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
     states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern)
     if fused and kernels.fuses_readout(kern, C, K, V):
         # M_ru is written for the backward: forming it again there cost GDN 1.1 ms of fwd+bwd (H100, run 61)
-        y, M = kernels.chunk_out(r, u, Z, states, geo.l, kern, out)
+        y, M = kernels.chunk_out(r, u, Z, states, geo.l, kern, out, rfac)
     else:
-        r_, u_, Z_ = _up(geo, r, u, Z)
+        r_, u_, Z_ = _up(geo, _scaled(r, rfac), u, Z)
         M = geo.pair(r_, u_, strict=False)
         y = (r_ * geo.P) @ states + M @ Z_
         if out is not None:
@@ -405,10 +406,16 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
     return y, S_end, (states, M) + ((Z, Tm, W) if bt is not None else ())
 
 
-def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=None):
+def _scaled(r, rfac):
+    return r if rfac is None else r * rfac
+
+
+def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=None, rfac=None):
+    """The gradients of the inputs of ``_forward`` (with ``rfac``: of r, d(rfac·r) rfac)."""
     states, M = res[:2]
     Z, Tm, W = res[2:] if bt is not None else (w, None, None)
     r, u, w, bt, Z = _up(geo, r, u, w, bt, Z)
+    r = _scaled(r, rfac)
     P, Q = geo.P, geo.Q
     rP, uQ = r * P, u * Q
     F = M.swapaxes(-1, -2) @ dy
@@ -437,7 +444,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     C = dG.shape[-2]
     dG = dG + mx.where((mx.arange(C) == C - 1)[:, None], dG_end[..., None, :], 0.0)
     dl = mx.cumsum(dG, axis=-2, reverse=True)
-    return dS0, dr, du, dw, dl, dbt
+    return dS0, _scaled(dr, rfac), du, dw, dl, dbt
 
 
 COMPILE = None  # None: mx.compile the core on GPUs only; True/False force it (tests, benchmarks)
@@ -492,13 +499,14 @@ def chunk_kernels() -> str | None:
 
 @lru_cache(maxsize=None)
 def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile: bool = False, inv_base: int = 1,
-            kern: str | None = None, out=None):
+            kern: str | None = None, out=None, rfac: float | None = None):
     """The chunked core as an ``mx.custom_function`` with the hand-derived VJP above.
 
     Arguments (all chunked, [..., n, C, F]): S0 [..., K, V], r, u [.., C, K], w [.., C, V],
     l [.., C, F] (log-decays; F = K when ``key``, else 1) and, when ``delta``, b̃ [.., C, K].
     ``inv_base``: see ``inverse_base``; ``kern``: see ``chunk_kernels``; ``out``: None, or a dtype for y in the
-    model's layout [B, n C, H, V] (leading axes then B, H; its cotangent arrives so too).
+    model's layout [B, n C, H, V] (leading axes then B, H; its cotangent arrives so too); ``rfac``: None, or a
+    constant c for the readout role c·r (given r; ``chunked._readout_role``).
     Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru, with b̃
     Z, T, W, and a key-vector decay's hierarchy) are for the VJP only and take no cotangent."""
     Geo = KeyDecay if key else ScalarDecay
@@ -508,7 +516,7 @@ def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile
 
     def fwd(S0, r, u, w, l, bt=None):
         geo = Geo(l)
-        y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base, kern, out)
+        y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base, kern, out, rfac)
         return (y, S_end) + res + tuple(geo.saved())
 
     def bwd(*a):
@@ -518,7 +526,8 @@ def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
         if out is not None:
             dy = core_layout(dy, *r.shape[-3:-1], l.dtype)
-        dS0, dr, du, dw, dl, dbt = _backward(Geo(l, geo_saved), r, u, w, bt, res, dy, dS_end, compose, matrix, kern)
+        dS0, dr, du, dw, dl, dbt = _backward(Geo(l, geo_saved), r, u, w, bt, res, dy, dS_end, compose, matrix, kern,
+                                             rfac)
         grads = (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
         return tuple(g.astype(x.dtype) for g, x in zip(grads, a))  # a 16-bit role (``role_dtype``) takes its own type
 

@@ -76,6 +76,8 @@ class Plan:
     has_rho: bool = False  # transition a = ρ·u with ρ free of the key index (delta rules): fns["rho"]
     bare_roles: tuple = ()  # (role, input symbol) where the role is that input verbatim (GDN's b = k, w = v): see ``bind``
     rho_pow2: float | None = None  # ρ when it is a constant ±2^e (the delta rules' -1): ρ·b is then exact in b's type
+    r_scaled: tuple | None = None  # (input symbol x, c(scale)) where the readout role is r = c·x, c a constant
+    # (every built-in's r = scale·q): the chunked core then takes x as it is and applies c inside (``core_fn``'s rfac)
 
 
 def _classify(rec: ir.Recurrence, expr: sp.Expr) -> str:
@@ -115,7 +117,17 @@ def plan(rec: ir.Recurrence) -> Plan:
                 rho_pow2 = float(rho)
     bare = tuple((role, e) for role, e in terms.items()
                  if role in KEY_ROLES + VALUE_ROLES and isinstance(e, sp.Symbol) and e in rec.symbols)
-    return Plan(rec, syms, fns, decay_class, zclass, N, fuse, has_rho, bare, rho_pow2)
+    return Plan(rec, syms, fns, decay_class, zclass, N, fuse, has_rho, bare, rho_pow2, _scaled(rec, terms.get("r")))
+
+
+def _scaled(rec: ir.Recurrence, e) -> tuple | None:
+    """(x, c as a function of the scale) where e = c·x for an input symbol x and c free of every input, else None."""
+    if e is None:
+        return None
+    c, x = sp.sympify(e).as_independent(*rec.symbols, as_Add=False)
+    if not (isinstance(x, sp.Symbol) and x in rec.symbols) or c == 1 or not c.free_symbols <= {ir.SCALE}:
+        return None
+    return x, sp.lambdify((ir.SCALE,), c)
 
 
 # -- binding -----------------------------------------------------------------------------------
@@ -150,7 +162,7 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None) -> d
     own before the transpose (run 66: three standalone bf16 -> float32 casts, 0.21 ms of GDN's forward).
     Features (sympow) are formed from the cast input: products of bf16 values lose precision.
 
-    A key or value that a role is verbatim (``Plan.bare_roles``) is first copied to row-major order in its own
+    A key or value that a role is verbatim (``Plan.bare_roles``) or a constant multiple of (``Plan.r_scaled``) is first copied to row-major order in its own
     type: MLX's cast keeps a transposed view's strides, so the chunked core's reshape would copy it again in
     float32 (run 73: a cast and a float32 layout copy per such input, 0.16 ms of GDN's forward for k and v).
     ``raw`` (a dict), if given, receives those row-major copies before the cast, by symbol."""
@@ -158,7 +170,7 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None) -> d
     rec = p.rec
     vals = {}
     cast = (lambda a: a.astype(dtype)) if dtype is not None else (lambda a: a)
-    bare = {s for _, s in p.bare_roles}
+    bare = {s for _, s in p.bare_roles} | ({p.r_scaled[0]} if p.r_scaled else set())
 
     def row_major(a, x):
         if x.symbol not in bare:

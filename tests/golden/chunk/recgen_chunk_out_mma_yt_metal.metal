@@ -15,7 +15,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // chunk readout of the chunked core, fragment multiply-adds
   // The chunked core's readout for a scalar decay, on the SIMD groups' fragment multiply-adds:
   //   y_t = e^{G_t} (r_t S_c) + sum_{s <= t} (r_t . u_s) Gamma(t, s) z_s,   Gamma(t, s) = e^{sum_{s < tau <= t} l_tau}
-  // (G_t = sum_{tau <= t} l_tau; S_c the chunk-entry state, z the values that entered it). M = (R U^T) * Gamma
+  // (G_t = sum_{tau <= t} l_tau; S_c the chunk-entry state, z the values that entered it; r = Rs[0] R: both terms
+  // are linear in r, so the constant scales M and e^{G} once, not every element of R). M = (r U^T) * Gamma
   // is formed in threadgroup memory. One threadgroup: one chunk, BV value columns;
   // SIMD group w owns rows 16 w .. 16 w + 15 (C / 16 groups), so it needs M's columns s < 16 (w + 1) only.
   // Fragments as in chunk_scan_mma.j2 (PTX m16n8k8: gq = lane / 4, tq = lane % 4):
@@ -85,9 +86,11 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
         }
       }
     }
+    const float rs = Rs[0];
 #pragma unroll
     for (int j = 0; j < C / 8; ++j) {
       if (8 * j < r0 + 16) {
+        m_[j][0] *= rs; m_[j][1] *= rs; m_[j][2] *= rs; m_[j][3] *= rs;
         Ms_[(r0 + gq) * LD + 8 * j + 2 * tq] *= m_[j][0]; Ms_[(r0 + gq) * LD + 8 * j + 2 * tq + 1] *= m_[j][1];
         Ms_[(r0 + gq + 8) * LD + 8 * j + 2 * tq] *= m_[j][2]; Ms_[(r0 + gq + 8) * LD + 8 * j + 2 * tq + 1] *= m_[j][3];
       }
@@ -117,8 +120,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       }
     }
   }
-  const float p0 = Ps_[r0 + gq];
-  const float p8 = Ps_[r0 + gq + 8];
+  const float p0 = Rs[0] * Ps_[r0 + gq];
+  const float p8 = Rs[0] * Ps_[r0 + gq + 8];
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) { y_[ct][0] *= p0; y_[ct][1] *= p0; y_[ct][2] *= p8; y_[ct][3] *= p8; }
   for (int sb = 0; sb < C; sb += KB) {
