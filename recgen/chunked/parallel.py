@@ -407,6 +407,7 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
 
 
 def _scaled(r, rfac):
+    """rfac·r, the readout role (``core_fn``'s ``rfac``; None: r itself)."""
     return r if rfac is None else r * rfac
 
 
