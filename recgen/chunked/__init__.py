@@ -47,9 +47,12 @@ from .terms import KEY_ROLES, bind, evaluate, plan
 
 __all__ = ["forward", "naive_loop", "supported", "fast_form", "segment_budget", "default_chunk_size"]
 
-# Peak fwd+bwd bytes per token ≈ factor × 4·B·H·(K + V + C), measured (H100, run 12; CPU): scalar
-# decays ≈ 14-18, key-vector decays (the multiplicative hierarchy) ≈ 55.
-WORKSET_FACTOR = {"scalar": 20, "key": 60, "full": 40}  # full: × 4·B·H·K·V (per-token states)
+# Peak fwd+bwd bytes per token ≈ factor × 4·B·H·(K + V + C), inputs and gradients included. Measured on the
+# CPU (C = 16, B=2, H=4, K=V=64, T = 1024-4096, one segment; 2026-11-23): GDN 26.5, simple GLA 23.7, delta_net
+# 21.9, GLA 27.0-29.2. Key-vector decays were once 55 (the hierarchy kept more): a factor of 60 left over from then
+# cut GLA at T = 2048 into two segments under the CPU's 512 MiB budget, and the second recomputation made its
+# fwd+bwd 1.9x slower (429 against 224 ms) to save 62 MiB.
+WORKSET_FACTOR = {"scalar": 27, "key": 30, "full": 40}  # full: × 4·B·H·K·V (per-token states)
 
 
 def supported(rec: ir.Recurrence) -> None:
@@ -240,7 +243,7 @@ def _general(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     y, _, S = core.chunks_rank1(S, ch(t["r"]), ch(t["u"]), ch(t["w"]), ch(t["a"]), ch(t["b"]),
-                                mx.exp(ch(_as_f(t["logdecay"]))))  # pad l (decay 1), then exp
+                                core.exp(ch(_as_f(t["logdecay"]))))  # pad l (decay 1), then exp
     y = y.reshape(sizes.B, sizes.H, n * C, sizes.V)[:, :, :T]
     nz, z = _z_scan(p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)
@@ -415,11 +418,11 @@ def naive_loop(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=
         t = evaluate(p, bind(p, chunk, H), float(scale), B, H, 1, K, V, S.dtype)
         ld = t["logdecay"]
         if p.decay_class == "scalar":
-            D = mx.exp(ld)[..., None]                     # [B,H,1,1]
+            D = core.exp(ld)[..., None]                   # [B,H,1,1]
         elif p.decay_class == "key":
-            D = mx.exp(ld)[:, :, 0, :, None]              # [B,H,K,1]
+            D = core.exp(ld)[:, :, 0, :, None]            # [B,H,K,1]
         else:
-            D = mx.exp(ld)[:, :, 0]                       # [B,H,K|1,V]
+            D = core.exp(ld)[:, :, 0]                     # [B,H,K|1,V]
         P = D * S
         if "a" in t:
             bP = (t["b"] @ P)                             # [B,H,1,V]
@@ -429,7 +432,7 @@ def naive_loop(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=
         n = None
         if rec.has_normalizer:
             zl = t["zlogdecay"]
-            d = mx.exp(zl)[..., 0][..., None] if p.zdecay_class == "scalar" else mx.exp(zl)[:, :, 0]
+            d = core.exp(zl)[..., 0][..., None] if p.zdecay_class == "scalar" else core.exp(zl)[:, :, 0]
             z = d * z + t["zupdate"][:, :, 0]
             n = (t["r"][:, :, 0] * z).sum(-1)[..., None]  # [B,H,1]
         ys.append(_readout(p, rec, t, y, n))

@@ -30,6 +30,20 @@ import mlx.core as mx
 import numpy as np
 
 
+LOG2E = 1.4426950408889634
+
+
+def exp(x):
+    """e^x; on the CPU computed as 2^(x·log2 e) by ``mx.power``. MLX's CPU ``exp`` costs 12-17 ns an element
+    on x86-64 (mlx 0.32.4; numpy's: 3), its ``power`` 5, and both round alike: MLX's exp is itself a base-2
+    polynomial of x·log2 e, and the two agree bitwise on 93% of [-80, 0] and within 1 ulp elsewhere (measured).
+    One such exp per token and key element is a fifth of GLA's CPU forward; the selective scan's per-token
+    [K, V] decays are half of its. Elsewhere (GPUs: a hardware exp) ``mx.exp``."""
+    if mx.default_device() == mx.cpu:
+        return mx.power(2.0, x * LOG2E)
+    return mx.exp(x)
+
+
 def tr(x):
     """xᵀ over the last two axes, for the right operand of a matmul. On the CPU the transpose is
     materialised: mlx-cpu's BLAS (the reference one in the Linux wheels) runs a product whose right
@@ -157,7 +171,7 @@ def scan_full(S, r, u, w, ld):
     # position-major [c, B, H, n, ...], contiguous, so each step reads whole slabs (strided broadcasts
     # measured ~3x slower on the CPU)
     r, u, w = (mx.contiguous(mx.moveaxis(x.reshape(B, H, n, c, x.shape[-1]), 3, 0)) for x in (r, u, w))
-    D = mx.exp(mx.contiguous(mx.moveaxis(ld.reshape(B, H, n, c, *ld.shape[-2:]), 3, 0)))
+    D = exp(mx.contiguous(mx.moveaxis(ld.reshape(B, H, n, c, *ld.shape[-2:]), 3, 0)))
     L = mx.zeros((B, H, n, K, V), dtype=S.dtype)
     P = None
     ys, Ps = [], []

@@ -42,7 +42,7 @@ from functools import cached_property, lru_cache
 import mlx.core as mx
 
 from . import kernels
-from .core import _add_half, _half, decay_levels, offdiag_blocks, pair_levels, tr, unit_lower_inv
+from .core import _add_half, _half, decay_levels, exp, offdiag_blocks, pair_levels, tr, unit_lower_inv
 
 __all__ = ["core_fn"]
 
@@ -56,7 +56,7 @@ def _decay_to_end(l):
     """Q_s = Γ(end, s) = exp(Σ_{τ>s} l_τ) [.., C, F]: a reverse cumulative sum anchored at the chunk's end,
     so no difference of large sums."""
     after = mx.cumsum(l, axis=-2, reverse=True)[..., 1:, :]          # Σ_{τ>s} l_τ for s < C-1
-    return mx.exp(mx.concatenate([after, mx.zeros_like(l[..., :1, :])], axis=-2))
+    return exp(mx.concatenate([after, mx.zeros_like(l[..., :1, :])], axis=-2))
 
 
 class ScalarDecay:
@@ -66,7 +66,7 @@ class ScalarDecay:
 
     def __init__(self, l, saved=()):
         self.l = l
-        self.P = mx.exp(mx.cumsum(l, axis=-2))
+        self.P = exp(mx.cumsum(l, axis=-2))
         self.Q = _decay_to_end(l)
         self.g = self.P[..., -1, :]
 
@@ -77,7 +77,7 @@ class ScalarDecay:
         C = self.l.shape[-2]
         # D[t, s] = Σ_{s<τ≤t} l_τ, summed from s (anchored): accurate however far t is from the start
         D = mx.cumsum(mx.where(_tri(C, True), self.l[..., 0][..., :, None], 0.0), axis=-2)
-        return mx.where(_tri(C, False), mx.exp(D), 0.0)
+        return mx.where(_tri(C, False), exp(D), 0.0)
 
     @cached_property
     def gamma_strict(self):
@@ -114,7 +114,7 @@ class KeyDecay:
             self.P, self.Q, *lv = saved
             self.levels = [(2 ** i, lv[2 * i], lv[2 * i + 1]) for i in range(len(lv) // 2)]
         else:
-            self.levels, self.P, self.Q = decay_levels(mx.exp(l))
+            self.levels, self.P, self.Q = decay_levels(exp(l))
         self.g = self.P[..., -1, :]
 
     def saved(self) -> list:
@@ -154,8 +154,8 @@ class KernelKeyDecay:
     def __init__(self, l, saved=(), kern: str = ""):
         """``saved`` (KeyDecay's signature) is always empty here: see ``saved``."""
         self.l, self.kern = l, kern
-        self.d = mx.exp(l)
-        self.P = mx.exp(mx.cumsum(l, axis=-2))
+        self.d = exp(l)
+        self.P = exp(mx.cumsum(l, axis=-2))
         self.Q = _decay_to_end(l)
         self.g = self.P[..., -1, :]
 
@@ -234,7 +234,7 @@ def _chunk_decay_matrix(l, key: bool):
     c = mx.arange(n + 1)
     prev = mx.pad(logg, [(0, 0)] * (logg.ndim - 1) + [(1, 0)])  # logg_{c-1} at row c
     Y = mx.where((c[:, None] - 1) >= c[None, :], prev[..., :, None], 0.0)
-    return mx.where(c[:, None] >= c[None, :], mx.exp(mx.cumsum(Y, axis=-2)), 0.0)
+    return mx.where(c[:, None] >= c[None, :], exp(mx.cumsum(Y, axis=-2)), 0.0)
 
 
 def _apply_rows(L, x, key: bool):

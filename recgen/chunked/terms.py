@@ -35,8 +35,10 @@ def _mx():
 def mlx_module() -> dict:
     """The name table lambdify uses: gates and elementary functions as MLX ops."""
     mx = _mx()
+    from .core import exp  # mx.exp, or its faster CPU form
+
     return {
-        "exp": mx.exp, "log": mx.log, "sqrt": mx.sqrt, "tanh": mx.tanh, "sin": mx.sin, "cos": mx.cos,
+        "exp": exp, "log": mx.log, "sqrt": mx.sqrt, "tanh": mx.tanh, "sin": mx.sin, "cos": mx.cos,
         "Abs": mx.abs, "abs": mx.abs, "sign": mx.sign, "Max": mx.maximum, "Min": mx.minimum,
         "sigmoid": mx.sigmoid,
         "softplus": lambda x: mx.logaddexp(x, 0.0),
