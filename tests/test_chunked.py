@@ -152,9 +152,15 @@ def test_builtin_strong_decay(name, T, chunk):
     assert_close(compare(specs.BUILTINS[name], T, chunk=chunk, seed=T + chunk))
 
 
-@pytest.mark.parametrize("name", ["gated_delta_net", "gla"])
+@pytest.mark.parametrize("name", MAIN)
 def test_long_sequence(name):
+    """T = 1000 for every built-in (the selective scans through the two-level scan and its written VJP)."""
     assert_close(compare(specs.BUILTINS[name], 1000, chunk=64, B=1, H=2, Hk=1, K=8, V=8, seed=7))
+
+
+def test_power_retention_long_sequence_float64():
+    assert_close(compare(specs.power_retention, 1000, chunk=64, B=1, H=2, Hk=1, V=8, gmin=-20.0, seed=7, f64=True),
+                 1e-6, 1e-6)
 
 
 @pytest.mark.parametrize("name", ["simple_gla", "delta_net", "selective_scan"])

@@ -20,7 +20,8 @@ Three forms, by the spec's terms:
 - Any other rank-1 transition with a scalar or key-vector decay: ``core.chunks_rank1``, all chunks
   at once, differentiated by MLX autodiff.
 - Full (i, j) or value-indexed decays (selective scan): ``core.scan_full``, a two-level scan
-  (~2√T sequential elementwise steps per segment), by MLX autodiff.
+  (~2√T sequential elementwise steps per segment) with a written VJP (the reverse recurrence by the
+  same scan).
 
 Memory: a sequence whose working set fits the budget (``segment_budget``) runs as one piece. A
 longer one runs in segments: the forward keeps only each segment's entry state, the backward
@@ -251,7 +252,7 @@ def _general(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
 
 
 def _full(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
-    """A stretch with a full (i, j) or value-indexed decay: ``core.scan_full`` (autodiff); a
+    """A stretch with a full (i, j) or value-indexed decay: ``core.scan_full`` (its written VJP); a
     normalizer (scalar or key decay) through the parallel core with chunk C."""
     z = rest[0] if has_z else None
     _, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
