@@ -185,6 +185,23 @@ def test_naive_loop_matches_reference(name):
     assert_close(compare(rec, 17, gmin=gmin, seed=11, fn=naive_loop))
 
 
+@pytest.mark.parametrize("blas", ["fast", "reference"])
+def test_cpu_choices_follow_the_blas(blas, monkeypatch):
+    """``core.cpu_blas_fast`` (forced by RECGEN_CPU_BLAS) sets the CPU's default chunk for key-vector decays and
+    whether ``tr`` copies; both paths against the float64 reference at the default chunk."""
+    from recgen.chunked import core, default_chunk_size
+
+    monkeypatch.setenv("RECGEN_CPU_BLAS", blas)
+    core.cpu_blas_fast.cache_clear()
+    try:
+        assert core.cpu_blas_fast() == (blas == "fast")
+        assert default_chunk_size(64, key=True) == (32 if blas == "fast" else 16) and default_chunk_size(64) == 16
+        for name in ("gla", "gated_delta_net"):
+            assert_close(compare(specs.BUILTINS[name], 70, chunk=None, seed=5))
+    finally:
+        core.cpu_blas_fast.cache_clear()
+
+
 def test_chunk_sizes_agree_and_bf16_output():
     rec = specs.gated_delta_net
     rng = np.random.default_rng(5)

@@ -92,10 +92,15 @@ def segment_budget() -> int:
     return 512 * 2**20
 
 
-def default_chunk_size(K: int) -> int:
+def default_chunk_size(K: int, key: bool = False) -> int:
     """64 on GPUs (matmul tiles); 16 on the CPU, where the intra-chunk C×C products cost as much as
-    the K×V ones and reference BLAS runs small products no faster per flop (measured, BENCHMARKS.md)."""
-    return 16 if mx.default_device() == mx.cpu else 64
+    the K×V ones and reference BLAS runs small products no faster per flop (measured, BENCHMARKS.md).
+    A key-vector decay (``key``) on a CPU with a fast BLAS (``core.cpu_blas_fast``) takes 32: there the
+    elementwise passes over the n chunk-entry states [n, K, V] and the decay hierarchy's levels cost more
+    than flops, and halving n made GLA's fwd+bwd 25% faster (OpenBLAS, interleaved in one process)."""
+    if mx.default_device() != mx.cpu:
+        return 64
+    return 32 if key and core.cpu_blas_fast() else 16
 
 
 def _out_dtype(rec, inputs):
@@ -349,7 +354,8 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     names = [x.name for x in rec.inputs]
     state = [S, z] if has_z else [S]
     args = [inputs[nm] for nm in names]  # cast to ``dtype`` inside the bodies (``_roles``): fused there
-    C = _pow2(min(chunk_size or default_chunk_size(sizes.K), T))  # speed and memory only, not the result
+    C = chunk_size or default_chunk_size(sizes.K, p.decay_class == "key")
+    C = _pow2(min(C, T))  # speed and memory only, not the result
     if p.decay_class == "full":  # O(T·K·V) working set: the segment budget sets the stretch
         fn = _body(_full, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, False)
         per_token = 4 * sizes.B * sizes.H * sizes.K * sizes.V * WORKSET_FACTOR["full"]

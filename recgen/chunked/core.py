@@ -24,6 +24,8 @@ is its own scalar recurrence, run as a two-level scan (about 2√T sequential el
 """
 from __future__ import annotations
 
+import os
+import time
 from functools import lru_cache
 
 import mlx.core as mx
@@ -44,12 +46,36 @@ def exp(x):
     return mx.exp(x)
 
 
+FAST_BLAS_GFLOPS = 30.0  # between the reference BLAS's 6 and OpenBLAS's 77-95 (2 cores), measured
+
+
+@lru_cache(maxsize=None)
+def cpu_blas_fast() -> bool:
+    """Whether MLX's CPU matmuls run on an optimised BLAS: measured once per process (a 256×256 float32
+    product, best of three, ~20 ms with the reference BLAS), or ``RECGEN_CPU_BLAS=fast|reference``. The
+    ``mlx[cpu]`` Linux wheel links netlib's reference BLAS (6 GFLOP/s here); OpenBLAS preloaded runs 77-95. The
+    chunked form's CPU choices follow it (``tr``, ``chunked.default_chunk_size``): with the reference BLAS flops
+    are the cost, with a fast one the elementwise passes are."""
+    env = os.environ.get("RECGEN_CPU_BLAS")
+    if env in ("fast", "reference"):
+        return env == "fast"
+    a = mx.random.normal((256, 256), stream=mx.cpu)
+    mx.eval(a)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        mx.eval(mx.matmul(a, a, stream=mx.cpu))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 256**3 / best / 1e9 > FAST_BLAS_GFLOPS
+
+
 def tr(x):
-    """xᵀ over the last two axes, for the right operand of a matmul. On the CPU the transpose is
-    materialised: mlx-cpu's BLAS (the reference one in the Linux wheels) runs a product whose right
-    operand is a transposed view as dot products, measured 2.6x slower than on a contiguous copy."""
+    """xᵀ over the last two axes, for the right operand of a matmul. On the CPU with the reference BLAS the
+    transpose is materialised: that BLAS runs a product whose right operand is a transposed view as dot
+    products, measured 2.6x slower than on a contiguous copy. OpenBLAS takes the view as it is (GLA's
+    backward: the copy and product 8.7 ms against 4.6 for the product on the view)."""
     x = x.swapaxes(-1, -2)
-    return mx.contiguous(x) if mx.default_device() == mx.cpu else x
+    return mx.contiguous(x) if mx.default_device() == mx.cpu and not cpu_blas_fast() else x
 
 
 def _pow2(n: int) -> int:
