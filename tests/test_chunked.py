@@ -267,7 +267,7 @@ def test_general_rank1_and_separate_normalizer():
     assert_close(compare(scan_with_normalizer, 45, chunk=16, seed=6, gmin=-8.0))
 
 
-@pytest.mark.parametrize("name", ["gated_delta_net", "gla", "dplr", "two_decays", "power_retention",
+@pytest.mark.parametrize("name", ["gated_delta_net", "gla", "selective_scan", "dplr", "two_decays", "power_retention",
                                   "scan_with_normalizer"])
 def test_segmented_matches_reference(name, monkeypatch):
     """A 1-byte budget forces segments of one chunk: the segmented forward (entry states only) and
