@@ -21,7 +21,7 @@ import numpy as np
 
 from recgen import specs
 from recgen.chunked import forward, naive_loop
-from recgen.shapes import infer_sizes
+from recgen.spec.layouts import infer_sizes
 
 
 def make_inputs(rec, B, T, H, D, seed=0):

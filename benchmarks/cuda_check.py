@@ -20,10 +20,12 @@ import numpy as np
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import rel_err  # noqa: E402
 
-from recgen import reference, specs  # noqa: E402
+from recgen.math import reference
+
+from recgen import specs  # noqa: E402
 from recgen.ops import Op  # noqa: E402
 from recgen.cli import resolve_spec  # noqa: E402
-from recgen.shapes import Sizes  # noqa: E402
+from recgen.spec.layouts import Sizes  # noqa: E402
 from recgen.testing import kernel_inputs  # noqa: E402
 
 SPECS = ["gated_delta_net", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt"]
@@ -46,7 +48,7 @@ def check(name, case, dtype, rng, backend, backward=None):
         sizes = Sizes(B, T, H, Hk, K, K, V)
     xs, h0, do, dht, _ = kernel_inputs(rec, sizes, rng)
     if rec.features:  # a reachable state (sums of features), so the ratio readout's denominator is not ~0
-        from recgen.features import sympow
+        from recgen.spec.features import sympow
 
         phi = sympow(rng.standard_normal((B, H, 3, K)))
         xs = {k: (v * 0.5 if k in ("q", "k") else v) for k, v in xs.items()}

@@ -10,7 +10,9 @@ import mlx.core as mx
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_gpu import inputs, timeit  # noqa: E402
 
-from recgen import lower, specs  # noqa: E402
+from recgen.codegen import lower
+
+from recgen import specs  # noqa: E402
 from recgen.ops import Op  # noqa: E402
 
 B, H, D = 64, 32, 128

@@ -8,10 +8,12 @@ import time
 
 import mlx.core as mx
 
-from recgen import lower, specs
-from recgen.backends import CUDA
-from recgen.kernel_op import forward_launch, mlx_call
-from recgen.shapes import Sizes
+from recgen.codegen import lower
+
+from recgen import specs
+from recgen.codegen.backends import CUDA
+from recgen.runtime.recurrent import forward_launch, mlx_call
+from recgen.spec.layouts import Sizes
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_gpu import inputs  # noqa: E402

@@ -24,9 +24,9 @@ from __future__ import annotations
 import numpy as np
 import sympy as sp
 
-from recgen.fns import exp, logsigmoid, sigmoid
-from recgen.frontend import Key, Scalar, Step, Value, normalizer, outer, recurrence
-from recgen.ir import SCALE as scale
+from recgen.spec.fns import exp, logsigmoid, sigmoid
+from recgen.spec.frontend import Key, Scalar, Step, Value, normalizer, outer, recurrence
+from recgen.spec.ir import SCALE as scale
 
 
 @recurrence
@@ -72,7 +72,7 @@ def random_inputs(rng, B=2, T=9, H=4, Hk=2, K=5, V=3):
 
 
 def check(seed: int = 0, tol: float = 1e-12) -> None:
-    from recgen import reference
+    from recgen.math import reference
     rng = np.random.default_rng(seed)
     x = random_inputs(rng)
     h0 = (rng.standard_normal((2, 4, 5, 3)), rng.standard_normal((2, 4, 5)))

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from recgen.fns import exp
-from recgen.frontend import Key, Param, Step, Value, outer, recurrence
-from recgen.ir import SCALE as scale
+from recgen.spec.fns import exp
+from recgen.spec.frontend import Key, Param, Step, Value, outer, recurrence
+from recgen.spec.ir import SCALE as scale
 
 
 @recurrence
@@ -54,7 +54,7 @@ def random_inputs(rng, B=2, T=9, H=4, Hk=2, K=5, V=3):
 
 
 def check(seed: int = 0, tol: float = 1e-12) -> None:
-    from recgen import reference
+    from recgen.math import reference
     rng = np.random.default_rng(seed)
     x = random_inputs(rng)
     h0 = rng.standard_normal((2, 4, 5, 3))

@@ -8,7 +8,7 @@
 """
 from __future__ import annotations
 
-from .shapes import InputError
+from .spec.layouts import InputError
 
 
 def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,

@@ -22,10 +22,12 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__, ir
+from . import __version__
+
+from .spec import ir
 from .cli_kernels import add_check, add_emit, cmd_check, cmd_emit
-from .lower import UnsupportedKernel
-from .shapes import InputError
+from .codegen.lower import UnsupportedKernel
+from .spec.layouts import InputError
 
 # errors a user causes (a bad spec, bad input, a missing or broken file): one line, no traceback
 USER_ERRORS: tuple[type[BaseException], ...] = (ir.SpecError, InputError, OSError, ImportError, SyntaxError,
@@ -115,7 +117,7 @@ def _add_show(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_show(args: argparse.Namespace, console: Console) -> int:
-    from .adjoint import derive
+    from .math.adjoint import derive
     rec = resolve_spec(args.spec)
     ad = derive(rec)
     console.print(Panel(Text(rec.doc.strip() or "(no docstring)"), title=f"[bold]{rec.name}[/]",

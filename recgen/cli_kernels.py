@@ -58,9 +58,9 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
     """Metal verification on this machine (no Apple GPU): capture, type check, limits, CPU run vs reference."""
     import numpy as np
 
-    from . import reference
+    from .math import reference
     from .cli import resolve_spec
-    from .shapes import Sizes
+    from .spec.layouts import Sizes
     from .testing import kernel_inputs, rel
     from .verify.kernels import Report, VerificationError, emulate
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import __version__, ir
-from .backends import get
-from .kernel_op import backward_launch, forward_launch
-from .lower import plan
-from .render import _env
-from .shapes import Sizes
+from . import __version__
+
+from .spec import ir
+from .codegen.backends import get
+from .runtime.recurrent import backward_launch, forward_launch
+from .codegen.lower import plan
+from .codegen.render import _env
+from .spec.layouts import Sizes
 
 DTYPES = {"metal": {"float32": "float", "float16": "half", "bfloat16": "bfloat"},
           "cuda": {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}}

@@ -24,8 +24,10 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
-from . import ir, specs
-from .shapes import InputError, Sizes, check_state, infer_sizes
+from .spec import ir
+
+from . import specs
+from .spec.layouts import InputError, Sizes, check_state, infer_sizes
 
 BACKENDS = ("metal", "cuda", "mlx")
 BACKWARDS = ("recurrent", "chunked")
@@ -33,7 +35,7 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def default_backend() -> str:
-    from .backends import machine_dialect
+    from .codegen.backends import machine_dialect
 
     forced = os.environ.get("RECGEN_BACKEND")
     if forced:
@@ -108,9 +110,9 @@ class Op:
     def _kernel_call(self, backend, xs, sizes: Sizes, scale: float, initial_state):
         import mlx.core as mx
 
-        from .backends import get
-        from .kernel_op import kernel_op
-        from .lower import plan
+        from .codegen.backends import get
+        from .runtime.recurrent import kernel_op
+        from .codegen.lower import plan
 
         if sizes.T == 0 or sizes.B == 0:
             raise InputError(f"{self.rec.name}: empty batch or sequence (B={sizes.B}, T={sizes.T})")

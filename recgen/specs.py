@@ -5,9 +5,9 @@ before the delta-rule prediction, state [B,H,K,V], block GQA.
 """
 from __future__ import annotations
 
-from .fns import exp, softplus
-from .frontend import Key, KeyGate, Param, Scalar, Step, Value, normalizer, outer, rank1, recurrence, sympow
-from .ir import SCALE as scale
+from .spec.fns import exp, softplus
+from .spec.frontend import Key, KeyGate, Param, Scalar, Step, Value, normalizer, outer, rank1, recurrence, sympow
+from .spec.ir import SCALE as scale
 
 POWER_RETENTION_EPS = 1e-6
 

@@ -2,7 +2,7 @@
 float64 reference see the same numbers. Log-decays reach -20, delta-rule keys are unit-norm."""
 import numpy as np
 
-from recgen.shapes import Sizes
+from .spec.layouts import Sizes
 
 
 def kernel_inputs(rec, sizes: Sizes, rng):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recgen import ir
+from recgen.spec import ir
 
 
 def rel_err(a, b) -> float:
@@ -98,7 +98,7 @@ def random_state(spec: ir.Recurrence, rng, *, B=2, H=4, K=5, V=3):
         return S
     z = rng.standard_normal((B, H, Ks))
     if spec.name == "power_retention":  # z = φ(w), a decayed sum of φ(k) could be: φ(q)ᵀz = (qᵀw)² ≥ 0
-        from recgen.features import sympow
+        from recgen.spec.features import sympow
         z = sympow(rng.standard_normal((B, H, K)))
     return (S, z)
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from recgen.adapters import mlxlm_gated_delta_update, selective_scan_fn
-from recgen.shapes import InputError
+from recgen.spec.layouts import InputError
 from references.gated_delta_net import gated_delta_net as gdn_ref
 from references.selective_scan import selective_scan as ss_ref
 from references.selective_scan import selective_scan_bwd as ss_bwd

@@ -9,10 +9,11 @@ import pytest
 import sympy as sp
 
 from helpers import inner, random_cotangents, random_inputs, random_state, rel_err, state_parts
-from recgen import adjoint, fns, reference
+from recgen.math import adjoint, reference
+from recgen.spec import fns
 from recgen.cli import resolve_spec
-from recgen.fns import exp, logsigmoid, sigmoid, softplus
-from recgen.ir import SCALE
+from recgen.spec.fns import exp, logsigmoid, sigmoid, softplus
+from recgen.spec.ir import SCALE
 from recgen.specs import BUILTINS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -476,7 +476,7 @@ def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):
 def test_chunk_kernels_default_follows_the_probe(monkeypatch, fresh_probe):
     """parallel.chunk_kernels() on a GPU machine: the dialect's table entry, unless the probe fails."""
     pytest.importorskip("mlx.core")
-    from recgen import backends
+    from recgen.codegen import backends
     from recgen.chunked import parallel
 
     monkeypatch.setattr(parallel, "CHUNK_KERNELS", None)

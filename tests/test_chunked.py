@@ -2,7 +2,7 @@
 
 Every built-in spec: forward output, final state, and the gradient of every input and of the
 initial state (through mx.vjp with random cotangents for o and final_state) must equal
-``recgen.reference.run/grad``. Inputs are drawn in float64, rounded to float32 and given to
+``recgen.math.reference.run/grad``. Inputs are drawn in float64, rounded to float32 and given to
 both sides, so the comparison measures the chunked computation, not input rounding.
 
 Tolerances (‖a − b‖ / ‖b‖): forward (o, S, z) ≤ 1e-5; gradients ≤ 1e-4. Gradients of gates are
@@ -23,12 +23,16 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from recgen import ir, reference, specs  # noqa: E402
+from recgen.spec import ir
+
+from recgen.math import reference
+
+from recgen import specs  # noqa: E402
 from recgen.chunked import forward, naive_loop, supported  # noqa: E402
-from recgen.features import sympow  # noqa: E402
-from recgen.frontend import Key, Scalar, Step, Value, Param, normalizer, rank1, outer, recurrence  # noqa: E402
-from recgen.fns import exp, sigmoid, softplus  # noqa: E402
-from recgen.shapes import infer_sizes  # noqa: E402
+from recgen.spec.features import sympow  # noqa: E402
+from recgen.spec.frontend import Key, Scalar, Step, Value, Param, normalizer, rank1, outer, recurrence  # noqa: E402
+from recgen.spec.fns import exp, sigmoid, softplus  # noqa: E402
+from recgen.spec.layouts import infer_sizes  # noqa: E402
 
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
 

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from recgen import cli, ir
+from recgen import cli
+
+from recgen.spec import ir
 from recgen.specs import BUILTINS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,7 +83,7 @@ def test_bad_spec_exit_2(spec, fragment, monkeypatch):
 
 def test_spec_error_in_user_file(tmp_path, monkeypatch):
     f = tmp_path / "bad_spec.py"
-    f.write_text("from recgen.frontend import Key, Value, Step, outer, recurrence\n"
+    f.write_text("from recgen import Key, Value, Step, outer, recurrence\n"
                  "@recurrence\n"
                  "def bad(q: Key, k: Key, v: Value):\n"
                  "    return Step(update=outer(k, v), readout=v)\n")

@@ -5,9 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from recgen import reference, specs
+from recgen.math import reference
+
+from recgen import specs
 from recgen.emit import emit
-from recgen.shapes import Sizes
+from recgen.spec.layouts import Sizes
 from recgen.verify.typecheck import find_clang
 
 from recgen.testing import kernel_inputs, rel

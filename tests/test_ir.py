@@ -12,12 +12,12 @@ import pytest
 import sympy as sp
 
 from helpers import random_inputs, random_state
-from recgen import ir, reference
-from recgen.fns import exp, sigmoid
-from recgen.frontend import (Key, Param, Scalar, Step, Value, normalizer, outer, rank1,
-                             recurrence, sympow)
-from recgen.ir import SCALE as scale
-from recgen.shapes import InputError
+from recgen.spec import ir
+from recgen.math import reference
+from recgen.spec.fns import exp, sigmoid
+from recgen.spec.frontend import Key, Param, Scalar, Step, Value, normalizer, outer, rank1, recurrence, sympow
+from recgen.spec.ir import SCALE as scale
+from recgen.spec.layouts import InputError
 from recgen.specs import BUILTINS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,9 +8,11 @@ These are not runs on Apple hardware: see the README.
 import numpy as np
 import pytest
 
-from recgen import reference, specs
-from recgen.lower import UnsupportedKernel, plan
-from recgen.shapes import Sizes
+from recgen.math import reference
+
+from recgen import specs
+from recgen.codegen.lower import UnsupportedKernel, plan
+from recgen.spec.layouts import Sizes
 
 verify = pytest.importorskip("recgen.verify.kernels")
 from recgen.verify.typecheck import find_clang  # noqa: E402

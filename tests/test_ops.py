@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import recgen as rg
-from recgen import ops, reference, specs
-from recgen.shapes import InputError
+from recgen import ops, specs
+from recgen.math import reference
+from recgen.spec.layouts import InputError
 
 
 def _gla_inputs(B=1, T=5, H=2, Hk=1, K=4, V=3, dtype=mx.float32):
@@ -95,10 +96,10 @@ def test_load_by_name_and_path():
 
 def test_kernel_op_is_built_once_per_call_signature():
     """Decode calls the op per token: the custom function is cached, not rebuilt (no GPU needed to build it)."""
-    from recgen.backends import get
-    from recgen.kernel_op import kernel_op
-    from recgen.lower import plan
-    from recgen.shapes import Sizes
+    from recgen.codegen.backends import get
+    from recgen.runtime.recurrent import kernel_op
+    from recgen.codegen.lower import plan
+    from recgen.spec.layouts import Sizes
 
     s = Sizes(2, 1, 4, 4, 32, 32, 32)
     p = plan(specs.gated_delta_net, s)
@@ -111,8 +112,8 @@ def test_kernel_op_is_built_once_per_call_signature():
 def test_backward_choice_follows_the_backend_table(monkeypatch):
     """The default gradient path of a kernel op: chunked from the backend's measured T, recurrent below
     it, recurrent where the table has no measurement (Metal), and an explicit choice always wins."""
-    from recgen.backends import get
-    from recgen.shapes import Sizes
+    from recgen.codegen.backends import get
+    from recgen.spec.layouts import Sizes
 
     monkeypatch.delenv("RECGEN_BACKWARD", raising=False)
     op = ops.Op(specs.gated_delta_net)

@@ -1,4 +1,4 @@
-"""The reference interpreter (``recgen.reference``, driven by the IR and the sympy adjoint) against
+"""The reference interpreter (``recgen.math.reference``, driven by the IR and the sympy adjoint) against
 independent handwritten float64 references (``tests/references/``, plain loops written without the IR):
 forward output, final state, and every gradient including the initial state's, to 1e-10 relative.
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import random_cotangents, random_inputs, random_state, rel_err
-from recgen import reference
+from recgen.math import reference
 from recgen.specs import BUILTINS
 
 REFS = Path(__file__).resolve().parent / "references"
@@ -131,7 +131,7 @@ def test_gqa_against_expanded_keys(name, rng):
 
 def test_tiled_gqa_mapping(rng):
     """gqa="tiled" (llama.cpp): value head h reads key head h % Hk; checked via a key permutation."""
-    from recgen.ir import Recurrence
+    from recgen.spec.ir import Recurrence
     spec = BUILTINS["simple_gla"]
     tiled = Recurrence("simple_gla_tiled", spec.doc, spec.inputs, spec.step, spec.features, "tiled")
     ref = load_ref("simple_gla")

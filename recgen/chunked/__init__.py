@@ -6,7 +6,7 @@ key-decay pair matrices run as generated kernels (``recgen.chunked.kernels``); e
     o, final_state = recgen.chunked.naive_loop(rec, inputs, scale=..., initial_state=None)
 
 ``inputs`` maps each input name of ``rec`` to an ``mx.array`` in the layouts of
-``recgen.shapes`` (FLA's). ``final_state`` is S [B,H,K,V] float32, or (S, z) with a normalizer.
+``recgen.spec.layouts`` (FLA's). ``final_state`` is S [B,H,K,V] float32, or (S, z) with a normalizer.
 Everything is computed in float32; ``o`` is cast back to the dtype of the first value input.
 ``mx.grad`` / ``mx.vjp`` give gradients for every input and ``initial_state``, with cotangents
 accepted for ``final_state``.
@@ -40,8 +40,8 @@ from functools import lru_cache, partial
 
 import mlx.core as mx
 
-from .. import ir
-from ..shapes import InputError, check_state, infer_sizes
+from ..spec import ir
+from ..spec.layouts import InputError, check_state, infer_sizes
 from . import core, parallel
 from .core import _pow2
 from .terms import KEY_ROLES, bind, evaluate, plan

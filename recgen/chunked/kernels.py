@@ -37,9 +37,9 @@ import warnings
 from functools import lru_cache
 
 from .. import __version__
-from ..backends import get
-from ..kernel_op import Launch, mlx_call
-from ..render import KernelSource, _env
+from ..codegen.backends import get
+from ..runtime.recurrent import Launch, mlx_call
+from ..codegen.render import KernelSource, _env
 
 BV = 32           # value columns per scan threadgroup (4 per thread)
 MAX_NR = 16       # row groups of the scan (threads = row groups × BV/4): 128 threads at K = 128

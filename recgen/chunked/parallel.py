@@ -483,7 +483,7 @@ def chunk_kernels() -> str | None:
         return CHUNK_KERNELS or None
     if mx.default_device() == mx.cpu:
         return None
-    from ..backends import get, machine_dialect
+    from ..codegen.backends import get, machine_dialect
 
     name = machine_dialect()
     if name is None:

@@ -21,9 +21,9 @@ from functools import lru_cache
 import numpy as np
 import sympy as sp
 
-from .. import ir
-from ..features import sympow_pairs
-from ..fns import logsigmoid, sigmoid
+from ..spec import ir
+from ..spec.features import sympow_pairs
+from ..spec.fns import logsigmoid, sigmoid
 
 
 def _mx():
@@ -135,7 +135,7 @@ def _scaled(rec: ir.Recurrence, e) -> tuple | None:
 # -- binding -----------------------------------------------------------------------------------
 
 def sympow_mx(x):
-    """φ(x) of recgen.features.sympow with MLX ops (differentiable): [..., d] -> [..., d(d+1)/2]."""
+    """φ(x) of recgen.spec.features.sympow with MLX ops (differentiable): [..., d] -> [..., d(d+1)/2]."""
     mx = _mx()
     a, b, c = sympow_pairs(x.shape[-1])
     a, b = mx.array(a.astype(np.int32)), mx.array(b.astype(np.int32))

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backends import METAL
-from ..ir import Recurrence
-from ..kernel_op import Launch, backward_launch, finish_grads, forward_launch
-from ..lower import plan as make_plan
-from ..shapes import infer_sizes
+from ..codegen.backends import METAL
+from ..spec.ir import Recurrence
+from ..runtime.recurrent import Launch, backward_launch, finish_grads, forward_launch
+from ..codegen.lower import plan as make_plan
+from ..spec.layouts import infer_sizes
 from .capture import wrapped_source
 from .cpu_exec import run_msl
 from .limits import lint

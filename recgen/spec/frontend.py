@@ -70,7 +70,7 @@ def normalizer(decay, update, fn=lambda n: n) -> ir.Normalizer:
 
 
 def Step(update, readout, decay=1, transition=None, normalizer=None, skip=None) -> ir.Step:
-    """One step of the recurrence (see ``recgen.ir``); numbers are accepted for any term."""
+    """One step of the recurrence (see ``recgen.spec.ir``); numbers are accepted for any term."""
     if not isinstance(update, ir.Outer):
         raise ir.SpecError(f"update must be rg.outer(u, w) (an outer product), got {update!r}")
     if transition is not None and not isinstance(transition, ir.Rank1):

@@ -1,7 +1,7 @@
 r"""The float64 numpy interpreter of any recurrence: the living definition of recgen.
 
-It runs the step equations of ``recgen.ir`` token by token, vectorized over batch and heads, and
-the backward of ``recgen.adjoint`` in reverse. Every kernel and chunked form is tested against it.
+It runs the step equations of ``recgen.spec.ir`` token by token, vectorized over batch and heads, and
+the backward of ``recgen.math.adjoint`` in reverse. Every kernel and chunked form is tested against it.
 
     o, final_state = reference.run(spec, q=q, k=k, ..., initial_state=None, scale=None)
     grads = reference.grad(spec, do=do, dht=None, q=q, k=k, ..., initial_state=None, scale=None)
@@ -19,10 +19,10 @@ import numpy as np
 import sympy as sp
 
 from . import adjoint as adj
-from . import ir
-from .features import sympow, sympow_vjp
-from .fns import NUMPY_GATES
-from .shapes import InputError, Sizes, check_state, infer_sizes
+from ..spec import ir
+from ..spec.features import sympow, sympow_vjp
+from ..spec.fns import NUMPY_GATES
+from ..spec.layouts import InputError, Sizes, check_state, infer_sizes
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from functools import lru_cache
 
 import sympy as sp
 
-from . import adjoint as adj
-from . import ir
-from .shapes import Sizes
+from ..math import adjoint as adj
+from ..spec import ir
+from ..spec.layouts import Sizes
 
 
 class UnsupportedKernel(NotImplementedError):

@@ -15,12 +15,12 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
-from . import ir
-from .backends import get
-from .backends.dialect import Dialect
-from .lower import KernelPlan
-from .render import KernelSource, backward_source, forward_source
-from .shapes import Sizes
+from ..spec import ir
+from ..codegen.backends import get
+from ..codegen.backends.dialect import Dialect
+from ..codegen.lower import KernelPlan
+from ..codegen.render import KernelSource, backward_source, forward_source
+from ..spec.layouts import Sizes
 
 
 @lru_cache(maxsize=64)
@@ -142,7 +142,7 @@ def chunked_vjp(rec: ir.Recurrence, scale: float, primals, cotangents, outputs):
     ``outputs`` (the kernel op's, same shapes) stand in for a missing cotangent's shape."""
     import mlx.core as mx
 
-    from . import chunked
+    from .. import chunked
 
     n, norm = len(rec.inputs), rec.has_normalizer
     names = [x.name for x in rec.inputs]

@@ -21,7 +21,7 @@ from functools import lru_cache
 
 import sympy as sp
 
-from . import ir
+from ..spec import ir
 
 ROLE_DOMAIN = {"decay": (ir.I, ir.J), "a": (ir.I,), "b": (ir.I,), "u": (ir.I,), "w": (ir.J,),
                "r": (ir.I,), "zdecay": (ir.I,), "zupdate": (ir.I,), "skip": (ir.J,)}

@@ -236,7 +236,7 @@ class Recurrence:
 
     def __call__(self, *args, **kwargs):
         """Run as an MLX op: ``o, final_state = spec(q, k, v, ..., output_final_state=True)``."""
-        from .ops import load
+        from ..ops import load
 
         return load(self)(*args, **kwargs)
 

@@ -12,9 +12,9 @@ from functools import lru_cache
 
 import jinja2
 
-from . import __version__
-from . import adjoint as adj
-from . import ir
+from .. import __version__
+from ..math import adjoint as adj
+from ..spec import ir
 from .backends.dialect import Dialect
 from .lower import KernelPlan, Layout, names
 from .printer import kprint
@@ -27,7 +27,7 @@ REPLICATED = ("zdecay", "zupdate")  # adjoints held identically by every column 
 
 @lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
-    return jinja2.Environment(loader=jinja2.PackageLoader("recgen", "templates"), undefined=jinja2.StrictUndefined,
+    return jinja2.Environment(loader=jinja2.PackageLoader("recgen.codegen", "templates"), undefined=jinja2.StrictUndefined,
                               trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
 
 
