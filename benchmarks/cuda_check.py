@@ -24,7 +24,7 @@ from recgen.math import reference
 
 from recgen import specs  # noqa: E402
 from recgen.ops import Op  # noqa: E402
-from recgen.cli import resolve_spec  # noqa: E402
+from recgen.spec.resolve import resolve_spec  # noqa: E402
 from recgen.spec.layouts import Sizes  # noqa: E402
 from recgen.testing import kernel_inputs  # noqa: E402
 

@@ -12,9 +12,7 @@ parsed ``argparse.Namespace`` and the ``rich`` console and returns an exit code.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
-from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
@@ -22,75 +20,14 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__
-
-from .spec import ir
+from .version import __version__
+from .errors import CliError, InputError, SpecError, UnsupportedKernel
+from .spec.resolve import builtin_specs, resolve_spec
 from .cli_kernels import add_check, add_emit, cmd_check, cmd_emit
-from .codegen.lower import UnsupportedKernel
-from .spec.layouts import InputError
 
 # errors a user causes (a bad spec, bad input, a missing or broken file): one line, no traceback
-USER_ERRORS: tuple[type[BaseException], ...] = (ir.SpecError, InputError, OSError, ImportError, SyntaxError,
+USER_ERRORS: tuple[type[BaseException], ...] = (SpecError, InputError, OSError, ImportError, SyntaxError,
                                                UnsupportedKernel, ValueError)
-
-
-class CliError(Exception):
-    """A user error the CLI reports in one line (exit code 2)."""
-
-
-# -- spec resolution -------------------------------------------------------------------------------
-
-def _builtins() -> dict:
-    from .specs import BUILTINS
-    return BUILTINS
-
-
-def _load_module(path: Path):
-    name = "recgen_user_" + "".join(c if c.isalnum() else "_" for c in str(path.resolve()))
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise CliError(f"{path}: cannot be loaded as a Python module")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return mod
-
-
-def resolve_spec(text: str) -> ir.Recurrence:
-    """A built-in name (``gated_delta_net``) or ``path/to/file.py:function`` -> the ``ir.Recurrence``.
-
-    Raises ``CliError`` (unknown name, bad form, wrong type, missing attribute) or
-    ``FileNotFoundError``; errors raised while importing the file (``ir.SpecError`` ...) propagate.
-    """
-    builtins = _builtins()
-    if text in builtins:
-        return builtins[text]
-    if ":" not in text:
-        if text.endswith(".py"):
-            raise CliError(f"{text!r}: name the recurrence too, as {text}:function")
-        names = ", ".join(sorted(builtins))
-        raise CliError(f"unknown spec {text!r}: not a built-in ({names}) and not of the form path/to/file.py:function")
-    path_s, _, attr = text.rpartition(":")
-    if not path_s or not attr:
-        raise CliError(f"{text!r}: expected path/to/file.py:function")
-    path = Path(path_s)
-    if not path.is_file():
-        raise FileNotFoundError(f"spec file {path_s!r} not found" if not path.exists()
-                                else f"spec file {path_s!r} is not a file")
-    mod = _load_module(path)
-    if not hasattr(mod, attr):
-        found = sorted(k for k, v in vars(mod).items() if isinstance(v, ir.Recurrence))
-        hint = f"; recurrences in the file: {', '.join(found)}" if found else "; the file defines no recurrence"
-        raise CliError(f"{path_s}: no attribute {attr!r}{hint}")
-    obj = getattr(mod, attr)
-    if not isinstance(obj, ir.Recurrence):
-        raise CliError(f"{path_s}:{attr} is a {type(obj).__name__}, not a recurrence "
-                       "(decorate the function with @recurrence)")
-    return obj
 
 
 def first_line(doc: str) -> str:
@@ -106,7 +43,7 @@ def _cmd_list(args: argparse.Namespace, console: Console) -> int:
     table = Table(title="built-in recurrences", show_lines=False)
     table.add_column("name", style="bold cyan", no_wrap=True)
     table.add_column("description")
-    for name, rec in _builtins().items():
+    for name, rec in builtin_specs().items():
         table.add_row(name, Text(first_line(rec.doc)))
     console.print(table)
     return 0

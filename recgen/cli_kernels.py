@@ -33,7 +33,8 @@ def add_emit(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_emit(args: argparse.Namespace, console: Console) -> int:
-    from .cli import CliError, resolve_spec
+    from .errors import CliError
+    from .spec.resolve import resolve_spec
     from .emit import emit
 
     if not args.all and not args.target:
@@ -59,9 +60,9 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
     import numpy as np
 
     from .math import reference
-    from .cli import resolve_spec
+    from .spec.resolve import resolve_spec
     from .spec.layouts import Sizes
-    from .testing import kernel_inputs, rel
+    from .testing import kernel_inputs, rel_err
     from .verify.kernels import Report, VerificationError, emulate
 
     rec = resolve_spec(args.spec)
@@ -83,7 +84,7 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
     if failed is None:
         o_r, ht_r = reference.run(rec, initial_state=h0, scale=scale, **xs)
         g_r = reference.grad(rec, do=do, dht=dht, initial_state=h0, scale=scale, **xs)
-        errs = {"o": rel(o, o_r), "final_state": rel(ht, ht_r)} | {f"d{k}": rel(g[k], g_r[k]) for k in g_r}
+        errs = {"o": rel_err(o, o_r), "final_state": rel_err(ht, ht_r)} | {f"d{k}": rel_err(g[k], g_r[k]) for k in g_r}
         for k, e in errs.items():
             ok = e <= (1e-5 if k in ("o", "final_state") else 1e-4)
             failed = failed or (None if ok else f"{k}: relative error {e:.2e}")

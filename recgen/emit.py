@@ -13,28 +13,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import __version__
+from .version import __version__
 
 from .spec import ir
 from .codegen.backends import get
+from .codegen.backends.dialect import Dialect
 from .runtime.recurrent import backward_launch, forward_launch
 from .codegen.lower import plan
-from .codegen.render import _env
-from .spec.layouts import Sizes
+from .codegen.render import template_env
+from .spec.layouts import Sizes, input_dims
 
-DTYPES = {"metal": {"float32": "float", "float16": "half", "bfloat16": "bfloat"},
-          "cuda": {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}}
-SHAPES = {"scalar": "[B,T,H]", "key": "[B,T,HK,K]", "key_gate": "[B,T,H,K]", "value": "[B,T,H,V]"}
+AXIS_NAMES = {"Hk": "HK", "Kin": "K"}  # the template constants' names of the layouts' axes
 
 
-def _buffers(rec: ir.Recurrence, launch, target: str, dtype: str, kind: str) -> list[dict]:
-    T = DTYPES[target]
-    c = "constant" if target == "metal" else ""
-    dev = "device " if target == "metal" else ""
-    bufs = []
-    for x in rec.inputs:
-        shape = SHAPES.get(x.kind) or "[H" + "".join({"i": ",K", "j": ",V"}[i] for i in x.index) + "]"
-        bufs.append((f"{x.name}_in", T[dtype], shape, True))
+def _shape(x: ir.Input) -> str:
+    return "[" + ",".join(AXIS_NAMES.get(a, a) for a in input_dims(x)) + "]"
+
+
+def _buffers(rec: ir.Recurrence, launch, d: Dialect, dtype: str, kind: str) -> list[dict]:
+    T = d.standalone_dtypes
+    bufs = [(f"{x.name}_in", T[dtype], _shape(x), True) for x in rec.inputs]
     bufs += [("rt", "int", "[2] = (T, B)", True), ("scale_in", "float", "[1]", True)]
     extra = {"fwd": [("h0", "float", "[B,H,K,V]", True)],
              "bwd": [("ckpt", "float", "[B,H,ceil(T/C),K,V]", True), ("do_in", T[dtype], "[B,T,H,V]", True),
@@ -44,11 +42,10 @@ def _buffers(rec: ir.Recurrence, launch, target: str, dtype: str, kind: str) -> 
         bufs.append((name, T[dtype] if name == "o" else "float", str(list(shape)), False))
     out = []
     for i, (name, ctype, shape, is_in) in enumerate(bufs):
-        space = (f"{c} " if name in ("rt", "scale_in") and c else dev) if target == "metal" else ""
+        space = d.constant_space if name in ("rt", "scale_in") and d.constant_space else d.global_space
         const = "const " if is_in else ""
-        restrict = " __restrict__" if target == "cuda" else ""
         out.append({"index": i, "name": name, "dtype": ctype, "shape": shape, "input": is_in,
-                    "decl": f"{const}{space}{ctype}*{restrict} {name}"})
+                    "decl": f"{const}{space}{ctype}*{d.restrict} {name}"})
     return out
 
 
@@ -57,16 +54,16 @@ def _kind(v) -> str:
     return "typename" if isinstance(v, str) else "bool" if isinstance(v, bool) else "int"
 
 
-def _spell(v, target: str) -> str:
-    return DTYPES[target][v] if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
+def _spell(v, d: Dialect) -> str:
+    return d.standalone_dtypes[v] if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def emit(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V: int, H: int, HK: int,
          dtype: str = "float32", command: str = "") -> list[Path]:
     """Write the kernels of ``rec`` for ``target`` into ``outdir``; returns the written paths."""
     d = get(target)
-    if dtype not in DTYPES[target]:
-        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPES[target])}")
+    if dtype not in d.standalone_dtypes:
+        raise ValueError(f"dtype {dtype!r}: expected one of {sorted(d.standalone_dtypes)}")
     Kin = K
     if rec.features:
         Kin = next(n for n in range(1, K + 1) if rec.features[0].width(n) == K)
@@ -85,16 +82,16 @@ def emit(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V: int, H:
         src = launch.source
         tmpl = dict(launch.template)
         entry = f"recgen_{rec.name}_{kind}_{target}_{dtype}"
-        bufs = _buffers(rec, launch, target, dtype, "bwd" if kind == "bwd" else "fwd")
+        bufs = _buffers(rec, launch, d, dtype, "bwd" if kind == "bwd" else "fwd")
         kinds = {n: _kind(v) for n, v in tmpl.items()}
-        values = {n: _spell(v, target) for n, v in tmpl.items()}
+        values = {n: _spell(v, d) for n, v in tmpl.items()}
         ctx = {"banner": banner, "prelude": d.prelude, "body": src.source, "buffers": bufs, "entry": entry,
                "fn": entry + "_impl", "threads": launch.threadgroup[0],
                "template_params": ", ".join(f"{kinds[n]} {n}" for n in tmpl),
                "template_args": ", ".join(values.values()),
                "constants": [f"using {n} = {values[n]};" if kinds[n] == "typename" else
                              f"constexpr {kinds[n]} {n} = {values[n]};" for n in tmpl]}
-        text = _env().get_template(f"standalone.{d.ext}.j2").render(**ctx)
+        text = template_env().get_template(f"standalone.{d.ext}.j2").render(**ctx)
         path = out / f"{entry}.{d.ext}"
         path.write_text(text)
         mlx_path = out / f"{entry}.mlx.{d.ext}"
@@ -103,12 +100,12 @@ def emit(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V: int, H:
         grid, tg = launch.grid, launch.threadgroup
         manifest["kernels"].append({
             "kind": kind, "entry": entry, "file": path.name, "mlx_file": mlx_path.name, "mlx_name": src.name,
-            "template": {n: (DTYPES[target][v] if isinstance(v, str) else v) for n, v in tmpl.items()},
+            "template": {n: (d.standalone_dtypes[v] if isinstance(v, str) else v) for n, v in tmpl.items()},
             "buffers": [{k: b[k] for k in ("index", "name", "dtype", "shape", "input")} for b in bufs],
             "threadgroup": list(tg),
             "grid_threadgroups": [f"{grid[0] // tg[0]}", "B*H", "1"],
             "note": "rt = [T, B] (int32), scale_in = [scale]; outputs summed over their leading partial axis "
-                    "where the shape has one (see recgen.kernel_op.finish_grads)",
+                    "where the shape has one (see recgen.runtime.recurrent.finish_grads)",
         })
     mpath = out / f"{rec.name}.{target}.manifest.json"
     mpath.write_text(json.dumps(manifest, indent=1) + "\n")

@@ -1,51 +1,40 @@
 """Importable MLX ops: ``recgen.load(spec)`` and one op per built-in (``recgen.ops.gated_delta_net`` …).
 
 Every op takes the spec's inputs in FLA layouts plus ``scale=None``, ``initial_state=None``,
-``output_final_state=False``, ``backend=None`` and returns ``(o, final_state)`` (final_state is
-None unless asked for). Gradients flow to every input, to ``initial_state`` and from
-``final_state``.
+``output_final_state=False``, ``backend=None``, ``check_finite=None`` and returns ``(o, final_state)``
+(final_state is None unless asked for). Gradients flow to every input, to ``initial_state`` and from
+``final_state``. Ops are lazy: nothing on their path waits for the device, so they compose with
+``mx.compile``, ``mx.vmap`` of the inputs and asynchronous evaluation.
 
-Backends: ``metal`` and ``cuda`` run the generated recurrent kernels; ``mlx`` runs the chunked
-fallback built from MLX ops (any device, CPU included). Default: metal on Apple silicon, cuda
-when MLX's CUDA backend is present, else mlx. ``backend=`` or ``RECGEN_BACKEND`` force one.
+This module is the dispatcher: per call it takes the device's tuning (``recgen.tuning.current``, checked
+against this machine once by ``recgen.runtime.probe``) and chooses
 
-Gradients of a kernel backend: ``backward="recurrent"`` runs the generated backward kernel (one
-sequential sweep, the state in registers); ``"chunked"`` runs the chunked form's backward (matmuls
-over chunks). ``None`` (default, or ``RECGEN_BACKWARD``) picks chunked when the spec has the fast
-chunked form (scalar or key-vector decay, no transition or a delta-rule one) and T reaches the
-backend's measured ``Dialect.chunked_backward_min_t``: 1024 for CUDA (on the H100 it was 1.6-4×
-faster at T = 4096 and 1.1-2.9× at T = 1024-2048, except GLA at D = 64: 0.85-0.99×; BENCHMARKS.md
-run 33); none yet for Metal, whose default stays the recurrent backward until it is measured on an
-Apple GPU.
-MLX is imported lazily: importing recgen builds nothing.
+- the backend: ``metal`` and ``cuda`` run the generated recurrent kernels, ``mlx`` the chunked form built
+  from MLX ops (any device, CPU included). Default: the kernels of the default device's GPU, else ``mlx``;
+  ``backend=`` on the op or the call, or ``Tuning.backend``, forces one;
+- a kernel op's backward: the generated backward kernel (one sequential sweep, the state in registers) or
+  the chunked form's backward (matmuls over chunks), chosen by ``backward=`` / ``Tuning.backward``, else the
+  chunked one where the spec has the fast chunked form and T reaches ``Tuning.chunked_backward_min_t`` (a
+  measured constant per GPU dialect; none for Metal until measured on Apple hardware).
+
+``check_finite``: None follows ``Tuning.debug``; True checks every input for NaN/Inf, which waits for the
+device (a debug mode: it does not work under ``mx.compile``).
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
+from .errors import InputError
+from .runtime.probe import checked
 from .spec import ir
-
+from .spec.layouts import Sizes, check_state, infer_sizes
+from .tuning import BACKENDS, BACKWARDS, Tuning, current
 from . import specs
-from .spec.layouts import InputError, Sizes, check_state, infer_sizes
 
-BACKENDS = ("metal", "cuda", "mlx")
-BACKWARDS = ("recurrent", "chunked")
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def default_backend() -> str:
-    from .codegen.backends import machine_dialect
-
-    forced = os.environ.get("RECGEN_BACKEND")
-    if forced:
-        if forced not in BACKENDS:
-            raise InputError(f"RECGEN_BACKEND={forced!r}: expected one of {BACKENDS}")
-        return forced
-    return machine_dialect() or "mlx"
-
-
-def _check_arrays(arrays: dict, check_finite: bool):
+def _check_dtypes(arrays: dict):
     import mlx.core as mx
 
     for name, a in arrays.items():
@@ -53,13 +42,42 @@ def _check_arrays(arrays: dict, check_finite: bool):
             raise InputError(f"argument {name!r}: expected an mx.array, got {type(a).__name__}")
         if str(a.dtype).split(".")[-1] not in FLOAT_DTYPES:
             raise InputError(f"argument {name!r}: expected float32, float16 or bfloat16, got {a.dtype}")
-    if not check_finite:
-        return
+
+
+def assert_finite(arrays: dict):
+    """Raise InputError naming the first array with NaN or Inf. Waits for the device (one host sync)."""
+    import mlx.core as mx
+
     finite = [mx.all(mx.isfinite(a)) for a in arrays.values()]
-    if bool(mx.all(mx.stack(finite)).item()):  # one host sync for all inputs; name the culprit only on failure
+    if bool(mx.all(mx.stack(finite)).item()):  # one sync for all inputs; name the culprit only on failure
         return
     bad = next(name for name, ok in zip(arrays, finite) if not bool(ok.item()))
     raise InputError(f"argument {bad!r}: contains NaN or Inf")
+
+
+def choose_backend(t: Tuning, *explicit) -> str:
+    """The first explicit choice, else the tuning's, else the default device's GPU kernels, else ``mlx``."""
+    for b in (*explicit, t.backend):
+        if b is not None:
+            if b not in BACKENDS:
+                raise InputError(f"backend={b!r}: expected one of {BACKENDS}")
+            return b
+    return t.dialect if t.device == "gpu" and t.dialect else "mlx"
+
+
+def choose_backward(rec: ir.Recurrence, t: Tuning, T: int, explicit: str | None) -> str:
+    """A kernel op's backward path: see the module docstring."""
+    from .chunked import fast_form, supported
+
+    choice = explicit or t.backward
+    if choice:
+        if choice not in BACKWARDS:
+            raise InputError(f"backward={choice!r}: expected one of {BACKWARDS}")
+        if choice == "chunked":
+            supported(rec)
+        return choice
+    min_t = t.chunked_backward_min_t
+    return "chunked" if min_t is not None and T >= min_t and fast_form(rec) else "recurrent"
 
 
 class Op:
@@ -72,13 +90,16 @@ class Op:
             raise InputError(f"backend={backend!r}: expected one of {BACKENDS}")
         if backward is not None and backward not in BACKWARDS:
             raise InputError(f"backward={backward!r}: expected one of {BACKWARDS} or None")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                       or chunk_size < 1):
+            raise InputError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
         self.__doc__ = rec.doc
 
     def __repr__(self) -> str:
         return f"<recgen op {self.rec.name} backend={self.backend or 'auto'}>"
 
     def __call__(self, *args, scale=None, initial_state=None, output_final_state=False, backend=None,
-                 check_finite=True, **kwargs):
+                 check_finite=None, **kwargs):
         rec = self.rec
         if len(args) > len(rec.inputs):
             raise InputError(f"{rec.name}: takes {len(rec.inputs)} inputs {[x.name for x in rec.inputs]}, "
@@ -88,35 +109,36 @@ class Op:
         if dup:
             raise InputError(f"{rec.name}: argument(s) {sorted(dup)} given twice")
         arrays.update(kwargs)
+        _check_dtypes(arrays)
         sizes = infer_sizes(rec, {k: tuple(v.shape) for k, v in arrays.items()})
-        _check_arrays(arrays, check_finite)
+        t = checked(current())
+        if check_finite if check_finite is not None else t.debug:
+            assert_finite(arrays)
         if scale is None:
             scale = sizes.Kin ** -0.5 if rec.default_scale == "key" else 1.0
         if initial_state is not None:
             check_state(rec, sizes, initial_state)
-        backend = backend or self.backend or default_backend()
-        if backend not in BACKENDS:
-            raise InputError(f"backend={backend!r}: expected one of {BACKENDS}")
+        backend = choose_backend(t, backend, self.backend)
         xs = [arrays[x.name] for x in rec.inputs]
         if backend == "mlx":
             from . import chunked
 
             o, ht = chunked.forward(rec, dict(zip([x.name for x in rec.inputs], xs)), scale=float(scale),
-                                    initial_state=initial_state, chunk_size=self.chunk_size)
+                                    initial_state=initial_state, chunk_size=self.chunk_size, tuning=t)
         else:
-            o, ht = self._kernel_call(backend, xs, sizes, float(scale), initial_state)
+            o, ht = self._kernel_call(backend, xs, sizes, float(scale), initial_state, t)
         return o, (ht if output_final_state else None)
 
-    def _kernel_call(self, backend, xs, sizes: Sizes, scale: float, initial_state):
+    def _kernel_call(self, backend, xs, sizes: Sizes, scale: float, initial_state, t: Tuning):
         import mlx.core as mx
 
         from .codegen.backends import get
-        from .runtime.recurrent import kernel_op
         from .codegen.lower import plan
+        from .runtime.recurrent import kernel_op
 
         if sizes.T == 0 or sizes.B == 0:
             raise InputError(f"{self.rec.name}: empty batch or sequence (B={sizes.B}, T={sizes.T})")
-        p = plan(self.rec, sizes)
+        p = plan(self.rec, sizes, fwd_layout=t.fwd_layout)
         if self.rec.has_normalizer:
             h0, z0 = initial_state if initial_state is not None else (None, None)
             states = [_zeros(sizes.state_shape) if h0 is None else h0.astype(mx.float32),
@@ -125,25 +147,33 @@ class Op:
             states = [_zeros(sizes.state_shape) if initial_state is None else initial_state.astype(mx.float32)]
         values = [a.dtype for x, a in zip(self.rec.inputs, xs) if x.kind == "value"]
         out_dtype = str(values[0] if values else mx.float32).split(".")[-1]
-        dialect = get(backend)
-        outs = kernel_op(p, dialect, sizes, scale, out_dtype, self._backward(sizes, dialect))(*xs, *states)
+        backward = choose_backward(self.rec, t, sizes.T, self.backward)
+        vjp = chunked_vjp(self.rec, scale, self.chunk_size, t) if backward == "chunked" else None
+        outs = kernel_op(p, get(backend), sizes, scale, out_dtype, vjp, t.debug)(*xs, *states)
         return (outs[0], (outs[1], outs[2])) if self.rec.has_normalizer else outs
 
-    def _backward(self, sizes: Sizes, dialect) -> str:
-        """The kernel op's backward path (see the module docstring)."""
-        choice = self.backward or os.environ.get("RECGEN_BACKWARD")
-        if choice:
-            if choice not in BACKWARDS:
-                raise InputError(f"RECGEN_BACKWARD={choice!r}: expected one of {BACKWARDS}")
-            if choice == "chunked":
-                from .chunked import supported
 
-                supported(self.rec)
-            return choice
-        from .chunked import fast_form
+@lru_cache(maxsize=64)
+def chunked_vjp(rec: ir.Recurrence, scale: float, chunk_size: int | None, t: Tuning):
+    """The VJP of the chunked form at the same point (recompute its forward, run its backward), as a kernel
+    op's backward; ``outputs`` (the kernel op's, same shapes) stand in for a missing cotangent's shape."""
+    import mlx.core as mx
 
-        min_t = dialect.chunked_backward_min_t
-        return "chunked" if fast_form(self.rec) and min_t is not None and sizes.T >= min_t else "recurrent"
+    from . import chunked
+
+    n, norm = len(rec.inputs), rec.has_normalizer
+    names = [x.name for x in rec.inputs]
+
+    def f(*a):
+        o, s = chunked.forward(rec, dict(zip(names, a[:n])), scale=scale,
+                               initial_state=tuple(a[n:]) if norm else a[n], chunk_size=chunk_size, tuning=t)
+        return (o, *s) if norm else (o, s)
+
+    def vjp(primals, cotangents, outputs):
+        cots = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs)]
+        return tuple(mx.vjp(f, list(primals), cots)[1])
+
+    return vjp
 
 
 @lru_cache(maxsize=32)
@@ -157,7 +187,7 @@ def _zeros(shape):
 def load(spec, backend: str | None = None, chunk_size: int | None = None, backward: str | None = None) -> Op:
     """The op of a spec: a Recurrence, a built-in name, or 'path/to/file.py:function'."""
     if isinstance(spec, str):
-        from .cli import resolve_spec
+        from .spec.resolve import resolve_spec
 
         spec = resolve_spec(spec)
     if not isinstance(spec, ir.Recurrence):

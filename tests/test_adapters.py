@@ -4,15 +4,11 @@ import numpy as np
 import pytest
 
 from recgen.adapters import mlxlm_gated_delta_update, selective_scan_fn
-from recgen.spec.layouts import InputError
+from recgen.errors import InputError
+from recgen.testing import rel_err
 from references.gated_delta_net import gated_delta_net as gdn_ref
 from references.selective_scan import selective_scan as ss_ref
 from references.selective_scan import selective_scan_bwd as ss_bwd
-
-
-def rel(a, b):
-    a = np.array(a, dtype=np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("softplus,bias,skip,groups", [(True, True, True, 1), (False, True, False, 2),
@@ -34,13 +30,13 @@ def test_selective_scan_fn_matches_mamba_reference(softplus, bias, skip, groups)
                                   backend="mlx")
     if groups == 1:
         o_r, s_r = ss_ref(u, delta, A, Bm, Cm, D=D, delta_bias=db, delta_softplus=softplus, initial_state=h0)
-        assert rel(out, o_r) < 1e-5 and rel(last, s_r) < 1e-5
+        assert rel_err(out, o_r) < 1e-5 and rel_err(last, s_r) < 1e-5
         dout = rng.standard_normal(o_r.shape)
         g = mx.grad(lambda uu, dd: (selective_scan_fn(uu, dd, f32(A), f32(Bm), f32(Cm), D=f32(D), delta_bias=f32(db),
                                                       delta_softplus=softplus, initial_state=f32(h0), backend="mlx")
                                     * f32(dout)).sum(), argnums=(0, 1))(f32(u), f32(delta))
         g_r = ss_bwd(u, delta, A, Bm, Cm, dout, None, D=D, delta_bias=db, delta_softplus=softplus, initial_state=h0)
-        assert rel(g[0], g_r["u"]) < 1e-4 and rel(g[1], g_r["delta"]) < 1e-4
+        assert rel_err(g[0], g_r["u"]) < 1e-4 and rel_err(g[1], g_r["delta"]) < 1e-4
     else:  # groups: each group of D/G channels is an independent single-group scan
         V = Dch // groups
         for gi in range(groups):
@@ -48,7 +44,7 @@ def test_selective_scan_fn_matches_mamba_reference(softplus, bias, skip, groups)
             o_r, s_r = ss_ref(u[:, sl], delta[:, sl], A[sl], Bm[:, gi], Cm[:, gi], D=None if D is None else D[sl],
                               delta_bias=None if db is None else db[sl], delta_softplus=softplus,
                               initial_state=h0[:, sl])
-            assert rel(np.array(out)[:, sl], o_r) < 1e-5 and rel(np.array(last)[:, sl], s_r) < 1e-5
+            assert rel_err(np.array(out)[:, sl], o_r) < 1e-5 and rel_err(np.array(last)[:, sl], s_r) < 1e-5
 
 
 def test_selective_scan_fn_rejects_z_and_bad_shapes():
@@ -70,4 +66,4 @@ def test_mlxlm_convention_matches_reference():
     o, st = mlxlm_gated_delta_update(f32(q), f32(k), f32(v), f32(g), f32(beta), f32(h0.swapaxes(-1, -2)),
                                      backend="mlx")
     o_r, s_r = gdn_ref(q, k, v, np.log(g), beta, scale=1.0, initial_state=h0)
-    assert rel(o, o_r) < 1e-5 and rel(np.array(st).swapaxes(-1, -2), s_r) < 1e-5
+    assert rel_err(o, o_r) < 1e-5 and rel_err(np.array(st).swapaxes(-1, -2), s_r) < 1e-5

@@ -11,7 +11,7 @@ import sympy as sp
 from helpers import inner, random_cotangents, random_inputs, random_state, rel_err, state_parts
 from recgen.math import adjoint, reference
 from recgen.spec import fns
-from recgen.cli import resolve_spec
+from recgen.spec.resolve import resolve_spec
 from recgen.spec.fns import exp, logsigmoid, sigmoid, softplus
 from recgen.spec.ir import SCALE
 from recgen.specs import BUILTINS

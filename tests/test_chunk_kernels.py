@@ -1,16 +1,29 @@
-"""The generated chunk kernels (``recgen.chunked.kernels``) on the Metal CPU emulator, against
+"""The generated chunk kernels (``recgen.runtime.chunk_kernels``) on the Metal CPU emulator, against
 float64 numpy: the triangular inverse and the chunk scan in both directions, scalar and key decays,
 strong decays, V not a multiple of the column tile. (The CUDA form is checked on a GPU:
 ``benchmarks/cuda_check.py``.)"""
 import numpy as np
 import pytest
 
-from recgen.chunked import kernels as ck
+from recgen import tuning
+from recgen.codegen import chunk_sources as cs
+from recgen.codegen.chunk_sources import ScanVariant
+from recgen.runtime import chunk_kernels as ck
+from recgen.runtime import probe as pr
 
 verify = pytest.importorskip("recgen.verify.kernels")
 from recgen.verify.typecheck import find_clang  # noqa: E402
 
 pytestmark = pytest.mark.skipif(find_clang() is None, reason="clang++ not installed (apt-get install clang)")
+
+
+def _scan(dialect, BH, n, C, K, V, F, has_e, reverse, has_a=True, has_b=True, mma=None, bv=32, **terms):
+    """The scan's launch for these terms: on fragments where ``mma`` (default: where the dialect's measured
+    tuning would put it), else the FMA frame."""
+    if mma is None:
+        mma = ck.use_mma(tuning.resolve("gpu", dialect, environ={}), C, K, V)
+    v = ScanVariant(a=has_a, b=has_b, e=has_e, reverse=reverse, vec=not mma and V % 4 == 0, mma=mma, **terms)
+    return ck.scan_launch(dialect, v, BH, n, C, K, V, F, bv)
 
 
 def _rel(a, b):
@@ -63,7 +76,7 @@ def _check_scan(launch, rng, BH, n, C, K, V, F, has_e, reverse, has_a, has_b):
     (1, False, False, False, True), (32, True, True, False, True), (1, True, True, True, False), (32, True, True, True, False)])
 def test_chunk_scan_matches_numpy(F, has_e, reverse, has_a, has_b):
     BH, n, C, K, V = 2, 3, 16, 32, 42 if has_e else 44  # two column tiles, the second partial; 44: 16-byte accesses
-    launch = ck.scan_launch("metal", BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
+    launch = _scan("metal", BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
     _check_scan(launch, np.random.default_rng(F + 2 * has_e), BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
 
 
@@ -77,23 +90,14 @@ def test_chunk_scan_mma_matches_numpy(F, has_e, reverse, has_a, has_b, C, K, V):
     """The fragment scan (chunk_scan_mma.j2) in the Metal spelling of the 16x8x8 multiply-add (SIMD
     shuffles in the PTX m16n8k8 lane layout that CUDA's tensor cores use)."""
     BH, n = 2, 3
-    launch = ck.scan_mma_launch("metal", BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
+    launch = _scan("metal", BH, n, C, K, V, F, has_e, reverse, has_a, has_b, mma=True)
     assert launch.source.name.startswith("recgen_chunk_scan_mma")
     _check_scan(launch, np.random.default_rng(F + C + V), BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
 
 
 def _scan_mma_launch_at_bv(bv, *args, **kw):
-    """``ck.scan_mma_launch`` with MMA_BV = bv (fewer columns a threadgroup: more threadgroups of columns), the
-    layout caches cleared on both sides so no other test sees that layout."""
-    saved = ck.MMA_BV
-    ck.MMA_BV = bv
-    ck.scan_mma_layout.cache_clear()
-    try:
-        return ck.scan_mma_launch(*args, **kw)
-    finally:
-        ck.MMA_BV = saved
-        ck.scan_mma_layout.cache_clear()
-        ck.scan_mma_launch.cache_clear()
+    """The fragment scan's launch with at most ``bv`` columns a threadgroup (more threadgroups of columns)."""
+    return _scan(*args, mma=True, bv=bv, **kw)
 
 
 @pytest.mark.parametrize("has_e", [False, True])
@@ -110,7 +114,7 @@ def test_chunk_scan_mma_with_product_term(has_e):
     if has_e:
         ins["E"] = f(BH, n, K, V)
         E = E + ins["E"]
-    launch = _scan_mma_launch_at_bv(16, "metal", BH, n, C, K, V, K, has_e, True, True, True, True, True)  # 2 partial sums a row
+    launch = _scan_mma_launch_at_bv(16, "metal", BH, n, C, K, V, K, has_e, True, True, True, p=True, dg=True)  # 2 partial sums a row
     outs = verify.run_launch(launch, ins)
     want = _scan_ref(ins["S0"], ins["A"], ins["X"], ins["Bm"], ins["g"], E, True)
     for got, w in zip(outs[:3], want):
@@ -131,7 +135,7 @@ def test_chunk_scan_mma_scales_b_rows(has_a):
     Bq = np.exp(-20 * rng.uniform(size=(BH, n, C))).astype(np.float32)
     ins = {"S0": f(BH, K, V), "X": f(BH, n, C, V), "Bm": Bm, "Bq": Bq,
            "g": np.exp(-20 * rng.uniform(size=(BH, n, 1))).astype(np.float32)} | ({"A": f(BH, n, C, K) * 0.2} if has_a else {})
-    launch = _scan_mma_launch_at_bv(16, "metal", BH, n, C, K, V, 1, False, False, has_a, True, has_q=True)
+    launch = _scan_mma_launch_at_bv(16, "metal", BH, n, C, K, V, 1, False, False, has_a, True, q=True)
     assert "_q_" in launch.source.name
     outs = verify.run_launch(launch, ins)
     B64 = np.array(Bm.astype(mx.float32)).astype(np.float64) * Bq[..., None]
@@ -143,33 +147,33 @@ def test_chunk_scan_mma_scales_b_rows(has_a):
 def test_chunk_scan_mma_layouts():
     """Which sizes the fragment scan takes, and the dialect choice: CUDA by default (tensor cores), Metal
     never by default (its multiply-add is a shuffle reference); outside its layouts the FMA frame runs."""
-    assert ck.scan_mma_layout(64, 128, 128) == {"BV": 32, "NW": 4, "LD": 40, "YCT": 4}
-    assert ck.scan_mma_layout(16, 32, 40) == {"BV": 8, "NW": 2, "LD": 8, "YCT": 1}
-    assert ck.scan_mma_layout(16, 32, 32) == {"BV": 32, "NW": 2, "LD": 40, "YCT": 2}  # Y's columns split: 2 items
-    assert ck.scan_mma_layout(64, 128, 44) is None and ck.scan_mma_layout(8, 128, 128) is None
-    assert ck.scan_launch("cuda", 4, 2, 64, 128, 128, 1, False, False).source.name.startswith("recgen_chunk_scan_mma")
-    assert ck.scan_launch("cuda", 4, 2, 64, 128, 44, 1, False, False).source.name.startswith("recgen_chunk_scan_v4")
-    assert ck.scan_launch("metal", 4, 2, 64, 128, 128, 1, False, False).source.name.startswith("recgen_chunk_scan_v4")
+    assert cs.scan_mma_layout(64, 128, 128) == {"BV": 32, "NW": 4, "LD": 40, "YCT": 4}
+    assert cs.scan_mma_layout(16, 32, 40) == {"BV": 8, "NW": 2, "LD": 8, "YCT": 1}
+    assert cs.scan_mma_layout(16, 32, 32) == {"BV": 32, "NW": 2, "LD": 40, "YCT": 2}  # Y's columns split: 2 items
+    assert cs.scan_mma_layout(64, 128, 44) is None and cs.scan_mma_layout(8, 128, 128) is None
+    assert _scan("cuda", 4, 2, 64, 128, 128, 1, False, False).source.name.startswith("recgen_chunk_scan_mma")
+    assert _scan("cuda", 4, 2, 64, 128, 44, 1, False, False).source.name.startswith("recgen_chunk_scan_v4")
+    assert _scan("metal", 4, 2, 64, 128, 128, 1, False, False).source.name.startswith("recgen_chunk_scan_v4")
     with pytest.raises(ValueError, match="multiples of 16"):
-        ck.scan_mma_launch("metal", 1, 2, 8, 32, 8, 1, False, False)
+        _scan("metal", 1, 2, 8, 32, 8, 1, False, False, mma=True)
 
 
 def test_chunk_scan_refuses_unsupported_sizes():
     with pytest.raises(ValueError, match="multiple of 4"):
-        ck.scan_launch("metal", 1, 2, 8, 30, 4, 1, False, False)
+        _scan("metal", 1, 2, 8, 30, 4, 1, False, False)
 
 
 def test_chunk_scan_layout_fits_each_dialect():
     """At GDN's shapes the staging depths follow each dialect's threadgroup memory; a size whose tiles
     do not fit has no kernel (the core keeps its MLX ops) rather than a failing launch."""
-    assert ck.scan_supported("cuda", 64, 256) and not ck.scan_supported("metal", 64, 256)
-    assert not ck.scan_supported("cuda", 64, 30)
-    assert ck.scan_layout("cuda", 64, 128) == {"NR": 16, "NT": 128, "KB": 32, "TB": 32, "SLAB": 4224}
-    assert ck.scan_layout("metal", 64, 128) == {"NR": 16, "NT": 128, "KB": 16, "TB": 8, "SLAB": 1088}
+    assert cs.scan_supported("cuda", 64, 256) and not cs.scan_supported("metal", 64, 256)
+    assert not cs.scan_supported("cuda", 64, 30)
+    assert cs.scan_layout("cuda", 64, 128) == {"NR": 16, "NT": 128, "KB": 32, "TB": 32, "SLAB": 4224}
+    assert cs.scan_layout("metal", 64, 128) == {"NR": 16, "NT": 128, "KB": 16, "TB": 8, "SLAB": 1088}
 
 
-def _emulated_call(launch, dialect, user, extra):
-    """``kernel_op.mlx_call`` with the Metal CPU emulator underneath: the same launch recipe, the
+def _emulated_call(launch, dialect, user, extra, debug=False):
+    """``launch.mlx_call`` with the Metal CPU emulator underneath: the same launch recipe, the
     buffers through numpy (fine outside mx.compile, which the CPU path does not use)."""
     mx = pytest.importorskip("mlx.core")
     runtime = {r[0] for r in launch.runtime}
@@ -188,14 +192,13 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     K != V, GQA, a partial last chunk (T = 40 with chunk 16), T = 1 (C = 1: one row group)."""
     pytest.importorskip("mlx.core")
     from recgen import specs
-    from recgen.chunked import parallel
     from test_chunked import assert_close, compare
 
-    monkeypatch.setattr(parallel, "CHUNK_KERNELS", "metal")
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     key = name == "gla"  # K = 32: the pair kernels' lanes
-    assert_close(compare(specs.BUILTINS[name], T, chunk=16, K=32 if key else 16, V=6, seed=5))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True)
+    assert_close(compare(specs.BUILTINS[name], T, chunk=16, K=32 if key else 16, V=6, seed=5, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
     delta = specs.BUILTINS[name].step.transition is not None
     want = ({"recgen_chunk_tril_inverse", "recgen_chunk_scan", "recgen_chunk_scan_e_rev"} if delta
@@ -216,14 +219,12 @@ def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
     partial last chunk; forward, final state and every gradient against the float64 reference."""
     pytest.importorskip("mlx.core")
     from recgen import specs
-    from recgen.chunked import parallel
     from test_chunked import assert_close, compare
 
-    monkeypatch.setattr(parallel, "CHUNK_KERNELS", "metal")
-    monkeypatch.setattr(ck, "MMA_SCAN", True)
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=9))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True)
+    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=9, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
     assert kinds == want, kinds
 
@@ -243,23 +244,18 @@ def _out_ref(r, u, Z, St, l):
 
 
 @pytest.mark.parametrize("C,K,V,bv", [(16, 16, 24, 64), (32, 40, 32, 16), (64, 16, 16, 64), (32, 32, 128, 128)])
-def test_chunk_out_mma_matches_numpy(C, K, V, bv, monkeypatch):
+def test_chunk_out_mma_matches_numpy(C, K, V, bv):
     """The fragment readout (chunk_out_mma.j2): one chunk per threadgroup row, C / 16 groups each forming
     its rows of M = (R U^T) * Gamma; V split over threadgroups of BV columns (V = 32 at BV 16: two), R, U,
     S_c, Z staged KB at a time (K = 40: five blocks of 8; the last case CUDA's BV 128, KB 32); decays down to
     e^-20 a token, a run of weak ones after strong ones (anchored sums)."""
-    monkeypatch.setattr(ck, "OUT_BV", bv)
-    ck.out_mma_layout.cache_clear()
-    ck.out_mma_launch.cache_clear()
     rng = np.random.default_rng(C + K + V)
     N = 2
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
     l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
     ins = {"R": f(N, C, K), "U": f(N, C, K), "Z": f(N, C, V), "St": f(N, K, V), "logd": l, "Rs": np.array([0.3], np.float32)}
-    launch = ck.out_mma_launch("metal", N, C, K, V)
-    ck.out_mma_layout.cache_clear()
-    ck.out_mma_launch.cache_clear()
+    launch = ck.out_mma_launch("metal", N, C, K, V, None, bv)
     assert dict(launch.template)["BV"] == next(b for b in (bv, 64, 32, 16, 8) if V % b == 0)
     y, M = verify.run_launch(launch, ins)
     want_y, want_M = _out_ref(0.3 * ins["R"], *(ins[k] for k in ("U", "Z", "St", "logd")))  # the readout role is Rs R
@@ -290,11 +286,11 @@ def test_chunk_out_mma_writes_the_model_layout(out):
 def test_chunk_out_mma_layouts():
     """Column blocks and staging depths by dialect: CUDA's 48 KiB take BV 128 (OUT_BV) and KB 32; Metal's 32 KiB
     a shallower staging depth; sizes outside the layouts have none."""
-    assert ck.out_mma_layout("cuda", 64, 128, 128) == {"BV": 128, "KB": 32, "LD": 68, "LDA": 36, "LDB": 136, "XB": 4352}
-    assert ck.out_mma_layout("metal", 64, 128, 128) == {"BV": 128, "KB": 16, "LD": 68, "LDA": 20, "LDB": 136, "XB": 2176}
-    assert ck.out_mma_layout("metal", 16, 8, 40) == {"BV": 8, "KB": 8, "LD": 36, "LDA": 12, "LDB": 8, "XB": 192}
-    assert ck.out_mma_layout("cuda", 128, 128, 128) is None and ck.out_mma_layout("cuda", 64, 12, 128) is None
-    assert ck.out_mma_layout("cuda", 64, 128, 44) is None
+    assert cs.out_mma_layout("cuda", 64, 128, 128) == {"BV": 128, "KB": 32, "LD": 68, "LDA": 36, "LDB": 136, "XB": 4352}
+    assert cs.out_mma_layout("metal", 64, 128, 128) == {"BV": 128, "KB": 16, "LD": 68, "LDA": 20, "LDB": 136, "XB": 2176}
+    assert cs.out_mma_layout("metal", 16, 8, 40) == {"BV": 8, "KB": 8, "LD": 36, "LDA": 12, "LDB": 8, "XB": 192}
+    assert cs.out_mma_layout("cuda", 128, 128, 128) is None and cs.out_mma_layout("cuda", 64, 12, 128) is None
+    assert cs.out_mma_layout("cuda", 64, 128, 44) is None
     with pytest.raises(ValueError, match="16, 32 or 64"):
         ck.out_mma_launch("metal", 1, 8, 16, 16)
 
@@ -312,7 +308,7 @@ def _ut_ref(bt, u, w, l):
 
 
 @pytest.mark.parametrize("C,K,V,bw", [(16, 16, 24, 128), (32, 40, 16, 128), (32, 64, 128, 64), (16, 128, 128, 128)])
-def test_chunk_ut_mma_matches_numpy(C, K, V, bw, monkeypatch):
+def test_chunk_ut_mma_matches_numpy(C, K, V, bw):
     """The fragment UT transform (chunk_ut_mma.j2): A formed on fragments, inverted in threadgroup memory,
     applied to W and Bt * e^G in passes of BW columns (K = 40: BW 8, five passes; K = 64, V = 128: BW 64, KB 32;
     BW 128: one pass each);
@@ -324,12 +320,7 @@ def test_chunk_ut_mma_matches_numpy(C, K, V, bw, monkeypatch):
     l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
     l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
     ins = {"Bt": -f(N, C, K) / np.sqrt(K), "U": f(N, C, K) / np.sqrt(K), "W": f(N, C, V), "logd": l}
-    monkeypatch.setattr(ck, "UT_BW", bw)
-    ck.ut_mma_layout.cache_clear()
-    ck.ut_mma_launch.cache_clear()
-    launch = ck.ut_mma_launch("metal", N, C, K, V)
-    ck.ut_mma_layout.cache_clear()
-    ck.ut_mma_launch.cache_clear()
+    launch = ck.ut_mma_launch("metal", N, C, K, V, bw)
     assert dict(launch.template)["BW"] == next(b for b in (bw, 64, 32, 16, 8) if K % b == 0 and V % b == 0)
     outs = verify.run_launch(launch, ins)
     for got, want in zip(outs, _ut_ref(*(ins[k] for k in ("Bt", "U", "W", "logd")))):
@@ -354,8 +345,8 @@ def test_chunk_ut_mma_at_the_cuda_layout(monkeypatch):
     l = (-3 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
     l[1] = -0.01  # weak decays: the whole chunk couples (A's far blocks matter)
     ins = {"Bt": -f(N, C, K) / np.sqrt(K), "U": f(N, C, K) / np.sqrt(K), "W": f(N, C, V), "logd": l}
-    lay = ck.ut_mma_layout("cuda", C, K, V)
-    launch = ck.Launch(ck.ut_mma_source("metal"), (), (((N, C, C), "float32"), ((N, C, V), "float32"), ((N, C, K), "float32")),
+    lay = cs.ut_mma_layout("cuda", C, K, V)
+    launch = ck.Launch(cs.ut_mma_source("metal"), (), (((N, C, C), "float32"), ((N, C, V), "float32"), ((N, C, K), "float32")),
                        (N * 2 * C, 1, 1), (2 * C, 1, 1), (("C", C), ("K", K), ("V", V)) + tuple(lay.items()))
     for got, want in zip(verify.run_launch(launch, ins), _ut_ref(*(ins[k] for k in ("Bt", "U", "W", "logd")))):
         assert _rel(got, want) < 1e-5, _rel(got, want)
@@ -364,10 +355,10 @@ def test_chunk_ut_mma_at_the_cuda_layout(monkeypatch):
 def test_chunk_ut_mma_layouts():
     """CUDA's 48 KiB hold C = 64 (A and Tm, 17 KiB each, staging 16 deep); Metal's 32 KiB do not (MLX ops and the
     inverse kernel there); BW (UT_BW = 128 where it divides K and V) divides both."""
-    assert ck.ut_mma_layout("cuda", 64, 128, 128) == {"BW": 128, "KB": 16, "LD": 68, "LDA": 20, "LDB": 136, "XS": 2560}
-    assert ck.ut_mma_layout("metal", 64, 128, 128) is None
-    assert ck.ut_mma_layout("metal", 32, 40, 16)["BW"] == 8
-    assert ck.ut_mma_layout("cuda", 8, 16, 16) is None and ck.ut_mma_layout("cuda", 64, 12, 16) is None
+    assert cs.ut_mma_layout("cuda", 64, 128, 128) == {"BW": 128, "KB": 16, "LD": 68, "LDA": 20, "LDB": 136, "XS": 2560}
+    assert cs.ut_mma_layout("metal", 64, 128, 128) is None
+    assert cs.ut_mma_layout("metal", 32, 40, 16)["BW"] == 8
+    assert cs.ut_mma_layout("cuda", 8, 16, 16) is None and cs.ut_mma_layout("cuda", 64, 12, 16) is None
     with pytest.raises(ValueError, match="threadgroup memory"):
         ck.ut_mma_launch("metal", 1, 64, 128, 128)
 
@@ -382,7 +373,7 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
            "g": np.full((BH, n, K), 0.5, np.float32), "E": f(BH, n, K, V)}
     for has_a, has_b in ((True, True), (False, True), (True, False)):
         sub = {k: v for k, v in ins.items() if (k != "A" or has_a) and (k != "Bm" or has_b)}
-        outs = verify.run_launch(ck.scan_launch("metal", BH, n, C, K, V, K, True, True, has_a, has_b), sub,
+        outs = verify.run_launch(_scan("metal", BH, n, C, K, V, K, True, True, has_a, has_b), sub,
                                  sanitizer=sanitizer)
         if not has_a:
             outs[1] = ins["X"]
@@ -390,7 +381,7 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
             assert _rel(got, want) < 1e-5
     V = 32  # the fragment scan: K = 16 (one group), C = 16, 2 column tiles per threadgroup
     sub = ins | {"S0": f(BH, K, V), "X": f(BH, n, C, V), "E": f(BH, n, K, V)}
-    outs = verify.run_launch(ck.scan_mma_launch("metal", BH, n, C, K, V, K, True, True), sub, sanitizer=sanitizer)
+    outs = verify.run_launch(_scan("metal", BH, n, C, K, V, K, True, True, mma=True), sub, sanitizer=sanitizer)
     for got, want in zip(outs, _scan_ref(*(sub[k] for k in ("S0", "A", "X", "Bm", "g", "E")), True)):
         assert _rel(got, want) < 1e-5
     ro = {"R": f(2, 32, 16), "U": f(2, 32, 16), "Z": f(2, 32, 8), "St": f(2, 16, 8), "logd": -f(2, 32) ** 2,
@@ -437,24 +428,28 @@ def test_pair_kernels_match_numpy(strict):
     assert _rel(dY, np.einsum("nts,ntsi->nsi", dM, G)) < 1e-5
 
 
+SMALL = (2, 16, 32, 32)  # n, C, K, V of the self-test at emulator-sized shapes (the GPU's: C = 64, K = V = 128)
+
+
 @pytest.fixture
-def fresh_probe(monkeypatch):
-    """A clean self-test cache, at emulator-sized shapes (the GPU's are the common case's, C = 64, K = 128)."""
-    monkeypatch.setattr(ck, "PROBE", (2, 16, 32, 32))
-    probe = ck._probe  # the cached function itself (tests may monkeypatch the name)
+def fresh_probe():
+    """A clean self-test cache."""
+    probe = pr._probe  # the cached function itself (tests may monkeypatch the name)
     probe.cache_clear()
-    ck._failed.clear()
+    pr.checked.cache_clear()
+    pr._failed.clear()
     yield
     probe.cache_clear()
-    ck._failed.clear()
+    pr.checked.cache_clear()
+    pr._failed.clear()
 
 
 @pytest.mark.parametrize("frame", ["base", "scan", "mma"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass."""
     monkeypatch.setattr(ck, "mlx_call", _emulated_call)
-    assert ck._probe("metal", frame) is None
-    assert ck.usable("metal", frame)
+    assert pr._probe("metal", frame, SMALL) is None
+    assert pr.usable("metal", frame, SMALL)
 
 
 def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):
@@ -464,37 +459,31 @@ def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):
 
     monkeypatch.setattr(ck, "mlx_call", broken)
     with pytest.warns(RuntimeWarning, match="fragment scan .* failed a self-test .*sm_80"):
-        assert not ck.usable("cuda", "mma")
-    assert not ck.usable("cuda", "mma")  # cached; warned once
-    # remembered: the scan now takes the FMA frame where the table would take fragments
-    assert ck.scan_launch("cuda", 4, 2, 64, 128, 128, 1, False, False).source.name.startswith("recgen_chunk_scan_v4")
+        assert not pr.usable("cuda", "mma", SMALL)
+    assert not pr.usable("cuda", "mma", SMALL)  # cached; warned once
     mx = pytest.importorskip("mlx.core")
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: [mx.zeros(s) for s, _ in launch.outputs])
-    assert "off by" in ck._probe("cuda", "base")
+    assert "off by" in pr._probe("cuda", "base", SMALL)
 
 
-def test_chunk_kernels_default_follows_the_probe(monkeypatch, fresh_probe):
-    """parallel.chunk_kernels() on a GPU machine: the dialect's table entry, unless the probe fails."""
-    pytest.importorskip("mlx.core")
-    from recgen.codegen import backends
-    from recgen.chunked import parallel
-
-    monkeypatch.setattr(parallel, "CHUNK_KERNELS", None)
-    monkeypatch.delenv("RECGEN_CHUNK_KERNELS", raising=False)
-    monkeypatch.setattr(parallel.mx, "default_device", lambda: "gpu")
-    monkeypatch.setattr(backends, "machine_dialect", lambda: "cuda")
-    monkeypatch.setattr(ck, "_probe", lambda dialect, frame: None)
-    assert parallel.chunk_kernels() == "cuda"
-    monkeypatch.setattr(ck, "_probe", lambda dialect, frame: "RuntimeError: no" if frame == "mma" else None)
+def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
+    """On a GPU the dispatcher's tuning keeps the measured table's choices unless their self-test fails there:
+    a failing fragment frame falls back to the FMA scan, a failing base frame to MLX ops, each with a warning."""
+    t = tuning.resolve("gpu", "cuda", environ={})
+    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: None)
+    assert pr.checked(t) == t and t.chunk_kernels and t.mma_scan
+    pr.checked.cache_clear()
+    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "mma" else None)
     with pytest.warns(RuntimeWarning, match="fragment scan"):
-        assert parallel.chunk_kernels() == "cuda"  # the FMA scan passed
-    assert not ck.mma_on("cuda")
-    ck._failed.clear()
-    monkeypatch.setattr(ck, "_probe", lambda dialect, frame: "RuntimeError: no" if frame == "base" else None)
+        c = pr.checked(t)
+    assert c.chunk_kernels and not c.mma_scan  # the FMA scan passed
+    pr.checked.cache_clear()
+    pr._failed.clear()
+    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "base" else None)
     with pytest.warns(RuntimeWarning, match="chunk kernels"):
-        assert parallel.chunk_kernels() is None
-    monkeypatch.setenv("RECGEN_CHUNK_KERNELS", "1")  # forced: no self-test
-    assert parallel.chunk_kernels() == "cuda"
+        assert not pr.checked(t).chunk_kernels
+    # the environment states an intention (Metal has no measurement); the self-test still applies to it
+    assert tuning.resolve("gpu", "metal", environ={"RECGEN_CHUNK_KERNELS": "1"}).chunk_kernels
 
 
 def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
@@ -505,18 +494,18 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
     seen = []
 
     def f(x):
-        seen.append(ck.usable("metal", "mma"))
+        seen.append(pr.usable("metal", "mma", SMALL))
         return x * 2
 
     mx.eval(mx.compile(f)(mx.array(1.0)))
-    assert seen == [True] and ck._probe.cache_info().currsize == 1
-    ck._probe.cache_clear()
+    assert seen == [True] and pr._probe.cache_info().currsize == 1
+    pr._probe.cache_clear()
 
     def refuse(launch, *a):
         raise ValueError("[eval] Attempting to eval an array during function transformations like compile")
 
     monkeypatch.setattr(ck, "mlx_call", refuse)
-    assert ck.usable("cuda", "mma") and ck._probe.cache_info().currsize == 0 and not ck._failed
+    assert pr.usable("cuda", "mma", SMALL) and pr._probe.cache_info().currsize == 0 and not pr._failed
 
 
 @pytest.mark.parametrize("roles16", ["1", None, "0"])
@@ -537,18 +526,13 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare,
     b̃ = β k once; a wrong conversion or a product in bf16 gives O(1) or ~1e-1)."""
     mx = pytest.importorskip("mlx.core")
     from recgen import specs
-    from recgen.chunked import parallel
     from test_chunked import assert_close, compare
 
-    monkeypatch.setattr(parallel, "CHUNK_KERNELS", "metal")
-    monkeypatch.setattr(ck, "MMA_SCAN", True)
-    if roles16 is None:
-        monkeypatch.delenv("RECGEN_16BIT_ROLES", raising=False)
-    else:
-        monkeypatch.setenv("RECGEN_16BIT_ROLES", roles16)
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True,
+                       roles_16bit={"1": "all", None: "bare", "0": "none"}[roles16])
     seen = {}
 
-    def call(launch, dialect, user, extra):
+    def call(launch, dialect, user, extra, debug=False):
         kind = launch.source.name.split("_metal")[0].removeprefix("recgen_chunk_")
         names = [n for n in launch.source.inputs if n not in {r[0] for r in launch.runtime}]
         bf = {n for n, a in zip(names, user) if a.dtype == mx.bfloat16}
@@ -557,35 +541,36 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare,
         return _emulated_call(launch, dialect, user, extra)
 
     monkeypatch.setattr(ck, "mlx_call", call)
-    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=4, in_dtype=mx.bfloat16), 1e-2, 1e-2)
+    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=4, in_dtype=mx.bfloat16, tuning=t),
+                 1e-2, 1e-2)
     assert seen == {"1": typed, None: bare, "0": {}}[roles16], seen
 
 
-def test_role_dtype_is_16_bit_only_where_fused_kernels_read_the_roles(monkeypatch):
+def test_role_dtype_is_16_bit_only_where_fused_kernels_read_the_roles():
     mx = pytest.importorskip("mlx.core")
     from recgen.chunked import parallel
 
-    monkeypatch.setattr(ck, "MMA_SCAN", True)
     bf, f32 = mx.bfloat16, mx.float32
-    monkeypatch.delenv("RECGEN_16BIT_ROLES", raising=False)
-    assert parallel.role_dtype("cuda", False, True, 64, 128, 128, bf, f32) == f32      # off by default (backward cost)
-    assert parallel.role_dtype("cuda", False, True, 64, 128, 128, bf, f32, bare=True) == bf  # but an input verbatim: exact
+    cuda = tuning.resolve("gpu", "cuda", environ={})  # fragment frames on; only bare roles in 16 bits
+    every = tuning.with_changes(cuda, roles_16bit="all")
+    assert parallel.role_dtype(cuda, False, True, 64, 128, 128, bf, f32) == f32      # off by default (backward cost)
+    assert parallel.role_dtype(cuda, False, True, 64, 128, 128, bf, f32, bare=True) == bf  # but an input verbatim: exact
     assert parallel.role_dtype(None, False, True, 64, 128, 128, bf, f32, bare=True) == f32
-    monkeypatch.setenv("RECGEN_16BIT_ROLES", "0")
-    assert parallel.role_dtype("cuda", False, True, 64, 128, 128, bf, f32, bare=True) == f32
-    monkeypatch.setenv("RECGEN_16BIT_ROLES", "1")
-    assert parallel.role_dtype("cuda", False, True, 64, 128, 128, bf, f32) == bf
-    assert parallel.role_dtype("cuda", False, False, 64, 128, 128, mx.float16, f32) == mx.float16
-    assert parallel.role_dtype("cuda", False, True, 64, 128, 128, f32, f32) == f32     # float32 inputs
+    none = tuning.with_changes(cuda, roles_16bit="none")
+    assert parallel.role_dtype(none, False, True, 64, 128, 128, bf, f32, bare=True) == f32
+    assert parallel.role_dtype(every, False, True, 64, 128, 128, bf, f32) == bf
+    assert parallel.role_dtype(every, False, False, 64, 128, 128, mx.float16, f32) == mx.float16
+    assert parallel.role_dtype(every, False, True, 64, 128, 128, f32, f32) == f32     # float32 inputs
     assert parallel.role_dtype(None, False, True, 64, 128, 128, bf, f32) == f32        # no chunk kernels (CPU)
-    assert parallel.role_dtype("cuda", True, False, 64, 128, 128, bf, f32) == f32      # key-vector decay: MLX and pair kernels
-    assert parallel.role_dtype("metal", False, True, 64, 128, 128, bf, f32) == f32     # no UT layout in 32 KiB at C = 64
-    assert parallel.role_dtype("cuda", False, True, 64, 128, 12, bf, f32) == f32       # V = 12: no fragment scan
-    monkeypatch.setattr(ck, "MMA_SCAN", False)
-    assert parallel.role_dtype("cuda", False, False, 64, 128, 128, bf, f32) == f32     # fragment frames off
+    assert parallel.role_dtype(every, True, False, 64, 128, 128, bf, f32) == f32      # key-vector decay: MLX and pair kernels
+    metal = tuning.resolve("gpu", "metal", environ={}, chunk_kernels=True, mma_scan=True, roles_16bit="all")
+    assert parallel.role_dtype(metal, False, True, 64, 128, 128, bf, f32) == f32     # no UT layout in 32 KiB at C = 64
+    assert parallel.role_dtype(every, False, True, 64, 128, 12, bf, f32) == f32       # V = 12: no fragment scan
+    off = tuning.with_changes(every, mma_scan=False)
+    assert parallel.role_dtype(off, False, False, 64, 128, 128, bf, f32) == f32     # fragment frames off
 
 
-def test_a_bare_role_keeps_its_own_inputs_type(monkeypatch):
+def test_a_bare_role_keeps_its_own_inputs_type():
     """``chunked._role_as``: a role that is an input verbatim is that input's row-major copy where the kernels take
     its type (bf16 k for simple GLA's u, even when the values are float32), and stays float32 when k is float32
     though the values are bf16 (no rounding of an exact role); a computed role (r) follows the values' rule."""
@@ -595,11 +580,10 @@ def test_a_bare_role_keeps_its_own_inputs_type(monkeypatch):
     from recgen.chunked import parallel
     from recgen.chunked.terms import plan
 
-    monkeypatch.setattr(ck, "MMA_SCAN", True)
-    monkeypatch.delenv("RECGEN_16BIT_ROLES", raising=False)
+    cuda = tuning.resolve("gpu", "cuda", environ={})
     p = plan(specs.simple_gla)
     k = dict(p.bare_roles)["u"]
-    pick = lambda dtype, bare: parallel.role_dtype("cuda", False, False, 64, 128, 128, dtype, mx.float32, bare=bare)  # noqa: E731
+    pick = lambda dtype, bare: parallel.role_dtype(cuda, False, False, 64, 128, 128, dtype, mx.float32, bare=bare)  # noqa: E731
     x = mx.random.normal((1, 2, 64, 128))
     for own, values in ((mx.bfloat16, mx.float32), (mx.float32, mx.bfloat16)):
         raw = {k: x[..., None].astype(own)}
@@ -608,7 +592,7 @@ def test_a_bare_role_keeps_its_own_inputs_type(monkeypatch):
     assert chunked._role_as(p, "r", x, raw, pick, mx.bfloat16).dtype == mx.float32
 
 
-def test_readout_role_is_the_input_and_its_constant_where_kernels_run(monkeypatch):
+def test_readout_role_is_the_input_and_its_constant_where_kernels_run():
     """``Plan.r_scaled``: r = c·x for an input x and a constant c (every built-in's r = scale·q; power retention's
     r = scale²·φ(q) is a feature, not an input, so it has no row-major copy and keeps r). ``chunked._readout_role``
     then hands the core x (its row-major copy, in the type an input verbatim takes) and c, where chunk kernels run;
@@ -622,14 +606,13 @@ def test_readout_role_is_the_input_and_its_constant_where_kernels_run(monkeypatc
         x, c = plan(specs.BUILTINS[name]).r_scaled
         assert str(x) == "q" and c(0.25) == 0.25
     assert plan(specs.selective_scan).r_scaled is None  # r = C verbatim: a bare role
-    monkeypatch.setattr(ck, "MMA_SCAN", True)
-    monkeypatch.delenv("RECGEN_16BIT_ROLES", raising=False)
+    cuda = tuning.resolve("gpu", "cuda", environ={})
     p = plan(specs.simple_gla)
     q = mx.random.normal((1, 2, 64, 128, 1)).astype(mx.bfloat16)
     r = 0.5 * q[..., 0].astype(mx.float32)
-    pick = lambda dtype, bare: parallel.role_dtype("cuda", False, False, 64, 128, 128, dtype, mx.float32, bare=bare)  # noqa: E731
-    x, c = chunked._readout_role(p, r, {p.r_scaled[0]: q}, pick, "cuda", 0.5)
+    pick = lambda dtype, bare: parallel.role_dtype(cuda, False, False, 64, 128, 128, dtype, mx.float32, bare=bare)  # noqa: E731
+    x, c = chunked._readout_role(p, r, {p.r_scaled[0]: q}, pick, cuda, 0.5)
     assert c == 0.5 and x.dtype == mx.bfloat16 and mx.array_equal(x, q[..., 0])
     assert chunked._readout_role(p, r, {p.r_scaled[0]: q}, pick, None, 0.5) == (r, None)
-    pr = plan(specs.power_retention)
-    assert pr.r_scaled is not None and chunked._readout_role(pr, r, {}, pick, "cuda", 0.5) == (r, None)
+    prt = plan(specs.power_retention)
+    assert prt.r_scaled is not None and chunked._readout_role(prt, r, {}, pick, cuda, 0.5) == (r, None)

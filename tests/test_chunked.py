@@ -23,11 +23,11 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from recgen.spec import ir
-
-from recgen.math import reference
-
-from recgen import specs  # noqa: E402
+from recgen import specs, tuning  # noqa: E402
+from recgen.math import reference  # noqa: E402
+from recgen.runtime import probe  # noqa: E402
+from recgen.spec import ir  # noqa: E402
+from recgen.testing import rel_err  # noqa: E402
 from recgen.chunked import forward, naive_loop, supported  # noqa: E402
 from recgen.spec.features import sympow  # noqa: E402
 from recgen.spec.frontend import Key, Scalar, Step, Value, Param, normalizer, rank1, outer, recurrence  # noqa: E402
@@ -75,14 +75,8 @@ def make_inputs(rec, rng, B, T, H, Hk, K, V, gmin):
     return out
 
 
-def rel(a, b):
-    a, b = (np.asarray(x.astype(mx.float32) if isinstance(x, mx.array) else x, np.float64) for x in (a, b))
-    assert np.all(np.isfinite(a)), "NaN/Inf in the chunked result"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def compare(rec, T, *, chunk=64, B=2, H=4, Hk=2, K=8, V=6, gmin=-20.0, init=True, seed=0,
-            f64=False, fn=None, in_dtype=None):
+            f64=False, fn=None, in_dtype=None, tuning=None):
     """Chunked (or ``fn``) vs the reference: returns {quantity: relative error}. ``in_dtype`` (e.g.
     mx.bfloat16): the inputs are given in it, rounded to it for the reference too (states stay float32)."""
     rng = np.random.default_rng(seed)
@@ -118,7 +112,7 @@ def compare(rec, T, *, chunk=64, B=2, H=4, Hk=2, K=8, V=6, gmin=-20.0, init=True
     flat_dht = list(dht) if isinstance(dht, tuple) else [dht]
     cot = [mx.array(do.astype(dt)).astype(given)] + [mx.array(x.astype(dt)) for x in flat_dht]
     kw = {"compute_dtype": mx.float64} if f64 else {}
-    call = fn or (lambda r, ins, **k: forward(r, ins, chunk_size=chunk, **k, **kw))
+    call = fn or (lambda r, ins, **k: forward(r, ins, chunk_size=chunk, tuning=tuning, **k, **kw))
 
     def fun(*args):
         ins = dict(zip(names, args[:len(names)]))
@@ -128,15 +122,15 @@ def compare(rec, T, *, chunk=64, B=2, H=4, Hk=2, K=8, V=6, gmin=-20.0, init=True
         return [o, *s] if rec.has_normalizer else [o, s]
 
     outs, grads = mx.vjp(fun, primals, cot)
-    res = {"o": rel(outs[0], o_ref)}
+    res = {"o": rel_err(outs[0], o_ref)}
     for i, s in enumerate(s_ref if rec.has_normalizer else (s_ref,)):
-        res[f"state{i}"] = rel(outs[1 + i], s)
+        res[f"state{i}"] = rel_err(outs[1 + i], s)
     for n, g in zip(names, grads):
-        res["d" + n] = rel(g, g_ref[n])
+        res["d" + n] = rel_err(g, g_ref[n])
     gi = g_ref["initial_state"]
     for i, g in enumerate(gi if rec.has_normalizer else (gi,)):
         if init:
-            res[f"dh0_{i}"] = rel(grads[len(names) + i], g)
+            res[f"dh0_{i}"] = rel_err(grads[len(names) + i], g)
     return res
 
 
@@ -190,20 +184,14 @@ def test_naive_loop_matches_reference(name):
 
 
 @pytest.mark.parametrize("blas", ["fast", "reference"])
-def test_cpu_choices_follow_the_blas(blas, monkeypatch):
-    """``core.cpu_blas_fast`` (forced by RECGEN_CPU_BLAS) sets the CPU's default chunk for key-vector decays and
+def test_cpu_choices_follow_the_blas(blas):
+    """The BLAS choice (``Tuning.cpu_blas``, else measured) sets the CPU's default chunk for key-vector decays and
     whether ``tr`` copies; both paths against the float64 reference at the default chunk."""
-    from recgen.chunked import core, default_chunk_size
-
-    monkeypatch.setenv("RECGEN_CPU_BLAS", blas)
-    core.cpu_blas_fast.cache_clear()
-    try:
-        assert core.cpu_blas_fast() == (blas == "fast")
-        assert default_chunk_size(64, key=True) == (32 if blas == "fast" else 16) and default_chunk_size(64) == 16
+    t = probe.checked(tuning.resolve("cpu", environ={}, cpu_blas=blas))
+    assert (t.key_chunk_size, t.chunk_size, t.copy_transposes) == ((32, 16, False) if blas == "fast" else (16, 16, True))
+    with tuning.override(cpu_blas=blas):
         for name in ("gla", "gated_delta_net"):
             assert_close(compare(specs.BUILTINS[name], 70, chunk=None, seed=5))
-    finally:
-        core.cpu_blas_fast.cache_clear()
 
 
 def test_chunk_sizes_agree_and_bf16_output():
@@ -213,7 +201,7 @@ def test_chunk_sizes_agree_and_bf16_output():
     ins = {k: mx.array(v.astype(np.float32)) for k, v in d.items()}
     o1, s1 = forward(rec, ins, scale=0.25, chunk_size=7)
     o2, s2 = forward(rec, ins, scale=0.25, chunk_size=64)
-    assert rel(o1, o2) < 1e-5 and rel(s1, s2) < 1e-5
+    assert rel_err(o1, o2) < 1e-5 and rel_err(s1, s2) < 1e-5
     ob, sb = forward(rec, {k: v.astype(mx.bfloat16) for k, v in ins.items()}, scale=0.25)
     assert ob.dtype == mx.bfloat16 and sb.dtype == mx.float32
 
@@ -285,17 +273,13 @@ def test_segmented_matches_reference(name, monkeypatch):
 
 @pytest.mark.parametrize("name,chunk", [("simple_gla", 16), ("gla", 16), ("power_retention", 16),
                                         ("gated_delta_net", 16), ("gated_delta_net", 64), ("gla", 64)])
-def test_gpu_forms_match_reference(name, chunk, monkeypatch):
+def test_gpu_forms_match_reference(name, chunk):
     """The GPU forms, forced on the CPU: the diagonal scan over chunks as one (n+1)×(n+1) matmul,
     the triangular inverse from 16×16 blocks (at chunk 64: two block levels above them) and the whole
     stretch through mx.compile (T = 200: 13 chunks of 16 or 4 of 64, the last one partial)."""
-    from recgen.chunked import parallel
-
-    monkeypatch.setattr(parallel, "GPU_FORMS", True)
-    monkeypatch.setattr(parallel, "COMPILE", True)
-    assert parallel.inverse_base() == 16
     gmin = -3.0 if name == "power_retention" else -20.0
-    assert_close(compare(specs.BUILTINS[name], 200, chunk=chunk, K=16, seed=22, gmin=gmin))
+    with tuning.override(gpu_forms=True, compile=True, inverse_base=16):
+        assert_close(compare(specs.BUILTINS[name], 200, chunk=chunk, K=16, seed=22, gmin=gmin))
 
 
 def _peak_fwd_bwd(rec, T, chunk):

@@ -16,7 +16,10 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
+from recgen import tuning  # noqa: E402
 from recgen.chunked import parallel  # noqa: E402
+
+CPU = tuning.resolve("cpu", environ={})
 
 
 @pytest.fixture(autouse=True)
@@ -42,10 +45,10 @@ def test_written_vjp_equals_autodiff(key, delta, compose):
     Geo = parallel.KeyDecay if key else parallel.ScalarDecay
 
     def autodiff(*a):
-        y, S_end, _ = parallel._forward(Geo(a[4]), a[0], a[1], a[2], a[3], a[5] if delta else None, compose)
+        y, S_end, _ = parallel._forward(Geo(a[4], CPU), a[0], a[1], a[2], a[3], a[5] if delta else None, compose)
         return y, S_end
 
-    core = parallel.core_fn(key, delta, compose)
+    core = parallel.core_fn(key, delta, compose, CPU)
     (y1, s1), g1 = mx.vjp(autodiff, args, cot)
     (y2, s2), g2 = mx.vjp(lambda *a: tuple(core(*a)[:2]), args, cot)
     assert _rel(y2, y1) < 1e-12 and _rel(s2, s1) < 1e-12
@@ -60,7 +63,8 @@ def test_matrix_scan_equals_loop(key):
     float64, and the two forms exponentiate different sums: hence 1e-8, not 1e-12."""
     rng = np.random.default_rng(7 + key)
     args, cot = _args(rng, key, False, n=5)
-    loop, matrix = parallel.core_fn(key, False, False, False), parallel.core_fn(key, False, False, True)
+    loop = parallel.core_fn(key, False, False, CPU)
+    matrix = parallel.core_fn(key, False, False, tuning.with_changes(CPU, gpu_forms=True))
     (y1, s1), g1 = mx.vjp(lambda *a: tuple(loop(*a)[:2]), args, cot)
     (y2, s2), g2 = mx.vjp(lambda *a: tuple(matrix(*a)[:2]), args, cot)
     assert _rel(y2, y1) < 1e-8 and _rel(s2, s1) < 1e-8
@@ -93,10 +97,10 @@ def test_cpu_exp_rounds_like_mx_exp():
     ref = np.exp(x64)
     x = mx.array(x64.astype(np.float32))
     rel = lambda got: float(np.max(np.abs(np.array(got, dtype=np.float64) - ref) / (ref + 1e-30)))  # noqa: E731
-    assert rel(exp(x)) <= 1.2 * rel(mx.exp(x)) + 1e-7
-    assert rel(exp(x)) < 1e-5 and exp(x).dtype == mx.float32
-    assert rel(mx.grad(lambda a: exp(a).sum())(x)) < 1e-5
-    got64 = exp(mx.array(x64, dtype=mx.float64))
+    assert rel(exp(x, True)) <= 1.2 * rel(mx.exp(x)) + 1e-7
+    assert rel(exp(x, True)) < 1e-5 and exp(x, True).dtype == mx.float32
+    assert rel(mx.grad(lambda a: exp(a, True).sum())(x)) < 1e-5
+    got64 = exp(mx.array(x64, dtype=mx.float64), True)
     assert got64.dtype == mx.float64 and rel(got64) < 1e-12
 
 
@@ -116,17 +120,17 @@ def test_scan_full_written_vjp_equals_autodiff_of_the_loop(T, kdim):
     def loop(S, r, u, w, ld):
         ys = []
         for t in range(T):
-            S = exp(ld[:, :, t]) * S + u[:, :, t, :, None] * w[:, :, t, None, :]
+            S = exp(ld[:, :, t], True) * S + u[:, :, t, :, None] * w[:, :, t, None, :]
             ys.append((r[:, :, t, :, None] * S).sum(-2))
         return mx.stack(ys, axis=2), S
 
     for cot in ([f(B, H, T, V), f(B, H, K, V)], [f(B, H, T, V), mx.zeros((B, H, K, V), dtype=mx.float64)]):
         (y1, s1), g1 = mx.vjp(lambda *a: loop(*a), args, cot)
-        (y2, s2), g2 = mx.vjp(lambda *a: scan_full(*a), args, cot)
+        (y2, s2), g2 = mx.vjp(lambda *a: scan_full(*a, pow2=True), args, cot)
         assert _rel(y2, y1) < 1e-12 and _rel(s2, s1) < 1e-12
         for name, a, b in zip(["dS0", "dr", "du", "dw", "dld"], g1, g2):
             assert b.shape == a.shape and _rel(b, a) < 1e-10, name
     # a cotangent for y only (the final state unused): dS_end enters as zeros
-    g_only = mx.grad(lambda *a: (scan_full(*a)[0] * cot[0]).sum(), argnums=list(range(5)))(*args)
+    g_only = mx.grad(lambda *a: (scan_full(*a, pow2=True)[0] * cot[0]).sum(), argnums=list(range(5)))(*args)
     for a, b in zip(g1, g_only):
         assert _rel(b, a) < 1e-10

@@ -12,6 +12,7 @@ from rich.console import Console
 from recgen import cli
 
 from recgen.spec import ir
+from recgen.spec.resolve import resolve_spec
 from recgen.specs import BUILTINS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,13 +58,13 @@ def test_show_example_file(monkeypatch):
 
 @pytest.mark.parametrize("example", ["retnet", "mlstm", "hgrn2"])
 def test_resolve_examples(example):
-    rec = cli.resolve_spec(f"{ROOT}/examples/{example}.py:{example}")
+    rec = resolve_spec(f"{ROOT}/examples/{example}.py:{example}")
     assert isinstance(rec, ir.Recurrence) and rec.name == example
     assert example not in BUILTINS
 
 
 def test_resolve_builtin_is_the_object():
-    assert cli.resolve_spec("gla") is BUILTINS["gla"]
+    assert resolve_spec("gla") is BUILTINS["gla"]
 
 
 @pytest.mark.parametrize("spec,fragment", [
@@ -116,7 +117,7 @@ def test_registry_is_extensible(monkeypatch):
         p.add_argument("spec")
 
     def handler(args, console):
-        seen["rec"] = cli.resolve_spec(args.spec)
+        seen["rec"] = resolve_spec(args.spec)
         console.print("emitted")
         return 0
 

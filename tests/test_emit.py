@@ -12,7 +12,7 @@ from recgen.emit import emit
 from recgen.spec.layouts import Sizes
 from recgen.verify.typecheck import find_clang
 
-from recgen.testing import kernel_inputs, rel
+from recgen.testing import kernel_inputs, rel_err
 
 pytestmark = pytest.mark.skipif(find_clang() is None, reason="clang++ not installed")
 
@@ -40,7 +40,7 @@ def test_standalone_metal_typechecks_and_runs(tmp_path):
                    {"o": ((2, 5, 4, 12), np.float32), "ht": ((2, 4, 8, 12), np.float32), "ckpt": ((1,), np.float32)},
                    grid, tuple(tg))
     o_r, ht_r = reference.run(rec, initial_state=h0, scale=scale, **xs)
-    assert rel(outs["o"], o_r) < 1e-5 and rel(outs["ht"], ht_r) < 1e-5
+    assert rel_err(outs["o"], o_r) < 1e-5 and rel_err(outs["ht"], ht_r) < 1e-5
 
 
 def test_emit_rejects_bad_dtype(tmp_path):

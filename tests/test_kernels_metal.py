@@ -19,7 +19,7 @@ from recgen.verify.typecheck import find_clang  # noqa: E402
 
 pytestmark = pytest.mark.skipif(find_clang() is None, reason="clang++ not installed (apt-get install clang)")
 
-from recgen.testing import kernel_inputs, rel  # noqa: E402
+from recgen.testing import kernel_inputs, rel_err  # noqa: E402
 
 KERNEL_SPECS = ["gated_delta_net", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt"]
 
@@ -30,9 +30,9 @@ def _check(name, sizes, sanitizer=None, seed=0):
     o, ht, g = verify.emulate(rec, xs, initial_state=h0, do=do, dht=dht, scale=scale, sanitizer=sanitizer)
     o_r, ht_r = reference.run(rec, initial_state=h0, scale=scale, **xs)
     g_r = reference.grad(rec, do=do, dht=dht, initial_state=h0, scale=scale, **xs)
-    assert rel(o, o_r) <= 1e-5 and rel(ht, ht_r) <= 1e-5, (rel(o, o_r), rel(ht, ht_r))
+    assert rel_err(o, o_r) <= 1e-5 and rel_err(ht, ht_r) <= 1e-5, (rel_err(o, o_r), rel_err(ht, ht_r))
     for k in g_r:
-        assert rel(g[k], g_r[k]) <= 1e-4, (k, rel(g[k], g_r[k]))
+        assert rel_err(g[k], g_r[k]) <= 1e-4, (k, rel_err(g[k], g_r[k]))
 
 
 @pytest.mark.parametrize("name", KERNEL_SPECS)
@@ -61,7 +61,7 @@ def test_unsupported_kernel_is_a_clear_error():
 
 def test_metal_normalizer_kernels_mlstm():
     """A spec with a normalizer state (the mLSTM example: sigmoid input gate, N(n) = sqrt(n^2 + 1))."""
-    from recgen.cli import resolve_spec
+    from recgen.spec.resolve import resolve_spec
 
     rec = resolve_spec(str(__import__("pathlib").Path(__file__).parents[1] / "examples" / "mlstm.py") + ":mlstm")
     for seed, sizes in enumerate([Sizes(B=2, T=5, H=4, Hk=2, Kin=8, K=8, V=12), Sizes(B=1, T=1, H=2, Hk=1, Kin=32, K=32, V=40)]):
@@ -69,11 +69,11 @@ def test_metal_normalizer_kernels_mlstm():
         o, ht, g = verify.emulate(rec, xs, initial_state=h0, do=do, dht=dht, scale=scale)
         o_r, ht_r = reference.run(rec, initial_state=h0, scale=scale, **xs)
         g_r = reference.grad(rec, do=do, dht=dht, initial_state=h0, scale=scale, **xs)
-        assert rel(o, o_r) <= 1e-5 and rel(ht[0], ht_r[0]) <= 1e-5 and rel(ht[1], ht_r[1]) <= 1e-5
+        assert rel_err(o, o_r) <= 1e-5 and rel_err(ht[0], ht_r[0]) <= 1e-5 and rel_err(ht[1], ht_r[1]) <= 1e-5
         for k in g_r:
             pairs = zip(g[k], g_r[k]) if k == "initial_state" else [(g[k], g_r[k])]
             for a, b in pairs:
-                assert rel(a, b) <= 1e-4, (k, rel(a, b))
+                assert rel_err(a, b) <= 1e-4, (k, rel_err(a, b))
 
 
 def test_metal_kernels_param_signatures():
@@ -90,6 +90,6 @@ def test_metal_kernels_param_signatures():
     o, ht, g = verify.emulate(param_mix, xs, initial_state=h0, do=do, dht=dht, scale=scale)
     o_r, ht_r = reference.run(param_mix, initial_state=h0, scale=scale, **xs)
     g_r = reference.grad(param_mix, do=do, dht=dht, initial_state=h0, scale=scale, **xs)
-    assert rel(o, o_r) <= 1e-5 and rel(ht, ht_r) <= 1e-5
+    assert rel_err(o, o_r) <= 1e-5 and rel_err(ht, ht_r) <= 1e-5
     for k in g_r:
-        assert rel(g[k], g_r[k]) <= 1e-4, (k, rel(g[k], g_r[k]))
+        assert rel_err(g[k], g_r[k]) <= 1e-4, (k, rel_err(g[k], g_r[k]))

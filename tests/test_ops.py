@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import recgen as rg
-from recgen import ops, specs
+from recgen import ops, specs, tuning
 from recgen.math import reference
 from recgen.spec.layouts import InputError
 
@@ -42,8 +42,8 @@ def test_keyword_arguments_and_scale():
     (lambda a: a[:3] + (a[3] * float("nan"),), "'gk'.*NaN"),
 ])
 def test_bad_inputs_name_the_argument(bad, match):
-    with pytest.raises(InputError, match=match):
-        ops.gla(*bad(_gla_inputs()), backend="mlx")
+    with pytest.raises(InputError, match=match):  # the NaN check is the debug mode's (it waits for the device)
+        ops.gla(*bad(_gla_inputs()), backend="mlx", check_finite=True)
 
 
 def test_bad_initial_state_backend_and_arity():
@@ -60,10 +60,11 @@ def test_bad_initial_state_backend_and_arity():
 
 def test_environment_forces_the_backend(monkeypatch):
     monkeypatch.setenv("RECGEN_BACKEND", "mlx")
-    assert ops.default_backend() == "mlx"
+    assert ops.choose_backend(tuning.current()) == "mlx"
+    assert ops.choose_backend(tuning.current(), "cuda") == "cuda"  # an explicit choice wins
     monkeypatch.setenv("RECGEN_BACKEND", "vulkan")
     with pytest.raises(InputError, match="RECGEN_BACKEND"):
-        ops.default_backend()
+        tuning.current()
 
 
 def test_gradients_reach_inputs_and_initial_state_from_final_state():
@@ -97,37 +98,35 @@ def test_load_by_name_and_path():
 def test_kernel_op_is_built_once_per_call_signature():
     """Decode calls the op per token: the custom function is cached, not rebuilt (no GPU needed to build it)."""
     from recgen.codegen.backends import get
-    from recgen.runtime.recurrent import kernel_op
     from recgen.codegen.lower import plan
+    from recgen.runtime.recurrent import kernel_op
     from recgen.spec.layouts import Sizes
 
     s = Sizes(2, 1, 4, 4, 32, 32, 32)
     p = plan(specs.gated_delta_net, s)
-    a = kernel_op(p, get("cuda"), s, 0.1, "float32", "recurrent")
-    assert a is kernel_op(p, get("cuda"), s, 0.1, "float32", "recurrent")
-    assert a is not kernel_op(p, get("cuda"), s, 0.1, "float32", "chunked")
-    assert a is not kernel_op(p, get("metal"), s, 0.1, "float32", "recurrent")
+    t = tuning.resolve("gpu", "cuda", environ={})
+    vjp = ops.chunked_vjp(specs.gated_delta_net, 0.1, None, t)
+    assert vjp is ops.chunked_vjp(specs.gated_delta_net, 0.1, None, t)  # the dispatcher's backward is cached too
+    a = kernel_op(p, get("cuda"), s, 0.1, "float32")
+    assert a is kernel_op(p, get("cuda"), s, 0.1, "float32")
+    assert a is not kernel_op(p, get("cuda"), s, 0.1, "float32", vjp)
+    assert a is not kernel_op(p, get("metal"), s, 0.1, "float32")
 
 
-def test_backward_choice_follows_the_backend_table(monkeypatch):
-    """The default gradient path of a kernel op: chunked from the backend's measured T, recurrent below
+def test_backward_choice_follows_the_tuning():
+    """The default gradient path of a kernel op: chunked from the tuning's measured T, recurrent below
     it, recurrent where the table has no measurement (Metal), and an explicit choice always wins."""
-    from recgen.codegen.backends import get
-    from recgen.spec.layouts import Sizes
-
-    monkeypatch.delenv("RECGEN_BACKWARD", raising=False)
-    op = ops.Op(specs.gated_delta_net)
-    long, short = Sizes(1, 4096, 2, 2, 8, 8, 8), Sizes(1, 100, 2, 2, 8, 8, 8)
-    assert get("cuda").chunked_backward_min_t == 1024 and get("metal").chunked_backward_min_t is None
-    assert op._backward(long, get("cuda")) == "chunked"
-    assert op._backward(short, get("cuda")) == "recurrent"
-    assert op._backward(long, get("metal")) == "recurrent"
-    assert ops.Op(specs.selective_scan)._backward(long, get("cuda")) == "recurrent"  # no fast chunked form
-    assert ops.Op(specs.gated_delta_net, backward="recurrent")._backward(long, get("cuda")) == "recurrent"
-    monkeypatch.setenv("RECGEN_BACKWARD", "chunked")
-    assert op._backward(short, get("metal")) == "chunked"
-    monkeypatch.setenv("RECGEN_BACKWARD", "sideways")
+    cuda, metal = tuning.resolve("gpu", "cuda", environ={}), tuning.resolve("gpu", "metal", environ={})
+    gdn = specs.gated_delta_net
+    assert cuda.chunked_backward_min_t == 1024 and metal.chunked_backward_min_t is None
+    assert ops.choose_backward(gdn, cuda, 4096, None) == "chunked"
+    assert ops.choose_backward(gdn, cuda, 100, None) == "recurrent"
+    assert ops.choose_backward(gdn, metal, 4096, None) == "recurrent"
+    assert ops.choose_backward(specs.selective_scan, cuda, 4096, None) == "recurrent"  # no fast chunked form
+    assert ops.choose_backward(gdn, cuda, 4096, "recurrent") == "recurrent"
+    forced = tuning.resolve("gpu", "metal", environ={"RECGEN_BACKWARD": "chunked"})
+    assert ops.choose_backward(gdn, forced, 100, None) == "chunked"
     with pytest.raises(InputError, match="RECGEN_BACKWARD"):
-        op._backward(short, get("cuda"))
+        tuning.resolve("gpu", "cuda", environ={"RECGEN_BACKWARD": "sideways"})
     with pytest.raises(InputError, match="backward="):
         ops.Op(specs.gla, backward="sideways")

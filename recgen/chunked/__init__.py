@@ -1,6 +1,6 @@
 r"""Chunked (matmul) forms of any recurrence spec from MLX ops: the ``mlx`` backend of ``recgen.ops``.
-On GPUs whose dialect enables them (``parallel.chunk_kernels``: CUDA) the core's inverse, scans and
-key-decay pair matrices run as generated kernels (``recgen.chunked.kernels``); elsewhere, MLX ops only.
+Where the tuning enables them (``Tuning.chunk_kernels``: measured on CUDA) the core's inverse, scans and
+key-decay pair matrices run as generated kernels (``recgen.runtime.chunk_kernels``); elsewhere, MLX ops only.
 
     o, final_state = recgen.chunked.forward(rec, inputs, scale=..., initial_state=None, chunk_size=None)
     o, final_state = recgen.chunked.naive_loop(rec, inputs, scale=..., initial_state=None)
@@ -35,18 +35,20 @@ must be positive.
 """
 from __future__ import annotations
 
-import os
 from functools import lru_cache, partial
 
 import mlx.core as mx
 
 from ..spec import ir
+from ..spec.analysis import analyze
 from ..spec.layouts import InputError, check_state, infer_sizes
+from ..runtime.probe import checked
+from ..tuning import Tuning, current
 from . import core, parallel
-from .core import _pow2
+from .core import pow2_ceil
 from .terms import KEY_ROLES, bind, evaluate, plan
 
-__all__ = ["forward", "naive_loop", "supported", "fast_form", "segment_budget", "default_chunk_size"]
+__all__ = ["forward", "naive_loop", "supported", "fast_form", "segment_budget"]
 
 # Peak fwd+bwd bytes per token ≈ factor × 4·B·H·(K + V + C), inputs and gradients included. Measured on the
 # CPU (C = 16, B=2, H=4, K=V=64, T = 1024-4096, one segment; 2026-11-23): GDN 26.5, simple GLA 23.7, delta_net
@@ -58,7 +60,7 @@ WORKSET_FACTOR = {"scalar": 27, "key": 30, "full": 40}  # full: × 4·B·H·K·V
 
 def supported(rec: ir.Recurrence) -> None:
     """Raise NotImplementedError naming the term when ``rec`` has no chunked form here."""
-    p = plan(rec)
+    p = analyze(rec)
     if rec.step.transition is not None and p.decay_class == "full":
         raise NotImplementedError(
             f"{rec.name}: the chunked MLX form does not support a rank-1 transition (transition a = "
@@ -71,36 +73,19 @@ def supported(rec: ir.Recurrence) -> None:
 def fast_form(rec: ir.Recurrence) -> bool:
     """Whether ``rec`` runs on the parallel core with its written VJP: a scalar or key-vector decay
     with no transition or a delta-rule one (a = ρ·u)."""
-    p = plan(rec)
-    return p.decay_class != "full" and (rec.step.transition is None or p.has_rho)
+    return analyze(rec).fast_form
 
 
-def segment_budget() -> int:
-    """Bytes of working set one segment may use: ``RECGEN_CHUNKED_BUDGET`` if set, else a third of
-    a GPU's memory, else 512 MiB (the CPU). On GPUs MLX allocates for work queued ahead of the device,
-    so segments bound memory only loosely there while their recomputation costs time: measured on
-    the H100 (runs 13, 15), GLA in three segments took 45 ms and 16.3 GiB fwd+bwd against 28 ms and
-    18.4 GiB in one; GDN in two segments peaked higher than in one. Hence a large GPU budget."""
-    env = os.environ.get("RECGEN_CHUNKED_BUDGET")
-    if env:
-        return int(env)
-    if mx.default_device() != mx.cpu:
-        info = mx.device_info()
-        total = info.get("total_memory") or info.get("memory_size")
-        if total:
-            return int(total) // 3
-    return 512 * 2**20
-
-
-def default_chunk_size(K: int, key: bool = False) -> int:
-    """64 on GPUs (matmul tiles); 16 on the CPU, where the intra-chunk C×C products cost as much as
-    the K×V ones and reference BLAS runs small products no faster per flop (measured, BENCHMARKS.md).
-    A key-vector decay (``key``) on a CPU with a fast BLAS (``core.cpu_blas_fast``) takes 32: there the
-    elementwise passes over the n chunk-entry states [n, K, V] and the decay hierarchy's levels cost more
-    than flops, and halving n made GLA's fwd+bwd 25% faster (OpenBLAS, interleaved in one process)."""
-    if mx.default_device() != mx.cpu:
-        return 64
-    return 32 if key and core.cpu_blas_fast() else 16
+def segment_budget(t: Tuning) -> int:
+    """Bytes of working set one segment may use: ``t.segment_budget`` if set (512 MiB on the CPU), else a third of
+    the GPU's memory. On GPUs MLX allocates for work queued ahead of the device, so segments bound memory only
+    loosely there while their recomputation costs time (measured on the H100: GLA in three segments was slower
+    and peaked nearly as high as in one), hence a large GPU budget."""
+    if t.segment_budget:
+        return t.segment_budget
+    info = mx.device_info()
+    total = info.get("total_memory") or info.get("memory_size")
+    return int(total) // 3 if total else 512 * 2**20
 
 
 def _out_dtype(rec, inputs):
@@ -150,7 +135,7 @@ def _as_f(x):
     return x if x.ndim == 4 else x[..., None]
 
 
-def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None, out=None, rfac=None):
+def _diag_scan(tun, S, r, u, w, l, C, key: bool, delta_bt=None, out=None, rfac=None):
     """The parallel core over a whole stretch [B,H,T,·]: returns (y [B,H,T,V'], S_end), or with ``out`` (a
     dtype) y as [B,T,H,V'] of that type, the model's layout (``parallel.core_fn``). With ``rfac`` (a float) the
     readout role is rfac·r."""
@@ -158,8 +143,7 @@ def _diag_scan(S, r, u, w, l, C, key: bool, delta_bt=None, out=None, rfac=None):
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     compose = 2 * C >= r.shape[-1]
-    fn = parallel.core_fn(key, delta_bt is not None, compose, parallel.gpu_forms(), parallel.compiled(),
-                          parallel.inverse_base(), parallel.chunk_kernels(), out, rfac)
+    fn = parallel.core_fn(key, delta_bt is not None, compose, tun, out, rfac)
     extra = [ch(delta_bt)] if delta_bt is not None else []
     y, S_end = fn(S, ch(r), ch(u), ch(w), ch(l), *extra)[:2]
     if out is not None:
@@ -175,12 +159,12 @@ def _roles(p, names, scale, sizes, S, arrays, raw=None):
     return T, evaluate(p, vals, scale, sizes.B, sizes.H, T, sizes.K, sizes.V, S.dtype)
 
 
-def _z_scan(p, t, z, C):
+def _z_scan(tun, p, t, z, C):
     """A normalizer with its own decay (not fused into S): z_t = d_t ⊙ z_{t-1} + u'_t, n_t = z_tᵀ r_t,
     through the parallel core with a single value column. Returns (n [B,H,T], z_end)."""
     B, H, T = t["r"].shape[:3]
     ones = mx.ones((B, H, T, 1), dtype=z.dtype)
-    yz, zs = _diag_scan(z[..., None], t["r"], t["zupdate"], ones, _as_f(t["zlogdecay"]), C,
+    yz, zs = _diag_scan(tun, z[..., None], t["r"], t["zupdate"], ones, _as_f(t["zlogdecay"]), C,
                         p.zdecay_class == "key")
     return yz[..., 0], zs[..., 0]
 
@@ -212,7 +196,7 @@ def _readout_role(p, r, raw, pick, kern, scale):
     return x.astype(pick(x.dtype, bare=True)), float(p.r_scaled[1](scale))
 
 
-def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
+def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """Scalar or key-vector decay, no transition or a = ρ·u: (S[, z], *inputs) -> (o, S[, z]). Without a
     normalizer or skip term the core writes o in its layout and type (``out_dtype``) itself."""
     z = rest[0] if has_z else None
@@ -222,59 +206,60 @@ def _fast(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     nz = None
     if p.fuse_z:  # z rides along as the extra value column of S (same decay and update)
         ones = mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)
-        ya, Sa = _diag_scan(mx.concatenate([S, z[..., None]], axis=-1), t["r"], t["u"],
+        ya, Sa = _diag_scan(tun, mx.concatenate([S, z[..., None]], axis=-1), t["r"], t["u"],
                             mx.concatenate([t["w"], ones], axis=-1), _as_f(t["logdecay"]), C, key)
         y, nz, S, z = ya[..., :V], ya[..., V], Sa[..., :V], Sa[..., V]
     else:
         bt = t["rho"][..., None] * t["b"] if "rho" in t else None
-        kw = (parallel.chunk_kernels(), key, bt is not None, C, sizes.K, V)
+        kern = tun if tun.chunk_kernels else None
+        kw = (kern, key, bt is not None, C, sizes.K, V)
         pick = lambda dtype, bare: parallel.role_dtype(*kw, dtype, S.dtype, bare=bare)  # noqa: E731
         r, u, w = (_role_as(p, role, t[role], raw, pick, out_dtype) for role in ("r", "u", "w"))  # out_dtype: the values'
         bt = None if bt is None else _role_as(p, "b", bt, raw, pick, out_dtype, p.rho_pow2)
-        r, rfac = _readout_role(p, r, raw, pick, kw[0], scale)
+        r, rfac = _readout_role(p, r, raw, pick, kern, scale)
         native = not has_z and "skip" not in t
-        y, S = _diag_scan(S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None, rfac)
+        y, S = _diag_scan(tun, S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None, rfac)
         if native:
             return y, S
         if has_z:
-            nz, z = _z_scan(p, t, z, C)
+            nz, z = _z_scan(tun, p, t, z, C)
     o = _readout(p, p.rec, t, y, nz)
     return (o, S, z) if has_z else (o, S)
 
 
-def _general(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
+def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """A rank-1 transition with a ≠ ρ·u (scalar or key decay): ``core.chunks_rank1`` by autodiff."""
     z = rest[0] if has_z else None
     T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     y, _, S = core.chunks_rank1(S, ch(t["r"]), ch(t["u"]), ch(t["w"]), ch(t["a"]), ch(t["b"]),
-                                core.exp(ch(_as_f(t["logdecay"]))))  # pad l (decay 1), then exp
+                                core.exp(ch(_as_f(t["logdecay"])), tun.pow2_exp))  # pad l (decay 1), then exp
     y = y.reshape(sizes.B, sizes.H, n * C, sizes.V)[:, :, :T]
-    nz, z = _z_scan(p, t, z, C) if has_z else (None, z)
+    nz, z = _z_scan(tun, p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)
     return (o, S, z) if has_z else (o, S)
 
 
-def _full(p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
+def _full(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """A stretch with a full (i, j) or value-indexed decay: ``core.scan_full`` (its written VJP); a
     normalizer (scalar or key decay) through the parallel core with chunk C."""
     z = rest[0] if has_z else None
     _, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
-    y, S = core.scan_full(S, t["r"], t["u"], t["w"], t["logdecay"])
-    nz, z = _z_scan(p, t, z, C) if has_z else (None, z)
+    y, S = core.scan_full(S, t["r"], t["u"], t["w"], t["logdecay"], tun.pow2_exp)
+    nz, z = _z_scan(tun, p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)
     return (o, S, z) if has_z else (o, S)
 
 
 @lru_cache(maxsize=64)
-def _body(body, rec, names, scale, sizes, has_z, C, out_dtype, compile: bool, forms: tuple = ()):
+def _body(body, rec, names, scale, sizes, has_z, C, out_dtype, tun: Tuning, compile: bool):
     """``body`` bound to one spec and shape, its output cast to ``out_dtype``. With ``compile`` the
     whole stretch (input casts, layout copies, role math, the chunk core, the readout, the output
     cast) is one ``mx.compile``d graph, so the elementwise work around the core fuses into few
     kernels (on GPUs each MLX launch costs ~16 µs and a pass over HBM). Cached: a call must not
-    retrace. ``forms`` (the device forms a trace bakes in) is part of the cache key only."""
-    bound = partial(body, plan(rec), names, scale, sizes, has_z, C, out_dtype)
+    retrace; keyed on the tuning, whose choices a trace bakes in."""
+    bound = partial(body, tun, plan(rec, tun.pow2_exp), names, scale, sizes, has_z, C, out_dtype)
 
     def fn(*arrays):
         outs = bound(*arrays)
@@ -332,19 +317,21 @@ def _segmented(rec, fn, bounds, ns):
 
 
 def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=None, chunk_size: int | None = None,
-            compute_dtype=None):
+            compute_dtype=None, tuning: Tuning | None = None):
     """Chunked forward of ``rec``: returns (o [B,T,H,V], final_state); see the module docstring.
 
-    ``chunk_size`` (default ``default_chunk_size``) is rounded up to a power of two for scalar and
+    ``chunk_size`` (default: the tuning's, 64 on GPUs, 16 on the CPU) is rounded up to a power of two for scalar and
     key decays; it changes speed and memory, not the result. ``compute_dtype`` (default float32)
     exists for verification: ``mx.float64`` on the CPU runs the same chunked algebra in double
     precision, so tests can separate the algorithm's exactness from float32 rounding amplified by
-    an ill-conditioned spec (power retention's ratio readout). ``o`` and the state then stay float64."""
+    an ill-conditioned spec (power retention's ratio readout). ``o`` and the state then stay float64.
+    ``tuning``: the dispatcher's (``recgen.ops``); by default that of MLX's default device, checked once."""
+    tun = tuning or checked(current())
     dtype = compute_dtype or mx.float32
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
         raise InputError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
     supported(rec)
-    p = plan(rec)
+    p = analyze(rec)
     sizes, S, z = _prepare(rec, inputs, initial_state, dtype)
     out_dtype = dtype if compute_dtype is not None else _out_dtype(rec, inputs)
     T = sizes.T
@@ -354,18 +341,17 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     names = [x.name for x in rec.inputs]
     state = [S, z] if has_z else [S]
     args = [inputs[nm] for nm in names]  # cast to ``dtype`` inside the bodies (``_roles``): fused there
-    C = chunk_size or default_chunk_size(sizes.K, p.decay_class == "key")
-    C = _pow2(min(C, T))  # speed and memory only, not the result
+    C = chunk_size or (tun.key_chunk_size if p.decay_class == "key" else tun.chunk_size)
+    C = pow2_ceil(min(C, T))  # speed and memory only, not the result
     if p.decay_class == "full":  # O(T·K·V) working set: the segment budget sets the stretch
-        fn = _body(_full, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, False)
+        fn = _body(_full, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, False)
         per_token = 4 * sizes.B * sizes.H * sizes.K * sizes.V * WORKSET_FACTOR["full"]
-        seg = max(1, segment_budget() // per_token)
+        seg = max(1, segment_budget(tun) // per_token)
     else:
         body = _fast if fast_form(rec) else _general
-        fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, parallel.compiled(),
-                   (parallel.gpu_forms(), parallel.inverse_base(), parallel.chunk_kernels()))
+        fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)
         per_token = 4 * sizes.B * sizes.H * (sizes.K + sizes.V + C) * WORKSET_FACTOR[p.decay_class]
-        seg = max(1, segment_budget() // (per_token * C)) * C
+        seg = max(1, segment_budget(tun) // (per_token * C)) * C
     if seg >= T:
         outs = fn(*state, *args)
     else:
@@ -411,9 +397,10 @@ def _finish(rec, ys, S, z, out_dtype, sizes, dtype=mx.float32):
     return o.astype(out_dtype), ((S, z) if rec.has_normalizer else S)
 
 
-def naive_loop(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=None):
+def naive_loop(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=None, tuning: Tuning | None = None):
     """The per-token MLX loop of the same spec (the benchmark baseline; memory grows with T)."""
-    p = plan(rec)
+    tun = tuning or checked(current())
+    p = plan(rec, tun.pow2_exp)
     sizes, S, z = _prepare(rec, inputs, initial_state)
     xs = {k: v.astype(S.dtype) for k, v in inputs.items()}
     out_dtype = _out_dtype(rec, inputs)
@@ -425,11 +412,11 @@ def naive_loop(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=
         t = evaluate(p, bind(p, chunk, H), float(scale), B, H, 1, K, V, S.dtype)
         ld = t["logdecay"]
         if p.decay_class == "scalar":
-            D = core.exp(ld)[..., None]                   # [B,H,1,1]
+            D = core.exp(ld, tun.pow2_exp)[..., None]                   # [B,H,1,1]
         elif p.decay_class == "key":
-            D = core.exp(ld)[:, :, 0, :, None]            # [B,H,K,1]
+            D = core.exp(ld, tun.pow2_exp)[:, :, 0, :, None]            # [B,H,K,1]
         else:
-            D = core.exp(ld)[:, :, 0]                     # [B,H,K|1,V]
+            D = core.exp(ld, tun.pow2_exp)[:, :, 0]                     # [B,H,K|1,V]
         P = D * S
         if "a" in t:
             bP = (t["b"] @ P)                             # [B,H,1,V]
@@ -439,7 +426,7 @@ def naive_loop(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=
         n = None
         if rec.has_normalizer:
             zl = t["zlogdecay"]
-            d = core.exp(zl)[..., 0][..., None] if p.zdecay_class == "scalar" else core.exp(zl)[:, :, 0]
+            d = core.exp(zl, tun.pow2_exp)[..., 0][..., None] if p.zdecay_class == "scalar" else core.exp(zl, tun.pow2_exp)[:, :, 0]
             z = d * z + t["zupdate"][:, :, 0]
             n = (t["r"][:, :, 0] * z).sum(-1)[..., None]  # [B,H,1]
         ys.append(_readout(p, rec, t, y, n))

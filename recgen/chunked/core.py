@@ -24,8 +24,6 @@ is its own scalar recurrence, run as a two-level scan (about 2√T sequential el
 """
 from __future__ import annotations
 
-import os
-import time
 from functools import lru_cache
 
 import mlx.core as mx
@@ -35,50 +33,24 @@ import numpy as np
 LOG2E = 1.4426950408889634
 
 
-def exp(x):
-    """e^x; on the CPU computed as 2^(x·log2 e) by ``mx.power``. MLX's CPU ``exp`` costs 12-17 ns an element
-    on x86-64 (mlx 0.32.4; numpy's: 3), its ``power`` 5, and both round alike: MLX's exp is itself a base-2
-    polynomial of x·log2 e, and the two agree bitwise on 93% of [-80, 0] and within 1 ulp elsewhere (measured).
-    One such exp per token and key element is a fifth of GLA's CPU forward; the selective scan's per-token
-    [K, V] decays are half of its. Elsewhere (GPUs: a hardware exp) ``mx.exp``."""
-    if mx.default_device() == mx.cpu:
-        return mx.power(2.0, x * LOG2E)
-    return mx.exp(x)
+def exp(x, pow2: bool = False):
+    """e^x; with ``pow2`` (``Tuning.pow2_exp``: the CPU) computed as 2^(x·log2 e) by ``mx.power``. MLX's CPU
+    ``exp`` costs 12-17 ns an element on x86-64, its ``power`` 5, and both round alike: MLX's exp is itself a
+    base-2 polynomial of x·log2 e, and the two agree bitwise on 93% of [-80, 0] and within 1 ulp elsewhere
+    (measured). GPUs have a hardware exp."""
+    return mx.power(2.0, x * LOG2E) if pow2 else mx.exp(x)
 
 
-FAST_BLAS_GFLOPS = 30.0  # between the reference BLAS's 6 and OpenBLAS's 77-95 (2 cores), measured
-
-
-@lru_cache(maxsize=None)
-def cpu_blas_fast() -> bool:
-    """Whether MLX's CPU matmuls run on an optimised BLAS: measured once per process (a 256×256 float32
-    product, best of three, ~20 ms with the reference BLAS), or ``RECGEN_CPU_BLAS=fast|reference``. The
-    ``mlx[cpu]`` Linux wheel links netlib's reference BLAS (6 GFLOP/s here); OpenBLAS preloaded runs 77-95. The
-    chunked form's CPU choices follow it (``tr``, ``chunked.default_chunk_size``): with the reference BLAS flops
-    are the cost, with a fast one the elementwise passes are."""
-    env = os.environ.get("RECGEN_CPU_BLAS")
-    if env in ("fast", "reference"):
-        return env == "fast"
-    a = mx.random.normal((256, 256), stream=mx.cpu)
-    mx.eval(a)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        mx.eval(mx.matmul(a, a, stream=mx.cpu))
-        best = min(best, time.perf_counter() - t0)
-    return 2 * 256**3 / best / 1e9 > FAST_BLAS_GFLOPS
-
-
-def tr(x):
-    """xᵀ over the last two axes, for the right operand of a matmul. On the CPU with the reference BLAS the
-    transpose is materialised: that BLAS runs a product whose right operand is a transposed view as dot
-    products, measured 2.6x slower than on a contiguous copy. OpenBLAS takes the view as it is (GLA's
-    backward: the copy and product 8.7 ms against 4.6 for the product on the view)."""
+def tr(x, copy: bool = False):
+    """xᵀ over the last two axes, for the right operand of a matmul; with ``copy`` (``Tuning.copy_transposes``:
+    the reference BLAS, which runs a product whose right operand is a transposed view as dot products, 2.6x
+    slower than on a contiguous copy) materialised."""
     x = x.swapaxes(-1, -2)
-    return mx.contiguous(x) if mx.default_device() == mx.cpu and not cpu_blas_fast() else x
+    return mx.contiguous(x) if copy else x
 
 
-def _pow2(n: int) -> int:
+def pow2_ceil(n: int) -> int:
+    """The least power of two >= n."""
     c = 1
     while c < n:
         c *= 2
@@ -143,11 +115,11 @@ def unit_lower_inv(L, base: int = 1):
     alone, ``base`` = 1 this one alone; GPUs and the CPU differ in which pays, see
     ``parallel.inverse_base``)."""
     C = L.shape[-1]
-    Cp = _pow2(C)
+    Cp = pow2_ceil(C)
     if Cp != C:
         L = mx.pad(L, [(0, 0)] * (L.ndim - 2) + [(0, Cp - C), (0, Cp - C)])
     lead = L.shape[:-2]
-    m = min(_pow2(base), Cp)
+    m = min(pow2_ceil(base), Cp)
     Tb = unit_lower_inv_full(diag_blocks(L, m)) if m > 1 else mx.ones((*lead, Cp, 1, 1), dtype=L.dtype)
     while m < Cp:
         pairs = Tb.reshape(*lead, Cp // (2 * m), 2, m, m)
@@ -166,7 +138,7 @@ def unit_lower_inv_full(L):
     C×C×C products a level but only ~2 ops a level, which pays for small C where launches cost more
     than flops (``unit_lower_inv``'s base blocks on GPUs)."""
     C = L.shape[-1]
-    Cp = _pow2(C)
+    Cp = pow2_ceil(C)
     if Cp != C:
         L = mx.pad(L, [(0, 0)] * (L.ndim - 2) + [(0, Cp - C), (0, Cp - C)])
     masks = _device_masks(Cp, L.dtype)
@@ -220,14 +192,19 @@ def _sum_to(x, shape):
     return x.sum(axes, keepdims=True) if axes else x
 
 
-@mx.custom_function
-def _scan_full(S, r, u, w, ld):
-    D = exp(ld)
-    S_all, S_end = states_two_level(S, D, u, w)
-    return (r[..., None] * S_all).sum(-2), S_end, S_all, D
+@lru_cache(maxsize=2)
+def _scan_full(pow2: bool):
+    """The custom function of ``scan_full`` (``pow2``: see ``exp``)."""
+    @mx.custom_function
+    def scan(S, r, u, w, ld):
+        D = exp(ld, pow2)
+        S_all, S_end = states_two_level(S, D, u, w)
+        return (r[..., None] * S_all).sum(-2), S_end, S_all, D
+
+    scan.vjp(_scan_full_vjp)
+    return scan
 
 
-@_scan_full.vjp
 def _scan_full_vjp(primals, cotangents, outputs):
     """The reverse recurrence, by the same two-level scan with time reversed:
         dS_t = D_{t+1} ⊙ dS_{t+1} + r_t dy_tᵀ  (dS_{T-1} = r dyᵀ + dS_end),
@@ -250,12 +227,12 @@ def _scan_full_vjp(primals, cotangents, outputs):
     return dS0, dr, du, dw, dl
 
 
-def scan_full(S, r, u, w, ld):
+def scan_full(S, r, u, w, ld, pow2: bool = False):
     """A full (i, j) or value-indexed decay, S_t = D_t ⊙ S_{t-1} + u_t w_tᵀ, y_t = S_tᵀ r_t (D = e^{ld}), over a
     stretch of T tokens by ``states_two_level``, with a hand-derived VJP (``_scan_full_vjp``).
     S [B,H,K,V]; r, u [B,H,T,K]; w [B,H,T,V]; ld [B,H,T,K|1,V]. Returns (y [B,H,T,V], S_end).
     Memory is O(T·K·V): every state (and D) is kept for the backward, bounded by the caller's segments."""
-    return _scan_full(S, r, u, w, ld)[:2]
+    return _scan_full(pow2)(S, r, u, w, ld)[:2]
 
 
 # -- chunk-parallel forms (all chunks at once; only the state scan is sequential) -------------------
@@ -302,11 +279,12 @@ def decay_levels(d):
     return levels, P, Q
 
 
-def _half(x, m, side):
+def half(x, m, side):
+    """The ``side`` half (0 left, 1 right) of every 2m-block of x [.., C, F]: [.., C/2m, m, F]."""
     return _blocks(x, m)[..., side, :, :]
 
 
-def _add_half(x, h, m: int, side: int):
+def add_half(x, h, m: int, side: int):
     """x [.., C, F] with h [.., C/2m, m, F] added to the ``side`` half (0 left, 1 right) of every
     2m-block: one concatenation and a half-size add instead of a zero-padded full-size addend
     (GLA fwd+bwd 7% faster on the CPU, measured interleaved in one process)."""
@@ -326,16 +304,16 @@ def intra_apply(r, u, w, levels):
     """y_t = Σ_{s≤t} [Σ_i r_ti u_si Γ_i(t,s)] w_s over the lower triangle only: [..., C, V]."""
     y = (r * u).sum(-1, keepdims=True) * w
     for m, PR, QL in levels:
-        rb, ub, wb = _half(r, m, 1) * PR, _half(u, m, 0) * QL, _half(w, m, 0)
+        rb, ub, wb = half(r, m, 1) * PR, half(u, m, 0) * QL, half(w, m, 0)
         if m == 1:
             yR = (rb * ub).sum(-1, keepdims=True) * wb
         else:
             yR = (rb @ ub.swapaxes(-1, -2)) @ wb
-        y = _add_half(y, yR, m, 1)
+        y = add_half(y, yR, m, 1)
     return y
 
 
-def pair_levels(X, Y, levels, strict: bool):
+def pair_levels(X, Y, levels, strict: bool, copy_transposes: bool = False):
     """M[t,s] = Σ_i X_ti Y_si Γ_i(t,s) for s ≤ t (s < t when strict), 0 above: [..., C, C]."""
     C = X.shape[-2]
     if strict:
@@ -345,7 +323,7 @@ def pair_levels(X, Y, levels, strict: bool):
     for m, PR, QL in levels:
         Mb = M.reshape(*M.shape[:-3], M.shape[-3] // 2, 2, m, m)
         ML, MR = Mb[..., 0, :, :], Mb[..., 1, :, :]
-        M = _join_lower(ML, (_half(X, m, 1) * PR) @ tr(_half(Y, m, 0) * QL), MR)
+        M = _join_lower(ML, (half(X, m, 1) * PR) @ tr(half(Y, m, 0) * QL, copy_transposes), MR)
     return M[..., 0, :, :]
 
 

@@ -36,13 +36,14 @@ verbatim stay in the inputs' 16-bit type (``role_dtype``) and y leaves in the mo
 """
 from __future__ import annotations
 
-import os
 from functools import cached_property, lru_cache
 
 import mlx.core as mx
 
-from . import kernels
-from .core import _add_half, _half, decay_levels, exp, offdiag_blocks, pair_levels, tr, unit_lower_inv
+from ..codegen.chunk_sources import inverse_supported, pair_supported
+from ..runtime import chunk_kernels as ck
+from ..tuning import Tuning
+from .core import add_half, decay_levels, exp, half, offdiag_blocks, pair_levels, tr, unit_lower_inv
 
 __all__ = ["core_fn"]
 
@@ -52,11 +53,11 @@ def _tri(C: int, strict: bool):
     return (t[:, None] > t[None, :]) if strict else (t[:, None] >= t[None, :])
 
 
-def _decay_to_end(l):
+def _decay_to_end(l, pow2: bool):
     """Q_s = Γ(end, s) = exp(Σ_{τ>s} l_τ) [.., C, F]: a reverse cumulative sum anchored at the chunk's end,
     so no difference of large sums."""
     after = mx.cumsum(l, axis=-2, reverse=True)[..., 1:, :]          # Σ_{τ>s} l_τ for s < C-1
-    return exp(mx.concatenate([after, mx.zeros_like(l[..., :1, :])], axis=-2))
+    return exp(mx.concatenate([after, mx.zeros_like(l[..., :1, :])], axis=-2), pow2)
 
 
 class ScalarDecay:
@@ -64,10 +65,10 @@ class ScalarDecay:
 
     key = False
 
-    def __init__(self, l, saved=()):
-        self.l = l
-        self.P = exp(mx.cumsum(l, axis=-2))
-        self.Q = _decay_to_end(l)
+    def __init__(self, l, t: Tuning, saved=()):
+        self.l, self.t = l, t
+        self.P = exp(mx.cumsum(l, axis=-2), t.pow2_exp)
+        self.Q = _decay_to_end(l, t.pow2_exp)
         self.g = self.P[..., -1, :]
 
     @cached_property
@@ -77,14 +78,14 @@ class ScalarDecay:
         C = self.l.shape[-2]
         # D[t, s] = Σ_{s<τ≤t} l_τ, summed from s (anchored): accurate however far t is from the start
         D = mx.cumsum(mx.where(_tri(C, True), self.l[..., 0][..., :, None], 0.0), axis=-2)
-        return mx.where(_tri(C, False), exp(D), 0.0)
+        return mx.where(_tri(C, False), exp(D, self.t.pow2_exp), 0.0)
 
     @cached_property
     def gamma_strict(self):
         return mx.where(_tri(self.l.shape[-2], True), self.gamma, 0.0)
 
     def pair(self, X, Y, strict: bool):
-        return (X @ tr(Y)) * (self.gamma_strict if strict else self.gamma)
+        return (X @ tr(Y, self.t.copy_transposes)) * (self.gamma_strict if strict else self.gamma)
 
     @staticmethod
     def saved() -> list:
@@ -106,22 +107,22 @@ class KeyDecay:
 
     key = True
 
-    def __init__(self, l, saved=()):
+    def __init__(self, l, t: Tuning, saved=()):
         """From the log-decays l, or from ``saved()`` of the forward's instance (the backward reuses
         the hierarchy instead of recomputing it: one exp and log2(C) levels of [T, K] products)."""
-        self.l = l
+        self.l, self.t = l, t
         if saved:
             self.P, self.Q, *lv = saved
             self.levels = [(2 ** i, lv[2 * i], lv[2 * i + 1]) for i in range(len(lv) // 2)]
         else:
-            self.levels, self.P, self.Q = decay_levels(exp(l))
+            self.levels, self.P, self.Q = decay_levels(exp(l, t.pow2_exp))
         self.g = self.P[..., -1, :]
 
     def saved(self) -> list:
         return [self.P, self.Q] + [x for _, PR, QL in self.levels for x in (PR, QL)]
 
     def pair(self, X, Y, strict: bool):
-        return pair_levels(X, Y, self.levels, strict)
+        return pair_levels(X, Y, self.levels, strict, self.t.copy_transposes)
 
     def pair_grad(self, dM, X, Y, strict: bool):
         """dX_t = Σ_{s≤t} dM[t,s] Γ(t,s) ⊙ Y_s and dY_s = Σ_{t≥s} dM[t,s] Γ(t,s) ⊙ X_t, level by
@@ -133,9 +134,9 @@ class KeyDecay:
             dX, dY = dd * Y, dd * X
         for m, PR, QL in self.levels:
             Db = offdiag_blocks(dM, m)
-            dXR = PR * (Db @ (_half(Y, m, 0) * QL))
-            dYL = QL * (Db.swapaxes(-1, -2) @ (_half(X, m, 1) * PR))
-            dX, dY = _add_half(dX, dXR, m, 1), _add_half(dY, dYL, m, 0)
+            dXR = PR * (Db @ (half(Y, m, 0) * QL))
+            dYL = QL * (Db.swapaxes(-1, -2) @ (half(X, m, 1) * PR))
+            dX, dY = add_half(dX, dXR, m, 1), add_half(dY, dYL, m, 0)
         return dX, dY
 
     @staticmethod
@@ -144,19 +145,19 @@ class KeyDecay:
 
 
 class KernelKeyDecay:
-    """A key-vector decay through the generated pair kernels (``kernels.pair`` / ``pair_grad``): each
+    """A key-vector decay through the generated pair kernels (``chunk_kernels.pair`` / ``pair_grad``): each
     pair matrix is one sweep per chunk row carrying Γ(t, s) by multiplications, so no hierarchy of
     levels is built or kept. P and Q come from cumulative sums anchored at the chunk's start and end
     (P_t = exp(Σ_{τ≤t} l_τ), Q_s = exp(Σ_{τ>s} l_τ)): no difference of large sums."""
 
     key = True
 
-    def __init__(self, l, saved=(), kern: str = ""):
+    def __init__(self, l, t: Tuning, saved=()):
         """``saved`` (KeyDecay's signature) is always empty here: see ``saved``."""
-        self.l, self.kern = l, kern
-        self.d = exp(l)
-        self.P = exp(mx.cumsum(l, axis=-2))
-        self.Q = _decay_to_end(l)
+        self.l, self.t = l, t
+        self.d = exp(l, t.pow2_exp)
+        self.P = exp(mx.cumsum(l, axis=-2), t.pow2_exp)
+        self.Q = _decay_to_end(l, t.pow2_exp)
         self.g = self.P[..., -1, :]
 
     @staticmethod
@@ -165,10 +166,10 @@ class KernelKeyDecay:
         return []
 
     def pair(self, X, Y, strict: bool):
-        return kernels.pair(X, Y, self.d, strict, self.kern)
+        return ck.pair(X, Y, self.d, strict, self.t)
 
     def pair_grad(self, dM, X, Y, strict: bool):
-        return kernels.pair_grad(dM, X, Y, self.d, strict, self.kern)
+        return ck.pair_grad(dM, X, Y, self.d, strict, self.t)
 
     fold = staticmethod(KeyDecay.fold)
 
@@ -187,40 +188,7 @@ def _transition(geo, uQ, W):
     return geo.g[..., None] * mx.eye(K, dtype=uQ.dtype) + uQ.swapaxes(-1, -2) @ W
 
 
-GPU_FORMS = None  # None: on GPUs only; True/False force them (tests)
-
-
-def gpu_forms() -> bool:
-    """Whether the diagonal scan over the n chunks runs as one (n+1)×(n+1) matmul: n²·K·V flops
-    instead of n·K·V, one launch instead of 2n. A win on GPUs, where MLX spends ~16 µs a launch
-    (BENCHMARKS.md), a loss on the CPU, where the reference BLAS makes flops the cost. (A blocked
-    form of the delta-rule scan, ~2√n steps, was measured slower on the H100 than the n-step loop:
-    4.5 vs 3.2 ms, its prefix products move too many bytes; so was composing pairs of chunks, run 24;
-    neither kept.)"""
-    if GPU_FORMS is not None:
-        return GPU_FORMS
-    return mx.default_device() != mx.cpu
-
-
-INVERSE_BASE = None  # None: by device (``inverse_base``); an int forces it (tests, benchmarks)
-
-
-def inverse_base() -> int:
-    """The block size from which ``core.unit_lower_inv`` climbs by 2×2 block levels (below it, the
-    diagonal blocks are inverted by full-matrix doubling). The full form is few large ops, the block
-    form many small ones with ~5x fewer flops and bytes: on the CPU flops and bytes cost (1: the
-    block form throughout, 3-9x faster than the full one); on the H100 the full form beat the pure
-    block form (2.0 vs 3.1 ms, run 23), and 16 (full doubling inside 16×16 blocks, then two block
-    levels) beat both: GDN forward 5.82 ms against 6.28 (64) and 5.99 / 5.89 (8 / 32), run 28.
-    ``RECGEN_INVERSE_BASE`` overrides the GPU default (benchmarks)."""
-    if INVERSE_BASE is not None:
-        return INVERSE_BASE
-    if not gpu_forms():
-        return 1
-    return int(os.environ.get("RECGEN_INVERSE_BASE", "16"))
-
-
-def _chunk_decay_matrix(l, key: bool):
+def _chunk_decay_matrix(l, key: bool, pow2: bool):
     """L[c, j] = Π_{j ≤ c'' < c} g_{c''} for j ≤ c (0 above): the map from x = [S_0, ΔS_0, .., ΔS_{n-1}]
     to the states S_0..S_n of the diagonal scan S_{c+1} = g_c ⊙ S_c + ΔS_c. Built from sums of
     log g anchored at j (exp of a masked cumulative sum), so it is exact at any decay strength.
@@ -234,7 +202,7 @@ def _chunk_decay_matrix(l, key: bool):
     c = mx.arange(n + 1)
     prev = mx.pad(logg, [(0, 0)] * (logg.ndim - 1) + [(1, 0)])  # logg_{c-1} at row c
     Y = mx.where((c[:, None] - 1) >= c[None, :], prev[..., :, None], 0.0)
-    return mx.where(c[:, None] >= c[None, :], exp(mx.cumsum(Y, axis=-2)), 0.0)
+    return mx.where(c[:, None] >= c[None, :], exp(mx.cumsum(Y, axis=-2), pow2), 0.0)
 
 
 def _apply_rows(L, x, key: bool):
@@ -247,12 +215,12 @@ def _apply_rows(L, x, key: bool):
 
 def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None):
     """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state, the state update taking
-    u ⊙ Q. ``kern``: the dialect of the generated chunk scan (``kernels.chunk_scan``: delta-rule or
+    u ⊙ Q. ``kern``: the tuning of the generated chunk scan (``chunk_kernels.chunk_scan``: delta-rule or
     diagonal), or None; it scales a scalar decay's u by Q as it reads u (u ⊙ Q never in memory)."""
-    if kern and kernels.scan_supported(kern, U.shape[-2], S0.shape[-2]):  # W None: the diagonal scan, Z = U
+    if kern and ck.scan_supported(kern, U.shape[-2], S0.shape[-2]):  # W None: the diagonal scan, Z = U
         if geo.key:
-            return kernels.chunk_scan(S0, W, U, _up(geo, u)[0] * geo.Q, geo.g, None, kern, reverse=False)
-        return kernels.chunk_scan(S0, W, U, u, geo.g, None, kern, reverse=False, Bq=geo.Q)
+            return ck.chunk_scan(S0, W, U, _up(geo, u)[0] * geo.Q, geo.g, None, kern, reverse=False)
+        return ck.chunk_scan(S0, W, U, u, geo.g, None, kern, reverse=False, Bq=geo.Q)
     u, U = _up(geo, u, U)
     uQ = u * geo.Q
     gs = geo.g[..., None]
@@ -260,7 +228,7 @@ def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None):
     S = S0[..., None, :, :]
     states = []
     if W is None and matrix:
-        S_all = _apply_rows(_chunk_decay_matrix(geo.l, geo.key), mx.concatenate([S, uQt @ U], axis=-3), geo.key)
+        S_all = _apply_rows(_chunk_decay_matrix(geo.l, geo.key, geo.t.pow2_exp), mx.concatenate([S, uQt @ U], axis=-3), geo.key)
         return S_all[..., :-1, :, :], U, S_all[..., -1, :, :]
     if W is None:
         for gc, dc in zip(_split(gs), _split(uQt @ U)):
@@ -292,17 +260,17 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=N
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after.
     With ``kern`` the scan is the generated one, (A, X, B, E) = (u ⊙ Q, F, W, E) reversed (no B
     without a delta rule). ``E`` may come as its factors (Pa, Pb), E_c = Pa_cᵀ Pb_c: the generated
-    scan takes them as they are where it can (``kernels.scan_fuses_products``); elsewhere they are
+    scan takes them as they are where it can (``chunk_kernels.scan_fuses_products``); elsewhere they are
     multiplied out here, before the scan.
     With ``states`` (the forward's [.., n, K, V]) a fourth result: dg = Σ_j dS_{c+1} ⊙ S_c [.., n, K],
     formed inside the generated scan where it fuses products."""
     (C, K), V = uQ.shape[-2:], F.shape[-1]
-    generated = kern and kernels.scan_supported(kern, C, K)  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
-    if isinstance(E, tuple) and not (generated and kernels.scan_fuses_products(kern, C, K, V, W is not None)):
+    generated = kern and ck.scan_supported(kern, C, K)  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
+    if isinstance(E, tuple) and not (generated and ck.scan_fuses_products(kern, C, K, V, W is not None)):
         E = E[0].swapaxes(-1, -2) @ E[1]
     if generated:
         P, E = (E, None) if isinstance(E, tuple) else (None, E)
-        return kernels.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True, P=P, St=states)
+        return ck.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True, P=P, St=states)
     out = _scan_backward_ops(geo, dS_end, uQ, W, F, E, compose, matrix)
     return out if states is None else out + ((out[0] * states).sum(-1),)
 
@@ -313,7 +281,7 @@ def _scan_backward_ops(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
     dS = dS_end[..., None, :, :]
     nxt, dZs = [], []
     if W is None and matrix:  # the adjoint of the forward's matrix form is its transpose
-        L = _chunk_decay_matrix(geo.l, geo.key).swapaxes(-1, -2)
+        L = _chunk_decay_matrix(geo.l, geo.key, geo.t.pow2_exp).swapaxes(-1, -2)
         d_all = _apply_rows(L, mx.concatenate([E, dS], axis=-3), geo.key)
         dSn = d_all[..., 1:, :, :]
         return dSn, F + uQ @ dSn, d_all[..., 0, :, :]
@@ -336,23 +304,23 @@ def _scan_backward_ops(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
     return dSn, dZ, dS[..., 0, :, :]
 
 
-def role_dtype(kern, key: bool, delta: bool, C: int, K: int, V: int, dtype, compute, bare: bool = False):
+def role_dtype(kern: Tuning | None, key: bool, delta: bool, C: int, K: int, V: int, dtype, compute, bare: bool = False):
     """The dtype the roles r, u, w, b̃ are handed to the core in: ``dtype`` (the inputs') where it is a 16-bit
     float and every forward product that reads them is a fused fragment kernel (a scalar decay, the fragment
     scan, the readout kernel and, for a delta rule, the UT transform: they convert on load), else ``compute``. In 16 bits the
     role passes and the kernels' reads of them move half the bytes; the roles are then rounded once to the
     inputs' precision (FLA keeps its operands in bf16 throughout). MLX's products and the backward take
-    them in ``compute`` (``_up``). Off unless ``RECGEN_16BIT_ROLES=1``: measured on the H100 (run 72) it left
-    GDN's forward as it was (2.783 against 2.791 ms) and took simple GLA's from 1.980 to 1.894 ms, but the
-    backward's casts made fwd+bwd slower (GDN 13.5 → 18.5 ms, simple GLA 9.2 → 10.3) and its peak higher
-    (GDN 7.11 → 8.29 GiB, over the 8 GiB target). A forward-only (inference) choice, for now.
+    them in ``compute`` (``_up``). Rounding every role so (``Tuning.roles_16bit = "all"``) was measured on the H100:
+    the forward did not move, while the backward's casts made forward+backward slower and its peak higher; a
+    forward-only (inference) choice, off by default.
     A ``bare`` role (an input verbatim: GDN's w = v, simple GLA's u = k and w = v) is exact in its input's type, so
-    it stays there wherever the kernels read it, unless ``RECGEN_16BIT_ROLES=0``: no cast pass in the forward."""
-    env = os.environ.get("RECGEN_16BIT_ROLES")
-    if dtype not in (mx.bfloat16, mx.float16) or not kern or key or env == "0" or not (bare or env == "1"):
+    it stays there wherever the kernels read it (``roles_16bit = "bare"``, the default): no cast pass in the
+    forward. ``"none"`` casts every role."""
+    mode = kern.roles_16bit if kern else "none"
+    if dtype not in (mx.bfloat16, mx.float16) or key or mode == "none" or not (bare or mode == "all"):
         return compute
-    if not (kernels.use_mma(kern, C, K, V) and kernels.fuses_readout(kern, C, K, V)
-            and (not delta or kernels.fuses_ut(kern, C, K, V))):
+    if not (ck.use_mma(kern, C, K, V) and ck.fuses_readout(kern, C, K, V)
+            and (not delta or ck.fuses_ut(kern, C, K, V))):
         return compute
     return dtype
 
@@ -383,20 +351,20 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
     U, W, Tm = w, None, None
     (C, K), V = u.shape[-2:], w.shape[-1]
     fused = bool(kern) and not geo.key  # the fragment UT transform and readout take scalar decays
-    if bt is not None and fused and kernels.fuses_ut(kern, C, K, V):
-        Tm, U, W = kernels.chunk_ut(bt, u, w, geo.l, kern)  # A never in memory
+    if bt is not None and fused and ck.fuses_ut(kern, C, K, V):
+        Tm, U, W = ck.chunk_ut(bt, u, w, geo.l, kern)  # A never in memory
     elif bt is not None:
         bt_, u_, w_ = _up(geo, bt, u, w)
         A = geo.pair(bt_, u_, strict=True)
-        if kern and kernels.inverse_supported(A.shape[-1]):
-            Tm = kernels.tril_inverse(A, kern)
+        if kern and inverse_supported(A.shape[-1]):
+            Tm = ck.tril_inverse(A, kern)
         else:
             Tm = unit_lower_inv(A, inv_base)
         U, W = Tm @ w_, Tm @ (bt_ * geo.P)
     states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern)
-    if fused and kernels.fuses_readout(kern, C, K, V):
+    if fused and ck.fuses_readout(kern, C, K, V):
         # M_ru is written for the backward: forming it again there cost GDN 1.1 ms of fwd+bwd (H100, run 61)
-        y, M = kernels.chunk_out(r, u, Z, states, geo.l, kern, out, rfac)
+        y, M = ck.chunk_out(r, u, Z, states, geo.l, kern, out, rfac)
     else:
         r_, u_, Z_ = _up(geo, _scaled(r, rfac), u, Z)
         M = geo.pair(r_, u_, strict=False)
@@ -421,8 +389,9 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     rP, uQ = r * P, u * Q
     F = M.swapaxes(-1, -2) @ dy
     dSn, dZ, dS0, dg = _scan_backward(geo, dS_end, uQ, W, F, (rP, dy), compose, matrix, kern, states)  # E = (r⊙P)ᵀ dy
-    statesT, ZT = tr(states), tr(Z)
-    d_uQ = Z @ tr(dSn)
+    cp = geo.t.copy_transposes
+    statesT, ZT = tr(states, cp), tr(Z, cp)
+    d_uQ = Z @ tr(dSn, cp)
     dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
     du = Q * d_uQ + du_
     if bt is None:
@@ -448,75 +417,36 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     return dS0, _scaled(dr, rfac), du, dw, dl, dbt
 
 
-COMPILE = None  # None: mx.compile the core on GPUs only; True/False force it (tests, benchmarks)
-
-
-def compiled() -> bool:
-    """Whether the core's forward and backward run through ``mx.compile``: it fuses the elementwise
-    work and replays the graph without Python, which pays where launches dominate (GPUs)."""
-    if COMPILE is not None:
-        return COMPILE
-    return mx.default_device() != mx.cpu
-
-
-def _key_geo(kern: str):
-    """The key-vector decay class for chunk kernels of dialect ``kern``: the pair kernels where K is a
-    multiple of 32 (their lanes), the hierarchy otherwise."""
-    def make(l, saved=()):
-        if kernels.pair_supported(l.shape[-1]):
-            return KernelKeyDecay(l, saved, kern)
-        return KeyDecay(l, saved)
+def _key_geo(t: Tuning):
+    """The key-vector decay class with chunk kernels: the pair kernels where K is a multiple of 32 (their
+    lanes), the hierarchy otherwise."""
+    def make(l, t_, saved=()):
+        if pair_supported(l.shape[-1]):
+            return KernelKeyDecay(l, t_, saved)
+        return KeyDecay(l, t_, saved)
     return make
 
 
-CHUNK_KERNELS = None  # None: by device (``chunk_kernels``); a dialect name, or "" for none, forces it (tests)
-
-
-def chunk_kernels() -> str | None:
-    """The dialect whose generated chunk kernels (``kernels``: the triangular inverse, the scans over
-    chunks, the key-vector decay pair matrices) the core uses, or None for MLX ops only. Default: the
-    GPU's dialect where its table marks them measured faster (``Dialect.chunk_kernels``) and they pass
-    their self-test on this GPU (``kernels.usable``: built, run and checked once per process; a failure
-    warns and keeps MLX ops), none on the CPU. ``RECGEN_CHUNK_KERNELS=0`` keeps MLX ops only (``=1``
-    forces the kernels on a GPU, untested)."""
-    if CHUNK_KERNELS is not None:
-        return CHUNK_KERNELS or None
-    if mx.default_device() == mx.cpu:
-        return None
-    from ..codegen.backends import get, machine_dialect
-
-    name = machine_dialect()
-    if name is None:
-        return None
-    env = os.environ.get("RECGEN_CHUNK_KERNELS")
-    if env is not None:
-        return name if env not in ("0", "") else None
-    if not (get(name).chunk_kernels and kernels.usable(name, "base")):
-        return None
-    if kernels.mma_on(name) and kernels.usable(name, "mma"):  # the scan's frame: fragments, else FMAs
-        return name
-    return name if kernels.usable(name, "scan") else None
-
-
-@lru_cache(maxsize=None)
-def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile: bool = False, inv_base: int = 1,
-            kern: str | None = None, out=None, rfac: float | None = None):
+@lru_cache(maxsize=128)
+def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: float | None = None):
     """The chunked core as an ``mx.custom_function`` with the hand-derived VJP above.
 
     Arguments (all chunked, [..., n, C, F]): S0 [..., K, V], r, u [.., C, K], w [.., C, V],
     l [.., C, F] (log-decays; F = K when ``key``, else 1) and, when ``delta``, b̃ [.., C, K].
-    ``inv_base``: see ``inverse_base``; ``kern``: see ``chunk_kernels``; ``out``: None, or a dtype for y in the
+    ``t``: the tuning (device forms, compilation, the triangular inverse's base, chunk kernels); ``out``: None, or a dtype for y in the
     model's layout [B, n C, H, V] (leading axes then B, H; its cotangent arrives so too); ``rfac``: None, or a
     constant c for the readout role c·r (given r; ``chunked._readout_role``).
     Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru, with b̃
     Z, T, W, and a key-vector decay's hierarchy) are for the VJP only and take no cotangent."""
+    matrix, compile, inv_base = t.gpu_forms, t.compile, t.inverse_base
+    kern = t if t.chunk_kernels else None
     Geo = KeyDecay if key else ScalarDecay
     if key and kern:  # the pair kernels need K % 32 == 0, known at the first call: chosen per call below
         Geo = _key_geo(kern)
     nres = 5 if delta else 2
 
     def fwd(S0, r, u, w, l, bt=None):
-        geo = Geo(l)
+        geo = Geo(l, t)
         y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base, kern, out, rfac)
         return (y, S_end) + res + tuple(geo.saved())
 
@@ -527,7 +457,7 @@ def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
         if out is not None:
             dy = core_layout(dy, *r.shape[-3:-1], l.dtype)
-        dS0, dr, du, dw, dl, dbt = _backward(Geo(l, geo_saved), r, u, w, bt, res, dy, dS_end, compose, matrix, kern,
+        dS0, dr, du, dw, dl, dbt = _backward(Geo(l, t, geo_saved), r, u, w, bt, res, dy, dS_end, compose, matrix, kern,
                                              rfac)
         grads = (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
         return tuple(g.astype(x.dtype) for g, x in zip(grads, a))  # a 16-bit role (``role_dtype``) takes its own type

@@ -22,6 +22,7 @@ import numpy as np
 import sympy as sp
 
 from ..spec import ir
+from ..spec.analysis import analyze
 from ..spec.features import sympow_pairs
 from ..spec.fns import logsigmoid, sigmoid
 
@@ -32,13 +33,13 @@ def _mx():
     return mx
 
 
-def mlx_module() -> dict:
-    """The name table lambdify uses: gates and elementary functions as MLX ops."""
+def mlx_module(pow2_exp: bool = False) -> dict:
+    """The name table lambdify uses: gates and elementary functions as MLX ops (``pow2_exp``: ``core.exp``'s)."""
     mx = _mx()
-    from .core import exp  # mx.exp, or its faster CPU form
+    from .core import exp
 
     return {
-        "exp": exp, "log": mx.log, "sqrt": mx.sqrt, "tanh": mx.tanh, "sin": mx.sin, "cos": mx.cos,
+        "exp": lambda x: exp(x, pow2_exp), "log": mx.log, "sqrt": mx.sqrt, "tanh": mx.tanh, "sin": mx.sin, "cos": mx.cos,
         "Abs": mx.abs, "abs": mx.abs, "sign": mx.sign, "Max": mx.maximum, "Min": mx.minimum,
         "sigmoid": mx.sigmoid,
         "softplus": lambda x: mx.logaddexp(x, 0.0),
@@ -60,8 +61,7 @@ def log_decay_expr(decay: sp.Expr) -> sp.Expr:
     return e
 
 
-KEY_ROLES = ("a", "b", "u", "r", "zdecay", "zupdate")
-VALUE_ROLES = ("w", "skip")
+KEY_ROLES, VALUE_ROLES = ir.KEY_ROLES, ir.VALUE_ROLES
 
 
 @dataclass(frozen=True)
@@ -82,54 +82,26 @@ class Plan:
     # (every built-in's r = scale·q): the chunked core then takes x as it is and applies c inside (``core_fn``'s rfac)
 
 
-def _classify(rec: ir.Recurrence, expr: sp.Expr) -> str:
-    idx = rec.free_indices(expr)
-    if not idx:
-        return "scalar"
-    if idx == (ir.I,):
-        return "key"
-    return "full"
-
-
 @lru_cache(maxsize=64)
-def plan(rec: ir.Recurrence) -> Plan:
+def plan(rec: ir.Recurrence, pow2_exp: bool = False) -> Plan:
+    """The roles of ``rec`` as MLX functions (``pow2_exp``: see ``core.exp``)."""
     syms = tuple(rec.symbols) + (ir.SCALE,)
-    mod = [mlx_module()]
+    mod = [mlx_module(pow2_exp)]
     lam = lambda e: sp.lambdify(syms, e, modules=mod)  # noqa: E731
     terms = rec.terms()
+    a = analyze(rec)
     fns = {role: lam(e) for role, e in terms.items() if role not in ("decay", "zdecay")}
     fns["logdecay"] = lam(log_decay_expr(terms["decay"]))
-    decay_class = _classify(rec, terms["decay"])
-    zclass, N, fuse = None, None, False
+    N = None
     norm = rec.step.normalizer
     if norm is not None:
         fns["zlogdecay"] = lam(log_decay_expr(norm.decay))
-        zclass = _classify(rec, norm.decay)
         N = sp.lambdify((ir.N_ARG,), norm.fn, modules=mod)
-        fuse = (rec.step.transition is None and decay_class != "full"
-                and sp.simplify(norm.decay - terms["decay"]) == 0 and sp.simplify(norm.update - terms["u"]) == 0)
-    has_rho, rho_pow2 = False, None
-    tr = rec.step.transition
-    if tr is not None and sp.sympify(terms["u"]) != 0:
-        rho = sp.simplify(sp.sympify(tr.a) / terms["u"])
-        if not rec.free_indices(rho) and rho.is_finite is not False and not rho.has(sp.zoo, sp.nan):
-            fns["rho"] = lam(rho)
-            has_rho = True
-            if rho.is_Number and rho != 0 and float(np.log2(abs(float(rho)))).is_integer():
-                rho_pow2 = float(rho)
-    bare = tuple((role, e) for role, e in terms.items()
-                 if role in KEY_ROLES + VALUE_ROLES and isinstance(e, sp.Symbol) and e in rec.symbols)
-    return Plan(rec, syms, fns, decay_class, zclass, N, fuse, has_rho, bare, rho_pow2, _scaled(rec, terms.get("r")))
-
-
-def _scaled(rec: ir.Recurrence, e) -> tuple | None:
-    """(x, c as a function of the scale) where e = c·x for an input symbol x and c free of every input, else None."""
-    if e is None:
-        return None
-    c, x = sp.sympify(e).as_independent(*rec.symbols, as_Add=False)
-    if not (isinstance(x, sp.Symbol) and x in rec.symbols) or c == 1 or not c.free_symbols <= {ir.SCALE}:
-        return None
-    return x, sp.lambdify((ir.SCALE,), c)
+    if a.rho is not None:
+        fns["rho"] = lam(a.rho)
+    r_scaled = None if a.r_scaled is None else (a.r_scaled[0], sp.lambdify((ir.SCALE,), a.r_scaled[1]))
+    return Plan(rec, syms, fns, a.decay_class, a.zdecay_class, N, a.fuse_z, a.delta_rule, a.bare_roles, a.rho_pow2,
+                r_scaled)
 
 
 # -- binding -----------------------------------------------------------------------------------

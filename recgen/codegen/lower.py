@@ -10,19 +10,15 @@ The plan holds sympy expressions; ``render`` prints them through a dialect.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 import sympy as sp
 
+from ..errors import UnsupportedKernel
 from ..math import adjoint as adj
 from ..spec import ir
 from ..spec.layouts import Sizes
-
-
-class UnsupportedKernel(NotImplementedError):
-    """The spec has a term the recurrent kernels do not generate yet; the message says which."""
 
 
 @dataclass(frozen=True)
@@ -55,10 +51,6 @@ class KernelPlan:
     C: int
     fwd: Layout
     bwd: Layout
-
-    @property
-    def decay_index(self) -> tuple[str, ...]:
-        return self.rec.free_indices(self.rec.terms()["decay"])
 
     def template(self, layout: Layout) -> dict[str, int]:
         """Template constants of a kernel (shape registers; a change recompiles)."""
@@ -106,14 +98,18 @@ def choose_layouts(K: int, V: int) -> tuple[Layout, Layout, int]:
     return Layout(lk_f, cpl_f, wv_f), Layout(lk_b, 1, wv_b), C
 
 
-def plan(rec: ir.Recurrence, sizes: Sizes, decode: bool | None = None) -> KernelPlan:
+def plan(rec: ir.Recurrence, sizes: Sizes, decode: bool | None = None,
+         fwd_layout: tuple[int, int, int] | None = None) -> KernelPlan:
     """The kernel plan of ``rec`` for the register-shaping sizes of a call (B and T are runtime;
-    decoding, T = 1 unless ``decode`` says otherwise, gets its own memory-bound lane mapping)."""
-    return _plan(rec, sizes.K, sizes.Kin, sizes.V, sizes.H, sizes.Hk, sizes.T == 1 if decode is None else decode)
+    decoding, T = 1 unless ``decode`` says otherwise, gets its own memory-bound lane mapping).
+    ``fwd_layout`` (LK, CPL, WV) forces the forward's lane mapping (``Tuning.fwd_layout``: layout sweeps)."""
+    return _plan(rec, sizes.K, sizes.Kin, sizes.V, sizes.H, sizes.Hk, sizes.T == 1 if decode is None else decode,
+                 fwd_layout)
 
 
 @lru_cache(maxsize=128)
-def _plan(rec: ir.Recurrence, K: int, Kin: int, V: int, H: int, Hk: int, decode: bool = False) -> KernelPlan:
+def _plan(rec: ir.Recurrence, K: int, Kin: int, V: int, H: int, Hk: int, decode: bool = False,
+          fwd_layout: tuple | None = None) -> KernelPlan:
     if rec.features:
         raise UnsupportedKernel(f"{rec.name}: feature maps ({', '.join(f.name for f in rec.features)}) have no "
                                 "recurrent kernel yet; use backend='mlx'")
@@ -125,11 +121,10 @@ def _plan(rec: ir.Recurrence, K: int, Kin: int, V: int, H: int, Hk: int, decode:
         C = max(2, C // 2)
     if decode and K % 4 == 0 and V % 4 == 0:
         # one step: only the state's read and write matter. 4 row lanes x 8 column lanes with 4 adjacent
-        # columns each, moved as 16-byte vectors (fastest of the mappings swept in runs 7 and 11)
+        # columns each, moved as 16-byte vectors (the fastest of the decode mappings swept on the H100)
         fwd = Layout(4, 4, max(1, min(4, -(-V // 32))))
-    forced = os.environ.get("RECGEN_FWD_LAYOUT")  # "LK,CPL,WV": for layout sweeps in benchmarks
-    if forced:
-        fwd = Layout(*map(int, forced.split(",")))
+    if fwd_layout:
+        fwd = Layout(*fwd_layout)
     return KernelPlan(rec, adj.derive(rec), K, Kin, V, H, Hk, C, fwd, bwd)
 
 

@@ -12,21 +12,22 @@ from functools import lru_cache
 
 import jinja2
 
-from .. import __version__
+from ..version import __version__
 from ..math import adjoint as adj
 from ..spec import ir
+from ..spec.analysis import analyze
 from .backends.dialect import Dialect
 from .lower import KernelPlan, Layout, names
 from .printer import kprint
 
 ROLE_VAR = {"a": "ra_", "b": "rb_", "u": "ru_", "r": "rr_", "w": "rw_", "skip": "rs_", "zdecay": "rzd_",
             "zupdate": "rzu_"}
-KEY_ROLES = ("a", "b", "u", "r", "zdecay", "zupdate")
 REPLICATED = ("zdecay", "zupdate")  # adjoints held identically by every column lane: counted by column 0 only
 
 
 @lru_cache(maxsize=1)
-def _env() -> jinja2.Environment:
+def template_env() -> jinja2.Environment:
+    """The one jinja environment of every kernel frame (strict: an undefined name is an error)."""
     return jinja2.Environment(loader=jinja2.PackageLoader("recgen.codegen", "templates"), undefined=jinja2.StrictUndefined,
                               trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
 
@@ -50,7 +51,7 @@ class KernelSource:
 def _decay(plan: KernelPlan, d: Dialect) -> dict:
     """How the decay is computed (once per step, per row, per column or per element) and adjoined."""
     expr = kprint(plan.rec.terms()["decay"], d, names(plan.rec))
-    kind = {(): "scalar", (ir.I,): "row", (ir.J,): "col", (ir.I, ir.J): "elem"}[plan.decay_index]
+    kind = analyze(plan.rec).decay_kind
     adj_sum = "dS_[r][c] * Ss_[s][r][c]"
     return {
         "scalar": {"decl": f"const float D_ = {expr};", "elem": "D_",
@@ -135,7 +136,7 @@ def _context(plan: KernelPlan, d: Dialect, layout: Layout, banner: str) -> dict:
         "keys": [{"name": x.name, "heads": heads[x.kind][0], "head": heads[x.kind][1]}
                  for x in rec.inputs if x.kind in heads],
         "values": [x.name for x in rec.inputs if x.kind == "value"],
-        "key_roles": [{"var": ROLE_VAR[r], "expr": kprint(terms[r], d, nm)} for r in KEY_ROLES if r in terms],
+        "key_roles": [{"var": ROLE_VAR[r], "expr": kprint(terms[r], d, nm)} for r in ir.KEY_ROLES if r in terms],
         "value_roles": [{"var": ROLE_VAR[r], "expr": kprint(terms[r], d, nm)} for r in ("w", "skip") if r in terms],
         "decay": _decay(plan, d),
         "transition": "a" in terms, "skip": "skip" in terms,
@@ -158,7 +159,7 @@ def kernel_name(plan: KernelPlan, d: Dialect, kind: str, body: str) -> str:
 
 def forward_source(plan: KernelPlan, d: Dialect) -> KernelSource:
     ctx = _context(plan, d, plan.fwd, f"recurrent forward of {plan.rec.name}: state in registers for all T steps")
-    body = _env().get_template("recurrent_fwd.j2").render(**ctx)
+    body = template_env().get_template("recurrent_fwd.j2").render(**ctx)
     norm = plan.rec.has_normalizer
     ins = tuple(f"{x.name}_in" for x in plan.rec.inputs) + ("rt", "scale_in", "h0") + (("z0",) if norm else ())
     outs = ("o", "ht", "ckpt") + (("zt", "ckptz") if norm else ())
@@ -170,7 +171,7 @@ def forward_source(plan: KernelPlan, d: Dialect) -> KernelSource:
 def backward_source(plan: KernelPlan, d: Dialect) -> KernelSource:
     ctx = _context(plan, d, plan.bwd, f"recurrent backward of {plan.rec.name}: per chunk, recompute then sweep back")
     ctx.update(contribs=_contribs(plan, d, ctx["decay"]["kind"]))
-    body = _env().get_template("recurrent_bwd.j2").render(**ctx)
+    body = template_env().get_template("recurrent_bwd.j2").render(**ctx)
     norm = plan.rec.has_normalizer
     ins = (tuple(f"{x.name}_in" for x in plan.rec.inputs) + ("rt", "scale_in", "ckpt", "do_in", "dht")
            + (("ckptz", "dhtz", "ydo_in") if norm else ()))

@@ -23,8 +23,7 @@ import sympy as sp
 
 from ..spec import ir
 
-ROLE_DOMAIN = {"decay": (ir.I, ir.J), "a": (ir.I,), "b": (ir.I,), "u": (ir.I,), "w": (ir.J,),
-               "r": (ir.I,), "zdecay": (ir.I,), "zupdate": (ir.I,), "skip": (ir.J,)}
+ROLE_DOMAIN = ir.ROLE_DOMAIN
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,10 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from ..errors import SpecError
+
 I, J = "i", "j"
 SCALE = sp.Symbol("scale", positive=True)  # the runtime readout scale; None -> Kin**-0.5
-
-
-class SpecError(ValueError):
-    """A malformed recurrence: the message names the offending term and why."""
 
 
 @dataclass(frozen=True)
@@ -235,10 +233,9 @@ class Recurrence:
                             f"{ROLE_NAMES[used_feat]} uses a feature map: the state rows must be one space")
 
     def __call__(self, *args, **kwargs):
-        """Run as an MLX op: ``o, final_state = spec(q, k, v, ..., output_final_state=True)``."""
-        from ..ops import load
-
-        return load(self)(*args, **kwargs)
+        """A spec is data: the op that runs it is ``recgen.load(spec)`` (the IR knows no runtime)."""
+        raise TypeError(f"a Recurrence is a spec, not an op: run it as recgen.load({self.name})(...) "
+                        f"(built-ins: recgen.ops.{self.name})")
 
     def __repr__(self) -> str:  # readable, one term per line
         lines = [f"Recurrence {self.name} [{self.spec_hash()}]"]
@@ -251,6 +248,12 @@ class Recurrence:
 
 
 KIND_INDEX = {"scalar": (), "key": (I,), "key_gate": (I,), "value": (J,)}
+
+# The domain of each role of the step: the decay lives on (i, j), key-side roles on i, value-side ones on j.
+ROLE_DOMAIN = {"decay": (I, J), "a": (I,), "b": (I,), "u": (I,), "w": (J,), "r": (I,), "zdecay": (I,),
+               "zupdate": (I,), "skip": (J,)}
+KEY_ROLES = tuple(r for r, d in ROLE_DOMAIN.items() if d == (I,))
+VALUE_ROLES = tuple(r for r, d in ROLE_DOMAIN.items() if d == (J,))
 
 ROLE_NAMES = {"decay": "decay D", "a": "transition a", "b": "transition b", "u": "update u",
               "w": "update w", "r": "readout r", "zdecay": "normalizer decay d",

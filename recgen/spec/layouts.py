@@ -8,11 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..errors import InputError
 from . import ir
-
-
-class InputError(ValueError):
-    """A call with wrong shapes, dtypes, values or sizes; the message names the argument."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +58,13 @@ LAYOUT = {"scalar": ("B", "T", "H"), "key": ("B", "T", "Hk", "Kin"), "key_gate":
           "value": ("B", "T", "H", "V")}
 
 
+def input_dims(x: ir.Input) -> tuple[str, ...]:
+    """The named axes of input ``x``: ``LAYOUT`` for per-token inputs, [H, K|V...] for a parameter."""
+    if x.kind == "param":
+        return ("H",) + tuple({"i": "K", "j": "V"}[c] for c in x.index)
+    return LAYOUT[x.kind]
+
+
 def infer_sizes(rec: ir.Recurrence, shapes: dict[str, tuple[int, ...]]) -> Sizes:
     """The sizes of a call; raises InputError naming the first argument that does not fit."""
     return _infer(rec, tuple(sorted((k, tuple(v)) for k, v in shapes.items())))
@@ -78,10 +82,7 @@ def _infer(rec: ir.Recurrence, items: tuple) -> Sizes:
     u = _Unifier()
     for x in rec.inputs:
         shape = tuple(shapes[x.name])
-        if x.kind == "param":
-            dims = ("H",) + tuple({"i": "K", "j": "V"}[c] for c in x.index)
-        else:
-            dims = LAYOUT[x.kind]
+        dims = input_dims(x)
         _expect(x.name, shape, len(dims), "[" + ",".join(dims) + "]")
         for dim, n in zip(dims, shape):
             if n <= 0 and dim not in ("T", "B"):

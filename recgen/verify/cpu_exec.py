@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .msl_source import ATTRIBUTE_TYPES, Kernel, pick_kernel, rewrite_for_clang
+from ..tuning import child_environment, verify_cache
 from .typecheck import find_clang
 
 HERE = Path(__file__).resolve().parent
@@ -117,7 +118,7 @@ int main(int argc, char** argv) {{
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("RECGEN_VERIFY_CACHE", Path(tempfile.gettempdir()) / "recgen_msl_cache"))
+    d = Path(verify_cache() or Path(tempfile.gettempdir()) / "recgen_msl_cache")
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -222,8 +223,7 @@ def run_msl(source: str, kernel_name: str | None, inputs: dict, outputs: dict, g
             Path(tmp, f"b{i}.bin").write_bytes(files.get(i, b""))
         argv = [str(exe), tmp, *map(str, _pad3(grid)), *map(str, _pad3(threadgroup)),
                 *(str(tgm[i]) for i in range(ntg))]
-        env = {**os.environ, **_ENV}
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_environment(**_ENV))
         log = p.stdout + p.stderr
         if p.returncode != 0 or "runtime error:" in log or "WARNING: ThreadSanitizer" in log:
             raise MSLRuntimeError(_summary(k.name, sanitizer, p.returncode, log), p.returncode, log)

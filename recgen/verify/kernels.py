@@ -4,7 +4,7 @@ For a spec and numpy inputs (IR layouts): render the recurrent forward and backw
 capture the exact source MLX would compile (``capture``), type-check it with address spaces
 (``typecheck``), lint it against Apple-GPU limits (``limits``), run it on the CPU emulator
 (``cpu_exec``, optionally under ASan/UBSan or TSan) with the very launch recipe the MLX op uses
-(``kernel_op.forward_launch`` / ``backward_launch``), and finish the gradients as the op does.
+(``runtime.recurrent.forward_launch`` / ``backward_launch``), and finish the gradients as the op does.
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _host(v):
 
 
 def run_launch(launch: Launch, inputs: dict, sanitizer=None, report: Report | None = None) -> list[np.ndarray]:
-    """Any Metal ``Launch`` (e.g. ``recgen.chunked.kernels``) through every layer; ``inputs`` maps
+    """Any Metal ``Launch`` (e.g. ``recgen.runtime.chunk_kernels``) through every layer; ``inputs`` maps
     the source's buffer names (runtime ones excluded) to numpy arrays, or mx arrays where a buffer's type
     should be theirs (bfloat16, float16). Returns its outputs."""
     return _run(launch, inputs, {}, report if report is not None else Report(), sanitizer)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from recgen.testing import rel_err
+
 from .delta_net import delta_net, delta_net_bwd
 from .gated_delta_net import gated_delta_net, gated_delta_net_bwd
 from .gla import gla, gla_bwd
@@ -25,13 +27,6 @@ CASE_IDS = ["T1-Hk1-H2", "T5-Hk1-H2", "T5-Hk2-H4-scale"]
 
 
 # ----------------------------------------------------------------------------- helpers
-def rel_err(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    nb = np.linalg.norm(b)
-    return np.linalg.norm(a - b) / nb if nb > 0 else np.linalg.norm(a)
-
-
 def cs_grad(loss, inp, key):
     """Complex-step gradient of the real scalar loss(inp) w.r.t. inp[key], element-wise."""
     x = np.asarray(inp[key], dtype=np.float64)

@@ -8,7 +8,7 @@ __device__ __forceinline__ float rg_logsigmoid(float x) { return -rg_softplus(-x
 """
 
 # The warp's tensor cores: one mma.sync m16n8k8 on TF32 operands (rounded to nearest), FP32 accumulators.
-# TF32 is what MLX's own float32 GEMMs use on this backend (cuBLAS sm90 tf32 kernels, run 43).
+# TF32 is what MLX's own float32 GEMMs use on this backend (cuBLAS sm90 tf32 kernels).
 MMA_PRELUDE = """\
 __device__ __forceinline__ unsigned rg_tf32(float x) {
   unsigned u;
@@ -36,8 +36,5 @@ CUDA = Dialect(
     dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"},
     prelude=PRELUDE,
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE,
-    mma_scan=True,  # H100, runs 49-55: scan 1.0 -> 0.58 ms fwd, 1.2 -> 0.72 ms bwd; GDN fwd 4.43 -> 3.70 ms (run 49)
-    mma_env="MLX_ENABLE_TF32",
-    chunk_kernels=True,  # H100, runs 36-38: GDN chunked forward 4.40 vs 5.47 ms, fwd+bwd 16.8 vs 18.8 ms
-    chunked_backward_min_t=1024,  # H100, run 33: 1.1-2.9x faster from T=1024 (GLA at D=64: 0.85x), 1.6-4x at 4096
+    standalone_dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}, restrict=" __restrict__",
 )

@@ -1,4 +1,4 @@
-"""The schema of a backend: names, spellings and measured tuning constants only, no logic.
+"""The schema of a backend: names, spellings and capabilities only, no logic and no tuning (``recgen.tuning``).
 
 Shared code never asks which backend it renders for; it reads these fields. A field holding
 ``{x}``-style placeholders is a spelling with holes, filled by ``str.format``.
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one table per backend: identity is equality, and it hashes for caches
 class Dialect:
     name: str
     ext: str                      # file extension of standalone sources
@@ -32,16 +32,7 @@ class Dialect:
     # {a} float[4] of A, {b} float[2] of B, {lane} the lane index. ``mma_prelude`` defines it.
     mma: str
     mma_prelude: str
+    standalone_dtypes: dict       # dtype name -> buffer element type in a standalone source (``recgen emit``)
+    constant_space: str = ""      # address space of small read-only buffers in a standalone signature
+    restrict: str = ""            # pointer qualifier of buffers in a standalone signature
     float_suffix: str = "f"       # float literal suffix
-    # From this sequence length on, a kernel op's VJP defaults to the chunked backward (recgen.ops);
-    # a measured tuning constant per backend, None where it has not been measured (never by default).
-    chunked_backward_min_t: int | None = None
-    # Whether the chunked core uses the generated chunk kernels (recgen.chunked.kernels) on this
-    # backend's GPUs by default: a measured choice, False where it has not been measured on hardware.
-    chunk_kernels: bool = False
-    # Whether the chunk scan runs on ``mma`` (chunk_scan_mma.j2) rather than on FMAs (chunk_scan.j2)
-    # where the sizes allow: a measured choice; False where ``mma`` is only a reference spelling.
-    mma_scan: bool = False
-    # An environment switch that, set to "0", keeps the scan on FMAs: CUDA's fragments round their
-    # operands to TF32, so the scan follows MLX's own switch for TF32 in float32 GEMMs.
-    mma_env: str | None = None

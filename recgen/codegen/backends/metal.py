@@ -9,7 +9,7 @@ inline float rg_logsigmoid(float x) { return -rg_softplus(-x); }
 """
 
 # A reference spelling of the 16x8x8 fragment multiply-add in the PTX m16n8k8 layout, by SIMD
-# shuffles in FP32: correct on any Apple GPU but slow, so ``mma_scan`` stays False here; it lets the
+# shuffles in FP32: correct on any Apple GPU but slow, so the tuning keeps the FMA scan there; it lets the
 # CPU emulator verify the layout-dependent indexing of chunk_scan_mma.j2 that CUDA runs on tensor
 # cores. (simdgroup_matrix keeps its 8x8 layout opaque, so it cannot stand in for these fragments.)
 MMA_PRELUDE = """\
@@ -39,4 +39,5 @@ METAL = Dialect(
     dtypes={"float32": "float", "float16": "half", "bfloat16": "bfloat16_t"},
     prelude=PRELUDE,
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE,
+    standalone_dtypes={"float32": "float", "float16": "half", "bfloat16": "bfloat"}, constant_space="constant ",
 )

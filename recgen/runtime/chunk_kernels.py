@@ -1,0 +1,226 @@
+"""The chunk kernels called from MLX: launch recipes (shared with the Metal emulator) and the calls.
+
+Which kernels run is read from the ``Tuning`` passed as ``t`` (the dispatcher's, after the self-test of
+``recgen.runtime.probe``): ``t.dialect`` renders them, ``t.mma_scan`` puts the scan on fragments where a layout
+exists, ``t.fused_readout`` / ``t.fused_ut`` fuse the scalar-decay readout and UT transform, and the tuned layout
+constants (``scan_bv``, ``out_bv``, ``ut_bw``) shape them. What each kernel computes:
+``recgen.codegen.chunk_sources``.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from ..codegen.backends import get
+from ..codegen.chunk_sources import (BV, WPT, ScanVariant, inverse_source, out_mma_layout, out_mma_source,
+                                     pair_grad_source, pair_source, pair_supported, scan_layout, scan_mma_layout,
+                                     scan_source, ut_mma_layout, ut_mma_source)
+from ..tuning import Tuning
+from .launch import Launch, mlx_call
+
+
+# -- which kernels run ----------------------------------------------------------------------------
+def use_mma(t: Tuning, C: int, K: int, V: int) -> bool:
+    """The scan on fragments: where the tuning asks for it, a fragment layout exists for (C, K, V) and it fits
+    threadgroup memory."""
+    lay = scan_mma_layout(C, K, V, t.scan_bv)
+    return t.mma_scan and lay is not None and (K + C) * lay["LD"] * 4 <= get(t.dialect).smem_bytes
+
+
+def fuses_readout(t: Tuning, C: int, K: int, V: int) -> bool:
+    """Whether the scalar-decay readout y = (r ⊙ P) S_c + M_ru Z runs as the fragment kernel (``chunk_out``)."""
+    return t.mma_scan and t.fused_readout and out_mma_layout(t.dialect, C, K, V, t.out_bv) is not None
+
+
+def fuses_ut(t: Tuning, C: int, K: int, V: int) -> bool:
+    """Whether the delta rule's UT transform (A = M_b̃u, T = (I − A)^{-1}, U = T w, W = T (b̃ ⊙ P)) runs as the
+    fragment kernel (``chunk_ut``) for a scalar decay."""
+    return t.mma_scan and t.fused_ut and ut_mma_layout(t.dialect, C, K, V, t.ut_bw) is not None
+
+
+def scan_fuses_products(t: Tuning, C: int, K: int, V: int, has_b: bool) -> bool:
+    """Whether ``chunk_scan`` takes an E term as its factors (the fragment frame, with a B term) rather than as a
+    product MLX forms first. Without B the scan is otherwise elementwise and the fused product only adds latency
+    to its sequential steps (measured slower); with B (delta rules) it is faster and saves E's memory."""
+    return has_b and use_mma(t, C, K, V)
+
+
+def scan_supported(t: Tuning, C: int, K: int) -> bool:
+    """Whether the FMA scan has a layout for (C, K) (K a multiple of 4, tiles within threadgroup memory)."""
+    try:
+        scan_layout(t.dialect, C, K)
+    except ValueError:
+        return False
+    return True
+
+
+# -- launch recipes (shared with the Metal emulator) -----------------------------------------------
+@lru_cache(maxsize=256)
+def inverse_launch(dialect: str, N: int, C: int) -> Launch:
+    src = inverse_source(dialect)
+    return Launch(src, (), (((N, C, C), "float32"),), (N * C, 1, 1), (C, 1, 1), (("C", C),))
+
+
+def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, v: ScanVariant, dgp_cols: int = 0) -> tuple:
+    outs = (((BH, n, K, V), "float32"), ((BH, n, C, V) if v.a else (1,), "float32"), ((BH, K, V), "float32"))
+    return outs + ((((BH, n, dgp_cols, K), "float32"),) if v.dg else ())
+
+
+@lru_cache(maxsize=256)
+def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V: int, F: int,
+                most_bv: int = 32) -> Launch:
+    """The scan of variant ``v`` over BH (batch, head) pairs of n chunks: the fragment frame where ``v.mma``
+    (``most_bv``: its widest column tile), else the FMA frame."""
+    src = scan_source(dialect, v)
+    if v.mma:
+        lay = scan_mma_layout(C, K, V, most_bv)
+        if lay is None:
+            raise ValueError(f"chunk_scan_mma: C={C}, K={K} must be multiples of 16 and V={V} of 8")
+        nt = 32 * lay["NW"]
+        tmpl = (("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items())
+        return Launch(src, (("rt", (n,), "int32"),), _scan_outputs(BH, n, C, K, V, v, V // lay["BV"]),
+                      (V // lay["BV"] * nt, BH, 1), (nt, 1, 1), tmpl)
+    lay = scan_layout(dialect, C, K)
+    tmpl = (("C", C), ("K", K), ("V", V), ("F", F), ("BV", BV)) + tuple(lay.items())
+    return Launch(src, (("rt", (n,), "int32"),), _scan_outputs(BH, n, C, K, V, v), (-(-V // BV) * lay["NT"], BH, 1),
+                  (lay["NT"], 1, 1), tmpl)
+
+
+@lru_cache(maxsize=256)
+def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | None = None, most_bv: int = 128) -> Launch:
+    """``yt`` = (H, n, dtype name): y as [N / (H n), n C, H, V] of that type (N = B H n chunks), else [N, C, V] float32."""
+    lay = out_mma_layout(dialect, C, K, V, most_bv)
+    if lay is None:
+        raise ValueError(f"chunk_out_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8")
+    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items())
+    y = ((N, C, V), "float32")
+    if yt is not None:
+        H, n, dt = yt
+        tmpl += (("H", H), ("NCH", n), ("OT", dt))
+        y = ((N // (H * n), n * C, H, V), dt)
+    nt = 2 * C  # C / 16 SIMD groups of 32
+    return Launch(out_mma_source(dialect, yt is not None), (), (y, ((N, C, C), "float32")),
+                  (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
+
+
+@lru_cache(maxsize=256)
+def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 128) -> Launch:
+    lay = ut_mma_layout(dialect, C, K, V, most_bw)
+    if lay is None:
+        raise ValueError(f"chunk_ut_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8, "
+                         f"and the tiles must fit {dialect}'s threadgroup memory")
+    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items())
+    outs = (((N, C, C), "float32"), ((N, C, V), "float32"), ((N, C, K), "float32"))
+    return Launch(ut_mma_source(dialect), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
+
+
+@lru_cache(maxsize=256)
+def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False) -> Launch:
+    if not pair_supported(K):
+        raise ValueError(f"chunk_pair: K={K} must be a multiple of 32")
+    src = (pair_grad_source if grad else pair_source)(dialect, strict)
+    groups = N * C * (2 if grad else 1)
+    outs = (((N, C, K), "float32"), ((N, C, K), "float32")) if grad else (((N, C, C), "float32"),)
+    tmpl = (("C", C), ("K", K), ("RK", K // 32), ("WPT", WPT))
+    return Launch(src, (("rt", (N * C,), "int32"),), outs, (-(-groups // WPT) * WPT * 32, 1, 1), (WPT * 32, 1, 1), tmpl)
+
+
+# -- MLX calls -------------------------------------------------------------------------------------
+def _lead(x, tail: int) -> int:
+    """The number of matrices in x: the product of its shape but the last ``tail`` axes."""
+    return math.prod(x.shape[:-tail])
+
+
+def _call(t: Tuning, launch: Launch, user: list):
+    return mlx_call(launch, get(t.dialect), user, [], t.debug)
+
+
+def tril_inverse(L, t: Tuning):
+    """(I − L)^{-1} for strictly lower L [..., C, C] (float32), by the generated kernel."""
+    N, C = _lead(L, 2), L.shape[-1]
+    (T,) = _call(t, inverse_launch(t.dialect, N, C), [L.reshape(N, C, C)])
+    return T.reshape(L.shape)
+
+
+def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq=None):
+    """carried_c = S,  Y_c = X_c + A_c S,  S ← g_c ⊙ S + B_cᵀ Y_c (+ E_c) over [..., n, ·, ·] operands (leading
+    axes flattened to one (b, h) axis), in order or in reverse.
+    S0 [.., K, V], A (None: Y = X) and Bm (None: no B term) [.., n, C, K], X [.., n, C, V], g [.., n, F] (F = 1 or K),
+    Bq None or row scales of Bm [.., n, C, 1] (the B term is then (Bq ⊙ Bm)ᵀ Y: formed as read where the
+    fragment frame runs, by MLX first otherwise),
+    E None or [.., n, K, V]; P None or the factors (Pa [.., n, C, K], Pb [.., n, C, V]) of one more E term
+    Paᵀ Pb (read as factors by the fragment frame, ``scan_fuses_products``; multiplied out by MLX first
+    otherwise). Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32, and with
+    ``St`` [.., n, K, V] also dg = Σ_j carried ⊙ St [.., n, K] (in the kernel where it fuses products)."""
+    lead = S0.shape[:-2]
+    K, V = S0.shape[-2:]
+    n, C = X.shape[-3], X.shape[-2]
+    F = g.shape[-1]
+    BH = _lead(S0, 2)
+    fuse = scan_fuses_products(t, C, K, V, Bm is not None)
+    if Bq is not None and not fuse:
+        Bm, Bq = Bq * Bm, None
+    if P is not None and not fuse:
+        Pe = P[0].swapaxes(-1, -2) @ P[1]
+        E, P = (Pe if E is None else E + Pe), None
+    dg_here = St is not None and fuse
+    flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
+    user = ([flat(S0, K, V)] + ([flat(A, n, C, K)] if A is not None else []) + [flat(X, n, C, V)]
+            + ([flat(Bm, n, C, K)] if Bm is not None else []) + ([flat(Bq, n, C)] if Bq is not None else [])
+            + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
+            + ([flat(P[0], n, C, K), flat(P[1], n, C, V)] if P is not None else [])
+            + ([flat(St, n, K, V)] if dg_here else []))
+    mma = P is not None or dg_here or Bq is not None or use_mma(t, C, K, V)
+    v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
+                    dg=dg_here, q=Bq is not None, vec=not mma and V % 4 == 0, mma=mma)
+    outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv), user)
+    carried, Y, S_end = outs[0].reshape(*lead, n, K, V), outs[1], outs[2].reshape(*lead, K, V)
+    Y = Y.reshape(*lead, n, C, V) if A is not None else X
+    if St is None:
+        return carried, Y, S_end
+    dg = outs[3].reshape(*lead, n, -1, K).sum(-2) if dg_here else (carried * St).sum(-1)
+    return carried, Y, S_end, dg
+
+
+def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None):
+    """y = (r ⊙ P) S_c + M_ru Z per chunk for a scalar decay (P_t = e^{G_t}, M_ru[t, s] = (r_t · u_s) Γ(t, s),
+    s ≤ t, 0 above), by the fragment kernel: r, u [.., n, C, K], Z [.., n, C, V], states [.., n, K, V], l
+    (log-decays) [.., n, C, 1]. Returns (y [.., n, C, V] float32, M_ru [.., n, C, C]), or with ``out`` (an
+    mx dtype; r then [B, H, n, C, K]) y in the model's layout [B, n C, H, V] and that type. With ``rs`` (a
+    float) the readout role is rs·r, scaled by the kernel (y and M_ru are linear in r)."""
+    import mlx.core as mx
+
+    (n, C, K), V = r.shape[-3:], Z.shape[-1]
+    N = _lead(r, 2)
+    yt = None if out is None else (r.shape[-4], n, str(out).split(".")[-1])
+    y, M = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv),
+                    [r.reshape(N, C, K), u.reshape(N, C, K), Z.reshape(N, C, V), states.reshape(N, K, V),
+                     l.reshape(N, C), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+    return (y if out is not None else y.reshape(*Z.shape)), M.reshape(*r.shape[:-1], C)
+
+
+def chunk_ut(bt, u, w, l, t: Tuning):
+    """The delta rule's UT transform per chunk for a scalar decay, by the fragment kernel: A[t, s] =
+    (b̃_t · u_s) Γ(t, s) for s < t, Tm = (I − A)^{-1}, U = Tm w, W = Tm (b̃ ⊙ P). bt, u [.., n, C, K], w
+    [.., n, C, V], l (log-decays) [.., n, C, 1]. Returns (Tm [.., n, C, C], U [.., n, C, V], W [.., n, C, K])."""
+    (C, K), V = bt.shape[-2:], w.shape[-1]
+    N = _lead(bt, 2)
+    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw),
+                        [bt.reshape(N, C, K), u.reshape(N, C, K), w.reshape(N, C, V), l.reshape(N, C)])
+    return Tm.reshape(*bt.shape[:-1], C), U.reshape(w.shape), W.reshape(bt.shape)
+
+
+def pair(X, Y, dk, strict: bool, t: Tuning):
+    """M [.., C, C] of the key-vector decay pair (see chunk_pair.j2) from X, Y, per-token decays dk [.., C, K]."""
+    N, (C, K) = _lead(X, 2), X.shape[-2:]
+    (M,) = _call(t, pair_launch(t.dialect, N, C, K, strict),
+                    [X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)])
+    return M.reshape(*X.shape[:-1], C)
+
+
+def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning):
+    """(dX, dY) [.., C, K] for the cotangent dM [.., C, C] of ``pair``."""
+    N, (C, K) = _lead(X, 2), X.shape[-2:]
+    dX, dY = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True),
+                      [dM.reshape(N, C, C), X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)])
+    return dX.reshape(X.shape), dY.reshape(Y.shape)

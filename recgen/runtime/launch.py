@@ -1,0 +1,58 @@
+"""The recipe of one kernel call, and the call through MLX.
+
+A ``Launch`` (inputs beyond the user's, output shapes, grid, template values) is shared by MLX and by the
+Metal CPU emulator (``recgen.verify.kernels``), so both run exactly the same thing. MLX is imported when a
+kernel is called, never at import time (MLX raises off Apple silicon when a Metal kernel is built).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..codegen.backends.dialect import Dialect
+from ..codegen.render import KernelSource
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel call: extra runtime inputs, outputs (shape, dtype name), grid, template values."""
+
+    source: KernelSource
+    runtime: tuple         # ((name, values, dtype name), ...): small device arrays made once per value
+    outputs: tuple         # ((shape, dtype name), ...) in source.outputs order
+    grid: tuple
+    threadgroup: tuple
+    template: tuple        # ((name, int | bool | dtype name), ...)
+
+
+@lru_cache(maxsize=256)
+def mlx_kernel(src: KernelSource, factory: str, debug: bool = False):
+    """``mx.fast.<factory>`` for ``src``, built once; with ``debug`` its source is printed as MLX receives it."""
+    import mlx.core as mx
+
+    if debug:
+        print(f"// ---- {src.name} ({factory})\n{src.text}", file=sys.stderr)
+    return getattr(mx.fast, factory)(name=src.name, input_names=list(src.inputs), output_names=list(src.outputs),
+                                     source=src.source, header=src.header)
+
+
+def mlx_call(launch: Launch, dialect: Dialect, user: list, extra: list, debug: bool = False):
+    """Buffers in source order: the user's arrays, the runtime values, then ``extra``."""
+    import mlx.core as mx
+
+    ins = list(user) + list(runtime_arrays(launch.runtime)) + list(extra)
+    return mlx_kernel(launch.source, dialect.mlx_factory, debug)(
+        inputs=ins, output_shapes=[s for s, _ in launch.outputs],
+        output_dtypes=[getattr(mx, dt) for _, dt in launch.outputs], grid=launch.grid,
+        threadgroup=launch.threadgroup,
+        template=[(n, getattr(mx, v) if isinstance(v, str) else v) for n, v in launch.template])
+
+
+@lru_cache(maxsize=256)
+def runtime_arrays(runtime: tuple) -> tuple:
+    """Runtime values (T, B, scale, chunk counts) as small device arrays, made once per distinct value: a
+    host upload per call is not free."""
+    import mlx.core as mx
+
+    return tuple(mx.array(list(v), dtype=getattr(mx, dt)) for _, v, dt in runtime)

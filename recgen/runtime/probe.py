@@ -1,0 +1,146 @@
+"""Checks of this machine, once per process: whether the generated chunk kernels build and compute right on
+this GPU, and whether MLX's CPU matmuls run on a fast BLAS. ``checked(t)`` applies them to a ``Tuning``: a
+choice that fails here is turned off (with a warning for the kernels), so a GPU whose compiler rejects a frame
+still gets the chunked form."""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import replace
+from functools import lru_cache
+
+from ..tuning import Tuning, resolve
+from . import chunk_kernels as ck
+
+PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test: the common case's template constants (compiled once)
+FAST_BLAS_GFLOPS = 30.0  # between the reference BLAS's 6 GFLOP/s and OpenBLAS's 77-95 (2 cores), measured
+
+
+@lru_cache(maxsize=None)
+def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
+    """``t`` with the choices this machine cannot honour turned off: chunk kernels whose self-test fails (the
+    fragment scan falls back to the FMA scan, a failing FMA scan or base frame to MLX ops), and on the CPU
+    the BLAS-dependent choices set from ``cpu_blas`` (measured when the tuning does not say)."""
+    changes: dict = {}
+    if t.device == "cpu" and (t.cpu_blas == "fast" or (t.cpu_blas is None and cpu_blas_fast())):
+        # OpenBLAS takes transposed views as they are; there the elementwise passes over the chunk-entry
+        # states cost more than flops, so key-vector decays take chunks of 32
+        changes.update(copy_transposes=False, key_chunk_size=32)
+    if t.chunk_kernels:
+        if t.dialect is None or not usable(t.dialect, "base", sizes):
+            changes.update(chunk_kernels=False)
+        elif t.mma_scan and usable(t.dialect, "mma", sizes):
+            pass
+        elif usable(t.dialect, "scan", sizes):
+            changes.update(mma_scan=False)
+        else:
+            changes.update(chunk_kernels=False)
+    return replace(t, **changes) if changes else t
+
+
+@lru_cache(maxsize=None)
+def cpu_blas_fast() -> bool:
+    """Whether MLX's CPU matmuls run on an optimised BLAS: a 256×256 float32 product, best of three (~20 ms with
+    the reference BLAS). The ``mlx[cpu]`` Linux wheel links netlib's reference BLAS (~6 GFLOP/s on 2 cores);
+    OpenBLAS preloaded runs 77-95."""
+    import mlx.core as mx
+
+    a = mx.random.normal((256, 256), stream=mx.cpu)
+    mx.eval(a)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        mx.eval(mx.matmul(a, a, stream=mx.cpu))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 256**3 / best / 1e9 > FAST_BLAS_GFLOPS
+
+
+class _InTransform(Exception):
+    """MLX refused to evaluate the probe inside a transformation (its arrays are constants, which MLX
+    evaluates even inside mx.compile, so this is a safety net): try again later."""
+
+
+@lru_cache(maxsize=None)
+def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
+    """Build and run one small instance of a frame's kernels on this machine's GPU, at the template
+    constants of the common case (C = 64, K = V = 128: the very kernels a model then uses, so nothing is
+    compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
+    ``frame``: "base" (the inverse and the key-decay pair), "scan" (the FMA scan) or "mma" (the fragment
+    scan as the forward runs it, B in bf16 with its rows scaled as read; the readout in both output layouts,
+    bf16 in the model's; the UT transform). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
+    then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked call."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    t = resolve("gpu", dialect, environ={}, chunk_kernels=True, mma_scan=frame == "mma")
+    n, C, K, V = sizes
+    f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
+    try:
+        if frame == "base":
+            L = np.tril(0.3 * rng.normal(size=(1, C, C)) / np.sqrt(C), -1)
+            Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
+            got = [ck.tril_inverse(f32(L), t), ck.pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, t)]
+            ref = [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None]]
+        else:
+            S0, X = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V))
+            A, Bm = rng.normal(size=(1, n, C, K)) / K, rng.normal(size=(1, n, C, K)) / C
+            # the fragment frame as the forward runs it: B (u) in bf16, its rows scaled by Bq (Q) as read
+            Bq = np.exp(-0.1 * np.arange(C - 1, -1, -1.0))[None, None].repeat(n, 1)
+            Bm16 = f32(Bm).astype(mx.bfloat16)
+            Bs = np.array(Bm16.astype(mx.float32), np.float64) * Bq[..., None] if frame == "mma" else Bm
+            S, ref_c, ref_y = S0[0], [], []
+            for c in range(n):                   # the scan in float64
+                Y = X[0, c] + A[0, c] @ S
+                ref_c.append(S)
+                ref_y.append(Y)
+                S = 0.5 * S + Bs[0, c].T @ Y
+            g = f32(np.full((1, n, 1), 0.5))
+            got = list(ck.chunk_scan(f32(S0), f32(A), f32(X), Bm16 if frame == "mma" else f32(Bm), g, None,
+                                     t, reverse=False, Bq=f32(Bq)[..., None] if frame == "mma" else None))
+            ref = [np.stack(ref_c)[None], np.stack(ref_y)[None], S[None]]
+            if frame == "mma":  # and the readout, at decay e^-0.1 a token: y = e^{G} R S_c + ((R Uᵀ) ⊙ Γ) X_c
+                R, U = rng.normal(size=(n, C, K)) / K, rng.normal(size=(n, C, K))
+                G = -0.1 * np.arange(1, C + 1)
+                gam = np.tril(np.exp(G[:, None] - G[None, :]))
+                M = (R @ U.swapaxes(-1, -2)) * gam
+                outs = [f32(R), f32(U), f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1))]
+                yref = np.exp(G)[:, None] * (R @ np.stack(ref_c)) + M @ X[0]
+                got = [*got, *ck.chunk_out(*outs, t)]
+                # and in the model's layout and type (B = H = 1: [1, n C, 1, V] bf16)
+                got.append(ck.chunk_out(*(x[None, None] for x in outs), t, mx.bfloat16)[0])
+                ref += [yref, M, yref.reshape(1, n * C, 1, V)]
+                # and the UT transform (A = (-R Uᵀ / K) ⊙ Γ strictly below the diagonal), where its tiles fit
+                if ck.fuses_ut(t, C, K, V):
+                    A = np.tril(-(R @ U.swapaxes(-1, -2)) / K * gam, -1)
+                    T = np.linalg.inv(np.eye(C) - A)
+                    got = [*got, *ck.chunk_ut(f32(-R / K), f32(U), f32(X[0]), f32(np.full((n, C, 1), -0.1)), t)]
+                    ref += [T, T @ X[0], T @ (-R / K * np.exp(G)[:, None])]
+        mx.eval(got)
+    except Exception as e:  # noqa: BLE001 -- any build or launch failure means: do not use this frame
+        if "transformation" in str(e):  # MLX: "[eval] Attempting to eval an array during function transformations"
+            raise _InTransform() from e
+        return f"{type(e).__name__}: {e}"
+    for a, b in zip(got, ref):
+        err = float(np.abs(np.array(a.astype(mx.float32), np.float64) - b).max() / (np.abs(b).max() + 1e-30))
+        if not err < 1e-2:  # TF32 fragments: ~1e-3; a bf16 output: ~4e-3
+            return f"{frame} kernel output off by {err:.1e} relative"
+    return None
+
+
+def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
+    """Whether ``frame``'s kernels pass their self-test (``_probe``) on this machine's GPU, whose dialect
+    ``dialect`` must be; a failure warns once and is remembered (``_failed``: the fragment frame's then
+    keeps the scan on FMAs). Where MLX refuses to evaluate it (inside a transformation) it is assumed to pass."""
+    try:
+        err = _probe(dialect, frame, sizes)
+    except _InTransform:
+        return True
+    if err is not None and (dialect, frame) not in _failed:
+        _failed.add((dialect, frame))
+        what = {"mma": "the fragment scan (the FMA scan is used)"}.get(frame, "the chunk kernels (MLX ops are used)")
+        warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
+    return err is None
+
+
+_failed: set = set()  # (dialect, frame) that failed ``usable`` in this process

@@ -1,0 +1,87 @@
+r"""One analysis of a spec, computed once and passed along: what every later stage asks of its terms.
+
+The decay's index signature decides its kind everywhere (the recurrent kernels compute it once per step, row,
+column or element; the chunked forms take a scalar, key-vector or full form); the transition decides whether
+the chunked core's delta-rule form applies (a = ρ·u with ρ free of the key index); bare and scaled roles let
+the chunked core read an input as it is.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import sympy as sp
+
+from . import ir
+
+KERNEL_KIND = {(): "scalar", (ir.I,): "row", (ir.J,): "col", (ir.I, ir.J): "elem"}  # per step, row, column, element
+CHUNK_CLASS = {(): "scalar", (ir.I,): "key", (ir.J,): "full", (ir.I, ir.J): "full"}  # value-indexed: no matmul form
+
+
+@dataclass(frozen=True)
+class Analysis:
+    rec: ir.Recurrence
+    decay_index: tuple[str, ...]          # free indices of the decay: (), (i,), (j,) or (i, j)
+    zdecay_index: tuple[str, ...] | None  # of the normalizer's decay, or None without one
+    rho: sp.Expr | None                   # ρ where the transition is a = ρ·u with ρ free of the key index
+    rho_pow2: float | None                # ρ when it is a constant ±2^e (the delta rules' -1): ρ·b exact in b's type
+    bare_roles: tuple                     # (role, input symbol) where a role is an input verbatim (GDN's b = k, w = v)
+    r_scaled: tuple | None                # (input symbol x, c as an expression of scale) where the readout is r = c·x
+    fuse_z: bool                          # z rides along S as an extra value column (same decay and update)
+
+    @property
+    def decay_kind(self) -> str:
+        """How the recurrent kernels compute the decay: "scalar", "row", "col" or "elem"."""
+        return KERNEL_KIND[self.decay_index]
+
+    @property
+    def decay_class(self) -> str:
+        """The chunked forms' class of the decay: "scalar", "key" or "full"."""
+        return CHUNK_CLASS[self.decay_index]
+
+    @property
+    def zdecay_class(self) -> str | None:
+        return None if self.zdecay_index is None else CHUNK_CLASS[self.zdecay_index]
+
+    @property
+    def delta_rule(self) -> bool:
+        """A transition the chunked core's WY/UT form covers (a = ρ·u)."""
+        return self.rho is not None
+
+    @property
+    def fast_form(self) -> bool:
+        """Whether the chunked form runs on the parallel core with its written VJP: a scalar or key-vector decay
+        with no transition or a delta-rule one."""
+        return self.decay_class != "full" and (self.rec.step.transition is None or self.delta_rule)
+
+
+@lru_cache(maxsize=256)
+def analyze(rec: ir.Recurrence) -> Analysis:
+    terms = rec.terms()
+    norm = rec.step.normalizer
+    decay_index = rec.free_indices(terms["decay"])
+    zindex = rec.free_indices(norm.decay) if norm is not None else None
+    fuse = (norm is not None and rec.step.transition is None and CHUNK_CLASS[decay_index] != "full"
+            and sp.simplify(norm.decay - terms["decay"]) == 0 and sp.simplify(norm.update - terms["u"]) == 0)
+    rho, rho_pow2 = None, None
+    tr = rec.step.transition
+    if tr is not None and sp.sympify(terms["u"]) != 0:
+        r = sp.simplify(sp.sympify(tr.a) / terms["u"])
+        if not rec.free_indices(r) and r.is_finite is not False and not r.has(sp.zoo, sp.nan):
+            rho = r
+            if r.is_Number and r != 0 and math.log2(abs(float(r))).is_integer():
+                rho_pow2 = float(r)
+    sides = ir.KEY_ROLES + ir.VALUE_ROLES
+    bare = tuple((role, e) for role, e in terms.items() if role in sides and isinstance(e, sp.Symbol) and e in rec.symbols)
+    return Analysis(rec, decay_index, zindex, rho, rho_pow2, bare, _scaled(rec, terms.get("r")), fuse)
+
+
+def _scaled(rec: ir.Recurrence, e) -> tuple | None:
+    """(x, c) where e = c·x for an input symbol x and c free of every input but ``scale``, else None."""
+    if e is None:
+        return None
+    c, x = sp.sympify(e).as_independent(*rec.symbols, as_Add=False)
+    if not (isinstance(x, sp.Symbol) and x in rec.symbols) or c == 1 or not c.free_symbols <= {ir.SCALE}:
+        return None
+    return x, c

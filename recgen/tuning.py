@@ -1,0 +1,207 @@
+"""Every choice recgen makes for speed, as one frozen object per device.
+
+A ``Tuning`` is resolved once per device, from the lowest precedence to the highest:
+
+1. device defaults (``DEVICE_DEFAULTS``: the CPU and GPUs cost different things);
+2. the measured table of the GPU's kernel dialect (``MEASURED``: what was measured faster on that hardware);
+3. the environment (``ENVIRONMENT``: this module is the only one in recgen that reads it);
+4. explicit overrides: ``with recgen.tuning.override(chunk_kernels=False): ...`` (tests, benchmarks).
+
+It is hashable, so caches key on it, and it names intentions only: whether a GPU's generated chunk kernels
+really build and pass their self-test there is checked by the dispatcher (``recgen.runtime.probe.checked``),
+which turns a failing choice off. ``current()`` is the tuning of MLX's default device.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, fields, replace
+
+from .errors import InputError
+
+BACKENDS = ("metal", "cuda", "mlx")
+BACKWARDS = ("recurrent", "chunked")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    device: str                     # "cpu" | "gpu"
+    dialect: str | None = None      # the GPU's kernel dialect ("metal" | "cuda"), None on the CPU
+    backend: str | None = None      # force an op backend ("metal" | "cuda" | "mlx"); None: by device
+    backward: str | None = None     # force a kernel op's backward ("recurrent" | "chunked"); None: by T
+    chunked_backward_min_t: int | None = None  # from this T the kernel op's VJP is the chunked backward
+    debug: bool = False             # finite checks on every call (they sync the host); print kernels when built
+    # -- the chunked form ---------------------------------------------------------------------------
+    chunk_size: int = 16            # default chunk length
+    key_chunk_size: int = 16        # ... for key-vector decays
+    gpu_forms: bool = False         # few large ops (the scan over chunks as one matmul, full-block inverses)
+    compile: bool = False           # mx.compile the chunked stretch and core (fuses elementwise work)
+    inverse_base: int = 1           # block size from which the triangular inverse climbs by block levels
+    pow2_exp: bool = False          # e^x as 2^(x log2 e): MLX's CPU exp is 2-3x slower than its power
+    copy_transposes: bool = False   # materialise a matmul's transposed right operand (the reference BLAS)
+    cpu_blas: str | None = None     # "fast" | "reference"; None: measured once (``runtime.probe``)
+    segment_budget: int | None = None  # bytes of working set a segment may use; None: by device memory
+    # -- generated chunk kernels (GPUs) -------------------------------------------------------------
+    chunk_kernels: bool = False     # the inverse, scans, pair matrices as generated kernels
+    mma_scan: bool = False          # the scan on fragment multiply-adds (tensor cores) rather than FMAs
+    fused_readout: bool = True      # the scalar-decay readout as one fragment kernel (with ``mma_scan``)
+    fused_ut: bool = True           # the delta rule's UT transform as one fragment kernel (with ``mma_scan``)
+    roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
+    scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
+    out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
+    ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
+    # -- the recurrent kernels ----------------------------------------------------------------------
+    fwd_layout: tuple[int, int, int] | None = None  # force the forward lane mapping (LK, CPL, WV): sweeps
+
+
+DEVICE_DEFAULTS = {
+    # On the CPU flops dominate (reference BLAS): loops, small chunks, block inverses, the cheap exp.
+    "cpu": dict(chunk_size=16, key_chunk_size=16, pow2_exp=True, copy_transposes=True,
+                segment_budget=512 * 2**20),
+    # On GPUs MLX spends ~16 us a launch: few large ops, one compiled graph, chunks of 64.
+    "gpu": dict(chunk_size=64, key_chunk_size=64, gpu_forms=True, compile=True, inverse_base=16),
+}
+
+# What was measured faster on each dialect's hardware (docs/design.md and BENCHMARKS.md say where and how).
+MEASURED = {
+    "cuda": dict(chunk_kernels=True, mma_scan=True, chunked_backward_min_t=1024),
+    "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
+}
+
+
+def _flag(text: str) -> bool:
+    return text not in ("0", "", "false", "False")
+
+
+def _choice(name: str, allowed: tuple):
+    def parse(text: str):
+        if text not in allowed:
+            raise InputError(f"{name}={text!r}: expected one of {allowed}")
+        return text
+    return parse
+
+
+def _layout(text: str) -> tuple[int, int, int]:
+    parts = tuple(int(x) for x in text.split(","))
+    if len(parts) != 3:
+        raise InputError(f"RECGEN_FWD_LAYOUT={text!r}: expected LK,CPL,WV")
+    return parts
+
+
+def _roles(text: str) -> str:
+    return {"1": "all", "0": "none"}.get(text, "bare")
+
+
+# variable -> (field, parser). MLX_ENABLE_TF32=0 asks MLX for exact float32 products; the fragment scan rounds
+# its operands to TF32, so it follows MLX's switch.
+ENVIRONMENT = {
+    "RECGEN_BACKEND": ("backend", _choice("RECGEN_BACKEND", BACKENDS)),
+    "RECGEN_BACKWARD": ("backward", _choice("RECGEN_BACKWARD", BACKWARDS)),
+    "RECGEN_DEBUG": ("debug", _flag),
+    "RECGEN_CHUNK_KERNELS": ("chunk_kernels", _flag),
+    "RECGEN_MMA_SCAN": ("mma_scan", _flag),
+    "MLX_ENABLE_TF32": ("mma_scan", lambda text: None if _flag(text) else False),
+    "RECGEN_FUSED_READOUT": ("fused_readout", _flag),
+    "RECGEN_FUSED_UT": ("fused_ut", _flag),
+    "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
+    "RECGEN_INVERSE_BASE": ("inverse_base", int),
+    "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
+    "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),
+    "RECGEN_FWD_LAYOUT": ("fwd_layout", _layout),
+}
+
+
+def from_environment(environ=None) -> dict:
+    """The fields the environment sets (unset and empty variables set nothing)."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    for var, (field, parse) in ENVIRONMENT.items():
+        text = environ.get(var)
+        if text:
+            value = parse(text)
+            if value is not None:
+                out[field] = value
+    return out
+
+
+def resolve(device: str, dialect: str | None = None, environ=None, **overrides) -> Tuning:
+    """Device defaults -> the dialect's measured table -> the environment -> ``overrides``."""
+    if device not in DEVICE_DEFAULTS:
+        raise InputError(f"device {device!r}: expected one of {sorted(DEVICE_DEFAULTS)}")
+    values = dict(DEVICE_DEFAULTS[device])
+    if device == "gpu" and dialect is not None:
+        values.update(MEASURED.get(dialect, {}))
+    values.update(from_environment(environ))
+    values.update(overrides)
+    unknown = set(values) - {f.name for f in fields(Tuning)}
+    if unknown:
+        raise InputError(f"tuning: unknown field(s) {sorted(unknown)}")
+    values.setdefault("dialect", dialect)  # on the CPU only tests name one (the Metal emulator)
+    return Tuning(device=device, **values)
+
+
+_overrides: list[dict] = []
+
+
+@contextlib.contextmanager
+def override(**changes):
+    """Within the block, ``current()`` gives the tuning with ``changes`` applied (innermost wins)."""
+    unknown = set(changes) - {f.name for f in fields(Tuning)}
+    if unknown:
+        raise InputError(f"tuning.override: unknown field(s) {sorted(unknown)}")
+    _overrides.append(changes)
+    try:
+        yield
+    finally:
+        _overrides.pop()
+
+
+def device() -> tuple[str, str | None]:
+    """MLX's default device as ("cpu" | "gpu", the GPU's kernel dialect: Metal first, then CUDA)."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return "cpu", None
+    if mx.metal.is_available():
+        return "gpu", "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "gpu", "cuda"
+    return "gpu", None
+
+
+def current() -> Tuning:
+    """The tuning of MLX's default device, with the active overrides."""
+    dev, dialect = device()
+    merged: dict = {}
+    for ch in _overrides:
+        merged.update(ch)
+    return _cached(dev, dialect, tuple(sorted(merged.items())), _environ_key())
+
+
+def _environ_key() -> tuple:
+    return tuple((var, os.environ.get(var)) for var in ENVIRONMENT)
+
+
+_CACHE: dict = {}
+
+
+def _cached(device, dialect, overrides: tuple, env: tuple) -> Tuning:
+    key = (device, dialect, overrides, env)
+    if key not in _CACHE:
+        _CACHE[key] = resolve(device, dialect, dict(env), **dict(overrides))
+    return _CACHE[key]
+
+
+def verify_cache() -> str | None:
+    """Where the Metal emulator keeps its compiled kernels (``RECGEN_VERIFY_CACHE``), or None for the default."""
+    return os.environ.get("RECGEN_VERIFY_CACHE") or None
+
+
+def child_environment(**extra) -> dict:
+    """This process's environment with ``extra`` set: for a program recgen starts (the emulator)."""
+    return {**os.environ, **extra}
+
+
+def with_changes(t: Tuning, **changes) -> Tuning:
+    """``t`` with some fields replaced (a new object)."""
+    return replace(t, **changes)
