@@ -44,17 +44,24 @@ def test_emission_is_deterministic(tmp_path):
 def test_chunk_kernels_match_golden(target):
     """The generated chunk kernels (MLX form: header and body) with their template constants at the
     GPU shapes (C = 64, K = V = 128): inverse, delta-rule scans (scalar decay) and diagonal scans in both
-    frames (FMA, fragment multiply-adds), the forward fragment scans taking u and Q (``has_q``), pair kernels (key-vector decay), the fragment readout and UT transform (Metal's at C = 32: C = 64 does
+    frames (FMA, fragment multiply-adds), the forward fragment scans taking u and Q (``ScanVariant.q``), pair kernels (key-vector decay), the fragment readout and UT transform (Metal's at C = 32: C = 64 does
     not fit its threadgroup memory)."""
-    from recgen.chunked import kernels as ck
+    from recgen.codegen.chunk_sources import ScanVariant
+    from recgen.runtime import chunk_kernels as ck
+
+    def scans(F, **terms):  # the same scan on FMAs (16-byte columns) and on fragments
+        return [ck.scan_launch(target, ScanVariant(vec=True, **terms), 8, 4, 64, 128, 128, F),
+                ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, F)]
+
+    def mma(**terms):
+        return ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, 1)
 
     launches = ([ck.inverse_launch(target, 8, 64)]
-                + [scan(target, 8, 4, 64, 128, 128, 1, e, e) for e in (False, True)
-                   for scan in (ck.scan_fma_launch, ck.scan_mma_launch)]
-                + [scan(target, 8, 4, 64, 128, 128, 128, False, False, False, True) for scan in (ck.scan_fma_launch, ck.scan_mma_launch)]
-                + [scan(target, 8, 4, 64, 128, 128, 128, True, True, True, False) for scan in (ck.scan_fma_launch, ck.scan_mma_launch)]
-                + [ck.scan_mma_launch(target, 8, 4, 64, 128, 128, 1, False, True, True, True, True, True)]
-                + [ck.scan_mma_launch(target, 8, 4, 64, 128, 128, 1, False, False, has_a, True, has_q=True) for has_a in (True, False)]
+                + [x for e in (False, True) for x in scans(1, e=e, reverse=e)]
+                + scans(128, a=False, b=True)
+                + scans(128, e=True, reverse=True, a=True, b=False)
+                + [mma(reverse=True, p=True, dg=True)]
+                + [mma(a=a, q=True) for a in (True, False)]
                 + [ck.pair_launch(target, 8, 64, 128, strict, grad) for strict in (False, True) for grad in (False, True)]
                 + [ck.out_mma_launch(target, 8, 64, 128, 128), ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"))]
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128)])

@@ -50,11 +50,9 @@ from .terms import KEY_ROLES, bind, evaluate, plan
 
 __all__ = ["forward", "naive_loop", "supported", "fast_form", "segment_budget"]
 
-# Peak fwd+bwd bytes per token ≈ factor × 4·B·H·(K + V + C), inputs and gradients included. Measured on the
-# CPU (C = 16, B=2, H=4, K=V=64, T = 1024-4096, one segment; 2026-11-23): GDN 26.5, simple GLA 23.7, delta_net
-# 21.9, GLA 27.0-29.2. Key-vector decays were once 55 (the hierarchy kept more): a factor of 60 left over from then
-# cut GLA at T = 2048 into two segments under the CPU's 512 MiB budget, and the second recomputation made its
-# fwd+bwd 1.9x slower (429 against 224 ms) to save 62 MiB.
+# Peak fwd+bwd bytes per token ≈ factor × 4·B·H·(K + V + C), inputs and gradients included, measured on the CPU
+# (C = 16, K = V = 64, one segment): about 22-27 for scalar decays and 27-29 for key-vector ones. An overestimate
+# cuts a sequence into more segments than needed, and every extra segment is recomputed in the backward.
 WORKSET_FACTOR = {"scalar": 27, "key": 30, "full": 40}  # full: × 4·B·H·K·V (per-token states)
 
 
@@ -187,8 +185,8 @@ def _role_as(p, role, x, raw, pick, dtype, factor=1.0):
 def _readout_role(p, r, raw, pick, kern, scale):
     """(x, c) where r = c·x for an input x (``Plan.r_scaled``: r = scale·q) and chunk kernels run: the core takes x,
     in the type ``pick`` chooses for an input verbatim, and applies c inside (the fused readout as it reads x), so
-    r is never formed in memory (H100 run 86: forming scale·q in float32 and the core's layout copy of it cost
-    0.16 ms of simple GLA's forward). Else (r, None)."""
+    r is never formed in memory (forming scale·q in float32, and the layout copy that follows it, was a measurable
+    part of a scalar-decay forward on the H100). Else (r, None)."""
     sym = p.r_scaled[0] if p.r_scaled and kern else None
     if sym not in raw:
         return r, None

@@ -176,8 +176,8 @@ class KernelKeyDecay:
 
 def _split(x):
     """[..., n, a, b] -> n arrays [..., 1, a, b] (one op; the chunk axis stays for broadcasting).
-    Moving the chunk axis first and indexing contiguous blocks instead measured 1.7x slower on the
-    H100 (run 15: more ops, and the copy), so the views stay."""
+    Moving the chunk axis first and indexing contiguous blocks instead measured slower on the H100 (more
+    ops, and the copy), so the views stay."""
     n = x.shape[-3]
     return mx.split(x, n, axis=-3) if n > 1 else [x]
 
@@ -346,7 +346,7 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
     """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too. The roles may
     arrive in 16 bits (``role_dtype``): the fused kernels read them so, MLX's products in the compute dtype.
     With ``out`` (a dtype) y comes in the model's layout and that type (``model_layout``): the fused readout
-    writes it so (run 73: the transposing cast after it was a pass over y in float32). With ``rfac`` the
+    writes it so (a transposing cast after it would be a pass over y in float32). With ``rfac`` the
     readout role is rfac·r: the fused readout scales as it reads r (M_ru and y are linear in r)."""
     U, W, Tm = w, None, None
     (C, K), V = u.shape[-2:], w.shape[-1]
@@ -363,7 +363,7 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
         U, W = Tm @ w_, Tm @ (bt_ * geo.P)
     states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern)
     if fused and ck.fuses_readout(kern, C, K, V):
-        # M_ru is written for the backward: forming it again there cost GDN 1.1 ms of fwd+bwd (H100, run 61)
+        # M_ru is written for the backward: forming it again there was measured slower than keeping it
         y, M = ck.chunk_out(r, u, Z, states, geo.l, kern, out, rfac)
     else:
         r_, u_, Z_ = _up(geo, _scaled(r, rfac), u, Z)

@@ -133,13 +133,12 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None) -> d
     """Symbol -> array in the chunk frame [B,H,C,K|1,V|1]; per-token inputs are [B,C,...] slices.
     With ``dtype`` each value is cast after its layout view (transpose, head expansion), so under
     ``mx.compile`` the cast fuses into the role math's strided pass instead of being a pass of its
-    own before the transpose (run 66: three standalone bf16 -> float32 casts, 0.21 ms of GDN's forward).
+    own before the transpose (standalone casts were a measurable part of GDN's forward on the H100).
     Features (sympow) are formed from the cast input: products of bf16 values lose precision.
 
     A key or value that a role is verbatim (``Plan.bare_roles``) or a constant multiple of (``Plan.r_scaled``) is
     first copied to row-major order in its own type: MLX's cast keeps a transposed view's strides, so the chunked
-    core's reshape would copy it again in float32 (run 73: a cast and a float32 layout copy per such input, 0.16 ms
-    of GDN's forward for k and v).
+    core's reshape would copy it again in float32 (a cast and a float32 layout copy per such input).
     ``raw`` (a dict), if given, receives those row-major copies before the cast, by symbol."""
     mx = _mx()
     rec = p.rec

@@ -127,7 +127,7 @@ def poison_threadgroup(src: str) -> str:
     """Fill every kernel-scope threadgroup array with 0xFF bytes (NaN for floats) before each threadgroup: a
     static local starts zeroed on the CPU and keeps the previous threadgroup's values, while a GPU's threadgroup
     memory holds whatever ran before, so a read of memory the threadgroup did not write would pass here and fail
-    there (as the UT transform's upper blocks did on the H100, run 67). The rewrite registers each array at its
+    there (as the UT transform's upper blocks once did on the H100). The rewrite registers each array at its
     first use (C++'s guarded static initialisation: once, every thread of the first threadgroup waiting for it;
     ``msl_emu::register_tg_array``), and the dispatcher refills the registered arrays before every later
     threadgroup. Same line: diagnostics keep their line numbers."""

@@ -24,7 +24,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   //   D (16x8): D[gq][2tq], D[gq][2tq+1], D[gq+8][2tq], D[gq+8][2tq+1]
   // Every operand reaches its fragments through threadgroup memory, staged KB rows or columns at a time by
   // coalesced loads (fragment loads straight from memory touch 4-8 cache lines each: the kernel was bound by
-  // them, H100 run 61). M is also written out (the backward's residual), by the first threadgroup of columns.
+  // them). M is also written out (the backward's residual), by the first threadgroup of columns.
   // Template constants: C (16, 32 or 64), K (multiple of 8), V, BV (multiple of 8 dividing V), KB (staging
   // depth, dividing C and K), LD, LDA (row strides of M and of the staged R, U blocks; 4 mod 32: an A
   // fragment's 8 rows x 4 columns hit 32 distinct banks), LDB (of the staged S_c, Z blocks; 8 or 24 mod 32),

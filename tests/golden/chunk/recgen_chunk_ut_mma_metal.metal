@@ -18,8 +18,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   //   Uw = Tm W,  Wb = Tm (Bt * e^{G})          (Gamma(t, s) = e^{sum_{s < tau <= t} l_tau}, G_t = sum_{tau <= t} l_tau)
   // A is formed on fragment multiply-adds in threadgroup memory, inverted there (16 x 16 diagonal blocks by forward
   // substitution, then block levels on fragments), and Tm is applied from threadgroup memory; only Tm, Uw, Wb are
-  // written out. (Forward substitution over the whole chunk, thread j owning column j, left the kernel 1.0 ms on
-  // its C^2 / 2-step chains, H100 run 66.)
+  // written out. (Forward substitution over the whole chunk, thread j owning column j, left the kernel waiting on
+  // its C^2 / 2-step chains.)
   // Fragments as in chunk_scan_mma.j2 (PTX m16n8k8: gq = lane / 4, tq = lane % 4); SIMD group w owns rows
   // 16 w .. 16 w + 15 of A and of the products (C / 16 groups). Operands are staged through threadgroup memory
   // by coalesced loads. Template constants: C (16, 32 or 64), K, V (multiples of 8), BW (columns a pass of
