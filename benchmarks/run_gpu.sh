@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the stages named as arguments, each with its own time limit, logs under $OUT.
 #   bash benchmarks/run_gpu.sh profile check-chunked-bwd bench chunked-small fla ...
-# Expects the offline bundle (.gpu-bundle, see DESIGN/BENCHMARKS) to be carried along.
+# Expects the offline bundle (.gpu-bundle, built outside the repo) to be carried along.
 source .gpu-bundle/install.sh || exit 1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-out}; mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 """Shared test helpers: random inputs per spec in the IR layout, and the relative-error metric.
 
-Inputs follow DESIGN section 7: fresh random data per check (never zeros), strong decays (log-decay
+Inputs follow docs/design.md, "Tests that count": fresh random data per check (never zeros), strong decays (log-decay
 down to -20), K != V, GQA (Hk < H) wherever the model has key inputs, beta = sigmoid(normal), and
 L2-normalized keys for the delta rules.
 """

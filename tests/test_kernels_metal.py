@@ -1,4 +1,4 @@
-"""The generated Metal kernels, verified on Linux (DESIGN section 6, layers 1-4).
+"""The generated Metal kernels, verified on Linux (layers 1-4 of docs/design.md, "Verifying Metal without a Mac").
 
 For every built-in with a recurrent kernel: MLX's exact wrapped source is captured, type-checked
 by clang with address spaces, linted against Apple-GPU limits and executed on the CPU emulator;

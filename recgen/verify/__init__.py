@@ -1,6 +1,6 @@
 """Verify recgen's Metal kernels without a Mac.
 
-Layers (see /work/shared/DESIGN.md section 6):
+Layers (docs/design.md, "Verifying Metal without a Mac"):
   capture.wrapped_source  -- the exact MSL MLX compiles, captured from mlx[cpu] on Linux;
   typecheck.typecheck     -- clang -fsyntax-only with an address-space shim (msl_shim.h);
   cpu_exec.run_msl        -- execution on the CPU, one thread per GPU thread, under ASan/UBSan or TSan;

@@ -1,7 +1,7 @@
 """Type-check MSL with `clang++ -fsyntax-only` and the address-space shim (`msl_shim.h`).
 
 Why: it is the only GPU-free check that catches address-space, const and arity mistakes in
-the exact source MLX compiles (see /work/shared/research/msl-on-linux.md section 3.4).
+the exact source MLX compiles (docs/design.md, "Verifying Metal without a Mac").
 It cannot see races, OOB or numerics -- that is `cpu_exec`'s job.
 """
 from __future__ import annotations

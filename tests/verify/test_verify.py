@@ -5,9 +5,9 @@ only when clang++ or mlx is missing.
 """
 from __future__ import annotations
 
-import glob
 import hashlib
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +15,9 @@ import pytest
 from recgen.verify.cpu_exec import MSLRuntimeError, run_msl
 from recgen.verify.limits import lint
 from recgen.verify.typecheck import find_clang, typecheck
+
+ROOT = Path(__file__).resolve().parents[2]
+SEEDS = ROOT.parent / "shared" / "seeds"  # the seed kernels live beside the project, not in it
 
 needs_clang = pytest.mark.skipif(find_clang() is None, reason="clang++ not installed (apt-get install clang-19)")
 needs_mlx = pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="mlx not installed (pip install mlx[cpu])")
@@ -152,10 +155,10 @@ def test_half_and_bfloat_round_like_the_gpu():
 
 # (d) the handwritten Gated DeltaNet kernel --------------------------------------------------
 def _gdn_source():
-    paths = glob.glob("/work/shared/seeds/001_*.txt")
+    paths = sorted(SEEDS.glob("001_*.txt"))
     if not paths:
-        pytest.skip("seed kernel /work/shared/seeds/001_*.txt not present")
-    text = open(paths[0], encoding="utf-8").read()
+        pytest.skip(f"seed kernel 001_*.txt not present in {SEEDS} (../shared/seeds from the project root)")
+    text = paths[0].read_text(encoding="utf-8")
     return text[text.index("#include <metal_stdlib>"):]
 
 
