@@ -1,4 +1,4 @@
-r"""The built-in recurrences, in FLA's conventions (DESIGN section 4).
+r"""The built-in recurrences, in FLA's conventions (docs/design.md).
 
 Log-space gates (decay exp(g), g ≤ 0), ``scale`` applied to q (default K^{-1/2}), decay applied
 before the delta-rule prediction, state [B,H,K,V], block GQA.

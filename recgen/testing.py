@@ -42,7 +42,7 @@ def _f64(x) -> np.ndarray:
 
 
 def rel_err(a, b) -> float:
-    """‖a − b‖ / ‖b‖ in float64: the one error metric of recgen's checks (DESIGN: float32 ≤ 1e-5 forward, 1e-4
+    """‖a − b‖ / ‖b‖ in float64: the one error metric of recgen's checks (docs/design.md: float32 ≤ 1e-5 forward, 1e-4
     gradients). A non-finite ``a`` scores inf, so it never passes a tolerance and one bad case can be reported
     beside the others; arrays of different shapes are an AssertionError."""
     a, b = _f64(a), _f64(b)

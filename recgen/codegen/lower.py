@@ -75,12 +75,12 @@ def _pow2_divisor(n: int, cap: int = 32) -> int:
 
 
 def choose_layouts(K: int, V: int) -> tuple[Layout, Layout, int]:
-    """Lane mappings and checkpoint interval C by size (measured on the H100, BENCHMARKS.md).
+    """Lane mappings and checkpoint interval C by size (measured on the H100).
 
     Forward: 8 row lanes for K >= 64 (2-step butterflies over rows), 4 adjacent columns per lane:
-    the fastest of 11 mappings swept on the H100 at both benchmark shapes
-    (benchmarks/results/2026-11-22-sweep-fwd.log): more columns per lane amortize the key loads
-    and give the scheduler independent chains.
+    the fastest of 11 mappings swept on the H100 at both benchmark shapes (``Tuning.fwd_layout`` forces
+    one for such sweeps): more columns per lane amortize the key loads and give the scheduler
+    independent chains.
     Backward: its C recomputed states live in registers (C·RK floats per lane, kept <= 64), one
     column per lane, 16 row lanes, 8 warps per threadgroup (each partial of a column-summed gradient
     leaves the kernel once per threadgroup).
