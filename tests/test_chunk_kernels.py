@@ -1,7 +1,6 @@
 """The generated chunk kernels (``recgen.chunked.kernels``) on the Metal CPU emulator, against
 float64 numpy: the triangular inverse and the chunk scan in both directions, scalar and key decays,
-strong decays, V not a multiple of the column tile. (The CUDA form is checked on a GPU:
-``benchmarks/cuda_check.py``.)"""
+strong decays, V not a multiple of the column tile. (The CUDA form is checked on a GPU: ``tests/gpu``.)"""
 import numpy as np
 import pytest
 
@@ -11,6 +10,13 @@ verify = pytest.importorskip("recgen.verify.kernels")
 from recgen.verify.typecheck import find_clang  # noqa: E402
 
 pytestmark = pytest.mark.skipif(find_clang() is None, reason="clang++ not installed (apt-get install clang)")
+
+
+@pytest.fixture(autouse=True)
+def _mlx_default_tf32(monkeypatch):
+    """These tests pin the CUDA dialect's choices under MLX's default (TF32 on): the GPU suite's conftest
+    (tests/gpu) sets MLX_ENABLE_TF32=0 for the whole process, which keeps the scan on FMAs."""
+    monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)
 
 
 def _rel(a, b):

@@ -1,0 +1,28 @@
+"""The GPU checks: every test here is marked ``gpu`` and skipped (tests/conftest.py) where MLX has no CUDA GPU.
+
+    python -m pytest -m gpu                          # on the GPU machine: the whole GPU check
+    python -m pytest -m gpu -n 8 --dist loadgroup    # the same, kernels compiled by 8 processes (pytest-xdist)
+
+Each test belongs to an ``xdist_group`` of one spec and dtype: tests that share a group share the kernels its
+shapes compile (the cost of a first call), so a worker compiles each of them once.
+
+MLX runs float32 matmuls on CUDA in TF32 unless ``MLX_ENABLE_TF32=0``, which MLX reads from the environment
+(outside recgen). The float32 tolerances (1e-5 / 1e-4) assume exact float32, so it is set here, when pytest
+collects this folder: before any test runs an MLX op. With it the chunked form's scans run on FMAs; the
+``fragment_scan`` fixture turns the tensor-core scans (TF32 operands) back on for one bfloat16 check, as a model
+gets them by default.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ["MLX_ENABLE_TF32"] = "0"
+
+
+@pytest.fixture
+def fragment_scan(monkeypatch):
+    """The chunk scan on tensor-core fragments whatever MLX_ENABLE_TF32 says: ``RECGEN_MMA_SCAN=1``, read when
+    the chunked form is traced (once per shape: a test using it needs a shape of its own)."""
+    monkeypatch.setenv("RECGEN_MMA_SCAN", "1")
