@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import helpers`
+pytest_plugins = ["sharding"]  # --shard K/N (tests/sharding.py)
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
 """The GPU checks: every test here is marked ``gpu`` and skipped (tests/conftest.py) where MLX has no CUDA GPU.
 
-    python -m pytest -m gpu                          # on the GPU machine: the whole GPU check
-    python -m pytest -m gpu -n 8 --dist loadgroup    # the same, kernels compiled by 8 processes (pytest-xdist)
+    python -m pytest -m gpu                   # on the GPU machine: the whole GPU check, one process
+    python -m pytest -m gpu --shard K/N       # part K of N (tests/sharding.py): benchmarks/run_gpu.sh check
+                                              # runs N of them at once, as compiling kernels is most of the time
 
-Each test belongs to an ``xdist_group`` of one spec and dtype: tests that share a group share the kernels its
-shapes compile (the cost of a first call), so a worker compiles each of them once.
+Each test belongs to an ``xdist_group`` of one spec and dtype: the tests of a group share the kernels their
+shapes compile (a first call's cost), and a part (or a pytest-xdist worker, --dist loadgroup) takes whole groups.
 
 MLX runs float32 matmuls on CUDA in TF32 unless ``MLX_ENABLE_TF32=0``, which MLX reads from the environment
 (outside recgen). The float32 tolerances (1e-5 / 1e-4) assume exact float32, so it is set here, when pytest
