@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 from helpers import rel_err
 
-from recgen import specs
+from recgen import Recurrence, specs
 from recgen.math import reference
 from recgen.ops import Op
-from recgen.spec import ir
 from recgen.spec.features import sympow
 from recgen.spec.layouts import Sizes
 from recgen.testing import kernel_inputs
@@ -77,7 +76,7 @@ def params(names, dtypes=DTYPES, cases=CASES) -> list:
             for n in names for c in cases for d in dtypes]
 
 
-def load_spec(name: str) -> ir.Recurrence:
+def load_spec(name: str) -> Recurrence:
     """A built-in by name, or the mLSTM example."""
     if name == MLSTM:
         from recgen.cli import resolve_spec  # the one place a path:function spec is resolved
@@ -86,7 +85,7 @@ def load_spec(name: str) -> ir.Recurrence:
     return specs.BUILTINS[name]
 
 
-def case_inputs(rec: ir.Recurrence, case: Case, rng):
+def case_inputs(rec: Recurrence, case: Case, rng):
     """(inputs, initial state, do, dht) in float64, IR layouts."""
     B, T, H, Hk, K, V = case.B, case.T, case.H, case.Hk, case.K, case.V
     if rec.name.startswith("selective_scan"):  # B and C per head, as the kernel tests on the emulator take them
@@ -94,7 +93,7 @@ def case_inputs(rec: ir.Recurrence, case: Case, rng):
     if not rec.features:
         xs, h0, do, dht, _ = kernel_inputs(rec, Sizes(B, T, H, Hk, K, K, V), rng)
         return xs, h0, do, dht
-    # Power retention: K = 8 raw key columns (K(K+1)/2 = 36 state rows), q and k halved, and a reachable initial
+    # Power retention, at every case: K = 8 raw key columns (36 state rows), q and k halved, and a reachable initial
     # state (S, z) = (Σ φ(w) vᵀ, Σ φ(w)) so that φ(q)ᵀz is a sum of squares, not ~0 (see POWER_RETENTION_...).
     K = 8
     xs, _, do, dht, _ = kernel_inputs(rec, Sizes(B, T, H, Hk, K, rec.features[0].width(K), V), rng)
@@ -107,7 +106,7 @@ def case_inputs(rec: ir.Recurrence, case: Case, rng):
     return xs, h0, do, dht
 
 
-def op_errors(rec: ir.Recurrence, case: Case, dtype: str, rng, *, backend: str, backward: str | None = None,
+def op_errors(rec: Recurrence, case: Case, dtype: str, rng, *, backend: str, backward: str | None = None,
               op=None) -> dict[str, float]:
     """Relative errors of ``Op(rec, backend=backend, backward=backward)`` (or of ``op``, a callable with the
     op's signature) against ``recgen.math.reference`` at ``case``, inputs in ``dtype``: "o", the final state
