@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the stages named as arguments, each with its own time limit, logs under $OUT.
-#   bash benchmarks/run_gpu.sh profile check-chunked-bwd bench chunked-small fla ...
+#   bash benchmarks/run_gpu.sh check profile bench chunked-small fla ...
 # Expects the offline bundle (.gpu-bundle, built outside the repo) to be carried along.
 source .gpu-bundle/install.sh || exit 1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -11,15 +11,13 @@ for stage in "$@"; do
   case $stage in
     profile) timeout 120 python benchmarks/profile_chunked.py 2>&1 | tee "$OUT/profile_scalar.log"
              timeout 90 python benchmarks/profile_chunked.py --key 2>&1 | tee "$OUT/profile_key.log" ;;
-    check-cuda) timeout 240 python benchmarks/cuda_check.py --out "$OUT" > "$OUT/check_cuda.log" 2>&1
-             grep -E "FAIL|passed" "$OUT/check_cuda.log" ;;
-    check-chunked-bwd) MLX_ENABLE_TF32=0 timeout 150 python benchmarks/cuda_check.py --backend cuda --backward chunked \
-               --specs gated_delta_net,delta_net,gla,simple_gla,examples/mlstm.py:mlstm --out "$OUT" > "$OUT/check_cuda_chunkedbwd.log" 2>&1
-             grep -E "FAIL|passed" "$OUT/check_cuda_chunkedbwd.log" ;;
-    check-mlx) MLX_ENABLE_TF32=0 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 --out "$OUT" > "$OUT/check_mlx_f32.log" 2>&1
-             grep -E "FAIL|passed" "$OUT/check_mlx_f32.log"
-             timeout 100 python benchmarks/cuda_check.py --backend mlx --dtypes bfloat16 --out "$OUT" > "$OUT/check_mlx_bf16.log" 2>&1
-             grep -E "FAIL|passed" "$OUT/check_mlx_bf16.log" ;;
+    check) n=${GPU_TEST_SHARDS:-8}; logs=$(mktemp -d); pids=  # the gpu tests (tests/gpu) as n processes, --shard k/n:
+           for k in $(seq 0 $((n - 1))); do          # most of their time is kernel compilation, one core a process
+             timeout 540 python -m pytest -m gpu --shard $k/$n -rs --durations=5 > "$logs/$k.log" 2>&1 & pids="$pids $!"
+           done
+           rc=0; for p in $pids; do wait $p; r=$?; [ $r = 0 ] || [ $r = 5 ] || rc=$r; done  # 5: a part with no tests
+           for k in $(seq 0 $((n - 1))); do echo "=== shard $k/$n"; cat "$logs/$k.log"; done > "$OUT/check_gpu.log"
+           echo "python -m pytest -m gpu ($n shards): exit $rc"; grep -E "^(FAILED|ERROR)|(passed|failed|skipped).* in " "$OUT/check_gpu.log" ;;
     ncu-gdn) timeout 200 bash benchmarks/ncu_chunked.sh gated_delta_net > "$OUT/ncu_chunked_gdn.log" 2>&1
              python benchmarks/ncu_summary.py "$OUT/ncu_chunked_gdn.log" | tee "$OUT/ncu_chunked_gdn.summary.txt" | head -24 ;;
     ncu-chunked) for sp in gated_delta_net simple_gla; do timeout 200 bash benchmarks/ncu_chunked.sh $sp > "$OUT/ncu_chunked_$sp.log" 2>&1
@@ -31,12 +29,6 @@ for stage in "$@"; do
     kernels) timeout 200 python benchmarks/bench_chunk_kernels.py 2>&1 | tee "$OUT/chunk_kernels.log" ;;
     readout) timeout 100 python benchmarks/bench_chunk_kernels.py --readout-only 2>&1 | tee "$OUT/readout.log" ;;
     diag) timeout 150 python benchmarks/bench_chunk_kernels.py --diag-only --diag-layouts ${DIAG:-32/4,32/8,16/4,16/8,8/4,8/8,64/8,32/4} 2>&1 | tee "$OUT/diag.log" ;;
-    check-kernels) RECGEN_CHUNK_KERNELS=1 MLX_ENABLE_TF32=0 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 \
-               --out "$OUT" > "$OUT/check_kernels_f32.log" 2>&1
-             grep -E "FAIL|passed" "$OUT/check_kernels_f32.log"
-             RECGEN_CHUNK_KERNELS=1 timeout 100 python benchmarks/cuda_check.py --backend mlx --dtypes bfloat16 --out "$OUT" \
-               > "$OUT/check_kernels_bf16.log" 2>&1
-             grep -E "FAIL|passed" "$OUT/check_kernels_bf16.log" ;;
     ab-kernels) for v in 0 1; do echo "RECGEN_CHUNK_KERNELS=$v"
              RECGEN_CHUNK_KERNELS=$v timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
                --specs gated_delta_net,delta_net,gla,simple_gla --tag kern$v --out "$OUT" 2>&1 | tee -a "$OUT/ab_kernels.log"; done ;;
@@ -59,9 +51,6 @@ for stage in "$@"; do
              P=$PWD; [ $v = prev ] && P=$PWD/bench_prev
              PYTHONPATH=$P:$PYTHONPATH timeout 120 python benchmarks/bench_chunked_gpu.py --variants compiled \
                --specs gated_delta_net,simple_gla --tag $v --out "$OUT" 2>&1 | tee -a "$OUT/ab_prev.log"; done ;;
-    check-mma) RECGEN_CHUNK_KERNELS=1 RECGEN_MMA_SCAN=1 timeout 150 python benchmarks/cuda_check.py --backend mlx --dtypes float32 \
-               --out "$OUT" > "$OUT/check_mma_f32_tf32.log" 2>&1
-             grep -E "FAIL|passed" "$OUT/check_mma_f32_tf32.log" ;;
     bench) timeout 300 python benchmarks/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log" ;;
     chunked) timeout 200 python benchmarks/bench_chunked_gpu.py --variants compiled --gdu --out "$OUT" 2>&1 | tee "$OUT/chunked.log" ;;
     knobs) for n in 20 80 250; do  # MLX's CUDA graph size (ops per committed graph; default 20)

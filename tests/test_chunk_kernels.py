@@ -1,7 +1,6 @@
 """The generated chunk kernels (``recgen.runtime.chunk_kernels``) on the Metal CPU emulator, against
 float64 numpy: the triangular inverse and the chunk scan in both directions, scalar and key decays,
-strong decays, V not a multiple of the column tile. (The CUDA form is checked on a GPU:
-``benchmarks/cuda_check.py``.)"""
+strong decays, V not a multiple of the column tile. (The CUDA form is checked on a GPU: ``tests/gpu``.)"""
 import numpy as np
 import pytest
 

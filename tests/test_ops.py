@@ -1,7 +1,7 @@
 """recgen.ops on this machine (the `mlx` backend): argument checks, dispatch, outputs, gradients.
 
 The generated kernels themselves are checked on the CPU emulator (tests/test_kernels_metal.py) and on a GPU
-(benchmarks/cuda_check.py); here the op layer around them is tested where every machine can run it."""
+(tests/gpu, marked gpu); here the op layer around them is tested where every machine can run it."""
 import mlx.core as mx
 import numpy as np
 import pytest

@@ -1,0 +1,23 @@
+"""The generated CUDA kernels as ops (backend "cuda") against the float64 reference: every built-in with a
+recurrent kernel and the mLSTM example, float32 and bfloat16, forward, final state and every gradient (the
+initial state's included, with a cotangent on the final state), at ``op_check.CASES``; and the same ops with
+the chunked form's backward (``backward="chunked"``, the default from T = 1024 on CUDA)."""
+from __future__ import annotations
+
+import pytest
+from op_check import KERNEL_SPECS, MLSTM, assert_close, load_spec, op_errors, params
+
+pytestmark = pytest.mark.gpu
+
+# the specs of the fast chunked form (scalar or key-vector decays), where the kernel op defaults to it
+CHUNKED_BACKWARD_SPECS = ("gated_delta_net", "delta_net", "gla", "simple_gla", MLSTM)
+
+
+@pytest.mark.parametrize("name,case,dtype", params(KERNEL_SPECS))
+def test_kernel_op(name, case, dtype, rng):
+    assert_close(op_errors(load_spec(name), case, dtype, rng, backend="cuda", backward="recurrent"), dtype)
+
+
+@pytest.mark.parametrize("name,case,dtype", params(CHUNKED_BACKWARD_SPECS))
+def test_kernel_op_chunked_backward(name, case, dtype, rng):
+    assert_close(op_errors(load_spec(name), case, dtype, rng, backend="cuda", backward="chunked"), dtype)

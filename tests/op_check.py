@@ -1,0 +1,157 @@
+"""One op against the float64 reference: forward, final state and every gradient, the initial state's
+included, with a cotangent on the final state. The GPU suite (``tests/gpu``) runs it on the generated CUDA
+kernels and on the chunked form; ``tests/test_op_check.py`` runs it on the CPU (backend "mlx") so that a
+broken harness fails in CI, where there is no GPU.
+
+Inputs (``recgen.testing.kernel_inputs``): fresh random data, log-decays down to -20, unit-norm keys for
+the delta rules. They are rounded to the op's dtype first and the reference is given exactly what the op
+saw (inputs, initial state, cotangents), so the errors measure the op, not the rounding of its inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import rel_err
+
+from recgen import Recurrence, specs
+from recgen.math import reference
+from recgen.ops import Op
+from recgen.spec.features import sympow
+from recgen.spec.layouts import Sizes
+from recgen.testing import kernel_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+MLSTM = "mlstm"  # examples/mlstm.py:mlstm, the normalizer state (C, n)
+
+# the built-ins with a recurrent kernel, and the mLSTM example (its normalizer kernels)
+KERNEL_SPECS = ("gated_delta_net", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt",
+                MLSTM)
+ALL_SPECS = tuple(specs.BUILTINS) + (MLSTM,)
+DTYPES = ("float32", "bfloat16")
+# (forward and final state, gradients): relative errors, ||a - b|| / ||b||. float32 assumes MLX's float32
+# matmuls are exact float32 (MLX_ENABLE_TF32=0 on CUDA; TF32 rounds operands to 10 mantissa bits).
+TOL = {"float32": (1e-5, 1e-4), "bfloat16": (1e-2, 2e-2)}
+# Power retention's ratio readout φ(q)ᵀS / (φ(q)ᵀz + 1e-6) is ill-conditioned where strong decays leave φ(q)ᵀz
+# near 0: with log-decays to -20 a float32 naive loop itself misses the float64 reference by up to 1e-1 on dq.
+# Its inputs get the treatment of the CPU float32 tests (tests/test_chunked.py): log-decays down to -3 only.
+POWER_RETENTION_MIN_LOG_DECAY = -3.0
+
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    T: int
+    H: int
+    Hk: int
+    K: int
+    V: int
+
+    @property
+    def id(self) -> str:
+        return f"B{self.B}T{self.T}H{self.H}Hk{self.Hk}K{self.K}V{self.V}"
+
+
+# Shapes are shared wherever coverage allows: each distinct (K, V, H, Hk, dtype) compiles its own kernels on a
+# GPU (B and T are runtime values there), so three of the four cases share K = 64, V = 40, H = 4, Hk = 2.
+CASES = (
+    Case(2, 1, 4, 2, 64, 40),    # T = 1: the decode kernels; one partial chunk
+    Case(2, 37, 4, 2, 64, 40),   # prime T, GQA (two value heads a key head), K != V, V = 40 not a multiple of a tile
+    Case(1, 67, 2, 1, 128, 72),  # prime T at K = 128, V = 72: a full chunk of 64 and a partial one
+    Case(1, 300, 4, 2, 64, 40),  # several chunks of 64 and a partial last one (44)
+)
+
+
+def group(name: str, dtype: str) -> str:
+    """The ``xdist_group`` of a spec and dtype: its tests share the kernels their shapes compile."""
+    return f"{name}-{dtype}"
+
+
+def params(names, dtypes=DTYPES, cases=CASES) -> list:
+    """pytest parameters (name, case, dtype) over the product, each in its ``group``."""
+    return [pytest.param(n, c, d, id=f"{n}-{c.id}-{d}", marks=pytest.mark.xdist_group(group(n, d)))
+            for n in names for c in cases for d in dtypes]
+
+
+def load_spec(name: str) -> Recurrence:
+    """A built-in by name, or the mLSTM example."""
+    if name == MLSTM:
+        from recgen.spec.resolve import resolve_spec  # the one place a path:function spec is resolved
+
+        return resolve_spec(f"{ROOT / 'examples' / 'mlstm.py'}:mlstm")
+    return specs.BUILTINS[name]
+
+
+def case_inputs(rec: Recurrence, case: Case, rng):
+    """(inputs, initial state, do, dht) in float64, IR layouts."""
+    B, T, H, Hk, K, V = case.B, case.T, case.H, case.Hk, case.K, case.V
+    if rec.name.startswith("selective_scan"):  # B and C per head, as the kernel tests on the emulator take them
+        Hk = H
+    if not rec.features:
+        xs, h0, do, dht, _ = kernel_inputs(rec, Sizes(B, T, H, Hk, K, K, V), rng)
+        return xs, h0, do, dht
+    # Power retention, at every case: K = 8 raw key columns (36 state rows), q and k halved, and a reachable initial
+    # state (S, z) = (Σ φ(w) vᵀ, Σ φ(w)) so that φ(q)ᵀz is a sum of squares, not ~0 (see POWER_RETENTION_...).
+    K = 8
+    xs, _, do, dht, _ = kernel_inputs(rec, Sizes(B, T, H, Hk, K, rec.features[0].width(K), V), rng)
+    f32 = lambda a: np.asarray(a, np.float32).astype(np.float64)  # noqa: E731
+    for name in ("q", "k"):
+        xs[name] = xs[name] * 0.5
+    xs["g"] = f32(xs["g"] * (POWER_RETENTION_MIN_LOG_DECAY / -20.0))  # kernel_inputs' log-decays span [-20, 0]
+    phi = sympow(rng.standard_normal((B, H, 3, K)))
+    h0 = (f32(phi.swapaxes(-1, -2) @ rng.standard_normal((B, H, 3, V))), f32(phi.sum(2)))
+    return xs, h0, do, dht
+
+
+def op_errors(rec: Recurrence, case: Case, dtype: str, rng, *, backend: str, backward: str | None = None,
+              op=None) -> dict[str, float]:
+    """Relative errors of ``Op(rec, backend=backend, backward=backward)`` (or of ``op``, a callable with the
+    op's signature) against ``recgen.math.reference`` at ``case``, inputs in ``dtype``: "o", the final state
+    ("ht0", and "ht1" for a normalizer's z) and "d<input>" for every input and the initial state (and z)."""
+    xs, h0, do, dht = case_inputs(rec, case, rng)
+    op = op or Op(rec, backend=backend, backward=backward)
+    names = [x.name for x in rec.inputs]
+    norm = rec.has_normalizer
+    mdt = getattr(mx, dtype)
+    m32 = lambda a: mx.array(np.asarray(a, np.float32))  # noqa: E731
+    f64 = lambda a: np.array(a.astype(mx.float32), np.float64)  # noqa: E731
+    parts = lambda s: list(s) if norm else [s]  # noqa: E731
+
+    def f(*args):
+        state = tuple(args[len(names):]) if norm else args[len(names)]
+        o, ht = op(*args[:len(names)], initial_state=state, output_final_state=True)
+        return (o, *parts(ht))
+
+    prim = [m32(xs[n]).astype(mdt) for n in names] + [m32(s) for s in parts(h0)]
+    cot = [m32(do).astype(mdt)] + [m32(s) for s in parts(dht)]
+    outs, grads = mx.vjp(f, prim, cot)
+    mx.eval(outs, grads)
+    # the reference at exactly what the op was given
+    seen = {n: f64(a) for n, a in zip(names, prim)}
+    h0r = [f64(a) for a in prim[len(names):]]
+    h0r = tuple(h0r) if norm else h0r[0]
+    dhtr = [f64(a) for a in cot[1:]]
+    o_ref, ht_ref = reference.run(rec, initial_state=h0r, **seen)
+    g_ref = reference.grad(rec, do=f64(cot[0]), dht=tuple(dhtr) if norm else dhtr[0], initial_state=h0r, **seen)
+
+    errs = {"o": rel_err(f64(outs[0]), o_ref)}
+    for i, (a, r) in enumerate(zip(outs[1:], parts(ht_ref))):
+        errs[f"ht{i}"] = rel_err(f64(a), r)
+    refs = [g_ref[n] for n in names] + parts(g_ref["initial_state"])
+    for n, g, r in zip(names + ["initial_state", "initial_z"], grads, refs):
+        errs["d" + n] = rel_err(f64(g), r)
+    return errs
+
+
+def over_tolerance(errs: dict[str, float], dtype: str) -> dict[str, float]:
+    """The entries of ``errs`` above ``TOL[dtype]`` (NaN included)."""
+    ftol, gtol = TOL[dtype]
+    return {k: v for k, v in errs.items() if not v <= (gtol if k.startswith("d") else ftol)}
+
+
+def assert_close(errs: dict[str, float], dtype: str):
+    bad = over_tolerance(errs, dtype)
+    assert not bad, f"above tolerance {TOL[dtype]}: {bad} (all: {errs})"
