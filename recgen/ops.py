@@ -5,6 +5,11 @@ Every op takes the spec's inputs in FLA layouts plus ``scale=None``, ``initial_s
 None unless asked for). Gradients flow to every input, to ``initial_state`` and from
 ``final_state``.
 
+Ops are lazy: argument checks read only shapes and dtypes, so an op can run inside ``mx.compile``,
+``mx.vmap`` and ``mx.grad`` and never forces evaluation. ``check_finite=True`` (a debug mode) also checks
+every array argument for NaN/Inf, which costs one host sync per call and cannot run under a transformation;
+``check_finite=None`` (default) follows ``_debug_default()``, off.
+
 Backends: ``metal`` and ``cuda`` run the generated recurrent kernels; ``mlx`` runs the chunked
 fallback built from MLX ops (any device, CPU included). Default: metal on Apple silicon, cuda
 when MLX's CUDA backend is present, else mlx. ``backend=`` or ``RECGEN_BACKEND`` force one.
@@ -45,6 +50,15 @@ def default_backend() -> str:
     return machine_dialect() or "mlx"
 
 
+def _debug_default() -> bool:
+    """Whether ops check their arguments for NaN/Inf when ``check_finite=None`` (the default): off.
+
+    The check reads a value on the host, so it forces evaluation of everything the inputs depend on at
+    every call, and it cannot run inside ``mx.compile`` or ``mx.vmap``: it is a debug mode. (This is the
+    one place the tuning layer's debug flag plugs in.)"""
+    return False
+
+
 def _check_arrays(arrays: dict, check_finite: bool):
     import mlx.core as mx
 
@@ -55,8 +69,9 @@ def _check_arrays(arrays: dict, check_finite: bool):
             raise InputError(f"argument {name!r}: expected float32, float16 or bfloat16, got {a.dtype}")
     if not check_finite:
         return
+    # debug mode only: the one host sync of a call (all inputs at once); name the culprit only on failure
     finite = [mx.all(mx.isfinite(a)) for a in arrays.values()]
-    if bool(mx.all(mx.stack(finite)).item()):  # one host sync for all inputs; name the culprit only on failure
+    if bool(mx.all(mx.stack(finite)).item()):
         return
     bad = next(name for name, ok in zip(arrays, finite) if not bool(ok.item()))
     raise InputError(f"argument {bad!r}: contains NaN or Inf")
@@ -78,8 +93,10 @@ class Op:
         return f"<recgen op {self.rec.name} backend={self.backend or 'auto'}>"
 
     def __call__(self, *args, scale=None, initial_state=None, output_final_state=False, backend=None,
-                 check_finite=True, **kwargs):
+                 check_finite=None, **kwargs):
         rec = self.rec
+        if check_finite is None:
+            check_finite = _debug_default()
         if len(args) > len(rec.inputs):
             raise InputError(f"{rec.name}: takes {len(rec.inputs)} inputs {[x.name for x in rec.inputs]}, "
                              f"got {len(args)}")

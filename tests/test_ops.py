@@ -43,7 +43,16 @@ def test_keyword_arguments_and_scale():
 ])
 def test_bad_inputs_name_the_argument(bad, match):
     with pytest.raises(InputError, match=match):
-        ops.gla(*bad(_gla_inputs()), backend="mlx")
+        ops.gla(*bad(_gla_inputs()), backend="mlx", check_finite=True)
+
+
+def test_finite_check_is_a_debug_mode():
+    """By default no value is read on the host: a NaN input is not looked at and flows through lazily."""
+    q, k, v, gk = _gla_inputs()
+    o, _ = ops.gla(q, k, v, gk * float("nan"), backend="mlx")
+    assert np.isnan(np.array(o)).any()
+    with pytest.raises(InputError, match="'gk'.*NaN"):
+        ops.gla(q, k, v, gk * float("nan"), backend="mlx", check_finite=True)
 
 
 def test_bad_initial_state_backend_and_arity():
