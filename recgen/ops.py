@@ -92,7 +92,7 @@ class Op:
     def __repr__(self) -> str:
         return f"<recgen op {self.rec.name} backend={self.backend or 'auto'}>"
 
-    def __call__(self, *args, scale=None, initial_state=None, output_final_state=False, backend=None,
+    def __call__(self, /, *args, scale=None, initial_state=None, output_final_state=False, backend=None,
                  check_finite=None, **kwargs):
         rec = self.rec
         if check_finite is None:

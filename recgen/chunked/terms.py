@@ -22,6 +22,7 @@ import numpy as np
 import sympy as sp
 
 from ..spec import ir
+from ..spec.numeric import lambdify
 from ..spec.features import sympow_pairs
 from ..spec.fns import logsigmoid, sigmoid
 
@@ -95,7 +96,8 @@ def _classify(rec: ir.Recurrence, expr: sp.Expr) -> str:
 def plan(rec: ir.Recurrence) -> Plan:
     syms = tuple(rec.symbols) + (ir.SCALE,)
     mod = [mlx_module()]
-    lam = lambda e: sp.lambdify(syms, e, modules=mod)  # noqa: E731
+    # the generated code names no input (spec.numeric): inputs called exp, pi or sigmoid shadow nothing
+    lam = lambda e: lambdify(syms, e, mod)  # noqa: E731
     terms = rec.terms()
     fns = {role: lam(e) for role, e in terms.items() if role not in ("decay", "zdecay")}
     fns["logdecay"] = lam(log_decay_expr(terms["decay"]))
@@ -105,7 +107,7 @@ def plan(rec: ir.Recurrence) -> Plan:
     if norm is not None:
         fns["zlogdecay"] = lam(log_decay_expr(norm.decay))
         zclass = _classify(rec, norm.decay)
-        N = sp.lambdify((ir.N_ARG,), norm.fn, modules=mod)
+        N = lambdify((ir.N_ARG,), norm.fn, mod)
         fuse = (rec.step.transition is None and decay_class != "full"
                 and sp.simplify(norm.decay - terms["decay"]) == 0 and sp.simplify(norm.update - terms["u"]) == 0)
     has_rho, rho_pow2 = False, None
@@ -129,7 +131,7 @@ def _scaled(rec: ir.Recurrence, e) -> tuple | None:
     c, x = sp.sympify(e).as_independent(*rec.symbols, as_Add=False)
     if not (isinstance(x, sp.Symbol) and x in rec.symbols) or c == 1 or not c.free_symbols <= {ir.SCALE}:
         return None
-    return x, sp.lambdify((ir.SCALE,), c)
+    return x, lambdify((ir.SCALE,), c, "math")
 
 
 # -- binding -----------------------------------------------------------------------------------
