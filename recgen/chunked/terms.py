@@ -8,10 +8,8 @@ its own broadcast shape; key-side roles are returned as ``[B,H,C,K]``, value-sid
 ``[B,H,C,V]``.
 
 The decay enters the chunked forms through its logarithm (a cumulative sum of log-decays is the
-only stable way to form products of decays over a chunk). ``log_decay`` derives it symbolically:
-``log(exp(e)) = e`` exactly; otherwise ``log(D)`` is expanded over products and powers and
-``log(sigmoid(x))`` becomes ``logsigmoid(x)``. A decay that is not an exponential is assumed
-positive (the chunked form needs log D real); document that in the spec if you rely on it.
+only stable way to form products of decays over a chunk): ``recgen.spec.decay.log_decay`` derives it
+exactly for every decay the decorator accepts (nonnegative by construction; 0 is a reset, log -inf).
 """
 from __future__ import annotations
 
@@ -23,8 +21,8 @@ import sympy as sp
 
 from ..spec import ir
 from ..spec.numeric import lambdify
+from ..spec.decay import log_decay
 from ..spec.features import sympow_pairs
-from ..spec.fns import logsigmoid, sigmoid
 
 
 def _mx():
@@ -44,21 +42,26 @@ def mlx_module() -> dict:
         "sigmoid": mx.sigmoid,
         "softplus": lambda x: mx.logaddexp(x, 0.0),
         "logsigmoid": lambda x: -mx.logaddexp(-x, 0.0),
+        "logabs": _logabs,
         "E": float(np.e), "pi": float(np.pi),
     }
 
 
 def log_decay_expr(decay: sp.Expr) -> sp.Expr:
-    """log D as a sympy expression that never forms D itself when D = exp(e) (then it is e)."""
-    decay = sp.sympify(decay)
-    if decay.func == sp.exp:
-        return decay.args[0]
-    if decay == 1:
-        return sp.Integer(0)
-    e = sp.expand_log(sp.log(decay), force=True)
-    e = e.replace(lambda x: x.func == sp.log and x.args[0].func == sp.exp, lambda x: x.args[0].args[0])
-    e = e.replace(lambda x: x.func == sp.log and x.args[0].func == sigmoid, lambda x: logsigmoid(x.args[0].args[0]))
+    """log D (``recgen.spec.decay.log_decay``: exact, -inf where D = 0); validation rejects decays without one."""
+    e = log_decay(decay)
+    if e is None:  # Recurrence.validate() rejects such specs; guard a hand-built one
+        raise ir.SpecError(f"decay {decay}: can be negative, so the chunked form has no log-decay for it")
     return e
+
+
+def _logabs(x):
+    """log|x| with log|0| = -inf and a zero gradient at 0 (``spec.decay.logabs``): the inner where keeps
+    log's 1/x away from x = 0, so no 0·∞ reaches the gradient."""
+    mx = _mx()
+    x = x if isinstance(x, mx.array) else mx.array(float(x))
+    nz = x != 0
+    return mx.where(nz, mx.log(mx.abs(mx.where(nz, x, 1.0))), -float("inf"))
 
 
 KEY_ROLES = ("a", "b", "u", "r", "zdecay", "zupdate")

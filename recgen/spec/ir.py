@@ -245,12 +245,33 @@ class Recurrence:
                 raise SpecError(f"term {ROLE_NAMES[role]} = {expr}: has index {sorted(bad)} but may only "
                                 f"depend on {allowed[role] or 'no index'} ({ROLE_WHY[role]})")
         self._check_key_space()
+        self._check_decays()
         if self.step.normalizer is not None:
             extra = self.step.normalizer.fn.free_symbols - {N_ARG}
             if extra:
                 raise SpecError(f"normalizer function N(n) = {self.step.normalizer.fn} may only use n, "
                                 f"found {sorted(map(str, extra))}")
         return self
+
+    def _check_decays(self) -> None:
+        """Every decay has an exact logarithm (the chunked forms need it), and a rank-1 transition comes with a
+        scalar or key-vector decay (no form computes it with a value-indexed one)."""
+        from .decay import log_decay
+
+        terms = self.terms()
+        for role in ("decay", "zdecay"):
+            if role in terms and log_decay(terms[role]) is None:
+                raise SpecError(
+                    f"term {ROLE_NAMES[role]} = {terms[role]}: can be negative for some inputs (sympy cannot prove it "
+                    "nonnegative), and the chunked form takes log D. Write it nonnegative by construction: "
+                    "rg.exp(x), rg.sigmoid(x), x**2, Abs(x) or products of those (a 0/1 mask m as Abs(m): "
+                    "a decay of 0 is a reset)")
+        idx = self.free_indices(terms["decay"])
+        if self.step.transition is not None and J in idx:
+            raise SpecError(f"term {ROLE_NAMES['decay']} = {terms['decay']}: has index {list(idx)}, but with a "
+                            f"rank-1 transition (a = {self.step.transition.a}, b = {self.step.transition.b}) the "
+                            "decay must be scalar or per key (i): the chunked form has no value-indexed decay with "
+                            "a transition")
 
     def _check_input_names(self) -> None:
         owner: dict[str, str] = {}
