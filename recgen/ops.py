@@ -32,11 +32,13 @@ from functools import lru_cache
 from .spec import ir
 
 from . import specs
-from .spec.layouts import InputError, Sizes, check_state, infer_sizes
+from .op_args import check_array, check_backend, check_initial_state, check_names, check_scale
+from .op_args import check_finite as check_finite_values
+from .op_args import warn_head_first
+from .spec.layouts import InputError, Sizes, infer_sizes
 
 BACKENDS = ("metal", "cuda", "mlx")
 BACKWARDS = ("recurrent", "chunked")
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def default_backend() -> str:
@@ -44,8 +46,7 @@ def default_backend() -> str:
 
     forced = os.environ.get("RECGEN_BACKEND")
     if forced:
-        if forced not in BACKENDS:
-            raise InputError(f"RECGEN_BACKEND={forced!r}: expected one of {BACKENDS}")
+        check_backend(forced, BACKENDS, "RECGEN_BACKEND")
         return forced
     return machine_dialect() or "mlx"
 
@@ -57,24 +58,6 @@ def _debug_default() -> bool:
     every call, and it cannot run inside ``mx.compile`` or ``mx.vmap``: it is a debug mode. (This is the
     one place the tuning layer's debug flag plugs in.)"""
     return False
-
-
-def _check_arrays(arrays: dict, check_finite: bool):
-    import mlx.core as mx
-
-    for name, a in arrays.items():
-        if not isinstance(a, mx.array):
-            raise InputError(f"argument {name!r}: expected an mx.array, got {type(a).__name__}")
-        if str(a.dtype).split(".")[-1] not in FLOAT_DTYPES:
-            raise InputError(f"argument {name!r}: expected float32, float16 or bfloat16, got {a.dtype}")
-    if not check_finite:
-        return
-    # debug mode only: the one host sync of a call (all inputs at once); name the culprit only on failure
-    finite = [mx.all(mx.isfinite(a)) for a in arrays.values()]
-    if bool(mx.all(mx.stack(finite)).item()):
-        return
-    bad = next(name for name, ok in zip(arrays, finite) if not bool(ok.item()))
-    raise InputError(f"argument {bad!r}: contains NaN or Inf")
 
 
 class Op:
@@ -105,23 +88,25 @@ class Op:
         if dup:
             raise InputError(f"{rec.name}: argument(s) {sorted(dup)} given twice")
         arrays.update(kwargs)
+        check_names(rec, arrays)
+        for name, a in arrays.items():
+            check_array(name, a)
         sizes = infer_sizes(rec, {k: tuple(v.shape) for k, v in arrays.items()})
-        _check_arrays(arrays, check_finite)
-        if scale is None:
-            scale = sizes.Kin ** -0.5 if rec.default_scale == "key" else 1.0
-        if initial_state is not None:
-            check_state(rec, sizes, initial_state)
+        warn_head_first(rec, sizes)
+        states = [] if initial_state is None else check_initial_state(rec, sizes, initial_state)
+        scale = (sizes.Kin ** -0.5 if rec.default_scale == "key" else 1.0) if scale is None else check_scale(scale)
         backend = backend or self.backend or default_backend()
-        if backend not in BACKENDS:
-            raise InputError(f"backend={backend!r}: expected one of {BACKENDS}")
+        check_backend(backend, BACKENDS)
+        if check_finite:
+            check_finite_values({**{k: [v] for k, v in arrays.items()}, "initial_state": states})
         xs = [arrays[x.name] for x in rec.inputs]
-        if backend == "mlx":
+        if backend == "mlx" or sizes.B == 0 or sizes.T == 0:  # nothing to launch: the chunked form's shapes
             from . import chunked
 
-            o, ht = chunked.forward(rec, dict(zip([x.name for x in rec.inputs], xs)), scale=float(scale),
+            o, ht = chunked.forward(rec, dict(zip([x.name for x in rec.inputs], xs)), scale=scale,
                                     initial_state=initial_state, chunk_size=self.chunk_size)
         else:
-            o, ht = self._kernel_call(backend, xs, sizes, float(scale), initial_state)
+            o, ht = self._kernel_call(backend, xs, sizes, scale, initial_state)
         return o, (ht if output_final_state else None)
 
     def _kernel_call(self, backend, xs, sizes: Sizes, scale: float, initial_state):
@@ -131,8 +116,6 @@ class Op:
         from .runtime.recurrent import kernel_op
         from .codegen.lower import plan
 
-        if sizes.T == 0 or sizes.B == 0:
-            raise InputError(f"{self.rec.name}: empty batch or sequence (B={sizes.B}, T={sizes.T})")
         p = plan(self.rec, sizes)
         if self.rec.has_normalizer:
             h0, z0 = initial_state if initial_state is not None else (None, None)

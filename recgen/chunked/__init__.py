@@ -407,7 +407,7 @@ def _finish(rec, ys, S, z, out_dtype, sizes, dtype=mx.float32):
     if ys:
         o = ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1)
     else:
-        o = mx.zeros((sizes.B, 0, sizes.H, sizes.V), dtype=dtype)
+        o = mx.zeros((sizes.B, sizes.T, sizes.H, sizes.V), dtype=dtype)  # B = 0 or T = 0
     return o.astype(out_dtype), ((S, z) if rec.has_normalizer else S)
 
 

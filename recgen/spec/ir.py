@@ -228,6 +228,9 @@ class Recurrence:
             src = self.input(f.source) if f.source in names else None
             if src is None or src.kind != "key":
                 raise SpecError(f"feature {f.name!r}: source {f.source!r} must be a key input")
+        if self.default_scale not in ("key", "one"):
+            raise SpecError(f"{self.name}: default_scale must be 'key' (Kin**-0.5) or 'one' (1.0), "
+                            f"got {self.default_scale!r}")
         if self.gqa not in ("block", "tiled"):
             raise SpecError(f"{self.name}: gqa must be 'block' or 'tiled', got {self.gqa!r}")
         allowed = {"decay": (I, J), "a": (I,), "b": (I,), "u": (I,), "w": (J,), "r": (I,),
