@@ -18,7 +18,7 @@ from . import __version__
 from .spec import ir
 from .codegen.backends import get
 from .runtime.recurrent import backward_launch, forward_launch
-from .codegen.lower import plan
+from .codegen.lower import UnsupportedKernel, plan, unsupported
 from .codegen.render import _env
 from .spec.layouts import Sizes
 
@@ -67,10 +67,10 @@ def emit(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V: int, H:
     d = get(target)
     if dtype not in DTYPES[target]:
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(DTYPES[target])}")
-    Kin = K
-    if rec.features:
-        Kin = next(n for n in range(1, K + 1) if rec.features[0].width(n) == K)
-    sizes = Sizes(1, 1, H, HK, Kin, K, V)
+    why = unsupported(rec)
+    if why:  # before any size is derived or any file written
+        raise UnsupportedKernel(f"{rec.name} has no kernels to emit: {why}")
+    sizes = Sizes(1, 1, H, HK, K, K, V)
     p = plan(rec, sizes, decode=False)
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
