@@ -498,7 +498,7 @@ def chunk_kernels() -> str | None:
     return name if kernels.usable(name, "scan") else None
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=64)  # keyed on rfac, a value of the scale: bounded, so a model sweeping scales holds no more
 def core_fn(key: bool, delta: bool, compose: bool, matrix: bool = False, compile: bool = False, inv_base: int = 1,
             kern: str | None = None, out=None, rfac: float | None = None):
     """The chunked core as an ``mx.custom_function`` with the hand-derived VJP above.
