@@ -33,8 +33,22 @@ def _close(a, b, tol=1e-5):
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_op_compiles_forward_and_grad(name, rng):
-    rec = SPECS[name]
-    op = load(rec, backend="mlx")
+    _compiles(SPECS[name], "mlx", rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(set(SPECS) - {"power_retention"}))  # no kernels for feature maps
+def test_kernel_op_compiles_forward_and_grad(name, rng):
+    """The generated kernels of this machine's GPU (skipped without one: not run on the CPU-only CI)."""
+    from recgen.codegen.backends import machine_dialect
+
+    if machine_dialect() is None:
+        pytest.skip("no GPU backend in MLX here")
+    _compiles(SPECS[name], machine_dialect(), rng)
+
+
+def _compiles(rec, backend, rng):
+    op = load(rec, backend=backend)
     xs, h0 = _case(rec, rng)
     n = len(xs)
     dos = mx.array(rng.standard_normal((2, 9, 4, 3)).astype(np.float32))

@@ -9,7 +9,7 @@ final state and every gradient, ``initial_state`` included, under cotangents on 
 - recipes the decorator must reject (a transition with a value-indexed decay ...) raise SpecError;
 - a small sample through the Metal emulator (specs with kernels, short T).
 
-Examples are derandomized (the same in every run). ``RECGEN_FUZZ_EXAMPLES`` (default 20) sets the chunked budget,
+Examples are derandomized (the same in every run). ``RECGEN_FUZZ_EXAMPLES`` (default 60) sets the chunked budget,
 ``RECGEN_FUZZ_METAL`` (default 1: a clang build costs ~20 s) the emulator's: e.g. RECGEN_FUZZ_EXAMPLES=2000 for a soak run.
 """
 import os
@@ -27,7 +27,7 @@ from recgen.chunked import parallel
 from recgen.math import reference
 
 PHASES = [Phase.explicit, Phase.generate, Phase.shrink]  # no database, no explain phase (slow, writes files)
-EXAMPLES = int(os.environ.get("RECGEN_FUZZ_EXAMPLES", "20"))
+EXAMPLES = int(os.environ.get("RECGEN_FUZZ_EXAMPLES", "60"))
 METAL_EXAMPLES = int(os.environ.get("RECGEN_FUZZ_METAL", "1"))
 F64 = (1e-6, 1e-5)
 F32 = (1e-5, 1e-4)
