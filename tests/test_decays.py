@@ -118,8 +118,10 @@ def test_value_indexed_decay_with_transition_is_rejected_at_declaration(index):
         rg.recurrence(f)
 
 
-def test_kernel_backends_see_the_same_zero_decays(rng):
-    """The Metal kernels compute D itself: on the emulator, x² decays with exact zeros match the reference."""
+@pytest.mark.parametrize("name", ["square", "mask_times_gate"])
+def test_kernel_backends_see_the_same_zero_decays(name, rng):
+    """The Metal kernels compute D itself: on the emulator, x² and |m|·e^g decays with exact zeros match the
+    reference (|m|'s derivative, sign(m), prints in both dialects)."""
     verify = pytest.importorskip("recgen.verify.kernels")
     from recgen.verify.typecheck import clang_problem
 
@@ -129,7 +131,7 @@ def test_kernel_backends_see_the_same_zero_decays(rng):
 
     from recgen.math import reference
 
-    rec = _spec(DECAYS["square"], delta=True)
+    rec = _spec(DECAYS[name], delta=True)
     xs, h0, do, dht = _inputs(rec, rng)
     xs = {n: a[:, :5] for n, a in xs.items()}
     do = do[:, :5]
