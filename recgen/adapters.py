@@ -8,7 +8,15 @@
 """
 from __future__ import annotations
 
+from .op_args import check_array
 from .spec.layouts import InputError
+
+
+def _check(**arrays):
+    """Each given array argument is an mx.array of a float dtype (named in the error), before it is reshaped."""
+    for name, a in arrays.items():
+        if a is not None:
+            check_array(name, a)
 
 
 def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -18,6 +26,7 @@ def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_
 
     from . import ops
 
+    _check(u=u, delta=delta, A=A, B=B, C=C, D=D, delta_bias=delta_bias, initial_state=initial_state)
     if z is not None:
         raise InputError("argument 'z': the silu(z) output gate is not part of recgen's selective scan; "
                          "apply it to the output")
@@ -66,6 +75,7 @@ def mlxlm_gated_delta_update(q, k, v, g, beta, state=None, backend=None):
 
     from . import ops
 
+    _check(q=q, k=k, v=v, g=g, beta=beta, state=state)
     h0 = None if state is None else state.swapaxes(-1, -2)
     o, ht = ops.gated_delta_net(q, k, v, mx.log(g), beta, scale=1.0, initial_state=h0, output_final_state=True,
                                 backend=backend)

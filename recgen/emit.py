@@ -19,8 +19,9 @@ from .spec import ir
 from .codegen.backends import get
 from .codegen.backends.dialect import Dialect
 from .runtime.recurrent import backward_launch, forward_launch
-from .codegen.lower import plan
+from .codegen.lower import plan, unsupported
 from .codegen.render import template_env
+from .errors import UnsupportedKernel
 from .spec.layouts import Sizes, input_dims
 
 AXIS_NAMES = {"Hk": "HK", "Kin": "K"}  # the template constants' names of the layouts' axes
@@ -64,10 +65,10 @@ def emit(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V: int, H:
     d = get(target)
     if dtype not in d.standalone_dtypes:
         raise ValueError(f"dtype {dtype!r}: expected one of {sorted(d.standalone_dtypes)}")
-    Kin = K
-    if rec.features:
-        Kin = next(n for n in range(1, K + 1) if rec.features[0].width(n) == K)
-    sizes = Sizes(1, 1, H, HK, Kin, K, V)
+    why = unsupported(rec)
+    if why:  # before any size is derived or any file written
+        raise UnsupportedKernel(f"{rec.name} has no kernels to emit: {why}")
+    sizes = Sizes(1, 1, H, HK, K, K, V)
     p = plan(rec, sizes, decode=False)
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)

@@ -24,43 +24,22 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from . import specs
 from .errors import InputError
+from .op_args import check_array, check_backend, check_initial_state, check_names, check_scale, warn_head_first
+from .op_args import check_finite as check_finite_values
 from .runtime.probe import checked
 from .spec import ir
-from .spec.layouts import Sizes, check_state, infer_sizes
+from .spec.layouts import Sizes, infer_sizes
 from .tuning import BACKENDS, BACKWARDS, Tuning, current
-from . import specs
-
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
-
-
-def _check_dtypes(arrays: dict):
-    import mlx.core as mx
-
-    for name, a in arrays.items():
-        if not isinstance(a, mx.array):
-            raise InputError(f"argument {name!r}: expected an mx.array, got {type(a).__name__}")
-        if str(a.dtype).split(".")[-1] not in FLOAT_DTYPES:
-            raise InputError(f"argument {name!r}: expected float32, float16 or bfloat16, got {a.dtype}")
-
-
-def assert_finite(arrays: dict):
-    """Raise InputError naming the first array with NaN or Inf. Waits for the device (one host sync)."""
-    import mlx.core as mx
-
-    finite = [mx.all(mx.isfinite(a)) for a in arrays.values()]
-    if bool(mx.all(mx.stack(finite)).item()):  # one sync for all inputs; name the culprit only on failure
-        return
-    bad = next(name for name, ok in zip(arrays, finite) if not bool(ok.item()))
-    raise InputError(f"argument {bad!r}: contains NaN or Inf")
 
 
 def choose_backend(t: Tuning, *explicit) -> str:
-    """The first explicit choice, else the tuning's, else the default device's GPU kernels, else ``mlx``."""
-    for b in (*explicit, t.backend):
+    """The first explicit choice, else the tuning's, else the default device's GPU kernels, else ``mlx``; a choice
+    this machine cannot run is an error that lists the backends it has."""
+    for b, source in ((*((e, "backend") for e in explicit), (t.backend, "RECGEN_BACKEND"))):
         if b is not None:
-            if b not in BACKENDS:
-                raise InputError(f"backend={b!r}: expected one of {BACKENDS}")
+            check_backend(b, BACKENDS, source)
             return b
     return t.dialect if t.device == "gpu" and t.dialect else "mlx"
 
@@ -98,7 +77,7 @@ class Op:
     def __repr__(self) -> str:
         return f"<recgen op {self.rec.name} backend={self.backend or 'auto'}>"
 
-    def __call__(self, *args, scale=None, initial_state=None, output_final_state=False, backend=None,
+    def __call__(self, /, *args, scale=None, initial_state=None, output_final_state=False, backend=None,
                  check_finite=None, **kwargs):
         rec = self.rec
         if len(args) > len(rec.inputs):
@@ -109,24 +88,25 @@ class Op:
         if dup:
             raise InputError(f"{rec.name}: argument(s) {sorted(dup)} given twice")
         arrays.update(kwargs)
-        _check_dtypes(arrays)
+        check_names(rec, arrays)
+        for name, a in arrays.items():
+            check_array(name, a)
         sizes = infer_sizes(rec, {k: tuple(v.shape) for k, v in arrays.items()})
+        warn_head_first(rec, sizes)
+        states = [] if initial_state is None else check_initial_state(rec, sizes, initial_state)
+        scale = (sizes.Kin ** -0.5 if rec.default_scale == "key" else 1.0) if scale is None else check_scale(scale)
         t = checked(current())
-        if check_finite if check_finite is not None else t.debug:
-            assert_finite(arrays)
-        if scale is None:
-            scale = sizes.Kin ** -0.5 if rec.default_scale == "key" else 1.0
-        if initial_state is not None:
-            check_state(rec, sizes, initial_state)
         backend = choose_backend(t, backend, self.backend)
+        if t.debug if check_finite is None else check_finite:
+            check_finite_values({**{k: [v] for k, v in arrays.items()}, "initial_state": states})
         xs = [arrays[x.name] for x in rec.inputs]
-        if backend == "mlx":
+        if backend == "mlx" or sizes.B == 0 or sizes.T == 0:  # nothing to launch: the chunked form's shapes
             from . import chunked
 
-            o, ht = chunked.forward(rec, dict(zip([x.name for x in rec.inputs], xs)), scale=float(scale),
+            o, ht = chunked.forward(rec, dict(zip([x.name for x in rec.inputs], xs)), scale=scale,
                                     initial_state=initial_state, chunk_size=self.chunk_size, tuning=t)
         else:
-            o, ht = self._kernel_call(backend, xs, sizes, float(scale), initial_state, t)
+            o, ht = self._kernel_call(backend, xs, sizes, scale, initial_state, t)
         return o, (ht if output_final_state else None)
 
     def _kernel_call(self, backend, xs, sizes: Sizes, scale: float, initial_state, t: Tuning):
@@ -136,8 +116,6 @@ class Op:
         from .codegen.lower import plan
         from .runtime.recurrent import kernel_op
 
-        if sizes.T == 0 or sizes.B == 0:
-            raise InputError(f"{self.rec.name}: empty batch or sequence (B={sizes.B}, T={sizes.T})")
         p = plan(self.rec, sizes, fwd_layout=t.fwd_layout)
         if self.rec.has_normalizer:
             h0, z0 = initial_state if initial_state is not None else (None, None)

@@ -156,17 +156,24 @@ def override(**changes):
         _overrides.pop()
 
 
+def machine_dialect() -> str | None:
+    """The kernel dialect of this machine's GPU as MLX sees it (Metal first, then CUDA), or None without one."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return None
+
+
 def device() -> tuple[str, str | None]:
-    """MLX's default device as ("cpu" | "gpu", the GPU's kernel dialect: Metal first, then CUDA)."""
+    """MLX's default device as ("cpu" | "gpu", the GPU's kernel dialect)."""
     import mlx.core as mx
 
     if mx.default_device() == mx.cpu:
         return "cpu", None
-    if mx.metal.is_available():
-        return "gpu", "metal"
-    if hasattr(mx, "cuda") and mx.cuda.is_available():
-        return "gpu", "cuda"
-    return "gpu", None
+    return "gpu", machine_dialect()
 
 
 def current() -> Tuning:

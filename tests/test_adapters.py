@@ -67,3 +67,15 @@ def test_mlxlm_convention_matches_reference():
                                      backend="mlx")
     o_r, s_r = gdn_ref(q, k, v, np.log(g), beta, scale=1.0, initial_state=h0)
     assert rel_err(o, o_r) < 1e-5 and rel_err(np.array(st).swapaxes(-1, -2), s_r) < 1e-5
+
+
+def test_adapters_name_non_array_arguments():
+    a = mx.zeros((1, 4, 3))
+    with pytest.raises(InputError, match="argument 'A'.*mx.array.*ndarray"):
+        selective_scan_fn(a, a, np.zeros((4, 2)), a, a)
+    with pytest.raises(InputError, match="argument 'u'.*mx.array.*list"):
+        selective_scan_fn([[0.0]], a, a, a, a)
+    q = mx.zeros((1, 2, 2, 4))
+    with pytest.raises(InputError, match="argument 'state'.*float32.*int32"):
+        mlxlm_gated_delta_update(q, q, q, mx.ones((1, 2, 2)), mx.ones((1, 2, 2)),
+                                 state=mx.zeros((1, 2, 4, 4), dtype=mx.int32))

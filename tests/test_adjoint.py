@@ -103,8 +103,8 @@ def test_partials_power_retention():
     got = _partials(spec)
     assert sp.simplify(got["decay", "g"][0] - exp(g)) == 0
     assert sp.simplify(got["zdecay", "g"][0] - exp(g)) == 0
-    assert sp.simplify(got["r", "phi_q"][0] - SCALE**2) == 0
-    assert got["u", "phi_k"][0] == 1 and got["zupdate", "phi_k"][0] == 1
+    assert sp.simplify(got["r", "phi(q)"][0] - SCALE**2) == 0
+    assert got["u", "phi(k)"][0] == 1 and got["zupdate", "phi(k)"][0] == 1
     assert adjoint.derive(spec).dN == 1
 
 

@@ -11,9 +11,9 @@ from recgen.runtime import chunk_kernels as ck
 from recgen.runtime import probe as pr
 
 verify = pytest.importorskip("recgen.verify.kernels")
-from recgen.verify.typecheck import find_clang  # noqa: E402
+from recgen.verify.typecheck import clang_problem  # noqa: E402
 
-pytestmark = pytest.mark.skipif(find_clang() is None, reason="clang++ not installed (apt-get install clang)")
+pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
 
 
 def _scan(dialect, BH, n, C, K, V, F, has_e, reverse, has_a=True, has_b=True, mma=None, bv=32, **terms):

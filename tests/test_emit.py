@@ -10,11 +10,11 @@ from recgen.math import reference
 from recgen import specs
 from recgen.emit import emit
 from recgen.spec.layouts import Sizes
-from recgen.verify.typecheck import find_clang
+from recgen.verify.typecheck import clang_problem
 
 from recgen.testing import kernel_inputs, rel_err
 
-pytestmark = pytest.mark.skipif(find_clang() is None, reason="clang++ not installed")
+pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
 
 
 def test_standalone_metal_typechecks_and_runs(tmp_path):

@@ -176,7 +176,7 @@ def test_sympow_of_an_expression():
 
 
 def test_sympow_of_a_value():
-    with raises_spec("feature 'phi_v'", "key input"):
+    with raises_spec("feature 'phi(v)'", "key input"):
         @recurrence
         def bad(q: Key, k: Key, v: Value):
             return Step(update=outer(sympow(k), v), readout=sympow(v))

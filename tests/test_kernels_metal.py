@@ -15,9 +15,9 @@ from recgen.codegen.lower import UnsupportedKernel, plan
 from recgen.spec.layouts import Sizes
 
 verify = pytest.importorskip("recgen.verify.kernels")
-from recgen.verify.typecheck import find_clang  # noqa: E402
+from recgen.verify.typecheck import clang_problem  # noqa: E402
 
-pytestmark = pytest.mark.skipif(find_clang() is None, reason="clang++ not installed (apt-get install clang)")
+pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
 
 from recgen.testing import kernel_inputs, rel_err  # noqa: E402
 

@@ -42,8 +42,17 @@ def test_keyword_arguments_and_scale():
     (lambda a: a[:3] + (a[3] * float("nan"),), "'gk'.*NaN"),
 ])
 def test_bad_inputs_name_the_argument(bad, match):
-    with pytest.raises(InputError, match=match):  # the NaN check is the debug mode's (it waits for the device)
+    with pytest.raises(InputError, match=match):
         ops.gla(*bad(_gla_inputs()), backend="mlx", check_finite=True)
+
+
+def test_finite_check_is_a_debug_mode():
+    """By default no value is read on the host: a NaN input is not looked at and flows through lazily."""
+    q, k, v, gk = _gla_inputs()
+    o, _ = ops.gla(q, k, v, gk * float("nan"), backend="mlx")
+    assert np.isnan(np.array(o)).any()
+    with pytest.raises(InputError, match="'gk'.*NaN"):
+        ops.gla(q, k, v, gk * float("nan"), backend="mlx", check_finite=True)
 
 
 def test_bad_initial_state_backend_and_arity():
@@ -61,7 +70,9 @@ def test_bad_initial_state_backend_and_arity():
 def test_environment_forces_the_backend(monkeypatch):
     monkeypatch.setenv("RECGEN_BACKEND", "mlx")
     assert ops.choose_backend(tuning.current()) == "mlx"
-    assert ops.choose_backend(tuning.current(), "cuda") == "cuda"  # an explicit choice wins
+    assert ops.choose_backend(tuning.current(), "mlx") == "mlx"
+    with pytest.raises(InputError, match="backends here"):  # an explicit choice wins, if this machine has it
+        ops.choose_backend(tuning.current(), "cuda")
     monkeypatch.setenv("RECGEN_BACKEND", "vulkan")
     with pytest.raises(InputError, match="RECGEN_BACKEND"):
         tuning.current()

@@ -29,9 +29,9 @@ recomputes segments in reverse, ordered with ``mx.depends`` so one segment's int
 alive at a time (MLX calls a VJP under ``RetainGraph``: an ``eval`` inside it would free nothing).
 Second-order gradients are not supported.
 
-Not supported (NotImplementedError, naming the term): a rank-1 transition together with a
-value-indexed or full (i, j) decay. Decays that are not written as exp(e) enter through log(D) and
-must be positive.
+Decays enter through their exact logarithm (``recgen.spec.decay``; a decay of 0 is a reset). What no form
+computes is rejected by the decorator (``SpecError``): decays that can be negative, and a rank-1 transition
+together with a value-indexed or full (i, j) decay.
 """
 from __future__ import annotations
 
@@ -391,7 +391,7 @@ def _finish(rec, ys, S, z, out_dtype, sizes, dtype=mx.float32):
     if ys:
         o = ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=1)
     else:
-        o = mx.zeros((sizes.B, 0, sizes.H, sizes.V), dtype=dtype)
+        o = mx.zeros((sizes.B, sizes.T, sizes.H, sizes.V), dtype=dtype)  # B = 0 or T = 0
     return o.astype(out_dtype), ((S, z) if rec.has_normalizer else S)
 
 

@@ -8,10 +8,8 @@ its own broadcast shape; key-side roles are returned as ``[B,H,C,K]``, value-sid
 ``[B,H,C,V]``.
 
 The decay enters the chunked forms through its logarithm (a cumulative sum of log-decays is the
-only stable way to form products of decays over a chunk). ``log_decay`` derives it symbolically:
-``log(exp(e)) = e`` exactly; otherwise ``log(D)`` is expanded over products and powers and
-``log(sigmoid(x))`` becomes ``logsigmoid(x)``. A decay that is not an exponential is assumed
-positive (the chunked form needs log D real); document that in the spec if you rely on it.
+only stable way to form products of decays over a chunk): ``recgen.spec.decay.log_decay`` derives it
+exactly for every decay the decorator accepts (nonnegative by construction; 0 is a reset, log -inf).
 """
 from __future__ import annotations
 
@@ -23,8 +21,9 @@ import sympy as sp
 
 from ..spec import ir
 from ..spec.analysis import analyze
+from ..spec.decay import log_decay
+from ..spec.numeric import lambdify
 from ..spec.features import sympow_pairs
-from ..spec.fns import logsigmoid, sigmoid
 
 
 def _mx():
@@ -44,21 +43,26 @@ def mlx_module(pow2_exp: bool = False) -> dict:
         "sigmoid": mx.sigmoid,
         "softplus": lambda x: mx.logaddexp(x, 0.0),
         "logsigmoid": lambda x: -mx.logaddexp(-x, 0.0),
+        "logabs": _logabs,
         "E": float(np.e), "pi": float(np.pi),
     }
 
 
 def log_decay_expr(decay: sp.Expr) -> sp.Expr:
-    """log D as a sympy expression that never forms D itself when D = exp(e) (then it is e)."""
-    decay = sp.sympify(decay)
-    if decay.func == sp.exp:
-        return decay.args[0]
-    if decay == 1:
-        return sp.Integer(0)
-    e = sp.expand_log(sp.log(decay), force=True)
-    e = e.replace(lambda x: x.func == sp.log and x.args[0].func == sp.exp, lambda x: x.args[0].args[0])
-    e = e.replace(lambda x: x.func == sp.log and x.args[0].func == sigmoid, lambda x: logsigmoid(x.args[0].args[0]))
+    """log D (``recgen.spec.decay.log_decay``: exact, -inf where D = 0); validation rejects decays without one."""
+    e = log_decay(decay)
+    if e is None:  # Recurrence.validate() rejects such specs; guard a hand-built one
+        raise ir.SpecError(f"decay {decay}: can be negative, so the chunked form has no log-decay for it")
     return e
+
+
+def _logabs(x):
+    """log|x| with log|0| = -inf and a zero gradient at 0 (``spec.decay.logabs``): the inner where keeps
+    log's 1/x away from x = 0, so no 0·∞ reaches the gradient."""
+    mx = _mx()
+    x = x if isinstance(x, mx.array) else mx.array(float(x))
+    nz = x != 0
+    return mx.where(nz, mx.log(mx.abs(mx.where(nz, x, 1.0))), -float("inf"))
 
 
 KEY_ROLES, VALUE_ROLES = ir.KEY_ROLES, ir.VALUE_ROLES
@@ -87,7 +91,8 @@ def plan(rec: ir.Recurrence, pow2_exp: bool = False) -> Plan:
     """The roles of ``rec`` as MLX functions (``pow2_exp``: see ``core.exp``)."""
     syms = tuple(rec.symbols) + (ir.SCALE,)
     mod = [mlx_module(pow2_exp)]
-    lam = lambda e: sp.lambdify(syms, e, modules=mod)  # noqa: E731
+    # the generated code names no input (spec.numeric): inputs called exp, pi or sigmoid shadow nothing
+    lam = lambda e: lambdify(syms, e, mod)  # noqa: E731
     terms = rec.terms()
     a = analyze(rec)
     fns = {role: lam(e) for role, e in terms.items() if role not in ("decay", "zdecay")}
@@ -96,10 +101,10 @@ def plan(rec: ir.Recurrence, pow2_exp: bool = False) -> Plan:
     norm = rec.step.normalizer
     if norm is not None:
         fns["zlogdecay"] = lam(log_decay_expr(norm.decay))
-        N = sp.lambdify((ir.N_ARG,), norm.fn, modules=mod)
+        N = lambdify((ir.N_ARG,), norm.fn, mod)
     if a.rho is not None:
         fns["rho"] = lam(a.rho)
-    r_scaled = None if a.r_scaled is None else (a.r_scaled[0], sp.lambdify((ir.SCALE,), a.r_scaled[1]))
+    r_scaled = None if a.r_scaled is None else (a.r_scaled[0], lambdify((ir.SCALE,), a.r_scaled[1], "math"))
     return Plan(rec, syms, fns, a.decay_class, a.zdecay_class, N, a.fuse_z, a.delta_rule, a.bare_roles, a.rho_pow2,
                 r_scaled)
 

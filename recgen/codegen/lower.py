@@ -107,15 +107,22 @@ def plan(rec: ir.Recurrence, sizes: Sizes, decode: bool | None = None,
                  fwd_layout)
 
 
+def unsupported(rec: ir.Recurrence) -> str | None:
+    """Why ``rec`` has no recurrent kernels (the message of ``UnsupportedKernel``), or None when it has them."""
+    if rec.features:
+        return (f"{rec.name}: feature maps ({', '.join(f.name for f in rec.features)}) have no recurrent kernel "
+                "yet; use backend='mlx'")
+    if rec.has_normalizer and rec.step.skip is not None:
+        return f"{rec.name}: a normalizer together with a skip term has no recurrent kernel yet; use backend='mlx'"
+    return None
+
+
 @lru_cache(maxsize=128)
 def _plan(rec: ir.Recurrence, K: int, Kin: int, V: int, H: int, Hk: int, decode: bool = False,
           fwd_layout: tuple | None = None) -> KernelPlan:
-    if rec.features:
-        raise UnsupportedKernel(f"{rec.name}: feature maps ({', '.join(f.name for f in rec.features)}) have no "
-                                "recurrent kernel yet; use backend='mlx'")
-    if rec.has_normalizer and rec.step.skip is not None:
-        raise UnsupportedKernel(f"{rec.name}: a normalizer together with a skip term has no recurrent kernel yet; "
-                                "use backend='mlx'")
+    why = unsupported(rec)
+    if why:
+        raise UnsupportedKernel(why)
     fwd, bwd, C = choose_layouts(K, V)
     if rec.has_normalizer:  # the backward also keeps the chunk's normalizer states in registers
         C = max(2, C // 2)

@@ -32,6 +32,13 @@ class KernelPrinter(C99CodePrinter):
     def _print_Integer(self, n):
         return f"{float(n)!r}{self.dialect.float_suffix}"
 
+    def _print_NumberSymbol(self, c):
+        """pi, E and the other named constants as literals: no dialect declares C's M_PI or M_E."""
+        return f"{float(c)!r}{self.dialect.float_suffix}"
+
+    _print_Pi = _print_Exp1 = _print_GoldenRatio = _print_EulerGamma = _print_Catalan = _print_NumberSymbol
+    _print_TribonacciConstant = _print_NumberSymbol
+
     def _print_Pow(self, e):
         base, ex = e.args
         if ex.is_Integer and 0 < int(ex) <= 4:  # small powers as parenthesized products

@@ -20,6 +20,7 @@ import sympy as sp
 
 from . import adjoint as adj
 from ..spec import ir
+from ..spec.numeric import lambdify
 from ..spec.features import sympow, sympow_vjp
 from ..spec.fns import NUMPY_GATES
 from ..spec.layouts import InputError, Sizes, check_state, infer_sizes
@@ -40,13 +41,14 @@ class _Compiled:
 def _compile(rec: ir.Recurrence) -> _Compiled:
     syms = tuple(rec.symbols) + (ir.SCALE,)
     mods = [NUMPY_GATES, "numpy"]
-    lam = lambda e: sp.lambdify(syms, e, modules=mods)  # noqa: E731
+    # the generated code names no input (spec.numeric): inputs called exp, pi or sigmoid shadow nothing
+    lam = lambda e: lambdify(syms, e, mods)  # noqa: E731
     terms = {role: lam(e) for role, e in rec.terms().items()}
     ad = adj.derive(rec)
     parts = tuple((p, lam(p.expr)) for p in ad.partials)
     norm = rec.step.normalizer
-    N = sp.lambdify((ir.N_ARG,), norm.fn, modules=mods) if norm else None
-    dN = sp.lambdify((ir.N_ARG,), ad.dN, modules=mods) if norm else None
+    N = lambdify((ir.N_ARG,), norm.fn, mods) if norm else None
+    dN = lambdify((ir.N_ARG,), ad.dN, mods) if norm else None
     return _Compiled(syms, terms, parts, N, dN)
 
 
@@ -155,14 +157,14 @@ def _walk(rec, arrays, sizes, scale, kh, S0, z0, keep: bool):
     return o, S, z, steps
 
 
-def run(rec: ir.Recurrence, *, initial_state=None, scale=None, **inputs):
+def run(rec: ir.Recurrence, /, *, initial_state=None, scale=None, **inputs):
     """Forward: returns (o [B,T,H,V], final_state S [B,H,K,V] or (S, z) with a normalizer)."""
     arrays, sizes, scale, kh, S0, z0 = _prepare(rec, inputs, initial_state, scale)
     o, S, z, _ = _walk(rec, arrays, sizes, scale, kh, S0, z0, keep=False)
     return o, ((S, z) if rec.has_normalizer else S)
 
 
-def grad(rec: ir.Recurrence, *, do, dht=None, initial_state=None, scale=None, **inputs) -> dict:
+def grad(rec: ir.Recurrence, /, *, do, dht=None, initial_state=None, scale=None, **inputs) -> dict:
     """Gradients of L = Σ o·do + Σ final_state·dht for every input and ``initial_state``."""
     arrays, sizes, scale, kh, S0, z0 = _prepare(rec, inputs, initial_state, scale)
     c = _compile(rec)

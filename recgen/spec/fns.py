@@ -18,6 +18,11 @@ __all__ = ["sigmoid", "softplus", "logsigmoid", "exp", "NUMPY_GATES"]
 class sigmoid(sp.Function):
     r"""σ(x) = 1 / (1 + e^{-x});  σ'(x) = σ(x) (1 - σ(x))."""
 
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    _eval_is_positive = _eval_is_real  # a decay built from gates is then known nonnegative (spec.decay)
+
     def fdiff(self, argindex=1):
         s = sigmoid(self.args[0])
         return s * (1 - s)
@@ -26,12 +31,22 @@ class sigmoid(sp.Function):
 class softplus(sp.Function):
     r"""softplus(x) = log(1 + e^{x});  softplus'(x) = σ(x)."""
 
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    _eval_is_positive = _eval_is_real
+
     def fdiff(self, argindex=1):
         return sigmoid(self.args[0])
 
 
 class logsigmoid(sp.Function):
     r"""log σ(x) = -softplus(-x);  (log σ)'(x) = σ(-x)."""
+
+    def _eval_is_real(self):
+        return self.args[0].is_real
+
+    _eval_is_negative = _eval_is_real
 
     def fdiff(self, argindex=1):
         return sigmoid(-self.args[0])

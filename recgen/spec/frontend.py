@@ -48,7 +48,7 @@ def sympow(x: sp.Symbol, degree: int = 2) -> sp.Symbol:
                            "e.g. scale**2 * sympow(q)")
     if degree != 2:
         raise ir.SpecError(f"sympow(): only degree 2 is supported, got {degree}")
-    feat = ir.Feature(f"phi_{x.name}", x.name, degree)
+    feat = ir.Feature(f"phi({x.name})", x.name, degree)
     if feat not in _features:
         _features.append(feat)
     return feat.symbol
@@ -102,6 +102,6 @@ def recurrence(fn=None, *, name: str | None = None, gqa: str = "block", default_
         _features = None
     if not isinstance(step, ir.Step):
         raise ir.SpecError(f"{fn.__name__} must return rg.Step(...), got {type(step).__name__}")
-    rec = ir.Recurrence(name or fn.__name__, inspect.getdoc(fn) or "", tuple(inputs), step,
+    rec = ir.Recurrence(fn.__name__ if name is None else name, inspect.getdoc(fn) or "", tuple(inputs), step,
                         features, gqa, default_scale)
     return rec.validate()

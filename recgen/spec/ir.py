@@ -18,6 +18,7 @@ key gate ``[B,T,H,K]``, value ``[B,T,H,V]``, parameter ``[H, *signature]``.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 import sympy as sp
@@ -26,6 +27,36 @@ from ..errors import SpecError
 
 I, J = "i", "j"
 SCALE = sp.Symbol("scale", positive=True)  # the runtime readout scale; None -> Kin**-0.5
+
+
+# Spec and input names enter kernel sources, kernel names and file paths: ASCII identifiers only.
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# The names a kernel derives from an input x: buffer x_in, registers x_v and x_n, gradient accumulator x_g,
+# gradient buffer d_x. The kernel frames' own names of these forms are in RESERVED_NAMES (a test scans the
+# frames), and two inputs must not derive a common name (inputs a_v and d_a would both own d_a_v).
+DERIVED_SUFFIXES = ("_in", "_v", "_n", "_g")
+DERIVED_PREFIXES = ("d_",)
+# Input names that would collide with a name recgen uses itself: the reason is the error message.
+RESERVED_NAMES = {
+    "scale": "it is rg.scale, the ops' scale= argument and the kernels' scale_in buffer",
+    "n": "it is the normalizer function's argument",
+    "initial_state": "it is an op keyword", "output_final_state": "it is an op keyword",
+    "backend": "it is an op keyword", "check_finite": "it is an op keyword",
+    "do": "it is reference.grad's output cotangent and the kernels' do_in buffer",
+    "dht": "it is reference.grad's final-state cotangent and a kernel buffer",
+    "ydo": "the normalizer's backward kernel has a ydo_in buffer",
+}
+
+
+def derived_names(name: str) -> set[str]:
+    """The identifiers kernels derive from an input called ``name``."""
+    return {name + s for s in DERIVED_SUFFIXES} | {p + name for p in DERIVED_PREFIXES}
+
+
+def check_identifier(what: str, name) -> None:
+    if not isinstance(name, str) or not IDENTIFIER.match(name):
+        raise SpecError(f"{what} {name!r}: must be an ASCII identifier ([A-Za-z_][A-Za-z0-9_]*): it names "
+                        "kernels, kernel buffers and emitted files")
 
 
 @dataclass(frozen=True)
@@ -57,6 +88,8 @@ class Input:
 @dataclass(frozen=True)
 class Feature:
     r"""A feature map applied to a key input, evaluated on the fly by every backend.
+
+    Its name, ``phi(<source>)``, is no identifier, so no input can take it (inputs must be identifiers).
 
     ``sympow`` of degree 2 maps x ∈ R^d to the d(d+1)/2 products x_a x_b (a ≤ b) with √2 on the
     cross terms, so that φ(x)ᵀφ(y) = (xᵀy)². The state rows then live in the feature space.
@@ -179,20 +212,23 @@ class Recurrence:
     # -- validation ----------------------------------------------------------------------------
     def validate(self) -> "Recurrence":
         """Reject malformed specs with an error naming the term and why; returns self."""
+        check_identifier("spec name", self.name)
         names = [x.name for x in self.inputs]
         if len(set(names)) != len(names):
             raise SpecError(f"{self.name}: duplicate input names in {names}")
+        self._check_input_names()
         for x in self.inputs:
             if x.kind not in KIND_INDEX and x.kind != "param":
                 raise SpecError(f"input {x.name!r}: unknown kind {x.kind!r}")
             if x.kind == "param" and not set(x.index) <= {I, J}:
                 raise SpecError(f"input {x.name!r}: parameter index {x.index} must be a subset of ('i', 'j')")
-            if x.name in ("scale", "n", "initial_state"):
-                raise SpecError(f"input {x.name!r}: the name is reserved")
         for f in self.features:
             src = self.input(f.source) if f.source in names else None
             if src is None or src.kind != "key":
                 raise SpecError(f"feature {f.name!r}: source {f.source!r} must be a key input")
+        if self.default_scale not in ("key", "one"):
+            raise SpecError(f"{self.name}: default_scale must be 'key' (Kin**-0.5) or 'one' (1.0), "
+                            f"got {self.default_scale!r}")
         if self.gqa not in ("block", "tiled"):
             raise SpecError(f"{self.name}: gqa must be 'block' or 'tiled', got {self.gqa!r}")
         allowed = {"decay": (I, J), "a": (I,), "b": (I,), "u": (I,), "w": (J,), "r": (I,),
@@ -210,12 +246,45 @@ class Recurrence:
                 raise SpecError(f"term {ROLE_NAMES[role]} = {expr}: has index {sorted(bad)} but may only "
                                 f"depend on {allowed[role] or 'no index'} ({ROLE_WHY[role]})")
         self._check_key_space()
+        self._check_decays()
         if self.step.normalizer is not None:
             extra = self.step.normalizer.fn.free_symbols - {N_ARG}
             if extra:
                 raise SpecError(f"normalizer function N(n) = {self.step.normalizer.fn} may only use n, "
                                 f"found {sorted(map(str, extra))}")
         return self
+
+    def _check_decays(self) -> None:
+        """Every decay has an exact logarithm (the chunked forms need it), and a rank-1 transition comes with a
+        scalar or key-vector decay (no form computes it with a value-indexed one)."""
+        from .decay import log_decay
+
+        terms = self.terms()
+        for role in ("decay", "zdecay"):
+            if role in terms and log_decay(terms[role]) is None:
+                raise SpecError(
+                    f"term {ROLE_NAMES[role]} = {terms[role]}: can be negative for some inputs (sympy cannot prove it "
+                    "nonnegative), and the chunked form takes log D. Write it nonnegative by construction: "
+                    "rg.exp(x), rg.sigmoid(x), x**2, Abs(x) or products of those (a 0/1 mask m as Abs(m): "
+                    "a decay of 0 is a reset)")
+        idx = self.free_indices(terms["decay"])
+        if self.step.transition is not None and J in idx:
+            raise SpecError(f"term {ROLE_NAMES['decay']} = {terms['decay']}: has index {list(idx)}, but with a "
+                            f"rank-1 transition (a = {self.step.transition.a}, b = {self.step.transition.b}) the "
+                            "decay must be scalar or per key (i): the chunked form has no value-indexed decay with "
+                            "a transition")
+
+    def _check_input_names(self) -> None:
+        owner: dict[str, str] = {}
+        for x in self.inputs:
+            check_identifier("input", x.name)
+            if x.name in RESERVED_NAMES:
+                raise SpecError(f"input {x.name!r}: the name is reserved ({RESERVED_NAMES[x.name]}); rename it")
+            for d in sorted(derived_names(x.name)):
+                if d in owner:
+                    raise SpecError(f"inputs {owner[d]!r} and {x.name!r}: both would name the kernel variable "
+                                    f"{d!r}; rename one")
+                owner[d] = x.name
 
     def _check_key_space(self) -> None:
         """Raw key inputs and feature maps live in different row spaces: never mix them."""
@@ -232,7 +301,7 @@ class Recurrence:
             raise SpecError(f"term {ROLE_NAMES[used_raw]} uses a raw key input while term "
                             f"{ROLE_NAMES[used_feat]} uses a feature map: the state rows must be one space")
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, /, *args, **kwargs):
         """A spec is data: the op that runs it is ``recgen.load(spec)`` (the IR knows no runtime)."""
         raise TypeError(f"a Recurrence is a spec, not an op: run it as recgen.load({self.name})(...) "
                         f"(built-ins: recgen.ops.{self.name})")

@@ -25,7 +25,7 @@ import numpy as np
 
 from .msl_source import ATTRIBUTE_TYPES, Kernel, pick_kernel, rewrite_for_clang
 from ..tuning import child_environment, verify_cache
-from .typecheck import find_clang
+from .typecheck import clang_problem, find_clang
 
 HERE = Path(__file__).resolve().parent
 RUNTIME = HERE / "msl_cpu_runtime.h"
@@ -142,7 +142,7 @@ def build(source: str, kernel_name: str | None = None, sanitizer: str | None = N
         raise ValueError(f"sanitizer must be None, 'address' or 'thread', not {sanitizer!r}")
     clang = clang or find_clang()
     if clang is None:
-        raise MSLCompileError("clang++ not found (apt-get install clang-19)")
+        raise MSLCompileError(clang_problem())
     rewritten = poison_threadgroup(rewrite_for_clang(source))
     # names and template arguments come from the original (the rewrite drops host_name instantiations),
     # parameters from the rewritten source (whose attributes the launcher understands)

@@ -47,14 +47,42 @@ class CheckResult:
                                               for d in self.errors)
 
 
+MIN_CLANG = 15  # _Float16 on x86-64 (the shim's Metal half) and the emulator's C++20
+
+
+def clang_version(path: str) -> tuple[int, ...] | None:
+    """(major, minor, ...) of a clang++ executable, from ``--version``; None if it does not say."""
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"clang version (\d+(?:\.\d+)*)", out)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
 @functools.lru_cache(maxsize=1)
 def find_clang() -> str | None:
-    """Newest clang++ on PATH with _Float16 support on x86 (>= 15); plain clang++ as a last resort."""
-    for v in range(22, 14, -1):
+    """Newest clang++ on PATH with _Float16 support on x86 (>= 15): clang++-22 .. clang++-15, else a plain
+    clang++ whose version is at least 15; None without one (``clang_problem`` says why)."""
+    for v in range(22, MIN_CLANG - 1, -1):
         p = shutil.which(f"clang++-{v}")
         if p:
             return p
-    return shutil.which("clang++")
+    p = shutil.which("clang++")
+    return p if p and (clang_version(p) or (0,)) >= (MIN_CLANG,) else None
+
+
+def clang_problem() -> str | None:
+    """Why the Metal checks cannot run here (no clang++, or one older than 15), or None when they can."""
+    if find_clang() is not None:
+        return None
+    p = shutil.which("clang++")
+    if p is None:
+        return f"Metal verification needs clang >= {MIN_CLANG} (clang++ not found; apt-get install clang-19)"
+    v = clang_version(p)
+    found = ".".join(map(str, v)) if v else "of unknown version"
+    return (f"Metal verification needs clang >= {MIN_CLANG} for _Float16 (Metal's half); found clang++ {found} at "
+            f"{p} (apt-get install clang-19)")
 
 
 def _limit_asserts(src: str) -> str:
@@ -83,7 +111,7 @@ def typecheck(msl_source: str, clang: str | None = None, extra_flags: tuple[str,
     """Run clang's front end on `msl_source` (MLX-wrapped or a standalone .metal file)."""
     clang = clang or find_clang()
     if clang is None:
-        raise RuntimeError("clang++ not found (apt-get install clang-19)")
+        raise RuntimeError(clang_problem())
     body = rewrite_for_clang(msl_source)
     body = _insert_after_last_tg_decl(body, _limit_asserts(body))
     buf_ids = [int(x) for x in re.findall(r"\[\[\s*buffer\s*\(\s*(\d+)\s*\)\s*\]\]", msl_source)]

@@ -14,12 +14,12 @@ import pytest
 
 from recgen.verify.cpu_exec import MSLRuntimeError, run_msl
 from recgen.verify.limits import lint
-from recgen.verify.typecheck import find_clang, typecheck
+from recgen.verify.typecheck import clang_problem, typecheck
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = ROOT.parent / "shared" / "seeds"  # the seed kernels live beside the project, not in it
 
-needs_clang = pytest.mark.skipif(find_clang() is None, reason="clang++ not installed (apt-get install clang-19)")
+needs_clang = pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
 needs_mlx = pytest.mark.skipif(importlib.util.find_spec("mlx") is None, reason="mlx not installed (pip install mlx[cpu])")
 
 REDUCE = """

@@ -1,0 +1,106 @@
+"""Validation of an op's arguments, from metadata only (types, dtypes, shapes): no value is read on the host,
+except the NaN/Inf check of the debug mode (``check_finite``). Every error is an ``InputError`` naming the
+argument and what was expected."""
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+
+from .errors import InputError
+from .spec import ir
+from .spec.layouts import Sizes, check_state
+from .tuning import machine_dialect
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def check_names(rec: ir.Recurrence, arrays: dict) -> None:
+    """Every input given, nothing else (before any argument's type is looked at: a misspelt keyword is
+    'unexpected', not 'not an array')."""
+    names = [x.name for x in rec.inputs]
+    extra = set(arrays) - set(names)
+    if extra:
+        raise InputError(f"{rec.name}: unexpected argument(s) {sorted(extra)}; inputs are {names}")
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise InputError(f"{rec.name}: missing argument(s) {missing}")
+
+
+def check_array(name: str, a) -> None:
+    import mlx.core as mx
+
+    if not isinstance(a, mx.array):
+        hint = " (convert it with mx.array)" if hasattr(a, "shape") or isinstance(a, (list, tuple)) else ""
+        raise InputError(f"argument {name!r}: expected an mx.array, got {type(a).__name__}{hint}")
+    if str(a.dtype).split(".")[-1] not in FLOAT_DTYPES:
+        raise InputError(f"argument {name!r}: expected float32, float16 or bfloat16, got {a.dtype}")
+
+
+def state_parts(rec: ir.Recurrence, state, name: str = "initial_state") -> list:
+    """The arrays of a state argument (S, or the pair (S, z) with a normalizer), each checked like an input."""
+    if rec.has_normalizer:
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise InputError(f"argument {name!r}: {rec.name} has a normalizer, pass the pair (S, z) of mx.arrays, "
+                             f"got {type(state).__name__}")
+        parts = list(state)
+    else:
+        parts = [state]
+    for p in parts:
+        check_array(name, p)
+    return parts
+
+
+def check_initial_state(rec: ir.Recurrence, sizes: Sizes, state) -> list:
+    parts = state_parts(rec, state)
+    check_state(rec, sizes, state)
+    return parts
+
+
+def check_finite(arrays: dict) -> None:
+    """Debug mode only: one host sync for every array at once; the culprit is named only on failure.
+    ``arrays`` maps an argument name to a list of arrays."""
+    import mlx.core as mx
+
+    flat = [(name, a) for name, group in arrays.items() for a in group]
+    finite = [mx.all(mx.isfinite(a)) for _, a in flat]
+    if bool(mx.all(mx.stack(finite)).item()):
+        return
+    bad = next(name for (name, _), ok in zip(flat, finite) if not bool(ok.item()))
+    raise InputError(f"argument {bad!r}: contains NaN or Inf")
+
+
+def check_scale(scale) -> float:
+    """A finite real number (int, float, numpy scalar). An mx.array is refused: reading it would be a host sync."""
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        hint = "; pass a Python float (reading an mx.array would force evaluation)" if hasattr(scale, "dtype") else ""
+        raise InputError(f"argument 'scale': expected a finite real number or None, got {type(scale).__name__}{hint}")
+    value = float(scale)
+    if not math.isfinite(value):
+        raise InputError(f"argument 'scale': expected a finite real number, got {value}")
+    return value
+
+
+def available_backends() -> tuple[str, ...]:
+    """The backends this machine runs: mlx everywhere, plus the GPU dialect MLX has here (if any)."""
+    gpu = machine_dialect()
+    return ("mlx",) + ((gpu,) if gpu else ())
+
+
+def check_backend(backend: str, known: tuple[str, ...], source: str = "backend") -> None:
+    if backend not in known:
+        raise InputError(f"{source}={backend!r}: expected one of {known}")
+    here = available_backends()
+    if backend not in here:
+        raise InputError(f"{source}={backend!r}: not available here (MLX has no {backend} backend on this machine); "
+                         f"backends here: {here}")
+
+
+def warn_head_first(rec: ir.Recurrence, sizes: Sizes) -> None:
+    """FLA's heuristic: inputs are [B,T,H,...]; T < H suggests head-first [B,H,T,...] was passed. Decoding
+    (T = 1) is exempt, as it is always 'T < H'."""
+    if 1 < sizes.T < sizes.H:
+        first = next(x.name for x in rec.inputs if x.per_token)
+        warnings.warn(f"{rec.name}: input shapes suggest a layout mismatch: T={sizes.T} < H={sizes.H} (axis 1 of "
+                      f"{first!r} is T). Inputs are [B,T,H,...] (FLA's layout); head-first [B,H,T,...] inputs must be "
+                      "transposed (axes 1 and 2)", UserWarning, stacklevel=3)

@@ -1,0 +1,55 @@
+"""``recgen check`` and ``recgen emit`` on the specs that broke them (a normalizer spec, a spec without
+kernels), and an old clang (< 15): the Metal checks skip, and ``recgen check`` says why first."""
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from recgen.cli import main
+from recgen.verify.typecheck import clang_problem, find_clang
+
+
+def test_check_a_normalizer_spec(capsys):
+    if clang_problem():
+        pytest.skip(clang_problem())
+    assert main(["check", f"{ROOT}/examples/mlstm.py:mlstm", "--T", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "all layers passed" in out and "final_state.z" in out and "dinitial_state.z" in out
+
+
+def test_emit_a_spec_without_kernels_says_so(tmp_path, capsys):
+    assert main(["emit", "power_retention", "--all", "-o", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "power_retention has no kernels" in err and "feature maps" in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def old_clang(tmp_path, monkeypatch):
+    """A PATH whose only clang++ says it is clang 14."""
+    fake = tmp_path / "clang++"
+    fake.write_text("#!/bin/sh\necho 'Debian clang version 14.0.6'\necho 'Target: x86_64-pc-linux-gnu'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    find_clang.cache_clear()
+    yield tmp_path
+    find_clang.cache_clear()
+
+
+def test_old_clang_is_named(old_clang, capsys):
+    assert find_clang() is None
+    problem = clang_problem()
+    assert "needs clang >= 15" in problem and "14.0.6" in problem
+    assert main(["check", "simple_gla"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("recgen check: error: Metal verification needs clang >= 15") and "unknown type" not in err
+
+
+def test_metal_tests_skip_with_an_old_clang(old_clang):
+    env = dict(os.environ, PATH=str(old_clang))
+    res = subprocess.run([sys.executable, "-m", "pytest", "tests/test_kernels_metal.py", "-q", "-rs", "-p",
+                          "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "needs clang >= 15" in res.stdout and " passed" not in res.stdout and "failed" not in res.stdout
