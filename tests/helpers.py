@@ -6,10 +6,14 @@ L2-normalized keys for the delta rules.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from recgen.spec import ir
 from recgen.testing import rel_err  # noqa: F401 (the tests import it from here)
+
+ROOT = Path(__file__).resolve().parent.parent  # the project root
 
 
 def log_decay(rng, shape, lo=-20.0):

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 
 from recgen.cli import main
 from recgen.verify.typecheck import clang_problem, find_clang

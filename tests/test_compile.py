@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import ROOT
+from helpers import ROOT
 from helpers import random_inputs, random_state, rel_err, state_parts
 
 from recgen import adapters, specs
