@@ -57,6 +57,25 @@ def check_initial_state(rec: ir.Recurrence, sizes: Sizes, state) -> list:
     return parts
 
 
+def check_cu_seqlens(cu_seqlens, sizes: Sizes) -> tuple[int, ...]:
+    """FLA's packing: B = 1 and offsets 0 = c_0 <= c_1 <= ... <= c_N = T (empty sequences allowed), given on the
+    host (a list, tuple or numpy array of ints): reading an mx.array would wait for the device."""
+    if type(cu_seqlens).__module__.startswith("mlx"):
+        raise InputError("argument 'cu_seqlens': pass the offsets as a list or numpy array of ints "
+                         "(e.g. cu_seqlens.tolist()): reading an mx.array would force evaluation")
+    try:
+        offsets = tuple(int(c) for c in cu_seqlens)
+        exact = all(int(c) == c for c in cu_seqlens)
+    except (TypeError, ValueError):
+        raise InputError(f"argument 'cu_seqlens': expected a sequence of ints, got {type(cu_seqlens).__name__}") from None
+    if not exact or len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != sizes.T \
+            or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise InputError(f"argument 'cu_seqlens': expected nondecreasing ints from 0 to T={sizes.T}, got {offsets}")
+    if sizes.B != 1:
+        raise InputError(f"argument 'cu_seqlens': packed sequences need B = 1 (FLA's convention), got B={sizes.B}")
+    return offsets
+
+
 def check_finite(arrays: dict) -> None:
     """Debug mode only: one host sync for every array at once; the culprit is named only on failure.
     ``arrays`` maps an argument name to a list of arrays."""

@@ -17,16 +17,22 @@ against this machine once by ``recgen.runtime.probe``) and chooses
   chunked one where the spec has the fast chunked form and T reaches ``Tuning.chunked_backward_min_t`` (a
   measured constant per GPU dialect; none for Metal until measured on Apple hardware).
 
+``cu_seqlens`` (FLA's varlen convention): B = 1, the sequences packed along T with offsets 0 = c_0 <= ... <=
+c_N = T given on the host; ``initial_state`` and the final state then have N rows, one per sequence. Each
+sequence runs as its own call of the op (exact, N launches).
+
 ``check_finite``: None follows ``Tuning.debug``; True checks every input for NaN/Inf, which waits for the
 device (a debug mode: it does not work under ``mx.compile``).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 from . import specs
 from .errors import InputError
-from .op_args import check_array, check_backend, check_initial_state, check_names, check_scale, warn_head_first
+from .op_args import (check_array, check_backend, check_cu_seqlens, check_initial_state, check_names, check_scale,
+                      warn_head_first)
 from .op_args import check_finite as check_finite_values
 from .runtime.probe import checked
 from .spec import ir
@@ -78,7 +84,7 @@ class Op:
         return f"<recgen op {self.rec.name} backend={self.backend or 'auto'}>"
 
     def __call__(self, /, *args, scale=None, initial_state=None, output_final_state=False, backend=None,
-                 check_finite=None, **kwargs):
+                 check_finite=None, cu_seqlens=None, **kwargs):
         rec = self.rec
         if len(args) > len(rec.inputs):
             raise InputError(f"{rec.name}: takes {len(rec.inputs)} inputs {[x.name for x in rec.inputs]}, "
@@ -92,7 +98,15 @@ class Op:
         for name, a in arrays.items():
             check_array(name, a)
         sizes = infer_sizes(rec, {k: tuple(v.shape) for k, v in arrays.items()})
+        kw = dict(scale=scale, backend=backend, check_finite=check_finite)
+        if cu_seqlens is not None:
+            offsets = check_cu_seqlens(cu_seqlens, sizes)
+            return self._packed(arrays, offsets, sizes, initial_state, output_final_state, **kw)
         warn_head_first(rec, sizes)
+        return self._run(arrays, sizes, initial_state, output_final_state, **kw)
+
+    def _run(self, arrays: dict, sizes: Sizes, initial_state, output_final_state, scale, backend, check_finite):
+        rec = self.rec
         states = [] if initial_state is None else check_initial_state(rec, sizes, initial_state)
         scale = (sizes.Kin ** -0.5 if rec.default_scale == "key" else 1.0) if scale is None else check_scale(scale)
         t = checked(current())
@@ -108,6 +122,27 @@ class Op:
         else:
             o, ht = self._kernel_call(backend, xs, sizes, scale, initial_state, t)
         return o, (ht if output_final_state else None)
+
+    def _packed(self, arrays: dict, offsets: tuple, sizes: Sizes, initial_state, output_final_state, **kw):
+        """The sequences of a packed batch one by one: each its own slice of the per-token inputs and its own row
+        of the initial state; o concatenated along T, the final states stacked along B."""
+        import mlx.core as mx
+
+        rec, n = self.rec, len(offsets) - 1
+        states = None if initial_state is None else check_initial_state(rec, replace(sizes, B=n), initial_state)
+        os, finals = [], []
+        for i, (a, b) in enumerate(zip(offsets, offsets[1:])):
+            xs = {x.name: arrays[x.name][:, a:b] if x.per_token else arrays[x.name] for x in rec.inputs}
+            h0 = None if states is None else [s[i:i + 1] for s in states]
+            o, ht = self._run(xs, replace(sizes, T=b - a), None if h0 is None else (tuple(h0) if rec.has_normalizer
+                                                                                     else h0[0]), True, **kw)
+            os.append(o)
+            finals.append(ht if rec.has_normalizer else (ht,))
+        o = mx.concatenate(os, axis=1)
+        if not output_final_state:
+            return o, None
+        ht = tuple(mx.concatenate([f[j] for f in finals], axis=0) for j in range(len(finals[0])))
+        return o, (ht if rec.has_normalizer else ht[0])
 
     def _kernel_call(self, backend, xs, sizes: Sizes, scale: float, initial_state, t: Tuning):
         import mlx.core as mx
