@@ -379,6 +379,9 @@ def check_args(passes: tuple, baselines: tuple, dtype: str, backend: str) -> Non
         raise InputError(f"--dtype {dtype!r}: expected one of {', '.join(FLOAT_DTYPES)}")
     if backend not in BACKEND_CHOICES:
         raise InputError(f"--backend {backend!r}: expected one of {', '.join(BACKEND_CHOICES)}")
+    gpu = {"metal": mx.metal, "cuda": mx.cuda}.get(backend)
+    if gpu is not None and not gpu.is_available():
+        raise InputError(f"--backend {backend}: MLX has no {backend} device on this machine")
 
 
 def run(rec: ir.Recurrence, shape: Shape, dtype: str = "bfloat16", backend: str = "auto",

@@ -165,6 +165,10 @@ def test_shapes_and_arguments_are_checked():
         bench.check_args(("fwd",), ("torch",), "float32", "auto")
     with pytest.raises(InputError, match="--backend"):
         bench.check_args(("fwd",), (), "float32", "triton")
+    for gpu in ("metal", "cuda"):
+        if not getattr(mx, gpu).is_available():
+            with pytest.raises(InputError, match=f"--backend {gpu}: MLX has no {gpu} device"):
+                bench.check_args(("fwd",), (), "float32", gpu)
 
 
 def test_cli_runs_a_tiny_shape_with_the_naive_baseline(tmp_path):
