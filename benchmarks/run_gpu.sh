@@ -40,7 +40,7 @@ for stage in "$@"; do
              grep -E "FAIL|passed" "$OUT/check_mma_f32_tf32.log" ;;
     bench) for shape in $SHAPES; do bench bench $shape; done ;;             # recgen alone, every spec and shape
     bench:*) bench bench ${stage#bench:} ;;                                  # recgen alone at one shape
-    bench-fla:*) bench bench_fla ${stage#bench-fla:} --baseline fla ;;       # recgen and FLA at one shape
+    bench-fla:*) BENCH_TIMEOUT=${BENCH_TIMEOUT:-330} bench bench_fla ${stage#bench-fla:} --baseline fla ;;  # + FLA
     bench-extra) SPECS=selective_scan bench bench_extra 4,4096,24,16,64     # 1536 channels, 16 state rows
                  SPECS=power_retention bench bench_extra 2,4096,8,64 --backend mlx ;;  # no kernel for feature maps
     decode) timeout 120 python benchmarks/bench_decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;

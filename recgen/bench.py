@@ -54,7 +54,7 @@ ROUNDS = 3
 SYNC_REPS = 5
 NAIVE_BUDGET_S = 60.0     # the naive loop is skipped where its estimated time exceeds this
 NAIVE_PROBE_T = 16        # the short run the estimate extrapolates from
-FLA_TIMEOUT_S = 480
+FLA_TIMEOUT_S = 270
 # the built-ins FLA has a chunk op for (the FLA worker maps these names to its functions)
 FLA_OPS = {"gated_delta_net": "fla.ops.gated_delta_rule.chunk_gated_delta_rule",
            "delta_net": "fla.ops.delta_rule.chunk_delta_rule",
