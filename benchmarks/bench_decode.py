@@ -1,56 +1,75 @@
-"""Decode (T=1, B=64, H=32, D=128, float32 state read once and written once) against a copy of the same
-bytes, timed three ways in one process:
+"""Decode: gated DeltaNet one token at a time (T=1; default B=64, H=32, D=128) with its float32 state [B,H,D,D]
+read once and written once a token, against a device copy of the same bytes.
 
-- queued: 20 calls built, one mx.eval (host graph building is not overlapped with the GPU);
-- pipelined: one mx.async_eval per call, 200 calls (the host builds call i+1 while the GPU runs call i,
-  as a CUDA stream does for FLA's launches);
-- sync: one mx.eval per call.
+Both are chained over tokens (token t+1 starts from token t's state; the copy from the last copy) and pipelined
+with one ``mx.async_eval`` a token, as mlx-lm generates: the host builds token t+1 while the device runs token t.
+The op runs with its default arguments (``recgen.ops.gated_delta_net``: the device's kernels, no finite check).
 
-    python benchmarks/bench_decode.py        (kernel-only times: benchmarks/ncu_decode.sh)
+    python benchmarks/bench_decode.py [--B 64 --H 32 --D 128 --tokens 200] [--json PATH]
 """
 from __future__ import annotations
 
-import os
-import sys
+import argparse
+import datetime
+import json
 import time
 
 import mlx.core as mx
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_gpu import inputs, timeit  # noqa: E402
-
-from recgen import specs  # noqa: E402
-from recgen.ops import Op  # noqa: E402
+from recgen import ops, specs
+from recgen.bench import Shape, make_inputs
 
 
-def pipelined(fn, n=200, warm=20):
+def pipelined(step, carry, tokens: int, warm: int = 20) -> float:
+    """ms a token of ``tokens`` chained calls of ``step``, one ``mx.async_eval`` each."""
     for _ in range(warm):
-        mx.async_eval(fn())
+        carry = step(carry)
+        mx.async_eval(carry)
+    mx.eval(carry)
     mx.synchronize()
     t0 = time.perf_counter()
-    for _ in range(n):
-        out = fn()
-        mx.async_eval(out)
-    mx.eval(out)
+    for _ in range(tokens):
+        carry = step(carry)
+        mx.async_eval(carry)
+    mx.eval(carry)
     mx.synchronize()
-    return (time.perf_counter() - t0) / n * 1e3
+    return (time.perf_counter() - t0) * 1e3 / tokens
 
 
 def main():
-    B, H, D = 64, 32, 128
-    op = Op(specs.gated_delta_net, backend="cuda")
-    q, k, v, g, beta = inputs("gated_delta_net", B, 1, H, D)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--B", type=int, default=64)
+    ap.add_argument("--H", type=int, default=32)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--json", help="write the numbers here")
+    a = ap.parse_args()
+    B, H, D = a.B, a.H, a.D
+    xs, _ = make_inputs(specs.gated_delta_net, Shape(B, 1, H, D, D), "bfloat16")
     h0 = mx.random.normal((B, H, D, D))
-    big = mx.random.normal((B, H, D, D))
-    mx.eval(h0, big)
-    nbytes = B * H * D * D * 4 * 2
-    dec = lambda: op(q, k, v, g, beta, initial_state=h0, output_final_state=True, check_finite=False)  # noqa: E731
-    cp = lambda: big * 1.0  # noqa: E731
-    for name, how in (("queued", lambda f: timeit(f, reps=10, queue=20)), ("pipelined", pipelined),
-                      ("sync", lambda f: timeit(f, reps=20))):
-        t_d, t_c = how(dec), how(cp)
-        print(f"decode {name:9s}: {t_d:.4f} ms = {nbytes / t_d / 1e6:5.0f} GB/s; copy {t_c:.4f} ms = "
-              f"{nbytes / t_c / 1e6:5.0f} GB/s; decode/copy bandwidth {t_c / t_d:.0%}", flush=True)
+    mx.eval(h0)
+    op = ops.gated_delta_net
+
+    def decode(carry):
+        return list(op(**xs, initial_state=carry[1], output_final_state=True))
+
+    def copy(x):
+        return x * 1.0
+
+    nbytes = 2 * h0.nbytes  # the state read and written once a token
+    t_dec = pipelined(decode, [None, h0], a.tokens)
+    t_cp = pipelined(copy, h0, a.tokens)
+    res = {"B": B, "H": H, "D": D, "tokens": a.tokens, "decode_ms": t_dec, "copy_ms": t_cp,
+           "decode_GBps": nbytes / t_dec / 1e6, "copy_GBps": nbytes / t_cp / 1e6, "decode_over_copy": t_cp / t_dec,
+           "device": {"default_device": str(mx.default_device()), **mx.device_info()}, "mlx_version": mx.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "method": "chained over tokens (the state carried), one mx.async_eval a token, 20 warm-up tokens; "
+                     "bytes = the float32 state read and written once"}
+    print(f"decode B={B} H={H} D={D}: {t_dec:.4f} ms a token = {res['decode_GBps']:.0f} GB/s; copy {t_cp:.4f} ms "
+          f"= {res['copy_GBps']:.0f} GB/s; decode at {res['decode_over_copy']:.0%} of copy bandwidth", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     recgen list                          the built-in specs, one line each
     recgen show SPEC                     the IR and its adjoint
+    recgen bench SPEC [--shape B,T,H,D]  forward, forward+backward, peak memory (chained calls)
     SPEC := built-in name | path/to/file.py:function
 
 Subcommands are registered in ``COMMANDS`` (name -> (help, add_arguments, handler)); adding
@@ -23,6 +24,7 @@ from rich.text import Text
 from .version import __version__
 from .errors import CliError, InputError, SpecError, UnsupportedKernel
 from .spec.resolve import builtin_specs, resolve_spec
+from .cli_bench import add_bench, cmd_bench
 from .cli_kernels import add_check, add_emit, cmd_check, cmd_emit
 
 # errors a user causes (a bad spec, bad input, a missing or broken file): one line, no traceback
@@ -72,6 +74,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Handle
     "show": ("show a recurrence's IR and its adjoint", _add_show, _cmd_show),
     "emit": ("write standalone kernels, their MLX form and a manifest", add_emit, cmd_emit),
     "check": ("verify the Metal kernels on this machine (capture, type check, limits, CPU run)", add_check, cmd_check),
+    "bench": ("time a recurrence's forward, forward+backward and peak memory on this device", add_bench, cmd_bench),
 }
 
 

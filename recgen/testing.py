@@ -2,28 +2,47 @@
 float64 reference see the same numbers. Log-decays reach -20, delta-rule keys are unit-norm."""
 import numpy as np
 
-from .spec.layouts import Sizes
+from .spec.layouts import Sizes, input_dims
+
+
+def input_law(rec, x) -> tuple:
+    """How input ``x`` of ``rec`` is drawn (by ``kernel_inputs`` here and on the device by ``recgen.bench``):
+    ("cubed", c): c·U(0,1)³ (log-decays reach c = -20); ("sigmoid",): σ(N(0,1)); ("normal", unit): N(0,1), each
+    row of the last axis scaled to unit norm where ``unit`` (delta-rule keys); ("uniform", lo, hi, sign):
+    sign·U(lo, hi)."""
+    if x.kind == "scalar":
+        return ("cubed", -20.0) if x.name == "g" else ("sigmoid",)
+    if x.kind == "key":
+        return ("normal", rec.step.transition is not None)
+    if x.kind == "key_gate":
+        return ("cubed", -20.0)
+    if x.kind == "value":
+        return ("uniform", 0.05, 1.0, 1.0) if x.name == "dt" else ("normal", False)
+    return ("uniform", 0.5, 8.0, -1.0) if x.name == "A" else ("normal", False)
+
+
+def input_shape(x, sizes: Sizes) -> tuple[int, ...]:
+    """The shape of input ``x`` at ``sizes`` (``recgen.spec.layouts.input_dims``)."""
+    dims = {"B": sizes.B, "T": sizes.T, "H": sizes.H, "Hk": sizes.Hk, "Kin": sizes.Kin, "K": sizes.K, "V": sizes.V}
+    return tuple(dims[d] for d in input_dims(x))
+
+
+def _draw(law: tuple, shape: tuple, rng) -> np.ndarray:
+    if law[0] == "cubed":
+        return law[1] * rng.uniform(0, 1, shape) ** 3
+    if law[0] == "sigmoid":
+        return 1 / (1 + np.exp(-rng.standard_normal(shape)))
+    if law[0] == "normal":
+        a = rng.standard_normal(shape)
+        return a / np.linalg.norm(a, axis=-1, keepdims=True) if law[1] else a
+    return law[3] * rng.uniform(law[1], law[2], shape)
 
 
 def kernel_inputs(rec, sizes: Sizes, rng):
     """(inputs, initial_state, do, dht, scale) in IR layouts for ``rec`` at ``sizes``."""
-    B, T, H, Hk, K, V = sizes.B, sizes.T, sizes.H, sizes.Hk, sizes.Kin, sizes.V
-    xs = {}
-    for x in rec.inputs:
-        if x.kind == "scalar":
-            a = -20.0 * rng.uniform(0, 1, (B, T, H)) ** 3 if x.name == "g" else 1 / (1 + np.exp(-rng.standard_normal((B, T, H))))
-        elif x.kind == "key":
-            a = rng.standard_normal((B, T, Hk, K))
-            if rec.step.transition is not None:
-                a /= np.linalg.norm(a, axis=-1, keepdims=True)
-        elif x.kind == "key_gate":
-            a = -20.0 * rng.uniform(0, 1, (B, T, H, sizes.K)) ** 3
-        elif x.kind == "value":
-            a = rng.uniform(0.05, 1.0, (B, T, H, V)) if x.name == "dt" else rng.standard_normal((B, T, H, V))
-        else:
-            shape = (H,) + tuple({"i": sizes.K, "j": V}[c] for c in x.index)
-            a = -rng.uniform(0.5, 8.0, shape) if x.name == "A" else rng.standard_normal(shape)
-        xs[x.name] = a.astype(np.float32).astype(np.float64)
+    B, T, H, K, V = sizes.B, sizes.T, sizes.H, sizes.Kin, sizes.V
+    xs = {x.name: _draw(input_law(rec, x), input_shape(x, sizes), rng).astype(np.float32).astype(np.float64)
+          for x in rec.inputs}
     f = lambda *shape: rng.standard_normal(shape).astype(np.float32).astype(np.float64)  # noqa: E731
     h0, dht = f(*sizes.state_shape), f(*sizes.state_shape)
     if rec.has_normalizer:  # (S, z) pairs
