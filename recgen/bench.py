@@ -36,7 +36,8 @@ import mlx.core as mx
 
 from .chunked import naive_loop
 from .errors import InputError
-from .ops import FLOAT_DTYPES, Op, choose_backend
+from .op_args import FLOAT_DTYPES
+from .ops import Op, choose_backend
 from .runtime.probe import checked
 from .spec import ir
 from .spec.layouts import Sizes
