@@ -8,6 +8,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from .errors import CliError
+
 TARGETS = ("metal", "cuda")
 
 
@@ -33,7 +35,6 @@ def add_emit(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_emit(args: argparse.Namespace, console: Console) -> int:
-    from .errors import CliError
     from .spec.resolve import resolve_spec
     from .emit import emit
 

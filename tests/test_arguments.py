@@ -112,7 +112,7 @@ def test_head_first_layout_warns_like_fla(rng):
 
 
 def test_missing_gpu_backend_lists_what_exists(rng):
-    from recgen.codegen.backends import machine_dialect
+    from recgen.tuning import machine_dialect
 
     here = machine_dialect()
     for missing in ("metal", "cuda"):

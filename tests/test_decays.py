@@ -14,7 +14,7 @@ from spec_check import bad, compare
 
 import recgen as rg
 from recgen import chunked, ops
-from recgen.chunked import parallel
+from recgen import tuning
 
 B, T, H, HK, K, V = 2, 37, 4, 2, 5, 3
 
@@ -60,10 +60,10 @@ def _inputs(rec, rng):
 
 
 @pytest.fixture(params=["cpu_forms", "gpu_forms"])
-def forms(request, monkeypatch):
-    monkeypatch.setattr(parallel, "GPU_FORMS", request.param == "gpu_forms")
-    monkeypatch.setattr(parallel, "COMPILE", request.param == "gpu_forms")
-    return request.param
+def forms(request):
+    gpu = request.param == "gpu_forms"
+    with tuning.override(gpu_forms=gpu, compile=gpu, inverse_base=16 if gpu else 1):
+        yield request.param
 
 
 @pytest.mark.parametrize("name", sorted(DECAYS))

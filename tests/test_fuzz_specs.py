@@ -23,7 +23,7 @@ from spec_check import bad, compare
 from spec_recipes import DECAYS, Recipe, build, inputs
 
 import recgen as rg
-from recgen.chunked import parallel
+from recgen import tuning
 from recgen.math import reference
 
 PHASES = [Phase.explicit, Phase.generate, Phase.shrink]  # no database, no explain phase (slow, writes files)
@@ -61,12 +61,6 @@ def _declare(r: Recipe):
     return None
 
 
-def _forms(gpu: bool):
-    old = parallel.GPU_FORMS, parallel.COMPILE
-    parallel.GPU_FORMS, parallel.COMPILE = gpu, gpu
-    return old
-
-
 @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None, phases=PHASES,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
@@ -80,15 +74,12 @@ def test_fuzz_chunked_against_reference(case):
     scale = 0.5
     ref = (*reference.run(rec, initial_state=h0, scale=scale, **xs),
            reference.grad(rec, do=do, dht=dht, initial_state=h0, scale=scale, **xs))
-    old = _forms(gpu_forms)
-    try:
+    with tuning.override(gpu_forms=gpu_forms, compile=gpu_forms):
         res = compare(rec, xs, h0, do, dht, scale, dtype=mx.float64, chunk_size=chunk, ref=ref)
         assert not bad(res, *F64), (r, sizes, chunk, gpu_forms, "float64", bad(res, *F64))
         if not rec.has_normalizer:
             res = compare(rec, xs, h0, do, dht, scale, dtype=mx.float32, chunk_size=chunk, ref=ref)
             assert not bad(res, *F32), (r, sizes, chunk, gpu_forms, "float32", bad(res, *F32))
-    finally:
-        parallel.GPU_FORMS, parallel.COMPILE = old
 
 
 kernel_recipes = recipes.filter(lambda r: not r.features and not (r.normalizer != "none" and r.skip != "none")

@@ -137,7 +137,7 @@ def test_op_keywords_and_positional_names_do_not_clash(rng):
     xs = {"q": rng.standard_normal((B, T, H, K)), "self": rng.standard_normal((B, T, H, K)),
           "v": rng.standard_normal((B, T, H, V)), "rec": rng.standard_normal((B, T, H))}
     o_r, _ = reference.run(named, scale=1.0, **xs)
-    o, _ = named(**{k: mx.array(v.astype(np.float32)) for k, v in xs.items()}, backend="mlx")
+    o, _ = rg.load(named)(**{k: mx.array(v.astype(np.float32)) for k, v in xs.items()}, backend="mlx")
     assert rel_err(np.array(o), o_r) <= 1e-5
     g = reference.grad(named, do=np.ones((B, T, H, V)), **xs)
     assert set(g) == {"q", "self", "v", "rec", "initial_state"}
@@ -160,7 +160,7 @@ def test_sympy_constants_in_metal_kernels_run_on_the_emulator():
     if clang_problem():
         pytest.skip(clang_problem())
     from recgen.spec.layouts import Sizes
-    from recgen.testing import kernel_inputs, rel
+    from recgen.testing import kernel_inputs, rel_err as rel
 
     @rg.recurrence
     def consts(q: rg.Key, k: rg.Key, v: rg.Value, g: rg.Scalar):
