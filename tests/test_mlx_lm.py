@@ -246,7 +246,8 @@ def test_patch_rebinds_every_importer_and_unpatch_restores():
     assert not R.patched()
     p = R.patch()
     try:
-        assert p.applied and p.original is original and G.gated_delta_update is R.gated_delta_update
+        assert p.applied and dict((t.name, f) for t, f in p.originals)["gated_delta_update"] is original
+        assert G.gated_delta_update is R.gated_delta_update
         bound = {r.module for r in p.rebindings}
         assert {MODULE_GD, *(m.__name__ for m in models)} <= bound
         assert all(m.gated_delta_update is R.gated_delta_update for m in models)
@@ -272,6 +273,10 @@ def test_patch_rebinds_every_importer_and_unpatch_restores():
     with R.patch() as q:
         assert q.applied and models[0].gated_delta_update is R.gated_delta_update
     assert models[0].gated_delta_update is original and R.unpatch() == ()
+    with R.patch(ssm=False) as q:  # one target alone
+        ssm = importlib.import_module("mlx_lm.models.ssm")
+        assert models[0].gated_delta_update is R.gated_delta_update and ssm.ssm_update is not R.ssm_update
+    assert models[0].gated_delta_update is original
 
 
 MODULE_GD = "mlx_lm.models.gated_delta"

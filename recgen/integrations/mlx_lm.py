@@ -1,4 +1,4 @@
-"""mlx-lm's gated delta rule on recgen's ops: a drop-in ``gated_delta_update`` and ``patch()``.
+"""mlx-lm's recurrences on recgen's ops: drop-in ``gated_delta_update`` and ``ssm_update``, and ``patch()``.
 
 mlx-lm (``mlx_lm.models.gated_delta``) routes every gated-delta layer through one function,
 ``gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, use_kernel=True,
@@ -29,6 +29,12 @@ mlx-lm's conventions, kept exactly:
 
 ``use_kernel`` is accepted and ignored: recgen chooses its own path (generated kernels on Metal and CUDA,
 the chunked form elsewhere).
+
+``ssm_update`` (``recgen.integrations.mlx_lm_ssm``) does the same for the Mamba-2 family's
+``mlx_lm.models.ssm.ssm_update``. What ``patch()`` covers in mlx-lm 0.32: gated delta in qwen3_next,
+qwen3_5 (and qwen3_5_moe, which imports qwen3_5), kimi_linear, kimi_k3, bailing_moe_v3, olmo_hybrid; the
+Mamba-2 scan in mamba2, nemotron_h, falcon_h1, granitemoehybrid, plamo2. Not covered: mamba (Mamba-1) and
+jamba, whose selective scans are per-token loops inside their model classes, not one module-level function.
 """
 from __future__ import annotations
 
@@ -36,11 +42,12 @@ import importlib
 from dataclasses import dataclass
 
 from ..spec.layouts import InputError
+from .mlx_lm_ssm import ssm_update
 from .rebind import Rebinding, rebind, restore
 
-MODULE = "mlx_lm.models.gated_delta"
+__all__ = ["gated_delta_update", "ssm_update", "patch", "unpatch", "patched", "Patch", "Target", "TARGETS"]
+
 PACKAGE = "mlx_lm.models"
-NAME = "gated_delta_update"
 
 # A float32 exp of anything below -104 is 0, so flooring the log-decay at -110 changes no decay mlx-lm
 # computes; it keeps the chunked form's within-chunk cumulative log-decays small, where float32 still
@@ -142,11 +149,25 @@ def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, 
 
 
 @dataclass(frozen=True)
-class Patch:
-    """What one ``patch()`` replaced (``rebindings``, ``original``), and whether that call applied it
-    (``applied``: False when mlx-lm was already patched). As a context manager it undoes only its own."""
+class Target:
+    """A function mlx-lm's models import by name from ``module``, and recgen's drop-in for it."""
 
-    original: object
+    module: str
+    name: str
+    replacement: object
+
+
+TARGETS = (Target("mlx_lm.models.gated_delta", "gated_delta_update", gated_delta_update),
+           Target("mlx_lm.models.ssm", "ssm_update", ssm_update))
+
+
+@dataclass(frozen=True)
+class Patch:
+    """What one ``patch()`` replaced (``originals``: (target, mlx-lm's function) pairs; ``rebindings``: every
+    module binding it set), and whether that call applied it (``applied``: False when mlx-lm was already
+    patched). As a context manager it undoes only what it applied."""
+
+    originals: tuple[tuple[Target, object], ...]
     rebindings: tuple[Rebinding, ...]
     applied: bool
 
@@ -162,30 +183,37 @@ class Patch:
 _active: Patch | None = None
 
 
-def patch() -> Patch:
-    """Make mlx-lm's models run the gated delta rule on recgen: rebind ``gated_delta_update`` in
-    ``mlx_lm.models.gated_delta`` and in every loaded ``mlx_lm.models`` module that imported it by name
-    (models imported later take it from ``gated_delta``). Idempotent; ``unpatch()`` undoes it."""
+def patch(gated_delta: bool = True, ssm: bool = True) -> Patch:
+    """Make mlx-lm's models run their recurrences on recgen: rebind ``gated_delta_update`` (with
+    ``gated_delta``) and ``ssm_update`` (with ``ssm``) in their defining modules and in every loaded
+    ``mlx_lm.models`` module that imported them by name (models imported later take them from the defining
+    modules). Idempotent while patched (the first call's choice stays); ``unpatch()`` undoes it."""
     global _active
     if _active is not None:
-        return Patch(_active.original, _active.rebindings, applied=False)
-    gd = importlib.import_module(MODULE)
-    original = getattr(gd, NAME)
-    if original is gated_delta_update:
-        raise RuntimeError(f"{MODULE}.{NAME} is already recgen's but no patch is recorded")
-    _active = Patch(original, rebind(PACKAGE, NAME, original, gated_delta_update), applied=True)
+        return Patch(_active.originals, _active.rebindings, applied=False)
+    chosen = [t for t, on in zip(TARGETS, (gated_delta, ssm)) if on]
+    originals, done = [], []
+    for t in chosen:
+        original = getattr(importlib.import_module(t.module), t.name)
+        if original is t.replacement:
+            raise RuntimeError(f"{t.module}.{t.name} is already recgen's but no patch is recorded")
+        originals.append((t, original))
+        done.extend(rebind(PACKAGE, t.name, original, t.replacement))
+    _active = Patch(tuple(originals), tuple(done), applied=True)
     return _active
 
 
 def unpatch() -> tuple[Rebinding, ...]:
-    """Restore mlx-lm's own ``gated_delta_update`` everywhere the patch put recgen's (also in model
-    modules imported while patched). Returns the restored bindings; a no-op when not patched."""
+    """Restore mlx-lm's own functions everywhere the patch put recgen's (also in model modules imported
+    while patched). Returns the restored bindings; a no-op when not patched."""
     global _active
     if _active is None:
         return ()
-    done = restore(PACKAGE, NAME, _active.original, gated_delta_update)
+    done = []
+    for t, original in _active.originals:
+        done.extend(restore(PACKAGE, t.name, original, t.replacement))
     _active = None
-    return done
+    return tuple(done)
 
 
 def patched() -> bool:
