@@ -15,6 +15,9 @@ that the recurrence and not the projections dominates).
   waiting for cores), peak memory ``mx.get_peak_memory()``. The unpatched loop keeps every state for its
   backward (several B·Hv·Dk·Dv float32 arrays per token and layer), so above ``--train-unpatched-max-T`` it is
   not run (the report says so) and the ratio is taken at the largest T that both ran.
+- ``--op``: the gated delta alone at the same shapes (one layer's recurrence, forward + backward).
+- ``--floor``: the same step with the gated delta replaced by y = v (no recurrence), i.e. what the rest of the
+  model (projections, short convolutions, attention, MLP, logits) costs on this machine.
 - Generation: mlx-lm's ``generate_step`` (its prefill in ``prefill_step_size`` pieces, then one token per step
   with its cache), greedy, a random prompt of ``--prompt`` tokens and ``--decode`` new tokens. Reported: prefill
   time (to the first token) and decode tokens/s over the rest; and whether both runs produced the same ids.
@@ -52,8 +55,29 @@ def gib(n: int) -> float:
     return n / 2**30
 
 
-def train_step(model, T: int, args, patched: bool):
-    """(median seconds, median CPU seconds, peak bytes, loss) of one forward+backward at T tokens."""
+def stub_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, **kw):
+    """No recurrence: y = v, the state passed through (``--floor``: what the rest of the model costs)."""
+    B, _, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    return v.astype(q.dtype), mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32) if state is None else state
+
+
+class _stub:
+    """mlx-lm's gated delta replaced by ``stub_update`` in the qwen3_5 module for the duration."""
+
+    def __enter__(self):
+        self.saved = qwen3_5.gated_delta_update
+        qwen3_5.gated_delta_update = stub_update
+        return self
+
+    def __exit__(self, *exc):
+        qwen3_5.gated_delta_update = self.saved
+        return False
+
+
+def train_step(model, T: int, args, patched):
+    """(median seconds, median CPU seconds, peak bytes, loss) of one forward+backward at T tokens;
+    ``patched``: True (recgen), False (mlx-lm), "stub" (no recurrence)."""
     tokens = mx.random.randint(0, args.vocab, (args.B, T + 1), key=mx.random.key(T))
     model.train()
 
@@ -62,7 +86,7 @@ def train_step(model, T: int, args, patched: bool):
 
     step = nn.value_and_grad(model, loss_fn)
     times, cpus, peaks, loss = [], [], [], None
-    with recgen_mlx_lm.patch() if patched else _nothing():
+    with _stub() if patched == "stub" else recgen_mlx_lm.patch() if patched else _nothing():
         for i in range(args.reps + 1):
             mx.eval(tokens, model.parameters())
             mx.clear_cache()
@@ -78,6 +102,41 @@ def train_step(model, T: int, args, patched: bool):
                 cpus.append(dc)
                 peaks.append(peak)
     return statistics.median(times), statistics.median(cpus), max(peaks), loss.item()
+
+
+def op_step(T: int, args, patched: bool):
+    """(median seconds, median CPU seconds, peak bytes) of the gated delta alone, forward + backward, at the
+    model's shapes (B, T, Hk=16, Hv=32, Dk=Dv=128), gradients of every input."""
+    from mlx_lm.models import gated_delta
+
+    keys = mx.random.split(mx.random.key(T), 7)
+    B, Hk, Hv, D = args.B, 16, 32, 128
+    dtype = getattr(mx, args.dtype)
+    q, k = (mx.random.normal((B, T, Hk, D), key=kk) for kk in keys[:2])
+    q, k = gated_delta.normalize_qk(q, k, inv_scale=D ** -0.5, eps=1e-6)
+    xs = [q.astype(dtype), k.astype(dtype), mx.random.normal((B, T, Hv, D), key=keys[2]).astype(dtype),
+          mx.random.normal((B, T, Hv), key=keys[3]).astype(dtype), mx.random.normal((B, T, Hv), key=keys[4]).astype(dtype),
+          mx.random.uniform(-1, 1, (Hv,), key=keys[5]), mx.random.uniform(-1, 1, (Hv,), key=keys[6])]
+    fn = recgen_mlx_lm.gated_delta_update if patched else gated_delta.gated_delta_update
+
+    def loss(*a):
+        y, s = fn(*a, use_kernel=False)
+        return (y.astype(mx.float32) ** 2).sum() + s.sum()
+
+    grad = mx.grad(loss, argnums=tuple(range(len(xs))))
+    times, cpus, peaks = [], [], []
+    for i in range(args.reps + 1):
+        mx.eval(xs)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        t0, c0 = time.perf_counter(), time.process_time()
+        mx.eval(grad(*xs))
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        if i:
+            times.append(dt)
+            cpus.append(dc)
+            peaks.append(mx.get_peak_memory())
+    return statistics.median(times), statistics.median(cpus), max(peaks)
 
 
 class _nothing:
@@ -120,7 +179,10 @@ def main():
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=256)
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--op", action="store_true", help="also time the gated delta alone (one layer's recurrence)")
     ap.add_argument("--skip-generate", action="store_true")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the step with the recurrence replaced by y = v (the rest of the model's cost)")
     args = ap.parse_args()
 
     model = build(args)
@@ -142,6 +204,21 @@ def main():
                       f"{t_u / t_p:.1f}x ({c_u / c_p:.1f}x) | {m_u / m_p:.1f}x | {abs(l_p - l_u):.1e} |", flush=True)
             else:
                 print(f"| {T} | {t_p:.3f} ({c_p:.2f}) | {gib(m_p):.2f} | not run | | | | |", flush=True)
+            if args.floor:
+                t_s, c_s, m_s, _ = train_step(model, T, args, patched="stub")
+                print(f"| {T}, no recurrence | {t_s:.3f} ({c_s:.2f}) | {gib(m_s):.2f} | | | | | |", flush=True)
+    if args.op:
+        print("\n## the gated delta alone (one layer: forward + backward, every input's gradient)")
+        print("| T | recgen s (CPU s) | recgen peak GiB | mlx-lm s (CPU s) | mlx-lm peak GiB | speedup (CPU) | memory ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for T in (int(t) for t in args.T.split(",")):
+            t_p, c_p, m_p = op_step(T, args, patched=True)
+            if args.train_unpatched_max_T is None or T <= args.train_unpatched_max_T:
+                t_u, c_u, m_u = op_step(T, args, patched=False)
+                print(f"| {T} | {t_p:.3f} ({c_p:.2f}) | {gib(m_p):.2f} | {t_u:.3f} ({c_u:.2f}) | {gib(m_u):.2f} | "
+                      f"{t_u / t_p:.1f}x ({c_u / c_p:.1f}x) | {m_u / m_p:.1f}x |", flush=True)
+            else:
+                print(f"| {T} | {t_p:.3f} ({c_p:.2f}) | {gib(m_p):.2f} | not run | | | |", flush=True)
     if not args.skip_generate:
         print(f"\n## generation: prompt {args.prompt} tokens, then {args.decode} (mlx-lm generate_step, greedy)")
         print("| | prefill s | decode tok/s |")
