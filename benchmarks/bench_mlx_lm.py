@@ -115,7 +115,8 @@ def op_step(T: int, args, patched: bool):
     q, k = (mx.random.normal((B, T, Hk, D), key=kk) for kk in keys[:2])
     q, k = gated_delta.normalize_qk(q, k, inv_scale=D ** -0.5, eps=1e-6)
     xs = [q.astype(dtype), k.astype(dtype), mx.random.normal((B, T, Hv, D), key=keys[2]).astype(dtype),
-          mx.random.normal((B, T, Hv), key=keys[3]).astype(dtype), mx.random.normal((B, T, Hv), key=keys[4]).astype(dtype),
+          mx.random.normal((B, T, Hv), key=keys[3]).astype(dtype),
+          mx.random.normal((B, T, Hv), key=keys[4]).astype(dtype),
           mx.random.uniform(-1, 1, (Hv,), key=keys[5]), mx.random.uniform(-1, 1, (Hv,), key=keys[6])]
     fn = recgen_mlx_lm.gated_delta_update if patched else gated_delta.gated_delta_update
 
@@ -209,7 +210,8 @@ def main():
                 print(f"| {T}, no recurrence | {t_s:.3f} ({c_s:.2f}) | {gib(m_s):.2f} | | | | | |", flush=True)
     if args.op:
         print("\n## the gated delta alone (one layer: forward + backward, every input's gradient)")
-        print("| T | recgen s (CPU s) | recgen peak GiB | mlx-lm s (CPU s) | mlx-lm peak GiB | speedup (CPU) | memory ratio |")
+        print("| T | recgen s (CPU s) | recgen peak GiB | mlx-lm s (CPU s) | mlx-lm peak GiB | speedup (CPU) | "
+              "memory ratio |")
         print("|---|---|---|---|---|---|---|")
         for T in (int(t) for t in args.T.split(",")):
             t_p, c_p, m_p = op_step(T, args, patched=True)

@@ -131,7 +131,7 @@ def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, 
 
     del use_kernel  # recgen picks its own path
     vector = check_inputs(q, k, v, a, b, A_log, dt_bias, state, mask)
-    B, T, Hk, Dk = q.shape
+    B, _, _, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
     beta = mx.sigmoid(b)
     if allow_neg_eigval:

@@ -13,9 +13,9 @@ mask=None, lengths=None)``: per head a scalar decay, so the SSD is simple GLA wi
 ``lengths`` ``[b]`` (right padding: the tokens at and after ``lengths`` are padding) mark tokens that leave
 the state unchanged (log-decay 0, no update). mlx-lm's ``ssm_attn`` agrees on every real token, and on the
 state when given ``mask`` and ``lengths`` together (as mamba2, falcon_h1, granitemoehybrid and plamo2 pass
-them; nemotron_h passes ``mask`` alone); given right padding through only one of them its state is not that of the last real token (``lengths`` alone lets the
-padding's updates in, ``mask`` alone drops the updates of a 256-token block ending in padding), nor at
-``lengths == 0``. Here the state is always that after the last real token.
+them; nemotron_h passes ``mask`` alone); given right padding through only one of them its state is not that
+of the last real token (``lengths`` alone lets the padding's updates in, ``mask`` alone drops the updates of
+a 256-token block ending in padding), nor at ``lengths == 0``. Here the state is always that after the last real token.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def check_inputs(x, A_log, B, C, D, dt, dt_bias, state, mask, lengths):
     b, l, H, P = x.shape
     if B.ndim != 4 or tuple(B.shape[:2]) != (b, l) or H % B.shape[2]:
         raise _shape_error("B", B.shape, f"[b,l,G,N] with b={b}, l={l} and G dividing H={H}")
-    G, N = B.shape[2], B.shape[3]
+    N = B.shape[3]
     if tuple(C.shape) != tuple(B.shape):
         raise _shape_error("C", C.shape, f"the shape of B [b,l,G,N] = {tuple(B.shape)}")
     if tuple(dt.shape) != (b, l, H):
