@@ -209,6 +209,7 @@ def load(spec, backend: str | None = None, chunk_size: int | None = None, backwa
 
 
 gated_delta_net = Op(specs.gated_delta_net)
+kda = Op(specs.kda)
 delta_net = Op(specs.delta_net)
 gla = Op(specs.gla)
 simple_gla = Op(specs.simple_gla)

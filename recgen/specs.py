@@ -19,6 +19,13 @@ def gated_delta_net(q: Key, k: Key, v: Value, g: Scalar, beta: Scalar):
 
 
 @recurrence
+def kda(q: Key, k: Key, v: Value, g: KeyGate, beta: Scalar):
+    r"""Kimi Delta Attention (FLA's ``chunk_kda``): Gated DeltaNet with a per-channel gate g [B,T,H,K] in log
+    space, S_t = (I - β_t k_t k_tᵀ) diag(e^{g_t}) S_{t-1} + β_t k_t v_tᵀ,  o_t = S_tᵀ (scale · q_t)."""
+    return Step(decay=exp(g), transition=rank1(-beta * k, k), update=outer(beta * k, v), readout=scale * q)
+
+
+@recurrence
 def delta_net(q: Key, k: Key, v: Value, beta: Scalar):
     r"""DeltaNet: S_t = (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ,  o_t = S_tᵀ (scale · q_t)."""
     return Step(transition=rank1(-beta * k, k), update=outer(beta * k, v), readout=scale * q)
@@ -68,5 +75,5 @@ def power_retention(q: Key, k: Key, v: Value, g: Scalar):
                 normalizer=normalizer(exp(g), pk, lambda n: n + POWER_RETENTION_EPS))
 
 
-BUILTINS = {r.name: r for r in (gated_delta_net, delta_net, gla, simple_gla, selective_scan,
+BUILTINS = {r.name: r for r in (gated_delta_net, kda, delta_net, gla, simple_gla, selective_scan,
                                 selective_scan_linear_dt, power_retention)}

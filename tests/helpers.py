@@ -29,7 +29,7 @@ def l2norm(x):
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
-DELTA_RULES = {"gated_delta_net", "delta_net"}
+DELTA_RULES = {"gated_delta_net", "kda", "delta_net"}
 
 # per-spec special inputs: name -> (rng, shape) -> array
 _SPECIAL = {
@@ -37,6 +37,8 @@ _SPECIAL = {
     ("simple_gla", "g"): log_decay,
     ("power_retention", "g"): log_decay,
     ("gla", "gk"): log_decay,
+    ("kda", "g"): log_decay,
+    ("kda", "beta"): lambda rng, s: sigmoid(rng.standard_normal(s)),
     ("retnet", "log_gamma"): log_decay,
     ("gated_delta_net", "beta"): lambda rng, s: sigmoid(rng.standard_normal(s)),
     ("delta_net", "beta"): lambda rng, s: sigmoid(rng.standard_normal(s)),

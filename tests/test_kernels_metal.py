@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_proble
 
 from recgen.testing import kernel_inputs, rel_err  # noqa: E402
 
-KERNEL_SPECS = ["gated_delta_net", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt"]
+KERNEL_SPECS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt"]
 
 
 def _check(name, sizes, sanitizer=None, seed=0):

@@ -13,6 +13,7 @@ from recgen.testing import rel_err
 from .delta_net import delta_net, delta_net_bwd
 from .gated_delta_net import gated_delta_net, gated_delta_net_bwd
 from .gla import gla, gla_bwd
+from .kda import kda, kda_bwd
 from .power_retention import power_retention, power_retention_bwd, sympow2, sympow2_bwd
 from .selective_scan import selective_scan, selective_scan_bwd, sigmoid, softplus
 from .simple_gla import simple_gla, simple_gla_bwd
@@ -125,6 +126,46 @@ def test_gated_delta_net_none_initial_state():
     for key in g0:
         np.testing.assert_array_equal(g0[key], g1[key])
     assert o0.dtype == np.float64 and g0["q"].dtype == np.float64
+
+
+# ----------------------------------------------------------------------------- kda
+def _kda_data(rng, T, Hk, H):
+    d = _gdn_data(rng, T, Hk, H)
+    d["g"] = log_decay(rng, (B_, T, H, K_))
+    return d
+
+
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_kda_grad(T, Hk, H, scale):
+    rng = np.random.default_rng(1300 + T + 10 * Hk)
+    inp = _kda_data(rng, T, Hk, H)
+    do = rng.standard_normal((B_, T, H, V_))
+    dht = rng.standard_normal((B_, H, K_, V_))
+
+    def loss(x):
+        o, ht = kda(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, initial_state=x["S0"])
+        return np.sum(o * do) + np.sum(ht * dht)
+
+    gr = kda_bwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], do, dht, scale=scale, initial_state=inp["S0"])
+    check_grads(loss, inp, {"q": gr["q"], "k": gr["k"], "v": gr["v"], "g": gr["g"], "beta": gr["beta"],
+                            "S0": gr["initial_state"]})
+
+
+def test_kda_with_a_channel_constant_gate_is_gated_delta_net():
+    rng = np.random.default_rng(1400)
+    T, Hk, H = 5, 2, 4
+    x = _gdn_data(rng, T, Hk, H)
+    do, dht = rng.standard_normal((B_, T, H, V_)), rng.standard_normal((B_, H, K_, V_))
+    gk = np.repeat(x["g"][..., None], K_, axis=-1)
+    oa, ha = kda(x["q"], x["k"], x["v"], gk, x["beta"], initial_state=x["S0"])
+    ob, hb = gated_delta_net(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["S0"])
+    np.testing.assert_allclose(oa, ob, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(ha, hb, rtol=1e-13, atol=1e-13)
+    ga = kda_bwd(x["q"], x["k"], x["v"], gk, x["beta"], do, dht, initial_state=x["S0"])
+    gb = gated_delta_net_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], do, dht, initial_state=x["S0"])
+    np.testing.assert_allclose(ga["g"].sum(-1), gb["g"], rtol=1e-12, atol=1e-12)
+    for key in ("q", "k", "v", "beta", "initial_state"):
+        np.testing.assert_allclose(ga[key], gb[key], rtol=1e-12, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- delta net

@@ -1,0 +1,38 @@
+"""Rebinding a function that other modules imported by name (``from .x import f``), reversibly.
+
+Such modules hold their own reference to ``f``, so replacing it in its defining module alone reaches
+only later imports; every module under a package prefix that holds the original is rebound too, and
+undoing restores each binding that still holds the replacement.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rebinding:
+    """``module.name`` held ``original`` before it was set to ``replacement``."""
+
+    module: str
+    name: str
+    original: object
+    replacement: object
+
+
+def rebind(prefix: str, name: str, original, replacement) -> tuple[Rebinding, ...]:
+    """Set ``name`` to ``replacement`` in every loaded module under ``prefix`` that binds ``original``."""
+    done = []
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == prefix or mod_name.startswith(prefix + ".")):
+            continue
+        if getattr(mod, name, None) is original:
+            setattr(mod, name, replacement)
+            done.append(Rebinding(mod_name, name, original, replacement))
+    return tuple(done)
+
+
+def restore(prefix: str, name: str, original, replacement) -> tuple[Rebinding, ...]:
+    """Set ``name`` back to ``original`` in every loaded module under ``prefix`` that binds ``replacement``
+    (including modules imported while it was in place, which took it from the defining module)."""
+    return rebind(prefix, name, replacement, original)
