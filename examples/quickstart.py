@@ -11,7 +11,6 @@ import mlx.core as mx
 import numpy as np
 
 import recgen as rg
-from recgen.ops import default_backend
 
 rng = np.random.default_rng(0)
 B, T, H, Hk, K, V = 2, 64, 4, 2, 32, 48
@@ -28,7 +27,7 @@ o, state = op(*xs.values(), initial_state=mx.array(h0.astype(np.float32)), outpu
 seen = {n: np.array(a.astype(mx.float32)).astype(np.float64) for n, a in xs.items()}  # what the op saw
 o_ref, state_ref = rg.reference.run(rg.specs.gated_delta_net, initial_state=h0, **seen)
 err = lambda a, b: float(np.linalg.norm(np.array(a.astype(mx.float32)) - b) / np.linalg.norm(b))  # noqa: E731
-print(f"backend {default_backend()}: o rel. error {err(o, o_ref):.1e}, final state {err(state, state_ref):.1e}")
+print(f"backend {rg.ops.choose_backend(rg.tuning.current())}: o rel. error {err(o, o_ref):.1e}, final state {err(state, state_ref):.1e}")
 assert err(o, o_ref) < 1e-2 and err(state, state_ref) < 1e-2
 
 do = rng.standard_normal((B, T, H, V))
