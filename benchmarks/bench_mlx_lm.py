@@ -31,7 +31,7 @@ import time
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen3_5
 
@@ -45,8 +45,9 @@ def build(args):
                vocab_size=args.vocab, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6)
     model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(dict(model_type="qwen3_5", text_config=cfg)))
-    if args.dtype != "float32":
-        model.set_dtype(getattr(mx, args.dtype), predicate=lambda k: not k.endswith("A_log"))
+    if args.dtype != "float32":  # A_log stays float32, as mlx-lm loads it
+        dt = getattr(mx, args.dtype)
+        model.update(tree_map_with_path(lambda k, v: v if k.endswith("A_log") else v.astype(dt), model.parameters()))
     mx.eval(model.parameters())
     return model
 

@@ -19,6 +19,8 @@ a 256-token block ending in padding), nor at ``lengths == 0``. Here the state is
 """
 from __future__ import annotations
 
+import warnings
+
 from ..spec.layouts import InputError
 
 
@@ -86,6 +88,8 @@ def ssm_update(hidden_states, A_log, B, C, D, dt, dt_bias, state=None, time_step
         lg = mx.where(keep[..., None], lg, 0.0)
         u = mx.where(keep[..., None, None], u, 0.0)
     h0 = mx.zeros((b, H, N, P), dtype=mx.float32) if state is None else state.swapaxes(-1, -2)
-    y, ht = ops.simple_gla(C, B, u, lg, scale=1.0, initial_state=h0, output_final_state=True, check_finite=False)
+    with warnings.catch_warnings():  # mlx-lm's layout is [B,T,H,D] by contract: short prompts are not head-first
+        warnings.filterwarnings("ignore", message=".*layout mismatch", category=UserWarning)
+        y, ht = ops.simple_gla(C, B, u, lg, scale=1.0, initial_state=h0, output_final_state=True)
     y = y.astype(x.dtype) + x * D.reshape(1, 1, -1, 1)
     return y, ht.swapaxes(-1, -2).astype(mx.float32 if state is None else state.dtype)
