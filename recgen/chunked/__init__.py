@@ -27,6 +27,9 @@ Memory: a sequence whose working set fits the budget (``segment_budget``) runs a
 longer one runs in segments: the forward keeps only each segment's entry state, the backward
 recomputes segments in reverse, ordered with ``mx.depends`` so one segment's intermediates are
 alive at a time (MLX calls a VJP under ``RetainGraph``: an ``eval`` inside it would free nothing).
+The budget bounds that working set only: a training step also holds the inputs, their gradients and
+the per-token cotangents, O(T) bytes that no segmenting removes (on the CPU about 27 KB a token for GDN at
+B=2, H=4, K=V=64, so a 64k-token step peaks well above a 512 MiB budget).
 Second-order gradients are not supported.
 
 Decays enter through their exact logarithm (``recgen.spec.decay``; a decay of 0 is a reset). What no form
