@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 
 from .errors import InputError
 
@@ -189,14 +190,9 @@ def _environ_key() -> tuple:
     return tuple((var, os.environ.get(var)) for var in ENVIRONMENT)
 
 
-_CACHE: dict = {}
-
-
+@lru_cache(maxsize=64)
 def _cached(device, dialect, overrides: tuple, env: tuple) -> Tuning:
-    key = (device, dialect, overrides, env)
-    if key not in _CACHE:
-        _CACHE[key] = resolve(device, dialect, dict(env), **dict(overrides))
-    return _CACHE[key]
+    return resolve(device, dialect, dict(env), **dict(overrides))
 
 
 def verify_cache() -> str | None:

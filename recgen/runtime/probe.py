@@ -16,7 +16,7 @@ PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test: the common case's temp
 FAST_BLAS_GFLOPS = 30.0  # between the reference BLAS's 6 GFLOP/s and OpenBLAS's 77-95 (2 cores), measured
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=64)
 def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
     """``t`` with the choices this machine cannot honour turned off: chunk kernels whose self-test fails (the
     fragment scan falls back to the FMA scan, a failing FMA scan or base frame to MLX ops), and on the CPU
