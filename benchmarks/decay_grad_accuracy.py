@@ -20,8 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from spec_check import parts  # noqa: E402
 
-from recgen import chunked, specs  # noqa: E402
-from recgen.chunked import parallel  # noqa: E402
+from recgen import chunked, specs, tuning  # noqa: E402
 from recgen.math import reference  # noqa: E402
 
 GATE = {"simple_gla": "g", "gla": "gk", "gated_delta_net": "g"}
@@ -48,11 +47,12 @@ def measure(rec, xs, gpu_forms: bool, chunk: int, f64: bool = False):
     do = rng.standard_normal((B, T, H, xs["v"].shape[-1])).astype(np.float32).astype(np.float64)
     dt, kw = (mx.float64, {"compute_dtype": mx.float64}) if f64 else (mx.float32, {})
     ref = reference.grad(rec, do=do, scale=0.25, **xs)[g]
-    parallel.GPU_FORMS = parallel.COMPILE = gpu_forms
     names = list(xs)
+    forms = dict(gpu_forms=gpu_forms, compile=gpu_forms, inverse_base=16 if gpu_forms else 1)
 
     def loss(*a):
-        o, _ = chunked.forward(rec, dict(zip(names, a)), scale=0.25, chunk_size=chunk, **kw)
+        with tuning.override(**forms):
+            o, _ = chunked.forward(rec, dict(zip(names, a)), scale=0.25, chunk_size=chunk, **kw)
         return (o * mx.array(do, dtype=dt)).sum()
 
     got = np.array(mx.grad(loss, argnums=names.index(g))(*[mx.array(xs[n], dtype=dt) for n in names]), np.float64)

@@ -30,7 +30,7 @@ anchored at s (a cumulative sum of a masked C×C matrix), so a small decay far f
 stays accurate; key-vector decays use the multiplicative hierarchy of ``core.decay_levels`` (one exp
 per token and element, no [C, C, K] tensor), or on GPUs with chunk kernels (``chunk_kernels``) the
 pair kernels, which multiply Γ up one step at a time. There the inverse and both scans run as
-generated kernels too (``recgen.chunked.kernels``), and where the fragment frames are on (CUDA) a scalar
+generated kernels too (``recgen.runtime.chunk_kernels``), and where the fragment frames are on (CUDA) a scalar
 decay's UT transform (A, T, U, W) and readout (y, M_ru) are one kernel each; there the roles that are inputs
 verbatim stay in the inputs' 16-bit type (``role_dtype``) and y leaves in the model's layout (``core_fn``'s ``out``).
 """
