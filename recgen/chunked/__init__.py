@@ -339,7 +339,8 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     has_z = rec.has_normalizer
     if T == 0 or sizes.B == 0:
         return _finish(rec, [], S, z, out_dtype, sizes, dtype)
-    if T == 1 and compute_dtype is None:  # decode: one step in MLX ops, fewer than the chunk algebra at C = 1
+    if T == 1 and compute_dtype is None and not tun.chunk_kernels:
+        # decode without chunk kernels (the CPU): one step in MLX ops, fewer than the chunk algebra at C = 1
         return naive_loop(rec, inputs, scale=scale, initial_state=initial_state, tuning=tun)
     names = [x.name for x in rec.inputs]
     state = [S, z] if has_z else [S]
