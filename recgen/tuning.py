@@ -157,8 +157,10 @@ def override(**changes):
         _overrides.pop()
 
 
+@lru_cache(maxsize=1)
 def machine_dialect() -> str | None:
-    """The kernel dialect of this machine's GPU as MLX sees it (Metal first, then CUDA), or None without one."""
+    """The kernel dialect of this machine's GPU as MLX sees it (Metal first, then CUDA), or None without one.
+    Asked once per process: the hardware does not change, and every op call needs the answer."""
     import mlx.core as mx
 
     if mx.metal.is_available():

@@ -15,6 +15,7 @@ from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, WPT, ScanVariant, inverse_source, out_mma_layout, out_mma_source,
                                      pair_grad_source, pair_source, pair_supported, scan_layout, scan_mma_layout,
                                      scan_source, ut_mma_layout, ut_mma_source)
+from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..tuning import Tuning
 from .launch import Launch, mlx_call
 
@@ -46,12 +47,8 @@ def scan_fuses_products(t: Tuning, C: int, K: int, V: int, has_b: bool) -> bool:
 
 
 def scan_supported(t: Tuning, C: int, K: int) -> bool:
-    """Whether the FMA scan has a layout for (C, K) (K a multiple of 4, tiles within threadgroup memory)."""
-    try:
-        scan_layout(t.dialect, C, K)
-    except ValueError:
-        return False
-    return True
+    """Whether the FMA scan has a layout for (C, K) in the tuning's dialect (``chunk_sources.scan_supported``)."""
+    return dialect_scan_supported(t.dialect, C, K)
 
 
 # -- launch recipes (shared with the Metal emulator) -----------------------------------------------
