@@ -40,7 +40,7 @@ def test_op_compiles_forward_and_grad(name, rng):
 @pytest.mark.parametrize("name", sorted(set(SPECS) - {"power_retention"}))  # no kernels for feature maps
 def test_kernel_op_compiles_forward_and_grad(name, rng):
     """The generated kernels of this machine's GPU (skipped without one: not run on the CPU-only CI)."""
-    from recgen.codegen.backends import machine_dialect
+    from recgen.tuning import machine_dialect
 
     if machine_dialect() is None:
         pytest.skip("no GPU backend in MLX here")
