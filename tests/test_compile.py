@@ -11,7 +11,7 @@ from helpers import ROOT
 from helpers import random_inputs, random_state, rel_err, state_parts
 
 from recgen import adapters, specs
-from recgen.cli import resolve_spec
+from recgen.spec.resolve import resolve_spec
 from recgen.ops import load
 
 EXAMPLES = {name: resolve_spec(f"{ROOT}/examples/{name}.py:{name}") for name in ("mlstm", "retnet", "hgrn2")}

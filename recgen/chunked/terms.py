@@ -20,7 +20,7 @@ import numpy as np
 import sympy as sp
 
 from ..spec import ir
-from ..spec.analysis import analyze
+from ..spec.analysis import Analysis, analyze
 from ..spec.decay import log_decay
 from ..spec.numeric import lambdify
 from ..spec.features import sympow_pairs
@@ -70,20 +70,23 @@ KEY_ROLES, VALUE_ROLES = ir.KEY_ROLES, ir.VALUE_ROLES
 
 @dataclass(frozen=True)
 class Plan:
-    """What the chunked forms need of a spec, compiled once per spec."""
+    """What the chunked forms need of a spec, compiled once per spec: its roles as MLX functions beside the
+    spec's one analysis (``recgen.spec.analysis``), whose answers it passes on."""
 
     rec: ir.Recurrence
+    analysis: Analysis
     symbols: tuple
-    fns: dict           # role -> callable(*symbol values, scale); "logdecay", "zlogdecay" included
-    decay_class: str    # "scalar" | "key" | "full"
-    zdecay_class: str | None
+    fns: dict           # role -> callable(*symbol values, scale); "logdecay", "zlogdecay", "rho" included
     N: object           # normalizer function of n, or None
-    fuse_z: bool        # z can ride along S as an extra value column (same decay and update, no transition)
-    has_rho: bool = False  # transition a = ρ·u with ρ free of the key index (delta rules): fns["rho"]
-    bare_roles: tuple = ()  # (role, input symbol) where the role is that input verbatim (GDN's b = k, w = v): see ``bind``
-    rho_pow2: float | None = None  # ρ when it is a constant ±2^e (the delta rules' -1): ρ·b is then exact in b's type
     r_scaled: tuple | None = None  # (input symbol x, c(scale)) where the readout role is r = c·x, c a constant
     # (every built-in's r = scale·q): the chunked core then takes x as it is and applies c inside (``core_fn``'s rfac)
+
+    decay_class = property(lambda self: self.analysis.decay_class)    # "scalar" | "key" | "full"
+    zdecay_class = property(lambda self: self.analysis.zdecay_class)
+    fuse_z = property(lambda self: self.analysis.fuse_z)              # z rides along S as an extra value column
+    has_rho = property(lambda self: self.analysis.delta_rule)         # a = ρ·u: fns["rho"]
+    bare_roles = property(lambda self: self.analysis.bare_roles)      # roles that are inputs verbatim: ``bind``
+    rho_pow2 = property(lambda self: self.analysis.rho_pow2)          # ρ = ±2^e: ρ·b exact in b's type
 
 
 @lru_cache(maxsize=64)
@@ -105,8 +108,7 @@ def plan(rec: ir.Recurrence, pow2_exp: bool = False) -> Plan:
     if a.rho is not None:
         fns["rho"] = lam(a.rho)
     r_scaled = None if a.r_scaled is None else (a.r_scaled[0], lambdify((ir.SCALE,), a.r_scaled[1], "math"))
-    return Plan(rec, syms, fns, a.decay_class, a.zdecay_class, N, a.fuse_z, a.delta_rule, a.bare_roles, a.rho_pow2,
-                r_scaled)
+    return Plan(rec, a, syms, fns, N, r_scaled)
 
 
 # -- binding -----------------------------------------------------------------------------------
