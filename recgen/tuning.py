@@ -4,7 +4,9 @@ A ``Tuning`` is resolved once per device, from the lowest precedence to the high
 
 1. device defaults (``DEVICE_DEFAULTS``: the CPU and GPUs cost different things);
 2. the measured table of the GPU's kernel dialect (``MEASURED``: what was measured faster on that hardware);
-3. the environment (``ENVIRONMENT``: this module is the only one in recgen that reads it);
+3. the environment (``ENVIRONMENT``: this module is the only one in recgen that reads it), read once per process
+   (``reload_environment()`` reads it again): every op call asks for its tuning, and reading a dozen variables
+   each time cost more host time than the rest of a decode step's dispatch;
 4. explicit overrides: ``with recgen.tuning.override(chunk_kernels=False): ...`` (tests, benchmarks).
 
 It is hashable, so caches key on it, and it names intentions only: whether a GPU's generated chunk kernels
@@ -53,6 +55,13 @@ class Tuning:
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     # -- the recurrent kernels ----------------------------------------------------------------------
     fwd_layout: tuple[int, int, int] | None = None  # force the forward lane mapping (LK, CPL, WV): sweeps
+
+    def __hash__(self) -> int:  # computed once: every op call's caches key on the tuning
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
 
 
 DEVICE_DEFAULTS = {
@@ -185,11 +194,19 @@ def current() -> Tuning:
     merged: dict = {}
     for ch in _overrides:
         merged.update(ch)
-    return _cached(dev, dialect, tuple(sorted(merged.items())), _environ_key())
+    return _cached(dev, dialect, tuple(sorted(merged.items())), environment())
 
 
-def _environ_key() -> tuple:
+@lru_cache(maxsize=1)
+def environment() -> tuple:
+    """The ``ENVIRONMENT`` variables as this process set them, read at the first op call (then kept)."""
     return tuple((var, os.environ.get(var)) for var in ENVIRONMENT)
+
+
+def reload_environment() -> None:
+    """Read the environment again (a program or test that changes ``RECGEN_*`` variables after the first op call;
+    ``override()`` is the in-process way)."""
+    environment.cache_clear()
 
 
 @lru_cache(maxsize=64)

@@ -47,3 +47,19 @@ def pytest_collection_modifyitems(config, items):
     if reason:
         for item in gpu:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def recgen_env(monkeypatch):
+    """``recgen_env(NAME=value, ...)`` sets environment variables and has recgen read its environment again (it
+    reads it once per process); on teardown both are undone."""
+    from recgen import tuning
+
+    def set_env(**values):
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+        tuning.reload_environment()
+
+    yield set_env
+    monkeypatch.undo()
+    tuning.reload_environment()

@@ -266,10 +266,10 @@ def test_general_rank1_and_separate_normalizer():
 
 @pytest.mark.parametrize("name", ["gated_delta_net", "gla", "selective_scan", "dplr", "two_decays", "power_retention",
                                   "scan_with_normalizer"])
-def test_segmented_matches_reference(name, monkeypatch):
+def test_segmented_matches_reference(name, recgen_env):
     """A 1-byte budget forces segments of one chunk: the segmented forward (entry states only) and
     the reverse recomputation must give the same results as one piece."""
-    monkeypatch.setenv("RECGEN_CHUNKED_BUDGET", "1")
+    recgen_env(RECGEN_CHUNKED_BUDGET="1")
     rec = {"dplr": dplr, "two_decays": two_decays, "scan_with_normalizer": scan_with_normalizer}.get(name) \
         or specs.BUILTINS[name]
     gmin = -3.0 if name == "power_retention" else -20.0
@@ -302,12 +302,12 @@ def _peak_fwd_bwd(rec, T, chunk):
     return mx.get_peak_memory(), sum(a.nbytes for a in ins)
 
 
-def test_memory_bounded_in_T(monkeypatch):
+def test_memory_bounded_in_T(recgen_env):
     """With segments, fwd+bwd peak memory grows like the inputs and their gradients (plus the
     output and its cotangent), not like T states and not like the unsegmented working set."""
     rec = specs.gla  # key-vector decay: the largest per-token working set of the built-ins
     one_piece = [_peak_fwd_bwd(rec, T, 64) for T in (512, 2048)]
-    monkeypatch.setenv("RECGEN_CHUNKED_BUDGET", str(2**20))  # segments of 64 tokens here
+    recgen_env(RECGEN_CHUNKED_BUDGET=str(2**20))  # segments of 64 tokens here
     segmented = [_peak_fwd_bwd(rec, T, 64) for T in (512, 2048)]
     io_growth = segmented[1][1] - segmented[0][1]  # bytes of the extra inputs
     growth = segmented[1][0] - segmented[0][0]

@@ -67,13 +67,13 @@ def test_bad_initial_state_backend_and_arity():
         ops.gla(q, k, v, gk, q=q)
 
 
-def test_environment_forces_the_backend(monkeypatch):
-    monkeypatch.setenv("RECGEN_BACKEND", "mlx")
+def test_environment_forces_the_backend(recgen_env):
+    recgen_env(RECGEN_BACKEND="mlx")
     assert ops.choose_backend(tuning.current()) == "mlx"
     assert ops.choose_backend(tuning.current(), "mlx") == "mlx"
     with pytest.raises(InputError, match="backends here"):  # an explicit choice wins, if this machine has it
         ops.choose_backend(tuning.current(), "cuda")
-    monkeypatch.setenv("RECGEN_BACKEND", "vulkan")
+    recgen_env(RECGEN_BACKEND="vulkan")
     with pytest.raises(InputError, match="RECGEN_BACKEND"):
         tuning.current()
 

@@ -57,10 +57,12 @@ def test_override_nests_and_restores(monkeypatch):
     assert tuning.current() == base
 
 
-def test_environment_is_read_at_resolution(monkeypatch):
-    monkeypatch.setenv("RECGEN_DEBUG", "1")
+def test_environment_is_read_once_and_on_reload(recgen_env, monkeypatch):
+    recgen_env(RECGEN_DEBUG="1")
     assert tuning.current().debug
-    monkeypatch.setenv("RECGEN_DEBUG", "0")
+    monkeypatch.setenv("RECGEN_DEBUG", "0")  # not read again on every call (it cost host time on every op)
+    assert tuning.current().debug
+    tuning.reload_environment()
     assert not tuning.current().debug
 
 

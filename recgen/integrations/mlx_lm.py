@@ -145,8 +145,11 @@ def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, 
     state_dtype = mx.float32 if state is None else state.dtype
     h0 = mx.zeros((B, Hv, Dk, Dv), dtype=mx.float32) if state is None else state.swapaxes(-1, -2)
     op = ops.kda if vector else ops.gated_delta_net
-    with warnings.catch_warnings():  # mlx-lm's layout is [B,T,H,D] by contract: short prompts are not head-first
-        warnings.filterwarnings("ignore", message=".*layout mismatch", category=UserWarning)
+    if 1 < q.shape[1] < Hv:  # mlx-lm's layout is [B,T,H,D] by contract: short prompts are not head-first
+        with warnings.catch_warnings():  # (entered only then: it costs a decode step's host time)
+            warnings.filterwarnings("ignore", message=".*layout mismatch", category=UserWarning)
+            y, ht = op(q, k, v, lg, beta, scale=1.0, initial_state=h0, output_final_state=True)
+    else:
         y, ht = op(q, k, v, lg, beta, scale=1.0, initial_state=h0, output_final_state=True)
     return y.astype(q.dtype), ht.swapaxes(-1, -2).astype(state_dtype)
 

@@ -157,6 +157,13 @@ class Recurrence:
     gqa: str = "block"  # key head of value head h: "block" h // (H/Hk), "tiled" h % Hk
     default_scale: str = "key"  # "key": Kin**-0.5; "one": 1.0
 
+    def __hash__(self) -> int:  # computed once: the dataclass hash walks the sympy terms, and caches key on specs
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.name, self.doc, self.inputs, self.step, self.features, self.gqa, self.default_scale))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     # -- introspection -------------------------------------------------------------------------
     def input(self, name: str) -> Input:
         for x in self.inputs:

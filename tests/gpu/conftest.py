@@ -21,6 +21,10 @@ import pytest
 
 os.environ["MLX_ENABLE_TF32"] = "0"
 
+from recgen import tuning  # noqa: E402
+
+tuning.reload_environment()  # in case an op ran before this folder was collected: recgen reads it once
+
 
 @pytest.fixture
 def fragment_scan():
