@@ -3,9 +3,9 @@
     python benchmarks/bench_mlx_lm.py [--T 2048] [--layers 4] [--train-unpatched-max-T 2048]
                                       [--prompt 512] [--decode 256] [--dtype float32] [--reps 3]
 
-A tiny-config qwen3_5 (random weights): ``--layers`` layers, every fourth full attention, the others gated
-DeltaNet with Hk=16 key heads, Hv=32 value heads, Dk=Dv=128 (hidden 256, vocab 1024 unless set: small, so
-that the recurrence and not the projections dominates).
+A tiny-config qwen3_5 (random weights): ``--layers`` layers, every fourth (``--full-attention-interval``) full
+attention, the others gated DeltaNet with Hk=16 key heads, Hv=32 value heads, Dk=Dv=128 (hidden 256, vocab 1024
+unless set: small, so that the recurrence and not the projections dominates).
 
 - Training step: forward + backward of the mean cross-entropy over the logits of B x T tokens, gradients
   of every parameter (``nn.value_and_grad``), model in training mode (mlx-lm then calls its gated delta with
@@ -43,7 +43,7 @@ def build(args):
     cfg = dict(model_type="qwen3_5", hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                vocab_size=args.vocab, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-               linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6)
+               linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=args.full_attention_interval, rms_norm_eps=1e-6)
     model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(dict(model_type="qwen3_5", text_config=cfg)))
     if args.dtype != "float32":  # A_log stays float32, as mlx-lm loads it
         dt = getattr(mx, args.dtype)
@@ -172,6 +172,8 @@ def main():
     ap.add_argument("--T", default="2048", help="training lengths, comma-separated")
     ap.add_argument("--B", type=int, default=1)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--full-attention-interval", type=int, default=4,
+                    help="every N-th layer is full attention (qwen3_5 needs at least one)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
