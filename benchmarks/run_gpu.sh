@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the stages named as arguments, each with its own time limit, logs and JSON under $OUT.
-#   bash benchmarks/run_gpu.sh check bench bench-extra decode
+#   bash benchmarks/run_gpu.sh check bench bench-extra decode mlx-lm
+#   GPU_TESTS=tests/gpu/test_mlx_lm_gpu.py GPU_TEST_SHARDS=4 bash benchmarks/run_gpu.sh check
 #   SPECS="gla simple_gla" bash benchmarks/run_gpu.sh bench-fla:4,4096,16,128
 # Timings are `recgen bench` (chained calls, the op's defaults; recgen/bench.py says how) and FLA in the same call.
 # `check` is the GPU test suite (python -m pytest -m gpu, in shards). Expects the offline bundle (.gpu-bundle,
@@ -23,7 +24,8 @@ for stage in "$@"; do
   case $stage in
     check) n=${GPU_TEST_SHARDS:-8}; logs=$(mktemp -d); pids=  # the gpu tests (tests/gpu) as n processes, --shard k/n:
            for k in $(seq 0 $((n - 1))); do          # most of their time is kernel compilation, one core a process
-             timeout 540 python -m pytest -m gpu --shard $k/$n -rs --durations=5 > "$logs/$k.log" 2>&1 & pids="$pids $!"
+             timeout ${CHECK_TIMEOUT:-540} python -m pytest -m gpu $GPU_TESTS --shard $k/$n -rs --durations=5 \
+               > "$logs/$k.log" 2>&1 & pids="$pids $!"  # GPU_TESTS: files to check (default: every gpu test)
            done
            rc=0; for p in $pids; do wait $p; r=$?; [ $r = 0 ] || [ $r = 5 ] || rc=$r; done  # 5: a part with no tests
            for k in $(seq 0 $((n - 1))); do echo "=== shard $k/$n"; cat "$logs/$k.log"; done > "$OUT/check_gpu.log"
@@ -33,6 +35,10 @@ for stage in "$@"; do
     bench-fla:*) BENCH_TIMEOUT=${BENCH_TIMEOUT:-330} bench bench_fla ${stage#bench-fla:} --baseline fla ;;  # + FLA
     bench-extra) SPECS=selective_scan bench bench_extra 4,4096,24,16,64     # 1536 channels, 16 state rows
                  SPECS=power_retention bench bench_extra 2,4096,8,64 --backend mlx ;;  # no kernel for feature maps
+    mlx-lm) timeout 300 python benchmarks/bench_mlx_lm.py --T 2048 --layers 4 --reps 3 --dtype bfloat16 --floor \
+              2>&1 | tee "$OUT/mlx_lm_bf16.log"                       # train step, prefill, decode against mlx-lm
+            MLX_ENABLE_TF32=0 timeout 120 python benchmarks/bench_mlx_lm.py --skip-train --dtype float32 \
+              2>&1 | tee "$OUT/mlx_lm_f32_generate.log" ;;            # do the greedy ids agree in exact float32?
     decode) timeout 120 python benchmarks/bench_decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
