@@ -1,4 +1,5 @@
-r"""mLSTM (xLSTM's matrix memory) with a sigmoid input gate and a log-sigmoid forget gate.
+r"""mLSTM (xLSTM's matrix memory) with a sigmoid input gate and a log-sigmoid forget gate: the built-in
+``recgen.specs.mlstm_sigmoid`` (``rg.ops.mlstm_sigmoid``), checked against a plain loop.
 
 With per-token, per-head gate pre-activations ``ig`` (input) and ``fg`` (forget):
 
@@ -11,7 +12,8 @@ With per-token, per-head gate pre-activations ``ig`` (input) and ``fg`` (forget)
 
 The forget gate is written as the decay ``exp(logsigmoid(fg))`` (log-space, as FLA), the input gate
 as ``sigmoid(ig)`` (the "sig" variant: no exponential input gate, hence no max-stabilizer state).
-xLSTM divides by ``max(|n_tᵀ q̃_t|, 1)``; that is not differentiable at ±1 and 0, so this example
+Not xLSTM's exact mLSTM: its exponential input gate needs a running-max stabilizer state the IR does not
+have (docs/design.md). xLSTM divides by ``max(|n_tᵀ q̃_t|, 1)``; that is not differentiable at ±1 and 0, so this example
 uses the smooth stand-in ``N(x) = sqrt(x² + 1)``: N ≥ 1 (never divides by ~0), N(x) ≈ |x| for
 large |x|, N'(x) = x / N(x). The readout carries ``scale · q`` (default scale K^{-1/2}).
 
@@ -22,19 +24,8 @@ Layouts: q, k ``[B,T,Hk,K]``, v ``[B,T,H,V]``, ig, fg ``[B,T,H]``, state ``(C [B
 from __future__ import annotations
 
 import numpy as np
-import sympy as sp
 
-from recgen.spec.fns import exp, logsigmoid, sigmoid
-from recgen.spec.frontend import Key, Scalar, Step, Value, normalizer, outer, recurrence
-from recgen.spec.ir import SCALE as scale
-
-
-@recurrence
-def mlstm(q: Key, k: Key, v: Value, ig: Scalar, fg: Scalar):
-    r"""mLSTM (sigmoid input gate): C_t = σ(f_t) C_{t-1} + σ(i_t) k_t v_tᵀ, o_t = C_tᵀq̃ / sqrt((n_tᵀq̃)² + 1)."""
-    forget = exp(logsigmoid(fg))
-    return Step(decay=forget, update=outer(sigmoid(ig) * k, v), readout=scale * q,
-                normalizer=normalizer(forget, sigmoid(ig) * k, lambda n: sp.sqrt(n**2 + 1)))
+from recgen.specs import mlstm_sigmoid as mlstm  # the spec (examples/mlstm.py:mlstm resolves to the built-in)
 
 
 def _sigmoid(x):

@@ -1,4 +1,4 @@
-r"""RetNet retention (recurrent form) as a recgen recurrence.
+r"""RetNet retention (recurrent form): the built-in ``recgen.specs.retnet``, run two ways.
 
 Each head h has a fixed decay γ_h ∈ (0, 1), stored as a log-decay parameter so that the decay is
 always positive: γ_h = e^{λ_h}, λ_h ≤ 0 (RetNet uses γ_h = 1 - 2^{-5-h}, i.e. λ_h = log γ_h).
@@ -9,23 +9,17 @@ always positive: γ_h = e^{λ_h}, λ_h ≤ 0 (RetNet uses γ_h = 1 - 2^{-5-h}, i
     o_t = S_t^\top (\mathrm{scale} \cdot q_t), \qquad \gamma_h = e^{\lambda_h}
 
 Layouts: q, k ``[B,T,Hk,K]``, v ``[B,T,H,V]``, ``log_gamma`` ``[H]``, state ``[B,H,K,V]``.
-(RetNet's group norm and swish gate act on ``o`` outside the recurrence.)
+(RetNet's group norm and swish gate act on ``o`` outside the recurrence.) ``rg.ops.retnet(q, k, v)`` is FLA's
+``chunk_retention`` (the op supplies RetNet's decays); ``rg.load("retnet")`` takes ``log_gamma`` as an input.
 
-    python examples/retnet.py     # checks the reference interpreter against a plain numpy loop
+    python examples/retnet.py     # the reference interpreter and the op against a plain numpy loop
 """
 from __future__ import annotations
 
 import numpy as np
 
-from recgen.spec.fns import exp
-from recgen.spec.frontend import Key, Param, Step, Value, outer, recurrence
-from recgen.spec.ir import SCALE as scale
-
-
-@recurrence
-def retnet(q: Key, k: Key, v: Value, log_gamma: Param[()]):
-    r"""RetNet retention: S_t = e^{λ_h} S_{t-1} + k_t v_tᵀ,  o_t = S_tᵀ (scale · q_t), per-head log-decay λ_h."""
-    return Step(decay=exp(log_gamma), update=outer(k, v), readout=scale * q)
+import recgen as rg
+from recgen.specs import retnet, retnet_log_gamma  # noqa: F401 (the spec: examples/retnet.py:retnet resolves)
 
 
 def retnet_loop(q, k, v, log_gamma, initial_state=None, scale=None):
@@ -65,6 +59,22 @@ def check(seed: int = 0, tol: float = 1e-12) -> None:
         assert err <= tol, err
 
 
+def check_op(seed: int = 1, tol: float = 1e-5) -> None:
+    """rg.ops.retnet (FLA's convention: RetNet's decays supplied) on the CPU against the loop, float32."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(seed)
+    x = random_inputs(rng)
+    f32 = {n: a.astype(np.float32) for n, a in x.items()}
+    o, S = rg.ops.retnet(mx.array(f32["q"]), mx.array(f32["k"]), mx.array(f32["v"]), output_final_state=True,
+                         backend="mlx")
+    o_ref, S_ref = retnet_loop(f32["q"], f32["k"], f32["v"], np.array(retnet_log_gamma(4)))
+    for got, want in ((o, o_ref), (S, S_ref)):
+        err = np.linalg.norm(np.array(got) - want) / np.linalg.norm(want)
+        assert err <= tol, err
+
+
 if __name__ == "__main__":
     check()
+    check_op()
     print("ok")

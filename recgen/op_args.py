@@ -123,3 +123,56 @@ def warn_head_first(rec: ir.Recurrence, sizes: Sizes) -> None:
         warnings.warn(f"{rec.name}: input shapes suggest a layout mismatch: T={sizes.T} < H={sizes.H} (axis 1 of "
                       f"{first!r} is T). Inputs are [B,T,H,...] (FLA's layout); head-first [B,H,T,...] inputs must be "
                       "transposed (axes 1 and 2)", UserWarning, stacklevel=3)
+
+
+def _shape(name: str, a, expected: str, ok: bool) -> None:
+    if not ok:
+        raise InputError(f"argument {name!r}: expected {expected}, got shape {tuple(a.shape)}")
+
+
+def check_mamba2(x, dt, A, B, C, D, z, dt_bias, initial_states, dt_limit, unsupported: dict) -> tuple:
+    """mamba_ssm's ``mamba_chunk_scan_combined`` arguments, from metadata only: x [B,T,H,P], dt [B,T,H], A [H],
+    B, C [B,T,G,N] with G dividing H, D [H] or [H,P], z [B,T,H,P], dt_bias [H], initial_states [B,H,P,N];
+    ``dt_limit`` a pair lo <= hi. ``unsupported``: name -> value of arguments recgen does not take (each must be
+    None or False). Returns (dt_lo, dt_hi)."""
+    for name, value in unsupported.items():
+        if value is not None and value is not False:
+            raise InputError(f"argument {name!r}: not supported by recgen's mamba2 (pass None); "
+                             + UNSUPPORTED_MAMBA2.get(name, ""))
+    named = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states)
+    for name, a in named.items():
+        if a is not None:
+            check_array(name, a)
+    _shape("x", x, "[B,T,H,P]", x.ndim == 4)
+    b, t, H, P = x.shape
+    _shape("dt", dt, f"[B,T,H] = {[b, t, H]}", tuple(dt.shape) == (b, t, H))
+    _shape("A", A, f"[H] = [{H}]", tuple(A.shape) == (H,))
+    _shape("B", B, f"[B,T,G,N] with B={b}, T={t} and G dividing H={H}",
+           B.ndim == 4 and tuple(B.shape[:2]) == (b, t) and B.shape[2] > 0 and H % B.shape[2] == 0)
+    N = B.shape[3]
+    _shape("C", C, f"the shape of B [B,T,G,N] = {list(B.shape)}", tuple(C.shape) == tuple(B.shape))
+    if D is not None:
+        _shape("D", D, f"[H] = [{H}] or [H,P] = {[H, P]}", tuple(D.shape) in ((H,), (H, P)))
+    if z is not None:
+        _shape("z", z, f"the shape of x [B,T,H,P] = {list(x.shape)}", tuple(z.shape) == tuple(x.shape))
+    if dt_bias is not None:
+        _shape("dt_bias", dt_bias, f"[H] = [{H}]", tuple(dt_bias.shape) == (H,))
+    if initial_states is not None:
+        _shape("initial_states", initial_states, f"[B,H,P,N] = {[b, H, P, N]}",
+               tuple(initial_states.shape) == (b, H, P, N))
+    try:
+        lo, hi = (float(v) for v in dt_limit)
+    except (TypeError, ValueError):
+        raise InputError(f"argument 'dt_limit': expected a pair of floats (lo, hi), got {dt_limit!r}") from None
+    if math.isnan(lo) or math.isnan(hi) or lo > hi:
+        raise InputError(f"argument 'dt_limit': expected lo <= hi, got {dt_limit!r}")
+    return lo, hi
+
+
+UNSUPPORTED_MAMBA2 = {
+    "seq_idx": "run each sequence as its own call, or pack them with recgen.load('mamba2')(..., cu_seqlens=...)",
+    "cu_seqlens": "mamba's cu_seqlens only serves return_varlen_states; pack sequences with "
+                  "recgen.load('mamba2')(..., cu_seqlens=...)",
+    "return_varlen_states": "run each sequence as its own call with return_final_states=True",
+    "state_dtype": "the state is float32",
+}

@@ -31,8 +31,8 @@ from functools import lru_cache
 
 from . import specs
 from .errors import InputError
-from .op_args import (check_array, check_backend, check_cu_seqlens, check_initial_state, check_names, check_scale,
-                      warn_head_first)
+from .op_args import (check_array, check_backend, check_cu_seqlens, check_initial_state, check_mamba2, check_names,
+                      check_scale, warn_head_first)
 from .op_args import check_finite as check_finite_values
 from .runtime.probe import checked
 from .spec import ir
@@ -216,3 +216,86 @@ simple_gla = Op(specs.simple_gla)
 selective_scan = Op(specs.selective_scan)
 selective_scan_linear_dt = Op(specs.selective_scan_linear_dt)
 power_retention = Op(specs.power_retention)
+hgrn2 = Op(specs.hgrn2)
+mlstm_sigmoid = Op(specs.mlstm_sigmoid)
+
+
+class RetNet(Op):
+    """FLA's ``chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False)``: simple GLA
+    with RetNet's fixed decay γ_h = 1 - 2^{-5-h} per value head h (``specs.retnet_log_gamma``, float32 as FLA's
+    ``g_gamma``), supplied by the op: S_t = γ_h S_{t-1} + k_t v_tᵀ, o_t = S_tᵀ (scale · q_t).
+    q, k [B,T,Hk,K] (Hk = H in FLA; Hk dividing H is block GQA), v [B,T,H,V], state [B,H,K,V]. The other keyword
+    arguments are every op's (module docstring). ``load("retnet")`` takes the log-decay as an input instead."""
+
+    def __init__(self, backend: str | None = None, chunk_size: int | None = None, backward: str | None = None):
+        super().__init__(specs.retnet, backend=backend, chunk_size=chunk_size, backward=backward)
+        self.__doc__ = RetNet.__doc__
+
+    def __repr__(self) -> str:
+        return f"<recgen op retnet (FLA's chunk_retention) backend={self.backend or 'auto'}>"
+
+    def __call__(self, q, k, v, /, **kwargs):
+        check_array("v", v)
+        if v.ndim != 4:
+            raise InputError(f"argument 'v': expected [B,T,H,V], got shape {tuple(v.shape)}")
+        return super().__call__(q, k, v, _retnet_log_gamma(v.shape[2]), **kwargs)
+
+
+@lru_cache(maxsize=32)
+def _retnet_log_gamma(H: int):
+    """RetNet's log-decays [H] as a float32 array, built once per H (never written)."""
+    import mlx.core as mx
+
+    return mx.array(specs.retnet_log_gamma(H), dtype=mx.float32)
+
+
+retnet = RetNet()
+
+
+@lru_cache(maxsize=16)
+def _mamba2_op(name: str, chunk_size: int | None) -> Op:
+    return Op(specs.BUILTINS[name], chunk_size=chunk_size)
+
+
+def mamba2(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+           cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
+           return_varlen_states=False, state_dtype=None, backend=None):
+    r"""Mamba-2 SSD with mamba_ssm's ``mamba_chunk_scan_combined`` arguments and layouts; returns ``out`` or
+    ``(out, final_states)`` with ``return_final_states``.
+
+    x [B,T,H,P], dt [B,T,H], A [H], B, C [B,T,G,N] (head h reads group h // (H/G)), D [H] or [H,P], z [B,T,H,P],
+    dt_bias [H], initial_states and the final state [B,H,P,N] (float32; recgen's state [B,H,N,P] is transposed
+    in and out):
+
+        Δ_t = clip(softplus(dt_t + dt_bias), *dt_limit)  (no softplus unless ``dt_softplus``; the clip always, as
+                                                          mamba's kernel: by default a negative Δ becomes 0)
+        h_t = e^{Δ_t A} h_{t-1} + Δ_t x_t B_tᵀ,   out_t = (h_t C_t + D ⊙ x_t) ⊙ silu(z_t)  (silu(z) only with z)
+
+    With ``dt_softplus`` and no ``dt_limit`` the gate is fused into the recurrence (spec ``mamba2``); otherwise Δ
+    is formed by MLX ops and the spec ``mamba2_linear_dt`` takes it. ``chunk_size`` is the chunked form's chunk
+    (None: recgen's default); the kernels need none. ``seq_idx``, ``cu_seqlens``, ``return_varlen_states`` and
+    ``state_dtype`` are refused (an ``InputError`` says what to do instead). Lazy, gradients to every array.
+    """
+    import mlx.core as mx
+
+    lo, hi = check_mamba2(x, dt, A, B, C, D, z, dt_bias, initial_states, dt_limit,
+                          dict(seq_idx=seq_idx, cu_seqlens=cu_seqlens, return_varlen_states=return_varlen_states,
+                               state_dtype=state_dtype))
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise InputError(f"argument 'chunk_size': expected a positive int or None, got {chunk_size!r}")
+    H, P = x.shape[2], x.shape[3]
+    D = mx.zeros((H, P), dtype=x.dtype) if D is None else (mx.broadcast_to(D[:, None], (H, P)) if D.ndim == 1 else D)
+    h0 = None if initial_states is None else initial_states.swapaxes(-1, -2)
+    kw = dict(initial_state=h0, output_final_state=return_final_states, backend=backend)
+    if dt_softplus and lo <= 0.0 and hi == float("inf"):  # the clip cannot bind (softplus > 0): the fused gate
+        bias = mx.zeros((H,), dtype=dt.dtype) if dt_bias is None else dt_bias
+        out, ht = _mamba2_op("mamba2", chunk_size)(x, dt, A, B, C, D, bias, **kw)
+    else:
+        delta = dt if dt_bias is None else dt + dt_bias
+        if dt_softplus:
+            delta = mx.logaddexp(delta, mx.array(0.0, dtype=delta.dtype))
+        delta = mx.clip(delta, lo, hi)  # as mamba's kernel, always: dt_softplus=False clips a negative dt to 0
+        out, ht = _mamba2_op("mamba2_linear_dt", chunk_size)(x, delta, A, B, C, D, **kw)
+    if z is not None:
+        out = out * (z * mx.sigmoid(z))
+    return (out, ht.swapaxes(-1, -2)) if return_final_states else out

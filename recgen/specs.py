@@ -5,11 +5,20 @@ before the delta-rule prediction, state [B,H,K,V], block GQA.
 """
 from __future__ import annotations
 
-from .spec.fns import exp, softplus
+import math
+
+import sympy as sp
+
+from .spec.fns import exp, logsigmoid, sigmoid, softplus
 from .spec.frontend import Key, KeyGate, Param, Scalar, Step, Value, normalizer, outer, rank1, recurrence, sympow
 from .spec.ir import SCALE as scale
 
 POWER_RETENTION_EPS = 1e-6
+
+
+def retnet_log_gamma(H: int) -> list[float]:
+    """RetNet's fixed log-decays, one per head: λ_h = log(1 - 2^{-5-h}), h = 0..H-1 (FLA's ``g_gamma``)."""
+    return [math.log1p(-2.0 ** (-5 - h)) for h in range(H)]
 
 
 @recurrence
@@ -75,5 +84,57 @@ def power_retention(q: Key, k: Key, v: Value, g: Scalar):
                 normalizer=normalizer(exp(g), pk, lambda n: n + POWER_RETENTION_EPS))
 
 
+@recurrence
+def retnet(q: Key, k: Key, v: Value, log_gamma: Param[()]):
+    r"""RetNet retention (FLA's ``chunk_retention``): simple GLA with a fixed decay per value head,
+    S_t = e^{λ_h} S_{t-1} + k_t v_tᵀ,  o_t = S_tᵀ (scale · q_t);  log_gamma = λ [H] (≤ 0).
+
+    ``recgen.ops.retnet(q, k, v)`` supplies RetNet's λ_h = log(1 - 2^{-5-h}) as FLA does; ``load("retnet")``
+    takes ``log_gamma`` as an input (a learnable per-head decay, with its gradient)."""
+    return Step(decay=exp(log_gamma), update=outer(k, v), readout=scale * q)
+
+
+@recurrence
+def hgrn2(q: Key, v: Value, g: KeyGate):
+    r"""HGRN2 (FLA's ``HGRN2Attention``: ``chunk_gla(q, k=1 - exp(g), v, g)``), g [B,T,H,K] the log forget gate
+    (g = logsigmoid(f), or FLA's lower-bounded form, computed by the caller):
+    S_t = diag(e^{g_t}) S_{t-1} + (1 - e^{g_t}) v_tᵀ,  o_t = S_tᵀ (scale · q_t)."""
+    return Step(decay=exp(g), update=outer(1 - exp(g), v), readout=scale * q)
+
+
+@recurrence(default_scale="one")
+def mamba2(x: Value, dt: Scalar, A: Param[()], B: Key, C: Key, D: Param["j"], dt_bias: Param[()]):
+    r"""Mamba-2 SSD (mamba_ssm's ``mamba_chunk_scan_combined`` with ``dt_softplus=True``) in recgen's layout:
+    x [B,T,H,P] (V = P), dt [B,T,H], A, dt_bias [H], B, C [B,T,G,N] (keys, K = N, G groups: block GQA),
+    D [H,P], state [B,H,N,P] (mamba's [B,H,P,N] transposed; ``recgen.ops.mamba2`` takes mamba's).
+
+    Δ_t = softplus(dt_t + dt_bias);  S_t = e^{Δ_t A} S_{t-1} + B_t (Δ_t x_t)ᵀ;  y_t = S_tᵀ C_t + D ⊙ x_t.
+    """
+    delta = softplus(dt + dt_bias)
+    return Step(decay=exp(delta * A), update=outer(B, delta * x), readout=C, skip=D * x)
+
+
+@recurrence(default_scale="one")
+def mamba2_linear_dt(x: Value, dt: Scalar, A: Param[()], B: Key, C: Key, D: Param["j"]):
+    r"""Mamba-2 SSD with Δ = dt as given (``dt_softplus=False``; a bias or ``dt_limit`` is applied by
+    ``recgen.ops.mamba2`` before): S_t = e^{dt_t A} S_{t-1} + B_t (dt_t x_t)ᵀ;  y_t = S_tᵀ C_t + D ⊙ x_t."""
+    return Step(decay=exp(dt * A), update=outer(B, dt * x), readout=C, skip=D * x)
+
+
+@recurrence
+def mlstm_sigmoid(q: Key, k: Key, v: Value, ig: Scalar, fg: Scalar):
+    r"""mLSTM with a *sigmoid* input gate and a smooth normalizer: not xLSTM's exact mLSTM, whose exponential
+    input gate needs a running-max stabilizer state (docs/design.md, "Built-ins beyond FLA's ops").
+
+    C_t = σ(fg_t) C_{t-1} + σ(ig_t) k_t v_tᵀ;  n_t = σ(fg_t) n_{t-1} + σ(ig_t) k_t;
+    o_t = C_tᵀ q̃_t / sqrt((n_tᵀ q̃_t)² + 1),  q̃_t = scale · q_t (xLSTM's k/√K is the same: C, n are linear in k).
+    ig, fg [B,T,H] pre-activations; state (C [B,H,K,V], n [B,H,K]). xLSTM divides by max(|n_tᵀq̃_t|, 1);
+    sqrt(x² + 1) is its smooth stand-in (≥ 1, ≈ |x| for large |x|)."""
+    forget = exp(logsigmoid(fg))
+    return Step(decay=forget, update=outer(sigmoid(ig) * k, v), readout=scale * q,
+                normalizer=normalizer(forget, sigmoid(ig) * k, lambda n: sp.sqrt(n**2 + 1)))
+
+
 BUILTINS = {r.name: r for r in (gated_delta_net, kda, delta_net, gla, simple_gla, selective_scan,
-                                selective_scan_linear_dt, power_retention)}
+                                selective_scan_linear_dt, power_retention, retnet, hgrn2, mamba2, mamba2_linear_dt,
+                                mlstm_sigmoid)}

@@ -18,6 +18,8 @@ def input_law(rec, x) -> tuple:
         return ("cubed", -20.0)
     if x.kind == "value":
         return ("uniform", 0.05, 1.0, 1.0) if x.name == "dt" else ("normal", False)
+    if x.name == "log_gamma":  # a per-head log-decay (retnet)
+        return ("cubed", -20.0)
     return ("uniform", 0.5, 8.0, -1.0) if x.name == "A" else ("normal", False)
 
 

@@ -25,12 +25,12 @@ from recgen.spec.layouts import Sizes
 from recgen.testing import kernel_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
-MLSTM = "mlstm"  # examples/mlstm.py:mlstm, the normalizer state (C, n)
+MLSTM = "mlstm_sigmoid"  # the built-in with a normalizer state (C, n)
 
-# the built-ins with a recurrent kernel, and the mLSTM example (its normalizer kernels)
-KERNEL_SPECS = ("gated_delta_net", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt",
-                MLSTM)
-ALL_SPECS = tuple(specs.BUILTINS) + (MLSTM,)
+# the built-ins with a recurrent kernel (mlstm_sigmoid: the normalizer kernels)
+KERNEL_SPECS = ("gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt",
+                "retnet", "hgrn2", "mamba2", "mamba2_linear_dt", MLSTM)
+ALL_SPECS = tuple(specs.BUILTINS)
 DTYPES = ("float32", "bfloat16")
 # (forward and final state, gradients): relative errors, ||a - b|| / ||b||. float32 assumes MLX's float32
 # matmuls are exact float32 (MLX_ENABLE_TF32=0 on CUDA; TF32 rounds operands to 10 mantissa bits).
@@ -77,11 +77,7 @@ def params(names, dtypes=DTYPES, cases=CASES) -> list:
 
 
 def load_spec(name: str) -> Recurrence:
-    """A built-in by name, or the mLSTM example."""
-    if name == MLSTM:
-        from recgen.spec.resolve import resolve_spec  # the one place a path:function spec is resolved
-
-        return resolve_spec(f"{ROOT / 'examples' / 'mlstm.py'}:mlstm")
+    """A built-in by name."""
     return specs.BUILTINS[name]
 
 

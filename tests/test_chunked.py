@@ -54,6 +54,8 @@ def make_inputs(rec, rng, B, T, H, Hk, K, V, gmin):
         if x.kind == "scalar":
             if x.name == "g":
                 a = -rng.uniform(0, -gmin, (B, T, H))
+            elif x.name == "dt" and rec.name == "mamba2_linear_dt":
+                a = np.logaddexp(0, rng.normal(size=(B, T, H)))  # Δ > 0 as given
             elif x.name == "beta":
                 a = 1 / (1 + np.exp(-rng.normal(size=(B, T, H))))
             else:
@@ -71,6 +73,10 @@ def make_inputs(rec, rng, B, T, H, Hk, K, V, gmin):
         else:
             shp = (H,) + tuple({"i": K, "j": V}[c] for c in x.index)
             a = -np.exp(rng.normal(size=shp)) if x.name == "A" else rng.normal(size=shp)
+            if x.name == "log_gamma":  # retnet's per-head log-decays, log-uniform over [gmin, -1e-3]: with a
+                # few heads all strong, dlog_gamma (a sum over B, T of float32 per-token terms) is tiny beside its
+                # rounding (1e-5 absolute at T = 65 against 1e-4 .. 1e-7 values; exact with compute_dtype=float64)
+                a = -np.exp(rng.uniform(np.log(1e-3), np.log(-gmin), shp))
         out[x.name] = r32(a)
     return out
 

@@ -7,15 +7,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import ROOT
+
 from helpers import random_inputs, random_state, rel_err, state_parts
 
 from recgen import adapters, specs
-from recgen.spec.resolve import resolve_spec
 from recgen.ops import load
 
-EXAMPLES = {name: resolve_spec(f"{ROOT}/examples/{name}.py:{name}") for name in ("mlstm", "retnet", "hgrn2")}
-SPECS = dict(specs.BUILTINS) | EXAMPLES
+SPECS = dict(specs.BUILTINS)
 SIZES = dict(B=2, T=9, H=4, Hk=2, K=4, V=3)
 
 

@@ -1,6 +1,6 @@
 """The GPU suite's harness (``op_check``) on the CPU, backend "mlx": a harness broken by a change fails here in
 CI, not first on the GPU. One spec of each branch of the harness: a plain state (GDN, with GQA), the normalizer
-state of the mLSTM example (resolved from its file), power retention's conditioned inputs; and a deliberately
+state of mlstm_sigmoid, power retention's conditioned inputs; and a deliberately
 wrong op, which the harness must flag in the forward and in the gradients."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from recgen.ops import Op  # noqa: E402
 
 @pytest.mark.parametrize("name,case,dtype", [
     ("gated_delta_net", CASES[1], "float32"),
-    ("mlstm", CASES[0], "bfloat16"),
+    ("mlstm_sigmoid", CASES[0], "bfloat16"),
     ("power_retention", CASES[1], "float32"),
 ])
 def test_harness_on_the_cpu(name, case, dtype, rng):

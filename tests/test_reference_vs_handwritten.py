@@ -87,7 +87,7 @@ def assert_close(name, got, want, tol=TOL):
 
 # -- FLA-layout models: the IR layout is the reference's layout ----------------------------------------
 
-FLA_MODELS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla"]
+FLA_MODELS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "retnet", "hgrn2"]
 
 
 @pytest.mark.parametrize("T", TS)
@@ -110,7 +110,7 @@ def test_fla_models(name, T, rng):
         assert_close("dh0", g["initial_state"], grad_of(g_ref, "initial_state"))
 
 
-@pytest.mark.parametrize("name", FLA_MODELS + ["power_retention"])
+@pytest.mark.parametrize("name", FLA_MODELS + ["power_retention", "mlstm_sigmoid"])
 def test_gqa_against_expanded_keys(name, rng):
     """The IR's GQA == the handwritten model on keys repeated to H heads, key grads summed per group."""
     spec, ref = BUILTINS[name], load_ref(name)
@@ -217,7 +217,52 @@ def test_selective_scan(name, T, rng):
     assert_close("dh0", g["initial_state"], g_ref["initial_state"])
 
 
-# -- power retention: the state is (S, z) -----------------------------------------------------------------
+# -- Mamba-2: mamba_ssm's layout, the state [B,H,P,N] transposed against the IR's [B,H,N,P] ---------------
+# IR: x [B,T,H,P] (V = P), dt [B,T,H], A, dt_bias [H], B, C keys [B,T,G,N] (Hk = G), D [H,P]. The handwritten
+# reference takes the same arrays under the same names; only the state is transposed.
+
+@pytest.mark.parametrize("T", TS)
+@pytest.mark.parametrize("name", ["mamba2", "mamba2_linear_dt"])
+def test_mamba2(name, T, rng):
+    spec, ref = BUILTINS[name], load_ref("mamba2")
+    x = random_inputs(spec, rng, B=B, T=T, H=H, Hk=HK, K=N, V=VG)
+    h0 = random_state(spec, rng, B=B, H=H, K=N, V=VG)
+    do, dht = random_cotangents(spec, rng, B=B, T=T, H=H, K=N, V=VG)
+    m = dict(x)
+    # the spec has no clip: mamba's clip to [0, inf) is the identity on its Δ > 0
+    flags = dict(dt_softplus=name == "mamba2", dt_limit=(0.0, np.inf))
+    o, S = reference.run(spec, initial_state=h0, **x)
+    o_ref, S_ref = ref.mamba2(**m, **flags, initial_states=h0.swapaxes(-1, -2))
+    assert_close("o", o, o_ref)
+    assert_close("final_state", S, S_ref.swapaxes(-1, -2))
+    g = reference.grad(spec, do=do, dht=dht, initial_state=h0, **x)
+    g_ref = ref.mamba2_bwd(**m, **flags, dout=do, dht=dht.swapaxes(-1, -2), initial_states=h0.swapaxes(-1, -2))
+    for inp in spec.inputs:
+        assert_close(f"d{inp.name}", g[inp.name], g_ref[inp.name])
+    assert_close("dh0", g["initial_state"], g_ref["initial_states"].swapaxes(-1, -2))
+
+
+# -- normalizer states: (S, z) ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T", TS)
+def test_mlstm_sigmoid(T, rng):
+    spec, ref = BUILTINS["mlstm_sigmoid"], load_ref("mlstm_sigmoid")
+    x = random_inputs(spec, rng, B=B, T=T, H=H, Hk=HK, K=K, V=V)
+    h0 = random_state(spec, rng, B=B, H=H, K=K, V=V)
+    do, dht = random_cotangents(spec, rng, B=B, T=T, H=H, K=K, V=V)
+    for sc in (None, 0.6):
+        o, (S, z) = reference.run(spec, initial_state=h0, scale=sc, **x)
+        o_ref, st_ref = ref.mlstm_sigmoid(**x, initial_state=h0, scale=sc)
+        assert_close("o", o, o_ref)
+        assert_close("final C", S, st_ref[0])
+        assert_close("final n", z, st_ref[1])
+        g = reference.grad(spec, do=do, dht=dht, initial_state=h0, scale=sc, **x)
+        g_ref = ref.mlstm_sigmoid_bwd(**x, do=do, dht=dht, initial_state=h0, scale=sc)
+        for inp in spec.inputs:
+            assert_close(f"d{inp.name}", g[inp.name], g_ref[inp.name])
+        assert_close("dC0", g["initial_state"][0], g_ref["initial_state"][0])
+        assert_close("dn0", g["initial_state"][1], g_ref["initial_state"][1])
+
 
 @pytest.mark.parametrize("T", TS)
 def test_power_retention(T, rng):
@@ -242,5 +287,6 @@ def test_power_retention(T, rng):
 
 
 def test_every_builtin_is_covered():
-    covered = set(FLA_MODELS) | {"selective_scan", "selective_scan_linear_dt", "power_retention"}
+    covered = set(FLA_MODELS) | {"selective_scan", "selective_scan_linear_dt", "power_retention", "mamba2",
+                                 "mamba2_linear_dt", "mlstm_sigmoid"}
     assert covered == set(BUILTINS)

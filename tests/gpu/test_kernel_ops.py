@@ -1,5 +1,5 @@
 """The generated CUDA kernels as ops (backend "cuda") against the float64 reference: every built-in with a
-recurrent kernel and the mLSTM example, float32 and bfloat16, forward, final state and every gradient (the
+recurrent kernel, float32 and bfloat16, forward, final state and every gradient (the
 initial state's included, with a cotangent on the final state), at ``op_check.CASES``; and the same ops with
 the chunked form's backward (``backward="chunked"``, the default from T = 1024 on CUDA)."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ from op_check import KERNEL_SPECS, MLSTM, assert_close, load_spec, op_errors, pa
 pytestmark = pytest.mark.gpu
 
 # the specs of the fast chunked form (scalar or key-vector decays), where the kernel op defaults to it
-CHUNKED_BACKWARD_SPECS = ("gated_delta_net", "delta_net", "gla", "simple_gla", MLSTM)
+CHUNKED_BACKWARD_SPECS = ("gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "retnet", "hgrn2", "mamba2",
+                          "mamba2_linear_dt", MLSTM)
 
 
 @pytest.mark.parametrize("name,case,dtype", params(KERNEL_SPECS))

@@ -13,8 +13,12 @@ from recgen.testing import rel_err
 from .delta_net import delta_net, delta_net_bwd
 from .gated_delta_net import gated_delta_net, gated_delta_net_bwd
 from .gla import gla, gla_bwd
+from .hgrn2 import hgrn2, hgrn2_bwd, hgrn2_gate
 from .kda import kda, kda_bwd
+from .mamba2 import mamba2, mamba2_bwd
+from .mlstm_sigmoid import mlstm_sigmoid, mlstm_sigmoid_bwd
 from .power_retention import power_retention, power_retention_bwd, sympow2, sympow2_bwd
+from .retnet import retnet, retnet_bwd, retnet_log_gamma
 from .selective_scan import selective_scan, selective_scan_bwd, sigmoid, softplus
 from .simple_gla import simple_gla, simple_gla_bwd
 
@@ -464,3 +468,187 @@ def test_power_retention_none_initial_state():
         np.testing.assert_array_equal(g0[key], g1[key])
     np.testing.assert_array_equal(g0["initial_state"][0], g1["initial_state"][0])
     np.testing.assert_array_equal(g0["initial_state"][1], g1["initial_state"][1])
+
+
+# ----------------------------------------------------------------------------- retnet
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_retnet_grad(T, Hk, H, scale):
+    rng = np.random.default_rng(8000 + T + 10 * Hk)
+    inp = fla_data(rng, T, Hk, H)
+    inp["log_gamma"] = log_decay(rng, (H,))
+    do, dht = rng.standard_normal((B_, T, H, V_)), rng.standard_normal((B_, H, K_, V_))
+
+    def loss(x):
+        o, ht = retnet(x["q"], x["k"], x["v"], x["log_gamma"], scale=scale, initial_state=x["S0"])
+        return np.sum(o * do) + np.sum(ht * dht)
+
+    gr = retnet_bwd(inp["q"], inp["k"], inp["v"], inp["log_gamma"], do, dht, scale=scale, initial_state=inp["S0"])
+    check_grads(loss, inp, {"q": gr["q"], "k": gr["k"], "v": gr["v"], "log_gamma": gr["log_gamma"],
+                            "S0": gr["initial_state"]})
+
+
+def test_retnet_default_decays_and_simple_gla():
+    """RetNet's fixed decays are 1 - 2^(-5-h) (FLA), and retention is simple GLA with g_t = log_gamma_h."""
+    rng = np.random.default_rng(8100)
+    T, Hk, H = 6, 2, 4
+    x = fla_data(rng, T, Hk, H)
+    np.testing.assert_allclose(np.exp(retnet_log_gamma(H)), [1 - 2.0 ** (-5 - h) for h in range(H)], rtol=1e-15)
+    oa, ha = retnet(x["q"], x["k"], x["v"], initial_state=x["S0"])
+    g = np.broadcast_to(retnet_log_gamma(H), (B_, T, H))
+    ob, hb = simple_gla(x["q"], x["k"], x["v"], g, initial_state=x["S0"])
+    np.testing.assert_allclose(oa, ob, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(ha, hb, rtol=1e-13, atol=1e-13)
+
+
+# ----------------------------------------------------------------------------- hgrn2
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_hgrn2_grad(T, Hk, H, scale):
+    rng = np.random.default_rng(8200 + T + 10 * Hk)
+    d = fla_data(rng, T, Hk, H)
+    inp = dict(q=d["q"], v=d["v"], S0=d["S0"], g=log_decay(rng, (B_, T, H, K_)))
+    do, dht = rng.standard_normal((B_, T, H, V_)), rng.standard_normal((B_, H, K_, V_))
+
+    def loss(x):
+        o, ht = hgrn2(x["q"], x["v"], x["g"], scale=scale, initial_state=x["S0"])
+        return np.sum(o * do) + np.sum(ht * dht)
+
+    gr = hgrn2_bwd(inp["q"], inp["v"], inp["g"], do, dht, scale=scale, initial_state=inp["S0"])
+    check_grads(loss, inp, {"q": gr["q"], "v": gr["v"], "g": gr["g"], "S0": gr["initial_state"]})
+
+
+def test_hgrn2_is_gla_with_tied_input_gate():
+    """FLA's HGRN2 layer: chunk_gla(q, k = 1 - exp(g), v, g), g = logsigmoid(f), lower-bounded past layer 0."""
+    rng = np.random.default_rng(8300)
+    T, H = 6, 4
+    x = fla_data(rng, T, H, H)
+    lb = rng.uniform(0, 0.9, (H, K_))
+    for g in (hgrn2_gate(3 * rng.standard_normal((B_, T, H, K_))),
+              hgrn2_gate(3 * rng.standard_normal((B_, T, H, K_)), lower_bound=lb)):
+        oa, ha = hgrn2(x["q"], x["v"], g, initial_state=x["S0"])
+        ob, hb = gla(x["q"], 1 - np.exp(g), x["v"], g, initial_state=x["S0"])
+        np.testing.assert_allclose(oa, ob, rtol=1e-13, atol=1e-13)
+        np.testing.assert_allclose(ha, hb, rtol=1e-13, atol=1e-13)
+    f = rng.standard_normal((B_, T, H, K_))
+    np.testing.assert_allclose(np.exp(hgrn2_gate(f, lb)), lb + (1 - lb) * sigmoid(f), rtol=1e-14)
+
+
+# ----------------------------------------------------------------------------- mamba2
+P_, N_ = 3, 4
+# (T, G, H, softplus, dt_bias, D shape, z, dt_limit)
+M2_CASES = [(1, 1, 2, True, True, "H", True, (0.0, np.inf)),
+            (5, 2, 4, True, True, "HP", True, (0.0, np.inf)),
+            (5, 1, 2, False, False, None, False, (0.0, np.inf)),
+            (6, 2, 4, True, False, "H", False, (0.3, 1.2)),
+            (5, 1, 2, False, True, "HP", True, (0.2, 2.0))]
+M2_IDS = ["T1-softplus", "T5-G2-softplus-DHP", "T5-raw", "T6-G2-softplus-limit", "T5-raw-limit"]
+
+
+def _m2_data(rng, T, G, H, softplus_, bias, dshape, z):
+    A = -np.exp(0.5 * rng.standard_normal(H))
+    A[0] = -15.0  # Delta A ~ -20
+    d = dict(x=rng.standard_normal((B_, T, H, P_)),
+             dt=(0.7 * rng.standard_normal((B_, T, H))) if softplus_ else rng.uniform(-0.3, 1.5, (B_, T, H)),
+             A=A, B=rng.standard_normal((B_, T, G, N_)), C=rng.standard_normal((B_, T, G, N_)),
+             h0=rng.standard_normal((B_, H, P_, N_)))
+    if bias:
+        d["dt_bias"] = 0.3 * rng.standard_normal(H) + (0.0 if softplus_ else 0.2)
+    if dshape:
+        d["D"] = rng.standard_normal(H if dshape == "H" else (H, P_))
+    if z:
+        d["z"] = rng.standard_normal((B_, T, H, P_))
+    return d
+
+
+def _m2_call(x, softplus_, limit):
+    return mamba2(x["x"], x["dt"], x["A"], x["B"], x["C"], D=x.get("D"), z=x.get("z"), dt_bias=x.get("dt_bias"),
+                  dt_softplus=softplus_, dt_limit=limit, initial_states=x["h0"])
+
+
+@pytest.mark.parametrize("T,G,H,softplus_,bias,dshape,z,limit", M2_CASES, ids=M2_IDS)
+def test_mamba2_grad(T, G, H, softplus_, bias, dshape, z, limit):
+    rng = np.random.default_rng(8400 + T + 10 * G + 100 * softplus_)
+    inp = _m2_data(rng, T, G, H, softplus_, bias, dshape, z)
+    dout, dht = rng.standard_normal((B_, T, H, P_)), rng.standard_normal((B_, H, P_, N_))
+
+    def loss(x):
+        out, last = _m2_call(x, softplus_, limit)
+        return np.sum(out * dout) + np.sum(last * dht)
+
+    gr = mamba2_bwd(inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], dout, dht, D=inp.get("D"), z=inp.get("z"),
+                    dt_bias=inp.get("dt_bias"), dt_softplus=softplus_, dt_limit=limit, initial_states=inp["h0"])
+    want = {key: gr[key] for key in ("x", "dt", "A", "B", "C")}
+    want["h0"] = gr["initial_states"]
+    for key in ("D", "z", "dt_bias"):
+        if key in inp:
+            want[key] = gr[key]
+        else:
+            assert gr[key] is None
+    check_grads(loss, inp, want)
+
+
+def test_mamba2_ssd_minimal_form():
+    """ssd_minimal_discrete's quadratic form (X = Delta x, A = Delta A, zero initial state): y_t = sum_{s<=t}
+    exp(sum_{s<r<=t} Delta_r A) (C_t . B_s) Delta_s x_s, final state h_T = sum_s exp(..) Delta_s x_s B_s^T."""
+    rng = np.random.default_rng(8500)
+    T, G, H = 7, 2, 4
+    x = _m2_data(rng, T, G, H, True, True, None, False)
+    out, last = mamba2(x["x"], x["dt"], x["A"], x["B"], x["C"], dt_bias=x["dt_bias"], dt_softplus=True)
+    delta = softplus(x["dt"] + x["dt_bias"])
+    cum = np.concatenate([np.zeros((B_, 1, H)), np.cumsum(delta * x["A"], axis=1)], axis=1)
+    Be, Ce = np.repeat(x["B"], H // G, axis=2), np.repeat(x["C"], H // G, axis=2)
+    for t in range(T):
+        y, h = 0.0, 0.0
+        for s in range(t + 1):
+            w = np.exp(cum[:, t + 1] - cum[:, s + 1])                       # [B,H]
+            y = y + (w * np.einsum("bhn,bhn->bh", Ce[:, t], Be[:, s]) * delta[:, s])[..., None] * x["x"][:, s]
+            h = h + (w * delta[:, s])[..., None, None] * x["x"][:, s, :, :, None] * Be[:, s, :, None, :]
+        np.testing.assert_allclose(out[:, t], y, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(last, h, rtol=1e-11, atol=1e-12)
+
+
+def test_mamba2_limits_clip_delta():
+    """dt_limit clips Delta (a clipped step has no gradient in dt), and without softplus a negative Delta is 0."""
+    rng = np.random.default_rng(8600)
+    x = _m2_data(rng, 5, 1, 2, False, False, None, False)
+    x["dt"][0, 1, 0] = -0.25
+    out, last = _m2_call(x, False, (0.0, np.inf))
+    y = dict(x, dt=np.maximum(x["dt"], 0.0))
+    out2, last2 = _m2_call(y, False, (0.0, np.inf))
+    np.testing.assert_array_equal(out, out2)
+    gr = mamba2_bwd(x["x"], x["dt"], x["A"], x["B"], x["C"], rng.standard_normal(out.shape), None,
+                    initial_states=x["h0"])
+    assert gr["dt"][0, 1, 0] == 0.0 and np.all(gr["dt"][x["dt"] > 0] != 0.0)
+
+
+# ----------------------------------------------------------------------------- mlstm (sigmoid input gate)
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_mlstm_sigmoid_grad(T, Hk, H, scale):
+    rng = np.random.default_rng(8700 + T + 10 * Hk)
+    inp = fla_data(rng, T, Hk, H)
+    inp["ig"], inp["fg"] = 2 * rng.standard_normal((B_, T, H)), 3 * rng.standard_normal((B_, T, H))
+    inp["fg"].reshape(-1)[0] = -20.0  # a forget gate of e^-20
+    inp["n0"] = rng.standard_normal((B_, H, K_))
+    do = rng.standard_normal((B_, T, H, V_))
+    dC, dn = rng.standard_normal((B_, H, K_, V_)), rng.standard_normal((B_, H, K_))
+
+    def loss(x):
+        o, (C, n) = mlstm_sigmoid(x["q"], x["k"], x["v"], x["ig"], x["fg"], scale=scale,
+                                  initial_state=(x["S0"], x["n0"]))
+        return np.sum(o * do) + np.sum(C * dC) + np.sum(n * dn)
+
+    gr = mlstm_sigmoid_bwd(inp["q"], inp["k"], inp["v"], inp["ig"], inp["fg"], do, (dC, dn), scale=scale,
+                           initial_state=(inp["S0"], inp["n0"]))
+    check_grads(loss, inp, {"q": gr["q"], "k": gr["k"], "v": gr["v"], "ig": gr["ig"], "fg": gr["fg"],
+                            "S0": gr["initial_state"][0], "n0": gr["initial_state"][1]})
+
+
+def test_mlstm_sigmoid_key_scale_is_query_scale():
+    """xLSTM scales k by K^-1/2; C and n are linear in k and the readout in q, so scaling q instead is the same
+    (zero initial state)."""
+    rng = np.random.default_rng(8800)
+    T, H = 6, 2
+    x = fla_data(rng, T, H, H)
+    ig, fg = rng.standard_normal((B_, T, H)), rng.standard_normal((B_, T, H))
+    oa, _ = mlstm_sigmoid(x["q"], x["k"], x["v"], ig, fg)
+    ob, _ = mlstm_sigmoid(x["q"], x["k"] * K_ ** -0.5, x["v"], ig, fg, scale=1.0)
+    np.testing.assert_allclose(oa, ob, rtol=1e-13, atol=1e-13)
