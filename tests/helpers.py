@@ -50,6 +50,7 @@ _SPECIAL = {
     ("mlstm", "ig"): lambda rng, s: 2 * rng.standard_normal(s),
     ("mlstm", "fg"): lambda rng, s: 3 * rng.standard_normal(s),
     ("hgrn2", "fg"): lambda rng, s: 3 * rng.standard_normal(s),
+    ("rwkv6", "w"): log_decay,
 }
 
 
