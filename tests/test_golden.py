@@ -12,7 +12,7 @@ from recgen import specs
 from recgen.emit import emit
 
 GOLDEN = Path(__file__).parent / "golden"
-KERNEL_SPECS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt"]
+KERNEL_SPECS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt", "rwkv6"]
 SIZES = dict(K=64, V=64, H=4, HK=2)  # the reference size of the goldens
 
 

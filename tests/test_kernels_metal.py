@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_proble
 
 from recgen.testing import kernel_inputs, rel_err  # noqa: E402
 
-KERNEL_SPECS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt"]
+KERNEL_SPECS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt", "rwkv6"]
 
 
 def _check(name, sizes, sanitizer=None, seed=0):
@@ -46,6 +46,13 @@ def test_metal_edge_threadgroups_and_t1():
     """Several warps and threadgroups, a partial last column tile, T = 1."""
     _check("gated_delta_net", Sizes(B=1, T=1, H=2, Hk=1, Kin=32, K=32, V=40), seed=1)
     _check("gla", Sizes(B=1, T=3, H=2, Hk=2, Kin=32, K=32, V=40), seed=2)
+
+
+def test_metal_rwkv6_edges():
+    """RWKV-6's pre-update readout and bonus: several warps and threadgroups, a partial column tile, T = 1 (the
+    decode layout), no GQA as FLA has it, and GQA."""
+    _check("rwkv6", Sizes(B=1, T=1, H=2, Hk=2, Kin=32, K=32, V=40), seed=4)
+    _check("rwkv6", Sizes(B=2, T=3, H=2, Hk=1, Kin=32, K=32, V=40), seed=5)
 
 
 @pytest.mark.parametrize("sanitizer", ["address", "thread"])
