@@ -29,7 +29,7 @@ MLSTM = "mlstm"  # examples/mlstm.py:mlstm, the normalizer state (C, n)
 
 # the built-ins with a recurrent kernel, and the mLSTM example (its normalizer kernels)
 KERNEL_SPECS = ("gated_delta_net", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt",
-                MLSTM)
+                MLSTM, "rwkv6")
 ALL_SPECS = tuple(specs.BUILTINS) + (MLSTM,)
 DTYPES = ("float32", "bfloat16")
 # (forward and final state, gradients): relative errors, ||a - b|| / ||b||. float32 assumes MLX's float32

@@ -10,7 +10,7 @@ from op_check import KERNEL_SPECS, MLSTM, assert_close, load_spec, op_errors, pa
 pytestmark = pytest.mark.gpu
 
 # the specs of the fast chunked form (scalar or key-vector decays), where the kernel op defaults to it
-CHUNKED_BACKWARD_SPECS = ("gated_delta_net", "delta_net", "gla", "simple_gla", MLSTM)
+CHUNKED_BACKWARD_SPECS = ("gated_delta_net", "delta_net", "gla", "simple_gla", MLSTM, "rwkv6")
 
 
 @pytest.mark.parametrize("name,case,dtype", params(KERNEL_SPECS))
