@@ -299,3 +299,6 @@ def mamba2(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initia
     if z is not None:
         out = out * (z * mx.sigmoid(z))
     return (out, ht.swapaxes(-1, -2)) if return_final_states else out
+
+
+rwkv6 = Op(specs.rwkv6)

@@ -135,6 +135,15 @@ def mlstm_sigmoid(q: Key, k: Key, v: Value, ig: Scalar, fg: Scalar):
                 normalizer=normalizer(forget, sigmoid(ig) * k, lambda n: sp.sqrt(n**2 + 1)))
 
 
+@recurrence
+def rwkv6(r: Key, k: Key, v: Value, w: KeyGate, u: Param["i"]):
+    r"""RWKV-6 (FLA's ``chunk_rwkv6``): S_t = diag(e^{w_t}) S_{t-1} + k_t v_tᵀ,
+    o_t = (S_{t-1} + diag(u) k_t v_tᵀ)ᵀ (scale · r_t): the state before this step, plus the current token with the
+    bonus u [H,K]; w [B,T,H,K] is the log-decay per value head."""
+    return Step(decay=exp(w), update=outer(k, v), readout=scale * r, readout_before_update=True,
+                bonus=scale * r * u * k)
+
+
 BUILTINS = {r.name: r for r in (gated_delta_net, kda, delta_net, gla, simple_gla, selective_scan,
                                 selective_scan_linear_dt, power_retention, retnet, hgrn2, mamba2, mamba2_linear_dt,
-                                mlstm_sigmoid)}
+                                mlstm_sigmoid, rwkv6)}

@@ -55,6 +55,7 @@ _SPECIAL = {
     ("mamba2_linear_dt", "A"): lambda rng, s: -np.exp(rng.uniform(np.log(0.5), np.log(20.0), s)),
     ("mamba2", "dt_bias"): lambda rng, s: 0.5 * rng.standard_normal(s),
     ("mamba2_linear_dt", "dt"): lambda rng, s: rng.uniform(0.05, 1.5, s),
+    ("rwkv6", "w"): log_decay,
 }
 
 

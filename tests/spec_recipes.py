@@ -5,8 +5,8 @@ becomes a spec through the public decorator, and gets inputs drawn to suit each 
 The space is the README's: decays none / scalar / key-vector / value-vector / full (i, j), through the gates
 exp, sigmoid, logsigmoid, softplus (a mask |m|·e^g with exact zeros, and (2σ(f) - 1)², not an exp); updates k, β·k, σ(i)·k, σ(gain)·k with values v or
 softplus(dt)·v; no transition, a delta rule or a general rank-1 transition; readouts scale·q, q, σ(o)·scale·q, a
-feature map; normalizers fused or with their own decay; skip terms; parameters of every signature; GQA (block
-and tiled), K ≠ V.
+feature map; normalizers fused or with their own decay; skip terms; a readout before the update and a bonus
+(RWKV-6's terms); parameters of every signature; GQA (block and tiled), K ≠ V.
 """
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ class Recipe:
     skip: str = "none"           # none | param | gated
     gqa: str = "block"
     default_scale: str = "key"
+    readout_at: str = "after"    # after | before (readout_before_update)
+    bonus: str = "none"          # none | param: c = readout · cb · u, cb a Param["i"]
 
     def rejection(self) -> str | None:
         """A regex matching the SpecError the decorator must raise for this recipe (any one of its faults), or
@@ -48,6 +50,10 @@ class Recipe:
             why.append("normalizer decay d")
         if self.features and (self.decay in KEY_GATE_DECAYS or self.transition == "general"):
             why.append("one space")
+        if self.normalizer != "none" and self.readout_at == "before":
+            why.append("readout_before_update=True with a normalizer")
+        if self.normalizer != "none" and self.bonus != "none":
+            why.append("a bonus with a normalizer")
         return "|".join(why) or None
 
 
@@ -86,6 +92,8 @@ def _kinds(r: Recipe) -> dict:
         kinds["Dp"] = rg.Param["j"]
     if r.skip == "gated":
         kinds["sg"] = rg.Scalar
+    if r.bonus == "param":
+        kinds["cb"] = rg.Param["i"]
     return kinds
 
 
@@ -120,8 +128,9 @@ def _step(r: Recipe, s: dict):
         zdecay = decay if r.normalizer == "same" else rg.sigmoid(s["zf"])
         norm = rg.normalizer(zdecay, u, fn)
     skip = {"none": lambda: None, "param": lambda: s["Dp"] * v, "gated": lambda: rg.sigmoid(s["sg"]) * v}[r.skip]()
+    bonus = readout * s["cb"] * u if r.bonus == "param" else None
     return rg.Step(decay=decay, update=rg.outer(u, w), readout=readout, transition=transition, normalizer=norm,
-                   skip=skip)
+                   skip=skip, readout_before_update=r.readout_at == "before", bonus=bonus)
 
 
 def build(r: Recipe) -> rg.Recurrence:

@@ -182,7 +182,7 @@ def test_power_retention_strong_decay_float64(T, chunk):
     assert_close(compare(specs.power_retention, T, chunk=chunk, gmin=-20.0, seed=T, f64=True), 1e-6, 1e-6)
 
 
-@pytest.mark.parametrize("name", ["gated_delta_net", "gla", "selective_scan", "power_retention"])
+@pytest.mark.parametrize("name", ["gated_delta_net", "gla", "selective_scan", "power_retention", "rwkv6"])
 def test_naive_loop_matches_reference(name):
     rec = specs.BUILTINS[name]
     gmin = -3.0 if rec.has_normalizer else -20.0
@@ -260,6 +260,55 @@ def scan_with_normalizer(x: Value, dt: Value, A: Param["i", "j"], Bk: Key, Ck: K
                 normalizer=normalizer(sigmoid(f), Bk, lambda n: n**2 + 1))
 
 
+@recurrence
+def delta_pre(q: Key, k: Key, v: Value, g: Scalar, beta: Scalar, c: Param["i"]):
+    """The delta rule (the parallel core's WY form) with the pre-update readout and a bonus."""
+    return Step(decay=exp(g), transition=rank1(-beta * k, k), update=outer(beta * k, v), readout=ir.SCALE * q,
+                readout_before_update=True, bonus=ir.SCALE * q * c * k)
+
+
+@recurrence
+def dplr_pre(q: Key, k: Key, kk: Key, v: Value, g: Scalar, beta: Scalar):
+    """A general rank-1 transition (``core.chunks_rank1``) with the pre-update readout, no bonus."""
+    return Step(decay=exp(g), transition=rank1(-beta * kk, k), update=outer(beta * k, v), readout=ir.SCALE * q,
+                readout_before_update=True)
+
+
+@recurrence
+def scan_pre(x: Value, dt: Value, A: Param["i", "j"], Bk: Key, Ck: Key, c: Param["i"]):
+    """A full (i, j) decay (``core.scan_full``) with the pre-update readout and a bonus."""
+    d = softplus(dt)
+    return Step(decay=exp(d * A), update=outer(Bk, d * x), readout=Ck, readout_before_update=True, bonus=Ck * c * Bk)
+
+
+@recurrence
+def gla_bonus(q: Key, k: Key, v: Value, g: Scalar, c: Param["i"]):
+    """A bonus with the usual post-update readout."""
+    return Step(decay=exp(g), update=outer(k, v), readout=ir.SCALE * q, bonus=c * k * q)
+
+
+READOUT_EXTENSIONS = {"delta_pre": delta_pre, "dplr_pre": dplr_pre, "scan_pre": scan_pre, "gla_bonus": gla_bonus}
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 16), (45, 16), (64, 64)])
+@pytest.mark.parametrize("name", sorted(READOUT_EXTENSIONS))
+def test_readout_before_update_and_bonus_on_every_form(name, T, chunk):
+    """The pre-update readout (a shifted readout on the unchanged cores) and the bonus on each chunked form."""
+    from recgen.chunked.terms import plan
+
+    rec = READOUT_EXTENSIONS[name]
+    assert plan(rec).decay_class == ("full" if name == "scan_pre" else "scalar")
+    assert_close(compare(rec, T, chunk=chunk, seed=T + 3, gmin=-20.0))
+
+
+@pytest.mark.parametrize("name", ["rwkv6", "scan_pre", "dplr_pre"])
+def test_readout_extensions_segmented(name):
+    """Segments of one chunk (a 1-byte budget): each segment's first readout comes from its own entry state."""
+    rec = READOUT_EXTENSIONS.get(name) or specs.BUILTINS[name]
+    with tuning.override(segment_budget=1):
+        assert_close(compare(rec, 70, chunk=16, seed=21, gmin=-20.0))
+
+
 def test_general_rank1_and_separate_normalizer():
     from recgen.chunked.terms import plan
 
@@ -283,7 +332,8 @@ def test_segmented_matches_reference(name, recgen_env):
 
 
 @pytest.mark.parametrize("name,chunk", [("simple_gla", 16), ("gla", 16), ("power_retention", 16),
-                                        ("gated_delta_net", 16), ("gated_delta_net", 64), ("gla", 64)])
+                                        ("gated_delta_net", 16), ("gated_delta_net", 64), ("gla", 64),
+                                        ("rwkv6", 16), ("rwkv6", 64)])
 def test_gpu_forms_match_reference(name, chunk):
     """The GPU forms, forced on the CPU: the diagonal scan over chunks as one (n+1)×(n+1) matmul,
     the triangular inverse from 16×16 blocks (at chunk 64: two block levels above them) and the whole

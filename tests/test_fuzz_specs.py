@@ -38,7 +38,8 @@ recipes = st.builds(
     readout=st.sampled_from(["scale_q", "q", "gated_q"]), features=st.booleans(),
     normalizer=st.sampled_from(["none", "same", "own"]), norm_fn=st.sampled_from(["sqrt1", "sq1"]),
     skip=st.sampled_from(["none", "param", "gated"]), gqa=st.sampled_from(["block", "tiled"]),
-    default_scale=st.sampled_from(["key", "one"]))
+    default_scale=st.sampled_from(["key", "one"]), readout_at=st.sampled_from(["after", "before"]),
+    bonus=st.sampled_from(["none", "param"]))
 
 
 @st.composite

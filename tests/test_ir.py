@@ -124,6 +124,44 @@ def test_skip_with_key_index():
             return Step(update=outer(k, v), readout=q, skip=k)
 
 
+def test_bonus_with_value_index():
+    with raises_spec("bonus c", "['j']", "summed over the key side"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(update=outer(k, v), readout=q, readout_before_update=True, bonus=q * v)
+
+
+def test_readout_before_update_and_bonus_with_a_normalizer():
+    with raises_spec("readout_before_update=True with a normalizer is not supported"):
+        @recurrence
+        def pre(q: Key, k: Key, v: Value, g: Scalar):
+            return Step(decay=exp(g), update=outer(k, v), readout=q, readout_before_update=True,
+                        normalizer=normalizer(exp(g), k))
+    with raises_spec("bonus c", "a bonus with a normalizer is not supported"):
+        @recurrence
+        def bonus(q: Key, k: Key, v: Value, g: Scalar):
+            return Step(decay=exp(g), update=outer(k, v), readout=q, bonus=q * k, normalizer=normalizer(exp(g), k))
+
+
+def test_readout_before_update_must_be_a_bool():
+    with raises_spec("readout_before_update must be True or False", "'yes'"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value):
+            return Step(update=outer(k, v), readout=q, readout_before_update="yes")
+
+
+def test_readout_before_update_changes_the_hash():
+    """The flag is structure: the same terms read before or after the update are different specs."""
+    def declare(pre):
+        @recurrence
+        def spec(q: Key, k: Key, v: Value, g: Scalar):
+            return Step(decay=exp(g), update=outer(k, v), readout=scale * q, readout_before_update=pre)
+        return spec
+
+    assert declare(True).spec_hash() != declare(False).spec_hash()
+    assert "before the update" in repr(declare(True)) and "before the update" not in repr(declare(False))
+
+
 def test_unknown_symbol():
     alpha = sp.Symbol("alpha", real=True)
     with raises_spec("unknown symbols", "alpha", "decay D"):

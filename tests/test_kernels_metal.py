@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_proble
 from recgen.testing import kernel_inputs, rel_err  # noqa: E402
 
 KERNEL_SPECS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt",
-                "retnet", "hgrn2", "mamba2", "mamba2_linear_dt", "mlstm_sigmoid"]
+                "retnet", "hgrn2", "mamba2", "mamba2_linear_dt", "mlstm_sigmoid", "rwkv6"]
 
 
 def _check(name, sizes, sanitizer=None, seed=0):
@@ -55,6 +55,13 @@ def test_metal_edge_threadgroups_and_t1():
     """Several warps and threadgroups, a partial last column tile, T = 1."""
     _check("gated_delta_net", Sizes(B=1, T=1, H=2, Hk=1, Kin=32, K=32, V=40), seed=1)
     _check("gla", Sizes(B=1, T=3, H=2, Hk=2, Kin=32, K=32, V=40), seed=2)
+
+
+def test_metal_rwkv6_edges():
+    """RWKV-6's pre-update readout and bonus: several warps and threadgroups, a partial column tile, T = 1 (the
+    decode layout), no GQA as FLA has it, and GQA."""
+    _check("rwkv6", Sizes(B=1, T=1, H=2, Hk=2, Kin=32, K=32, V=40), seed=4)
+    _check("rwkv6", Sizes(B=2, T=3, H=2, Hk=1, Kin=32, K=32, V=40), seed=5)
 
 
 @pytest.mark.parametrize("sanitizer", ["address", "thread"])
@@ -90,3 +97,38 @@ def test_metal_kernels_param_signatures():
     assert rel_err(o, o_r) <= 1e-5 and rel_err(ht, ht_r) <= 1e-5
     for k in g_r:
         assert rel_err(g[k], g_r[k]) <= 1e-4, (k, rel_err(g[k], g_r[k]))
+
+
+def test_metal_readout_before_update_with_transition_and_full_decay():
+    """The pre-update readout and the bonus beside a delta-rule transition (r do^T joins dS_{t-1} after the
+    transition's adjoint) and beside a full (i, j) decay; a bonus on a post-update readout; T = 1 and odd T."""
+    import recgen as rg
+
+    @rg.recurrence
+    def delta_pre(q: rg.Key, k: rg.Key, v: rg.Value, g: rg.Scalar, beta: rg.Scalar, c: rg.Param["i"]):
+        return rg.Step(decay=rg.exp(g), transition=rg.rank1(-beta * k, k), update=rg.outer(beta * k, v),
+                       readout=rg.scale * q, readout_before_update=True, bonus=rg.scale * q * c * k)
+
+    @rg.recurrence
+    def scan_pre(x: rg.Value, dt: rg.Value, A: rg.Param["i", "j"], Bk: rg.Key, Ck: rg.Key, c: rg.Param["i"]):
+        d = rg.softplus(dt)
+        return rg.Step(decay=rg.exp(d * A), update=rg.outer(Bk, d * x), readout=Ck, readout_before_update=True,
+                       bonus=Ck * c * Bk)
+
+    @rg.recurrence
+    def gla_bonus(q: rg.Key, k: rg.Key, v: rg.Value, g: rg.Scalar, c: rg.Param["i"]):
+        return rg.Step(decay=rg.exp(g), update=rg.outer(k, v), readout=rg.scale * q, bonus=c * k * q)
+
+    for seed, (rec, sizes) in enumerate([(delta_pre, Sizes(B=2, T=5, H=4, Hk=2, Kin=8, K=8, V=12)),
+                                         (delta_pre, Sizes(B=1, T=1, H=2, Hk=1, Kin=8, K=8, V=12)),
+                                         (scan_pre, Sizes(B=2, T=5, H=2, Hk=2, Kin=8, K=8, V=12)),
+                                         (gla_bonus, Sizes(B=2, T=3, H=2, Hk=1, Kin=8, K=8, V=12))]):
+        xs, h0, do, dht, scale = kernel_inputs(rec, sizes, np.random.default_rng(30 + seed))
+        if "beta" in xs:  # a contracting transition: unit keys come from kernel_inputs, β in (0, 1)
+            assert np.allclose(np.linalg.norm(xs["k"], axis=-1), 1.0, atol=1e-6)
+        o, ht, g = verify.emulate(rec, xs, initial_state=h0, do=do, dht=dht, scale=scale)
+        o_r, ht_r = reference.run(rec, initial_state=h0, scale=scale, **xs)
+        g_r = reference.grad(rec, do=do, dht=dht, initial_state=h0, scale=scale, **xs)
+        assert rel_err(o, o_r) <= 1e-5 and rel_err(ht, ht_r) <= 1e-5, (rec.name, rel_err(o, o_r), rel_err(ht, ht_r))
+        for k in g_r:
+            assert rel_err(g[k], g_r[k]) <= 1e-4, (rec.name, k, rel_err(g[k], g_r[k]))

@@ -87,7 +87,7 @@ def assert_close(name, got, want, tol=TOL):
 
 # -- FLA-layout models: the IR layout is the reference's layout ----------------------------------------
 
-FLA_MODELS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "retnet", "hgrn2"]
+FLA_MODELS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "retnet", "hgrn2", "rwkv6"]
 
 
 @pytest.mark.parametrize("T", TS)
@@ -290,3 +290,37 @@ def test_every_builtin_is_covered():
     covered = set(FLA_MODELS) | {"selective_scan", "selective_scan_linear_dt", "power_retention", "mamba2",
                                  "mamba2_linear_dt", "mlstm_sigmoid"}
     assert covered == set(BUILTINS)
+
+
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_rwkv6_against_fla_naive(T, rng):
+    """The IR's RWKV-6 against FLA's own ``naive_recurrent_rwkv6`` (torch, float32, head-first [B,H,T,D]): forward,
+    final state and, through torch autograd of the naive loop, every gradient (u's included). Skipped where torch or
+    FLA is not installed."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("fla")
+    from fla.ops.rwkv6.recurrent_naive import naive_recurrent_rwkv6
+
+    spec = BUILTINS["rwkv6"]
+    x = random_inputs(spec, rng, B=B, T=T, H=H, Hk=H, K=K, V=V)  # FLA's r and k have H heads
+    x = {n: a.astype(np.float32).astype(np.float64) for n, a in x.items()}  # what the float32 naive loop sees
+    h0 = random_state(spec, rng, B=B, H=H, K=K, V=V).astype(np.float32).astype(np.float64)
+    do, dht = (a.astype(np.float32).astype(np.float64) for a in random_cotangents(spec, rng, B=B, T=T, H=H, K=K, V=V))
+    o, S = reference.run(spec, initial_state=h0, **x)
+    g = reference.grad(spec, do=do, dht=dht, initial_state=h0, **x)
+
+    head_first = lambda a: torch.tensor(a.transpose(0, 2, 1, 3), dtype=torch.float32, requires_grad=True)  # noqa: E731
+    tr, tk, tv, tw = (head_first(x[n]) for n in ("r", "k", "v", "w"))
+    tu = torch.tensor(x["u"], dtype=torch.float32, requires_grad=True)
+    th0 = torch.tensor(h0, dtype=torch.float32, requires_grad=True)
+    to, tS = naive_recurrent_rwkv6(tr, tk, tv, tw, tu, initial_state=th0, output_final_state=True)
+    f32 = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    ((to * f32(do.transpose(0, 2, 1, 3))).sum() + (tS * f32(dht)).sum()).backward()
+    np64 = lambda t: t.detach().double().numpy()  # noqa: E731
+    back = lambda t: np64(t).transpose(0, 2, 1, 3)  # noqa: E731
+    assert_close("o", back(to), o, 1e-5)
+    assert_close("final_state", np64(tS), S, 1e-5)
+    for n, t in (("r", tr), ("k", tk), ("v", tv), ("w", tw)):
+        assert_close(f"d{n}", back(t.grad), g[n], 1e-4)
+    assert_close("du", np64(tu.grad), g["u"], 1e-4)
+    assert_close("dh0", np64(th0.grad), g["initial_state"], 1e-4)

@@ -115,12 +115,30 @@ def _prepare(rec, inputs, initial_state, dtype=mx.float32):
 
 
 def _readout(p, rec, t, y, n):
-    """o = y / N(n) + skip, [B,H,T,V] -> [B,T,H,V]."""
+    """o = y / N(n) + skip + (Σ_i bonus_i) w, [B,H,T,V] -> [B,T,H,V]."""
     if rec.has_normalizer:
         y = y / p.N(n)[..., None]
     if "skip" in t:
         y = y + t["skip"]
+    if "bonus" in t:
+        y = y + t["bonus"].sum(-1, keepdims=True) * t["w"]
     return y.transpose(0, 2, 1, 3)
+
+
+def _pre_shift(rec, t, S):
+    """``readout_before_update`` (y_t = S_{t-1}ᵀ r_t) on a core that reads y'_s = S_sᵀ r'_s: with r' = r one token
+    earlier (r'_s = r_{s+1}, r'_{T-1} = 0), y_t = y'_{t-1} for t >= 1, and y_0 = S_entryᵀ r_0. Returns (r', y_0), or
+    (r, None) for a post-update readout. Exact, no division by a decay; the core and its VJP are unchanged."""
+    r = t["r"]
+    if not rec.step.readout_before_update:
+        return r, None
+    y0 = r[:, :, :1] @ S.astype(r.dtype)  # [B,H,1,K] @ [B,H,K,V]
+    return mx.concatenate([r[:, :, 1:], mx.zeros_like(r[:, :, :1])], axis=2), y0
+
+
+def _pre_unshift(y, y0):
+    """y [B,H,T,V] of the shifted readout -> y_t = S_{t-1}ᵀ r_t (see ``_pre_shift``); y0 None: y itself."""
+    return y if y0 is None else mx.concatenate([y0.astype(y.dtype), y[:, :, :-1]], axis=2)
 
 
 def _to_chunks(x, n, C):
@@ -215,13 +233,16 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         kern = tun if tun.chunk_kernels else None
         kw = (kern, key, bt is not None, C, sizes.K, V)
         pick = lambda dtype, bare: parallel.role_dtype(*kw, dtype, S.dtype, bare=bare)  # noqa: E731
-        r, u, w = (_role_as(p, role, t[role], raw, pick, out_dtype) for role in ("r", "u", "w"))  # out_dtype: the values'
+        r_in, y0 = _pre_shift(p.rec, t, S)
+        r = r_in.astype(pick(out_dtype, bare=False)) if y0 is not None else _role_as(p, "r", r_in, raw, pick, out_dtype)
+        u, w = (_role_as(p, role, t[role], raw, pick, out_dtype) for role in ("u", "w"))  # out_dtype: the values'
         bt = None if bt is None else _role_as(p, "b", bt, raw, pick, out_dtype, p.rho_pow2)
-        r, rfac = _readout_role(p, r, raw, pick, kern, scale)
-        native = not has_z and "skip" not in t
+        r, rfac = _readout_role(p, r, raw, pick, kern if y0 is None else None, scale)  # shifted r: no raw input
+        native = not has_z and "skip" not in t and "bonus" not in t and y0 is None
         y, S = _diag_scan(tun, S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None, rfac)
         if native:
             return y, S
+        y = _pre_unshift(y, y0)
         if has_z:
             nz, z = _z_scan(tun, p, t, z, C)
     o = _readout(p, p.rec, t, y, nz)
@@ -234,9 +255,10 @@ def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
-    y, _, S = core.chunks_rank1(S, ch(t["r"]), ch(t["u"]), ch(t["w"]), ch(t["a"]), ch(t["b"]),
+    r, y0 = _pre_shift(p.rec, t, S)
+    y, _, S = core.chunks_rank1(S, ch(r), ch(t["u"]), ch(t["w"]), ch(t["a"]), ch(t["b"]),
                                 core.exp(ch(_as_f(t["logdecay"])), tun.pow2_exp))  # pad l (decay 1), then exp
-    y = y.reshape(sizes.B, sizes.H, n * C, sizes.V)[:, :, :T]
+    y = _pre_unshift(y.reshape(sizes.B, sizes.H, n * C, sizes.V)[:, :, :T], y0)
     nz, z = _z_scan(tun, p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)
     return (o, S, z) if has_z else (o, S)
@@ -247,7 +269,9 @@ def _full(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     normalizer (scalar or key decay) through the parallel core with chunk C."""
     z = rest[0] if has_z else None
     _, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
-    y, S = core.scan_full(S, t["r"], t["u"], t["w"], t["logdecay"], tun.pow2_exp)
+    r, y0 = _pre_shift(p.rec, t, S)
+    y, S = core.scan_full(S, r, t["u"], t["w"], t["logdecay"], tun.pow2_exp)
+    y = _pre_unshift(y, y0)
     nz, z = _z_scan(tun, p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)
     return (o, S, z) if has_z else (o, S)
@@ -421,12 +445,14 @@ def naive_loop(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=
             D = core.exp(ld, tun.pow2_exp)[:, :, 0, :, None]            # [B,H,K,1]
         else:
             D = core.exp(ld, tun.pow2_exp)[:, :, 0]                     # [B,H,K|1,V]
+        y = t["r"] @ S if rec.step.readout_before_update else None  # [B,H,1,V]: the state before this step
         P = D * S
         if "a" in t:
             bP = (t["b"] @ P)                             # [B,H,1,V]
             P = P + t["a"].swapaxes(-1, -2) * bP
         S = P + t["u"].swapaxes(-1, -2) * t["w"]         # u [B,H,K,1] * w [B,H,1,V]
-        y = t["r"] @ S                                    # [B,H,1,V]
+        if y is None:
+            y = t["r"] @ S                                # [B,H,1,V]
         n = None
         if rec.has_normalizer:
             zl = t["zlogdecay"]

@@ -21,7 +21,7 @@ from .lower import KernelPlan, Layout, names
 from .printer import kprint
 
 ROLE_VAR = {"a": "ra_", "b": "rb_", "u": "ru_", "r": "rr_", "w": "rw_", "skip": "rs_", "zdecay": "rzd_",
-            "zupdate": "rzu_"}
+            "zupdate": "rzu_", "bonus": "rbn_"}
 REPLICATED = ("zdecay", "zupdate")  # adjoints held identically by every column lane: counted by column 0 only
 
 
@@ -139,7 +139,8 @@ def _context(plan: KernelPlan, d: Dialect, layout: Layout, banner: str) -> dict:
         "key_roles": [{"var": ROLE_VAR[r], "expr": kprint(terms[r], d, nm)} for r in ir.KEY_ROLES if r in terms],
         "value_roles": [{"var": ROLE_VAR[r], "expr": kprint(terms[r], d, nm)} for r in ("w", "skip") if r in terms],
         "decay": _decay(plan, d),
-        "transition": "a" in terms, "skip": "skip" in terms,
+        "transition": "a" in terms, "skip": "skip" in terms, "bonus": "bonus" in terms,
+        "pre": rec.step.readout_before_update,
         "norm": rec.has_normalizer,
         "vec_state": layout.CPL == 4 and plan.V % 4 == 0,
         "norm_fn": kprint(rec.step.normalizer.fn, d, {ir.N_ARG: "n_"}) if rec.has_normalizer else "",

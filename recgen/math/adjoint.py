@@ -3,13 +3,16 @@ r"""The adjoint of a recurrence step: fixed structure, sympy for every leaf part
 Backward walks t = T-1 … 0 carrying dS (and dz). With dy = do / N(n) and
 dn = -N'(n) / N(n)² · Σ_j do_j y_j::
 
-    dr = S_t dy + z_t dn            dS += r dyᵀ ;  dz += r dn ;  ds = do
+    dr = S_t dy + z_t dn            dS += r dyᵀ ;  dz += r dn ;  ds = do ;  dc = (doᵀ w) 1 ;  dw += (Σ_i c_i) do
     du = dS w ;  dw = dSᵀ u ;  dQ = dS
     dP = dQ + b (aᵀ dQ) ;  da = dQ (Pᵀ b) ;  db = P (dQᵀ a)
     dS_{t-1} = D ⊙ dP ;  dD = dP ⊙ S_{t-1}
     dz_{t-1} = d ⊙ dz ;  dd = dz ⊙ z_{t-1} ;  du' = dz
 
-Each role's adjoint lives on the role's domain (decay: (i, j); a, b, u, r, d, u': (i); w, s: (j)).
+With ``readout_before_update`` (y = S_{t-1}ᵀ r, no normalizer): dr = S_{t-1} dy, and r dyᵀ is added to
+dS_{t-1} after the step's adjoint instead of to dS_t before it.
+
+Each role's adjoint lives on the role's domain (decay: (i, j); a, b, u, r, d, u', c: (i); w, s: (j)).
 An input x receives Σ_roles Σ_{domain \ index(x)} adj_role ⊙ ∂role/∂x: the reductions are stated
 here, never discovered by sympy. Key inputs additionally sum over their GQA group, parameters
 over batch and time; a feature map's gradient passes through its VJP to its source key.

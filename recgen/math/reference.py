@@ -131,7 +131,7 @@ class _Step:
             Q = self.P + self.t["a"][..., None] * self.bP[:, :, None, :]
         self.S = Q + self.t["u"][..., None] * self.t["w"][:, :, None, :]
         r = self.t["r"]
-        self.y = np.einsum("bhk,bhkv->bhv", r, self.S)
+        self.y = np.einsum("bhk,bhkv->bhv", r, S_prev if rec.step.readout_before_update else self.S)
         self.o = self.y
         if rec.has_normalizer:
             self.z = self.t["zdecay"] * z_prev + self.t["zupdate"]
@@ -142,6 +142,8 @@ class _Step:
             self.z = None
         if "skip" in self.t:
             self.o = self.o + self.t["skip"]
+        if "bonus" in self.t:  # o += (Σ_i c_i) w
+            self.o = self.o + self.t["bonus"].sum(-1)[..., None] * self.t["w"]
 
 
 def _walk(rec, arrays, sizes, scale, kh, S0, z0, keep: bool):
@@ -195,6 +197,9 @@ def grad(rec: ir.Recurrence, /, *, do, dht=None, initial_state=None, scale=None,
             d["r"] = np.einsum("bhkv,bhv->bhk", st.S, dy) + st.z * dn[..., None]
             dS = dS + st.t["r"][..., None] * dy[:, :, None, :]
             dz = dz + st.t["r"] * dn[..., None]
+        elif rec.step.readout_before_update:  # y = S_{t-1}ᵀ r: r dyᵀ joins dS_{t-1}, after this step's adjoint
+            dy = dot
+            d["r"] = np.einsum("bhkv,bhv->bhk", st.S_prev, dy)
         else:
             dy = dot
             d["r"] = np.einsum("bhkv,bhv->bhk", st.S, dy)
@@ -203,6 +208,9 @@ def grad(rec: ir.Recurrence, /, *, do, dht=None, initial_state=None, scale=None,
             d["skip"] = dot
         d["u"] = np.einsum("bhkv,bhv->bhk", dS, st.t["w"])
         d["w"] = np.einsum("bhkv,bhk->bhv", dS, st.t["u"])
+        if "bonus" in st.t:  # o += (Σ_i c_i) w: dc_i = Σ_j do_j w_j for every i, dw += (Σ_i c_i) do
+            d["bonus"] = np.broadcast_to(np.einsum("bhv,bhv->bh", dot, st.t["w"])[..., None], st.t["bonus"].shape)
+            d["w"] = d["w"] + st.t["bonus"].sum(-1)[..., None] * dot
         dP = dS
         if "a" in st.t:
             aQ = np.einsum("bhk,bhkv->bhv", st.t["a"], dS)
@@ -211,6 +219,8 @@ def grad(rec: ir.Recurrence, /, *, do, dht=None, initial_state=None, scale=None,
             dP = dS + st.t["b"][..., None] * aQ[:, :, None, :]
         d["decay"] = dP * st.S_prev
         dS = st.t["decay"] * dP
+        if rec.step.readout_before_update:
+            dS = dS + st.t["r"][..., None] * dy[:, :, None, :]
         if rec.has_normalizer:
             d["zdecay"] = dz * st.z_prev
             d["zupdate"] = dz

@@ -69,8 +69,12 @@ def normalizer(decay, update, fn=lambda n: n) -> ir.Normalizer:
     return ir.Normalizer(sp.sympify(decay), sp.sympify(update), sp.sympify(fn(ir.N_ARG)))
 
 
-def Step(update, readout, decay=1, transition=None, normalizer=None, skip=None) -> ir.Step:
-    """One step of the recurrence (see ``recgen.spec.ir``); numbers are accepted for any term."""
+def Step(update, readout, decay=1, transition=None, normalizer=None, skip=None, readout_before_update=False,
+         bonus=None) -> ir.Step:
+    """One step of the recurrence (see ``recgen.spec.ir``); numbers are accepted for any term.
+
+    ``readout_before_update=True`` reads y = S_{t-1}ᵀ r (the state before this step's decay and update);
+    ``bonus`` c(i) adds (Σ_i c_i) w to o, w the update's value factor (RWKV-6: c = r u k)."""
     if not isinstance(update, ir.Outer):
         raise ir.SpecError(f"update must be rg.outer(u, w) (an outer product), got {update!r}")
     if transition is not None and not isinstance(transition, ir.Rank1):
@@ -79,7 +83,8 @@ def Step(update, readout, decay=1, transition=None, normalizer=None, skip=None) 
         raise ir.SpecError(f"normalizer must be rg.normalizer(decay, update, fn), got {normalizer!r}")
     return ir.Step(update=update, readout=sp.sympify(readout), decay=sp.sympify(decay),
                    transition=transition, normalizer=normalizer,
-                   skip=None if skip is None else sp.sympify(skip))
+                   skip=None if skip is None else sp.sympify(skip), readout_before_update=readout_before_update,
+                   bonus=None if bonus is None else sp.sympify(bonus))
 
 
 def recurrence(fn=None, *, name: str | None = None, gqa: str = "block", default_scale: str = "key"):

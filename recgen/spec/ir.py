@@ -7,8 +7,12 @@ space, columns ``j`` over values), optionally with a normalizer state ``z ∈ R^
     Q   = P + a (bᵀ P)               optional rank-1 transition a(i), b(i)   (delta rule: a = -βk, b = k)
     S_t = Q + u wᵀ                   outer-product update u(i), w(j)
     z_t = d ⊙ z_{t-1} + u'           optional normalizer state: decay d () or (i), update u'(i)
-    y   = S_tᵀ r ;  n = z_tᵀ r       readout r(i)
-    o   = y / N(n) + s               optional normalizer function N and skip s(j)
+    y   = S_tᵀ r ;  n = z_tᵀ r       readout r(i)  (readout_before_update: y = S_{t-1}ᵀ r)
+    o   = y / N(n) + s + (Σ_i c) w   optional normalizer function N, skip s(j) and bonus c(i)
+
+The pre-update readout and the bonus together express RWKV-6's o_t = (S_{t-1} + diag(u) k_t v_tᵀ)ᵀ r_t:
+y reads the state before this step's decay and update, and the bonus c_i = r_i u_i k_i adds the current
+token through the update's value factor w. Neither combines with a normalizer (validate() says so).
 
 Every term is a sympy expression whose free symbols are input symbols (each standing for the
 element its index signature names) and ``scale``; the term's free indices are the union of its
@@ -145,6 +149,8 @@ class Step:
     transition: Rank1 | None = None
     normalizer: Normalizer | None = None
     skip: sp.Expr | None = None
+    readout_before_update: bool = False  # y = S_{t-1}ᵀ r: the state before this step's decay and update
+    bonus: sp.Expr | None = None  # c(i): o += (Σ_i c_i) w, the current token through the update's value factor
 
 
 @dataclass(frozen=True)
@@ -205,6 +211,8 @@ class Recurrence:
             out["zdecay"], out["zupdate"] = s.normalizer.decay, s.normalizer.update
         if s.skip is not None:
             out["skip"] = s.skip
+        if s.bonus is not None:
+            out["bonus"] = s.bonus
         return out
 
     def spec_hash(self) -> str:
@@ -214,6 +222,8 @@ class Recurrence:
         parts += [f"{k}={sp.srepr(v)}" for k, v in self.terms().items()]
         if self.step.normalizer is not None:
             parts.append(sp.srepr(self.step.normalizer.fn))
+        if self.step.readout_before_update:  # only when set: the hashes (and goldens) of other specs stay
+            parts.append("readout_before_update")
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
     # -- validation ----------------------------------------------------------------------------
@@ -239,7 +249,7 @@ class Recurrence:
         if self.gqa not in ("block", "tiled"):
             raise SpecError(f"{self.name}: gqa must be 'block' or 'tiled', got {self.gqa!r}")
         allowed = {"decay": (I, J), "a": (I,), "b": (I,), "u": (I,), "w": (J,), "r": (I,),
-                   "zdecay": (I,), "zupdate": (I,), "skip": (J,)}
+                   "zdecay": (I,), "zupdate": (I,), "skip": (J,), "bonus": (I,)}
         known = set(self.symbols) | {SCALE}
         for role, expr in self.terms().items():
             if not isinstance(expr, sp.Expr):
@@ -254,6 +264,7 @@ class Recurrence:
                                 f"depend on {allowed[role] or 'no index'} ({ROLE_WHY[role]})")
         self._check_key_space()
         self._check_decays()
+        self._check_readout_extensions()
         if self.step.normalizer is not None:
             extra = self.step.normalizer.fn.free_symbols - {N_ARG}
             if extra:
@@ -280,6 +291,22 @@ class Recurrence:
                             f"rank-1 transition (a = {self.step.transition.a}, b = {self.step.transition.b}) the "
                             "decay must be scalar or per key (i): the chunked form has no value-indexed decay with "
                             "a transition")
+
+    def _check_readout_extensions(self) -> None:
+        """The pre-update readout and the bonus: a bool flag, and no normalizer (no backend computes n = z_{t-1}ᵀ r
+        or orders the bonus against N(n))."""
+        s = self.step
+        if not isinstance(s.readout_before_update, bool):
+            raise SpecError(f"{self.name}: readout_before_update must be True or False, got "
+                            f"{s.readout_before_update!r}")
+        if s.normalizer is None:
+            return
+        if s.readout_before_update:
+            raise SpecError(f"{self.name}: readout_before_update=True with a normalizer is not supported (no backend "
+                            "reads the normalizer state before the update); drop one of them")
+        if s.bonus is not None:
+            raise SpecError(f"term {ROLE_NAMES['bonus']} = {s.bonus}: a bonus with a normalizer is not supported (no "
+                            "backend orders it against the normalizer's division); drop one of them")
 
     def _check_input_names(self) -> None:
         owner: dict[str, str] = {}
@@ -318,6 +345,8 @@ class Recurrence:
         lines += [f"  input {x.name}: {x.kind}{list(x.index)}" for x in self.inputs]
         lines += [f"  feature {f.name} = sympow{f.degree}({f.source})" for f in self.features]
         lines += [f"  {ROLE_NAMES[r]:<22} {e}" for r, e in self.terms().items()]
+        if self.step.readout_before_update:
+            lines.append(f"  {'readout':<22} before the update (S_{{t-1}})")
         if self.step.normalizer is not None:
             lines.append(f"  {'normalizer N(n)':<22} {self.step.normalizer.fn}")
         return "\n".join(lines)
@@ -327,17 +356,18 @@ KIND_INDEX = {"scalar": (), "key": (I,), "key_gate": (I,), "value": (J,)}
 
 # The domain of each role of the step: the decay lives on (i, j), key-side roles on i, value-side ones on j.
 ROLE_DOMAIN = {"decay": (I, J), "a": (I,), "b": (I,), "u": (I,), "w": (J,), "r": (I,), "zdecay": (I,),
-               "zupdate": (I,), "skip": (J,)}
+               "zupdate": (I,), "skip": (J,), "bonus": (I,)}
 KEY_ROLES = tuple(r for r, d in ROLE_DOMAIN.items() if d == (I,))
 VALUE_ROLES = tuple(r for r, d in ROLE_DOMAIN.items() if d == (J,))
 
 ROLE_NAMES = {"decay": "decay D", "a": "transition a", "b": "transition b", "u": "update u",
               "w": "update w", "r": "readout r", "zdecay": "normalizer decay d",
-              "zupdate": "normalizer update u'", "skip": "skip s"}
+              "zupdate": "normalizer update u'", "skip": "skip s", "bonus": "bonus c"}
 ROLE_WHY = {"decay": "it scales S elementwise", "a": "Q = P + a (bᵀP) needs a key vector",
             "b": "Q = P + a (bᵀP) needs a key vector",
             "u": "the update u wᵀ is an outer product: u is the key side",
             "w": "the update u wᵀ is an outer product: w is the value side",
             "r": "the readout Sᵀr contracts the key side", "zdecay": "z is a key-sized vector",
-            "zupdate": "z is a key-sized vector", "skip": "the skip adds to the value-sized output"}
+            "zupdate": "z is a key-sized vector", "skip": "the skip adds to the value-sized output",
+            "bonus": "the bonus (Σ_i c_i) w is summed over the key side"}
 

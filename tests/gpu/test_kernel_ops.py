@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 # the specs of the fast chunked form (scalar or key-vector decays), where the kernel op defaults to it
 CHUNKED_BACKWARD_SPECS = ("gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "retnet", "hgrn2", "mamba2",
-                          "mamba2_linear_dt", MLSTM)
+                          "mamba2_linear_dt", MLSTM, "rwkv6")
 
 
 @pytest.mark.parametrize("name,case,dtype", params(KERNEL_SPECS))

@@ -17,6 +17,7 @@ from .hgrn2 import hgrn2, hgrn2_bwd, hgrn2_gate
 from .kda import kda, kda_bwd
 from .mamba2 import mamba2, mamba2_bwd
 from .mlstm_sigmoid import mlstm_sigmoid, mlstm_sigmoid_bwd
+from .rwkv6 import rwkv6, rwkv6_bwd
 from .power_retention import power_retention, power_retention_bwd, sympow2, sympow2_bwd
 from .retnet import retnet, retnet_bwd, retnet_log_gamma
 from .selective_scan import selective_scan, selective_scan_bwd, sigmoid, softplus
@@ -652,3 +653,51 @@ def test_mlstm_sigmoid_key_scale_is_query_scale():
     oa, _ = mlstm_sigmoid(x["q"], x["k"], x["v"], ig, fg)
     ob, _ = mlstm_sigmoid(x["q"], x["k"] * K_ ** -0.5, x["v"], ig, fg, scale=1.0)
     np.testing.assert_allclose(oa, ob, rtol=1e-13, atol=1e-13)
+# ----------------------------------------------------------------------------- rwkv6
+def _rwkv6_data(rng, T, Hk, H):
+    d = fla_data(rng, T, Hk, H)
+    d["r"] = d.pop("q")
+    d["w"] = log_decay(rng, (B_, T, H, K_))
+    d["u"] = rng.standard_normal((H, K_))
+    return d
+
+
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_rwkv6_grad(T, Hk, H, scale):
+    rng = np.random.default_rng(8000 + T + 10 * Hk)
+    inp = _rwkv6_data(rng, T, Hk, H)
+    do = rng.standard_normal((B_, T, H, V_))
+    dht = rng.standard_normal((B_, H, K_, V_))
+
+    def loss(x):
+        o, ht = rwkv6(x["r"], x["k"], x["v"], x["w"], x["u"], scale=scale, initial_state=x["S0"])
+        return np.sum(o * do) + np.sum(ht * dht)
+
+    gr = rwkv6_bwd(inp["r"], inp["k"], inp["v"], inp["w"], inp["u"], do, dht, scale=scale, initial_state=inp["S0"])
+    check_grads(loss, inp, {"r": gr["r"], "k": gr["k"], "v": gr["v"], "w": gr["w"], "u": gr["u"],
+                            "S0": gr["initial_state"]})
+
+
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_rwkv6_closed_form(T, Hk, H, scale):
+    """o_t = sum_{s<t} (rs_t * exp(G_{t-1} - G_s)) . k_s v_s + (rs_t u . k_t) v_t + (rs_t * exp(G_{t-1})) . S0,
+    G = cumsum(w) (G_{-1} = 0): the readout sees the state before step t."""
+    rng = np.random.default_rng(8100 + T + 10 * Hk)
+    x = _rwkv6_data(rng, T, Hk, H)
+    sc = K_ ** -0.5 if scale is None else scale
+    o, ht = rwkv6(x["r"], x["k"], x["v"], x["w"], x["u"], scale=scale, initial_state=x["S0"])
+    G = np.concatenate([np.zeros((B_, 1, H, K_)), np.cumsum(x["w"], axis=1)], axis=1)  # G[t] = sum_{s<t} w_s
+    grp = H // Hk
+    for b in range(B_):
+        for h in range(H):
+            for t in range(T + 1):
+                S = np.exp(G[b, t, h])[:, None] * x["S0"][b, h]
+                for s in range(t):
+                    S = S + np.exp(G[b, t, h] - G[b, s + 1, h])[:, None] * np.outer(x["k"][b, s, h // grp],
+                                                                                    x["v"][b, s, h])
+                if t == T:
+                    np.testing.assert_allclose(ht[b, h], S, rtol=1e-11, atol=1e-12)
+                    continue
+                rs, kt = sc * x["r"][b, t, h // grp], x["k"][b, t, h // grp]
+                want = S.T @ rs + (rs * x["u"][h]) @ kt * x["v"][b, t, h]
+                np.testing.assert_allclose(o[b, t, h], want, rtol=1e-11, atol=1e-12)
