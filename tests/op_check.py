@@ -35,6 +35,11 @@ DTYPES = ("float32", "bfloat16")
 # (forward and final state, gradients): relative errors, ||a - b|| / ||b||. float32 assumes MLX's float32
 # matmuls are exact float32 (MLX_ENABLE_TF32=0 on CUDA; TF32 rounds operands to 10 mantissa bits).
 TOL = {"float32": (1e-5, 1e-4), "bfloat16": (1e-2, 2e-2)}
+# The gradient of a parameter inside the decay (Mamba's A, a learnable log-decay) is a sum over B·T tokens of
+# per-token decay gradients, whose float32 error is absolute (docs/design.md, "decay gradients"): where the terms
+# cancel, the sum's relative error grows. Measured on the H100: 2.1e-4 for mamba2's dA at T = 300, chunks of 64.
+DECAY_PARAM_GRAD_TOL = {"float32": 1e-3, "bfloat16": 5e-2}
+DECAY_PARAM_GRADS = frozenset({"dA", "dlog_gamma"})
 # Power retention's ratio readout φ(q)ᵀS / (φ(q)ᵀz + 1e-6) is ill-conditioned where strong decays leave φ(q)ᵀz
 # near 0: with log-decays to -20 a float32 naive loop itself misses the float64 reference by up to 1e-1 on dq.
 # Its inputs get the treatment of the CPU float32 tests (tests/test_chunked.py): log-decays down to -3 only.
@@ -145,7 +150,9 @@ def op_errors(rec: Recurrence, case: Case, dtype: str, rng, *, backend: str, bac
 def over_tolerance(errs: dict[str, float], dtype: str) -> dict[str, float]:
     """The entries of ``errs`` above ``TOL[dtype]`` (NaN included)."""
     ftol, gtol = TOL[dtype]
-    return {k: v for k, v in errs.items() if not v <= (gtol if k.startswith("d") else ftol)}
+    tol = {k: DECAY_PARAM_GRAD_TOL[dtype] if k in DECAY_PARAM_GRADS else gtol if k.startswith("d") else ftol
+           for k in errs}
+    return {k: v for k, v in errs.items() if not v <= tol[k]}
 
 
 def assert_close(errs: dict[str, float], dtype: str):

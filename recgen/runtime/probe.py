@@ -17,7 +17,6 @@ FAST_BLAS_GFLOPS = 30.0  # between the reference BLAS's 6 GFLOP/s and OpenBLAS's
 
 
 @lru_cache(maxsize=64)
-@lru_cache(maxsize=64)  # per tuning: its probes are facts of the process, and every op call asks
 def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
     """``t`` with the choices this machine cannot honour turned off: chunk kernels whose self-test fails (the
     fragment scan falls back to the FMA scan, a failing FMA scan or base frame to MLX ops), and on the CPU
