@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import rel_err
-from op_check import CASES, KERNEL_SPECS, TOL, case_inputs, group
+from op_check import CASES, KERNEL_SPECS, TOL, case_inputs, group, over_tolerance
 
 import recgen.ops
 from recgen import specs
@@ -45,9 +45,8 @@ def test_compiled_op_matches_uncompiled(name, backend, rng):
     mx.eval(eager)  # first: what the op caches on a first call (kernels, small constants) exists before a trace
     compiled = (mx.compile(fwd)(*prim), mx.compile(grad)(*prim))
     mx.eval(compiled)
-    ftol, gtol = TOL["float32"]
     names = ["o", "ht", "zt"][:1 + len(parts(h0))] + [f"d{x.name}" for x in rec.inputs] + ["dh0", "dz0"]
     errs = {k: rel_err(np.array(c), np.array(e))
             for k, c, e in zip(names, [*compiled[0], *compiled[1]], [*eager[0], *eager[1]])}
-    bad = {k: v for k, v in errs.items() if not v <= (gtol if k.startswith("d") else ftol)}
+    bad = over_tolerance(errs, "float32")  # op_check's bounds (a decay parameter's gradient is a sum over B·T)
     assert not bad, f"compiled against uncompiled, above {TOL['float32']}: {bad} (all: {errs})"
