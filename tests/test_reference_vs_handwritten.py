@@ -87,7 +87,7 @@ def assert_close(name, got, want, tol=TOL):
 
 # -- FLA-layout models: the IR layout is the reference's layout ----------------------------------------
 
-FLA_MODELS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "retnet", "hgrn2", "rwkv6"]
+FLA_MODELS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "retnet", "hgrn2", "rwkv6", "rwkv7"]
 
 
 @pytest.mark.parametrize("T", TS)
