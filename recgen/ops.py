@@ -302,3 +302,4 @@ def mamba2(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initia
 
 
 rwkv6 = Op(specs.rwkv6)
+rwkv7 = Op(specs.rwkv7)

@@ -144,6 +144,14 @@ def rwkv6(r: Key, k: Key, v: Value, w: KeyGate, u: Param["i"]):
                 bonus=scale * r * u * k)
 
 
+@recurrence(default_scale="one")
+def rwkv7(r: Key, w: KeyGate, k: Key, v: Value, a: Key, b: Key):
+    r"""RWKV-7 (FLA's ``chunk_rwkv7`` / ``fused_recurrent_rwkv7``, the generalized delta rule):
+    S_t = (diag(e^{w_t}) + b_t a_tᵀ) S_{t-1} + k_t v_tᵀ,  o_t = S_tᵀ (scale · r_t); w [B,T,H,K] is the log-decay per
+    value head, the transition reads the state before the decay (mlx-lm's [V,K] state is its transpose)."""
+    return Step(decay=exp(w), transition=rank1(b, a, before_decay=True), update=outer(k, v), readout=scale * r)
+
+
 BUILTINS = {r.name: r for r in (gated_delta_net, kda, delta_net, gla, simple_gla, selective_scan,
                                 selective_scan_linear_dt, power_retention, retnet, hgrn2, mamba2, mamba2_linear_dt,
-                                mlstm_sigmoid, rwkv6)}
+                                mlstm_sigmoid, rwkv6, rwkv7)}

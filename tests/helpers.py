@@ -56,6 +56,7 @@ _SPECIAL = {
     ("mamba2", "dt_bias"): lambda rng, s: 0.5 * rng.standard_normal(s),
     ("mamba2_linear_dt", "dt"): lambda rng, s: rng.uniform(0.05, 1.5, s),
     ("rwkv6", "w"): log_decay,
+    ("rwkv7", "w"): log_decay,
 }
 
 
@@ -92,6 +93,9 @@ def random_inputs(spec: ir.Recurrence, rng, *, B=2, T=7, H=4, Hk=2, K=5, V=3) ->
         if spec.name in DELTA_RULES and x.name == "k":
             a = l2norm(a)
         out[x.name] = np.ascontiguousarray(a, dtype=np.float64)
+    if spec.name == "rwkv7":  # RWKV-7's transition: a = -kk (unit), b = kk ⊙ iclr, iclr in (0, 1), plus an independent part
+        out["a"] = -l2norm(out["a"])
+        out["b"] = -out["a"] * rng.uniform(0.05, 0.95, out["a"].shape) + 0.1 * l2norm(out["b"])
     return out
 
 

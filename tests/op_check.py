@@ -29,7 +29,7 @@ MLSTM = "mlstm_sigmoid"  # the built-in with a normalizer state (C, n)
 
 # the built-ins with a recurrent kernel (mlstm_sigmoid: the normalizer kernels)
 KERNEL_SPECS = ("gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt",
-                "retnet", "hgrn2", "mamba2", "mamba2_linear_dt", MLSTM, "rwkv6")
+                "retnet", "hgrn2", "mamba2", "mamba2_linear_dt", MLSTM, "rwkv6", "rwkv7")
 ALL_SPECS = tuple(specs.BUILTINS)
 DTYPES = ("float32", "bfloat16")
 # (forward and final state, gradients): relative errors, ||a - b|| / ||b||. float32 assumes MLX's float32

@@ -78,6 +78,9 @@ def make_inputs(rec, rng, B, T, H, Hk, K, V, gmin):
                 # rounding (1e-5 absolute at T = 65 against 1e-4 .. 1e-7 values; exact with compute_dtype=float64)
                 a = -np.exp(rng.uniform(np.log(1e-3), np.log(-gmin), shp))
         out[x.name] = r32(a)
+    if rec.name == "rwkv7":  # RWKV-7's own transition: a = -kk (unit), b = kk ⊙ iclr (+ an independent part)
+        kk = out["a"] / np.linalg.norm(out["a"], axis=-1, keepdims=True)
+        out["a"], out["b"] = r32(-kk), r32(kk * rng.uniform(0.05, 0.95, kk.shape) + 0.1 * out["b"] / np.sqrt(K))
     return out
 
 
@@ -182,7 +185,7 @@ def test_power_retention_strong_decay_float64(T, chunk):
     assert_close(compare(specs.power_retention, T, chunk=chunk, gmin=-20.0, seed=T, f64=True), 1e-6, 1e-6)
 
 
-@pytest.mark.parametrize("name", ["gated_delta_net", "gla", "selective_scan", "power_retention", "rwkv6"])
+@pytest.mark.parametrize("name", ["gated_delta_net", "gla", "selective_scan", "power_retention", "rwkv6", "rwkv7"])
 def test_naive_loop_matches_reference(name):
     rec = specs.BUILTINS[name]
     gmin = -3.0 if rec.has_normalizer else -20.0
@@ -309,6 +312,48 @@ def test_readout_extensions_segmented(name):
         assert_close(compare(rec, 70, chunk=16, seed=21, gmin=-20.0))
 
 
+@recurrence
+def dplr_scalar(q: Key, k: Key, v: Value, g: Scalar, beta: Scalar):
+    """A delta-rule-shaped transition before a scalar decay: (e^g I - β k kᵀ) S + β k vᵀ (the general form)."""
+    return Step(decay=exp(g), transition=rank1(-beta * k, k, before_decay=True), update=outer(beta * k, v),
+                readout=ir.SCALE * q)
+
+
+@recurrence
+def dplr_pre_bonus(q: Key, k: Key, v: Value, g: Scalar, beta: Scalar, c: Param["i"]):
+    """A transition before the decay with the pre-update readout and a bonus."""
+    return Step(decay=exp(g), transition=rank1(-beta * k, k, before_decay=True), update=outer(beta * k, v),
+                readout=ir.SCALE * q, readout_before_update=True, bonus=ir.SCALE * q * c * k)
+
+
+@recurrence
+def dplr_norm(q: Key, k: Key, v: Value, g: Scalar, beta: Scalar, f: Scalar):
+    """A transition before the decay beside a normalizer with its own decay."""
+    return Step(decay=exp(g), transition=rank1(-beta * k, k, before_decay=True), update=outer(beta * k, v),
+                readout=ir.SCALE * q, normalizer=normalizer(sigmoid(f), k, lambda n: n**2 + 1))
+
+
+BEFORE_DECAY = {"dplr_scalar": dplr_scalar, "dplr_pre_bonus": dplr_pre_bonus, "dplr_norm": dplr_norm}
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 16), (45, 16), (64, 64)])
+@pytest.mark.parametrize("name", sorted(BEFORE_DECAY))
+def test_transition_before_decay_forms(name, T, chunk):
+    """The transition before the decay (``chunks_rank1``'s shifted pairs) with a scalar decay, beside the pre-update
+    readout and bonus, and beside a normalizer: strong decays, against the reference."""
+    from recgen.chunked.terms import plan
+
+    rec = BEFORE_DECAY[name]
+    assert plan(rec).decay_class == "scalar" and not plan(rec).has_rho
+    assert_close(compare(rec, T, chunk=chunk, seed=T + 11, gmin=-20.0))
+
+
+def test_rwkv7_segmented():
+    """Segments of one chunk (a 1-byte budget): each segment starts from its own entry state."""
+    with tuning.override(segment_budget=1):
+        assert_close(compare(specs.rwkv7, 70, chunk=16, seed=23, gmin=-20.0))
+
+
 def test_general_rank1_and_separate_normalizer():
     from recgen.chunked.terms import plan
 
@@ -333,7 +378,7 @@ def test_segmented_matches_reference(name, recgen_env):
 
 @pytest.mark.parametrize("name,chunk", [("simple_gla", 16), ("gla", 16), ("power_retention", 16),
                                         ("gated_delta_net", 16), ("gated_delta_net", 64), ("gla", 64),
-                                        ("rwkv6", 16), ("rwkv6", 64)])
+                                        ("rwkv6", 16), ("rwkv6", 64), ("rwkv7", 16), ("rwkv7", 64)])
 def test_gpu_forms_match_reference(name, chunk):
     """The GPU forms, forced on the CPU: the diagonal scan over chunks as one (n+1)×(n+1) matmul,
     the triangular inverse from 16×16 blocks (at chunk 64: two block levels above them) and the whole

@@ -490,3 +490,45 @@ def test_valid_call_shapes(rng):
             assert z.shape == (2, 4, Ks)
         assert S.shape == (2, 4, Ks, 2), name
         assert np.all(np.isfinite(o))
+
+
+def test_transition_before_decay_must_be_a_bool():
+    with raises_spec("rank1(..., before_decay=) must be True or False", "got 1"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value, g: Scalar, a: Key):
+            return Step(decay=exp(g), transition=rank1(a, k, before_decay=1), update=outer(k, v), readout=q)
+
+
+def test_transition_before_decay_with_a_value_indexed_decay():
+    with raises_spec("decay D", "rank-1 transition", "scalar or per key"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value, g: Value, a: Key):
+            return Step(decay=exp(g), transition=rank1(a, k, before_decay=True), update=outer(k, v), readout=q)
+
+
+def test_transition_before_decay_is_structure(rng):
+    """The flag changes the hash and the repr; a delta-rule-shaped transition before the decay is not the WY core's
+    delta rule (analysis sends it to the general form); without a decay the two orders are the same recurrence."""
+    from recgen.spec.analysis import analyze
+
+    def declare(before, decayed=True):
+        @recurrence
+        def spec(q: Key, k: Key, v: Value, g: Scalar, beta: Scalar):
+            return Step(decay=exp(g) if decayed else 1, transition=rank1(-beta * k, k, before_decay=before),
+                        update=outer(beta * k, v), readout=scale * q)
+        return spec
+
+    pre, post = declare(True), declare(False)
+    assert pre.spec_hash() != post.spec_hash() and pre != post
+    assert "before the decay" in repr(pre) and "before the decay" not in repr(post)
+    assert analyze(post).delta_rule and not analyze(pre).delta_rule
+    x = random_inputs(post, rng, T=6)
+    x["beta"] = 1 / (1 + np.exp(-x["beta"]))
+    h0 = random_state(post, rng)
+    o_pre, S_pre = reference.run(pre, initial_state=h0, **x)
+    o_post, S_post = reference.run(post, initial_state=h0, **x)
+    assert np.abs(o_pre - o_post).max() > 1e-3  # the orders differ with a decay
+    o_pre, S_pre = reference.run(declare(True, False), initial_state=h0, **x)
+    o_post, S_post = reference.run(declare(False, False), initial_state=h0, **x)
+    np.testing.assert_allclose(o_pre, o_post, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(S_pre, S_post, rtol=1e-13, atol=1e-13)

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_proble
 from recgen.testing import kernel_inputs, rel_err  # noqa: E402
 
 KERNEL_SPECS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt",
-                "retnet", "hgrn2", "mamba2", "mamba2_linear_dt", "mlstm_sigmoid", "rwkv6"]
+                "retnet", "hgrn2", "mamba2", "mamba2_linear_dt", "mlstm_sigmoid", "rwkv6", "rwkv7"]
 
 
 def _check(name, sizes, sanitizer=None, seed=0):
@@ -132,3 +132,44 @@ def test_metal_readout_before_update_with_transition_and_full_decay():
         assert rel_err(o, o_r) <= 1e-5 and rel_err(ht, ht_r) <= 1e-5, (rec.name, rel_err(o, o_r), rel_err(ht, ht_r))
         for k in g_r:
             assert rel_err(g[k], g_r[k]) <= 1e-4, (rec.name, k, rel_err(g[k], g_r[k]))
+
+
+def test_metal_rwkv7_edges():
+    """RWKV-7's transition before the decay: several warps and threadgroups, a partial column tile, T = 1 (the
+    decode layout), K != V, odd T with GQA and without."""
+    _check("rwkv7", Sizes(B=1, T=1, H=2, Hk=2, Kin=32, K=32, V=40), seed=6)
+    _check("rwkv7", Sizes(B=2, T=7, H=2, Hk=1, Kin=32, K=32, V=40), seed=7)
+    _check("rwkv7", Sizes(B=1, T=3, H=2, Hk=2, Kin=16, K=16, V=8), seed=8)
+
+
+def test_metal_transition_before_decay_combinations():
+    """The transition before the decay with a scalar decay, beside the pre-update readout and a bonus, and beside
+    a normalizer (its backward kernel): T = 1 and odd T."""
+    import recgen as rg
+
+    @rg.recurrence
+    def dplr_pre_bonus(q: rg.Key, k: rg.Key, v: rg.Value, g: rg.Scalar, beta: rg.Scalar, c: rg.Param["i"]):
+        return rg.Step(decay=rg.exp(g), transition=rg.rank1(-beta * k, k, before_decay=True),
+                       update=rg.outer(beta * k, v), readout=rg.scale * q, readout_before_update=True,
+                       bonus=rg.scale * q * c * k)
+
+    @rg.recurrence
+    def dplr_norm(q: rg.Key, k: rg.Key, v: rg.Value, g: rg.Scalar, beta: rg.Scalar, f: rg.Scalar):
+        return rg.Step(decay=rg.exp(g), transition=rg.rank1(-beta * k, k, before_decay=True),
+                       update=rg.outer(beta * k, v), readout=rg.scale * q,
+                       normalizer=rg.normalizer(rg.sigmoid(f), k, lambda n: n**2 + 1))
+
+    for seed, (rec, sizes) in enumerate([(dplr_pre_bonus, Sizes(B=2, T=5, H=4, Hk=2, Kin=8, K=8, V=12)),
+                                         (dplr_pre_bonus, Sizes(B=1, T=1, H=2, Hk=1, Kin=8, K=8, V=12)),
+                                         (dplr_norm, Sizes(B=2, T=5, H=2, Hk=2, Kin=8, K=8, V=12))]):
+        xs, h0, do, dht, scale = kernel_inputs(rec, sizes, np.random.default_rng(40 + seed))
+        o, ht, g = verify.emulate(rec, xs, initial_state=h0, do=do, dht=dht, scale=scale)
+        o_r, ht_r = reference.run(rec, initial_state=h0, scale=scale, **xs)
+        g_r = reference.grad(rec, do=do, dht=dht, initial_state=h0, scale=scale, **xs)
+        assert rel_err(o, o_r) <= 1e-5, (rec.name, rel_err(o, o_r))
+        for a, b in zip(_parts(ht), _parts(ht_r)):
+            assert rel_err(a, b) <= 1e-5, (rec.name, rel_err(a, b))
+        for k in g_r:
+            for a, b in zip(_parts(g[k]), _parts(g_r[k])):
+                assert rel_err(a, b) <= 1e-4, (rec.name, k, rel_err(a, b))
+

@@ -20,6 +20,8 @@ from recgen.ops import Op  # noqa: E402
     ("power_retention", CASES[1], "float32"),
     ("rwkv6", CASES[0], "bfloat16"),  # T = 1: the one-step form; the pre-update readout and the bonus
     ("rwkv6", CASES[1], "float32"),
+    ("rwkv7", CASES[0], "bfloat16"),  # T = 1: the one-step form of the transition before the decay
+    ("rwkv7", CASES[1], "float32"),
 ])
 def test_harness_on_the_cpu(name, case, dtype, rng):
     rec = load_spec(name)

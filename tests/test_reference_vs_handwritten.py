@@ -87,7 +87,7 @@ def assert_close(name, got, want, tol=TOL):
 
 # -- FLA-layout models: the IR layout is the reference's layout ----------------------------------------
 
-FLA_MODELS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "retnet", "hgrn2", "rwkv6"]
+FLA_MODELS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "retnet", "hgrn2", "rwkv6", "rwkv7"]
 
 
 @pytest.mark.parametrize("T", TS)
@@ -323,4 +323,38 @@ def test_rwkv6_against_fla_naive(T, rng):
     for n, t in (("r", tr), ("k", tk), ("v", tv), ("w", tw)):
         assert_close(f"d{n}", back(t.grad), g[n], 1e-4)
     assert_close("du", np64(tu.grad), g["u"], 1e-4)
+    assert_close("dh0", np64(th0.grad), g["initial_state"], 1e-4)
+
+
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_rwkv7_against_fla_naive(T, rng):
+    """The IR's RWKV-7 against FLA's own naive DPLR loop (``dplr_recurrence``, which ``chunk_rwkv7`` matches: torch,
+    float32, head-first [B,H,T,D], alpha = a and beta = b, gk the log-decay, the readout scale fixed at K^-1/2):
+    forward, final state and, through torch autograd of the loop, every gradient. Skipped where torch or FLA is
+    not installed."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("fla")
+    from fla.ops.generalized_delta_rule.dplr.naive import dplr_recurrence
+
+    spec = BUILTINS["rwkv7"]
+    x = random_inputs(spec, rng, B=B, T=T, H=H, Hk=H, K=K, V=V)  # FLA's r, k, a, b have H heads
+    x = {n: a.astype(np.float32).astype(np.float64) for n, a in x.items()}  # what the float32 loop sees
+    h0 = random_state(spec, rng, B=B, H=H, K=K, V=V).astype(np.float32).astype(np.float64)
+    do, dht = (a.astype(np.float32).astype(np.float64) for a in random_cotangents(spec, rng, B=B, T=T, H=H, K=K, V=V))
+    o, S = reference.run(spec, initial_state=h0, scale=K ** -0.5, **x)
+    g = reference.grad(spec, do=do, dht=dht, initial_state=h0, scale=K ** -0.5, **x)
+
+    head_first = lambda a: torch.tensor(a.transpose(0, 2, 1, 3), dtype=torch.float32, requires_grad=True)  # noqa: E731
+    t = {n: head_first(x[n]) for n in ("r", "w", "k", "v", "a", "b")}
+    th0 = torch.tensor(h0, dtype=torch.float32, requires_grad=True)
+    to, tS = dplr_recurrence(t["r"], t["k"], t["v"], t["a"], t["b"], t["w"], initial_state=th0,
+                             output_final_state=True)
+    f32 = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    ((to * f32(do.transpose(0, 2, 1, 3))).sum() + (tS * f32(dht)).sum()).backward()
+    np64 = lambda a: a.detach().double().numpy()  # noqa: E731
+    back = lambda a: np64(a).transpose(0, 2, 1, 3)  # noqa: E731
+    assert_close("o", back(to), o, 1e-5)
+    assert_close("final_state", np64(tS), S, 1e-5)
+    for n, tn in t.items():
+        assert_close(f"d{n}", back(tn.grad), g[n], 1e-4)
     assert_close("dh0", np64(th0.grad), g["initial_state"], 1e-4)

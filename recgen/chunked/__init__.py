@@ -17,8 +17,8 @@ Three forms, by the spec's terms:
   chunk-parallel core of ``recgen.chunked.parallel`` with a hand-derived VJP (every built-in but
   the selective scan). The roles (r, u, w, b̃, log-decays) are evaluated elementwise from the
   inputs by MLX ops and differentiated by MLX autodiff; the core's matmul algebra has its own VJP.
-- Any other rank-1 transition with a scalar or key-vector decay: ``core.chunks_rank1``, all chunks
-  at once, differentiated by MLX autodiff.
+- Any other rank-1 transition with a scalar or key-vector decay, one before the decay (RWKV-7's DPLR) included:
+  ``core.chunks_rank1``, the WY/UT form of all chunks at once, differentiated by MLX autodiff.
 - Full (i, j) or value-indexed decays (selective scan): ``core.scan_full``, a two-level scan
   (~2√T sequential elementwise steps per segment) with a written VJP (the reverse recurrence by the
   same scan).
@@ -257,7 +257,8 @@ def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     r, y0 = _pre_shift(p.rec, t, S)
     y, _, S = core.chunks_rank1(S, ch(r), ch(t["u"]), ch(t["w"]), ch(t["a"]), ch(t["b"]),
-                                core.exp(ch(_as_f(t["logdecay"])), tun.pow2_exp))  # pad l (decay 1), then exp
+                                core.exp(ch(_as_f(t["logdecay"])), tun.pow2_exp),  # pad l (decay 1), then exp
+                                p.rec.transition_before_decay)
     y = _pre_unshift(y.reshape(sizes.B, sizes.H, n * C, sizes.V)[:, :, :T], y0)
     nz, z = _z_scan(tun, p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)
@@ -448,7 +449,7 @@ def naive_loop(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=
         y = t["r"] @ S if rec.step.readout_before_update else None  # [B,H,1,V]: the state before this step
         P = D * S
         if "a" in t:
-            bP = (t["b"] @ P)                             # [B,H,1,V]
+            bP = t["b"] @ (S if rec.transition_before_decay else P)  # [B,H,1,V]
             P = P + t["a"].swapaxes(-1, -2) * bP
         S = P + t["u"].swapaxes(-1, -2) * t["w"]         # u [B,H,K,1] * w [B,H,1,V]
         if y is None:

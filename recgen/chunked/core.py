@@ -17,6 +17,11 @@ so X = (I − L)^{-1} RHS, then
     S_new = e^{G_C} ⊙ S + Σ_s (a_s ⊙ Γ(C,s)) x_sᵀ + Σ_s (u_s ⊙ Γ(C,s)) w_sᵀ.
 (I − L)^{-1} comes from the recursive 2×2 block inverse (``unit_lower_inv``); no matrix power series.
 
+A transition before the decay (Q = P + a (bᵀ S_{t-1}), RWKV-7 / FLA's DPLR) has x_t = S_{t-1}ᵀ b_t, so b_t pairs
+with the decay up to token t−1: L[t,s] = Σ_i b_ti a_si Γ_i(t−1,s) and the RHS takes (b_t ⊙ e^{G_{t−1}}) and
+Γ(t−1,s). Those are the non-strict pair matrices of b shifted one token earlier, read one row later (row 0 is
+zero): the same levels, no division by a decay (b/d would divide, and d may be 0 or underflow).
+
 Key-vector decays never form a [C, C, K] pairwise tensor (nor the split q·e^{G}, k·e^{−G}, which
 overflows): ``decay_levels`` builds every decay product from one exp per token by a hierarchy of
 multiplications. Full (i, j) decays (selective scan, ``scan_full``) have no matmul form: every (i, j)
@@ -327,17 +332,30 @@ def pair_levels(X, Y, levels, strict: bool, copy_transposes: bool = False):
     return M[..., 0, :, :]
 
 
-def chunks_rank1(S, r, u, w, a, b, d):
-    """All chunks with a general rank-1 transition (a not a multiple of u; see the module docstring
-    for the WY/UT form), differentiated by MLX autodiff. The delta rules (a = ρ u) take the faster
-    ``parallel`` core instead. r, u, a, b [B,H,n,C,K]; w [B,H,n,C,V]; d = e^l [B,H,n,C,F].
+def _rows_later(M):
+    """M [.., C, F] with every row moved one down (row 0 zero): M'[t] = M[t-1]."""
+    return mx.concatenate([mx.zeros_like(M[..., :1, :]), M[..., :-1, :]], axis=-2)
+
+
+def chunks_rank1(S, r, u, w, a, b, d, before_decay: bool = False):
+    """All chunks with a general rank-1 transition (a not a multiple of u, or one ``before_decay``; see the module
+    docstring for the WY/UT form), differentiated by MLX autodiff. The delta rules (a = ρ u, after the decay) take
+    the faster ``parallel`` core instead. r, u, a, b [B,H,n,C,K]; w [B,H,n,C,V]; d = e^l [B,H,n,C,F].
     Returns (y [B,H,n,C,V], chunk-entry states, final state)."""
     levels, P, Q = decay_levels(d)
     g = P[..., -1, :, None]
-    L = pair_levels(b, a, levels, strict=True)
+    if before_decay:  # b_t meets Γ(t-1, s): b one token earlier, non-strict pairs, read one row later
+        b_early = mx.concatenate([b[..., 1:, :], mx.zeros_like(b[..., :1, :])], axis=-2)
+        L = _rows_later(pair_levels(b_early, a, levels, strict=False))
+        Lu = _rows_later(pair_levels(b_early, u, levels, strict=False))
+        bP = b * mx.concatenate([mx.ones_like(P[..., :1, :]), P[..., :-1, :]], axis=-2)  # b_t ⊙ e^{G_{t-1}}
+    else:
+        L = pair_levels(b, a, levels, strict=True)
+        Lu = pair_levels(b, u, levels, strict=True)
+        bP = b * P
     Tm = unit_lower_inv(L)
-    U = Tm @ (pair_levels(b, u, levels, strict=True) @ w)
-    Wm = Tm @ (b * P)
+    U = Tm @ (Lu @ w)
+    Wm = Tm @ bP
     aQt = (a * Q).swapaxes(-1, -2)
     dSu = (u * Q).swapaxes(-1, -2) @ w
     states, Xs = [], []

@@ -140,7 +140,7 @@ def _context(plan: KernelPlan, d: Dialect, layout: Layout, banner: str) -> dict:
         "value_roles": [{"var": ROLE_VAR[r], "expr": kprint(terms[r], d, nm)} for r in ("w", "skip") if r in terms],
         "decay": _decay(plan, d),
         "transition": "a" in terms, "skip": "skip" in terms, "bonus": "bonus" in terms,
-        "pre": rec.step.readout_before_update,
+        "pre": rec.step.readout_before_update, "before_decay": rec.transition_before_decay,
         "norm": rec.has_normalizer,
         "vec_state": layout.CPL == 4 and plan.V % 4 == 0,
         "norm_fn": kprint(rec.step.normalizer.fn, d, {ir.N_ARG: "n_"}) if rec.has_normalizer else "",

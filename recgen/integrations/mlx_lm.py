@@ -31,7 +31,8 @@ mlx-lm's conventions, kept exactly:
 the chunked form elsewhere).
 
 ``ssm_update`` (``recgen.integrations.mlx_lm_ssm``) does the same for the Mamba-2 family's
-``mlx_lm.models.ssm.ssm_update``. What ``patch()`` covers in mlx-lm 0.32: gated delta in qwen3_next,
+``mlx_lm.models.ssm.ssm_update``, and ``wkv7`` (``recgen.integrations.mlx_lm_rwkv7``) for RWKV-7's WKV, the method
+``mlx_lm.models.rwkv7.Rwkv7TimeMixing._wkv7`` (a class attribute, set on the class). What ``patch()`` covers in mlx-lm 0.32: gated delta in qwen3_next,
 qwen3_5 (and qwen3_5_moe, which imports qwen3_5), kimi_linear, kimi_k3, bailing_moe_v3, olmo_hybrid; the
 Mamba-2 scan in mamba2, nemotron_h, falcon_h1, granitemoehybrid, plamo2. Not covered: mamba (Mamba-1) and
 jamba, whose selective scans are per-token loops inside their model classes, not one module-level function.
@@ -43,10 +44,11 @@ import warnings
 from dataclasses import dataclass
 
 from ..spec.layouts import InputError
+from .mlx_lm_rwkv7 import wkv7
 from .mlx_lm_ssm import ssm_update
-from .rebind import Rebinding, rebind, restore
+from .rebind import Rebinding, rebind, rebind_attribute, restore
 
-__all__ = ["gated_delta_update", "ssm_update", "patch", "unpatch", "patched", "Patch", "Target", "TARGETS"]
+__all__ = ["gated_delta_update", "ssm_update", "wkv7", "patch", "unpatch", "patched", "Patch", "Target", "TARGETS"]
 
 PACKAGE = "mlx_lm.models"
 
@@ -156,15 +158,29 @@ def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, 
 
 @dataclass(frozen=True)
 class Target:
-    """A function mlx-lm's models import by name from ``module``, and recgen's drop-in for it."""
+    """A function mlx-lm's models import by name from ``module`` (or, with ``owner``, a method of the class
+    ``module.owner``), and recgen's drop-in for it."""
 
     module: str
     name: str
     replacement: object
+    owner: str | None = None
+
+    def holder(self):
+        """The module, or the class, that holds the target (importing the module)."""
+        mod = importlib.import_module(self.module)
+        return getattr(mod, self.owner) if self.owner else mod
+
+    def rebind(self, original, replacement) -> tuple[Rebinding, ...]:
+        """Every binding of ``original`` set to ``replacement``: in each importer, or on the class."""
+        if self.owner is None:
+            return rebind(PACKAGE, self.name, original, replacement)
+        return rebind_attribute(self.holder(), f"{self.module}.{self.owner}", self.name, original, replacement)
 
 
 TARGETS = (Target("mlx_lm.models.gated_delta", "gated_delta_update", gated_delta_update),
-           Target("mlx_lm.models.ssm", "ssm_update", ssm_update))
+           Target("mlx_lm.models.ssm", "ssm_update", ssm_update),
+           Target("mlx_lm.models.rwkv7", "_wkv7", wkv7, owner="Rwkv7TimeMixing"))
 
 
 @dataclass(frozen=True)
@@ -189,22 +205,23 @@ class Patch:
 _active: Patch | None = None
 
 
-def patch(gated_delta: bool = True, ssm: bool = True) -> Patch:
+def patch(gated_delta: bool = True, ssm: bool = True, rwkv7: bool = True) -> Patch:
     """Make mlx-lm's models run their recurrences on recgen: rebind ``gated_delta_update`` (with
     ``gated_delta``) and ``ssm_update`` (with ``ssm``) in their defining modules and in every loaded
     ``mlx_lm.models`` module that imported them by name (models imported later take them from the defining
-    modules). Idempotent while patched (the first call's choice stays); ``unpatch()`` undoes it."""
+    modules), and set RWKV-7's ``Rwkv7TimeMixing._wkv7`` (with ``rwkv7``) on its class. Idempotent while patched
+    (the first call's choice stays); ``unpatch()`` undoes it."""
     global _active
     if _active is not None:
         return Patch(_active.originals, _active.rebindings, applied=False)
-    chosen = [t for t, on in zip(TARGETS, (gated_delta, ssm)) if on]
+    chosen = [t for t, on in zip(TARGETS, (gated_delta, ssm, rwkv7)) if on]
     originals, done = [], []
     for t in chosen:
-        original = getattr(importlib.import_module(t.module), t.name)
+        original = getattr(t.holder(), t.name)
         if original is t.replacement:
             raise RuntimeError(f"{t.module}.{t.name} is already recgen's but no patch is recorded")
         originals.append((t, original))
-        done.extend(rebind(PACKAGE, t.name, original, t.replacement))
+        done.extend(t.rebind(original, t.replacement))
     _active = Patch(tuple(originals), tuple(done), applied=True)
     return _active
 
@@ -217,7 +234,8 @@ def unpatch() -> tuple[Rebinding, ...]:
         return ()
     done = []
     for t, original in _active.originals:
-        done.extend(restore(PACKAGE, t.name, original, t.replacement))
+        done.extend(restore(PACKAGE, t.name, original, t.replacement) if t.owner is None
+                    else t.rebind(t.replacement, original))
     _active = None
     return tuple(done)
 

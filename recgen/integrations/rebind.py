@@ -1,4 +1,5 @@
-"""Rebinding a function that other modules imported by name (``from .x import f``), reversibly.
+"""Rebinding a function that other modules imported by name (``from .x import f``), or a method of a class,
+reversibly.
 
 Such modules hold their own reference to ``f``, so replacing it in its defining module alone reaches
 only later imports; every module under a package prefix that holds the original is rebound too, and
@@ -36,3 +37,13 @@ def restore(prefix: str, name: str, original, replacement) -> tuple[Rebinding, .
     """Set ``name`` back to ``original`` in every loaded module under ``prefix`` that binds ``replacement``
     (including modules imported while it was in place, which took it from the defining module)."""
     return rebind(prefix, name, replacement, original)
+
+
+def rebind_attribute(owner, label: str, name: str, original, replacement) -> tuple[Rebinding, ...]:
+    """Set the class attribute ``owner.name`` (a method: every instance looks it up through the class) to
+    ``replacement`` where it holds ``original``; ``label`` names the owner in the record (``module.Class``)."""
+    if owner.__dict__.get(name) is not original:
+        return ()
+    setattr(owner, name, replacement)
+    return (Rebinding(label, name, original, replacement),)
+

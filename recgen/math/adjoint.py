@@ -9,6 +9,9 @@ dn = -N'(n) / N(n)² · Σ_j do_j y_j::
     dS_{t-1} = D ⊙ dP ;  dD = dP ⊙ S_{t-1}
     dz_{t-1} = d ⊙ dz ;  dd = dz ⊙ z_{t-1} ;  du' = dz
 
+With a transition ``before_decay`` (Q = P + a (bᵀ S_{t-1})): da = dQ (S_{t-1}ᵀ b), db = S_{t-1} (dQᵀ a),
+dD = dQ ⊙ S_{t-1} and dS_{t-1} = D ⊙ dQ + b (aᵀ dQ).
+
 With ``readout_before_update`` (y = S_{t-1}ᵀ r, no normalizer): dr = S_{t-1} dy, and r dyᵀ is added to
 dS_{t-1} after the step's adjoint instead of to dS_t before it.
 

@@ -126,8 +126,8 @@ class _Step:
         self.S_prev, self.z_prev = S_prev, z_prev
         self.P = self.t["decay"] * S_prev
         Q = self.P
-        if "a" in self.t:
-            self.bP = np.einsum("bhk,bhkv->bhv", self.t["b"], self.P)
+        if "a" in self.t:  # bᵀP, or bᵀS_{t-1} for a transition before the decay
+            self.bP = np.einsum("bhk,bhkv->bhv", self.t["b"], S_prev if rec.transition_before_decay else self.P)
             Q = self.P + self.t["a"][..., None] * self.bP[:, :, None, :]
         self.S = Q + self.t["u"][..., None] * self.t["w"][:, :, None, :]
         r = self.t["r"]
@@ -211,14 +211,17 @@ def grad(rec: ir.Recurrence, /, *, do, dht=None, initial_state=None, scale=None,
         if "bonus" in st.t:  # o += (Σ_i c_i) w: dc_i = Σ_j do_j w_j for every i, dw += (Σ_i c_i) do
             d["bonus"] = np.broadcast_to(np.einsum("bhv,bhv->bh", dot, st.t["w"])[..., None], st.t["bonus"].shape)
             d["w"] = d["w"] + st.t["bonus"].sum(-1)[..., None] * dot
-        dP = dS
+        dP, aQ = dS, None
         if "a" in st.t:
             aQ = np.einsum("bhk,bhkv->bhv", st.t["a"], dS)
             d["a"] = np.einsum("bhkv,bhv->bhk", dS, st.bP)
-            d["b"] = np.einsum("bhkv,bhv->bhk", st.P, aQ)
-            dP = dS + st.t["b"][..., None] * aQ[:, :, None, :]
+            d["b"] = np.einsum("bhkv,bhv->bhk", st.S_prev if rec.transition_before_decay else st.P, aQ)
+            if not rec.transition_before_decay:
+                dP = dS + st.t["b"][..., None] * aQ[:, :, None, :]
         d["decay"] = dP * st.S_prev
         dS = st.t["decay"] * dP
+        if aQ is not None and rec.transition_before_decay:  # b (aᵀ dQ) reaches S_{t-1} undecayed
+            dS = dS + st.t["b"][..., None] * aQ[:, :, None, :]
         if rec.step.readout_before_update:
             dS = dS + st.t["r"][..., None] * dy[:, :, None, :]
         if rec.has_normalizer:

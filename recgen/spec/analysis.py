@@ -24,7 +24,8 @@ class Analysis:
     rec: ir.Recurrence
     decay_index: tuple[str, ...]          # free indices of the decay: (), (i,), (j,) or (i, j)
     zdecay_index: tuple[str, ...] | None  # of the normalizer's decay, or None without one
-    rho: sp.Expr | None                   # ρ where the transition is a = ρ·u with ρ free of the key index
+    rho: sp.Expr | None                   # ρ where the transition is a = ρ·u with ρ free of the key index (and reads
+    #                                       the decayed state: a transition before the decay takes the general form)
     rho_pow2: float | None                # ρ when it is a constant ±2^e (the delta rules' -1): ρ·b exact in b's type
     bare_roles: tuple                     # (role, input symbol) where a role is an input verbatim (GDN's b = k, w = v)
     r_scaled: tuple | None                # (input symbol x, c as an expression of scale) where the readout is r = c·x
@@ -66,7 +67,7 @@ def analyze(rec: ir.Recurrence) -> Analysis:
             and sp.simplify(norm.decay - terms["decay"]) == 0 and sp.simplify(norm.update - terms["u"]) == 0)
     rho, rho_pow2 = None, None
     tr = rec.step.transition
-    if tr is not None and sp.sympify(terms["u"]) != 0:
+    if tr is not None and not tr.before_decay and sp.sympify(terms["u"]) != 0:  # the WY core's order only
         r = sp.simplify(sp.sympify(tr.a) / terms["u"])
         if not rec.free_indices(r) and r.is_finite is not False and not r.has(sp.zoo, sp.nan):
             rho = r

@@ -54,9 +54,10 @@ def sympow(x: sp.Symbol, degree: int = 2) -> sp.Symbol:
     return feat.symbol
 
 
-def rank1(a, b) -> ir.Rank1:
-    """The transition Q = P + a (bᵀ P) (delta rule: a = -β k, b = k)."""
-    return ir.Rank1(sp.sympify(a), sp.sympify(b))
+def rank1(a, b, before_decay=False) -> ir.Rank1:
+    """The transition Q = P + a (bᵀ P) (delta rule: a = -β k, b = k); with ``before_decay=True``
+    Q = P + a (bᵀ S_{t-1}), the state before the decay (RWKV-7: S_t = (diag(d) + a bᵀ) S_{t-1} + u wᵀ)."""
+    return ir.Rank1(sp.sympify(a), sp.sympify(b), before_decay)
 
 
 def outer(u, w) -> ir.Outer:

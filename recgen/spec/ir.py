@@ -5,6 +5,7 @@ space, columns ``j`` over values), optionally with a normalizer state ``z ∈ R^
 
     P   = D ⊙ S_{t-1}                decay D with free indices (), (i), (j) or (i, j)
     Q   = P + a (bᵀ P)               optional rank-1 transition a(i), b(i)   (delta rule: a = -βk, b = k)
+                                     (before_decay: Q = P + a (bᵀ S_{t-1}), S_t = (D + a bᵀ) S_{t-1} + u wᵀ)
     S_t = Q + u wᵀ                   outer-product update u(i), w(j)
     z_t = d ⊙ z_{t-1} + u'           optional normalizer state: decay d () or (i), update u'(i)
     y   = S_tᵀ r ;  n = z_tᵀ r       readout r(i)  (readout_before_update: y = S_{t-1}ᵀ r)
@@ -13,6 +14,11 @@ space, columns ``j`` over values), optionally with a normalizer state ``z ∈ R^
 The pre-update readout and the bonus together express RWKV-6's o_t = (S_{t-1} + diag(u) k_t v_tᵀ)ᵀ r_t:
 y reads the state before this step's decay and update, and the bonus c_i = r_i u_i k_i adds the current
 token through the update's value factor w. Neither combines with a normalizer (validate() says so).
+
+A transition ``before_decay`` reads the undecayed state: with a key-vector decay diag(d) it is RWKV-7's generalized
+delta rule S_t = (diag(d_t) + a_t b_tᵀ) S_{t-1} + u_t w_tᵀ (FLA's DPLR order), with independent a, b. It is not the
+default order with b/d (that divides by the decay, which may be 0 or underflow); the default order is the special
+case b ← d ⊙ b of it.
 
 Every term is a sympy expression whose free symbols are input symbols (each standing for the
 element its index signature names) and ``scale``; the term's free indices are the union of its
@@ -113,10 +119,12 @@ class Feature:
 
 @dataclass(frozen=True)
 class Rank1:
-    """The transition Q = P + a (bᵀ P): a and b are key-indexed vectors."""
+    """The transition Q = P + a (bᵀ P): a and b are key-indexed vectors. With ``before_decay`` it reads the state
+    before this step's decay, Q = P + a (bᵀ S_{t-1}) (RWKV-7 / FLA's DPLR order)."""
 
     a: sp.Expr
     b: sp.Expr
+    before_decay: bool = False
 
 
 @dataclass(frozen=True)
@@ -182,6 +190,11 @@ class Recurrence:
         return self.step.normalizer is not None
 
     @property
+    def transition_before_decay(self) -> bool:
+        """Whether the rank-1 transition reads S_{t-1} (before the decay) rather than D ⊙ S_{t-1}."""
+        return self.step.transition is not None and self.step.transition.before_decay is True
+
+    @property
     def symbols(self) -> dict[sp.Symbol, Input | Feature]:
         table: dict[sp.Symbol, Input | Feature] = {x.symbol: x for x in self.inputs}
         table.update({f.symbol: f for f in self.features})
@@ -224,6 +237,8 @@ class Recurrence:
             parts.append(sp.srepr(self.step.normalizer.fn))
         if self.step.readout_before_update:  # only when set: the hashes (and goldens) of other specs stay
             parts.append("readout_before_update")
+        if self.transition_before_decay:  # likewise
+            parts.append("transition_before_decay")
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:12]
 
     # -- validation ----------------------------------------------------------------------------
@@ -285,6 +300,9 @@ class Recurrence:
                     "nonnegative), and the chunked form takes log D. Write it nonnegative by construction: "
                     "rg.exp(x), rg.sigmoid(x), x**2, Abs(x) or products of those (a 0/1 mask m as Abs(m): "
                     "a decay of 0 is a reset)")
+        tr = self.step.transition
+        if tr is not None and not isinstance(tr.before_decay, bool):
+            raise SpecError(f"{self.name}: rank1(..., before_decay=) must be True or False, got {tr.before_decay!r}")
         idx = self.free_indices(terms["decay"])
         if self.step.transition is not None and J in idx:
             raise SpecError(f"term {ROLE_NAMES['decay']} = {terms['decay']}: has index {list(idx)}, but with a "
@@ -347,6 +365,8 @@ class Recurrence:
         lines += [f"  {ROLE_NAMES[r]:<22} {e}" for r, e in self.terms().items()]
         if self.step.readout_before_update:
             lines.append(f"  {'readout':<22} before the update (S_{{t-1}})")
+        if self.transition_before_decay:
+            lines.append(f"  {'transition':<22} reads the state before the decay (S_{{t-1}})")
         if self.step.normalizer is not None:
             lines.append(f"  {'normalizer N(n)':<22} {self.step.normalizer.fn}")
         return "\n".join(lines)

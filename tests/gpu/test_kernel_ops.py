@@ -22,3 +22,11 @@ def test_kernel_op(name, case, dtype, rng):
 @pytest.mark.parametrize("name,case,dtype", params(CHUNKED_BACKWARD_SPECS))
 def test_kernel_op_chunked_backward(name, case, dtype, rng):
     assert_close(op_errors(load_spec(name), case, dtype, rng, backend="cuda", backward="chunked"), dtype)
+
+
+@pytest.mark.parametrize("name,case,dtype", params(["rwkv7"]))
+def test_kernel_op_general_chunked_backward(name, case, dtype, rng):
+    """A spec without the fast chunked form (RWKV-7's transition before the decay): ``backward="chunked"`` runs the
+    general WY form's autodiff on the GPU."""
+    assert_close(op_errors(load_spec(name), case, dtype, rng, backend="cuda", backward="chunked"), dtype)
+

@@ -18,6 +18,7 @@ from .kda import kda, kda_bwd
 from .mamba2 import mamba2, mamba2_bwd
 from .mlstm_sigmoid import mlstm_sigmoid, mlstm_sigmoid_bwd
 from .rwkv6 import rwkv6, rwkv6_bwd
+from .rwkv7 import rwkv7, rwkv7_bwd
 from .power_retention import power_retention, power_retention_bwd, sympow2, sympow2_bwd
 from .retnet import retnet, retnet_bwd, retnet_log_gamma
 from .selective_scan import selective_scan, selective_scan_bwd, sigmoid, softplus
@@ -701,3 +702,55 @@ def test_rwkv6_closed_form(T, Hk, H, scale):
                 rs, kt = sc * x["r"][b, t, h // grp], x["k"][b, t, h // grp]
                 want = S.T @ rs + (rs * x["u"][h]) @ kt * x["v"][b, t, h]
                 np.testing.assert_allclose(o[b, t, h], want, rtol=1e-11, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- rwkv7
+def _rwkv7_data(rng, T, Hk, H):
+    """RWKV-7's own parametrization of the transition: a = -kk, b = kk * iclr with kk a unit direction and the
+    in-context learning rate iclr in (0, 1); log-decays down to -20."""
+    d = fla_data(rng, T, Hk, H)
+    d["r"] = d.pop("q")
+    d["w"] = log_decay(rng, (B_, T, H, K_))
+    kk = rng.standard_normal((B_, T, Hk, K_))
+    kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+    d["a"] = -kk
+    d["b"] = kk * rng.uniform(0.05, 0.95, (B_, T, Hk, K_))
+    return d
+
+
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_rwkv7_grad(T, Hk, H, scale):
+    rng = np.random.default_rng(8200 + T + 10 * Hk)
+    inp = _rwkv7_data(rng, T, Hk, H)
+    do = rng.standard_normal((B_, T, H, V_))
+    dht = rng.standard_normal((B_, H, K_, V_))
+    sc = 1.0 if scale is None else scale
+
+    def loss(x):
+        o, ht = rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], scale=sc, initial_state=x["S0"])
+        return np.sum(o * do) + np.sum(ht * dht)
+
+    gr = rwkv7_bwd(inp["r"], inp["w"], inp["k"], inp["v"], inp["a"], inp["b"], do, dht, scale=sc,
+                   initial_state=inp["S0"])
+    check_grads(loss, inp, {n: gr[n] for n in ("r", "w", "k", "v", "a", "b")} | {"S0": gr["initial_state"]})
+
+
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_rwkv7_mlx_lm_layout_form(T, Hk, H, scale):
+    """Per-(b,h) loop in mlx-lm's layout (state [V,K], the transpose): S <- S (diag(e^w) + a b^T) + v k^T,
+    y = S (scale r), with an explicit GQA index."""
+    rng = np.random.default_rng(8300 + T + 10 * Hk)
+    x = _rwkv7_data(rng, T, Hk, H)
+    sc = 1.0 if scale is None else scale
+    o, ht = rwkv7(x["r"], x["w"], x["k"], x["v"], x["a"], x["b"], scale=sc, initial_state=x["S0"])
+    G = H // Hk
+    for b in range(B_):
+        for h in range(H):
+            S = x["S0"][b, h].T.copy()
+            for t in range(T):
+                hk = h // G
+                M = np.diag(np.exp(x["w"][b, t, h])) + np.outer(x["a"][b, t, hk], x["b"][b, t, hk])
+                S = S @ M + np.outer(x["v"][b, t, h], x["k"][b, t, hk])
+                np.testing.assert_allclose(o[b, t, h], S @ (sc * x["r"][b, t, hk]), rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(ht[b, h], S.T, rtol=1e-12, atol=1e-12)
+
