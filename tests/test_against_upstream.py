@@ -90,7 +90,7 @@ def test_mamba2_against_ssd_chunk_scan_combined_ref(rng):
 
 @pytest.mark.parametrize("n,gated", [(2, True), (3, True), (2, False)])
 def test_gated_delta_product_against_fla_naive(n, gated, rng):
-    """FLA's naive loop reads out S_tᵀ q_t with no scale (its ``scale`` argument is unused): compared at scale 1."""
+    """At scale 1: FLA's naive loop multiplies q by ``scale`` in 0.6.0 and ignores it in later versions."""
     torch = _torch()
     naive = pytest.importorskip("fla.ops.gated_delta_product.naive")
     q = rng.standard_normal((B, T, H, K))
@@ -100,7 +100,7 @@ def test_gated_delta_product_against_fla_naive(n, gated, rng):
     g = -np.exp(rng.uniform(np.log(1e-3), np.log(20.0), (B, T, H))) if gated else None
     h0 = rng.standard_normal((B, H, K, V))
     t = lambda a: None if a is None else torch.tensor(a, dtype=torch.float32)  # noqa: E731
-    o, ht = naive.naive_recurrent_gated_delta_product(t(q), t(k), t(v), t(g), t(beta), None, None,
+    o, ht = naive.naive_recurrent_gated_delta_product(t(q), t(k), t(v), t(g), t(beta), 1.0, None,
                                                       initial_state=t(h0), output_final_state=True,
                                                       num_householder=n)
     o_r, ht_r = gated_delta_product(q, k, v, g, beta, n, scale=1.0, initial_state=h0)
