@@ -176,3 +176,42 @@ UNSUPPORTED_MAMBA2 = {
     "return_varlen_states": "run each sequence as its own call with return_final_states=True",
     "state_dtype": "the state is float32",
 }
+
+
+def check_delta_product(q, k, v, g, beta, num_householder, initial_state, cu_seqlens) -> tuple | None:
+    """FLA's ``chunk_gated_delta_product`` arguments, from metadata only: q [B,T,Hk,K]; k [B,T*n,Hk,K];
+    v [B,T*n,H,V] with Hk dividing H; beta [B,T*n,H]; g None or [B,T,H]; n = ``num_householder`` a positive int;
+    initial_state [N,H,K,V] (N = B, or the number of packed sequences). Returns cu_seqlens' offsets (None
+    without)."""
+    n = num_householder
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        hint = " (reading an mx.array would force evaluation)" if hasattr(n, "dtype") else ""
+        raise InputError(f"argument 'num_householder': expected a positive int, got {n!r}{hint}")
+    n = int(n)
+    named = dict(q=q, k=k, v=v, g=g, beta=beta)
+    for name, a in named.items():
+        if a is not None or name != "g":
+            check_array(name, a)
+    _shape("q", q, "[B,T,Hk,K]", q.ndim == 4 and q.shape[2] > 0)
+    B, T, Hk, K = q.shape
+    Tn = T * n
+    _shape("k", k, f"[B,T*n,Hk,K] = {[B, Tn, Hk, K]} (T*n: num_householder={n} rows a token)",
+           tuple(k.shape) == (B, Tn, Hk, K))
+    _shape("v", v, f"[B,T*n,H,V] with B={B}, T*n={Tn} (num_householder={n}) and H a multiple of Hk={Hk}",
+           v.ndim == 4 and tuple(v.shape[:2]) == (B, Tn) and v.shape[2] > 0 and v.shape[2] % Hk == 0)
+    H, V = v.shape[2], v.shape[3]
+    _shape("beta", beta, f"[B,T*n,H] = {[B, Tn, H]} (num_householder={n})", tuple(beta.shape) == (B, Tn, H))
+    if g is not None:
+        _shape("g", g, f"[B,T,H] = {[B, T, H]} (one gate a token) or None", tuple(g.shape) == (B, T, H))
+    sizes = Sizes(B, T, H, Hk, K, K, V)
+    offsets = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, sizes)
+    if offsets is None and 1 < T < H:  # FLA's heuristic on the tokens (not the T·n micro-steps), as warn_head_first
+        warnings.warn(f"gated_delta_product: input shapes suggest a layout mismatch: T={T} < H={H} (axis 1 of 'q' is "
+                      "T). Inputs are [B,T,H,...] (FLA's layout); head-first [B,H,T,...] inputs must be transposed "
+                      "(axes 1 and 2)", UserWarning, stacklevel=3)
+    if initial_state is not None:
+        check_array("initial_state", initial_state)
+        N = B if offsets is None else len(offsets) - 1
+        _shape("initial_state", initial_state, f"[N,H,K,V] = {[N, H, K, V]}",
+               tuple(initial_state.shape) == (N, H, K, V))
+    return offsets

@@ -34,6 +34,7 @@ from .errors import InputError
 from .op_args import (check_array, check_backend, check_cu_seqlens, check_initial_state, check_mamba2, check_names,
                       check_scale, warn_head_first)
 from .op_args import check_finite as check_finite_values
+from .op_args import check_delta_product
 from .runtime.probe import checked
 from .spec import ir
 from .spec.layouts import Sizes, infer_sizes
@@ -303,3 +304,67 @@ def mamba2(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initia
 
 rwkv6 = Op(specs.rwkv6)
 rwkv7 = Op(specs.rwkv7)
+
+
+class GatedDeltaProduct:
+    r"""Gated DeltaProduct (Siems et al. 2025) with FLA's ``chunk_gated_delta_product`` arguments and layouts:
+    n = ``num_householder`` delta-rule (generalized Householder) steps a token, the gate and the readout once a token.
+
+        S = e^{g_t} S_{t-1}                                  (skipped with g=None: the ungated DeltaProduct)
+        S ← (I - β_{t,j} k_{t,j} k_{t,j}ᵀ) S + β_{t,j} k_{t,j} v_{t,j}ᵀ,   j = 0..n-1
+        S_t = S,   o_t = S_tᵀ (scale · q_t)
+
+    q [B,T,Hk,K]; k [B,T·n,Hk,K], v [B,T·n,H,V], beta [B,T·n,H], token t's micro-step j at row t·n + j
+    (interleaved, as FLA); g [B,T,H] log-decays or None; state [B,H,K,V] (float32). Hk = H in FLA; Hk dividing H
+    is block GQA. ``scale=None`` means K^{-1/2}. ``use_qk_l2norm_in_kernel`` normalizes q and k first as FLA does
+    (x / sqrt(Σx² + 1e-6), in float32). ``cu_seqlens``: FLA's packed sequences (B = 1, host offsets over T; each
+    sequence's k, v, beta rows are its tokens' n·(c_{i+1} - c_i) rows).
+
+    A composition, exact to rounding: recgen's ``gated_delta_net`` (``delta_net`` with g=None) over the T·n
+    micro-steps, the gate at each token's first micro-step (log-decay 0 elsewhere), q at its last (0 elsewhere),
+    and every n-th output: the backend's kernels or chunked form, with their gradients to every input and the
+    initial state, lazy and ``mx.compile``-safe. Arguments are checked from metadata before any compute."""
+
+    def __init__(self, backend: str | None = None, chunk_size: int | None = None, backward: str | None = None):
+        self.backend = backend
+        self._gated = Op(specs.gated_delta_net, backend=backend, chunk_size=chunk_size, backward=backward)
+        self._ungated = Op(specs.delta_net, backend=backend, chunk_size=chunk_size, backward=backward)
+
+    def __repr__(self) -> str:
+        return f"<recgen op gated_delta_product (FLA's chunk_gated_delta_product) backend={self.backend or 'auto'}>"
+
+    def __call__(self, q, k, v, g, beta, num_householder, scale=None, initial_state=None, output_final_state=False,
+                 use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, backend=None, check_finite=None):
+        import mlx.core as mx
+
+        offsets = check_delta_product(q, k, v, g, beta, num_householder, initial_state, cu_seqlens)
+        n = int(num_householder)
+        if use_qk_l2norm_in_kernel:
+            q, k = _l2norm(q), _l2norm(k)
+        B, T = q.shape[:2]
+        if n > 1:  # token t's q at micro-step n-1, its gate at micro-step 0, zeros elsewhere
+            q = mx.pad(q[:, :, None], [(0, 0), (0, 0), (n - 1, 0), (0, 0), (0, 0)]).reshape(B, T * n, *q.shape[2:])
+            if g is not None:
+                g = mx.pad(g[:, :, None], [(0, 0), (0, 0), (0, n - 1), (0, 0)]).reshape(B, T * n, g.shape[2])
+        op = self._ungated if g is None else self._gated
+        arrays = dict(q=q, k=k, v=v, beta=beta) if g is None else dict(q=q, k=k, v=v, g=g, beta=beta)
+        sizes = infer_sizes(op.rec, {name: tuple(a.shape) for name, a in arrays.items()})  # over the T·n steps
+        kw = dict(scale=scale, backend=backend, check_finite=check_finite)
+        if offsets is None:
+            o, ht = op._run(arrays, sizes, initial_state, output_final_state, **kw)
+        else:
+            o, ht = op._packed(arrays, tuple(c * n for c in offsets), sizes, initial_state, output_final_state, **kw)
+        if n > 1:
+            o = o.reshape(B, T, n, *o.shape[2:])[:, :, n - 1]
+        return o, ht
+
+
+def _l2norm(x):
+    """FLA's ``l2norm_fwd``: x / sqrt(Σ x² + 1e-6) over the last axis, in float32, back in x's dtype."""
+    import mlx.core as mx
+
+    x32 = x.astype(mx.float32)
+    return (x32 * mx.rsqrt(mx.sum(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+gated_delta_product = GatedDeltaProduct()

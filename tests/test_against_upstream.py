@@ -2,13 +2,15 @@
 skipped otherwise. FLA: ``naive_retention`` (head-first, RetNet's decays, no initial state) and
 ``naive_recurrent_simple_gla`` for retnet, ``naive_recurrent_gla(q, 1 - exp(g), v, g)`` for hgrn2 (what FLA's HGRN2
 layer runs); mamba_ssm: ``ssd_minimal_discrete`` (X = Δx, A = ΔA, B and C per head) and
-``ssd_chunk_scan_combined_ref`` (D, z, dt_bias, softplus). Upstream computes in float32: 1e-5 relative."""
+``ssd_chunk_scan_combined_ref`` (D, z, dt_bias, softplus); FLA's ``naive_recurrent_gated_delta_product`` for
+gated_delta_product (gated and g=None). Upstream computes in float32: 1e-5 relative."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from recgen.testing import rel_err
+from references.gated_delta_product import gated_delta_product
 from references.hgrn2 import hgrn2, hgrn2_gate
 from references.mamba2 import mamba2
 from references.retnet import retnet, retnet_log_gamma
@@ -84,3 +86,22 @@ def test_mamba2_against_ssd_chunk_scan_combined_ref(rng):
                                            dt_bias=t(dt_bias), dt_softplus=True)
     out_r, _ = mamba2(**d, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
     assert rel_err(out.double().numpy(), out_r) <= TOL
+
+
+@pytest.mark.parametrize("n,gated", [(2, True), (3, True), (2, False)])
+def test_gated_delta_product_against_fla_naive(n, gated, rng):
+    """At scale 1: FLA's naive loop multiplies q by ``scale`` in 0.6.0 and ignores it in later versions."""
+    torch = _torch()
+    naive = pytest.importorskip("fla.ops.gated_delta_product.naive")
+    q = rng.standard_normal((B, T, H, K))
+    k = rng.standard_normal((B, T * n, H, K))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v, beta = rng.standard_normal((B, T * n, H, V)), 1 / (1 + np.exp(-rng.standard_normal((B, T * n, H))))
+    g = -np.exp(rng.uniform(np.log(1e-3), np.log(20.0), (B, T, H))) if gated else None
+    h0 = rng.standard_normal((B, H, K, V))
+    t = lambda a: None if a is None else torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    o, ht = naive.naive_recurrent_gated_delta_product(t(q), t(k), t(v), t(g), t(beta), 1.0, None,
+                                                      initial_state=t(h0), output_final_state=True,
+                                                      num_householder=n)
+    o_r, ht_r = gated_delta_product(q, k, v, g, beta, n, scale=1.0, initial_state=h0)
+    assert rel_err(o.double().numpy(), o_r) <= TOL and rel_err(ht.double().numpy(), ht_r) <= TOL

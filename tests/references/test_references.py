@@ -12,6 +12,7 @@ from recgen.testing import rel_err
 
 from .delta_net import delta_net, delta_net_bwd
 from .gated_delta_net import gated_delta_net, gated_delta_net_bwd
+from .gated_delta_product import gated_delta_product, gated_delta_product_bwd
 from .gla import gla, gla_bwd
 from .hgrn2 import hgrn2, hgrn2_bwd, hgrn2_gate
 from .kda import kda, kda_bwd
@@ -754,3 +755,110 @@ def test_rwkv7_mlx_lm_layout_form(T, Hk, H, scale):
                 np.testing.assert_allclose(o[b, t, h], S @ (sc * x["r"][b, t, hk]), rtol=1e-12, atol=1e-12)
             np.testing.assert_allclose(ht[b, h], S.T, rtol=1e-12, atol=1e-12)
 
+# ----------------------------------------------------------------------------- gated delta product
+# (T, Hk, H, scale, n, gated)
+GDP_CASES = [(1, 1, 2, None, 2, True), (4, 1, 2, None, 3, True), (3, 2, 4, 0.7, 2, True), (4, 2, 4, None, 2, False)]
+GDP_IDS = ["T1-n2", "T4-n3", "T3-Hk2-H4-scale-n2", "T4-Hk2-H4-n2-ungated"]
+
+
+def _gdp_data(rng, T, Hk, H, n, gated):
+    d = _gdn_data(rng, T * n, Hk, H)
+    d["q"] = d["q"][:, :T]
+    d["g"] = log_decay(rng, (B_, T, H)) if gated else None
+    return d
+
+
+@pytest.mark.parametrize("T,Hk,H,scale,n,gated", GDP_CASES, ids=GDP_IDS)
+def test_gated_delta_product_grad(T, Hk, H, scale, n, gated):
+    rng = np.random.default_rng(9000 + T + 10 * Hk + 100 * n)
+    inp = _gdp_data(rng, T, Hk, H, n, gated)
+    if not gated:
+        del inp["g"]
+    do, dht = rng.standard_normal((B_, T, H, V_)), rng.standard_normal((B_, H, K_, V_))
+
+    def loss(x):
+        o, ht = gated_delta_product(x["q"], x["k"], x["v"], x.get("g"), x["beta"], n, scale=scale,
+                                    initial_state=x["S0"])
+        return np.sum(o * do) + np.sum(ht * dht)
+
+    gr = gated_delta_product_bwd(inp["q"], inp["k"], inp["v"], inp.get("g"), inp["beta"], n, do, dht, scale=scale,
+                                 initial_state=inp["S0"])
+    want = {key: gr[key] for key in ("q", "k", "v", "beta")}
+    want["S0"] = gr["initial_state"]
+    if gated:
+        want["g"] = gr["g"]
+    else:
+        assert gr["g"] is None
+    check_grads(loss, inp, want)
+
+
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_gated_delta_product_with_one_step_is_gated_delta_net(T, Hk, H, scale):
+    """n = 1: every token is one gated delta-rule step (forward and every gradient)."""
+    rng = np.random.default_rng(9100 + T + 10 * Hk)
+    x = _gdn_data(rng, T, Hk, H)
+    do, dht = rng.standard_normal((B_, T, H, V_)), rng.standard_normal((B_, H, K_, V_))
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    oa, ha = gated_delta_product(*args, 1, scale=scale, initial_state=x["S0"])
+    ob, hb = gated_delta_net(*args, scale=scale, initial_state=x["S0"])
+    np.testing.assert_allclose(oa, ob, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(ha, hb, rtol=1e-13, atol=1e-13)
+    ga = gated_delta_product_bwd(*args, 1, do, dht, scale=scale, initial_state=x["S0"])
+    gb = gated_delta_net_bwd(*args, do, dht, scale=scale, initial_state=x["S0"])
+    for key in gb:
+        np.testing.assert_allclose(ga[key], gb[key], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n,gated", [(2, True), (3, True), (3, False)])
+def test_gated_delta_product_is_a_product_of_householder_transitions(n, gated):
+    """Per (b, h), explicit matrices: S_t = prod_{j=n-1..0} (I - b_j k_j k_j^T) e^{g_t} S_{t-1} + (the updates,
+    each carried through the later micro-steps' transitions), o_t = S_t^T (scale q_t)."""
+    rng = np.random.default_rng(9200 + n + 10 * gated)
+    T, Hk, H = 4, 2, 4
+    x = _gdp_data(rng, T, Hk, H, n, gated)
+    o, ht = gated_delta_product(x["q"], x["k"], x["v"], x["g"], x["beta"], n, initial_state=x["S0"])
+    G = H // Hk
+    for b in range(B_):
+        for h in range(H):
+            S = x["S0"][b, h].copy()
+            for t in range(T):
+                A, U = np.eye(K_), np.zeros((K_, V_))
+                for j in range(n):
+                    kk, bt = x["k"][b, t * n + j, h // G], x["beta"][b, t * n + j, h]
+                    Hj = np.eye(K_) - bt * np.outer(kk, kk)
+                    A, U = Hj @ A, Hj @ U + bt * np.outer(kk, x["v"][b, t * n + j, h])
+                S = A @ ((1.0 if x["g"] is None else np.exp(x["g"][b, t, h])) * S) + U
+                np.testing.assert_allclose(o[b, t, h], S.T @ (K_ ** -0.5 * x["q"][b, t, h // G]),
+                                           rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(ht[b, h], S, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n,gated", [(2, True), (3, False)])
+def test_gated_delta_product_is_gated_delta_net_over_micro_steps(n, gated):
+    """The composition recgen's op runs: gated DeltaNet over the T*n micro-steps, the gate at each token's first
+    micro-step (0 elsewhere), q at its last (0 elsewhere), every n-th output; gradients of q and g are those
+    positions' gradients."""
+    rng = np.random.default_rng(9300 + n)
+    T, Hk, H = 5, 2, 4
+    x = _gdp_data(rng, T, Hk, H, n, gated)
+    do, dht = rng.standard_normal((B_, T, H, V_)), rng.standard_normal((B_, H, K_, V_))
+    qn = np.zeros((B_, T, n, Hk, K_))
+    qn[:, :, -1] = x["q"]
+    gn = np.zeros((B_, T, n, H))
+    if gated:
+        gn[:, :, 0] = x["g"]
+    don = np.zeros((B_, T, n, H, V_))
+    don[:, :, -1] = do
+    flat = lambda a: a.reshape(B_, T * n, *a.shape[3:])  # noqa: E731
+    micro = (flat(qn), x["k"], x["v"], flat(gn), x["beta"])
+    oa, ha = gated_delta_product(x["q"], x["k"], x["v"], x["g"], x["beta"], n, initial_state=x["S0"])
+    ob, hb = gated_delta_net(*micro, scale=K_ ** -0.5, initial_state=x["S0"])
+    np.testing.assert_allclose(oa, ob[:, n - 1::n], rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(ha, hb, rtol=1e-13, atol=1e-13)
+    ga = gated_delta_product_bwd(x["q"], x["k"], x["v"], x["g"], x["beta"], n, do, dht, initial_state=x["S0"])
+    gb = gated_delta_net_bwd(*micro, flat(don), dht, scale=K_ ** -0.5, initial_state=x["S0"])
+    np.testing.assert_allclose(ga["q"], gb["q"][:, n - 1::n], rtol=1e-12, atol=1e-12)
+    for key in ("k", "v", "beta", "initial_state"):
+        np.testing.assert_allclose(ga[key], gb[key], rtol=1e-12, atol=1e-12)
+    if gated:
+        np.testing.assert_allclose(ga["g"], gb["g"][:, ::n], rtol=1e-12, atol=1e-12)
