@@ -84,7 +84,7 @@ def power_retention(q: Key, k: Key, v: Value, g: Scalar):
     n_t = φ(scale·q_t)ᵀ z_t = Σ_s w_ts (scale·q_tᵀk_s)² ≥ 0 is a quadratic form read from a float32 state: its
     rounding is absolute, ~2⁻²⁴ |φ(q_t)| |z_t|, so the floor ε, not n_t, bounds the relative error of o_t and
     of its gradients. ε = 1e-6 (the power-retention package's constant, added there after a per-chunk max shift)
-    let float32 miss the float64 definition by up to 1e-1 on dq at log-decays to -20; ε = 1e-2 keeps the error
+    let float32 miss the float64 definition by up to 1.6e-1 on dq at log-decays to -20; ε = 1e-2 keeps the error
     below 1e-4 there (docs/design.md, "Power retention's denominator"). The gradient is exact: N(n) = n + ε.
     """
     pk = sympow(k)
