@@ -13,7 +13,9 @@ from .spec.fns import exp, logsigmoid, sigmoid, softplus
 from .spec.frontend import Key, KeyGate, Param, Scalar, Step, Value, normalizer, outer, rank1, recurrence, sympow
 from .spec.ir import SCALE as scale
 
-POWER_RETENTION_EPS = 1e-6
+# The ratio readout's floor, in units of (scale·qᵀk)² (mean 1 a token for unit-variance q, k at the default scale).
+# 1e-6 made the readout ill-conditioned in float32 (docs/design.md, "Power retention's denominator").
+POWER_RETENTION_EPS = 1e-2
 
 
 def retnet_log_gamma(H: int) -> list[float]:
@@ -77,7 +79,13 @@ def power_retention(q: Key, k: Key, v: Value, g: Scalar):
 
     φ = sympow2 (width d(d+1)/2, √2 cross terms, φ(x)ᵀφ(y) = (xᵀy)²);
     S_t = e^{g_t} S_{t-1} + φ(k_t) v_tᵀ;  z_t = e^{g_t} z_{t-1} + φ(k_t);
-    o_t = φ(scale·q_t)ᵀ S_t / (φ(scale·q_t)ᵀ z_t + 1e-6),  with φ(scale·q) = scale² φ(q).
+    o_t = φ(scale·q_t)ᵀ S_t / (φ(scale·q_t)ᵀ z_t + ε),  ε = 1e-2,  with φ(scale·q) = scale² φ(q).
+
+    n_t = φ(scale·q_t)ᵀ z_t = Σ_s w_ts (scale·q_tᵀk_s)² ≥ 0 is a quadratic form read from a float32 state: its
+    rounding is absolute, ~2⁻²⁴ |φ(q_t)| |z_t|, so the floor ε, not n_t, bounds the relative error of o_t and
+    of its gradients. ε = 1e-6 (the power-retention package's constant, added there after a per-chunk max shift)
+    let float32 miss the float64 definition by up to 1.6e-1 on dq at log-decays to -20; ε = 1e-2 keeps the error
+    below 1e-4 there (docs/design.md, "Power retention's denominator"). The gradient is exact: N(n) = n + ε.
     """
     pk = sympow(k)
     return Step(decay=exp(g), update=outer(pk, v), readout=scale**2 * sympow(q),

@@ -350,7 +350,7 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     key decays; it changes speed and memory, not the result. ``compute_dtype`` (default float32)
     exists for verification: ``mx.float64`` on the CPU runs the same chunked algebra in double
     precision, so tests can separate the algorithm's exactness from float32 rounding amplified by
-    an ill-conditioned spec (power retention's ratio readout). ``o`` and the state then stay float64.
+    an ill-conditioned spec (a ratio readout with a tiny floor). ``o`` and the state then stay float64.
     ``tuning``: the dispatcher's (``recgen.ops``); by default that of MLX's default device, checked once."""
     tun = tuning or checked(current())
     dtype = compute_dtype or mx.float32

@@ -12,7 +12,7 @@ Forward:
 
     S_t = exp(g_t) S_{t-1} + phi(k_t) v_t^T
     z_t = exp(g_t) z_{t-1} + phi(k_t)
-    o_t = (S_t^T phi(qs_t)) / (phi(qs_t) . z_t + eps)
+    o_t = (S_t^T phi(qs_t)) / (phi(qs_t) . z_t + eps)      (eps = 1e-2 by default, recgen's built-in)
 
 Returns (o [B,T,H,V], (S_T, z_T)).  With zero initial state this equals the quadratic form
 o_t = sum_{s<=t} w_ts (qs_t.k_s)^2 v_s / (sum_{s<=t} w_ts (qs_t.k_s)^2 + eps),
@@ -104,7 +104,7 @@ def _forward(q, k, v, log_g, scale, initial_state, eps, dt):
     return o, states, qs, ke, pq, pk
 
 
-def power_retention(q, k, v, log_g, scale=None, initial_state=None, eps=1e-6):
+def power_retention(q, k, v, log_g, scale=None, initial_state=None, eps=1e-2):
     """Returns (o [B,T,H,V], (S [B,H,D,V], z [B,H,D]))."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -114,7 +114,7 @@ def power_retention(q, k, v, log_g, scale=None, initial_state=None, eps=1e-6):
     return o, states[-1]
 
 
-def power_retention_bwd(q, k, v, log_g, do, dht, scale=None, initial_state=None, eps=1e-6):
+def power_retention_bwd(q, k, v, log_g, do, dht, scale=None, initial_state=None, eps=1e-2):
     """Gradients of sum(o*do) + sum(S_T*dS) + sum(z_T*dz) with dht = (dS, dz) (or None).
 
     Returns dict q, k, v, log_g, initial_state (the pair (dS0, dz0)).
