@@ -6,7 +6,8 @@ The space is the README's: decays none / scalar / key-vector / value-vector / fu
 exp, sigmoid, logsigmoid, softplus (a mask |m|·e^g with exact zeros, and (2σ(f) - 1)², not an exp); updates k, β·k, σ(i)·k, σ(gain)·k with values v or
 softplus(dt)·v; no transition, a delta rule or a general rank-1 transition; readouts scale·q, q, σ(o)·scale·q, a
 feature map; normalizers fused or with their own decay; skip terms; a readout before the update and a bonus
-(RWKV-6's terms); parameters of every signature; GQA (block and tiled), K ≠ V.
+(RWKV-6's terms); the transition before the decay (RWKV-7's order); parameters of every signature; GQA (block and
+tiled), K ≠ V.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class Recipe:
     default_scale: str = "key"
     readout_at: str = "after"    # after | before (readout_before_update)
     bonus: str = "none"          # none | param: c = readout · cb · u, cb a Param["i"]
+    before_decay: bool = False   # the transition reads S_{t-1} rather than the decayed state (RWKV-7's order)
 
     def rejection(self) -> str | None:
         """A regex matching the SpecError the decorator must raise for this recipe (any one of its faults), or
@@ -119,9 +121,9 @@ def _step(r: Recipe, s: dict):
                "gated_q": lambda: rg.sigmoid(s["og"]) * rg.scale * qf}[r.readout]()
     transition = None
     if r.transition == "delta":
-        transition = rg.rank1(-beta * kf, kf)
+        transition = rg.rank1(-beta * kf, kf, before_decay=r.before_decay)
     elif r.transition == "general":
-        transition = rg.rank1(-beta * s["kk"], kf)
+        transition = rg.rank1(-beta * s["kk"], kf, before_decay=r.before_decay)
     norm = None
     if r.normalizer != "none":
         fn = {"sqrt1": lambda n: sp.sqrt(n ** 2 + 1), "sq1": lambda n: n ** 2 + 1}[r.norm_fn]

@@ -39,7 +39,7 @@ recipes = st.builds(
     normalizer=st.sampled_from(["none", "same", "own"]), norm_fn=st.sampled_from(["sqrt1", "sq1"]),
     skip=st.sampled_from(["none", "param", "gated"]), gqa=st.sampled_from(["block", "tiled"]),
     default_scale=st.sampled_from(["key", "one"]), readout_at=st.sampled_from(["after", "before"]),
-    bonus=st.sampled_from(["none", "param"]))
+    bonus=st.sampled_from(["none", "param"]), before_decay=st.booleans())
 
 
 @st.composite
