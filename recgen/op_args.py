@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from functools import lru_cache
 
 from .errors import InputError
 from .spec import ir
@@ -27,13 +28,21 @@ def check_names(rec: ir.Recurrence, arrays: dict) -> None:
         raise InputError(f"{rec.name}: missing argument(s) {missing}")
 
 
+@lru_cache(maxsize=1)
+def float_mx_dtypes() -> frozenset:
+    """``FLOAT_DTYPES`` as MLX dtypes (a set lookup: every op call checks each input's dtype)."""
+    import mlx.core as mx
+
+    return frozenset(getattr(mx, name) for name in FLOAT_DTYPES)
+
+
 def check_array(name: str, a) -> None:
     import mlx.core as mx
 
     if not isinstance(a, mx.array):
         hint = " (convert it with mx.array)" if hasattr(a, "shape") or isinstance(a, (list, tuple)) else ""
         raise InputError(f"argument {name!r}: expected an mx.array, got {type(a).__name__}{hint}")
-    if str(a.dtype).split(".")[-1] not in FLOAT_DTYPES:
+    if a.dtype not in float_mx_dtypes():
         raise InputError(f"argument {name!r}: expected float32, float16 or bfloat16, got {a.dtype}")
 
 

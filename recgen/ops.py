@@ -30,12 +30,15 @@ from dataclasses import replace
 from functools import lru_cache
 
 from . import specs
+from .codegen.backends import get as dialect_named
+from .codegen.lower import plan
 from .errors import InputError
 from .op_args import (check_array, check_backend, check_cu_seqlens, check_initial_state, check_mamba2, check_names,
                       check_scale, warn_head_first)
 from .op_args import check_finite as check_finite_values
 from .op_args import check_delta_product
 from .runtime.probe import checked
+from .runtime.recurrent import kernel_op
 from .spec import ir
 from .spec.layouts import Sizes, infer_sizes
 from .tuning import BACKENDS, BACKWARDS, Tuning, current
@@ -148,10 +151,6 @@ class Op:
     def _kernel_call(self, backend, xs, sizes: Sizes, scale: float, initial_state, t: Tuning):
         import mlx.core as mx
 
-        from .codegen.backends import get
-        from .codegen.lower import plan
-        from .runtime.recurrent import kernel_op
-
         p = plan(self.rec, sizes, fwd_layout=t.fwd_layout)
         if self.rec.has_normalizer:
             h0, z0 = initial_state if initial_state is not None else (None, None)
@@ -163,7 +162,7 @@ class Op:
         out_dtype = str(values[0] if values else mx.float32).split(".")[-1]
         backward = choose_backward(self.rec, t, sizes.T, self.backward)
         vjp = chunked_vjp(self.rec, scale, self.chunk_size, t) if backward == "chunked" else None
-        outs = kernel_op(p, get(backend), sizes, scale, out_dtype, vjp, t.debug)(*xs, *states)
+        outs = kernel_op(p, dialect_named(backend), sizes, scale, out_dtype, vjp, t.debug)(*xs, *states)
         return (outs[0], (outs[1], outs[2])) if self.rec.has_normalizer else outs
 
 
