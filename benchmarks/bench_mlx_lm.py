@@ -25,6 +25,7 @@ unless set: small, so that the recurrence and not the projections dominates).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import statistics
 import time
@@ -87,7 +88,7 @@ def train_step(model, T: int, args, patched):
 
     step = nn.value_and_grad(model, loss_fn)
     times, cpus, peaks, loss = [], [], [], None
-    with _stub() if patched == "stub" else recgen_mlx_lm.patch() if patched else _nothing():
+    with _stub() if patched == "stub" else recgen_mlx_lm.patch() if patched else contextlib.nullcontext():
         for i in range(args.reps + 1):
             mx.eval(tokens, model.parameters())
             mx.clear_cache()
@@ -141,19 +142,11 @@ def op_step(T: int, args, patched: bool):
     return statistics.median(times), statistics.median(cpus), max(peaks)
 
 
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def generate(model, args, patched: bool):
     """(prefill seconds, decode tokens/s, ids) through mlx-lm's generate_step."""
     model.eval()
     prompt = mx.random.randint(0, args.vocab, (args.prompt,), key=mx.random.key(1))
-    with recgen_mlx_lm.patch() if patched else _nothing():
+    with recgen_mlx_lm.patch() if patched else contextlib.nullcontext():
         for warm in (True, False):
             n = 8 if warm else args.decode
             mx.eval(prompt)

@@ -125,13 +125,17 @@ def check_backend(backend: str, known: tuple[str, ...], source: str = "backend")
 
 
 def warn_head_first(rec: ir.Recurrence, sizes: Sizes) -> None:
+    """FLA's heuristic on a spec's op (``warn_layout``), the first per-token input named."""
+    warn_layout(rec.name, next(x.name for x in rec.inputs if x.per_token), sizes.T, sizes.H, stacklevel=4)
+
+
+def warn_layout(op: str, first: str, T: int, H: int, stacklevel: int = 3) -> None:
     """FLA's heuristic: inputs are [B,T,H,...]; T < H suggests head-first [B,H,T,...] was passed. Decoding
-    (T = 1) is exempt, as it is always 'T < H'."""
-    if 1 < sizes.T < sizes.H:
-        first = next(x.name for x in rec.inputs if x.per_token)
-        warnings.warn(f"{rec.name}: input shapes suggest a layout mismatch: T={sizes.T} < H={sizes.H} (axis 1 of "
-                      f"{first!r} is T). Inputs are [B,T,H,...] (FLA's layout); head-first [B,H,T,...] inputs must be "
-                      "transposed (axes 1 and 2)", UserWarning, stacklevel=3)
+    (T = 1) is exempt, as it is always 'T < H'. ``stacklevel`` points the warning at the user's call."""
+    if 1 < T < H:
+        warnings.warn(f"{op}: input shapes suggest a layout mismatch: T={T} < H={H} (axis 1 of {first!r} is T). "
+                      "Inputs are [B,T,H,...] (FLA's layout); head-first [B,H,T,...] inputs must be transposed "
+                      "(axes 1 and 2)", UserWarning, stacklevel=stacklevel)
 
 
 def _shape(name: str, a, expected: str, ok: bool) -> None:
@@ -214,10 +218,8 @@ def check_delta_product(q, k, v, g, beta, num_householder, initial_state, cu_seq
         _shape("g", g, f"[B,T,H] = {[B, T, H]} (one gate a token) or None", tuple(g.shape) == (B, T, H))
     sizes = Sizes(B, T, H, Hk, K, K, V)
     offsets = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, sizes)
-    if offsets is None and 1 < T < H:  # FLA's heuristic on the tokens (not the T·n micro-steps), as warn_head_first
-        warnings.warn(f"gated_delta_product: input shapes suggest a layout mismatch: T={T} < H={H} (axis 1 of 'q' is "
-                      "T). Inputs are [B,T,H,...] (FLA's layout); head-first [B,H,T,...] inputs must be transposed "
-                      "(axes 1 and 2)", UserWarning, stacklevel=3)
+    if offsets is None:  # FLA's heuristic on the tokens (not the T·n micro-steps)
+        warn_layout("gated_delta_product", "q", T, H, stacklevel=4)
     if initial_state is not None:
         check_array("initial_state", initial_state)
         N = B if offsets is None else len(offsets) - 1

@@ -40,13 +40,13 @@ jamba, whose selective scans are per-token loops inside their model classes, not
 from __future__ import annotations
 
 import importlib
-import warnings
 from dataclasses import dataclass
 
 from ..spec.layouts import InputError
+from .calls import call_in_layout, check_floating_arrays, shape_error
 from .mlx_lm_rwkv7 import wkv7
 from .mlx_lm_ssm import ssm_update
-from .rebind import Rebinding, rebind, rebind_attribute, restore
+from .rebind import Rebinding, rebind, rebind_attribute
 
 __all__ = ["gated_delta_update", "ssm_update", "wkv7", "patch", "unpatch", "patched", "Patch", "Target", "TARGETS"]
 
@@ -56,10 +56,6 @@ PACKAGE = "mlx_lm.models"
 # computes; it keeps the chunked form's within-chunk cumulative log-decays small, where float32 still
 # resolves the small log-decays of the tokens that follow (a log-decay of -1e4 would leave an ulp of 1e-3).
 LOG_DECAY_FLOOR = -110.0
-
-
-def _shape_error(name, shape, expected):
-    return InputError(f"argument {name!r}: expected {expected}, got shape {tuple(shape)}")
 
 
 def _broadcasts_to(shape, target) -> bool:
@@ -75,39 +71,35 @@ def check_inputs(q, k, v, a, b, A_log, dt_bias, state, mask) -> bool:
     named = dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias)
     if state is not None:
         named["state"] = state
-    for name, x in named.items():
-        if not isinstance(x, mx.array):
-            raise InputError(f"argument {name!r}: expected an mx.array, got {type(x).__name__}")
-        if not mx.issubdtype(x.dtype, mx.floating):
-            raise InputError(f"argument {name!r}: expected a floating dtype, got {x.dtype}")
+    check_floating_arrays(named)
     if q.ndim != 4:
-        raise _shape_error("q", q.shape, "[B,T,Hk,Dk]")
+        raise shape_error("q", q.shape, "[B,T,Hk,Dk]")
     B, T, Hk, Dk = q.shape
     if k.shape != q.shape:
-        raise _shape_error("k", k.shape, f"the shape of q [B,T,Hk,Dk] = {tuple(q.shape)}")
+        raise shape_error("k", k.shape, f"the shape of q [B,T,Hk,Dk] = {tuple(q.shape)}")
     if v.ndim != 4 or tuple(v.shape[:2]) != (B, T):
-        raise _shape_error("v", v.shape, f"[B,T,Hv,Dv] with B={B}, T={T}")
+        raise shape_error("v", v.shape, f"[B,T,Hv,Dv] with B={B}, T={T}")
     Hv, Dv = v.shape[2], v.shape[3]
     if Hv % Hk:
         raise InputError(f"argument 'v': Hv={Hv} value heads must be a multiple of the Hk={Hk} key heads of q, k")
     vector = a.ndim == 4
     gate = (B, T, Hv, Dk) if vector else (B, T, Hv)
     if tuple(a.shape) != gate:
-        raise _shape_error("a", a.shape, f"[B,T,Hv] = {(B, T, Hv)} (scalar gate) or [B,T,Hv,Dk] = "
+        raise shape_error("a", a.shape, f"[B,T,Hv] = {(B, T, Hv)} (scalar gate) or [B,T,Hv,Dk] = "
                            f"{(B, T, Hv, Dk)} (vector gate)")
     if tuple(b.shape) != (B, T, Hv):
-        raise _shape_error("b", b.shape, f"[B,T,Hv] = {(B, T, Hv)}")
+        raise shape_error("b", b.shape, f"[B,T,Hv] = {(B, T, Hv)}")
     param = "[Hv,1] or [Hv,Dk]" if vector else "[Hv]"
     for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
         if not _broadcasts_to(x.shape, gate[2:]):
-            raise _shape_error(name, x.shape, f"{param} broadcasting to {gate[2:]}")
+            raise shape_error(name, x.shape, f"{param} broadcasting to {gate[2:]}")
     if state is not None and tuple(state.shape) != (B, Hv, Dv, Dk):
-        raise _shape_error("state", state.shape, f"[B,Hv,Dv,Dk] = {(B, Hv, Dv, Dk)}")
+        raise shape_error("state", state.shape, f"[B,Hv,Dv,Dk] = {(B, Hv, Dv, Dk)}")
     if mask is not None:
         if not isinstance(mask, mx.array):
             raise InputError(f"argument 'mask': expected an mx.array, got {type(mask).__name__}")
         if tuple(mask.shape) != (B, T):
-            raise _shape_error("mask", mask.shape, f"[B,T] = {(B, T)}")
+            raise shape_error("mask", mask.shape, f"[B,T] = {(B, T)}")
     return vector
 
 
@@ -147,12 +139,8 @@ def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, 
     state_dtype = mx.float32 if state is None else state.dtype
     h0 = mx.zeros((B, Hv, Dk, Dv), dtype=mx.float32) if state is None else state.swapaxes(-1, -2)
     op = ops.kda if vector else ops.gated_delta_net
-    if 1 < q.shape[1] < Hv:  # mlx-lm's layout is [B,T,H,D] by contract: short prompts are not head-first
-        with warnings.catch_warnings():  # (entered only then: it costs a decode step's host time)
-            warnings.filterwarnings("ignore", message=".*layout mismatch", category=UserWarning)
-            y, ht = op(q, k, v, lg, beta, scale=1.0, initial_state=h0, output_final_state=True)
-    else:
-        y, ht = op(q, k, v, lg, beta, scale=1.0, initial_state=h0, output_final_state=True)
+    y, ht = call_in_layout(op, q.shape[1], Hv, q, k, v, lg, beta, scale=1.0, initial_state=h0,
+                           output_final_state=True)
     return y.astype(q.dtype), ht.swapaxes(-1, -2).astype(state_dtype)
 
 
@@ -234,8 +222,7 @@ def unpatch() -> tuple[Rebinding, ...]:
         return ()
     done = []
     for t, original in _active.originals:
-        done.extend(restore(PACKAGE, t.name, original, t.replacement) if t.owner is None
-                    else t.rebind(t.replacement, original))
+        done.extend(t.rebind(t.replacement, original))  # swapped: back wherever the replacement is bound
     _active = None
     return tuple(done)
 

@@ -14,23 +14,16 @@ input and the state.
 """
 from __future__ import annotations
 
-import warnings
-
 from ..spec.layouts import InputError
+from .calls import call_in_layout, check_floating_arrays
 
 
 def check_inputs(r, w, k, v, a, b, state):
     """Shapes and kinds from metadata only (no host sync)."""
-    import mlx.core as mx
-
     named = dict(r=r, w=w, k=k, v=v, a=a, b=b)
     if state is not None:
         named["state"] = state
-    for name, x in named.items():
-        if not isinstance(x, mx.array):
-            raise InputError(f"argument {name!r}: expected an mx.array, got {type(x).__name__}")
-        if not mx.issubdtype(x.dtype, mx.floating):
-            raise InputError(f"argument {name!r}: expected a floating dtype, got {x.dtype}")
+    check_floating_arrays(named)
     if r.ndim != 4:
         raise InputError(f"argument 'r': expected [B,T,H,Dk], got shape {tuple(r.shape)}")
     for name in ("w", "k", "a", "b"):
@@ -58,10 +51,5 @@ def wkv7(self, r, w, k, v, a, b, state):
     state_dtype = r.dtype if state is None else state.dtype
     h0 = mx.zeros((B, H, Dk, Dv), dtype=mx.float32) if state is None else state.swapaxes(-1, -2)
     lw = mx.log(w.astype(mx.float32))
-    if 1 < T < H:  # mlx-lm's layout is [B,T,H,D] by contract: short prompts are not head-first
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*layout mismatch", category=UserWarning)
-            y, ht = ops.rwkv7(r, lw, k, v, a, b, scale=1.0, initial_state=h0, output_final_state=True)
-    else:
-        y, ht = ops.rwkv7(r, lw, k, v, a, b, scale=1.0, initial_state=h0, output_final_state=True)
+    y, ht = call_in_layout(ops.rwkv7, T, H, r, lw, k, v, a, b, scale=1.0, initial_state=h0, output_final_state=True)
     return y.astype(r.dtype), ht.swapaxes(-1, -2).astype(state_dtype)

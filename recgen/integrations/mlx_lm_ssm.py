@@ -19,13 +19,8 @@ a 256-token block ending in padding), nor at ``lengths == 0``. Here the state is
 """
 from __future__ import annotations
 
-import warnings
-
 from ..spec.layouts import InputError
-
-
-def _shape_error(name, shape, expected):
-    return InputError(f"argument {name!r}: expected {expected}, got shape {tuple(shape)}")
+from .calls import call_in_layout, check_floating_arrays, shape_error
 
 
 def check_inputs(x, A_log, B, C, D, dt, dt_bias, state, mask, lengths):
@@ -35,33 +30,29 @@ def check_inputs(x, A_log, B, C, D, dt, dt_bias, state, mask, lengths):
     named = dict(hidden_states=x, A_log=A_log, B=B, C=C, D=D, dt=dt, dt_bias=dt_bias)
     if state is not None:
         named["state"] = state
-    for name, a in named.items():
-        if not isinstance(a, mx.array):
-            raise InputError(f"argument {name!r}: expected an mx.array, got {type(a).__name__}")
-        if not mx.issubdtype(a.dtype, mx.floating):
-            raise InputError(f"argument {name!r}: expected a floating dtype, got {a.dtype}")
+    check_floating_arrays(named)
     if x.ndim != 4:
-        raise _shape_error("hidden_states", x.shape, "[b,l,H,P]")
+        raise shape_error("hidden_states", x.shape, "[b,l,H,P]")
     b, l, H, P = x.shape
     if B.ndim != 4 or tuple(B.shape[:2]) != (b, l) or H % B.shape[2]:
-        raise _shape_error("B", B.shape, f"[b,l,G,N] with b={b}, l={l} and G dividing H={H}")
+        raise shape_error("B", B.shape, f"[b,l,G,N] with b={b}, l={l} and G dividing H={H}")
     N = B.shape[3]
     if tuple(C.shape) != tuple(B.shape):
-        raise _shape_error("C", C.shape, f"the shape of B [b,l,G,N] = {tuple(B.shape)}")
+        raise shape_error("C", C.shape, f"the shape of B [b,l,G,N] = {tuple(B.shape)}")
     if tuple(dt.shape) != (b, l, H):
-        raise _shape_error("dt", dt.shape, f"[b,l,H] = {(b, l, H)}")
+        raise shape_error("dt", dt.shape, f"[b,l,H] = {(b, l, H)}")
     for name, a in (("A_log", A_log), ("D", D), ("dt_bias", dt_bias)):
         if a.size != H and a.size != 1:
-            raise _shape_error(name, a.shape, f"[H] = ({H},)")
+            raise shape_error(name, a.shape, f"[H] = ({H},)")
     if state is not None and tuple(state.shape) != (b, H, P, N):
-        raise _shape_error("state", state.shape, f"[b,H,P,N] = {(b, H, P, N)}")
+        raise shape_error("state", state.shape, f"[b,H,P,N] = {(b, H, P, N)}")
     for name, a, shape in (("mask", mask, (b, l)), ("lengths", lengths, (b,))):
         if a is None:
             continue
         if not isinstance(a, mx.array):
             raise InputError(f"argument {name!r}: expected an mx.array, got {type(a).__name__}")
         if tuple(a.shape) != shape:
-            raise _shape_error(name, a.shape, f"{list(shape)}")
+            raise shape_error(name, a.shape, f"{list(shape)}")
 
 
 def ssm_update(hidden_states, A_log, B, C, D, dt, dt_bias, state=None, time_step_limit=(0.001, 100.0),
@@ -88,8 +79,6 @@ def ssm_update(hidden_states, A_log, B, C, D, dt, dt_bias, state=None, time_step
         lg = mx.where(keep[..., None], lg, 0.0)
         u = mx.where(keep[..., None, None], u, 0.0)
     h0 = mx.zeros((b, H, N, P), dtype=mx.float32) if state is None else state.swapaxes(-1, -2)
-    with warnings.catch_warnings():  # mlx-lm's layout is [B,T,H,D] by contract: short prompts are not head-first
-        warnings.filterwarnings("ignore", message=".*layout mismatch", category=UserWarning)
-        y, ht = ops.simple_gla(C, B, u, lg, scale=1.0, initial_state=h0, output_final_state=True)
+    y, ht = call_in_layout(ops.simple_gla, l, H, C, B, u, lg, scale=1.0, initial_state=h0, output_final_state=True)
     y = y.astype(x.dtype) + x * D.reshape(1, 1, -1, 1)
     return y, ht.swapaxes(-1, -2).astype(mx.float32 if state is None else state.dtype)

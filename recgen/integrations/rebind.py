@@ -2,8 +2,9 @@
 reversibly.
 
 Such modules hold their own reference to ``f``, so replacing it in its defining module alone reaches
-only later imports; every module under a package prefix that holds the original is rebound too, and
-undoing restores each binding that still holds the replacement.
+only later imports; every module under a package prefix that holds the original is rebound too. Undoing is
+the same call with the two swapped: it reaches each binding that holds the replacement, including those of
+modules imported while it was in place (they took it from the defining module).
 """
 from __future__ import annotations
 
@@ -33,12 +34,6 @@ def rebind(prefix: str, name: str, original, replacement) -> tuple[Rebinding, ..
     return tuple(done)
 
 
-def restore(prefix: str, name: str, original, replacement) -> tuple[Rebinding, ...]:
-    """Set ``name`` back to ``original`` in every loaded module under ``prefix`` that binds ``replacement``
-    (including modules imported while it was in place, which took it from the defining module)."""
-    return rebind(prefix, name, replacement, original)
-
-
 def rebind_attribute(owner, label: str, name: str, original, replacement) -> tuple[Rebinding, ...]:
     """Set the class attribute ``owner.name`` (a method: every instance looks it up through the class) to
     ``replacement`` where it holds ``original``; ``label`` names the owner in the record (``module.Class``)."""
@@ -46,4 +41,3 @@ def rebind_attribute(owner, label: str, name: str, original, replacement) -> tup
         return ()
     setattr(owner, name, replacement)
     return (Rebinding(label, name, original, replacement),)
-

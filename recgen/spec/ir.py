@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import sympy as sp
 
@@ -174,7 +174,7 @@ class Recurrence:
     def __hash__(self) -> int:  # computed once: the dataclass hash walks the sympy terms, and caches key on specs
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((self.name, self.doc, self.inputs, self.step, self.features, self.gqa, self.default_scale))
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
             object.__setattr__(self, "_hash", h)
         return h
 
