@@ -13,7 +13,10 @@ How (``METHOD`` is written into every JSON):
   The link is one element of work (its input is donated, so it is updated in place); every call sees the same
   well-conditioned inputs. N calls, one ``eval`` and ``synchronize`` at the end, wall time / N; median of rounds.
 - **Forward+backward**: ``mx.vjp`` of the output with a fixed random cotangent ``do`` (the gradient of the scalar
-  ``sum(o * do)``, without timing the loss) with respect to every input.
+  ``sum(o * do)``, without timing the loss) with respect to every input, and the output itself: a model's loss
+  reads o, and FLA's ``backward`` runs after its forward. (Gradients alone let MLX skip a forward that no
+  gradient reads, which a kernel op whose backward recomputes the chunked form has: that would time less work
+  than a training step does.)
 - **Peak memory**: ``mx.reset_peak_memory()`` then ``mx.get_peak_memory()`` around one synchronized call; the
   inputs are resident, so they count (as they do in FLA's ``torch.cuda.max_memory_allocated``).
 - Inputs: random, drawn on the device by ``recgen.testing.input_law`` (log-decays to -20, unit-norm delta-rule
@@ -67,7 +70,8 @@ METHOD = {
            "call's output; one mx.eval + mx.synchronize after the N calls; ms = wall time / N, median of rounds, "
            "after a warm-up call",
     "fwdbwd": "the same chain over mx.vjp of the output with a fixed random cotangent do (the gradient of "
-              "sum(o * do)) with respect to every input; the link waits on one element of every gradient",
+              "sum(o * do)) with respect to every input; the link waits on one element of the output and of "
+              "every gradient (the output too: a model's loss reads it)",
     "sync_ms": "one call at a time: mx.eval + mx.synchronize around each call, median of 5",
     "link_ms": "the link alone, chained the same way: an upper bound on its share of a chained call",
     "peak": "mx.reset_peak_memory() then mx.get_peak_memory() around one synchronized call, inputs resident, GiB",
@@ -272,8 +276,9 @@ def steps(forward, inputs: dict, do: mx.array) -> Steps:
     tie = tie_input(inputs)
     linked = mx.compile(lambda t, *outs: link(t, list(outs)))  # the link's elementwise work as one kernel
 
-    def grads(xs):
-        return mx.vjp(lambda *a: forward(dict(zip(names, a))), [xs[n] for n in names], [do])[1]
+    def grads(xs):  # the output and every gradient, as a training step evaluates them
+        outs, gs = mx.vjp(lambda *a: forward(dict(zip(names, a))), [xs[n] for n in names], [do])
+        return [*outs, *gs]
 
     def fwd_step(t):
         return linked(t, forward({**inputs, tie: t}))

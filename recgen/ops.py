@@ -15,7 +15,10 @@ against this machine once by ``recgen.runtime.probe``) and chooses
 - a kernel op's backward: the generated backward kernel (one sequential sweep, the state in registers) or
   the chunked form's backward (matmuls over chunks), chosen by ``backward=`` / ``Tuning.backward``, else the
   chunked one where the spec has the fast chunked form and T reaches ``Tuning.chunked_backward_min_t`` (a
-  measured constant per GPU dialect; none for Metal until measured on Apple hardware).
+  measured constant per GPU dialect; none for Metal until measured on Apple hardware);
+- from ``Tuning.chunked_forward_min_t`` (also measured), a kernel op with the chunked backward runs wholly as
+  the chunked form: its forward is then faster than the sequential kernel's, and its backward is the chunked
+  form's own, without recomputing the forward.
 
 ``cu_seqlens`` (FLA's varlen convention): B = 1, the sequences packed along T with offsets 0 = c_0 <= ... <=
 c_N = T given on the host; ``initial_state`` and the final state then have N rows, one per sequence. Each
@@ -118,7 +121,8 @@ class Op:
         if t.debug if check_finite is None else check_finite:
             check_finite_values({**{k: [v] for k, v in arrays.items()}, "initial_state": states})
         xs = [arrays[x.name] for x in rec.inputs]
-        if backend == "mlx" or sizes.B == 0 or sizes.T == 0:  # nothing to launch: the chunked form's shapes
+        # the chunked form: asked for, nothing to launch (B or T = 0), or a long sequence (faster there)
+        if backend == "mlx" or sizes.B == 0 or sizes.T == 0 or self.runs_chunked(t, sizes.T):
             from . import chunked
 
             o, ht = chunked.forward(rec, dict(zip([x.name for x in rec.inputs], xs)), scale=scale,
@@ -148,6 +152,11 @@ class Op:
         ht = tuple(mx.concatenate([f[j] for f in finals], axis=0) for j in range(len(finals[0])))
         return o, (ht if rec.has_normalizer else ht[0])
 
+    def runs_chunked(self, t: Tuning, T: int) -> bool:
+        """A kernel op whose forward is the chunked form too (its backward then MLX's autodiff of it, the chunked
+        backward without the recompute): see ``chunked_forward``."""
+        return choose_backward(self.rec, t, T, self.backward) == "chunked" and chunked_forward(self.rec, t, T)
+
     def _kernel_call(self, backend, xs, sizes: Sizes, scale: float, initial_state, t: Tuning):
         import mlx.core as mx
 
@@ -166,10 +175,21 @@ class Op:
         return (outs[0], (outs[1], outs[2])) if self.rec.has_normalizer else outs
 
 
+def chunked_forward(rec: ir.Recurrence, t: Tuning, T: int) -> bool:
+    """Whether a kernel op with the chunked backward runs its forward as the chunked form as well: from
+    ``Tuning.chunked_forward_min_t`` (measured per GPU dialect), where the spec has the fast chunked form. Its
+    backward is then the chunked form's own (autodiff around the core's written VJP), with no recompute."""
+    from .chunked import fast_form
+
+    return t.chunked_forward_min_t is not None and T >= t.chunked_forward_min_t and fast_form(rec)
+
+
 @lru_cache(maxsize=64)
 def chunked_vjp(rec: ir.Recurrence, scale: float, chunk_size: int | None, t: Tuning):
     """The VJP of the chunked form at the same point (recompute its forward, run its backward), as a kernel
-    op's backward; ``outputs`` (the kernel op's, same shapes) stand in for a missing cotangent's shape."""
+    op's backward; ``outputs`` (the kernel op's, same shapes) stand in for a missing cotangent's shape.
+    (Compiling the recompute and the backward as one graph was measured no faster on the H100: the backward's
+    elementwise ops sit one each between matmuls and kernels, so ``mx.compile`` finds nothing to fuse.)"""
     import mlx.core as mx
 
     from . import chunked

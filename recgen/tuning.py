@@ -33,6 +33,7 @@ class Tuning:
     backend: str | None = None      # force an op backend ("metal" | "cuda" | "mlx"); None: by device
     backward: str | None = None     # force a kernel op's backward ("recurrent" | "chunked"); None: by T
     chunked_backward_min_t: int | None = None  # from this T the kernel op's VJP is the chunked backward
+    chunked_forward_min_t: int | None = None   # ... and from this T its forward too (the chunked form)
     debug: bool = False             # finite checks on every call (they sync the host); print kernels when built
     # -- the chunked form ---------------------------------------------------------------------------
     chunk_size: int = 16            # default chunk length
@@ -74,7 +75,8 @@ DEVICE_DEFAULTS = {
 
 # What was measured faster on each dialect's hardware (docs/design.md and BENCHMARKS.md say where and how).
 MEASURED = {
-    "cuda": dict(chunk_kernels=True, mma_scan=True, chunked_backward_min_t=1024),
+    "cuda": dict(chunk_kernels=True, mma_scan=True, chunked_backward_min_t=1024,
+                 chunked_forward_min_t=4096),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 
@@ -107,6 +109,7 @@ def _roles(text: str) -> str:
 ENVIRONMENT = {
     "RECGEN_BACKEND": ("backend", _choice("RECGEN_BACKEND", BACKENDS)),
     "RECGEN_BACKWARD": ("backward", _choice("RECGEN_BACKWARD", BACKWARDS)),
+    "RECGEN_CHUNKED_FORWARD_MIN_T": ("chunked_forward_min_t", int),  # beyond any T: never
     "RECGEN_DEBUG": ("debug", _flag),
     "RECGEN_CHUNK_KERNELS": ("chunk_kernels", _flag),
     "RECGEN_MMA_SCAN": ("mma_scan", _flag),

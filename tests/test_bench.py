@@ -66,7 +66,7 @@ def test_each_call_takes_the_previous_calls_link(rng):
 @pytest.mark.parametrize("kind", ["fwd", "fwdbwd"])
 def test_the_link_depends_on_every_output(kind, rng, monkeypatch):
     """With the link's zero replaced by the sum it is made from, the carried value shows that call i+1's input
-    was computed from call i's output (forward) or from every gradient (forward+backward)."""
+    was computed from call i's output (forward) or from the output and every gradient (forward+backward)."""
     xs, do = small_inputs(rng)
     monkeypatch.setattr(bench, "dependency", lambda els: sum(e.astype(mx.float32) for e in els))
     s = bench.steps(fake_forward([]), xs, do)
@@ -77,9 +77,10 @@ def test_the_link_depends_on_every_output(kind, rng, monkeypatch):
         t = (s.fwd_step if kind == "fwd" else s.fwdbwd_step)(t)
         if kind == "fwd":
             first = v[0, 0, 0, 0] * (1 + want[0, 0, 0])
-        else:  # d/dv = do·(1 + beta), d/dbeta = Σ_V do·v
+        else:  # o, then d/dv = do·(1 + beta), d/dbeta = Σ_V do·v: the output is evaluated as a model's loss reads it
             dov = np.array(do)
-            first = dov[0, 0, 0, 0] * (1 + want[0, 0, 0]) + (dov * v).sum(-1)[0, 0, 0]
+            first = ((v[0, 0, 0, 0] + dov[0, 0, 0, 0]) * (1 + want[0, 0, 0])
+                     + (dov * v).sum(-1)[0, 0, 0])
         want[0, 0, 0] += first
     np.testing.assert_allclose(np.array(t), want, rtol=1e-5)
 

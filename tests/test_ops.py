@@ -141,3 +141,18 @@ def test_backward_choice_follows_the_tuning():
         tuning.resolve("gpu", "cuda", environ={"RECGEN_BACKWARD": "sideways"})
     with pytest.raises(InputError, match="backward="):
         ops.Op(specs.gla, backward="sideways")
+
+
+def test_chunked_forward_follows_the_tuning():
+    """From ``chunked_forward_min_t`` a kernel op with the chunked backward runs as the chunked form (forward and
+    backward), for specs with the fast chunked form only, unless its backward is forced recurrent; the
+    environment sets the threshold."""
+    cuda, metal = tuning.resolve("gpu", "cuda", environ={}), tuning.resolve("gpu", "metal", environ={})
+    gdn = ops.Op(specs.gated_delta_net)
+    assert cuda.chunked_forward_min_t == 4096 and metal.chunked_forward_min_t is None
+    assert gdn.runs_chunked(cuda, 4096) and not gdn.runs_chunked(cuda, 2048) and not gdn.runs_chunked(metal, 1 << 20)
+    assert not ops.Op(specs.gated_delta_net, backward="recurrent").runs_chunked(cuda, 4096)
+    assert not ops.Op(specs.selective_scan).runs_chunked(cuda, 1 << 20)  # no fast chunked form
+    t = tuning.resolve("gpu", "cuda", environ={"RECGEN_CHUNKED_FORWARD_MIN_T": "2048"})
+    assert ops.chunked_forward(specs.gated_delta_net, t, 2048)
+    assert not ops.chunked_forward(specs.gated_delta_net, t, 1024)
