@@ -46,8 +46,6 @@ class Recipe:
         """A regex matching the SpecError the decorator must raise for this recipe (any one of its faults), or
         None when it must accept it."""
         why = []
-        if self.transition != "none" and self.decay in VALUE_DECAYS:
-            why.append("rank-1 transition")
         if self.normalizer == "same" and self.decay in VALUE_DECAYS:
             why.append("normalizer decay d")
         if self.features and (self.decay in KEY_GATE_DECAYS or self.transition == "general"):

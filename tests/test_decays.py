@@ -2,9 +2,10 @@
 
 Decays nonnegative by construction but not written as exp(...) (x², cos²x, |m|·e^g, products of squares ...)
 take an exact log factor by factor (``recgen.spec.decay``); a decay of exactly 0 is a reset (log -inf with a
-zero gradient); decays sympy cannot prove nonnegative, and value-indexed decays with a rank-1 transition, are a
-SpecError at declaration. Checked against the float64 reference with inputs that are negative and exactly 0,
-in float64 and float32, on the CPU forms and the GPU forms (forced on the CPU)."""
+zero gradient); decays sympy cannot prove nonnegative are a SpecError at declaration (value-indexed decays with
+a rank-1 transition are accepted: ``test_full_decay_delta.py``). Checked against the float64 reference with
+inputs that are negative and exactly 0, in float64 and float32, on the CPU forms and the GPU forms (forced on
+the CPU)."""
 
 import mlx.core as mx
 import numpy as np
@@ -111,11 +112,18 @@ def test_normalizer_decay_that_can_be_negative_is_rejected():
 
 
 @pytest.mark.parametrize("index", [["j"], ["i", "j"]])
-def test_value_indexed_decay_with_transition_is_rejected_at_declaration(index):
+def test_value_indexed_decay_with_transition_runs_stepwise(index, rng):
+    """Declared, and the ``mlx`` backend (no chunked form: the state stepped token by token) matches the float64
+    reference, gradients included."""
+    from recgen.spec.layouts import Sizes
+    from recgen.testing import kernel_inputs
+
     def f(q: rg.Key, k: rg.Key, v: rg.Value, beta: rg.Scalar, A: rg.Param[tuple(index)]):
         return rg.Step(decay=rg.exp(-A ** 2), transition=rg.rank1(-beta * k, k), update=rg.outer(k, v), readout=q)
-    with pytest.raises(rg.SpecError, match="rank-1 transition.*scalar or per key"):
-        rg.recurrence(f)
+    rec = rg.recurrence(f)
+    xs, h0, do, dht, scale = kernel_inputs(rec, Sizes(B=1, T=6, H=2, Hk=1, Kin=4, K=4, V=3), rng)
+    errs = compare(rec, xs, h0, do, dht, scale, dtype=mx.float64)
+    assert max(errs.values()) <= 1e-5, errs
 
 
 @pytest.mark.parametrize("name", ["square", "mask_times_gate"])

@@ -21,7 +21,9 @@ Three forms, by the spec's terms:
   ``core.chunks_rank1``, the WY/UT form of all chunks at once, differentiated by MLX autodiff.
 - Full (i, j) or value-indexed decays (selective scan): ``core.scan_full``, a two-level scan
   (~2√T sequential elementwise steps per segment) with a written VJP (the reverse recurrence by the
-  same scan).
+  same scan). With a rank-1 transition as well no chunked form exists (``_stepwise``): the roles are
+  formed at once, the state steps token by token, MLX autodiff through the steps (T sequential steps;
+  the GPU kernels are the fast path for such a spec).
 
 Memory: a sequence whose working set fits the budget (``segment_budget``) runs as one piece. A
 longer one runs in segments: the forward keeps only each segment's entry state, the backward
@@ -33,8 +35,7 @@ B=2, H=4, K=V=64, so a 64k-token step peaks well above a 512 MiB budget).
 Second-order gradients are not supported.
 
 Decays enter through their exact logarithm (``recgen.spec.decay``; a decay of 0 is a reset). What no form
-computes is rejected by the decorator (``SpecError``): decays that can be negative, and a rank-1 transition
-together with a value-indexed or full (i, j) decay.
+computes is rejected by the decorator (``SpecError``): decays that can be negative, for one.
 """
 from __future__ import annotations
 
@@ -60,13 +61,9 @@ WORKSET_FACTOR = {"scalar": 27, "key": 30, "full": 40}  # full: × 4·B·H·K·V
 
 
 def supported(rec: ir.Recurrence) -> None:
-    """Raise NotImplementedError naming the term when ``rec`` has no chunked form here."""
+    """Raise NotImplementedError naming the term when ``rec`` has no form here (today every spec the decorator
+    accepts has one; the guard stays for the normalizer's decay, which ``validate`` already restricts)."""
     p = analyze(rec)
-    if rec.step.transition is not None and p.decay_class == "full":
-        raise NotImplementedError(
-            f"{rec.name}: the chunked MLX form does not support a rank-1 transition (transition a = "
-            f"{rec.step.transition.a}, b = {rec.step.transition.b}) together with a value-indexed decay "
-            f"D = {rec.step.decay} (free indices {rec.free_indices(rec.step.decay)}); use naive_loop or a kernel backend")
     if p.zdecay_class == "full":  # validate() forbids it; guard anyway
         raise NotImplementedError(f"{rec.name}: normalizer decay {rec.step.normalizer.decay} is value-indexed")
 
@@ -278,6 +275,29 @@ def _full(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     return (o, S, z) if has_z else (o, S)
 
 
+def _stepwise(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
+    """A rank-1 transition with a value-indexed or full (i, j) decay. No chunked form exists: the transition mixes
+    the state's rows (bᵀP sums over i) while the decay scales each element on its own, so no product of a
+    chunk's steps factors into matmuls. The roles are formed for the whole stretch at once, then the state steps
+    token by token (MLX autodiff through the steps; O(T·K·V) memory, bounded by the caller's segments)."""
+    z = rest[0] if has_z else None
+    T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
+    r, a, b, u, w = (t[k][:, :, :, None] for k in ("r", "a", "b", "u", "w"))  # [B,H,T,1,F]: rows of one token
+    D = core.exp(t["logdecay"], tun.pow2_exp)                                    # [B,H,T,K|1,V]
+    before_decay, before_update = p.rec.transition_before_decay, p.rec.step.readout_before_update
+    ys = []
+    for s in range(T):
+        P = D[:, :, s] * S
+        P = P + a[:, :, s].swapaxes(-1, -2) * (b[:, :, s] @ (S if before_decay else P))
+        S_next = P + u[:, :, s].swapaxes(-1, -2) * w[:, :, s]
+        ys.append(r[:, :, s] @ (S if before_update else S_next))               # [B,H,1,V]
+        S = S_next
+    y = mx.concatenate(ys, axis=2) if ys else mx.zeros((sizes.B, sizes.H, 0, sizes.V), S.dtype)
+    nz, z = _z_scan(tun, p, t, z, C) if has_z else (None, z)
+    o = _readout(p, p.rec, t, y, nz)
+    return (o, S, z) if has_z else (o, S)
+
+
 @lru_cache(maxsize=64)
 def _body(body, rec, names, scale, sizes, has_z, C, out_dtype, tun: Tuning, compile: bool):
     """``body`` bound to one spec and shape, its output cast to ``out_dtype``. With ``compile`` the
@@ -373,7 +393,8 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     C = chunk_size or (tun.key_chunk_size if p.decay_class == "key" else tun.chunk_size)
     C = pow2_ceil(min(C, T))  # speed and memory only, not the result
     if p.decay_class == "full":  # O(T·K·V) working set: the segment budget sets the stretch
-        fn = _body(_full, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, False)
+        body = _full if rec.step.transition is None else _stepwise
+        fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, False)
         per_token = 4 * sizes.B * sizes.H * sizes.K * sizes.V * WORKSET_FACTOR["full"]
         seg = max(1, segment_budget(tun) // per_token)
     else:

@@ -288,8 +288,9 @@ class Recurrence:
         return self
 
     def _check_decays(self) -> None:
-        """Every decay has an exact logarithm (the chunked forms need it), and a rank-1 transition comes with a
-        scalar or key-vector decay (no form computes it with a value-indexed one)."""
+        """Every decay has an exact logarithm (the chunked forms need it), and ``before_decay`` is a bool. (A rank-1
+        transition with a value-indexed or full (i, j) decay is accepted: the kernels and the reference step it
+        like any other, and the ``mlx`` backend steps it token by token, having no chunked form for it.)"""
         from .decay import log_decay
 
         terms = self.terms()
@@ -303,12 +304,6 @@ class Recurrence:
         tr = self.step.transition
         if tr is not None and not isinstance(tr.before_decay, bool):
             raise SpecError(f"{self.name}: rank1(..., before_decay=) must be True or False, got {tr.before_decay!r}")
-        idx = self.free_indices(terms["decay"])
-        if self.step.transition is not None and J in idx:
-            raise SpecError(f"term {ROLE_NAMES['decay']} = {terms['decay']}: has index {list(idx)}, but with a "
-                            f"rank-1 transition (a = {self.step.transition.a}, b = {self.step.transition.b}) the "
-                            "decay must be scalar or per key (i): the chunked form has no value-indexed decay with "
-                            "a transition")
 
     def _check_readout_extensions(self) -> None:
         """The pre-update readout and the bonus: a bool flag, and no normalizer (no backend computes n = z_{t-1}ᵀ r

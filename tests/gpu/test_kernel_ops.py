@@ -5,7 +5,7 @@ the chunked form's backward (``backward="chunked"``, the default from T = 1024 o
 from __future__ import annotations
 
 import pytest
-from op_check import KERNEL_SPECS, MLSTM, assert_close, load_spec, op_errors, params
+from op_check import CASES, KERNEL_SPECS, MLSTM, assert_close, load_spec, op_errors, params
 
 pytestmark = pytest.mark.gpu
 
@@ -30,3 +30,13 @@ def test_kernel_op_general_chunked_backward(name, case, dtype, rng):
     general WY form's autodiff on the GPU."""
     assert_close(op_errors(load_spec(name), case, dtype, rng, backend="cuda", backward="chunked"), dtype)
 
+
+
+@pytest.mark.parametrize("before_decay", [False, True])
+@pytest.mark.parametrize("name,case,dtype", params(["full_decay_delta"], cases=CASES[:2]))
+def test_kernel_op_full_decay_with_transition(before_decay, name, case, dtype, rng):
+    """A delta rule with a full (i, j) decay (``test_full_decay_delta.spec``): the recurrent kernels, forward and
+    backward, either order of the transition and the decay; its chunked form does not exist."""
+    from test_full_decay_delta import spec
+
+    assert_close(op_errors(spec(before_decay), case, dtype, rng, backend="cuda", backward="recurrent"), dtype)
