@@ -270,23 +270,35 @@ class Steps:
     start: object
 
 
-def steps(forward, inputs: dict, do: mx.array) -> Steps:
-    """The calls of ``forward`` (inputs by name -> o) at ``inputs``; the chain runs through ``tie_input``."""
+def steps(forward, inputs: dict, do: mx.array, compiled: bool = False) -> Steps:
+    """The calls of ``forward`` (inputs by name -> o) at ``inputs``; the chain runs through ``tie_input``.
+    ``compiled``: each call (forward, or forward and backward) as one ``mx.compile``d function, as a compiled
+    training step (mlx-lm's trainer compiles its step) runs it. MLX compiles nothing inside a transformation
+    (``mx.vjp`` traces a compiled function's graph as plain ops), so without it a backward's elementwise work
+    runs op by op; with it the whole graph, backward included, is fused."""
     names = list(inputs)
     tie = tie_input(inputs)
     linked = mx.compile(lambda t, *outs: link(t, list(outs)))  # the link's elementwise work as one kernel
 
-    def grads(xs):  # the output and every gradient, as a training step evaluates them
-        outs, gs = mx.vjp(lambda *a: forward(dict(zip(names, a))), [xs[n] for n in names], [do])
+    def fwd_args(*a):
+        return forward(dict(zip(names, a)))
+
+    def grads_args(*a):  # the output and every gradient, as a training step evaluates them
+        outs, gs = mx.vjp(lambda *p: forward(dict(zip(names, p))), list(a), [do])
         return [*outs, *gs]
 
+    fwd_fn, grads_fn = (mx.compile(fwd_args), mx.compile(grads_args)) if compiled else (fwd_args, grads_args)
+
+    def call(fn, xs):
+        return fn(*[xs[n] for n in names])
+
     def fwd_step(t):
-        return linked(t, forward({**inputs, tie: t}))
+        return linked(t, call(fwd_fn, {**inputs, tie: t}))
 
     def fwdbwd_step(t):
-        return linked(t, *grads({**inputs, tie: t}))
+        return linked(t, *call(grads_fn, {**inputs, tie: t}))
 
-    return Steps(fwd=lambda: forward(inputs), fwdbwd=lambda: grads(inputs), fwd_step=fwd_step,
+    return Steps(fwd=lambda: call(fwd_fn, inputs), fwdbwd=lambda: call(grads_fn, inputs), fwd_step=fwd_step,
                  fwdbwd_step=fwdbwd_step, start=lambda: inputs[tie] * 1)
 
 
@@ -392,8 +404,9 @@ def check_args(passes: tuple, baselines: tuple, dtype: str, backend: str) -> Non
 
 def run(rec: ir.Recurrence, shape: Shape, dtype: str = "bfloat16", backend: str = "auto",
         passes: tuple = PASSES, baselines: tuple = (), repeat: int | None = None, on_step=None,
-        fla_timeout: float = FLA_TIMEOUT_S) -> Result:
-    """Measure ``rec`` at ``shape``; ``on_step(label)`` is called before each step of ``plan(passes, baselines)``."""
+        fla_timeout: float = FLA_TIMEOUT_S, compiled: bool = False) -> Result:
+    """Measure ``rec`` at ``shape``; ``on_step(label)`` is called before each step of ``plan(passes, baselines)``.
+    ``compiled``: recgen's and the naive loop's calls each as one compiled function (``steps``)."""
     check_args(passes, baselines, dtype, backend)
     if repeat is not None and repeat < 1:
         raise InputError(f"--repeat {repeat}: expected a positive count")
@@ -405,7 +418,7 @@ def run(rec: ir.Recurrence, shape: Shape, dtype: str = "bfloat16", backend: str 
     measures = []
 
     xs, do = make_inputs(rec, shape, dtype)
-    s = steps(recgen_forward(rec, backend), xs, do)
+    s = steps(recgen_forward(rec, backend), xs, do, compiled)
     calls = {"fwd": (s.fwd, s.fwd_step), "fwdbwd": (s.fwdbwd, s.fwdbwd_step)}
     for k in kinds:
         on_step(f"recgen {k}")
@@ -419,7 +432,7 @@ def run(rec: ir.Recurrence, shape: Shape, dtype: str = "bfloat16", backend: str 
     del s, calls
 
     if "naive" in baselines:
-        measures += _naive(rec, shape, dtype, passes, kinds, peaks, xs, do, repeat, on_step)
+        measures += _naive(rec, shape, dtype, passes, kinds, peaks, xs, do, repeat, on_step, compiled)
     del xs, do
     if "fla" in baselines:
         on_step("fla (separate process)")
@@ -429,15 +442,15 @@ def run(rec: ir.Recurrence, shape: Shape, dtype: str = "bfloat16", backend: str 
     env = {"device": {"default_device": str(mx.default_device()), **_jsonable(mx.device_info())},
            "mlx_version": mx.__version__, "recgen_version": __version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "python": sys.version.split()[0], "tuning": _jsonable(asdict(tun))}
+           "python": sys.version.split()[0], "tuning": _jsonable(asdict(tun)), "compiled": compiled}
     return Result(rec.name, rec.spec_hash(), shape, dtype, backend, used, tuple(measures), env)
 
 
-def _naive(rec, shape, dtype, passes, kinds, peaks, xs, do, repeat, on_step) -> list:
+def _naive(rec, shape, dtype, passes, kinds, peaks, xs, do, repeat, on_step, compiled=False) -> list:
     on_step("naive estimate")
     est = naive_estimates(rec, shape, dtype, passes)
     mem = device_memory()
-    s = steps(naive_forward(rec, shape), xs, do)
+    s = steps(naive_forward(rec, shape), xs, do, compiled)
     calls = {"fwd": (s.fwd, s.fwd_step), "fwdbwd": (s.fwdbwd, s.fwdbwd_step)}
     why = {}
     for k, (sec, gib) in est.items():

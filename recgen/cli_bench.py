@@ -27,6 +27,8 @@ def add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", default="", help="comma list of naive (the per-token MLX loop), fla (FLA, "
                                                    "torch in a separate process)")
     p.add_argument("--repeat", type=int, help="chained calls a round (default: enough for ~0.25 s)")
+    p.add_argument("--compiled", action="store_true", help="each call as one mx.compile'd function, as a compiled "
+                                                             "training step runs it (FLA runs eager either way)")
     p.add_argument("--json", metavar="PATH", help="write every number, the shape, device, versions and method")
 
 
@@ -53,7 +55,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
             seen.append(label)
             progress.update(task, description=f"{rec.name} {shape.text()}: {label}")
 
-        result = bench.run(rec, shape, args.dtype, args.backend, passes, baselines, args.repeat, on_step)
+        result = bench.run(rec, shape, args.dtype, args.backend, passes, baselines, args.repeat, on_step,
+                           compiled=args.compiled)
         progress.update(task, completed=len(labels))
     console.print(header(result))
     console.print(table(result, baselines))
@@ -82,7 +85,8 @@ def _fmt(m) -> str:
 def header(result) -> str:
     s, dev = result.shape, result.environment["device"]
     return (f"[bold]recgen bench {result.spec}[/]: B={s.B} T={s.T} H={s.H} K={s.K} V={s.V}, {result.dtype}, "
-            f"{dev.get('device_name', dev['default_device'])}, backend {result.backend_used}, chained calls")
+            f"{dev.get('device_name', dev['default_device'])}, backend {result.backend_used}, chained "
+            + ("compiled calls" if result.environment.get("compiled") else "calls"))
 
 
 def table(result, baselines: tuple) -> Table:

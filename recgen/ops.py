@@ -188,8 +188,8 @@ def chunked_forward(rec: ir.Recurrence, t: Tuning, T: int) -> bool:
 def chunked_vjp(rec: ir.Recurrence, scale: float, chunk_size: int | None, t: Tuning):
     """The VJP of the chunked form at the same point (recompute its forward, run its backward), as a kernel
     op's backward; ``outputs`` (the kernel op's, same shapes) stand in for a missing cotangent's shape.
-    (Compiling the recompute and the backward as one graph was measured no faster on the H100: the backward's
-    elementwise ops sit one each between matmuls and kernels, so ``mx.compile`` finds nothing to fuse.)"""
+    (Compiling the recompute and the backward here cannot work: this runs inside the caller's ``mx.vjp``, and MLX
+    compiles nothing whose inputs are a transformation's tracers; a caller's compiled training step fuses it.)"""
     import mlx.core as mx
 
     from . import chunked
