@@ -27,7 +27,7 @@ from recgen.math import reference  # noqa: E402
 from recgen.runtime import probe  # noqa: E402
 from recgen.spec import ir  # noqa: E402
 from recgen.testing import rel_err  # noqa: E402
-from recgen.chunked import forward, naive_loop, supported  # noqa: E402
+from recgen.chunked import forward, naive_loop  # noqa: E402
 from recgen.spec.features import sympow  # noqa: E402
 from recgen.spec.frontend import Key, Scalar, Step, Value, Param, normalizer, rank1, outer, recurrence  # noqa: E402
 from recgen.spec.fns import exp, sigmoid, softplus  # noqa: E402
@@ -218,20 +218,6 @@ def test_custom_spec_sigmoid_decay_uses_log():
     res = compare(sig_gla, 40, chunk=16, seed=2)
     assert_close(res)
     del rng
-
-
-def test_unsupported_transition_with_full_decay_names_the_term():
-    """Rejected at declaration (tests/test_decays.py); a hand-built Recurrence still meets the chunked guard."""
-    def odd(q: Key, k: Key, v: Value, A: Param["i", "j"], beta: Scalar):
-        return Step(decay=exp(A), transition=rank1(-beta * k, k), update=outer(beta * k, v), readout=q)
-
-    with pytest.raises(ir.SpecError, match="transition"):
-        recurrence(odd)
-    syms = [ir.Input("q", "key", ("i",)), ir.Input("k", "key", ("i",)), ir.Input("v", "value", ("j",)),
-            ir.Input("A", "param", ("i", "j")), ir.Input("beta", "scalar", ())]
-    step = odd(*[x.symbol for x in syms])
-    with pytest.raises(NotImplementedError, match="transition"):
-        supported(ir.Recurrence("odd", "", tuple(syms), step))
 
 
 @recurrence

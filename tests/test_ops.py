@@ -156,3 +156,24 @@ def test_chunked_forward_follows_the_tuning():
     t = tuning.resolve("gpu", "cuda", environ={"RECGEN_CHUNKED_FORWARD_MIN_T": "2048"})
     assert ops.chunked_forward(specs.gated_delta_net, t, 2048)
     assert not ops.chunked_forward(specs.gated_delta_net, t, 1024)
+
+
+def test_checked_signatures_still_check_what_varies():
+    """An op remembers the argument metadata it has checked (decode repeats one signature), and still checks what
+    that key does not cover: a bad initial state or scale on a remembered signature, a new dtype, a wrong
+    keyword; positional and keyword calls map their arrays to the right inputs."""
+    q, k, v, gk = _gla_inputs()
+    op = ops.gla
+    o1 = op(q, k, v, gk)[0]
+    o2 = op(q, k, v, gk)[0]                           # the remembered path
+    o3 = op(q, k, v=v, gk=gk)[0]                      # another signature, the same call
+    np.testing.assert_array_equal(np.array(o1), np.array(o2))
+    np.testing.assert_array_equal(np.array(o1), np.array(o3))
+    with pytest.raises(InputError, match="initial_state"):
+        op(q, k, v, gk, initial_state=mx.zeros((1, 2, 3, 3)))
+    with pytest.raises(InputError, match="scale"):
+        op(q, k, v, gk, scale="big")
+    with pytest.raises(InputError, match="'q'"):
+        op(q.astype(mx.int32), k, v, gk)
+    with pytest.raises(InputError, match="unexpected"):
+        op(q, k, v, gk=gk, gate=gk)

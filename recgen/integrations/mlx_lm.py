@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from functools import lru_cache
 
 from ..spec.layouts import InputError
 from .calls import call_in_layout, check_floating_arrays, shape_error
@@ -103,6 +104,44 @@ def check_inputs(q, k, v, a, b, A_log, dt_bias, state, mask) -> bool:
     return vector
 
 
+CHECKED_SIGNATURES = 64  # call signatures ``checked_inputs`` remembers
+_checked: dict = {}
+
+
+def checked_inputs(*arrays) -> bool:
+    """``check_inputs``, once per signature (each argument's type, shape and dtype): a decode loop repeats one."""
+    try:
+        key = tuple(None if x is None else (type(x), x.shape, x.dtype) for x in arrays)
+    except AttributeError:
+        return check_inputs(*arrays)
+    vector = _checked.get(key)
+    if vector is None:
+        vector = check_inputs(*arrays)
+        if len(_checked) >= CHECKED_SIGNATURES:
+            _checked.clear()
+        _checked[key] = vector
+    return vector
+
+
+@lru_cache(maxsize=16)
+def gates(allow_neg_eigval: bool, lower_bound):
+    """(beta, log-decay) from mlx-lm's (a, b, A_log, dt_bias) as one compiled, shapeless function, as mlx-lm's
+    own ``compute_g``: one kernel a decode step instead of several (inside a transformation MLX traces it as
+    plain ops)."""
+    import mlx.core as mx
+
+    return mx.compile(lambda a, b, A_log, dt_bias: gate_values(a, b, A_log, dt_bias, allow_neg_eigval, lower_bound),
+                      shapeless=True)
+
+
+def gate_values(a, b, A_log, dt_bias, allow_neg_eigval: bool, lower_bound):
+    """mlx-lm's beta = sigmoid(b) (times 2 with ``allow_neg_eigval``) and the log-decay (``log_decay``)."""
+    import mlx.core as mx
+
+    beta = mx.sigmoid(b)
+    return (beta * 2.0 if allow_neg_eigval else beta), log_decay(A_log, a, dt_bias, lower_bound)
+
+
 def log_decay(A_log, a, dt_bias, lower_bound=None):
     """The log of mlx-lm's decay, in float32, from its parameters; floored at ``LOG_DECAY_FLOOR``."""
     import mlx.core as mx
@@ -125,13 +164,13 @@ def gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, 
     from .. import ops
 
     del use_kernel  # recgen picks its own path
-    vector = check_inputs(q, k, v, a, b, A_log, dt_bias, state, mask)
+    vector = checked_inputs(q, k, v, a, b, A_log, dt_bias, state, mask)
     B, _, _, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
-    beta = mx.sigmoid(b)
-    if allow_neg_eigval:
-        beta = beta * 2.0
-    lg = log_decay(A_log, a, dt_bias, lower_bound)
+    if lower_bound is None or isinstance(lower_bound, (int, float)):
+        beta, lg = gates(bool(allow_neg_eigval), lower_bound)(a, b, A_log, dt_bias)
+    else:  # an array bound is no cache key
+        beta, lg = gate_values(a, b, A_log, dt_bias, allow_neg_eigval, lower_bound)
     if mask is not None:
         keep = mask.astype(mx.bool_)[..., None]
         beta = mx.where(keep, beta, 0.0)
