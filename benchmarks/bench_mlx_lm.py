@@ -86,7 +86,11 @@ def train_step(model, T: int, args, patched):
     def loss_fn(m, x):
         return nn.losses.cross_entropy(m(x[:, :-1]), x[:, 1:], reduction="mean")
 
-    step = nn.value_and_grad(model, loss_fn)
+    grad_step = nn.value_and_grad(model, loss_fn)
+    step = grad_step
+    if args.compiled:  # as mlx-lm's trainer runs its step: one compiled graph, the model's arrays as inputs
+        compiled = mx.compile(lambda x: grad_step(model, x), inputs=[model.state], outputs=[model.state])
+        step = lambda m, x: compiled(x)  # noqa: E731
     times, cpus, peaks, loss = [], [], [], None
     with _stub() if patched == "stub" else recgen_mlx_lm.patch() if patched else contextlib.nullcontext():
         for i in range(args.reps + 1):
@@ -176,6 +180,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--decode", type=int, default=256)
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--compiled", action="store_true", help="compile the training step (as mlx-lm's trainer does)")
     ap.add_argument("--op", action="store_true", help="also time the gated delta alone (one layer's recurrence)")
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--floor", action="store_true",
@@ -189,7 +194,7 @@ def main():
           f"({n_gdn} gated DeltaNet: Hk=16, Hv=32, Dk=Dv=128), hidden {args.hidden}, vocab {args.vocab}, "
           f"{n_params / 1e6:.1f}M params, {args.dtype}, B={args.B}")
     if not args.skip_train:
-        print("\n## training step (forward + backward, every parameter's gradient)")
+        print("\n## training step (forward + backward, every parameter's gradient" + (", compiled" if args.compiled else "") + ")")
         print("| T | recgen s (CPU s) | recgen peak GiB | mlx-lm s (CPU s) | mlx-lm peak GiB | speedup (CPU) | "
               "memory ratio | loss diff |")
         print("|---|---|---|---|---|---|---|---|")
