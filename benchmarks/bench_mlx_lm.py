@@ -194,7 +194,8 @@ def main():
           f"({n_gdn} gated DeltaNet: Hk=16, Hv=32, Dk=Dv=128), hidden {args.hidden}, vocab {args.vocab}, "
           f"{n_params / 1e6:.1f}M params, {args.dtype}, B={args.B}")
     if not args.skip_train:
-        print("\n## training step (forward + backward, every parameter's gradient" + (", compiled" if args.compiled else "") + ")")
+        compiled = ", compiled" if args.compiled else ""
+        print(f"\n## training step (forward + backward, every parameter's gradient{compiled})")
         print("| T | recgen s (CPU s) | recgen peak GiB | mlx-lm s (CPU s) | mlx-lm peak GiB | speedup (CPU) | "
               "memory ratio | loss diff |")
         print("|---|---|---|---|---|---|---|---|")
