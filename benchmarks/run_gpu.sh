@@ -32,6 +32,7 @@ for stage in "$@"; do
            echo "python -m pytest -m gpu ($n shards): exit $rc"; grep -E "^(FAILED|ERROR)|(passed|failed|skipped).* in " "$OUT/check_gpu.log" ;;
     bench) for shape in $SHAPES; do bench bench $shape; done ;;             # recgen alone, every spec and shape
     bench:*) bench bench ${stage#bench:} ;;                                  # recgen alone at one shape
+    bench-compiled:*) bench bench_compiled ${stage#bench-compiled:} --compiled ;;  # each call compiled
     bench-fla:*) BENCH_TIMEOUT=${BENCH_TIMEOUT:-330} bench bench_fla ${stage#bench-fla:} --baseline fla ;;  # + FLA
     bench-extra) SPECS=selective_scan bench bench_extra 4,4096,24,16,64     # 1536 channels, 16 state rows
                  SPECS=power_retention bench bench_extra 2,4096,8,64 --backend mlx ;;  # no kernel for feature maps
