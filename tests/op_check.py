@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from helpers import rel_err
 
+import recgen as rg
 from recgen import Recurrence, specs
 from recgen.math import reference
 from recgen.ops import Op
@@ -75,6 +76,15 @@ def params(names, dtypes=DTYPES, cases=CASES) -> list:
     """pytest parameters (name, case, dtype) over the product, each in its ``group``."""
     return [pytest.param(n, c, d, id=f"{n}-{c.id}-{d}", marks=pytest.mark.xdist_group(group(n, d)))
             for n in names for c in cases for d in dtypes]
+
+
+def norm_skip() -> Recurrence:
+    """A normalizer beside a skip term (an mLSTM-style readout y / N(n) + D ⊙ v), for the kernels' checks."""
+    @rg.recurrence
+    def norm_skip(q: rg.Key, k: rg.Key, v: rg.Value, f: rg.Scalar, i: rg.Scalar, Dp: rg.Param["j"]):
+        return rg.Step(decay=rg.sigmoid(f), update=rg.outer(rg.sigmoid(i) * k, v), readout=rg.scale * q,
+                       normalizer=rg.normalizer(rg.sigmoid(f), rg.sigmoid(i) * k), skip=Dp * v)
+    return norm_skip
 
 
 def load_spec(name: str) -> Recurrence:

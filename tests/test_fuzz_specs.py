@@ -83,8 +83,7 @@ def test_fuzz_chunked_against_reference(case):
             assert not bad(res, *F32), (r, sizes, chunk, gpu_forms, "float32", bad(res, *F32))
 
 
-kernel_recipes = recipes.filter(lambda r: not r.features and not (r.normalizer != "none" and r.skip != "none")
-                                and r.rejection() is None)
+kernel_recipes = recipes.filter(lambda r: not r.features and r.rejection() is None)
 
 
 @pytest.mark.skipif(METAL_EXAMPLES == 0, reason="RECGEN_FUZZ_METAL=0")

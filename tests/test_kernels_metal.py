@@ -26,7 +26,7 @@ KERNEL_SPECS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "sel
 
 
 def _check(name, sizes, sanitizer=None, seed=0):
-    rec = specs.BUILTINS[name]
+    rec = specs.BUILTINS[name] if isinstance(name, str) else name
     xs, h0, do, dht, scale = kernel_inputs(rec, sizes, np.random.default_rng(seed))
     o, ht, g = verify.emulate(rec, xs, initial_state=h0, do=do, dht=dht, scale=scale, sanitizer=sanitizer)
     o_r, ht_r = reference.run(rec, initial_state=h0, scale=scale, **xs)
@@ -73,6 +73,17 @@ def test_metal_kernels_under_sanitizers(sanitizer):
 def test_unsupported_kernel_is_a_clear_error():
     with pytest.raises(UnsupportedKernel, match="feature maps"):
         plan(specs.power_retention, Sizes(1, 2, 1, 1, 4, 10, 4))
+
+
+def test_metal_normalizer_with_skip_term():
+    """A normalizer beside a skip term (an mLSTM-style readout y / N(n) + D ⊙ v): the forward also writes y / N for
+    the backward's normalizer gradient; several warps and threadgroups, a partial column tile, T = 1, and under
+    ASan+UBSan (the extra output's bounds)."""
+    from op_check import norm_skip
+
+    _check(norm_skip(), Sizes(B=2, T=5, H=4, Hk=2, Kin=8, K=8, V=12), seed=12)
+    _check(norm_skip(), Sizes(B=1, T=1, H=2, Hk=1, Kin=32, K=32, V=40), seed=13)
+    _check(norm_skip(), Sizes(B=1, T=3, H=2, Hk=1, Kin=8, K=8, V=12), sanitizer="address", seed=14)
 
 
 def test_metal_normalizer_kernels_t1():

@@ -52,6 +52,12 @@ class KernelPlan:
     fwd: Layout
     bwd: Layout
 
+    @property
+    def normalized_skip(self) -> bool:
+        """A normalizer and a skip term: the forward also writes y / N(n) (``yn``) when it saves for the backward,
+        whose normalizer gradient needs sum_j do_j y_j / N without the skip term (o minus skip would cancel)."""
+        return self.rec.has_normalizer and self.rec.step.skip is not None
+
     def template(self, layout: Layout) -> dict[str, int]:
         """Template constants of a kernel (shape registers; a change recompiles)."""
         return {"K": self.K, "KIN": self.KIN, "V": self.V, "H": self.H, "HK": self.HK, "C": self.C,
@@ -112,8 +118,6 @@ def unsupported(rec: ir.Recurrence) -> str | None:
     if rec.features:
         return (f"{rec.name}: feature maps ({', '.join(f.name for f in rec.features)}) have no recurrent kernel "
                 "yet; use backend='mlx'")
-    if rec.has_normalizer and rec.step.skip is not None:
-        return f"{rec.name}: a normalizer together with a skip term has no recurrent kernel yet; use backend='mlx'"
     return None
 
 

@@ -163,7 +163,7 @@ def forward_source(plan: KernelPlan, d: Dialect) -> KernelSource:
     body = template_env().get_template("recurrent_fwd.j2").render(**ctx)
     norm = plan.rec.has_normalizer
     ins = tuple(f"{x.name}_in" for x in plan.rec.inputs) + ("rt", "scale_in", "h0") + (("z0",) if norm else ())
-    outs = ("o", "ht", "ckpt") + (("zt", "ckptz") if norm else ())
+    outs = ("o", "ht", "ckpt") + (("zt", "ckptz") if norm else ()) + (("yn",) if plan.normalized_skip else ())
     tmpl = tuple(plan.template(plan.fwd).items())
     return KernelSource(kernel_name(plan, d, "fwd", body), _header(plan, d), body, ins, outs,
                         tmpl + (("SAVE", False), ("OT", "float32")))

@@ -35,6 +35,8 @@ def forward_launch(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: floa
             ((sizes.B, sizes.H, nc, sizes.K, sizes.V) if save else (1,), "float32"))
     if plan.rec.has_normalizer:
         outs += ((sizes.state_shape[:3], "float32"), ((sizes.B, sizes.H, nc, sizes.K) if save else (1,), "float32"))
+    if plan.normalized_skip:  # y / N(n) before the skip term, for the backward's sum_j do_j y_j / N
+        outs += (((sizes.B, sizes.T, sizes.H, sizes.V) if save else (1,), "float32"),)
     tmpl = tuple((n, {"SAVE": save, "OT": out_dtype}.get(n, v)) for n, v in fsrc.template)
     return Launch(fsrc, _runtime(sizes, scale), outs, grid, tg, tmpl)
 
@@ -108,8 +110,9 @@ def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, ou
         xs, states = list(primals[:n]), list(primals[n:])
         f = mlx_call(forward_launch(plan, dialect, sizes, scale, out_dtype, save=True), dialect, xs, states, debug)
         extra = [f[2], cotangents[0], cotangents[1].astype(mx.float32)]
-        if norm:  # sum_j do_j o_j, for dn: the one quantity that needs every value column
-            ydo = (cotangents[0].astype(mx.float32) * outputs[0].astype(mx.float32)).sum(axis=-1)
+        if norm:  # sum_j do_j y_j / N (o_j without a skip term), for dn: the one quantity that needs every column
+            yn = f[5] if plan.normalized_skip else outputs[0].astype(mx.float32)
+            ydo = (cotangents[0].astype(mx.float32) * yn).sum(axis=-1)
             extra += [f[4], cotangents[2].astype(mx.float32), ydo]
         outs = mlx_call(backward_launch(plan, dialect, sizes, scale), dialect, xs, extra, debug)
         grads, dstate = finish_grads(plan, sizes, outs)

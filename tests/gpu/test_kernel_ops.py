@@ -5,7 +5,7 @@ the chunked form's backward (``backward="chunked"``, the default from T = 1024 o
 from __future__ import annotations
 
 import pytest
-from op_check import CASES, KERNEL_SPECS, MLSTM, assert_close, load_spec, op_errors, params
+from op_check import CASES, KERNEL_SPECS, MLSTM, assert_close, load_spec, norm_skip, op_errors, params
 
 pytestmark = pytest.mark.gpu
 
@@ -40,3 +40,9 @@ def test_kernel_op_full_decay_with_transition(before_decay, name, case, dtype, r
     from test_full_decay_delta import spec
 
     assert_close(op_errors(spec(before_decay), case, dtype, rng, backend="cuda", backward="recurrent"), dtype)
+
+
+@pytest.mark.parametrize("name,case,dtype", params(["norm_skip"], cases=CASES[:2]))
+def test_kernel_op_normalizer_with_skip(name, case, dtype, rng):
+    """A normalizer beside a skip term (``op_check.norm_skip``): the recurrent kernels, forward and backward."""
+    assert_close(op_errors(norm_skip(), case, dtype, rng, backend="cuda", backward="recurrent"), dtype)
