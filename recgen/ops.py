@@ -35,7 +35,7 @@ from functools import lru_cache
 from . import specs
 from .codegen.backends import get as dialect_named
 from .codegen.lower import plan
-from .errors import InputError
+from .errors import InputError, UnsupportedKernel
 from .op_args import (check_array, check_backend, check_cu_seqlens, check_initial_state, check_mamba2, check_names,
                       check_scale, warn_head_first)
 from .op_args import check_finite as check_finite_values
@@ -68,6 +68,17 @@ def choose_backend(t: Tuning, *explicit) -> str:
             check_backend(b, BACKENDS, source)
             return b
     return t.dialect if t.device == "gpu" and t.dialect else "mlx"
+
+
+def has_kernel(rec: ir.Recurrence, sizes: Sizes, t: Tuning) -> bool:
+    """Whether ``rec`` has recurrent kernels at ``sizes`` (not for feature maps, nor for K > 512): where it has
+    none, an op left to its default backend runs the chunked form, and one asked for a kernel backend raises
+    ``UnsupportedKernel`` naming the term."""
+    try:
+        plan(rec, sizes, fwd_layout=t.fwd_layout)
+    except UnsupportedKernel:
+        return False
+    return True
 
 
 def choose_backward(rec: ir.Recurrence, t: Tuning, T: int, explicit: str | None) -> str:
@@ -145,7 +156,10 @@ class Op:
         states = [] if initial_state is None else check_initial_state(rec, sizes, initial_state)
         scale = (sizes.Kin ** -0.5 if rec.default_scale == "key" else 1.0) if scale is None else check_scale(scale)
         t = checked(current())
+        chosen = backend if backend is not None else self.backend if self.backend is not None else t.backend
         backend = choose_backend(t, backend, self.backend)
+        if chosen is None and backend != "mlx" and not has_kernel(rec, sizes, t):
+            backend = "mlx"  # the device's kernels by default, the chunked form where the spec has none
         if t.debug if check_finite is None else check_finite:
             check_finite_values({**{k: [v] for k, v in arrays.items()}, "initial_state": states})
         xs = [arrays[x.name] for x in rec.inputs]

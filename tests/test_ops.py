@@ -177,3 +177,22 @@ def test_checked_signatures_still_check_what_varies():
         op(q.astype(mx.int32), k, v, gk)
     with pytest.raises(InputError, match="unexpected"):
         op(q, k, v, gk=gk, gate=gk)
+
+
+def test_default_backend_runs_the_chunked_form_where_the_spec_has_no_kernel(monkeypatch):
+    """On a GPU a spec without recurrent kernels (feature maps) runs the chunked form by default (checked with a
+    CUDA tuning on this machine, the chunk kernels off so that the chunked form runs here; an explicit kernel backend's error: test_kernels_metal)."""
+    from recgen import chunked
+    from recgen.spec.layouts import Sizes
+
+    t = tuning.resolve("gpu", "cuda", environ={}, chunk_kernels=False, mma_scan=False)
+    monkeypatch.setattr(ops, "checked", lambda _t: t)
+    rng = np.random.default_rng(5)
+    a = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    q, k, v = a(1, 6, 2, 4), a(1, 6, 2, 4), a(1, 6, 2, 3)
+    g = mx.array(-rng.uniform(0, 2, (1, 6, 2)).astype(np.float32))
+    assert not ops.has_kernel(specs.power_retention, Sizes(1, 6, 2, 2, 4, 10, 3), t)
+    assert ops.has_kernel(specs.gla, Sizes(1, 6, 2, 2, 4, 4, 3), t)
+    o = ops.power_retention(q, k, v, g)[0]
+    o_ref = chunked.forward(specs.power_retention, dict(q=q, k=k, v=v, g=g), scale=0.5, tuning=t)[0]
+    np.testing.assert_allclose(np.array(o), np.array(o_ref), rtol=1e-6, atol=1e-7)
