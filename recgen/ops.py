@@ -10,7 +10,8 @@ This module is the dispatcher: per call it takes the device's tuning (``recgen.t
 against this machine once by ``recgen.runtime.probe``) and chooses
 
 - the backend: ``metal`` and ``cuda`` run the generated recurrent kernels, ``mlx`` the chunked form built
-  from MLX ops (any device, CPU included). Default: the kernels of the default device's GPU, else ``mlx``;
+  from MLX ops (any device, CPU included). Default: the kernels of the default device's GPU (the chunked form
+  where the spec has none at the call's sizes: ``has_kernel``), else ``mlx``;
   ``backend=`` on the op or the call, or ``Tuning.backend``, forces one;
 - a kernel op's backward: the generated backward kernel (one sequential sweep, the state in registers) or
   the chunked form's backward (matmuls over chunks), chosen by ``backward=`` / ``Tuning.backward``, else the
