@@ -278,7 +278,78 @@ gla = Op(specs.gla)
 simple_gla = Op(specs.simple_gla)
 selective_scan = Op(specs.selective_scan)
 selective_scan_linear_dt = Op(specs.selective_scan_linear_dt)
-power_retention = Op(specs.power_retention)
+class PowerRetention(Op):
+    r"""Power retention (``specs.power_retention``) that runs on the GPU's recurrent kernels, as a composition:
+    its expanded key space (K' = d(d+1)/2 rows of φ, over the kernels' 512-row register budget from d = 32) is
+    cut into nb blocks of Kb rows, each block a head of ``simple_gla`` (decay e^g, update φ(k)_blk [v, 1]ᵀ,
+    readout scale²·φ(q)_blk), so that the normalizer z rides along S as value column V and every block's
+    (y, n) partial comes back in one launch; then o = Σ_blk y / (Σ_blk n + ε), in float32.
+
+    Exact to rounding: the blocks of a sum of rows are independent (no transition mixes rows), so the composition
+    is the spec's own recurrence. φ(q) and φ(k) are formed in MLX (a decode step's are tiny; for long T this is
+    the expanded-feature path, not the kernel identity of issue 19's chunk kernels), and gradients flow through
+    MLX autodiff of the composition into simple_gla's kernel VJPs. Used where the backend is a GPU's kernels; the
+    ``mlx`` backend runs the spec's own chunked form."""
+
+    def __init__(self, backend: str | None = None, chunk_size: int | None = None, backward: str | None = None):
+        super().__init__(specs.power_retention, backend, chunk_size, backward)
+        self._blocks_op = Op(specs.simple_gla, backend=backend, chunk_size=chunk_size, backward=backward)
+
+    def _run(self, arrays: dict, sizes: Sizes, initial_state, output_final_state, scale, backend, check_finite):
+        t = checked(current())
+        if choose_backend(t, backend, self.backend) == "mlx" or sizes.B == 0 or sizes.T == 0:
+            return super()._run(arrays, sizes, initial_state, output_final_state, scale, backend, check_finite)
+        states = None if initial_state is None else check_initial_state(self.rec, sizes, initial_state)
+        scale = sizes.Kin ** -0.5 if scale is None else check_scale(scale)
+        return self.key_blocks(arrays, sizes, states, output_final_state, scale, backend, check_finite)
+
+    def key_blocks(self, arrays: dict, sizes: Sizes, states, output_final_state, scale, backend, check_finite):
+        """The composition (see the class docstring) on ``backend`` (None: the default); ``states`` the checked
+        (S, z) or None."""
+        import mlx.core as mx
+
+        from .chunked.terms import expand_heads, sympow_mx
+
+        q, k, v, g = (arrays[n] for n in ("q", "k", "v", "g"))
+        B, T, H, K, V = sizes.B, sizes.T, sizes.H, sizes.K, sizes.V
+        Kb = key_block(K, replace(sizes, K=K, V=V + 1), checked(current()))
+        nb = K // Kb
+        f32 = mx.float32
+
+        def blocks(x):  # [B,T,Hk,d] -> φ per value head and block: [B,T,H·nb,Kb]
+            phi = expand_heads(sympow_mx(x.astype(f32)), H, self.rec.gqa, 2)
+            return phi.reshape(B, T, H * nb, Kb)
+
+        def per_block(x):  # [B,T,H,...] -> [B,T,H·nb,...]
+            return mx.repeat(x, nb, axis=2)
+
+        v1 = mx.concatenate([v.astype(f32), mx.ones((B, T, H, 1), f32)], axis=-1)
+        h0 = None
+        if states is not None:
+            S0, z0 = (s.astype(f32) for s in states)
+            h0 = mx.concatenate([S0.reshape(B, H, nb, Kb, V), z0.reshape(B, H, nb, Kb, 1)], axis=-1)
+            h0 = h0.reshape(B, H * nb, Kb, V + 1)
+        inner = dict(q=blocks(q), k=blocks(k), v=per_block(v1), g=per_block(g.astype(f32)))
+        inner_sizes = infer_sizes(specs.simple_gla, {n: tuple(a.shape) for n, a in inner.items()})
+        yn, ht = self._blocks_op._run(inner, inner_sizes, h0, True, scale=scale * scale, backend=backend,
+                                      check_finite=check_finite)  # checked above; T < H·nb is no layout mistake
+        yn = yn.reshape(B, T, H, nb, V + 1).sum(axis=3)
+        o = (yn[..., :V] / (yn[..., V:] + specs.POWER_RETENTION_EPS)).astype(v.dtype)
+        if not output_final_state:
+            return o, None
+        ht = ht.reshape(B, H, nb, Kb, V + 1)
+        return o, (ht[..., :V].reshape(B, H, K, V), ht[..., V].reshape(B, H, K))
+
+
+def key_block(K: int, sizes: Sizes, t: Tuning) -> int:
+    """The widest block of K' rows (a divisor of K') that simple_gla's recurrent kernels take at ``sizes``."""
+    for nb in range(1, K + 1):
+        if K % nb == 0 and has_kernel(specs.simple_gla, replace(sizes, K=K // nb, Kin=K // nb), t):
+            return K // nb
+    raise UnsupportedKernel(f"power_retention: no block of its K'={K} expanded rows fits the recurrent kernels")
+
+
+power_retention = PowerRetention()
 hgrn2 = Op(specs.hgrn2)
 mlstm_sigmoid = Op(specs.mlstm_sigmoid)
 

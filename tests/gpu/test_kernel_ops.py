@@ -46,3 +46,34 @@ def test_kernel_op_full_decay_with_transition(before_decay, name, case, dtype, r
 def test_kernel_op_normalizer_with_skip(name, case, dtype, rng):
     """A normalizer beside a skip term (``op_check.norm_skip``): the recurrent kernels, forward and backward."""
     assert_close(op_errors(norm_skip(), case, dtype, rng, backend="cuda", backward="recurrent"), dtype)
+
+
+@pytest.mark.parametrize("name,case,dtype", params(["power_retention"], cases=CASES[:2]))
+def test_power_retention_on_kernels_by_key_blocks(name, case, dtype, rng):
+    """Power retention through ``ops.PowerRetention`` on CUDA: simple_gla's kernels over blocks of φ's rows."""
+    from recgen.ops import PowerRetention
+
+    rec = load_spec(name)
+    assert_close(op_errors(rec, case, dtype, rng, backend="cuda", op=PowerRetention(backend="cuda")), dtype)
+
+
+@pytest.mark.parametrize("T", [1, 37])
+def test_power_retention_key_blocks_at_d32_match_the_chunked_form(T, rng):
+    """d = 32: K' = 528 rows, over the kernels' budget, so three blocks; against the spec's chunked form on the GPU
+    (float32, TF32 off in this suite), forward and every gradient."""
+    import mlx.core as mx
+    import numpy as np
+
+    from recgen import ops
+
+    a = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    q, k, v = a(2, T, 2, 32), a(2, T, 2, 32), a(2, T, 2, 16)
+    g = mx.array(-rng.uniform(0, 3, (2, T, 2)).astype(np.float32))
+    do = a(2, T, 2, 16)
+    outs = []
+    for op in (ops.PowerRetention(backend="cuda"), ops.Op(ops.specs.power_retention, backend="mlx")):
+        o, vjps = mx.vjp(lambda *x: [op(*x)[0]], [q, k, v, g], [do])
+        outs.append([o[0], *vjps])
+    for x, y in zip(*outs):
+        err = float(mx.abs(x - y).max()) / (float(mx.abs(y).max()) + 1e-12)
+        assert err <= 1e-4, err
