@@ -8,6 +8,7 @@ import pytest
 
 from recgen import ops, specs, tuning
 from recgen.math import reference
+from recgen.spec.features import sympow
 from recgen.spec.layouts import Sizes
 from recgen.testing import kernel_inputs, rel_err
 
@@ -20,7 +21,6 @@ def test_key_blocks_match_the_reference(sizes, blocks):
     xs, h0, do, dht, scale = kernel_inputs(rec, sizes, np.random.default_rng(sizes.Kin))
     # a reachable initial state (S, z) = (Σ φ(w) vᵀ, Σ φ(w)), as the op checks do: φ(q)ᵀz stays a sum of squares
     rng = np.random.default_rng(1)
-    from recgen.spec.features import sympow
     phi = sympow(rng.standard_normal((sizes.B, sizes.H, 3, sizes.Kin)))
     h0 = (phi.swapaxes(-1, -2) @ rng.standard_normal((sizes.B, sizes.H, 3, sizes.V)), phi.sum(2))
     h0 = tuple(np.float32(x).astype(np.float64) for x in h0)
@@ -37,7 +37,8 @@ def test_key_blocks_match_the_reference(sizes, blocks):
     (o, S, z), grads = mx.vjp(f, primals, cots)
     o_r, (S_r, z_r) = reference.run(rec, initial_state=h0, scale=scale, **xs)
     g_r = reference.grad(rec, do=do, dht=dht, initial_state=h0, scale=scale, **xs)
-    assert rel_err(np.array(o), o_r) <= 1e-5 and rel_err(np.array(S), S_r) <= 1e-5 and rel_err(np.array(z), z_r) <= 1e-5
+    for got, want in ((o, o_r), (S, S_r), (z, z_r)):
+        assert rel_err(np.array(got), want) <= 1e-5
     for name, g in zip(names, grads[:4]):
         assert rel_err(np.array(g), g_r[name]) <= 1e-4, (name, rel_err(np.array(g), g_r[name]))
     for g, g_ref in zip(grads[4:], g_r["initial_state"]):
