@@ -260,24 +260,6 @@ def _zeros(shape):
     return mx.zeros(shape, dtype=mx.float32)
 
 
-def load(spec, backend: str | None = None, chunk_size: int | None = None, backward: str | None = None) -> Op:
-    """The op of a spec: a Recurrence, a built-in name, or 'path/to/file.py:function'."""
-    if isinstance(spec, str):
-        from .spec.resolve import resolve_spec
-
-        spec = resolve_spec(spec)
-    if not isinstance(spec, ir.Recurrence):
-        raise InputError(f"spec: expected a Recurrence (use @recgen.recurrence), got {type(spec).__name__}")
-    return Op(spec, backend=backend, chunk_size=chunk_size, backward=backward)
-
-
-gated_delta_net = Op(specs.gated_delta_net)
-kda = Op(specs.kda)
-delta_net = Op(specs.delta_net)
-gla = Op(specs.gla)
-simple_gla = Op(specs.simple_gla)
-selective_scan = Op(specs.selective_scan)
-selective_scan_linear_dt = Op(specs.selective_scan_linear_dt)
 class PowerRetention(Op):
     r"""Power retention (``specs.power_retention``) that runs on the GPU's recurrent kernels, as a composition:
     its expanded key space (K' = d(d+1)/2 rows of φ, over the kernels' 512-row register budget from d = 32) is
@@ -349,6 +331,26 @@ def key_block(K: int, sizes: Sizes, t: Tuning) -> int:
     raise UnsupportedKernel(f"power_retention: no block of its K'={K} expanded rows fits the recurrent kernels")
 
 
+def load(spec, backend: str | None = None, chunk_size: int | None = None, backward: str | None = None) -> Op:
+    """The op of a spec: a Recurrence, a built-in name, or 'path/to/file.py:function'."""
+    if isinstance(spec, str):
+        from .spec.resolve import resolve_spec
+
+        spec = resolve_spec(spec)
+    if not isinstance(spec, ir.Recurrence):
+        raise InputError(f"spec: expected a Recurrence (use @recgen.recurrence), got {type(spec).__name__}")
+    if spec is specs.power_retention:  # its kernel path is a composition (``PowerRetention``)
+        return PowerRetention(backend=backend, chunk_size=chunk_size, backward=backward)
+    return Op(spec, backend=backend, chunk_size=chunk_size, backward=backward)
+
+
+gated_delta_net = Op(specs.gated_delta_net)
+kda = Op(specs.kda)
+delta_net = Op(specs.delta_net)
+gla = Op(specs.gla)
+simple_gla = Op(specs.simple_gla)
+selective_scan = Op(specs.selective_scan)
+selective_scan_linear_dt = Op(specs.selective_scan_linear_dt)
 power_retention = PowerRetention()
 hgrn2 = Op(specs.hgrn2)
 mlstm_sigmoid = Op(specs.mlstm_sigmoid)

@@ -193,6 +193,7 @@ def test_default_backend_runs_the_chunked_form_where_the_spec_has_no_kernel(monk
     g = mx.array(-rng.uniform(0, 2, (1, 6, 2)).astype(np.float32))
     assert not ops.has_kernel(specs.power_retention, Sizes(1, 6, 2, 2, 4, 10, 3), t)
     assert ops.has_kernel(specs.gla, Sizes(1, 6, 2, 2, 4, 4, 3), t)
-    o = ops.power_retention(q, k, v, g)[0]
+    o = ops.Op(specs.power_retention)(q, k, v, g)[0]  # the spec's plain op (the built-in composes kernels)
+    assert isinstance(rg.load("power_retention"), ops.PowerRetention)
     o_ref = chunked.forward(specs.power_retention, dict(q=q, k=k, v=v, g=g), scale=0.5, tuning=t)[0]
     np.testing.assert_allclose(np.array(o), np.array(o_ref), rtol=1e-6, atol=1e-7)
