@@ -16,6 +16,33 @@ from .tuning import machine_dialect
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
 
+def signature(values) -> tuple | None:
+    """Each value's (type, shape, dtype), or None for a None: the whole input of metadata checks, as a cache key.
+    None where a value has no shape (not an array: the checks then say what is wrong)."""
+    try:
+        return tuple(None if x is None else (type(x), x.shape, x.dtype) for x in values)
+    except AttributeError:
+        return None
+
+
+class CheckedSignatures:
+    """Call signatures whose metadata checks passed, each with what the checks derived, up to ``size`` of them
+    (then forgotten at once): a decode loop repeats one signature, and its checks were a third of its host time."""
+
+    def __init__(self, size: int = 64):
+        self.size, self.seen = size, {}
+
+    def get(self, key):
+        return None if key is None else self.seen.get(key)
+
+    def put(self, key, value) -> None:
+        if key is None:
+            return
+        if len(self.seen) >= self.size:
+            self.seen.clear()
+        self.seen[key] = value
+
+
 def check_names(rec: ir.Recurrence, arrays: dict) -> None:
     """Every input given, nothing else (before any argument's type is looked at: a misspelt keyword is
     'unexpected', not 'not an array')."""

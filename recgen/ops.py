@@ -37,8 +37,8 @@ from . import specs
 from .codegen.backends import get as dialect_named
 from .codegen.lower import plan
 from .errors import InputError, UnsupportedKernel
-from .op_args import (check_array, check_backend, check_cu_seqlens, check_initial_state, check_mamba2, check_names,
-                      check_scale, warn_head_first)
+from .op_args import (CheckedSignatures, check_array, check_backend, check_cu_seqlens, check_initial_state,
+                      check_mamba2, check_names, check_scale, signature, warn_head_first)
 from .op_args import check_finite as check_finite_values
 from .op_args import check_delta_product
 from .runtime.probe import checked
@@ -48,17 +48,10 @@ from .spec.layouts import Sizes, infer_sizes
 from .tuning import BACKENDS, BACKWARDS, Tuning, current
 
 
-SEEN_SIGNATURES = 64  # checked call signatures an op remembers (a decode loop has one; shapes per bucket add few)
-
-
-def _metadata(args: tuple, kwargs: dict) -> tuple | None:
-    """The checks' whole input, as a key: each argument's type, shape and dtype, positional then by keyword. None
-    where an argument has no shape (not an array: the checks then say what is wrong)."""
-    try:
-        return (tuple((type(a), a.shape, a.dtype) for a in args)
-                + tuple((k, type(v), v.shape, v.dtype) for k, v in kwargs.items()))
-    except AttributeError:
-        return None
+def _call_signature(args: tuple, kwargs: dict) -> tuple | None:
+    """An op call's arrays as a key (``op_args.signature``): positional, then the keywords' names and arrays."""
+    pos, kw = signature(args), signature(kwargs.values())
+    return None if pos is None or kw is None else (pos, tuple(kwargs), kw)
 
 
 def choose_backend(t: Tuning, *explicit) -> str:
@@ -69,6 +62,13 @@ def choose_backend(t: Tuning, *explicit) -> str:
             check_backend(b, BACKENDS, source)
             return b
     return t.dialect if t.device == "gpu" and t.dialect else "mlx"
+
+
+def op_scale(rec: ir.Recurrence, sizes: Sizes, scale) -> float:
+    """The call's ``scale`` checked, or the spec's default (K^{-1/2} of the raw keys, or 1.0)."""
+    if scale is None:
+        return sizes.Kin ** -0.5 if rec.default_scale == "key" else 1.0
+    return check_scale(scale)
 
 
 def has_kernel(rec: ir.Recurrence, sizes: Sizes, t: Tuning) -> bool:
@@ -103,7 +103,7 @@ class Op:
     def __init__(self, rec: ir.Recurrence, backend: str | None = None, chunk_size: int | None = None,
                  backward: str | None = None):
         self.rec, self.backend, self.chunk_size, self.backward = rec.validate(), backend, chunk_size, backward
-        self._seen: dict = {}  # argument metadata -> (input names in call order, sizes): checked signatures
+        self._seen = CheckedSignatures()  # call signature -> (input names in call order, sizes)
         if backend is not None and backend not in BACKENDS:
             raise InputError(f"backend={backend!r}: expected one of {BACKENDS}")
         if backward is not None and backward not in BACKWARDS:
@@ -118,8 +118,8 @@ class Op:
 
     def __call__(self, /, *args, scale=None, initial_state=None, output_final_state=False, backend=None,
                  check_finite=None, cu_seqlens=None, **kwargs):
-        key = _metadata(args, kwargs)
-        seen = self._seen.get(key) if key is not None else None
+        key = _call_signature(args, kwargs)
+        seen = self._seen.get(key)
         if seen is not None and cu_seqlens is None:  # checked before: a decode loop's every step after the first
             arrays, sizes = dict(zip(seen[0], (*args, *kwargs.values()))), seen[1]
             return self._run(arrays, sizes, initial_state, output_final_state, scale=scale, backend=backend,
@@ -130,10 +130,7 @@ class Op:
             offsets = check_cu_seqlens(cu_seqlens, sizes)
             return self._packed(arrays, offsets, sizes, initial_state, output_final_state, **kw)
         warn_head_first(self.rec, sizes)
-        if key is not None:
-            if len(self._seen) >= SEEN_SIGNATURES:
-                self._seen.clear()
-            self._seen[key] = (tuple(arrays), sizes)
+        self._seen.put(key, (tuple(arrays), sizes))
         return self._run(arrays, sizes, initial_state, output_final_state, **kw)
 
     def _check(self, args: tuple, kwargs: dict) -> tuple[dict, Sizes]:
@@ -155,11 +152,11 @@ class Op:
     def _run(self, arrays: dict, sizes: Sizes, initial_state, output_final_state, scale, backend, check_finite):
         rec = self.rec
         states = [] if initial_state is None else check_initial_state(rec, sizes, initial_state)
-        scale = (sizes.Kin ** -0.5 if rec.default_scale == "key" else 1.0) if scale is None else check_scale(scale)
+        scale = op_scale(rec, sizes, scale)
         t = checked(current())
-        chosen = backend if backend is not None else self.backend if self.backend is not None else t.backend
+        defaulted = backend is None and self.backend is None and t.backend is None
         backend = choose_backend(t, backend, self.backend)
-        if chosen is None and backend != "mlx" and not has_kernel(rec, sizes, t):
+        if defaulted and backend != "mlx" and not has_kernel(rec, sizes, t):
             backend = "mlx"  # the device's kernels by default, the chunked form where the spec has none
         if t.debug if check_finite is None else check_finite:
             check_finite_values({**{k: [v] for k, v in arrays.items()}, "initial_state": states})
@@ -288,8 +285,8 @@ class PowerRetention(Op):
                 or sizes.T >= KEY_BLOCKS_MAX_T):
             return super()._run(arrays, sizes, initial_state, output_final_state, scale, backend, check_finite)
         states = None if initial_state is None else check_initial_state(self.rec, sizes, initial_state)
-        scale = sizes.Kin ** -0.5 if scale is None else check_scale(scale)
-        return self.key_blocks(arrays, sizes, states, output_final_state, scale, backend, check_finite)
+        return self.key_blocks(arrays, sizes, states, output_final_state, op_scale(self.rec, sizes, scale), backend,
+                               check_finite)
 
     def key_blocks(self, arrays: dict, sizes: Sizes, states, output_final_state, scale, backend, check_finite):
         """The composition (see the class docstring) on ``backend`` (None: the default); ``states`` the checked
@@ -329,8 +326,10 @@ class PowerRetention(Op):
         return o, (ht[..., :V].reshape(B, H, K, V), ht[..., V].reshape(B, H, K))
 
 
+@lru_cache(maxsize=64)
 def key_block(K: int, sizes: Sizes, t: Tuning) -> int:
-    """The widest block of K' rows (a divisor of K') that simple_gla's recurrent kernels take at ``sizes``."""
+    """The widest block of K' rows (a divisor of K') that simple_gla's recurrent kernels take at ``sizes``. Cached:
+    a decode step asks each call, and the narrower candidates it rejects raise ``UnsupportedKernel`` each time."""
     for nb in range(1, K + 1):
         if K % nb == 0 and has_kernel(specs.simple_gla, replace(sizes, K=K // nb, Kin=K // nb), t):
             return K // nb

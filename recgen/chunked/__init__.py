@@ -284,14 +284,11 @@ def _stepwise(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
     r, a, b, u, w = (t[k][:, :, :, None] for k in ("r", "a", "b", "u", "w"))  # [B,H,T,1,F]: rows of one token
     D = core.exp(t["logdecay"], tun.pow2_exp)                                    # [B,H,T,K|1,V]
-    before_decay, before_update = p.rec.transition_before_decay, p.rec.step.readout_before_update
+    flags = dict(before_decay=p.rec.transition_before_decay, readout_before=p.rec.step.readout_before_update)
     ys = []
     for s in range(T):
-        P = D[:, :, s] * S
-        P = P + a[:, :, s].swapaxes(-1, -2) * (b[:, :, s] @ (S if before_decay else P))
-        S_next = P + u[:, :, s].swapaxes(-1, -2) * w[:, :, s]
-        ys.append(r[:, :, s] @ (S if before_update else S_next))               # [B,H,1,V]
-        S = S_next
+        y, S = core.state_step(S, D[:, :, s], r[:, :, s], u[:, :, s], w[:, :, s], a[:, :, s], b[:, :, s], **flags)
+        ys.append(y)                                                             # [B,H,1,V]
     y = mx.concatenate(ys, axis=2) if ys else mx.zeros((sizes.B, sizes.H, 0, sizes.V), S.dtype)
     nz, z = _z_scan(tun, p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)
@@ -467,14 +464,8 @@ def naive_loop(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=
             D = core.exp(ld, tun.pow2_exp)[:, :, 0, :, None]            # [B,H,K,1]
         else:
             D = core.exp(ld, tun.pow2_exp)[:, :, 0]                     # [B,H,K|1,V]
-        y = t["r"] @ S if rec.step.readout_before_update else None  # [B,H,1,V]: the state before this step
-        P = D * S
-        if "a" in t:
-            bP = t["b"] @ (S if rec.transition_before_decay else P)  # [B,H,1,V]
-            P = P + t["a"].swapaxes(-1, -2) * bP
-        S = P + t["u"].swapaxes(-1, -2) * t["w"]         # u [B,H,K,1] * w [B,H,1,V]
-        if y is None:
-            y = t["r"] @ S                                # [B,H,1,V]
+        y, S = core.state_step(S, D, t["r"], t["u"], t["w"], t.get("a"), t.get("b"), rec.transition_before_decay,
+                               rec.step.readout_before_update)  # y [B,H,1,V]
         n = None
         if rec.has_normalizer:
             zl = t["zlogdecay"]

@@ -332,6 +332,17 @@ def pair_levels(X, Y, levels, strict: bool, copy_transposes: bool = False):
     return M[..., 0, :, :]
 
 
+def state_step(S, D, r, u, w, a=None, b=None, before_decay: bool = False, readout_before: bool = False):
+    """One token of the recurrence on MLX arrays: P = D ⊙ S, P += a (bᵀ X) (X = S with ``before_decay``, else P),
+    S' = P + u wᵀ, y = S'ᵀ r (Sᵀ r with ``readout_before``). S [B,H,K,V]; D broadcasting to it; r, a, b, u
+    [B,H,1,K]; w [B,H,1,V]. Returns (y [B,H,1,V], S'): the per-token loops' step (``naive_loop``, ``_stepwise``)."""
+    P = D * S
+    if a is not None:
+        P = P + a.swapaxes(-1, -2) * (b @ (S if before_decay else P))
+    S_next = P + u.swapaxes(-1, -2) * w
+    return r @ (S if readout_before else S_next), S_next
+
+
 def _rows_later(M):
     """M [.., C, F] with every row moved one down (row 0 zero): M'[t] = M[t-1]."""
     return mx.concatenate([mx.zeros_like(M[..., :1, :]), M[..., :-1, :]], axis=-2)

@@ -43,6 +43,7 @@ import importlib
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..op_args import CheckedSignatures, signature
 from ..spec.layouts import InputError
 from .calls import call_in_layout, check_floating_arrays, shape_error
 from .mlx_lm_rwkv7 import wkv7
@@ -104,22 +105,16 @@ def check_inputs(q, k, v, a, b, A_log, dt_bias, state, mask) -> bool:
     return vector
 
 
-CHECKED_SIGNATURES = 64  # call signatures ``checked_inputs`` remembers
-_checked: dict = {}
+_checked = CheckedSignatures()  # signature -> whether the gate is a vector
 
 
 def checked_inputs(*arrays) -> bool:
-    """``check_inputs``, once per signature (each argument's type, shape and dtype): a decode loop repeats one."""
-    try:
-        key = tuple(None if x is None else (type(x), x.shape, x.dtype) for x in arrays)
-    except AttributeError:
-        return check_inputs(*arrays)
+    """``check_inputs``, once per call signature (``op_args.signature``)."""
+    key = signature(arrays)
     vector = _checked.get(key)
     if vector is None:
         vector = check_inputs(*arrays)
-        if len(_checked) >= CHECKED_SIGNATURES:
-            _checked.clear()
-        _checked[key] = vector
+        _checked.put(key, vector)
     return vector
 
 

@@ -59,6 +59,13 @@ def backward_launch(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: flo
     return Launch(bsrc, _runtime(sizes, scale), outs, grid, tg, bsrc.template)
 
 
+def normalized_readout(plan: KernelPlan, saved, o):
+    """y / N(n) per value column, which the normalizer's gradient reduces against do: the output ``o`` itself, or
+    where a skip term is added to it, ``yn``, the last output of the checkpointing forward (``saved``: its
+    outputs, in ``render.forward_source``'s order). Works on numpy and MLX arrays alike."""
+    return saved[-1] if plan.normalized_skip else o
+
+
 def _runtime(sizes: Sizes, scale: float) -> tuple:
     return (("rt", (sizes.T, sizes.B), "int32"), ("scale_in", (scale,), "float32"))
 
@@ -111,7 +118,7 @@ def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, ou
         f = mlx_call(forward_launch(plan, dialect, sizes, scale, out_dtype, save=True), dialect, xs, states, debug)
         extra = [f[2], cotangents[0], cotangents[1].astype(mx.float32)]
         if norm:  # sum_j do_j y_j / N (o_j without a skip term), for dn: the one quantity that needs every column
-            yn = f[5] if plan.normalized_skip else outputs[0].astype(mx.float32)
+            yn = normalized_readout(plan, f, outputs[0]).astype(mx.float32)
             ydo = (cotangents[0].astype(mx.float32) * yn).sum(axis=-1)
             extra += [f[4], cotangents[2].astype(mx.float32), ydo]
         outs = mlx_call(backward_launch(plan, dialect, sizes, scale), dialect, xs, extra, debug)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..codegen.backends import METAL
 from ..spec.ir import Recurrence
-from ..runtime.recurrent import Launch, backward_launch, finish_grads, forward_launch
+from ..runtime.recurrent import Launch, backward_launch, finish_grads, forward_launch, normalized_readout
 from ..codegen.lower import plan as make_plan
 from ..spec.layouts import infer_sizes
 from .capture import wrapped_source
@@ -101,7 +101,7 @@ def emulate(rec: Recurrence, inputs: dict, *, initial_state, do, dht, scale: flo
     f = _run(fl, user, states, report, sanitizer)
     extra = {"ckpt": f[2], "do_in": f32(do), "dht": f32(dht[0] if norm else dht)}
     if norm:
-        extra.update(ckptz=f[4], dhtz=f32(dht[1]), ydo_in=(f32(do) * f[5 if p.normalized_skip else 0]).sum(axis=-1))
+        extra.update(ckptz=f[4], dhtz=f32(dht[1]), ydo_in=(f32(do) * normalized_readout(p, f, f[0])).sum(axis=-1))
     outs = _run(backward_launch(p, METAL, sizes, scale), user, extra, report, sanitizer)
     grads, dstate = finish_grads(p, sizes, outs)
     g = {x.name: gr for x, gr in zip(rec.inputs, grads)}
