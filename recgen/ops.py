@@ -257,11 +257,6 @@ def _zeros(shape):
     return mx.zeros(shape, dtype=mx.float32)
 
 
-# Power retention's composition runs below this T (decode, short prompts); from it the spec's own chunked form,
-# the path measured for training lengths (the composition's long-T speed is not measured yet).
-KEY_BLOCKS_MAX_T = 1024
-
-
 class PowerRetention(Op):
     r"""Power retention (``specs.power_retention``) that runs on the GPU's recurrent kernels, as a composition:
     its expanded key space (K' = d(d+1)/2 rows of φ, over the kernels' 512-row register budget from d = 32) is
@@ -273,7 +268,7 @@ class PowerRetention(Op):
     is the spec's own recurrence. φ(q) and φ(k) are formed in MLX (a decode step's are tiny; for long T this is
     the expanded-feature path, not the kernel identity of issue 19's chunk kernels), and gradients flow through
     MLX autodiff of the composition into simple_gla's kernel VJPs. Used where the backend is a GPU's kernels and
-    T < ``KEY_BLOCKS_MAX_T``; otherwise the spec's own chunked form runs."""
+    T < ``Tuning.key_blocks_max_t``; otherwise the spec's own chunked form runs."""
 
     def __init__(self, backend: str | None = None, chunk_size: int | None = None, backward: str | None = None):
         super().__init__(specs.power_retention, backend, chunk_size, backward)
@@ -282,7 +277,7 @@ class PowerRetention(Op):
     def _run(self, arrays: dict, sizes: Sizes, initial_state, output_final_state, scale, backend, check_finite):
         t = checked(current())
         if (choose_backend(t, backend, self.backend) == "mlx" or sizes.B == 0 or sizes.T == 0
-                or sizes.T >= KEY_BLOCKS_MAX_T):
+                or sizes.T >= t.key_blocks_max_t):
             return super()._run(arrays, sizes, initial_state, output_final_state, scale, backend, check_finite)
         states = None if initial_state is None else check_initial_state(self.rec, sizes, initial_state)
         return self.key_blocks(arrays, sizes, states, output_final_state, op_scale(self.rec, sizes, scale), backend,

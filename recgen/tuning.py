@@ -34,6 +34,7 @@ class Tuning:
     backward: str | None = None     # force a kernel op's backward ("recurrent" | "chunked"); None: by T
     chunked_backward_min_t: int | None = None  # from this T the kernel op's VJP is the chunked backward
     chunked_forward_min_t: int | None = None   # ... and from this T its forward too (the chunked form)
+    key_blocks_max_t: int = 1024    # power retention runs as simple_gla heads over key blocks below this T
     debug: bool = False             # finite checks on every call (they sync the host); print kernels when built
     # -- the chunked form ---------------------------------------------------------------------------
     chunk_size: int = 16            # default chunk length
@@ -110,6 +111,7 @@ ENVIRONMENT = {
     "RECGEN_BACKEND": ("backend", _choice("RECGEN_BACKEND", BACKENDS)),
     "RECGEN_BACKWARD": ("backward", _choice("RECGEN_BACKWARD", BACKWARDS)),
     "RECGEN_CHUNKED_FORWARD_MIN_T": ("chunked_forward_min_t", int),  # beyond any T: never
+    "RECGEN_KEY_BLOCKS_MAX_T": ("key_blocks_max_t", int),
     "RECGEN_DEBUG": ("debug", _flag),
     "RECGEN_CHUNK_KERNELS": ("chunk_kernels", _flag),
     "RECGEN_MMA_SCAN": ("mma_scan", _flag),
