@@ -77,7 +77,7 @@ DEVICE_DEFAULTS = {
 # What was measured faster on each dialect's hardware (docs/design.md and BENCHMARKS.md say where and how).
 MEASURED = {
     "cuda": dict(chunk_kernels=True, mma_scan=True, chunked_backward_min_t=1024,
-                 chunked_forward_min_t=4096),
+                 chunked_forward_min_t=1024),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 

@@ -1,0 +1,59 @@
+"""Where an op's GPU time goes: every kernel MLX launches for one call, by total time, on an NVIDIA GPU.
+
+    python benchmarks/profile_kernels.py gated_delta_net --shape 4,4096,16,128 --pass fwdbwd [--compiled]
+
+MLX's CUDA kernels are recorded through CUPTI by ``torch.profiler`` in the same process (torch only records;
+nothing runs in torch). The call is the one ``recgen bench`` times (``recgen.bench.steps``: the op's defaults,
+the output and every gradient evaluated), warmed up first, then ``--reps`` calls recorded, each synchronized.
+"""
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec")
+    p.add_argument("--shape", default="4,4096,16,128")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--pass", dest="kind", choices=("fwd", "fwdbwd"), default="fwd")
+    p.add_argument("--compiled", action="store_true")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+
+    import mlx.core as mx
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from recgen import bench, load
+
+    rec = load(args.spec).rec
+    xs, do = bench.make_inputs(rec, bench.Shape.parse(args.shape), args.dtype)
+    s = bench.steps(bench.recgen_forward(rec, "auto"), xs, do, args.compiled)
+    call = s.fwd if args.kind == "fwd" else s.fwdbwd
+    for _ in range(2):
+        mx.eval(call())
+    mx.synchronize()
+    torch.cuda.init()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.reps):
+            mx.eval(call())
+            mx.synchronize()
+    total, count = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.name and not e.name.startswith("cuda"):
+            dur = getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
+            total[e.name] += dur / 1e3 / args.reps
+            count[e.name] += 1
+    ms = sum(total.values())
+    launches = sum(count.values()) // args.reps
+    print(f"{args.spec} {args.shape} {args.dtype} {args.kind}{' compiled' if args.compiled else ''}: "
+          f"{ms:.3f} ms of GPU kernels a call, {launches} launches")
+    for name, t in sorted(total.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"{t:8.3f} ms {count[name] // args.reps:4d}x  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
