@@ -149,8 +149,8 @@ def test_chunked_forward_follows_the_tuning():
     environment sets the threshold."""
     cuda, metal = tuning.resolve("gpu", "cuda", environ={}), tuning.resolve("gpu", "metal", environ={})
     gdn = ops.Op(specs.gated_delta_net)
-    assert cuda.chunked_forward_min_t == 4096 and metal.chunked_forward_min_t is None
-    assert gdn.runs_chunked(cuda, 4096) and not gdn.runs_chunked(cuda, 2048) and not gdn.runs_chunked(metal, 1 << 20)
+    assert cuda.chunked_forward_min_t == 1024 and metal.chunked_forward_min_t is None
+    assert gdn.runs_chunked(cuda, 1024) and not gdn.runs_chunked(cuda, 1023) and not gdn.runs_chunked(metal, 1 << 20)
     assert not ops.Op(specs.gated_delta_net, backward="recurrent").runs_chunked(cuda, 4096)
     assert not ops.Op(specs.selective_scan).runs_chunked(cuda, 1 << 20)  # no fast chunked form
     t = tuning.resolve("gpu", "cuda", environ={"RECGEN_CHUNKED_FORWARD_MIN_T": "2048"})
