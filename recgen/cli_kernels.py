@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from functools import partial
 
 from rich.console import Console
 from rich.table import Table
@@ -67,10 +68,12 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
     """Metal verification on this machine (no Apple GPU): capture, type check, limits, CPU run vs reference."""
     import numpy as np
 
+    from . import specs
     from .math import reference
     from .spec.resolve import resolve_spec
     from .spec.layouts import Sizes
-    from .testing import kernel_inputs, rel_err
+    from .testing import kernel_inputs, reachable_state, rel_err
+    from .verify.key_blocks import emulate_key_blocks
     from .verify.kernels import Report, VerificationError, emulate
     from .verify.typecheck import clang_problem
 
@@ -79,16 +82,22 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         raise CliError(problem)
     rec = resolve_spec(args.spec)
     s = parse_sizes(args.sizes)
-    sizes = Sizes(2, args.T, s["H"], s["HK"], s["K"], s["K"], s["V"])
-    xs, h0, do, dht, scale = kernel_inputs(rec, sizes, np.random.default_rng(0))
+    blocks = rec is specs.power_retention  # simple_gla's kernels over its key blocks (recgen.key_blocks)
+    K = rec.features[0].width(s["K"]) if blocks else s["K"]
+    sizes = Sizes(2, args.T, s["H"], s["HK"], s["K"], K, s["V"])
+    rng = np.random.default_rng(0)
+    xs, h0, do, dht, scale = kernel_inputs(rec, sizes, rng)
+    run = partial(emulate, rec)
+    if blocks:
+        h0, run = reachable_state(sizes, rng), emulate_key_blocks
     report = Report()
     failed = None
     try:
-        o, ht, g = emulate(rec, xs, initial_state=h0, do=do, dht=dht, scale=scale, sanitizer=args.sanitizer,
-                           report=report)
+        o, ht, g = run(xs, initial_state=h0, do=do, dht=dht, scale=scale, sanitizer=args.sanitizer, report=report)
     except VerificationError as e:
         failed = str(e)
-    table = Table(title=f"recgen check {rec.name}: Metal verified on the CPU, not on Apple hardware")
+    how = " as simple_gla kernels over key blocks" if blocks else ""
+    table = Table(title=f"recgen check {rec.name}{how}: Metal verified on the CPU, not on Apple hardware")
     for col in ("kernel", "layer", "result"):
         table.add_column(col)
     for name, layer, ok, detail in report.layers:

@@ -35,8 +35,10 @@ from functools import lru_cache
 
 from . import specs
 from .codegen.backends import get as dialect_named
+from .codegen.lower import has_kernel as lowers
 from .codegen.lower import plan
-from .errors import InputError, UnsupportedKernel
+from .errors import InputError
+from .key_blocks import key_blocks
 from .op_args import (CheckedSignatures, check_array, check_backend, check_cu_seqlens, check_initial_state,
                       check_mamba2, check_names, check_scale, signature, warn_head_first)
 from .op_args import check_finite as check_finite_values
@@ -75,11 +77,7 @@ def has_kernel(rec: ir.Recurrence, sizes: Sizes, t: Tuning) -> bool:
     """Whether ``rec`` has recurrent kernels at ``sizes`` (not for feature maps, nor for K > 512): where it has
     none, an op left to its default backend runs the chunked form, and one asked for a kernel backend raises
     ``UnsupportedKernel`` naming the term."""
-    try:
-        plan(rec, sizes, fwd_layout=t.fwd_layout)
-    except UnsupportedKernel:
-        return False
-    return True
+    return lowers(rec, sizes, t.fwd_layout)
 
 
 def choose_backward(rec: ir.Recurrence, t: Tuning, T: int, explicit: str | None) -> str:
@@ -292,8 +290,8 @@ class PowerRetention(Op):
 
         q, k, v, g = (arrays[n] for n in ("q", "k", "v", "g"))
         B, T, H, K, V = sizes.B, sizes.T, sizes.H, sizes.K, sizes.V
-        Kb = key_block(K, replace(sizes, K=K, V=V + 1), checked(current()))
-        nb = K // Kb
+        kb = key_blocks(sizes, checked(current()).fwd_layout)
+        Kb, nb = kb.block, kb.count
         f32 = mx.float32
 
         def blocks(x):  # [B,T,Hk,d] -> φ per value head and block: [B,T,H·nb,Kb]
@@ -310,8 +308,7 @@ class PowerRetention(Op):
             h0 = mx.concatenate([S0.reshape(B, H, nb, Kb, V), z0.reshape(B, H, nb, Kb, 1)], axis=-1)
             h0 = h0.reshape(B, H * nb, Kb, V + 1)
         inner = dict(q=blocks(q), k=blocks(k), v=per_block(v1), g=per_block(g.astype(f32)))
-        inner_sizes = infer_sizes(specs.simple_gla, {n: tuple(a.shape) for n, a in inner.items()})
-        yn, ht = self._blocks_op._run(inner, inner_sizes, h0, True, scale=scale * scale, backend=backend,
+        yn, ht = self._blocks_op._run(inner, kb.inner(sizes), h0, True, scale=scale * scale, backend=backend,
                                       check_finite=check_finite)  # checked above; T < H·nb is no layout mistake
         yn = yn.reshape(B, T, H, nb, V + 1).sum(axis=3)
         o = (yn[..., :V] / (yn[..., V:] + specs.POWER_RETENTION_EPS)).astype(v.dtype)
@@ -319,16 +316,6 @@ class PowerRetention(Op):
             return o, None
         ht = ht.reshape(B, H, nb, Kb, V + 1)
         return o, (ht[..., :V].reshape(B, H, K, V), ht[..., V].reshape(B, H, K))
-
-
-@lru_cache(maxsize=64)
-def key_block(K: int, sizes: Sizes, t: Tuning) -> int:
-    """The widest block of K' rows (a divisor of K') that simple_gla's recurrent kernels take at ``sizes``. Cached:
-    a decode step asks each call, and the narrower candidates it rejects raise ``UnsupportedKernel`` each time."""
-    for nb in range(1, K + 1):
-        if K % nb == 0 and has_kernel(specs.simple_gla, replace(sizes, K=K // nb, Kin=K // nb), t):
-            return K // nb
-    raise UnsupportedKernel(f"power_retention: no block of its K'={K} expanded rows fits the recurrent kernels")
 
 
 def load(spec, backend: str | None = None, chunk_size: int | None = None, backward: str | None = None) -> Op:

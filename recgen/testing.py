@@ -2,6 +2,7 @@
 float64 reference see the same numbers. Log-decays reach -20, delta-rule keys are unit-norm."""
 import numpy as np
 
+from .spec.features import sympow
 from .spec.layouts import Sizes, input_dims
 
 
@@ -52,6 +53,15 @@ def kernel_inputs(rec, sizes: Sizes, rng):
     do = f(B, T, H, V)
     scale = K ** -0.5 if rec.default_scale == "key" else 1.0
     return xs, h0, do, dht, scale
+
+
+def reachable_state(sizes: Sizes, rng) -> tuple[np.ndarray, np.ndarray]:
+    """A reachable initial state of power retention, (S, z) = (Σ φ(w) vᵀ, Σ φ(w)) over 3 random w, float32-exact:
+    φ(q)ᵀz is then a sum of squares, as the recurrence makes it (a random signed z makes the ratio readout's
+    denominator cross 0)."""
+    phi = sympow(rng.standard_normal((sizes.B, sizes.H, 3, sizes.Kin)))
+    S, z = phi.swapaxes(-1, -2) @ rng.standard_normal((sizes.B, sizes.H, 3, sizes.V)), phi.sum(2)
+    return tuple(np.float32(x).astype(np.float64) for x in (S, z))
 
 
 def _f64(x) -> np.ndarray:

@@ -22,9 +22,8 @@ import recgen as rg
 from recgen import Recurrence, specs
 from recgen.math import reference
 from recgen.ops import Op
-from recgen.spec.features import sympow
 from recgen.spec.layouts import Sizes
-from recgen.testing import kernel_inputs
+from recgen.testing import kernel_inputs, reachable_state
 
 ROOT = Path(__file__).resolve().parent.parent
 MLSTM = "mlstm_sigmoid"  # the built-in with a normalizer state (C, n)
@@ -109,10 +108,7 @@ def case_inputs(rec: Recurrence, case: Case, rng):
     # to -20 like every spec (the readout's floor, specs.POWER_RETENTION_EPS, keeps it well-conditioned).
     K = 8
     xs, _, do, dht, _ = kernel_inputs(rec, Sizes(B, T, H, Hk, K, rec.features[0].width(K), V), rng)
-    f32 = lambda a: np.asarray(a, np.float32).astype(np.float64)  # noqa: E731
-    phi = sympow(rng.standard_normal((B, H, 3, K)))
-    h0 = (f32(phi.swapaxes(-1, -2) @ rng.standard_normal((B, H, 3, V))), f32(phi.sum(2)))
-    return xs, h0, do, dht
+    return xs, reachable_state(Sizes(B, T, H, Hk, K, rec.features[0].width(K), V), rng), do, dht
 
 
 def op_errors(rec: Recurrence, case: Case, dtype: str, rng, *, backend: str, backward: str | None = None,

@@ -19,11 +19,34 @@ def test_check_a_normalizer_spec(capsys):
     assert "all layers passed" in out and "final_state.z" in out and "dinitial_state.z" in out
 
 
+FEATURE_SPEC = """import recgen as rg
+
+
+@rg.recurrence
+def squared(q: rg.Key, k: rg.Key, v: rg.Value, g: rg.Scalar):
+    return rg.Step(decay=rg.exp(g), update=rg.outer(rg.sympow(k), v), readout=rg.sympow(q))
+"""
+
+
 def test_emit_a_spec_without_kernels_says_so(tmp_path, capsys):
-    assert main(["emit", "power_retention", "--all", "-o", str(tmp_path)]) == 2
+    """A feature map without power retention's composition: no kernels, a clear error, no file written."""
+    spec = tmp_path / "squared.py"
+    spec.write_text(FEATURE_SPEC)
+    out = tmp_path / "out"
+    assert main(["emit", f"{spec}:squared", "--all", "-o", str(out)]) == 2
+    assert main(["check", f"{spec}:squared"]) == 2
     err = capsys.readouterr().err
-    assert "power_retention has no kernels" in err and "feature maps" in err and "Traceback" not in err
-    assert not list(tmp_path.iterdir())
+    assert "squared has no kernels" in err and "feature maps" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_check_power_retention_by_key_blocks(capsys):
+    """Power retention checks as simple_gla's Metal kernels over its key blocks (``recgen.key_blocks``)."""
+    if clang_problem():
+        pytest.skip(clang_problem())
+    assert main(["check", "power_retention", "--T", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "over key blocks" in out and "all layers passed" in out and "dinitial_state.z" in out
 
 
 @pytest.fixture

@@ -46,3 +46,46 @@ def test_standalone_metal_typechecks_and_runs(tmp_path):
 def test_emit_rejects_bad_dtype(tmp_path):
     with pytest.raises(ValueError, match="dtype"):
         emit(specs.gla, "metal", tmp_path, K=8, V=8, H=1, HK=1, dtype="float64")
+
+
+def test_power_retention_emits_its_key_blocks_and_a_host_composes_them(tmp_path):
+    """``recgen emit power_retention``: simple_gla's kernels at the block sizes and the composition in the manifest;
+    a host that follows the manifest (φ from its pairs, [v, 1], scale², o = Σ y / (Σ n + ε)) with the standalone
+    forward gets the reference's output and state."""
+    from recgen.verify.cpu_exec import run_msl
+    from recgen.verify.typecheck import typecheck
+
+    rec = specs.power_retention
+    paths = emit(rec, "metal", tmp_path, K=4, V=5, H=2, HK=1, dtype="float32")
+    for p in paths:
+        if p.suffix == ".metal" and ".mlx." not in p.name:
+            r = typecheck(p.read_text())
+            assert r.ok, f"{p.name}:\n{r}"
+    manifest = json.loads((tmp_path / "power_retention.metal.manifest.json").read_text())
+    comp = manifest["composition"]
+    assert manifest["spec"] == "power_retention" and comp["rows"] == 10 and len(comp["pairs"]) == 10
+    nb, Kb = comp["blocks"], comp["block_rows"]
+    fwd = next(k for k in manifest["kernels"] if k["kind"] == "fwd")
+    assert fwd["entry"].startswith("recgen_power_retention_blocks_fwd")
+
+    sizes = Sizes(B=2, T=5, H=2, Hk=1, Kin=4, K=10, V=5)
+    xs, _, _, _, scale = kernel_inputs(rec, sizes, np.random.default_rng(3))
+    a, b, c = (np.array([p[i] for p in comp["pairs"]]) for i in range(3))
+    phi = lambda x: np.repeat(c * x[..., a.astype(int)] * x[..., b.astype(int)], 2, axis=2)  # noqa: E731  GQA: block
+    B, T, H, V = 2, 5, 2, 5
+    blocks = lambda x: phi(x).reshape(B, T, H * nb, Kb).astype(np.float32)  # noqa: E731
+    v1 = np.concatenate([xs["v"], np.ones((B, T, H, 1))], -1)
+    ins = {"q_in": blocks(xs["q"]), "k_in": blocks(xs["k"]), "v_in": np.repeat(v1, nb, 2).astype(np.float32),
+           "g_in": np.repeat(xs["g"], nb, 2).astype(np.float32), "rt": np.array([T, B], np.int32),
+           "scale_in": np.array([scale ** 2], np.float32), "h0": np.zeros((B, H * nb, Kb, V + 1), np.float32)}
+    tg = fwd["threadgroup"]
+    grid = (int(fwd["grid_threadgroups"][0]) * tg[0], B * H * nb, 1)
+    outs = run_msl((tmp_path / fwd["file"]).read_text(), fwd["entry"], ins,
+                   {"o": ((B, T, H * nb, V + 1), np.float32), "ht": ((B, H * nb, Kb, V + 1), np.float32),
+                    "ckpt": ((1,), np.float32)}, grid, tuple(tg))
+    Y = outs["o"].astype(np.float64).reshape(B, T, H, nb, V + 1).sum(3)
+    o = Y[..., :V] / (Y[..., V:] + comp["eps"])
+    ht = outs["ht"].astype(np.float64).reshape(B, H, nb, Kb, V + 1)
+    o_r, (S_r, z_r) = reference.run(rec, scale=scale, **xs)
+    assert rel_err(o, o_r) < 1e-5
+    assert rel_err(ht[..., :V].reshape(B, H, 10, V), S_r) < 1e-5 and rel_err(ht[..., V].reshape(B, H, 10), z_r) < 1e-5

@@ -6,24 +6,21 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from recgen import ops, specs, tuning
+from recgen import ops, specs
+from recgen.key_blocks import key_blocks
 from recgen.math import reference
-from recgen.spec.features import sympow
 from recgen.spec.layouts import Sizes
-from recgen.testing import kernel_inputs, rel_err
+from recgen.testing import kernel_inputs, reachable_state, rel_err
+from recgen.verify.typecheck import clang_problem
 
 
 @pytest.mark.parametrize("sizes,blocks", [(Sizes(B=2, T=5, H=2, Hk=1, Kin=32, K=528, V=3), 3),
                                           (Sizes(B=1, T=1, H=2, Hk=2, Kin=4, K=10, V=5), 1)])
 def test_key_blocks_match_the_reference(sizes, blocks):
     rec = specs.power_retention
-    assert ops.key_block(sizes.K, sizes, tuning.resolve("gpu", "cuda", environ={})) == sizes.K // blocks
+    assert key_blocks(sizes).count == blocks
     xs, h0, do, dht, scale = kernel_inputs(rec, sizes, np.random.default_rng(sizes.Kin))
-    # a reachable initial state (S, z) = (Σ φ(w) vᵀ, Σ φ(w)), as the op checks do: φ(q)ᵀz stays a sum of squares
-    rng = np.random.default_rng(1)
-    phi = sympow(rng.standard_normal((sizes.B, sizes.H, 3, sizes.Kin)))
-    h0 = (phi.swapaxes(-1, -2) @ rng.standard_normal((sizes.B, sizes.H, 3, sizes.V)), phi.sum(2))
-    h0 = tuple(np.float32(x).astype(np.float64) for x in h0)
+    h0 = reachable_state(sizes, np.random.default_rng(1))
     names = list(xs)
     op = ops.power_retention
 
@@ -53,3 +50,27 @@ def test_the_mlx_backend_keeps_the_spec_chunked_form():
     o = ops.power_retention(**arrays)[0]
     o_r, _ = reference.run(specs.power_retention, scale=scale, **xs)
     assert rel_err(np.array(o), o_r) <= 1e-5
+
+
+@pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
+@pytest.mark.parametrize("sizes,block,sanitizer", [(Sizes(B=2, T=5, H=4, Hk=2, Kin=4, K=10, V=5), 5, None),
+                                                   (Sizes(B=1, T=1, H=2, Hk=1, Kin=4, K=10, V=3), None, None),
+                                                   (Sizes(B=1, T=3, H=2, Hk=2, Kin=4, K=10, V=4), 2, "address")])
+def test_key_blocks_on_the_emulated_metal_kernels(sizes, block, sanitizer):
+    """The composition on the Metal kernels as the CPU emulator runs them (``recgen check power_retention``),
+    over several blocks (``block`` forced narrow) and one, GQA, T = 1, under ASan/UBSan: against the reference."""
+    from recgen.key_blocks import KeyBlocks
+    from recgen.verify.key_blocks import emulate_key_blocks
+
+    rec = specs.power_retention
+    xs, _, do, dht, scale = kernel_inputs(rec, sizes, np.random.default_rng(sizes.T))
+    h0 = reachable_state(sizes, np.random.default_rng(2))
+    kb = KeyBlocks(sizes.K, block) if block else None
+    o, (S, z), g = emulate_key_blocks(xs, initial_state=h0, do=do, dht=dht, scale=scale, kb=kb, sanitizer=sanitizer)
+    o_r, (S_r, z_r) = reference.run(rec, initial_state=h0, scale=scale, **xs)
+    g_r = reference.grad(rec, do=do, dht=dht, initial_state=h0, scale=scale, **xs)
+    errs = {"o": rel_err(o, o_r), "S": rel_err(S, S_r), "z": rel_err(z, z_r)}
+    errs |= {f"d{n}": rel_err(g[n], g_r[n]) for n in ("q", "k", "v", "g")}
+    errs |= {f"dinitial_{p}": rel_err(a, b) for p, a, b in zip("Sz", g["initial_state"], g_r["initial_state"])}
+    bad = {n: e for n, e in errs.items() if e > (1e-5 if n in ("o", "S", "z") else 1e-4)}
+    assert not bad, errs

@@ -113,6 +113,15 @@ def plan(rec: ir.Recurrence, sizes: Sizes, decode: bool | None = None,
                  fwd_layout)
 
 
+def has_kernel(rec: ir.Recurrence, sizes: Sizes, fwd_layout: tuple[int, int, int] | None = None) -> bool:
+    """Whether ``rec`` lowers to recurrent kernels at ``sizes`` (not for feature maps, nor for K > 512)."""
+    try:
+        plan(rec, sizes, fwd_layout=fwd_layout)
+    except UnsupportedKernel:
+        return False
+    return True
+
+
 def unsupported(rec: ir.Recurrence) -> str | None:
     """Why ``rec`` has no recurrent kernels (the message of ``UnsupportedKernel``), or None when it has them."""
     if rec.features:
