@@ -17,16 +17,21 @@ from recgen.testing import kernel_inputs, rel_err
 pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
 
 
-def test_standalone_metal_typechecks_and_runs(tmp_path):
-    from recgen.verify.cpu_exec import run_msl
+def assert_standalone_typechecks(paths):
+    """Every standalone .metal file among ``paths`` passes the clang type check with Metal's address spaces."""
     from recgen.verify.typecheck import typecheck
 
-    rec = specs.gated_delta_net
-    paths = emit(rec, "metal", tmp_path, K=8, V=12, H=4, HK=2, dtype="float32")
     for p in paths:
         if p.suffix == ".metal" and ".mlx." not in p.name:
             r = typecheck(p.read_text())
             assert r.ok, f"{p.name}:\n{r}"
+
+
+def test_standalone_metal_typechecks_and_runs(tmp_path):
+    from recgen.verify.cpu_exec import run_msl
+
+    rec = specs.gated_delta_net
+    assert_standalone_typechecks(emit(rec, "metal", tmp_path, K=8, V=12, H=4, HK=2, dtype="float32"))
     manifest = json.loads((tmp_path / "gated_delta_net.metal.manifest.json").read_text())
     fwd = next(k for k in manifest["kernels"] if k["kind"] == "fwd")
     assert [b["index"] for b in fwd["buffers"]] == list(range(len(fwd["buffers"])))
@@ -53,14 +58,9 @@ def test_power_retention_emits_its_key_blocks_and_a_host_composes_them(tmp_path)
     a host that follows the manifest (φ from its pairs, [v, 1], scale², o = Σ y / (Σ n + ε)) with the standalone
     forward gets the reference's output and state."""
     from recgen.verify.cpu_exec import run_msl
-    from recgen.verify.typecheck import typecheck
 
     rec = specs.power_retention
-    paths = emit(rec, "metal", tmp_path, K=4, V=5, H=2, HK=1, dtype="float32")
-    for p in paths:
-        if p.suffix == ".metal" and ".mlx." not in p.name:
-            r = typecheck(p.read_text())
-            assert r.ok, f"{p.name}:\n{r}"
+    assert_standalone_typechecks(emit(rec, "metal", tmp_path, K=4, V=5, H=2, HK=1, dtype="float32"))
     manifest = json.loads((tmp_path / "power_retention.metal.manifest.json").read_text())
     comp = manifest["composition"]
     assert manifest["spec"] == "power_retention" and comp["rows"] == 10 and len(comp["pairs"]) == 10
