@@ -19,6 +19,9 @@ How (``METHOD`` is written into every JSON):
   than a training step does.)
 - **Peak memory**: ``mx.reset_peak_memory()`` then ``mx.get_peak_memory()`` around one synchronized call; the
   inputs are resident, so they count (as they do in FLA's ``torch.cuda.max_memory_allocated``).
+- **Decode** (``--passes decode``): T = 1 steps as a generate loop runs them: each step starts from the last
+  step's final state, one ``mx.async_eval`` a step (the host builds step t+1 while the device runs step t),
+  against a device copy of the same state bytes timed the same way (a step reads and writes its state once).
 - Inputs: random, drawn on the device by ``recgen.testing.input_law`` (log-decays to -20, unit-norm delta-rule
   keys), no GQA, the op's default arguments.
 """
@@ -49,7 +52,7 @@ from .testing import input_law, input_shape
 from .tuning import current
 from .version import __version__
 
-PASSES = ("fwd", "fwdbwd", "peak")
+PASSES = ("fwd", "fwdbwd", "peak", "decode")
 BASELINES = ("naive", "fla")
 BACKEND_CHOICES = ("auto", "metal", "cuda", "mlx")
 GIB = 2 ** 30
@@ -58,6 +61,8 @@ ROUNDS = 3
 SYNC_REPS = 5
 NAIVE_BUDGET_S = 60.0     # the naive loop is skipped where its estimated time exceeds this
 NAIVE_PROBE_T = 16        # the short run the estimate extrapolates from
+DECODE_TOKENS = 200       # timed decode steps, after DECODE_WARM
+DECODE_WARM = 20
 FLA_TIMEOUT_S = 270
 # the built-ins FLA has a chunk op for (the FLA worker maps these names to its functions)
 FLA_OPS = {"gated_delta_net": "fla.ops.gated_delta_rule.chunk_gated_delta_rule",
@@ -75,6 +80,9 @@ METHOD = {
     "sync_ms": "one call at a time: mx.eval + mx.synchronize around each call, median of 5",
     "link_ms": "the link alone, chained the same way: an upper bound on its share of a chained call",
     "peak": "mx.reset_peak_memory() then mx.get_peak_memory() around one synchronized call, inputs resident, GiB",
+    "decode": f"T = 1 steps chained through the state (each step's initial state the last step's final state), "
+              f"one mx.async_eval a step as a generate loop runs, {DECODE_TOKENS} steps after {DECODE_WARM}; "
+              "copy_ms: a device copy (x * 1) of the same float32 state timed the same way; of_copy = copy_ms / ms",
     "naive": "recgen.chunked.naive_loop (the per-token MLX loop) timed the same way; skipped where a run at "
              f"T={NAIVE_PROBE_T} extrapolates past {NAIVE_BUDGET_S:.0f} s or the device's memory",
     "fla": "FLA chunk op in a separate process (torch and MLX keep separate CUDA allocators): "
@@ -229,13 +237,22 @@ def time_chained(step, start, calls: int, rounds: int = ROUNDS) -> list[float]:
         mx.eval(carry)
         mx.synchronize()
         t0 = time.perf_counter()
-        for _ in range(calls):
-            carry = step(carry)
-        mx.eval(carry)
-        mx.synchronize()
+        carry = run_steps(step, carry, calls)
         out.append((time.perf_counter() - t0) * 1e3 / calls)
         del carry
     return out
+
+
+def run_steps(step, carry, n: int, pipelined: bool = False):
+    """``n`` calls of ``step``, each on the carry the last returned (with ``pipelined``, one ``mx.async_eval`` a
+    call, as a generate loop runs), then eval and synchronize; returns the carry."""
+    for _ in range(n):
+        carry = step(carry)
+        if pipelined:
+            mx.async_eval(carry)
+    mx.eval(carry)
+    mx.synchronize()
+    return carry
 
 
 def time_sync(fn, reps: int = SYNC_REPS) -> list[float]:
@@ -379,6 +396,8 @@ def plan(passes: tuple, baselines: tuple) -> list[str]:
     labels = [f"recgen {k}" for k in kinds]
     if "peak" in passes:
         labels.append("recgen peak")
+    if "decode" in passes:
+        labels.append("recgen decode")
     if "naive" in baselines:
         labels += ["naive estimate"] + [f"naive {k}" for k in kinds] + (["naive peak"] if "peak" in passes else [])
     if "fla" in baselines:
@@ -416,6 +435,9 @@ def run(rec: ir.Recurrence, shape: Shape, dtype: str = "bfloat16", backend: str 
     kinds = [p for p in ("fwd", "fwdbwd") if p in passes]
     peaks = kinds if kinds else ["fwd", "fwdbwd"]
     measures = []
+    if "decode" in passes:
+        on_step("recgen decode")
+        measures.append(measure_decode(rec, shape, dtype, backend))
 
     xs, do = make_inputs(rec, shape, dtype)
     s = steps(recgen_forward(rec, backend), xs, do, compiled)
@@ -444,6 +466,38 @@ def run(rec: ir.Recurrence, shape: Shape, dtype: str = "bfloat16", backend: str 
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "python": sys.version.split()[0], "tuning": _jsonable(asdict(tun)), "compiled": compiled}
     return Result(rec.name, rec.spec_hash(), shape, dtype, backend, used, tuple(measures), env)
+
+
+def pipelined(step, carry, tokens: int = DECODE_TOKENS, warm: int = DECODE_WARM) -> float:
+    """ms a step of ``tokens`` chained calls of ``step`` (carry -> carry), one ``mx.async_eval`` each."""
+    carry = run_steps(step, carry, warm, pipelined=True)
+    t0 = time.perf_counter()
+    run_steps(step, carry, tokens, pipelined=True)
+    return (time.perf_counter() - t0) * 1e3 / tokens
+
+
+def measure_decode(rec: ir.Recurrence, shape: Shape, dtype: str, backend: str = "auto",
+                   tokens: int = DECODE_TOKENS) -> Measure:
+    """A decode step (``METHOD['decode']``) at ``shape`` (its T is not used), from a random float32 state (a
+    normalizer's z positive, as the recurrence keeps it where its updates are), against a copy of the state."""
+    op = load(rec, backend=None if backend == "auto" else backend)
+    xs, _ = make_inputs(rec, shape.with_t(1), dtype)
+    sizes = shape.sizes(rec)
+    keys = mx.random.split(mx.random.key(1))
+    S0 = mx.random.normal(sizes.state_shape, key=keys[0])
+    state = (S0, mx.random.uniform(shape=sizes.state_shape[:3], key=keys[1])) if rec.has_normalizer else S0
+    mx.eval(state)
+    parts = list(state) if rec.has_normalizer else [state]
+
+    def step(carry):  # [o, final state]: a generate loop reads o too
+        o, st = op(**xs, initial_state=carry[1], output_final_state=True)
+        return [o, st]
+
+    ms = pipelined(step, [None, state], tokens)
+    copy_ms = pipelined(lambda c: [x * 1.0 for x in c], parts, tokens)
+    nbytes = 2 * sum(x.nbytes for x in parts)
+    return Measure("recgen", "decode", ms, extra={"copy_ms": copy_ms, "of_copy": copy_ms / ms,
+                                                  "state_bytes_moved": nbytes, "tokens": tokens})
 
 
 def _naive(rec, shape, dtype, passes, kinds, peaks, xs, do, repeat, on_step, compiled=False) -> list:

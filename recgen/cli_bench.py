@@ -11,7 +11,7 @@ from rich.table import Table
 
 GPU_SHAPE, CPU_SHAPE = "4,4096,16,128", "2,1024,4,64"
 ROWS = (("fwd", "fwd ms"), ("fwdbwd", "fwd+bwd ms"), ("peak_fwd", "peak fwd GiB"),
-        ("peak_fwdbwd", "peak fwd+bwd GiB"))
+        ("peak_fwdbwd", "peak fwd+bwd GiB"), ("decode", "decode ms a step (T = 1)"))
 
 
 def _csv(text: str) -> tuple:
@@ -23,7 +23,8 @@ def add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", help=f"B,T,H,D or B,T,H,K,V (default: {GPU_SHAPE} on a GPU, {CPU_SHAPE} on the CPU)")
     p.add_argument("--dtype", default="bfloat16", help="input dtype: float32, float16 or bfloat16 (default bfloat16)")
     p.add_argument("--backend", default="auto", help="auto (the op's own choice), metal, cuda or mlx")
-    p.add_argument("--passes", default="fwd,fwdbwd,peak", help="comma list of fwd, fwdbwd, peak")
+    p.add_argument("--passes", default="fwd,fwdbwd,peak", help="comma list of fwd, fwdbwd, peak, decode (T = 1 "
+                   "steps chained through the state, pipelined as a generate loop)")
     p.add_argument("--baseline", default="", help="comma list of naive (the per-token MLX loop), fla (FLA, "
                                                    "torch in a separate process)")
     p.add_argument("--repeat", type=int, help="chained calls a round (default: enough for ~0.25 s)")
@@ -66,6 +67,10 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
             notes.setdefault((m.impl, m.note), []).append(m.kind)
     for (impl, note), kinds in notes.items():
         console.print(f"[yellow]{impl} {', '.join(kinds)}[/]: {note}")
+    dec = result.get("recgen", "decode")
+    if dec is not None:
+        console.print(f"decode: a copy of the same state bytes takes {dec.extra['copy_ms']:.4g} ms: the step runs at "
+                      f"{dec.extra['of_copy']:.0%} of copy bandwidth")
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -209,3 +209,42 @@ def test_compiled_steps_compute_the_same_values(rng):
     np.testing.assert_allclose(np.array(eager.fwd()), np.array(compiled.fwd()), rtol=1e-5, atol=1e-6)
     t0 = compiled.start()
     np.testing.assert_array_equal(np.array(compiled.fwdbwd_step(compiled.fwd_step(t0))), np.array(t0))
+
+
+def test_decode_chains_steps_through_the_state(monkeypatch):
+    """``--passes decode``: every step's initial state is the previous step's final state (a normalizer's (S, z)
+    pair too), o is evaluated with it, and the measure carries the copy it is compared with."""
+    from recgen import ops
+
+    seen = []
+    real_load = ops.load
+
+    def recording_load(rec, backend=None):
+        op = real_load(rec, backend=backend)
+
+        def call(**kw):
+            o, st = op(**kw)
+            seen.append((kw["initial_state"], st))
+            return o, st
+        return call
+
+    monkeypatch.setattr(bench, "load", recording_load)
+    for name in ("gated_delta_net", "mlstm_sigmoid"):
+        seen.clear()
+        m = bench.measure_decode(BUILTINS[name], bench.Shape(2, 7, 2, 8, 8), "float32", tokens=3)
+        assert m.kind == "decode" and m.unit == "ms" and m.value > 0 and m.extra["copy_ms"] > 0
+        assert len(seen) == bench.DECODE_WARM + 3
+        for (_, before), (after, _) in zip(seen, seen[1:]):
+            assert after is before  # the state handed on, not a fresh one
+        assert isinstance(seen[0][1], tuple) == (name == "mlstm_sigmoid")
+
+
+def test_cli_decode_pass(tmp_path):
+    path = tmp_path / "d.json"
+    code, out, err = run_cli("bench", "gated_delta_net", "--shape", "2,1,2,8", "--dtype", "float32", "--passes",
+                             "decode", "--json", str(path))
+    assert code == 0, err
+    assert "decode ms a step" in out and "of copy bandwidth" in out
+    d = json.loads(path.read_text())
+    (r,) = d["results"]
+    assert r["kind"] == "decode" and r["value"] > 0 and r["of_copy"] > 0 and "decode" in d["method"]
