@@ -3,6 +3,7 @@
 #   bash benchmarks/run_gpu.sh check bench bench-extra decode mlx-lm
 #   GPU_TESTS=tests/gpu/test_mlx_lm_gpu.py GPU_TEST_SHARDS=4 bash benchmarks/run_gpu.sh check
 #   SPECS="gla simple_gla" bash benchmarks/run_gpu.sh bench-fla:4,4096,16,128
+#   THRESHOLD_TS="256 512" bash benchmarks/run_gpu.sh threshold:8,T,8,64   # chunked form from T=1 vs never
 # Timings are `recgen bench` (chained calls, the op's defaults; recgen/bench.py says how) and FLA in the same call.
 # `check` is the GPU test suite (python -m pytest -m gpu, in shards). Expects the offline bundle (.gpu-bundle,
 # built outside the repo) to be carried along.
@@ -41,6 +42,13 @@ for stage in "$@"; do
             MLX_ENABLE_TF32=0 timeout 120 python benchmarks/bench_mlx_lm.py --skip-train --dtype float32 \
               2>&1 | tee "$OUT/mlx_lm_f32_generate.log" ;;            # do the greedy ids agree in exact float32?
     decode) timeout 120 python benchmarks/bench_decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
+    threshold:*) for T in ${THRESHOLD_TS:-256 512 1024}; do                 # where the chunked form starts (per T):
+           for f in 1 1000000; do for c in "" --compiled; do              # the chunked form from T=1 / never,
+             shape=${stage#threshold:}; shape=${shape/,T,/,$T,}           # eager and compiled (SHAPE: B,T,H,D)
+             RECGEN_CHUNKED_FORWARD_MIN_T=$f timeout 150 python -m recgen.cli bench ${SPECS%% *} --shape $shape \
+               --passes fwd,fwdbwd $c --json "$OUT/threshold_${T}_min${f}${c:+_compiled}.json" 2>&1 \
+               | grep -E "ms " | sed "s/^/T=$T chunked-from=$f $c /" | tee -a "$OUT/threshold.log"
+           done; done; done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
