@@ -284,38 +284,53 @@ class PowerRetention(Op):
     def key_blocks(self, arrays: dict, sizes: Sizes, states, output_final_state, scale, backend, check_finite):
         """The composition (see the class docstring) on ``backend`` (None: the default); ``states`` the checked
         (S, z) or None."""
-        import mlx.core as mx
-
-        from .chunked.terms import expand_heads, sympow_mx
-
         q, k, v, g = (arrays[n] for n in ("q", "k", "v", "g"))
-        B, T, H, K, V = sizes.B, sizes.T, sizes.H, sizes.K, sizes.V
         kb = key_blocks(sizes, checked(current()).fwd_layout)
-        Kb, nb = kb.block, kb.count
-        f32 = mx.float32
-
-        def blocks(x):  # [B,T,Hk,d] -> φ per value head and block: [B,T,H·nb,Kb]
-            phi = expand_heads(sympow_mx(x.astype(f32)), H, self.rec.gqa, 2)
-            return phi.reshape(B, T, H * nb, Kb)
-
-        def per_block(x):  # [B,T,H,...] -> [B,T,H·nb,...]
-            return mx.repeat(x, nb, axis=2)
-
-        v1 = mx.concatenate([v.astype(f32), mx.ones((B, T, H, 1), f32)], axis=-1)
-        h0 = None
-        if states is not None:
-            S0, z0 = (s.astype(f32) for s in states)
-            h0 = mx.concatenate([S0.reshape(B, H, nb, Kb, V), z0.reshape(B, H, nb, Kb, 1)], axis=-1)
-            h0 = h0.reshape(B, H * nb, Kb, V + 1)
-        inner = dict(q=blocks(q), k=blocks(k), v=per_block(v1), g=per_block(g.astype(f32)))
+        into, out_of = key_block_maps(self.rec.gqa, sizes, kb, str(v.dtype), states is not None, output_final_state,
+                                      compiled=sizes.T == 1)
+        parts = into(q, k, v, g, *(states or ()))
+        inner = dict(zip(("q", "k", "v", "g"), parts[:4]))
+        h0 = parts[4] if states is not None else None
         yn, ht = self._blocks_op._run(inner, kb.inner(sizes), h0, True, scale=scale * scale, backend=backend,
                                       check_finite=check_finite)  # checked above; T < H·nb is no layout mistake
+        out = out_of(yn, ht)
+        return out[0], (tuple(out[1:]) if output_final_state else None)
+
+
+@lru_cache(maxsize=32)
+def key_block_maps(gqa: str, sizes: Sizes, kb, dtype: str, with_state: bool, with_final: bool, compiled: bool):
+    """The composition's two elementwise ends for one call signature: ``into(q, k, v, g[, S0, z0])`` -> the blocks'
+    (q, k, v, g[, h0]) and ``out_of(yn, ht)`` -> (o[, S, z]). Compiled for decode (T = 1: one shape a stream,
+    and its ~30 small ops cost ~0.1 ms of host time a step); MLX traces them as plain ops under a transformation."""
+    import mlx.core as mx
+
+    from .chunked.terms import expand_heads, sympow_mx
+
+    B, T, H, K, V = sizes.B, sizes.T, sizes.H, sizes.K, sizes.V
+    Kb, nb = kb.block, kb.count
+    f32 = mx.float32
+
+    def blocks(x):  # [B,T,Hk,d] -> φ per value head and block: [B,T,H·nb,Kb]
+        return expand_heads(sympow_mx(x.astype(f32)), H, gqa, 2).reshape(B, T, H * nb, Kb)
+
+    def into(q, k, v, g, *state):
+        v1 = mx.concatenate([v.astype(f32), mx.ones((B, T, H, 1), f32)], axis=-1)
+        parts = [blocks(q), blocks(k), mx.repeat(v1, nb, axis=2), mx.repeat(g.astype(f32), nb, axis=2)]
+        if with_state:
+            S0, z0 = (s.astype(f32) for s in state)
+            h0 = mx.concatenate([S0.reshape(B, H, nb, Kb, V), z0.reshape(B, H, nb, Kb, 1)], axis=-1)
+            parts.append(h0.reshape(B, H * nb, Kb, V + 1))
+        return parts
+
+    def out_of(yn, ht):
         yn = yn.reshape(B, T, H, nb, V + 1).sum(axis=3)
-        o = (yn[..., :V] / (yn[..., V:] + specs.POWER_RETENTION_EPS)).astype(v.dtype)
-        if not output_final_state:
-            return o, None
+        o = (yn[..., :V] / (yn[..., V:] + specs.POWER_RETENTION_EPS)).astype(getattr(mx, dtype.split(".")[-1]))
+        if not with_final:
+            return [o]
         ht = ht.reshape(B, H, nb, Kb, V + 1)
-        return o, (ht[..., :V].reshape(B, H, K, V), ht[..., V].reshape(B, H, K))
+        return [o, ht[..., :V].reshape(B, H, K, V), ht[..., V].reshape(B, H, K)]
+
+    return (mx.compile(into), mx.compile(out_of)) if compiled else (into, out_of)
 
 
 def load(spec, backend: str | None = None, chunk_size: int | None = None, backward: str | None = None) -> Op:
