@@ -393,12 +393,11 @@ def naive_estimates(rec: ir.Recurrence, shape: Shape, dtype: str, passes: tuple)
 def plan(passes: tuple, baselines: tuple) -> list[str]:
     """The steps ``run`` reports through ``on_step``, in order."""
     kinds = [p for p in ("fwd", "fwdbwd") if p in passes]
-    labels = [f"recgen {k}" for k in kinds]
+    labels = ["recgen decode"] if "decode" in passes else []
+    labels += [f"recgen {k}" for k in kinds]
     if "peak" in passes:
         labels.append("recgen peak")
-    if "decode" in passes:
-        labels.append("recgen decode")
-    if "naive" in baselines:
+    if "naive" in baselines and set(passes) - {"decode"}:
         labels += ["naive estimate"] + [f"naive {k}" for k in kinds] + (["naive peak"] if "peak" in passes else [])
     if "fla" in baselines and set(passes) - {"decode"}:
         labels.append("fla (separate process)")
@@ -432,13 +431,31 @@ def run(rec: ir.Recurrence, shape: Shape, dtype: str = "bfloat16", backend: str 
     on_step = on_step or (lambda label: None)
     tun = checked(current())
     used = choose_backend(tun, None if backend == "auto" else backend)
-    kinds = [p for p in ("fwd", "fwdbwd") if p in passes]
-    peaks = kinds if kinds else ["fwd", "fwdbwd"]
     measures = []
     if "decode" in passes:
         on_step("recgen decode")
         measures.append(measure_decode(rec, shape, dtype, backend))
 
+    timed = tuple(p for p in passes if p != "decode")  # on the shape's T; FLA's chunk ops have no decode step
+    if timed:
+        measures += _timed(rec, shape, dtype, backend, timed, baselines, repeat, on_step, compiled)
+    if "fla" in baselines and timed:
+        on_step("fla (separate process)")
+        mx.clear_cache()  # hand cached device memory back before the other process allocates
+        measures += fla_measures(rec, shape, dtype, timed, fla_timeout)
+
+    env = {"device": {"default_device": str(mx.default_device()), **_jsonable(mx.device_info())},
+           "mlx_version": mx.__version__, "recgen_version": __version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "python": sys.version.split()[0], "tuning": _jsonable(asdict(tun)), "compiled": compiled}
+    return Result(rec.name, rec.spec_hash(), shape, dtype, backend, used, tuple(measures), env)
+
+
+def _timed(rec, shape, dtype, backend, passes, baselines, repeat, on_step, compiled) -> list:
+    """recgen's (and the naive loop's) forward, forward+backward and peaks at ``shape``."""
+    kinds = [p for p in ("fwd", "fwdbwd") if p in passes]
+    peaks = kinds if kinds else ["fwd", "fwdbwd"]
+    measures = []
     xs, do = make_inputs(rec, shape, dtype)
     s = steps(recgen_forward(rec, backend), xs, do, compiled)
     calls = {"fwd": (s.fwd, s.fwd_step), "fwdbwd": (s.fwdbwd, s.fwdbwd_step)}
@@ -452,21 +469,9 @@ def run(rec: ir.Recurrence, shape: Shape, dtype: str = "bfloat16", backend: str 
                 mx.eval(calls[k][0]())
             measures.append(Measure("recgen", f"peak_{k}", peak_gib(calls[k][0])))
     del s, calls
-
     if "naive" in baselines:
         measures += _naive(rec, shape, dtype, passes, kinds, peaks, xs, do, repeat, on_step, compiled)
-    del xs, do
-    fla_passes = tuple(p for p in passes if p != "decode")  # FLA's chunk ops have no decode step
-    if "fla" in baselines and fla_passes:
-        on_step("fla (separate process)")
-        mx.clear_cache()  # hand cached device memory back before the other process allocates
-        measures += fla_measures(rec, shape, dtype, fla_passes, fla_timeout)
-
-    env = {"device": {"default_device": str(mx.default_device()), **_jsonable(mx.device_info())},
-           "mlx_version": mx.__version__, "recgen_version": __version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "python": sys.version.split()[0], "tuning": _jsonable(asdict(tun)), "compiled": compiled}
-    return Result(rec.name, rec.spec_hash(), shape, dtype, backend, used, tuple(measures), env)
+    return measures
 
 
 def pipelined(step, carry, tokens: int = DECODE_TOKENS, warm: int = DECODE_WARM) -> float:

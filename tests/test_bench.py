@@ -248,3 +248,15 @@ def test_cli_decode_pass(tmp_path):
     d = json.loads(path.read_text())
     (r,) = d["results"]
     assert r["kind"] == "decode" and r["value"] > 0 and r["of_copy"] > 0 and "decode" in d["method"]
+
+
+@pytest.mark.parametrize("passes", [("decode",), ("fwd", "peak", "decode")])
+def test_steps_reported_are_the_plan(passes):
+    """``on_step`` sees exactly ``plan``'s labels in order (the CLI's progress bar counts them); a decode-only run
+    times nothing at the shape's T, the naive loop included."""
+    seen = []
+    r = bench.run(BUILTINS["simple_gla"], bench.Shape(1, 6, 2, 8, 8), "float32", passes=passes,
+                  baselines=("naive",), repeat=1, on_step=seen.append)
+    assert seen == bench.plan(passes, ("naive",))
+    assert {m.kind for m in r.measures if m.impl == "recgen"} == (
+        {"decode"} if passes == ("decode",) else {"fwd", "peak_fwd", "decode"})
