@@ -286,7 +286,7 @@ class PowerRetention(Op):
         (S, z) or None."""
         q, k, v, g = (arrays[n] for n in ("q", "k", "v", "g"))
         kb = key_blocks(sizes, checked(current()).fwd_layout)
-        into, out_of = key_block_maps(self.rec.gqa, sizes, kb, str(v.dtype), states is not None, output_final_state,
+        into, out_of = key_block_maps(self.rec.gqa, sizes, kb, v.dtype, states is not None, output_final_state,
                                       compiled=sizes.T == 1)
         parts = into(q, k, v, g, *(states or ()))
         inner = dict(zip(("q", "k", "v", "g"), parts[:4]))
@@ -298,7 +298,7 @@ class PowerRetention(Op):
 
 
 @lru_cache(maxsize=32)
-def key_block_maps(gqa: str, sizes: Sizes, kb, dtype: str, with_state: bool, with_final: bool, compiled: bool):
+def key_block_maps(gqa: str, sizes: Sizes, kb, dtype, with_state: bool, with_final: bool, compiled: bool):
     """The composition's two elementwise ends for one call signature: ``into(q, k, v, g[, S0, z0])`` -> the blocks'
     (q, k, v, g[, h0]) and ``out_of(yn, ht)`` -> (o[, S, z]). Compiled for decode (T = 1: one shape a stream,
     and its ~30 small ops cost ~0.1 ms of host time a step); MLX traces them as plain ops under a transformation."""
@@ -324,7 +324,7 @@ def key_block_maps(gqa: str, sizes: Sizes, kb, dtype: str, with_state: bool, wit
 
     def out_of(yn, ht):
         yn = yn.reshape(B, T, H, nb, V + 1).sum(axis=3)
-        o = (yn[..., :V] / (yn[..., V:] + specs.POWER_RETENTION_EPS)).astype(getattr(mx, dtype.split(".")[-1]))
+        o = (yn[..., :V] / (yn[..., V:] + specs.POWER_RETENTION_EPS)).astype(dtype)
         if not with_final:
             return [o]
         ht = ht.reshape(B, H, nb, Kb, V + 1)

@@ -12,19 +12,6 @@ from ..spec.layouts import infer_sizes
 from .kernels import Report, emulate
 
 
-def _heads(x: np.ndarray, H: int, gqa: str) -> np.ndarray:
-    """Key heads -> value heads along axis 2: block (h // g) or tiled (h % Hk), as the op maps them."""
-    g = H // x.shape[2]
-    return np.repeat(x, g, axis=2) if gqa == "block" else np.tile(x, (1, 1, g, 1))
-
-
-def _heads_vjp(dx: np.ndarray, Hk: int, gqa: str) -> np.ndarray:
-    B, T, H, D = dx.shape
-    if gqa == "block":
-        return dx.reshape(B, T, Hk, H // Hk, D).sum(3)
-    return dx.reshape(B, T, H // Hk, Hk, D).sum(2)
-
-
 def emulate_key_blocks(inputs: dict, *, initial_state, do, dht, scale: float, kb: KeyBlocks | None = None,
                        sanitizer=None, report: Report | None = None):
     """(o, (S, z), grads) of power retention at ``inputs`` (q, k [B,T,Hk,d], v [B,T,H,V], g [B,T,H], float64)
@@ -34,10 +21,11 @@ def emulate_key_blocks(inputs: dict, *, initial_state, do, dht, scale: float, kb
     sizes = infer_sizes(rec, {n: np.shape(a) for n, a in inputs.items()})
     kb = kb or key_blocks(sizes)
     B, T, H, Hk, V, nb, Kb = sizes.B, sizes.T, sizes.H, sizes.Hk, sizes.V, kb.count, kb.block
+    kh = [sizes.key_head(h, rec.gqa) for h in range(H)]  # the key head each value head reads
     q, k, v, g = (np.asarray(inputs[n], np.float64) for n in ("q", "k", "v", "g"))
 
     def blocks(x):  # [B,T,Hk,d] -> [B,T,H·nb,Kb]
-        return _heads(sympow(x), H, rec.gqa).reshape(B, T, H * nb, Kb)
+        return sympow(x)[:, :, kh].reshape(B, T, H * nb, Kb)
 
     def states(S, z):  # (S [B,H,K',V], z [B,H,K']) -> [B,H·nb,Kb,V+1]
         return np.concatenate([S.reshape(B, H, nb, Kb, V), z.reshape(B, H, nb, Kb, 1)], -1).reshape(B, H * nb, Kb, -1)
@@ -58,7 +46,9 @@ def emulate_key_blocks(inputs: dict, *, initial_state, do, dht, scale: float, kb
     final = (ht[..., :V].reshape(B, H, kb.rows, V), ht[..., V].reshape(B, H, kb.rows))
 
     def phi_grad(x, dblocks):  # dφ by block -> dx [B,T,Hk,d]
-        return sympow_vjp(x, _heads_vjp(dblocks.reshape(B, T, H, kb.rows), Hk, rec.gqa))
+        dphi = np.zeros((B, T, Hk, kb.rows))
+        np.add.at(dphi, (slice(None), slice(None), kh), dblocks.reshape(B, T, H, kb.rows))  # value heads -> key heads
+        return sympow_vjp(x, dphi)
 
     dh0 = gr["initial_state"].reshape(B, H, nb, Kb, V + 1)
     grads = {"q": phi_grad(q, gr["q"]), "k": phi_grad(k, gr["k"]),
