@@ -395,6 +395,15 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     L = np.tril(f(2, C, C), -1)
     (T,) = verify.run_launch(ck.inverse_launch("metal", 2, C), {"L": L}, sanitizer=sanitizer)
     assert _rel(T, np.linalg.inv(np.eye(C) - L.astype(np.float64))) < 1e-4
+    pa = {"X": f(2, 48, 64), "Y": f(2, 48, 64), "dk": np.exp(-f(2, 48, 64) ** 2)}  # 3 blocks, 2 slabs
+    (M,) = verify.run_launch(ck.pair_launch("metal", 2, 48, 64, True), pa, sanitizer=sanitizer)
+    assert _rel(M, _pair_ref(pa["X"], pa["Y"], pa["dk"], True)) < 1e-5
+    dM = np.tril(f(2, 48, 48))
+    dX, dY = verify.run_launch(ck.pair_launch("metal", 2, 48, 64, False, grad=True), pa | {"dM": dM},
+                               sanitizer=sanitizer)
+    assert np.isfinite(dX).all() and np.isfinite(dY).all()
+    ip = float((dM * _pair_ref(pa["X"], pa["Y"], pa["dk"], False)).sum())  # <dM, M> is bilinear in X and Y
+    assert abs(float((dX * pa["X"]).sum()) - ip) < 1e-4 * abs(ip) and abs(float((dY * pa["Y"]).sum()) - ip) < 1e-4 * abs(ip)
 
 
 def _pair_ref(X, Y, dk, strict):
@@ -409,13 +418,17 @@ def _pair_ref(X, Y, dk, strict):
 
 
 @pytest.mark.parametrize("strict", [False, True])
-def test_pair_kernels_match_numpy(strict):
+@pytest.mark.parametrize("C,K", [(8, 64), (64, 32), (32, 64)])
+def test_pair_kernels_match_numpy(strict, C, K):
     """Forward pair matrix and its two gradients (checked as the adjoint: <dM, M(X, Y)> is linear in
-    X and in Y, so dX = ∂<dM, M>/∂X exactly), per-token decays down to e^-20."""
-    rng = np.random.default_rng(11 + strict)
-    N, C, K = 3, 8, 64
+    X and in Y, so dX = ∂<dM, M>/∂X exactly), per-token decays down to e^-20 and some exactly 0 (resets): one
+    block of rows (C = 8), and several (C = 32, 64: blocks of 16 rows, factors through the blocks between),
+    K one slab or two."""
+    rng = np.random.default_rng(11 + strict + C)
+    N = 3
     X, Y, dM = (rng.normal(size=s).astype(np.float32) for s in ((N, C, K), (N, C, K), (N, C, C)))
     dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
+    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
     (M,) = verify.run_launch(ck.pair_launch("metal", N, C, K, strict), {"X": X, "Y": Y, "dk": dk})
     assert _rel(M, _pair_ref(X, Y, dk, strict)) < 1e-5
     dX, dY = verify.run_launch(ck.pair_launch("metal", N, C, K, strict, grad=True), {"dM": dM, "X": X, "Y": Y, "dk": dk})

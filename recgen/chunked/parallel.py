@@ -146,8 +146,8 @@ class KeyDecay:
 
 class KernelKeyDecay:
     """A key-vector decay through the generated pair kernels (``chunk_kernels.pair`` / ``pair_grad``): each
-    pair matrix is one sweep per chunk row carrying Γ(t, s) by multiplications, so no hierarchy of
-    levels is built or kept. P and Q come from cumulative sums anchored at the chunk's start and end
+    pair matrix is built from products of per-token decays in 16-token blocks (``chunk_pair.j2``), so no
+    hierarchy of levels is built or kept. P and Q come from cumulative sums anchored at the chunk's start and end
     (P_t = exp(Σ_{τ≤t} l_τ), Q_s = exp(Σ_{τ>s} l_τ)): no difference of large sums."""
 
     key = True
@@ -418,10 +418,10 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
 
 
 def _key_geo(t: Tuning):
-    """The key-vector decay class with chunk kernels: the pair kernels where K is a multiple of 32 (their
-    lanes), the hierarchy otherwise."""
+    """The key-vector decay class with chunk kernels: the pair kernels where they have a layout for (C, K) (K a
+    multiple of 32), the hierarchy otherwise."""
     def make(l, t_, saved=()):
-        if pair_supported(l.shape[-1]):
+        if pair_supported(t_.dialect, *l.shape[-2:]):
             return KernelKeyDecay(l, t_, saved)
         return KeyDecay(l, t_, saved)
     return make

@@ -8,7 +8,8 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
   or in reverse; its ``ScanVariant`` says which terms exist and which frame runs it: ``chunk_scan_mma.j2`` on
   the dialect's 16×8×8 fragment multiply-add (tensor cores on CUDA), else ``chunk_scan.j2`` on FMAs.
 - ``pair_source`` / ``pair_grad_source``: M[t, s] = Σ_i X_ti Y_si Γ_i(t, s) of a key-vector decay and its
-  gradients, Γ carried along a row (or column) by one multiplication per step.
+  gradients, Γ factored over blocks of 16 tokens into products of decays (the diagonal blocks carried along a
+  row by one multiplication per step).
 - ``ut_mma_source`` and ``out_mma_source`` (scalar decays, fragment frames): the delta rule's UT transform
   (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout y = (r ⊙ P) S_c + M_ru Z, each one kernel per
   chunk with A or M_ru formed in threadgroup memory (shared helpers in ``_fragments.j2``).
@@ -29,7 +30,6 @@ from .render import KernelSource, template_env
 
 BV = 32           # value columns per FMA-scan threadgroup (4 per thread)
 MAX_NR = 16       # row groups of the FMA scan (threads = row groups × BV/4): 128 threads at K = 128
-WPT = 4           # SIMD groups per threadgroup of the pair kernels (one chunk row or column each)
 MMA_NW = 4        # SIMD groups per threadgroup of the fragment scan (most; fewer where K needs)
 
 
@@ -238,6 +238,34 @@ def ut_mma_layout(dialect: str, C: int, K: int, V: int, most_bw: int = 128) -> d
     return None
 
 
-def pair_supported(K: int) -> bool:
-    """Lanes split K: K a multiple of 32."""
-    return K % 32 == 0
+PAIR_KS = 32      # key columns a slab of the pair kernels stages
+
+
+def pair_supported(dialect: str, C: int, K: int) -> bool:
+    """Whether the pair kernels have a layout for (C, K) in ``dialect`` (``pair_layout``)."""
+    try:
+        pair_layout(dialect, C, K)
+    except ValueError:
+        return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def pair_layout(dialect: str, C: int, K: int) -> dict:
+    """Template constants of the pair kernels: blocks of BS = min(16, C) rows (NB a chunk, one threadgroup each;
+    NBM the most earlier or later blocks one meets, at least 1), NT = 8 BS threads (at least a SIMD group: the
+    forward reduces over 8 lanes), BS8 columns of an earlier block per thread, slabs of KS columns at row stride
+    LDS (odd: a column read by 8 rows hits 8 banks), dM staged at row stride LDM (rows) or LDT (columns). Raises
+    ValueError where K is not a multiple of 32 or the tiles pass the dialect's threadgroup memory."""
+    if K % PAIR_KS:
+        raise ValueError(f"chunk_pair: K={K} must be a multiple of {PAIR_KS}")
+    bs = min(16, C)
+    if C % bs:
+        raise ValueError(f"chunk_pair: C={C} must be a multiple of 16 or at most 16")
+    nb, ks = C // bs, PAIR_KS
+    lay = {"BS": bs, "NB": nb, "NBM": max(nb - 1, 1), "BS8": max(bs // 8, 1), "KS": ks, "LDS": ks + 1,
+           "LDM": C + 1, "LDT": bs + 1, "NT": max(32, 8 * bs)}
+    tiles = lay["LDS"] * bs * (lay["NBM"] + 3) + nb * ks + bs * C + C  # the gradient's (the larger)
+    if 4 * tiles > get(dialect).smem_bytes:
+        raise ValueError(f"chunk_pair: C={C}, K={K} pass {dialect}'s threadgroup memory")
+    return lay

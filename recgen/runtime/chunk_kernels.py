@@ -12,8 +12,8 @@ import math
 from functools import lru_cache
 
 from ..codegen.backends import get
-from ..codegen.chunk_sources import (BV, WPT, ScanVariant, inverse_source, out_mma_layout, out_mma_source,
-                                     pair_grad_source, pair_source, pair_supported, scan_layout, scan_mma_layout,
+from ..codegen.chunk_sources import (BV, ScanVariant, inverse_source, out_mma_layout, out_mma_source,
+                                     pair_grad_source, pair_layout, pair_source, scan_layout, scan_mma_layout,
                                      scan_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..tuning import Tuning
@@ -113,13 +113,13 @@ def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 1
 
 @lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False) -> Launch:
-    if not pair_supported(K):
-        raise ValueError(f"chunk_pair: K={K} must be a multiple of 32")
+    """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns)."""
+    lay = pair_layout(dialect, C, K)
     src = (pair_grad_source if grad else pair_source)(dialect, strict)
-    groups = N * C * (2 if grad else 1)
+    groups = N * lay["NB"] * (2 if grad else 1)
     outs = (((N, C, K), "float32"), ((N, C, K), "float32")) if grad else (((N, C, C), "float32"),)
-    tmpl = (("C", C), ("K", K), ("RK", K // 32), ("WPT", WPT))
-    return Launch(src, (("rt", (N * C,), "int32"),), outs, (-(-groups // WPT) * WPT * 32, 1, 1), (WPT * 32, 1, 1), tmpl)
+    tmpl = (("C", C), ("K", K)) + tuple(lay.items())
+    return Launch(src, (("rt", (N,), "int32"),), outs, (groups * lay["NT"], 1, 1), (lay["NT"], 1, 1), tmpl)
 
 
 # -- MLX calls -------------------------------------------------------------------------------------
