@@ -183,10 +183,10 @@ def _emulated_call(launch, dialect, user, extra, debug=False):
 
 
 @pytest.mark.parametrize("name,T", [("gated_delta_net", 40), ("delta_net", 16), ("gated_delta_net", 1),
-                                    ("simple_gla", 40), ("gla", 40)])
+                                    ("simple_gla", 40), ("gla", 40), ("power_retention", 40)])
 def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     """The chunked core with the generated kernels wired in (inverse, forward and backward scans, the
-    key-vector decay's pair kernels),
+    key-vector decay's pair kernels, power retention's feature map),
     end to end against the float64 reference: forward, final state, every gradient; strong decays,
     K != V, GQA, a partial last chunk (T = 40 with chunk 16), T = 1 (C = 1: one row group)."""
     pytest.importorskip("mlx.core")
@@ -204,6 +204,8 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
             else {"recgen_chunk_scan_noa", "recgen_chunk_scan_nob_e_rev"})
     if key:
         want |= {"recgen_chunk_pair", "recgen_chunk_pair_grad"}
+    if specs.BUILTINS[name].features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
+        want = {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"}
     assert kinds == want, kinds
 
 
@@ -438,6 +440,20 @@ def test_pair_kernels_match_numpy(strict, C, K):
     assert _rel(dX, np.einsum("nts,ntsi->nti", dM, G)) < 1e-5
     G = np.stack([_pair_ref(X, np.broadcast_to(eye[i], (N, C, K)) * 1.0, dk, strict) for i in range(K)], -1)
     assert _rel(dY, np.einsum("nts,ntsi->nsi", dM, G)) < 1e-5
+
+
+@pytest.mark.parametrize("D", [4, 64])
+def test_sympow_kernels_match_numpy(D):
+    """φ = sympow(x) and its gradient against recgen.spec.features (float64), D(D + 1)/2 pairs a row."""
+    from recgen.spec.features import sympow, sympow_vjp
+
+    rng = np.random.default_rng(D)
+    x = rng.normal(size=(6, D)).astype(np.float32)
+    (phi,) = verify.run_launch(ck.sympow_launch("metal", 6, D), {"x": x})
+    assert _rel(phi, sympow(x.astype(np.float64))) < 1e-6
+    dphi = rng.normal(size=phi.shape).astype(np.float32)
+    (dx,) = verify.run_launch(ck.sympow_launch("metal", 6, D, grad=True), {"dphi": dphi, "x": x})
+    assert _rel(dx, sympow_vjp(x.astype(np.float64), dphi.astype(np.float64))) < 1e-6
 
 
 SMALL = (2, 16, 32, 32)  # n, C, K, V of the self-test at emulator-sized shapes (the GPU's: C = 64, K = V = 128)

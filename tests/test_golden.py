@@ -45,7 +45,7 @@ def test_emission_is_deterministic(tmp_path):
 def test_chunk_kernels_match_golden(target):
     """The generated chunk kernels (MLX form: header and body) with their template constants at the
     GPU shapes (C = 64, K = V = 128): inverse, delta-rule scans (scalar decay) and diagonal scans in both
-    frames (FMA, fragment multiply-adds), the forward fragment scans taking u and Q (``ScanVariant.q``), pair kernels (key-vector decay), the fragment readout and UT transform (Metal's at C = 32: C = 64 does
+    frames (FMA, fragment multiply-adds), the forward fragment scans taking u and Q (``ScanVariant.q``), pair kernels (key-vector decay), the sympow feature map, the fragment readout and UT transform (Metal's at C = 32: C = 64 does
     not fit its threadgroup memory)."""
     from recgen.codegen.chunk_sources import ScanVariant
     from recgen.runtime import chunk_kernels as ck
@@ -64,6 +64,7 @@ def test_chunk_kernels_match_golden(target):
                 + [mma(reverse=True, p=True, dg=True)]
                 + [mma(a=a, q=True) for a in (True, False)]
                 + [ck.pair_launch(target, 8, 64, 128, strict, grad) for strict in (False, True) for grad in (False, True)]
+                + [ck.sympow_launch(target, 8, 64, grad) for grad in (False, True)]
                 + [ck.out_mma_launch(target, 8, 64, 128, 128), ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"))]
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128)])
     for launch in launches:

@@ -46,6 +46,7 @@ import mlx.core as mx
 from ..spec import ir
 from ..spec.analysis import analyze
 from ..spec.layouts import InputError, check_state, infer_sizes
+from ..runtime import chunk_kernels as ck
 from ..runtime.probe import checked
 from ..tuning import Tuning, current
 from . import core, parallel
@@ -167,11 +168,12 @@ def _diag_scan(tun, S, r, u, w, l, C, key: bool, delta_bt=None, out=None, rfac=N
     return y.reshape(B, H, n * C, y.shape[-1])[:, :, :T], S_end
 
 
-def _roles(p, names, scale, sizes, S, arrays, raw=None):
-    """(T, roles); ``raw``: see ``terms.bind``."""
+def _roles(tun, p, names, scale, sizes, S, arrays, raw=None):
+    """(T, roles); ``raw``: see ``terms.bind``. Feature maps run on the chunk kernels where they are on (float32)."""
     chunk = dict(zip(names, arrays))  # upcast by ``bind``, after the layout views: fused with the role math
     T = next(chunk[x.name].shape[1] for x in p.rec.inputs if x.per_token)
-    vals = bind(p, chunk, sizes.H, S.dtype, raw)
+    kern = tun.chunk_kernels and S.dtype == mx.float32 and p.rec.features
+    vals = bind(p, chunk, sizes.H, S.dtype, raw, ck.sympow_fn(tun) if kern else None)
     return T, evaluate(p, vals, scale, sizes.B, sizes.H, T, sizes.K, sizes.V, S.dtype)
 
 
@@ -217,7 +219,7 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     normalizer or skip term the core writes o in its layout and type (``out_dtype``) itself."""
     z = rest[0] if has_z else None
     raw = {}
-    T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest, raw)
+    T, t = _roles(tun, p, names, scale, sizes, S, rest[1:] if has_z else rest, raw)
     V, key = sizes.V, p.decay_class == "key"
     nz = None
     if p.fuse_z:  # z rides along as the extra value column of S (same decay and update)
@@ -249,7 +251,7 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
 def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """A rank-1 transition with a ≠ ρ·u (scalar or key decay): ``core.chunks_rank1`` by autodiff."""
     z = rest[0] if has_z else None
-    T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
+    T, t = _roles(tun, p, names, scale, sizes, S, rest[1:] if has_z else rest)
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     r, y0 = _pre_shift(p.rec, t, S)
@@ -266,7 +268,7 @@ def _full(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """A stretch with a full (i, j) or value-indexed decay: ``core.scan_full`` (its written VJP); a
     normalizer (scalar or key decay) through the parallel core with chunk C."""
     z = rest[0] if has_z else None
-    _, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
+    _, t = _roles(tun, p, names, scale, sizes, S, rest[1:] if has_z else rest)
     r, y0 = _pre_shift(p.rec, t, S)
     y, S = core.scan_full(S, r, t["u"], t["w"], t["logdecay"], tun.pow2_exp)
     y = _pre_unshift(y, y0)
@@ -281,7 +283,7 @@ def _stepwise(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     chunk's steps factors into matmuls. The roles are formed for the whole stretch at once, then the state steps
     token by token (MLX autodiff through the steps; O(T·K·V) memory, bounded by the caller's segments)."""
     z = rest[0] if has_z else None
-    T, t = _roles(p, names, scale, sizes, S, rest[1:] if has_z else rest)
+    T, t = _roles(tun, p, names, scale, sizes, S, rest[1:] if has_z else rest)
     r, a, b, u, w = (t[k][:, :, :, None] for k in ("r", "a", "b", "u", "w"))  # [B,H,T,1,F]: rows of one token
     D = core.exp(t["logdecay"], tun.pow2_exp)                                    # [B,H,T,K|1,V]
     flags = dict(before_decay=p.rec.transition_before_decay, readout_before=p.rec.step.readout_before_update)

@@ -136,7 +136,7 @@ def expand_heads(x, H: int, gqa: str, axis: int):
     return mx.tile(x, reps)
 
 
-def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None) -> dict:
+def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, sympow=None) -> dict:
     """Symbol -> array in the chunk frame [B,H,C,K|1,V|1]; per-token inputs are [B,C,...] slices.
     With ``dtype`` each value is cast after its layout view (transpose, head expansion), so under
     ``mx.compile`` the cast fuses into the role math's strided pass instead of being a pass of its
@@ -146,12 +146,14 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None) -> d
     A key or value that a role is verbatim (``Plan.bare_roles``) or a constant multiple of (``Plan.r_scaled``) is
     first copied to row-major order in its own type: MLX's cast keeps a transposed view's strides, so the chunked
     core's reshape would copy it again in float32 (a cast and a float32 layout copy per such input).
-    ``raw`` (a dict), if given, receives those row-major copies before the cast, by symbol."""
+    ``raw`` (a dict), if given, receives those row-major copies before the cast, by symbol. ``sympow``: the
+    feature map's implementation (default ``sympow_mx``; the chunk kernels' ``chunk_kernels.sympow_fn``)."""
     mx = _mx()
     rec = p.rec
     vals = {}
     cast = (lambda a: a.astype(dtype)) if dtype is not None else (lambda a: a)
     bare = {s for _, s in p.bare_roles} | ({p.r_scaled[0]} if p.r_scaled else set())
+    phi = sympow or sympow_mx
 
     def row_major(a, x):
         if x.symbol not in bare:
@@ -171,7 +173,7 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None) -> d
                 vals[x.symbol] = cast(row_major(expand_heads(a, H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None], x))
             for f in rec.features:
                 if f.source == x.name:
-                    vals[f.symbol] = expand_heads(sympow_mx(cast(a)), H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None]
+                    vals[f.symbol] = expand_heads(phi(cast(a)), H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None]
         elif x.kind == "key_gate":                   # [B,C,H,K]
             vals[x.symbol] = cast(a.transpose(0, 2, 1, 3)[..., None])
         elif x.kind == "value":                      # [B,C,H,V]

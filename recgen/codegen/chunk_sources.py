@@ -10,6 +10,9 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
 - ``pair_source`` / ``pair_grad_source``: M[t, s] = Σ_i X_ti Y_si Γ_i(t, s) of a key-vector decay and its
   gradients, Γ factored over blocks of 16 tokens into products of decays (the diagonal blocks carried along a
   row by one multiplication per step).
+- ``sympow_source``: the degree-2 symmetric power feature map φ(x) (``recgen.spec.features.sympow``) and its
+  gradient, elementwise, for the chunked form of feature-map specs (MLX's gather and its scatter-add VJP were
+  most of power retention's time).
 - ``ut_mma_source`` and ``out_mma_source`` (scalar decays, fragment frames): the delta rule's UT transform
   (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout y = (r ⊙ P) S_c + M_ru Z, each one kernel per
   chunk with A or M_ru formed in threadgroup memory (shared helpers in ``_fragments.j2``).
@@ -134,6 +137,15 @@ def pair_grad_source(dialect: str, strict: bool) -> KernelSource:
     return _source(get(dialect), "chunk_pair_grad.j2", "pair_grad" + ("_strict" if strict else ""),
                    "gradients of the key-vector decay pair matrix", ("dM", "X", "Y", "dk", "rt"), ("dX", "dY"), (),
                    strict=strict)
+
+
+@lru_cache(maxsize=None)
+def sympow_source(dialect: str, grad: bool = False) -> KernelSource:
+    """φ (inputs x and the pair tables pa, pb; output phi) or its gradient (dphi, x -> dx)."""
+    if grad:
+        return _source(get(dialect), "features_sympow_grad.j2", "sympow_grad", "gradient of the sympow feature map",
+                       ("dphi", "x", "rt"), ("dx",), ())
+    return _source(get(dialect), "features_sympow.j2", "sympow", "sympow feature map", ("x", "pa", "pb", "rt"), ("phi",), ())
 
 
 # -- which sizes have a kernel, and their layouts --------------------------------------------------

@@ -14,8 +14,9 @@ from functools import lru_cache
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, ScanVariant, inverse_source, out_mma_layout, out_mma_source,
                                      pair_grad_source, pair_layout, pair_source, scan_layout, scan_mma_layout,
-                                     scan_source, ut_mma_layout, ut_mma_source)
+                                     scan_source, sympow_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
+from ..spec.features import sympow_pairs
 from ..tuning import Tuning
 from .launch import Launch, mlx_call
 
@@ -122,6 +123,22 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     return Launch(src, (("rt", (N,), "int32"),), outs, (groups * lay["NT"], 1, 1), (lay["NT"], 1, 1), tmpl)
 
 
+SYMPOW_NT = 256  # threads a threadgroup of the sympow kernels
+
+
+@lru_cache(maxsize=256)
+def sympow_launch(dialect: str, M: int, D: int, grad: bool = False) -> Launch:
+    """φ of M rows of D features (one thread an entry of φ, or of dx for the gradient); the pair tables are
+    runtime inputs (``recgen.spec.features.sympow_pairs``)."""
+    a, b, _ = sympow_pairs(D)
+    F = len(a)
+    n = M * (D if grad else F)
+    runtime = (("rt", (M,), "int32"),) if grad else (("pa", tuple(int(i) for i in a), "int32"),
+                                                     ("pb", tuple(int(i) for i in b), "int32"), ("rt", (M,), "int32"))
+    return Launch(sympow_source(dialect, grad), runtime, (((M, D if grad else F), "float32"),),
+                  (-(-n // SYMPOW_NT) * SYMPOW_NT, 1, 1), (SYMPOW_NT, 1, 1), (("D", D), ("F", F), ("NT", SYMPOW_NT)))
+
+
 # -- MLX calls -------------------------------------------------------------------------------------
 def _lead(x, tail: int) -> int:
     """The number of matrices in x: the product of its shape but the last ``tail`` axes."""
@@ -221,3 +238,24 @@ def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning):
     dX, dY = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True),
                       [dM.reshape(N, C, C), X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)])
     return dX.reshape(X.shape), dY.reshape(Y.shape)
+
+
+@lru_cache(maxsize=16)
+def sympow_fn(t: Tuning):
+    """φ = sympow(x), [..., D] float32 -> [..., D (D + 1) / 2], by the generated kernels, with their VJP."""
+    import mlx.core as mx
+
+    @mx.custom_function
+    def sympow(x):
+        M, D = _lead(x, 1), x.shape[-1]
+        (phi,) = _call(t, sympow_launch(t.dialect, M, D), [x.reshape(M, D)])
+        return phi.reshape(*x.shape[:-1], phi.shape[-1])
+
+    @sympow.vjp
+    def sympow_vjp(x, dphi, phi):  # one argument, one output: MLX passes the arrays themselves
+        M, D = _lead(x, 1), x.shape[-1]
+        (dx,) = _call(t, sympow_launch(t.dialect, M, D, grad=True),
+                      [dphi.astype(mx.float32).reshape(M, -1), x.reshape(M, D)])
+        return dx.reshape(x.shape).astype(x.dtype)
+
+    return sympow

@@ -9,6 +9,7 @@ import warnings
 from dataclasses import replace
 from functools import lru_cache
 
+from ..spec.features import sympow
 from ..tuning import Tuning, resolve
 from . import chunk_kernels as ck
 
@@ -65,7 +66,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     """Build and run one small instance of a frame's kernels on this machine's GPU, at the template
     constants of the common case (C = 64, K = V = 128: the very kernels a model then uses, so nothing is
     compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
-    ``frame``: "base" (the inverse and the key-decay pair), "scan" (the FMA scan) or "mma" (the fragment
+    ``frame``: "base" (the inverse, the key-decay pair and the sympow feature map), "scan" (the FMA scan) or "mma" (the fragment
     scan as the forward runs it, B in bf16 with its rows scaled as read; the readout in both output layouts,
     bf16 in the model's; the UT transform). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
     then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked call."""
@@ -80,8 +81,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
         if frame == "base":
             L = np.tril(0.3 * rng.normal(size=(1, C, C)) / np.sqrt(C), -1)
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
-            got = [ck.tril_inverse(f32(L), t), ck.pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, t)]
-            ref = [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None]]
+            got = [ck.tril_inverse(f32(L), t), ck.pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, t),
+                   ck.sympow_fn(t)(f32(Xp[0, :2, :16]))]
+            ref = [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None], sympow(Xp[0, :2, :16])]
         else:
             S0, X = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V))
             A, Bm = rng.normal(size=(1, n, C, K)) / K, rng.normal(size=(1, n, C, K)) / C
