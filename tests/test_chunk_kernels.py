@@ -406,6 +406,12 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     assert np.isfinite(dX).all() and np.isfinite(dY).all()
     ip = float((dM * _pair_ref(pa["X"], pa["Y"], pa["dk"], False)).sum())  # <dM, M> is bilinear in X and Y
     assert abs(float((dX * pa["X"]).sum()) - ip) < 1e-4 * abs(ip) and abs(float((dY * pa["Y"]).sum()) - ip) < 1e-4 * abs(ip)
+    x, dphi = f(1, 2, 2, 16), f(1, 4, 2, 136)  # sympow's gradient: two value heads a key head, rows staged in turn
+    (dx,) = verify.run_launch(ck.sympow_launch("metal", 1, 2, 4, 2, 16, True, grad=True), {"dphi": dphi, "x": x},
+                              sanitizer=sanitizer)
+    (phi,) = verify.run_launch(ck.sympow_launch("metal", 1, 2, 4, 2, 16, True), {"x": x}, sanitizer=sanitizer)
+    ip = float((dphi * phi).sum())  # φ is quadratic in x: <dφ, φ(x)> = <dx, x> / 2
+    assert abs(float((dx * x).sum()) / 2 - ip) < 1e-4 * abs(ip)
 
 
 def _pair_ref(X, Y, dk, strict):
@@ -442,18 +448,26 @@ def test_pair_kernels_match_numpy(strict, C, K):
     assert _rel(dY, np.einsum("nts,ntsi->nsi", dM, G)) < 1e-5
 
 
-@pytest.mark.parametrize("D", [4, 64])
-def test_sympow_kernels_match_numpy(D):
-    """φ = sympow(x) and its gradient against recgen.spec.features (float64), D(D + 1)/2 pairs a row."""
+@pytest.mark.parametrize("D,gqa", [(4, "block"), (64, "block"), (16, "tile")])
+def test_sympow_kernels_match_numpy(D, gqa):
+    """φ = sympow(x) [B, T, Hk, D] -> [B, H, T, D(D + 1)/2] (value heads expanded: two a key head, in blocks or
+    tiled) and its gradient (summed over the heads that share a key head) against recgen.spec.features (float64)."""
     from recgen.spec.features import sympow, sympow_vjp
 
     rng = np.random.default_rng(D)
-    x = rng.normal(size=(6, D)).astype(np.float32)
-    (phi,) = verify.run_launch(ck.sympow_launch("metal", 6, D), {"x": x})
-    assert _rel(phi, sympow(x.astype(np.float64))) < 1e-6
+    B, T, H, Hk = 2, 3, 4, 2
+    heads = [h // 2 if gqa == "block" else h % Hk for h in range(H)]
+    x = rng.normal(size=(B, T, Hk, D)).astype(np.float32)
+    (phi,) = verify.run_launch(ck.sympow_launch("metal", B, T, H, Hk, D, gqa == "block"), {"x": x})
+    want = sympow(x.astype(np.float64))[:, :, heads].transpose(0, 2, 1, 3)
+    assert _rel(phi, want) < 1e-6
     dphi = rng.normal(size=phi.shape).astype(np.float32)
-    (dx,) = verify.run_launch(ck.sympow_launch("metal", 6, D, grad=True), {"dphi": dphi, "x": x})
-    assert _rel(dx, sympow_vjp(x.astype(np.float64), dphi.astype(np.float64))) < 1e-6
+    (dx,) = verify.run_launch(ck.sympow_launch("metal", B, T, H, Hk, D, gqa == "block", grad=True),
+                              {"dphi": dphi, "x": x})
+    dwant = np.zeros(x.shape)
+    for h, hk in enumerate(heads):
+        dwant[:, :, hk] += sympow_vjp(x[:, :, hk].astype(np.float64), dphi[:, h].astype(np.float64))
+    assert _rel(dx, dwant) < 1e-6
 
 
 SMALL = (2, 16, 32, 32)  # n, C, K, V of the self-test at emulator-sized shapes (the GPU's: C = 64, K = V = 128)

@@ -46,6 +46,7 @@ import mlx.core as mx
 from ..spec import ir
 from ..spec.analysis import analyze
 from ..spec.layouts import InputError, check_state, infer_sizes
+from ..codegen.chunk_sources import sympow_supported
 from ..runtime import chunk_kernels as ck
 from ..runtime.probe import checked
 from ..tuning import Tuning, current
@@ -172,8 +173,9 @@ def _roles(tun, p, names, scale, sizes, S, arrays, raw=None):
     """(T, roles); ``raw``: see ``terms.bind``. Feature maps run on the chunk kernels where they are on (float32)."""
     chunk = dict(zip(names, arrays))  # upcast by ``bind``, after the layout views: fused with the role math
     T = next(chunk[x.name].shape[1] for x in p.rec.inputs if x.per_token)
-    kern = tun.chunk_kernels and S.dtype == mx.float32 and p.rec.features
-    vals = bind(p, chunk, sizes.H, S.dtype, raw, ck.sympow_fn(tun) if kern else None)
+    kern = (tun.chunk_kernels and S.dtype == mx.float32
+            and all(sympow_supported(tun.dialect, chunk[f.source].shape[-1]) for f in p.rec.features))
+    vals = bind(p, chunk, sizes.H, S.dtype, raw, (lambda x, H, gqa: ck.sympow_fn(tun, H, gqa)(x)) if kern else None)
     return T, evaluate(p, vals, scale, sizes.B, sizes.H, T, sizes.K, sizes.V, S.dtype)
 
 

@@ -147,13 +147,14 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
     first copied to row-major order in its own type: MLX's cast keeps a transposed view's strides, so the chunked
     core's reshape would copy it again in float32 (a cast and a float32 layout copy per such input).
     ``raw`` (a dict), if given, receives those row-major copies before the cast, by symbol. ``sympow``: the
-    feature map's implementation (default ``sympow_mx``; the chunk kernels' ``chunk_kernels.sympow_fn``)."""
+    feature map as (x [B,C,Hk,D], H, gqa) -> φ [B,H,C,F] (default: ``sympow_mx``, heads expanded, transposed; the
+    chunk kernels' ``chunk_kernels.sympow_fn``, which writes that layout itself)."""
     mx = _mx()
     rec = p.rec
     vals = {}
     cast = (lambda a: a.astype(dtype)) if dtype is not None else (lambda a: a)
     bare = {s for _, s in p.bare_roles} | ({p.r_scaled[0]} if p.r_scaled else set())
-    phi = sympow or sympow_mx
+    phi = sympow or (lambda x, H, gqa: expand_heads(sympow_mx(x), H, gqa, 2).transpose(0, 2, 1, 3))
 
     def row_major(a, x):
         if x.symbol not in bare:
@@ -173,7 +174,7 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
                 vals[x.symbol] = cast(row_major(expand_heads(a, H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None], x))
             for f in rec.features:
                 if f.source == x.name:
-                    vals[f.symbol] = expand_heads(phi(cast(a)), H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None]
+                    vals[f.symbol] = phi(cast(a), H, rec.gqa)[..., None]
         elif x.kind == "key_gate":                   # [B,C,H,K]
             vals[x.symbol] = cast(a.transpose(0, 2, 1, 3)[..., None])
         elif x.kind == "value":                      # [B,C,H,V]

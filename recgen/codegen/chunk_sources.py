@@ -149,6 +149,25 @@ def sympow_source(dialect: str, grad: bool = False) -> KernelSource:
 
 
 # -- which sizes have a kernel, and their layouts --------------------------------------------------
+def sympow_layout(dialect: str, D: int, grad: bool = False) -> dict:
+    """Template constants of the sympow kernels: F = D (D + 1) / 2 features, NT threads a row (the forward's 128
+    along φ's row; the gradient's one an entry of x, at least a SIMD group). Raises ValueError where the gradient's
+    staged row of dφ (F + D floats) passes the dialect's threadgroup memory (Metal at D = 128)."""
+    F = D * (D + 1) // 2
+    if grad and 4 * (F + D) > get(dialect).smem_bytes:
+        raise ValueError(f"sympow: a row of D={D} features ({F} floats) passes {dialect}'s threadgroup memory")
+    return {"F": F, "NT": max(32, -(-D // 32) * 32) if grad else 128}
+
+
+def sympow_supported(dialect: str, D: int) -> bool:
+    """Whether the sympow kernels (forward and gradient) have a layout for D in ``dialect``."""
+    try:
+        sympow_layout(dialect, D, grad=True)
+    except ValueError:
+        return False
+    return True
+
+
 def inverse_supported(C: int) -> bool:
     """One thread per column: C threads a threadgroup, C² floats of threadgroup memory."""
     return 1 <= C <= 64

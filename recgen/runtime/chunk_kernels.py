@@ -14,7 +14,7 @@ from functools import lru_cache
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, ScanVariant, inverse_source, out_mma_layout, out_mma_source,
                                      pair_grad_source, pair_layout, pair_source, scan_layout, scan_mma_layout,
-                                     scan_source, sympow_source, ut_mma_layout, ut_mma_source)
+                                     scan_source, sympow_layout, sympow_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..spec.features import sympow_pairs
 from ..tuning import Tuning
@@ -123,20 +123,21 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     return Launch(src, (("rt", (N,), "int32"),), outs, (groups * lay["NT"], 1, 1), (lay["NT"], 1, 1), tmpl)
 
 
-SYMPOW_NT = 256  # threads a threadgroup of the sympow kernels
-
-
 @lru_cache(maxsize=256)
-def sympow_launch(dialect: str, M: int, D: int, grad: bool = False) -> Launch:
-    """φ of M rows of D features (one thread an entry of φ, or of dx for the gradient); the pair tables are
-    runtime inputs (``recgen.spec.features.sympow_pairs``)."""
+def sympow_launch(dialect: str, B: int, T: int, H: int, Hk: int, D: int, block: bool, grad: bool = False) -> Launch:
+    """φ of x [B, T, Hk, D] into [B, H, T, F], value heads expanded from key heads (``block``: h // (H / Hk), else
+    h % Hk), one threadgroup a row of φ; or its gradient, one threadgroup a row of dx [B, T, Hk, D]
+    (``sympow_layout``). The pair tables (``recgen.spec.features.sympow_pairs``) and (B, T) are runtime inputs, so
+    a new T compiles nothing."""
+    lay = sympow_layout(dialect, D, grad)
     a, b, _ = sympow_pairs(D)
-    F = len(a)
-    n = M * (D if grad else F)
-    runtime = (("rt", (M,), "int32"),) if grad else (("pa", tuple(int(i) for i in a), "int32"),
-                                                     ("pb", tuple(int(i) for i in b), "int32"), ("rt", (M,), "int32"))
-    return Launch(sympow_source(dialect, grad), runtime, (((M, D if grad else F), "float32"),),
-                  (-(-n // SYMPOW_NT) * SYMPOW_NT, 1, 1), (SYMPOW_NT, 1, 1), (("D", D), ("F", F), ("NT", SYMPOW_NT)))
+    rt = ("rt", (B, T), "int32")
+    runtime = (rt,) if grad else (("pa", tuple(int(i) for i in a), "int32"), ("pb", tuple(int(i) for i in b), "int32"), rt)
+    out = (B, T, Hk, D) if grad else (B, H, T, lay["F"])
+    rows = B * T * (Hk if grad else H)
+    tmpl = (("D", D), ("H", H), ("HK", Hk), ("BLOCK", block)) + tuple(lay.items())
+    return Launch(sympow_source(dialect, grad), runtime, ((out, "float32"),), (rows * lay["NT"], 1, 1),
+                  (lay["NT"], 1, 1), tmpl)
 
 
 # -- MLX calls -------------------------------------------------------------------------------------
@@ -241,21 +242,21 @@ def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning):
 
 
 @lru_cache(maxsize=16)
-def sympow_fn(t: Tuning):
-    """φ = sympow(x), [..., D] float32 -> [..., D (D + 1) / 2], by the generated kernels, with their VJP."""
+def sympow_fn(t: Tuning, H: int, gqa: str):
+    """x [B, T, Hk, D] float32 -> φ = sympow(x) as [B, H, T, D (D + 1) / 2], value heads expanded (``gqa``: "block"
+    or "tile", as ``recgen.chunked.terms.expand_heads``), by the generated kernels, with their VJP."""
     import mlx.core as mx
+
+    def launch(x, grad=False):
+        B, T, Hk, D = x.shape
+        return sympow_launch(t.dialect, B, T, H, Hk, D, gqa == "block", grad)
 
     @mx.custom_function
     def sympow(x):
-        M, D = _lead(x, 1), x.shape[-1]
-        (phi,) = _call(t, sympow_launch(t.dialect, M, D), [x.reshape(M, D)])
-        return phi.reshape(*x.shape[:-1], phi.shape[-1])
+        return _call(t, launch(x), [x])[0]
 
     @sympow.vjp
     def sympow_vjp(x, dphi, phi):  # one argument, one output: MLX passes the arrays themselves
-        M, D = _lead(x, 1), x.shape[-1]
-        (dx,) = _call(t, sympow_launch(t.dialect, M, D, grad=True),
-                      [dphi.astype(mx.float32).reshape(M, -1), x.reshape(M, D)])
-        return dx.reshape(x.shape).astype(x.dtype)
+        return _call(t, launch(x, grad=True), [dphi.astype(mx.float32), x])[0].astype(x.dtype)
 
     return sympow

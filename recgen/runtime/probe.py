@@ -82,7 +82,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             L = np.tril(0.3 * rng.normal(size=(1, C, C)) / np.sqrt(C), -1)
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             got = [ck.tril_inverse(f32(L), t), ck.pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, t),
-                   ck.sympow_fn(t)(f32(Xp[0, :2, :16]))]
+                   ck.sympow_fn(t, 1, "block")(f32(Xp[:, :2, None, :16]))[0, 0]]
             ref = [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None], sympow(Xp[0, :2, :16])]
         else:
             S0, X = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V))
