@@ -183,7 +183,7 @@ def _emulated_call(launch, dialect, user, extra, debug=False):
 
 
 @pytest.mark.parametrize("name,T", [("gated_delta_net", 40), ("delta_net", 16), ("gated_delta_net", 1),
-                                    ("simple_gla", 40), ("gla", 40), ("power_retention", 40)])
+                                    ("simple_gla", 40), ("gla", 40), ("kda", 40), ("power_retention", 40)])
 def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     """The chunked core with the generated kernels wired in (inverse, forward and backward scans, the
     key-vector decay's pair kernels, power retention's feature map),
@@ -195,15 +195,16 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
 
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    key = name == "gla"  # K = 32: the pair kernels' lanes
+    key = name in ("gla", "kda")  # K = 32: a slab of the pair kernels
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True)
     assert_close(compare(specs.BUILTINS[name], T, chunk=16, K=32 if key else 16, V=6, seed=5, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
     delta = specs.BUILTINS[name].step.transition is not None
     want = ({"recgen_chunk_tril_inverse", "recgen_chunk_scan", "recgen_chunk_scan_e_rev"} if delta
             else {"recgen_chunk_scan_noa", "recgen_chunk_scan_nob_e_rev"})
-    if key:
-        want |= {"recgen_chunk_pair", "recgen_chunk_pair_grad"}
+    if key:  # a delta rule's two pairs of u (A and M_ru) in one pass
+        want |= {"recgen_chunk_pair_dual", "recgen_chunk_pair_grad_dual"} if delta else {"recgen_chunk_pair",
+                                                                                          "recgen_chunk_pair_grad"}
     if specs.BUILTINS[name].features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
         want = {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"}
     assert kinds == want, kinds
@@ -406,6 +407,10 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     assert np.isfinite(dX).all() and np.isfinite(dY).all()
     ip = float((dM * _pair_ref(pa["X"], pa["Y"], pa["dk"], False)).sum())  # <dM, M> is bilinear in X and Y
     assert abs(float((dX * pa["X"]).sum()) - ip) < 1e-4 * abs(ip) and abs(float((dY * pa["Y"]).sum()) - ip) < 1e-4 * abs(ip)
+    dX, dX2, dY = verify.run_launch(ck.pair_launch("metal", 2, 48, 64, True, grad=True, dual=True),  # two operands
+                                    pa | {"X2": pa["Y"], "dM": dM, "dM2": dM}, sanitizer=sanitizer)
+    strict_ip = float((dM * _pair_ref(pa["X"], pa["Y"], pa["dk"], True)).sum())
+    assert abs(float((dX * pa["X"]).sum()) - strict_ip) < 1e-4 * abs(ip) and np.isfinite(dX2).all()
     x, dphi = f(1, 2, 2, 16), f(1, 4, 2, 136)  # sympow's gradient: two value heads a key head, rows staged in turn
     (dx,) = verify.run_launch(ck.sympow_launch("metal", 1, 2, 4, 2, 16, True, grad=True), {"dphi": dphi, "x": x},
                               sanitizer=sanitizer)
@@ -446,6 +451,31 @@ def test_pair_kernels_match_numpy(strict, C, K):
     assert _rel(dX, np.einsum("nts,ntsi->nti", dM, G)) < 1e-5
     G = np.stack([_pair_ref(X, np.broadcast_to(eye[i], (N, C, K)) * 1.0, dk, strict) for i in range(K)], -1)
     assert _rel(dY, np.einsum("nts,ntsi->nsi", dM, G)) < 1e-5
+
+
+
+@pytest.mark.parametrize("C,K", [(8, 32), (48, 64)])
+def test_dual_pair_kernels_match_numpy(C, K):
+    """The delta rule's two pairs of one Y in one pass: M = pair(X, Y) strictly below the diagonal and
+    M2 = pair(X2, Y) with it, and their gradients (dY summed), element by element against float64."""
+    rng = np.random.default_rng(C)
+    N = 2
+    X, X2, Y = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(3))
+    dM, dM2 = (rng.normal(size=(N, C, C)).astype(np.float32) for _ in range(2))
+    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
+    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
+    M, M2 = verify.run_launch(ck.pair_launch("metal", N, C, K, True, dual=True), {"X": X, "X2": X2, "Y": Y, "dk": dk})
+    assert _rel(M, _pair_ref(X, Y, dk, True)) < 1e-5 and _rel(M2, _pair_ref(X2, Y, dk, False)) < 1e-5
+    dX, dX2, dY = verify.run_launch(ck.pair_launch("metal", N, C, K, True, grad=True, dual=True),
+                                    {"dM": dM, "dM2": dM2, "X": X, "X2": X2, "Y": Y, "dk": dk})
+    eye = np.eye(K)
+    unit = lambda i: np.broadcast_to(eye[i], (N, C, K)) * 1.0  # noqa: E731
+    for got, dm, strict in ((dX, dM, True), (dX2, dM2, False)):
+        G = np.stack([_pair_ref(unit(i), Y, dk, strict) for i in range(K)], -1)
+        assert _rel(got, np.einsum("nts,ntsi->nti", dm, G)) < 1e-5
+    want = sum(np.einsum("nts,ntsi->nsi", dm, np.stack([_pair_ref(x, unit(i), dk, strict) for i in range(K)], -1))
+               for x, dm, strict in ((X, dM, True), (X2, dM2, False)))
+    assert _rel(dY, want) < 1e-5
 
 
 @pytest.mark.parametrize("D,gqa", [(4, "block"), (64, "block"), (16, "tile")])

@@ -60,7 +60,21 @@ def _decay_to_end(l, pow2: bool):
     return exp(mx.concatenate([after, mx.zeros_like(l[..., :1, :])], axis=-2), pow2)
 
 
-class ScalarDecay:
+class PairsOneByOne:
+    """The delta rule's two pairs of one Y (A of b̃, strict; M of r) and their gradients, one pair at a time."""
+
+    def pair_dual(self, X, X2, Y):
+        """(pair(X, Y, strict), pair(X2, Y))."""
+        return self.pair(X, Y, strict=True), self.pair(X2, Y, strict=False)
+
+    def pair_dual_grad(self, dM, dM2, X, X2, Y):
+        """(dX, dX2, dY) of ``pair_dual``, dY summed over both pairs."""
+        dX, dY = self.pair_grad(dM, X, Y, strict=True)
+        dX2, dY2 = self.pair_grad(dM2, X2, Y, strict=False)
+        return dX, dX2, dY + dY2
+
+
+class ScalarDecay(PairsOneByOne):
     """One decay per token (F = 1): Γ as a [.., C, C] matrix; pair terms are masked matmuls."""
 
     key = False
@@ -102,7 +116,7 @@ class ScalarDecay:
         return x.sum(-1, keepdims=True)
 
 
-class KeyDecay:
+class KeyDecay(PairsOneByOne):
     """A decay per token and key element (F = K): the multiplicative hierarchy of ``decay_levels``."""
 
     key = True
@@ -144,7 +158,7 @@ class KeyDecay:
         return x
 
 
-class KernelKeyDecay:
+class KernelKeyDecay(PairsOneByOne):
     """A key-vector decay through the generated pair kernels (``chunk_kernels.pair`` / ``pair_grad``): each
     pair matrix is built from products of per-token decays in 16-token blocks (``chunk_pair.j2``), so no
     hierarchy of levels is built or kept. P and Q come from cumulative sums anchored at the chunk's start and end
@@ -170,6 +184,17 @@ class KernelKeyDecay:
 
     def pair_grad(self, dM, X, Y, strict: bool):
         return ck.pair_grad(dM, X, Y, self.d, strict, self.t)
+
+    def pair_dual(self, X, X2, Y):
+        """Both pairs in one pass over Y and the decays (``chunk_kernels.pair_dual``) where its tiles fit."""
+        if pair_supported(self.t.dialect, *X.shape[-2:], dual=True):
+            return ck.pair_dual(X, X2, Y, self.d, self.t)
+        return super().pair_dual(X, X2, Y)
+
+    def pair_dual_grad(self, dM, dM2, X, X2, Y):
+        if pair_supported(self.t.dialect, *X.shape[-2:], dual=True):
+            return ck.pair_dual_grad(dM, dM2, X, X2, Y, self.d, self.t)
+        return super().pair_dual_grad(dM, dM2, X, X2, Y)
 
     fold = staticmethod(KeyDecay.fold)
 
@@ -348,14 +373,14 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
     With ``out`` (a dtype) y comes in the model's layout and that type (``model_layout``): the fused readout
     writes it so (a transposing cast after it would be a pass over y in float32). With ``rfac`` the
     readout role is rfac·r: the fused readout scales as it reads r (M_ru and y are linear in r)."""
-    U, W, Tm = w, None, None
+    U, W, Tm, M = w, None, None, None
     (C, K), V = u.shape[-2:], w.shape[-1]
     fused = bool(kern) and not geo.key  # the fragment UT transform and readout take scalar decays
     if bt is not None and fused and ck.fuses_ut(kern, C, K, V):
         Tm, U, W = ck.chunk_ut(bt, u, w, geo.l, kern)  # A never in memory
-    elif bt is not None:
-        bt_, u_, w_ = _up(geo, bt, u, w)
-        A = geo.pair(bt_, u_, strict=True)
+    elif bt is not None:  # A and M_ru share u and the decays: one pass forms both
+        bt_, u_, w_, r_ = _up(geo, bt, u, w, _scaled(r, rfac))
+        A, M = geo.pair_dual(bt_, r_, u_)
         if kern and inverse_supported(A.shape[-1]):
             Tm = ck.tril_inverse(A, kern)
         else:
@@ -367,7 +392,8 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
         y, M = ck.chunk_out(r, u, Z, states, geo.l, kern, out, rfac)
     else:
         r_, u_, Z_ = _up(geo, _scaled(r, rfac), u, Z)
-        M = geo.pair(r_, u_, strict=False)
+        if M is None:  # else formed with A
+            M = geo.pair(r_, u_, strict=False)
         y = (r_ * geo.P) @ states + M @ Z_
         if out is not None:
             y = model_layout(y, out)
@@ -392,9 +418,8 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     cp = geo.t.copy_transposes
     statesT, ZT = tr(states, cp), tr(Z, cp)
     d_uQ = Z @ tr(dSn, cp)
-    dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
-    du = Q * d_uQ + du_
     if bt is None:
+        dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
         d_rP = dy @ statesT
         dw = dZ
         dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ
@@ -402,11 +427,11 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     else:
         Delta = Tm.swapaxes(-1, -2) @ dZ
         d_rP, dR = dy @ statesT, Delta @ statesT  # two products: one over [dy; Delta] held a 2C-row copy and its result
-        dbt_, du2 = geo.pair_grad(Delta @ ZT, bt, u, strict=True)
-        du = du + du2
+        dbt_, dr_, du_ = geo.pair_dual_grad(Delta @ ZT, dy @ ZT, bt, r, u)  # du_: of both pairs
         dbt = P * dR + dbt_
         dw = Delta
-        dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ + bt * dbt_ - u * du2 + (bt * P) * dR
+        dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ + bt * dbt_ + (bt * P) * dR
+    du = Q * d_uQ + du_
     dr = P * d_rP + dr_
     dG = geo.fold(dG)
     # G_end enters Q (for every s) and g = e^{G_end}

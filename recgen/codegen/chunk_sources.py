@@ -127,16 +127,21 @@ def ut_mma_source(dialect: str) -> KernelSource:
 
 
 @lru_cache(maxsize=None)
-def pair_source(dialect: str, strict: bool) -> KernelSource:
-    return _source(get(dialect), "chunk_pair.j2", "pair" + ("_strict" if strict else ""),
-                   "key-vector decay pair matrix of a chunk", ("X", "Y", "dk", "rt"), ("M",), (), strict=strict)
+def pair_source(dialect: str, strict: bool, dual: bool = False) -> KernelSource:
+    """M of X (pairs s < t where ``strict``); ``dual``: also M2 of X2 (s <= t) beside the strict M of X."""
+    ins = ("X", "X2", "Y", "dk", "rt") if dual else ("X", "Y", "dk", "rt")
+    return _source(get(dialect), "chunk_pair.j2", "pair" + ("_dual" if dual else "_strict" if strict else ""),
+                   "key-vector decay pair matrix of a chunk", ins, ("M", "M2") if dual else ("M",), (),
+                   strict=strict, dual=dual)
 
 
 @lru_cache(maxsize=None)
-def pair_grad_source(dialect: str, strict: bool) -> KernelSource:
-    return _source(get(dialect), "chunk_pair_grad.j2", "pair_grad" + ("_strict" if strict else ""),
-                   "gradients of the key-vector decay pair matrix", ("dM", "X", "Y", "dk", "rt"), ("dX", "dY"), (),
-                   strict=strict)
+def pair_grad_source(dialect: str, strict: bool, dual: bool = False) -> KernelSource:
+    """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed)."""
+    ins = ("dM", "dM2", "X", "X2", "Y", "dk", "rt") if dual else ("dM", "X", "Y", "dk", "rt")
+    return _source(get(dialect), "chunk_pair_grad.j2", "pair_grad" + ("_dual" if dual else "_strict" if strict else ""),
+                   "gradients of the key-vector decay pair matrix", ins,
+                   ("dX", "dX2", "dY") if dual else ("dX", "dY"), (), strict=strict, dual=dual)
 
 
 @lru_cache(maxsize=None)
@@ -272,31 +277,32 @@ def ut_mma_layout(dialect: str, C: int, K: int, V: int, most_bw: int = 128) -> d
 PAIR_KS = 32      # key columns a slab of the pair kernels stages
 
 
-def pair_supported(dialect: str, C: int, K: int) -> bool:
+def pair_supported(dialect: str, C: int, K: int, dual: bool = False) -> bool:
     """Whether the pair kernels have a layout for (C, K) in ``dialect`` (``pair_layout``)."""
     try:
-        pair_layout(dialect, C, K)
+        pair_layout(dialect, C, K, dual)
     except ValueError:
         return False
     return True
 
 
 @lru_cache(maxsize=None)
-def pair_layout(dialect: str, C: int, K: int) -> dict:
+def pair_layout(dialect: str, C: int, K: int, dual: bool = False) -> dict:
     """Template constants of the pair kernels: blocks of BS = min(16, C) rows (NB a chunk, one threadgroup each;
     NBM the most earlier or later blocks one meets, at least 1), NT = 8 BS threads (at least a SIMD group: the
     forward reduces over 8 lanes), BS8 columns of an earlier block per thread, slabs of KS columns at row stride
     LDS (odd: a column read by 8 rows hits 8 banks), dM staged at row stride LDM (rows) or LDT (columns). Raises
-    ValueError where K is not a multiple of 32 or the tiles pass the dialect's threadgroup memory."""
+    ValueError where K is not a multiple of 32 or the tiles (the gradient's, the larger; ``dual``: two operands)
+    pass the dialect's threadgroup memory."""
     if K % PAIR_KS:
         raise ValueError(f"chunk_pair: K={K} must be a multiple of {PAIR_KS}")
     bs = min(16, C)
     if C % bs:
         raise ValueError(f"chunk_pair: C={C} must be a multiple of 16 or at most 16")
-    nb, ks = C // bs, PAIR_KS
+    nb, ks, nx = C // bs, PAIR_KS, 2 if dual else 1
     lay = {"BS": bs, "NB": nb, "NBM": max(nb - 1, 1), "BS8": max(bs // 8, 1), "KS": ks, "LDS": ks + 1,
            "LDM": C + 1, "LDT": bs + 1, "NT": max(32, 8 * bs)}
-    tiles = lay["LDS"] * bs * (lay["NBM"] + 3) + nb * ks + bs * C + C  # the gradient's (the larger)
+    tiles = lay["LDS"] * bs * (nx * (lay["NBM"] + 1) + 2) + nb * ks + nx * (bs * C + C)
     if 4 * tiles > get(dialect).smem_bytes:
         raise ValueError(f"chunk_pair: C={C}, K={K} pass {dialect}'s threadgroup memory")
     return lay

@@ -113,12 +113,14 @@ def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 1
 
 
 @lru_cache(maxsize=256)
-def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False) -> Launch:
-    """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns)."""
-    lay = pair_layout(dialect, C, K)
-    src = (pair_grad_source if grad else pair_source)(dialect, strict)
+def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False) -> Launch:
+    """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
+    operands X (strict) and X2 sharing Y and the decays (``chunk_sources.pair_source``)."""
+    lay = pair_layout(dialect, C, K, dual)
+    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual)
     groups = N * lay["NB"] * (2 if grad else 1)
-    outs = (((N, C, K), "float32"), ((N, C, K), "float32")) if grad else (((N, C, C), "float32"),)
+    nout = (3 if dual else 2) if grad else (2 if dual else 1)
+    outs = (((N, C, K) if grad else (N, C, C), "float32"),) * nout
     tmpl = (("C", C), ("K", K)) + tuple(lay.items())
     return Launch(src, (("rt", (N,), "int32"),), outs, (groups * lay["NT"], 1, 1), (lay["NT"], 1, 1), tmpl)
 
@@ -239,6 +241,25 @@ def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning):
     dX, dY = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True),
                       [dM.reshape(N, C, C), X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)])
     return dX.reshape(X.shape), dY.reshape(Y.shape)
+
+
+def pair_dual(X, X2, Y, dk, t: Tuning):
+    """(M of X for s < t, M2 of X2 for s <= t) in one pass over Y and the decays (the delta rule's A and M_ru)."""
+    N, (C, K) = _lead(X, 2), X.shape[-2:]
+    lay = (N, C, K)
+    M, M2 = _call(t, pair_launch(t.dialect, N, C, K, True, dual=True),
+                  [X.reshape(lay), X2.reshape(lay), Y.reshape(lay), dk.reshape(lay)])
+    return M.reshape(*X.shape[:-1], C), M2.reshape(*X.shape[:-1], C)
+
+
+def pair_dual_grad(dM, dM2, X, X2, Y, dk, t: Tuning):
+    """(dX, dX2, dY) for the cotangents of ``pair_dual`` (dY of both pairs, summed)."""
+    N, (C, K) = _lead(X, 2), X.shape[-2:]
+    lay = (N, C, K)
+    dX, dX2, dY = _call(t, pair_launch(t.dialect, N, C, K, True, grad=True, dual=True),
+                        [dM.reshape(N, C, C), dM2.reshape(N, C, C), X.reshape(lay), X2.reshape(lay),
+                         Y.reshape(lay), dk.reshape(lay)])
+    return dX.reshape(X.shape), dX2.reshape(X.shape), dY.reshape(Y.shape)
 
 
 @lru_cache(maxsize=16)

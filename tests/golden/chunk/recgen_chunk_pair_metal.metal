@@ -4,20 +4,22 @@
   // key-vector decay pair matrix of a chunk
   // Key-vector decay pair matrix of a chunk, one block of BS rows per threadgroup (block I of NB):
   //   M[t, s] = sum_i X[t, i] Y[s, i] G_i(t, s),  G_i(t, s) = prod_{s < tau <= t} d[tau, i]
-  // for s <= t, 0 above. Every G is a product of per-token decays, never an exp of a
-  // difference of cumulative sums and never a division, so it is exact to rounding at any decay strength:
+  // for s <= t, 0 above. Every G is a product of per-token decays,
+  // never an exp of a difference of cumulative sums and never a division, so it is exact to rounding at any decay
+  // strength:
   // - s in an earlier block J: G = suf_J(s) w_JI pre_I(t), each factor <= 1, where pre_I(t) multiplies block I's
   //   decays up to t, suf_J(s) block J's after s, and w_JI the blocks strictly between. Then the block is a
   //   product of scaled operands, X' = X pre_I and Y' = Y suf_J w_JI, over K (an underflowed factor means a
   //   product below float32's range, so it is 0 either way).
-  // - s in block I: the row's carry a = X_t G(t, s), one multiplication by d_s a step, as s goes down.
+  // - s in block I: the row's carry a = X_t G(t, s), one multiplication by d_s a step, as s goes down (s < t:
+  //   the same sums without s = t).
   // K runs in slabs of KS columns staged in threadgroup memory; thread (t, cg) owns row t and the slab's
   // columns cg, cg + 8, ... (its diagonal partial sums are reduced over the 8 lanes of the row at the end).
-  threadgroup float Xs_[BS * LDS];               // X' of block I (this slab)
   threadgroup float Ys_[NBM * BS * LDS];         // Y' of each earlier block
   threadgroup float Yd_[BS * LDS];               // Y of block I
   threadgroup float Dd_[BS * LDS];               // d of block I
   threadgroup float Tot_[NB * KS];               // each block's decay product
+  threadgroup float Xs_[BS * LDS];              // X' of block I (this slab)
   const int tid = thread_position_in_threadgroup.x;
   const int64_t chunk = (int64_t)threadgroup_position_in_grid.x / NB;
   const int I = (int)((int64_t)threadgroup_position_in_grid.x % NB);
@@ -65,14 +67,18 @@
         const float x = Xs_[t * LDS + c];
         for (int J = 0; J < NBM; ++J)
           if (J < I)
-            for (int k = 0; k < BS8; ++k) acc[J * BS8 + k] += x * Ys_[(J * BS + cg + 8 * k) * LDS + c];
+            for (int k = 0; k < BS8; ++k) {
+              const float y = Ys_[(J * BS + cg + 8 * k) * LDS + c];
+              acc[J * BS8 + k] += x * y;
+            }
       }
       for (int c = cg; c < KS; c += 8) {             // block I: carry a = X_t G(t, s) down from s = t
         float a = X[base + (I * BS + t) * K + k0 + c];
         for (int s = BS - 1; s >= 0; --s) {
           if (s <= t) {
-            part[s] += a * Yd_[s * LDS + c];
-            a *= Dd_[s * LDS + c];
+            const float y = Yd_[s * LDS + c], dv = Dd_[s * LDS + c];
+            part[s] += a * y;
+            a *= dv;
           }
         }
       }
