@@ -173,6 +173,7 @@ class KernelKeyDecay(PairsOneByOne):
         self.P = exp(mx.cumsum(l, axis=-2), t.pow2_exp)
         self.Q = _decay_to_end(l, t.pow2_exp)
         self.g = self.P[..., -1, :]
+        self.dual = pair_supported(t.dialect, *l.shape[-2:], dual=True)  # the dual kernels' tiles fit
 
     @staticmethod
     def saved() -> list:
@@ -187,12 +188,12 @@ class KernelKeyDecay(PairsOneByOne):
 
     def pair_dual(self, X, X2, Y):
         """Both pairs in one pass over Y and the decays (``chunk_kernels.pair_dual``) where its tiles fit."""
-        if pair_supported(self.t.dialect, *X.shape[-2:], dual=True):
+        if self.dual:
             return ck.pair_dual(X, X2, Y, self.d, self.t)
         return super().pair_dual(X, X2, Y)
 
     def pair_dual_grad(self, dM, dM2, X, X2, Y):
-        if pair_supported(self.t.dialect, *X.shape[-2:], dual=True):
+        if self.dual:
             return ck.pair_dual_grad(dM, dM2, X, X2, Y, self.d, self.t)
         return super().pair_dual_grad(dM, dM2, X, X2, Y)
 
@@ -391,9 +392,10 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
         # M_ru is written for the backward: forming it again there was measured slower than keeping it
         y, M = ck.chunk_out(r, u, Z, states, geo.l, kern, out, rfac)
     else:
-        r_, u_, Z_ = _up(geo, _scaled(r, rfac), u, Z)
-        if M is None:  # else formed with A
+        if M is None:  # else formed with A, from the same r_
+            r_, u_ = _up(geo, _scaled(r, rfac), u)
             M = geo.pair(r_, u_, strict=False)
+        (Z_,) = _up(geo, Z)
         y = (r_ * geo.P) @ states + M @ Z_
         if out is not None:
             y = model_layout(y, out)

@@ -11,8 +11,8 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
   gradients, Γ factored over blocks of 16 tokens into products of decays (the diagonal blocks carried along a
   row by one multiplication per step).
 - ``sympow_source``: the degree-2 symmetric power feature map φ(x) (``recgen.spec.features.sympow``) and its
-  gradient, elementwise, for the chunked form of feature-map specs (MLX's gather and its scatter-add VJP were
-  most of power retention's time).
+  gradient, elementwise, for the chunked form of feature-map specs (MLX forms φ by gathers, and its gradient by a
+  scatter-add with D + 1 writers an entry).
 - ``ut_mma_source`` and ``out_mma_source`` (scalar decays, fragment frames): the delta rule's UT transform
   (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout y = (r ⊙ P) S_c + M_ru Z, each one kernel per
   chunk with A or M_ru formed in threadgroup memory (shared helpers in ``_fragments.j2``).
