@@ -51,10 +51,12 @@ class Tuning:
     mma_scan: bool = False          # the scan on fragment multiply-adds (tensor cores) rather than FMAs
     fused_readout: bool = True      # the scalar-decay readout as one fragment kernel (with ``mma_scan``)
     fused_ut: bool = True           # the delta rule's UT transform as one fragment kernel (with ``mma_scan``)
+    fused_bwd: bool = True          # the scalar-decay backward after its scan as one fragment kernel (``mma_scan``)
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
+    bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
     # -- the recurrent kernels ----------------------------------------------------------------------
     fwd_layout: tuple[int, int, int] | None = None  # force the forward lane mapping (LK, CPL, WV): sweeps
 
@@ -118,6 +120,7 @@ ENVIRONMENT = {
     "MLX_ENABLE_TF32": ("mma_scan", lambda text: None if _flag(text) else False),
     "RECGEN_FUSED_READOUT": ("fused_readout", _flag),
     "RECGEN_FUSED_UT": ("fused_ut", _flag),
+    "RECGEN_FUSED_BWD": ("fused_bwd", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),

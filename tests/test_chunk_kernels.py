@@ -212,12 +212,13 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
 
 @pytest.mark.parametrize("name,want", [
     ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_p_dg_rev",
-                         "recgen_chunk_out_mma_yt"}),
-    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_out_mma_yt"})])
+                         "recgen_chunk_out_mma_yt", "recgen_chunk_bwd_mma_delta"}),
+    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_out_mma_yt",
+                    "recgen_chunk_bwd_mma"})])
 def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
     """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
-    backward; GDN's backward taking E = (r ⊙ P)ᵀ dy as its factors) and the readout in place of the inverse
-    kernel, the FMA scans and MLX's products: K = 16 (one group), V = 8 (one column tile), chunk 16, a
+    backward; GDN's backward taking E = (r ⊙ P)ᵀ dy as its factors), the readout and the backward's pass after
+    its scan in place of the inverse kernel, the FMA scans and MLX's products: K = 16 (one group), V = 8 (one column tile), chunk 16, a
     partial last chunk; forward, final state and every gradient against the float64 reference."""
     pytest.importorskip("mlx.core")
     from recgen import specs
@@ -365,6 +366,100 @@ def test_chunk_ut_mma_layouts():
         ck.ut_mma_launch("metal", 1, 64, 128, 128)
 
 
+def _bwd_ref(ins, rs):
+    """float64 of the backward's pass after the scan (``chunk_bwd_mma.j2``), written from ``parallel._backward``'s MLX
+    form: Er = dMR ⊙ Γ, Ea = dMA ⊙ Γ (strict), dr = P DRP + Er u, du = Q DUQ + Erᵀ r + Eaᵀ b̃, db̃ = P DR + Ea u,
+    dG = Σ_i (r dr − u du + b̃ db̃), dG_{C-1} += Σ u Q DUQ + g DG, dl = reverse cumsum; r = rs R, dR = rs dr."""
+    f64 = lambda k: np.asarray(ins[k], np.float64) if k in ins else None  # noqa: E731
+    R, U, l = f64("R"), f64("U"), f64("logd")
+    N, C, K = R.shape
+    r = rs * R
+    gam = np.zeros((N, C, C))
+    for t in range(C):
+        for s in range(t + 1):
+            gam[:, t, s] = np.exp(l[:, s + 1:t + 1].sum(1))
+    P, Q = np.exp(np.cumsum(l, 1))[..., None], gam[:, C - 1, :, None]
+    Er = f64("dMR") * gam
+    dr = P * f64("DRP") + Er @ U
+    du = Q * f64("DUQ") + Er.swapaxes(-1, -2) @ r
+    outs, g = [rs * dr], r * dr
+    if "dMA" in ins:
+        Ea, Bt = f64("dMA") * np.tril(gam, -1), f64("Bt")
+        du = du + Ea.swapaxes(-1, -2) @ Bt
+        dbt = P * f64("DR") + Ea @ U
+        g = g + Bt * dbt
+    g = (g - U * du).sum(-1)
+    g[:, -1] += (U * Q * f64("DUQ")).sum((1, 2)) + P[:, -1, 0] * f64("DG")
+    outs += [du] + ([dbt] if "dMA" in ins else []) + [np.cumsum(g[:, ::-1], 1)[:, ::-1]]
+    return outs
+
+
+def _bwd_inputs(rng, N, C, K, delta, strong=True):
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
+    if strong:  # a run of weak decays after strong ones: Γ from anchored sums
+        l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
+    ins = {"dMR": f(N, C, C), "R": f(N, C, K), "U": f(N, C, K), "DUQ": f(N, C, K), "DRP": f(N, C, K), "logd": l,
+           "DG": f(N), "Rs": np.array([0.3], np.float32)}
+    return ins | ({"dMA": f(N, C, C), "Bt": f(N, C, K), "DR": f(N, C, K)} if delta else {})
+
+
+@pytest.mark.parametrize("C,K,delta,bw", [(16, 16, True, 32), (32, 40, True, 32), (32, 64, True, 16), (16, 24, False, 32),
+                                          (32, 64, False, 32)])
+def test_chunk_bwd_mma_matches_numpy(C, K, delta, bw):
+    """The backward's fragment pass after the scan (chunk_bwd_mma.j2) against float64: the delta rule's form and the
+    diagonal one; keys in passes of BW columns (K = 40: five passes of 8; K = 64 at most 16: four), C / 16 groups
+    owning rows, E read by rows and by columns; decays down to e^-20 a token and weak ones after strong ones; dM
+    dense (its upper part must be ignored); the readout role scaled (Rs = 0.3)."""
+    ins = _bwd_inputs(np.random.default_rng(C + K + delta), 2, C, K, delta)
+    launch = ck.bwd_mma_launch("metal", 2, C, K, ("float32",) * (3 if delta else 2), bw)
+    assert dict(launch.template)["BW"] == next(b for b in (bw, 16, 8) if b <= bw and K % b == 0)
+    outs = verify.run_launch(launch, ins)
+    want = _bwd_ref(ins, 0.3)
+    assert len(outs) == len(want)
+    for got, w in zip(outs, want):
+        assert got.shape == w.shape and _rel(got, w) < 1e-5, _rel(got, w)
+
+
+def test_chunk_bwd_mma_at_the_cuda_layout(monkeypatch):
+    """C = 64 at CUDA's layout (the delta rule's two E tiles pass Metal's 32 KiB): the Metal spelling runs with only
+    that limit waived, as ``test_chunk_ut_mma_at_the_cuda_layout``; bf16 roles in and their gradients out in bf16."""
+    import sys
+
+    vk, vt = sys.modules["recgen.verify.kernels"], sys.modules["recgen.verify.typecheck"]
+    real = vk.lint
+    monkeypatch.setattr(vk, "lint", lambda *a, **k: [i for i in real(*a, **k) if i.rule != "threadgroup_memory"])
+    monkeypatch.setattr(vt, "_limit_asserts", lambda src: "")
+    mx = pytest.importorskip("mlx.core")
+    N, C, K = 2, 64, 32
+    ins = _bwd_inputs(np.random.default_rng(64), N, C, K, True, strong=False)
+    for k in ("R", "Bt"):  # rounded to bf16 first: the reference sees what the kernel reads
+        ins[k] = np.array(mx.array(ins[k]).astype(mx.bfloat16).astype(mx.float32))
+    lay = cs.bwd_mma_layout("cuda", C, K, True)
+    assert lay == {"BW": 8, "LD": 68, "LDB": 8} and cs.bwd_mma_layout("metal", C, K, True) is None
+    types = ("bfloat16", "float32", "bfloat16")
+    launch = ck.Launch(cs.bwd_mma_source("metal", True), (), tuple(((N, C, K), t) for t in types) + (((N, C), "float32"),),
+                       (N * 2 * C, 1, 1), (2 * C, 1, 1), (("C", C), ("K", K)) + tuple(lay.items())
+                       + tuple(zip(("RT", "UT", "BT"), types)))
+    typed = ins | {k: mx.array(ins[k]).astype(mx.bfloat16) for k in ("R", "Bt")}
+    outs = verify.run_launch(launch, {k: v if isinstance(v, np.ndarray) else v for k, v in typed.items()})
+    for got, w, t in zip(outs, _bwd_ref(ins, 0.3), types + ("float32",)):
+        assert _rel(got, w) < (4e-3 if t == "bfloat16" else 1e-5), (t, _rel(got, w))
+
+
+def test_chunk_bwd_mma_layouts():
+    """CUDA's 48 KiB: C = 64 with the delta rule's two E tiles at BW 8, without it BW 32; Metal's 32 KiB: the delta
+    rule at C = 32, the diagonal form at C = 64 (BW 16)."""
+    assert cs.bwd_mma_layout("cuda", 64, 128, True) == {"BW": 8, "LD": 68, "LDB": 8}
+    assert cs.bwd_mma_layout("cuda", 64, 128, False) == {"BW": 32, "LD": 68, "LDB": 40}
+    assert cs.bwd_mma_layout("metal", 64, 128, True) is None
+    assert cs.bwd_mma_layout("metal", 64, 128, False) == {"BW": 16, "LD": 68, "LDB": 24}
+    assert cs.bwd_mma_layout("metal", 32, 128, True) == {"BW": 32, "LD": 36, "LDB": 40}
+    assert cs.bwd_mma_layout("cuda", 128, 128, False) is None and cs.bwd_mma_layout("cuda", 64, 12, False) is None
+    with pytest.raises(ValueError, match="threadgroup memory"):
+        ck.bwd_mma_launch("metal", 1, 64, 128, ("float32",) * 3)
+
+
 @pytest.mark.parametrize("sanitizer", ["address", "thread"])
 def test_chunk_kernels_under_sanitizers(sanitizer):
     """ASan+UBSan (bounds) and TSan (threadgroup-memory races across the staging barriers)."""
@@ -395,6 +490,12 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     outs = verify.run_launch(ck.ut_mma_launch("metal", 2, 32, 16, 8), ut, sanitizer=sanitizer)
     for got, want in zip(outs, _ut_ref(*(ut[k] for k in ("Bt", "U", "W", "logd")))):
         assert _rel(got, want) < 1e-5
+    for delta in (True, False):  # the backward's pass: 2 groups, 2 passes of 8 key columns
+        bw = _bwd_inputs(rng, 2, 32, 16, delta)
+        outs = verify.run_launch(ck.bwd_mma_launch("metal", 2, 32, 16, ("float32",) * (2 + delta), 8), bw,
+                                 sanitizer=sanitizer)
+        for got, want in zip(outs, _bwd_ref(bw, 0.3)):
+            assert _rel(got, want) < 1e-5
     L = np.tril(f(2, C, C), -1)
     (T,) = verify.run_launch(ck.inverse_launch("metal", 2, C), {"L": L}, sanitizer=sanitizer)
     assert _rel(T, np.linalg.inv(np.eye(C) - L.astype(np.float64))) < 1e-4
@@ -582,12 +683,14 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
 
 @pytest.mark.parametrize("roles16", ["1", None, "0"])
 @pytest.mark.parametrize("name,typed,bare", [
-    ("gated_delta_net", {"ut_mma": {"Bt", "U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_yt": {"R", "U"}},
-     {"ut_mma": {"Bt", "W"}, "out_mma_yt": {"R"}}),
-    ("simple_gla", {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}},
-     {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}})])
+    ("gated_delta_net", {"ut_mma": {"Bt", "U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_yt": {"R", "U"},
+                         "bwd_mma_delta": {"R", "U", "Bt"}},
+     {"ut_mma": {"Bt", "W"}, "out_mma_yt": {"R"}, "bwd_mma_delta": {"R", "Bt"}}),
+    ("simple_gla", {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}, "bwd_mma": {"R", "U"}},
+     {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}, "bwd_mma": {"R", "U"}})])
 def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare, roles16, monkeypatch):
-    """bf16 inputs on the fragment frames, the readout writing o in bf16 in the model's layout. With
+    """bf16 inputs on the fragment frames, the readout writing o in bf16 in the model's layout, the backward's
+    fragment pass reading the 16-bit roles and writing their gradients in bf16. With
     ``RECGEN_16BIT_ROLES=1`` the roles reach the fused kernels in bf16 (``parallel.role_dtype``; they convert
     on load) and MLX's products and the backward in float32; by default only the roles exact in bf16: inputs
     verbatim (GDN's w = v, simple GLA's u = k and w = v), GDN's b̃ = -k, and q for r = scale·q (the readout

@@ -411,6 +411,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     """The gradients of the inputs of ``_forward`` (with ``rfac``: of r, d(rfac·r) rfac)."""
     states, M = res[:2]
     Z, Tm, W = res[2:] if bt is not None else (w, None, None)
+    given = (r, u, bt)  # the roles as the core got them (16 bits where ``role_dtype`` kept them so)
     r, u, w, bt, Z = _up(geo, r, u, w, bt, Z)
     r = _scaled(r, rfac)
     P, Q = geo.P, geo.Q
@@ -420,6 +421,13 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     cp = geo.t.copy_transposes
     statesT, ZT = tr(states, cp), tr(Z, cp)
     d_uQ = Z @ tr(dSn, cp)
+    (C, K), delta = u.shape[-2:], bt is not None
+    if kern and not geo.key and ck.fuses_bwd(kern, C, K, delta):
+        # the pair gradients through Γ and the elementwise tail below as one kernel; MLX keeps the products over V
+        Delta = Tm.swapaxes(-1, -2) @ dZ if delta else dZ
+        dMA, dR = (Delta @ ZT, Delta @ statesT) if delta else (None, None)
+        dr, du, dbt, dl = ck.chunk_bwd(dMA, dy @ ZT, *given, d_uQ, dy @ statesT, dR, geo.l, dg.sum(-1), kern, rfac)
+        return dS0, dr, du, Delta, dl, dbt
     if bt is None:
         dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
         d_rP = dy @ statesT

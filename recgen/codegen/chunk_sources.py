@@ -16,6 +16,8 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
 - ``ut_mma_source`` and ``out_mma_source`` (scalar decays, fragment frames): the delta rule's UT transform
   (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout y = (r ⊙ P) S_c + M_ru Z, each one kernel per
   chunk with A or M_ru formed in threadgroup memory (shared helpers in ``_fragments.j2``).
+- ``bwd_mma_source`` (scalar decays, fragment frame): the backward's pass after its reverse scan, per chunk: the
+  pair gradients through Γ and the elementwise tail (dr, du, db̃ and the log-decays' reverse cumulative sum).
 
 A ``*_layout`` gives a kernel's template constants for a size, or says it has none (then the core keeps MLX
 ops). Layout constants that were tuned on hardware (columns per threadgroup) come in as arguments from the
@@ -124,6 +126,17 @@ def ut_mma_source(dialect: str) -> KernelSource:
     d = get(dialect)
     return _source(d, "chunk_ut_mma.j2", "ut_mma", "UT transform of the chunked core's delta rule, fragment multiply-adds",
                    ("Bt", "U", "W", "logd"), ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude)
+
+
+@lru_cache(maxsize=None)
+def bwd_mma_source(dialect: str, delta: bool) -> KernelSource:
+    """The backward pass after the reverse scan (``chunk_bwd_mma.j2``); ``delta``: with the delta rule's b̃ terms."""
+    d = get(dialect)
+    ins = (("dMA", "dMR", "R", "U", "Bt", "DUQ", "DRP", "DR") if delta else ("dMR", "R", "U", "DUQ", "DRP")) + ("logd", "DG", "Rs")
+    outs = ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
+    return _source(d, "chunk_bwd_mma.j2", "bwd_mma" + ("_delta" if delta else ""),
+                   "backward of the chunked core after its reverse scan, fragment multiply-adds", ins, outs, (),
+                   helpers=d.mma_prelude, delta=delta)
 
 
 @lru_cache(maxsize=None)
@@ -271,6 +284,24 @@ def ut_mma_layout(dialect: str, C: int, K: int, V: int, most_bw: int = 128) -> d
         xs = max(2 * C * (kb + 4), kb * ldb, 20 * C)  # 20 C: the inverse's X blocks (C / 2m of m × (m + 8), m ≤ 32)
         if 2 * C * ld + C + xs <= room:
             return {"BW": bw, "KB": kb, "LD": ld, "LDA": kb + 4, "LDB": ldb, "XS": xs}
+    return None
+
+
+@lru_cache(maxsize=None)
+def bwd_mma_layout(dialect: str, C: int, K: int, delta: bool, most_bw: int = 32) -> dict | None:
+    """Template constants of the backward's fragment pass, or None where it has no layout: C one of 16, 32, 64,
+    K a multiple of 8; BW the widest of ``most_bw``, 16, 8 dividing K whose tiles fit the dialect's threadgroup
+    memory: the E tiles (one, two with ``delta``: C × LD each), the staged blocks of U, r (and b̃) (C × LDB each)
+    and 3 C + C / 16 floats. CUDA's 48 KiB take C = 64 (BW 8 with the delta rule, 32 without); Metal's 32 KiB
+    the delta rule at C = 32, the diagonal form at C = 64."""
+    if C not in (16, 32, 64) or K % 8:
+        return None
+    room = get(dialect).smem_bytes // 4
+    ld, ne = a_stride(C), 2 if delta else 1
+    for bw in (b for b in dict.fromkeys((most_bw, 16, 8)) if b <= most_bw and K % b == 0):
+        ldb = b_stride(bw)
+        if ne * C * ld + (ne + 1) * C * ldb + 3 * C + C // 16 <= room:
+            return {"BW": bw, "LD": ld, "LDB": ldb}
     return None
 
 

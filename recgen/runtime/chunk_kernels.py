@@ -12,7 +12,7 @@ import math
 from functools import lru_cache
 
 from ..codegen.backends import get
-from ..codegen.chunk_sources import (BV, ScanVariant, inverse_source, out_mma_layout, out_mma_source,
+from ..codegen.chunk_sources import (BV, ScanVariant, bwd_mma_layout, bwd_mma_source, inverse_source, out_mma_layout, out_mma_source,
                                      pair_grad_source, pair_layout, pair_source, scan_layout, scan_mma_layout,
                                      scan_source, sympow_layout, sympow_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
@@ -38,6 +38,12 @@ def fuses_ut(t: Tuning, C: int, K: int, V: int) -> bool:
     """Whether the delta rule's UT transform (A = M_b̃u, T = (I − A)^{-1}, U = T w, W = T (b̃ ⊙ P)) runs as the
     fragment kernel (``chunk_ut``) for a scalar decay."""
     return t.mma_scan and t.fused_ut and ut_mma_layout(t.dialect, C, K, V, t.ut_bw) is not None
+
+
+def fuses_bwd(t: Tuning, C: int, K: int, delta: bool) -> bool:
+    """Whether a scalar decay's backward after the reverse scan (the pair gradients through Γ and the elementwise
+    tail) runs as the fragment kernel (``chunk_bwd``)."""
+    return t.mma_scan and t.fused_bwd and bwd_mma_layout(t.dialect, C, K, delta, t.bwd_bw) is not None
 
 
 def scan_fuses_products(t: Tuning, C: int, K: int, V: int, has_b: bool) -> bool:
@@ -110,6 +116,20 @@ def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 1
     tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items())
     outs = (((N, C, C), "float32"), ((N, C, V), "float32"), ((N, C, K), "float32"))
     return Launch(ut_mma_source(dialect), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
+
+
+@lru_cache(maxsize=256)
+def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: int = 32) -> Launch:
+    """N chunks, one threadgroup each; ``types``: the dtype names of R, U (and b̃: the delta rule's form), which the
+    gradients dR, dU (dBt) are written in."""
+    delta = len(types) == 3
+    lay = bwd_mma_layout(dialect, C, K, delta, most_bw)
+    if lay is None:
+        raise ValueError(f"chunk_bwd_mma: C={C} must be 16, 32 or 64 and K={K} a multiple of 8, "
+                         f"and the tiles must fit {dialect}'s threadgroup memory")
+    tmpl = (("C", C), ("K", K)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "BT"), types))
+    outs = tuple(((N, C, K), dt) for dt in types) + (((N, C), "float32"),)
+    return Launch(bwd_mma_source(dialect, delta), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -225,6 +245,29 @@ def chunk_ut(bt, u, w, l, t: Tuning):
     Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw),
                         [bt.reshape(N, C, K), u.reshape(N, C, K), w.reshape(N, C, V), l.reshape(N, C)])
     return Tm.reshape(*bt.shape[:-1], C), U.reshape(w.shape), W.reshape(bt.shape)
+
+
+def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None):
+    """A scalar decay's backward after the reverse scan, per chunk, by the fragment kernel (``chunk_bwd_mma.j2``):
+    from the pair cotangents dMR = dy Zᵀ and (delta rule) dMA = Δ Zᵀ [.., n, C, C], the roles r, u (b̃) [.., n, C, K]
+    as the core got them (16-bit ones read so), DUQ = d(u ⊙ Q), DRP = d(r ⊙ P) (and DR = d(b̃ ⊙ P) before the pair
+    term) [.., n, C, K], the log-decays l [.., n, C, 1] and DG = Σ_i dg [.., n] (the scan's decay gradient).
+    ``rs``: the readout role is rs·r. Returns (dr, du, db̃ or None, dl [.., n, C, 1]); dr, du, db̃ in their roles'
+    types."""
+    import mlx.core as mx
+
+    (C, K), N = r.shape[-2:], _lead(r, 2)
+    delta = bt is not None
+    flat = lambda x: x.reshape(N, C, K)  # noqa: E731
+    roles = (r, u, bt) if delta else (r, u)
+    types = tuple(str(x.dtype).split(".")[-1] for x in roles)
+    user = (([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)] + [flat(x) for x in roles]
+            + [flat(DUQ), flat(DRP)] + ([flat(DR)] if delta else [])
+            + [l.reshape(N, C), DG.reshape(N), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+    outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw), user)
+    dr, du = outs[0].reshape(r.shape), outs[1].reshape(u.shape)
+    dbt = outs[2].reshape(bt.shape) if delta else None
+    return dr, du, dbt, outs[-1].reshape(l.shape)
 
 
 def pair(X, Y, dk, strict: bool, t: Tuning):

@@ -68,7 +68,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
     ``frame``: "base" (the inverse, the key-decay pair and the sympow feature map), "scan" (the FMA scan) or "mma" (the fragment
     scan as the forward runs it, B in bf16 with its rows scaled as read; the readout in both output layouts,
-    bf16 in the model's; the UT transform). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
+    bf16 in the model's; the UT transform; the backward's pass after the scan). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
     then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked call."""
     import mlx.core as mx
     import numpy as np
@@ -118,6 +118,20 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     T = np.linalg.inv(np.eye(C) - A)
                     got = [*got, *ck.chunk_ut(f32(-R / K), f32(U), f32(X[0]), f32(np.full((n, C, 1), -0.1)), t)]
                     ref += [T, T @ X[0], T @ (-R / K * np.exp(G)[:, None])]
+                # and the backward's pass after the scan (the delta rule's form), where its tiles fit
+                if ck.fuses_bwd(t, C, K, True):
+                    dMA, dMR = rng.normal(size=(2, n, C, C))
+                    DUQ, DRP, DR = rng.normal(size=(3, n, C, K))
+                    Bt, DG = -U / K, rng.normal(size=n)
+                    Ea, Er = dMA * np.tril(gam, -1), dMR * gam
+                    P, Q = np.exp(G)[:, None], gam[-1][:, None]
+                    dr, dbt = P * DRP + Er @ U, P * DR + Ea @ U
+                    du = Q * DUQ + Er.swapaxes(-1, -2) @ R + Ea.swapaxes(-1, -2) @ Bt
+                    dG = (R * dr - U * du + Bt * dbt).sum(-1)
+                    dG[:, -1] += (U * Q * DUQ).sum((1, 2)) + P[-1, 0] * DG
+                    got = [*got, *ck.chunk_bwd(*(f32(x) for x in (dMA, dMR, R, U, Bt, DUQ, DRP, DR)),
+                                               f32(np.full((n, C, 1), -0.1)), f32(DG), t)]
+                    ref += [dr, du, dbt, np.cumsum(dG[:, ::-1], 1)[:, ::-1, None]]
         mx.eval(got)
     except Exception as e:  # noqa: BLE001 -- any build or launch failure means: do not use this frame
         if "transformation" in str(e):  # MLX: "[eval] Attempting to eval an array during function transformations"
