@@ -121,6 +121,7 @@ ENVIRONMENT = {
     "RECGEN_FUSED_READOUT": ("fused_readout", _flag),
     "RECGEN_FUSED_UT": ("fused_ut", _flag),
     "RECGEN_FUSED_BWD": ("fused_bwd", _flag),
+    "RECGEN_BWD_BW": ("bwd_bw", int),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),

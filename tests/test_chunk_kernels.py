@@ -422,7 +422,7 @@ def test_chunk_bwd_mma_matches_numpy(C, K, delta, bw):
 
 
 def test_chunk_bwd_mma_at_the_cuda_layout(monkeypatch):
-    """C = 64 at CUDA's layout (the delta rule's two E tiles pass Metal's 32 KiB): the Metal spelling runs with only
+    """C = 64 at CUDA's layout (its staged blocks pass Metal's 32 KiB): the Metal spelling runs with only
     that limit waived, as ``test_chunk_ut_mma_at_the_cuda_layout``; bf16 roles in and their gradients out in bf16."""
     import sys
 
@@ -431,12 +431,12 @@ def test_chunk_bwd_mma_at_the_cuda_layout(monkeypatch):
     monkeypatch.setattr(vk, "lint", lambda *a, **k: [i for i in real(*a, **k) if i.rule != "threadgroup_memory"])
     monkeypatch.setattr(vt, "_limit_asserts", lambda src: "")
     mx = pytest.importorskip("mlx.core")
-    N, C, K = 2, 64, 32
+    N, C, K = 2, 64, 64  # two passes of 32 columns
     ins = _bwd_inputs(np.random.default_rng(64), N, C, K, True, strong=False)
     for k in ("R", "Bt"):  # rounded to bf16 first: the reference sees what the kernel reads
         ins[k] = np.array(mx.array(ins[k]).astype(mx.bfloat16).astype(mx.float32))
     lay = cs.bwd_mma_layout("cuda", C, K, True)
-    assert lay == {"BW": 8, "LD": 68, "LDB": 8} and cs.bwd_mma_layout("metal", C, K, True) is None
+    assert lay == {"BW": 32, "LD": 68, "LDB": 40, "XS": 7680} and cs.bwd_mma_layout("metal", C, K, True) is None
     types = ("bfloat16", "float32", "bfloat16")
     launch = ck.Launch(cs.bwd_mma_source("metal", True), (), tuple(((N, C, K), t) for t in types) + (((N, C), "float32"),),
                        (N * 2 * C, 1, 1), (2 * C, 1, 1), (("C", C), ("K", K)) + tuple(lay.items())
@@ -448,13 +448,14 @@ def test_chunk_bwd_mma_at_the_cuda_layout(monkeypatch):
 
 
 def test_chunk_bwd_mma_layouts():
-    """CUDA's 48 KiB: C = 64 with the delta rule's two E tiles at BW 8, without it BW 32; Metal's 32 KiB: the delta
-    rule at C = 32, the diagonal form at C = 64 (BW 16)."""
-    assert cs.bwd_mma_layout("cuda", 64, 128, True) == {"BW": 8, "LD": 68, "LDB": 8}
-    assert cs.bwd_mma_layout("cuda", 64, 128, False) == {"BW": 32, "LD": 68, "LDB": 40}
-    assert cs.bwd_mma_layout("metal", 64, 128, True) is None
-    assert cs.bwd_mma_layout("metal", 64, 128, False) == {"BW": 16, "LD": 68, "LDB": 24}
-    assert cs.bwd_mma_layout("metal", 32, 128, True) == {"BW": 32, "LD": 36, "LDB": 40}
+    """CUDA's 48 KiB: C = 64 at BW 32, the E tile holding both pair cotangents; Metal's 32 KiB: C = 32 (the staging
+    area holds Γ first, so it is at least C × LD)."""
+    assert cs.bwd_mma_layout("cuda", 64, 128, True) == {"BW": 32, "LD": 68, "LDB": 40, "XS": 7680}
+    assert cs.bwd_mma_layout("cuda", 64, 128, False) == {"BW": 32, "LD": 68, "LDB": 40, "XS": 5120}
+    assert cs.bwd_mma_layout("cuda", 64, 128, True, 16) == {"BW": 16, "LD": 68, "LDB": 24, "XS": 4608}
+    assert cs.bwd_mma_layout("metal", 64, 128, True) is None and cs.bwd_mma_layout("metal", 64, 128, False) is None
+    assert cs.bwd_mma_layout("metal", 32, 128, True) == {"BW": 32, "LD": 36, "LDB": 40, "XS": 3840}
+    assert cs.bwd_mma_layout("metal", 16, 8, False) == {"BW": 8, "LD": 36, "LDB": 8, "XS": 576}
     assert cs.bwd_mma_layout("cuda", 128, 128, False) is None and cs.bwd_mma_layout("cuda", 64, 12, False) is None
     with pytest.raises(ValueError, match="threadgroup memory"):
         ck.bwd_mma_launch("metal", 1, 64, 128, ("float32",) * 3)

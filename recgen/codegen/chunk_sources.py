@@ -291,17 +291,18 @@ def ut_mma_layout(dialect: str, C: int, K: int, V: int, most_bw: int = 128) -> d
 def bwd_mma_layout(dialect: str, C: int, K: int, delta: bool, most_bw: int = 32) -> dict | None:
     """Template constants of the backward's fragment pass, or None where it has no layout: C one of 16, 32, 64,
     K a multiple of 8; BW the widest of ``most_bw``, 16, 8 dividing K whose tiles fit the dialect's threadgroup
-    memory: the E tiles (one, two with ``delta``: C × LD each), the staged blocks of U, r (and b̃) (C × LDB each)
-    and 3 C + C / 16 floats. CUDA's 48 KiB take C = 64 (BW 8 with the delta rule, 32 without); Metal's 32 KiB
-    the delta rule at C = 32, the diagonal form at C = 64."""
+    memory: the E tile (C × LD), the staging area XS (the staged blocks of U, r and, with ``delta``, b̃: C × LDB
+    each; at least C × LD, as it holds Γ first) and 3 C + C / 16 floats. CUDA's 48 KiB take C = 64 at BW 32;
+    Metal's 32 KiB take C = 32."""
     if C not in (16, 32, 64) or K % 8:
         return None
     room = get(dialect).smem_bytes // 4
-    ld, ne = a_stride(C), 2 if delta else 1
+    ld, nx = a_stride(C), 3 if delta else 2
     for bw in (b for b in dict.fromkeys((most_bw, 16, 8)) if b <= most_bw and K % b == 0):
         ldb = b_stride(bw)
-        if ne * C * ld + (ne + 1) * C * ldb + 3 * C + C // 16 <= room:
-            return {"BW": bw, "LD": ld, "LDB": ldb}
+        xs = max(nx * C * ldb, C * ld)
+        if C * ld + xs + 3 * C + C // 16 <= room:
+            return {"BW": bw, "LD": ld, "LDB": ldb, "XS": xs}
     return None
 
 
