@@ -211,9 +211,9 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
 
 
 @pytest.mark.parametrize("name,want", [
-    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_p_dg_rev",
+    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
                          "recgen_chunk_out_mma_yt", "recgen_chunk_bwd_mma_delta"}),
-    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_out_mma_yt",
+    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
                     "recgen_chunk_bwd_mma"})])
 def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
     """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
@@ -230,6 +230,22 @@ def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
     assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=9, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
     assert kinds == want, kinds
+
+
+def test_fused_backward_pass_beside_the_fma_scans(monkeypatch):
+    """V = 12 (not a multiple of 8) has no fragment scan, while the backward's fragment pass (which needs K only)
+    still runs: the reverse scan then gets u ⊙ Q and the product (r ⊙ P)ᵀ dy formed by MLX from the row-scaled
+    factors (``chunk_kernels.chunk_scan``'s fallback); end to end against the float64 reference."""
+    pytest.importorskip("mlx.core")
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True)
+    assert_close(compare(specs.BUILTINS["gated_delta_net"], 24, chunk=16, K=16, V=12, seed=3, tuning=t))
+    kinds = {c.split("_metal")[0] for c in calls}
+    assert "recgen_chunk_bwd_mma_delta" in kinds and "recgen_chunk_scan_e_rev_v4" in kinds, kinds
 
 
 def _out_ref(r, u, Z, St, l):
@@ -685,13 +701,16 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
 @pytest.mark.parametrize("roles16", ["1", None, "0"])
 @pytest.mark.parametrize("name,typed,bare", [
     ("gated_delta_net", {"ut_mma": {"Bt", "U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_yt": {"R", "U"},
-                         "bwd_mma_delta": {"R", "U", "Bt"}},
-     {"ut_mma": {"Bt", "W"}, "out_mma_yt": {"R"}, "bwd_mma_delta": {"R", "Bt"}}),
-    ("simple_gla", {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}, "bwd_mma": {"R", "U"}},
-     {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}, "bwd_mma": {"R", "U"}})])
+                         "scan_mma_aq_p_pq_dg_rev": {"A", "Pa"}, "bwd_mma_delta": {"R", "U", "Bt"}},
+     {"ut_mma": {"Bt", "W"}, "out_mma_yt": {"R"}, "scan_mma_aq_p_pq_dg_rev": {"Pa"}, "bwd_mma_delta": {"R", "Bt"}}),
+    ("simple_gla", {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}, "scan_mma_nob_aq_e_rev": {"A"},
+                    "bwd_mma": {"R", "U"}},
+     {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}, "scan_mma_nob_aq_e_rev": {"A"},
+      "bwd_mma": {"R", "U"}})])
 def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare, roles16, monkeypatch):
-    """bf16 inputs on the fragment frames, the readout writing o in bf16 in the model's layout, the backward's
-    fragment pass reading the 16-bit roles and writing their gradients in bf16. With
+    """bf16 inputs on the fragment frames, the readout writing o in bf16 in the model's layout, the reverse scan
+    (u and r with their row scales) and the backward's fragment pass reading the 16-bit roles, the pass writing
+    their gradients in bf16. With
     ``RECGEN_16BIT_ROLES=1`` the roles reach the fused kernels in bf16 (``parallel.role_dtype``; they convert
     on load) and MLX's products and the backward in float32; by default only the roles exact in bf16: inputs
     verbatim (GDN's w = v, simple GLA's u = k and w = v), GDN's b̃ = -k, and q for r = scale·q (the readout

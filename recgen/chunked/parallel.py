@@ -289,16 +289,29 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=N
     scan takes them as they are where it can (``chunk_kernels.scan_fuses_products``); elsewhere they are
     multiplied out here, before the scan.
     With ``states`` (the forward's [.., n, K, V]) a fourth result: dg = Σ_j dS_{c+1} ⊙ S_c [.., n, K],
-    formed inside the generated scan where it fuses products."""
+    formed inside the generated scan where it fuses products.
+    ``uQ`` and E's first factor may come as (x, row scales) pairs (u, Q) and (r, P): the generated scan applies
+    the scales as it reads x; elsewhere they are multiplied out here."""
+    uQ, Aq = uQ if isinstance(uQ, tuple) else (uQ, None)
     (C, K), V = uQ.shape[-2:], F.shape[-1]
     generated = kern and ck.scan_supported(kern, C, K)  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
-    if isinstance(E, tuple) and not (generated and ck.scan_fuses_products(kern, C, K, V, W is not None)):
-        E = E[0].swapaxes(-1, -2) @ E[1]
+    Pq = None
+    if isinstance(E, tuple):
+        (Pa, Pq), Pb = (E[0] if isinstance(E[0], tuple) else (E[0], None)), E[1]
+        if generated and ck.scan_fuses_products(kern, C, K, V, W is not None):
+            E = (Pa, Pb)
+        else:
+            E, Pq = _rows(Pa, Pq).swapaxes(-1, -2) @ Pb, None
     if generated:
         P, E = (E, None) if isinstance(E, tuple) else (None, E)
-        return ck.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True, P=P, St=states)
-    out = _scan_backward_ops(geo, dS_end, uQ, W, F, E, compose, matrix)
+        return ck.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True, P=P, St=states, Aq=Aq, Pq=Pq)
+    out = _scan_backward_ops(geo, dS_end, _rows(uQ, Aq), W, F, E, compose, matrix)
     return out if states is None else out + ((out[0] * states).sum(-1),)
+
+
+def _rows(x, scale):
+    """x with its rows scaled (``scale`` [.., C, 1]; None: x), in the scale's (compute) dtype."""
+    return x if scale is None else scale * x.astype(scale.dtype)
 
 
 def _scan_backward_ops(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
@@ -409,9 +422,10 @@ def _scaled(r, rfac):
 
 def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=None, rfac=None):
     """The gradients of the inputs of ``_forward`` (with ``rfac``: of r, d(rfac·r) rfac)."""
+    if kern and not geo.key and ck.fuses_bwd(kern, *u.shape[-2:], bt is not None):
+        return _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac)
     states, M = res[:2]
     Z, Tm, W = res[2:] if bt is not None else (w, None, None)
-    given = (r, u, bt)  # the roles as the core got them (16 bits where ``role_dtype`` kept them so)
     r, u, w, bt, Z = _up(geo, r, u, w, bt, Z)
     r = _scaled(r, rfac)
     P, Q = geo.P, geo.Q
@@ -421,13 +435,6 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     cp = geo.t.copy_transposes
     statesT, ZT = tr(states, cp), tr(Z, cp)
     d_uQ = Z @ tr(dSn, cp)
-    (C, K), delta = u.shape[-2:], bt is not None
-    if kern and not geo.key and ck.fuses_bwd(kern, C, K, delta):
-        # the pair gradients through Γ and the elementwise tail below as one kernel; MLX keeps the products over V
-        Delta = Tm.swapaxes(-1, -2) @ dZ if delta else dZ
-        dMA, dR = (Delta @ ZT, Delta @ statesT) if delta else (None, None)
-        dr, du, dbt, dl = ck.chunk_bwd(dMA, dy @ ZT, *given, d_uQ, dy @ statesT, dR, geo.l, dg.sum(-1), kern, rfac)
-        return dS0, dr, du, Delta, dl, dbt
     if bt is None:
         dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
         d_rP = dy @ statesT
@@ -450,6 +457,26 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     dG = dG + mx.where((mx.arange(C) == C - 1)[:, None], dG_end[..., None, :], 0.0)
     dl = mx.cumsum(dG, axis=-2, reverse=True)
     return dS0, _scaled(dr, rfac), du, dw, dl, dbt
+
+
+def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac):
+    """``_backward`` for a scalar decay where the backward's fragment pass runs (``chunk_kernels.fuses_bwd``): the
+    reverse scan reads u and r as the core got them (16-bit where ``role_dtype`` kept them so) with their row
+    scales Q and rfac·P (u ⊙ Q and r ⊙ P never formed), and the pass after it (``chunk_kernels.chunk_bwd``) forms
+    the pair gradients through Γ and the elementwise tail; MLX keeps the products over V."""
+    states, M = res[:2]
+    Z, Tm, W = res[2:] if bt is not None else (w, None, None)
+    (Z,) = _up(geo, Z)
+    Pr = geo.P if rfac is None else geo.P * rfac
+    F = M.swapaxes(-1, -2) @ dy
+    dSn, dZ, dS0, dg = _scan_backward(geo, dS_end, (u, geo.Q), W, F, ((r, Pr), dy), compose, matrix, kern, states)
+    cp = geo.t.copy_transposes
+    statesT, ZT = tr(states, cp), tr(Z, cp)
+    Delta = Tm.swapaxes(-1, -2) @ dZ if bt is not None else dZ
+    dMA, dR = (Delta @ ZT, Delta @ statesT) if bt is not None else (None, None)
+    dr, du, dbt, dl = ck.chunk_bwd(dMA, dy @ ZT, r, u, bt, Z @ tr(dSn, cp), dy @ statesT, dR, geo.l, dg.sum(-1), kern,
+                                   rfac)
+    return dS0, dr, du, Delta, dl, dbt
 
 
 def _key_geo(t: Tuning):

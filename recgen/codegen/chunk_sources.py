@@ -45,9 +45,10 @@ class ScanVariant:
     ``a``: Y = X + A S (without it Y = X: the forward diagonal scan writes no Y); ``b``: the B term of the
     update (without it S <- g S + E: the backward diagonal scan); ``e``: an E term given as a product;
     ``p``: one more term Pa_cᵀ Pb_c given as its factors; ``dg``: also the row sums of carried ⊙ St (the
-    backward's decay gradient, never formed); ``q``: B's rows scaled as read (the forward's u ⊙ Q);
-    ``reverse``: over the chunks in reverse; ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0);
-    ``mma``: the fragment frame. p, dg and q exist on the fragment frame only."""
+    backward's decay gradient, never formed); ``q``: B's rows scaled as read (the forward's u ⊙ Q); ``aq``, ``pq``:
+    A's and Pa's rows scaled as read (the backward's u ⊙ Q and r ⊙ P); ``reverse``: over the chunks in reverse;
+    ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0); ``mma``: the fragment frame. p, dg, q, aq and pq
+    exist on the fragment frame only."""
 
     a: bool = True
     b: bool = True
@@ -56,6 +57,8 @@ class ScanVariant:
     p: bool = False
     dg: bool = False
     q: bool = False
+    aq: bool = False
+    pq: bool = False
     vec: bool = False
     mma: bool = False
 
@@ -64,21 +67,25 @@ class ScanVariant:
             raise ValueError("chunk_scan: needs A or B")
         if self.q and not self.b:
             raise ValueError("chunk_scan: row scales Bq need a B term")
-        if (self.p or self.dg or self.q) and not self.mma:
-            raise ValueError("chunk_scan: P, dg and Bq terms need the fragment frame")
+        if self.aq and not self.a or self.pq and not self.p:
+            raise ValueError("chunk_scan: row scales Aq, Pq need an A, P term")
+        if (self.p or self.dg or self.q or self.aq) and not self.mma:
+            raise ValueError("chunk_scan: P, dg, Bq and Aq terms need the fragment frame")
 
     @property
     def kind(self) -> str:
         """The kernel name's variant part."""
         return (("scan_mma" if self.mma else "scan") + ("" if self.a else "_noa") + ("" if self.b else "_nob")
-                + ("_q" if self.q else "") + ("_e" if self.e else "") + ("_p" if self.p else "")
+                + ("_q" if self.q else "") + ("_aq" if self.aq else "") + ("_e" if self.e else "")
+                + ("_p" if self.p else "") + ("_pq" if self.pq else "")
                 + ("_dg" if self.dg else "") + ("_rev" if self.reverse else "") + ("_v4" if self.vec else ""))
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        return (("S0",) + (("A",) if self.a else ()) + ("X",) + (("Bm",) if self.b else ())
-                + (("Bq",) if self.q else ()) + ("g",) + (("E",) if self.e else ()) + (("Pa", "Pb") if self.p else ())
-                + (("St",) if self.dg else ()) + ("rt",))
+        return (("S0",) + (("A",) if self.a else ()) + (("Aq",) if self.aq else ()) + ("X",)
+                + (("Bm",) if self.b else ()) + (("Bq",) if self.q else ()) + ("g",) + (("E",) if self.e else ())
+                + (("Pa", "Pb") if self.p else ()) + (("Pq",) if self.pq else ()) + (("St",) if self.dg else ())
+                + ("rt",))
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -101,7 +108,8 @@ def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
     flags = dict(has_e=v.e, reverse=v.reverse, has_a=v.a, has_b=v.b)
     if v.mma:
         return _source(d, "chunk_scan_mma.j2", v.kind, "chunk scan of the chunked core, fragment multiply-adds",
-                       v.inputs, v.outputs, (), helpers=d.mma_prelude, has_p=v.p, has_dg=v.dg, has_q=v.q, **flags)
+                       v.inputs, v.outputs, (), helpers=d.mma_prelude, has_p=v.p, has_dg=v.dg, has_q=v.q,
+                       has_aq=v.aq, has_pq=v.pq, **flags)
     return _source(d, "chunk_scan.j2", v.kind, "chunk scan of the chunked core", v.inputs, v.outputs, (),
                    vec=v.vec, **flags)
 

@@ -179,7 +179,7 @@ def tril_inverse(L, t: Tuning):
     return T.reshape(L.shape)
 
 
-def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq=None):
+def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq=None, Aq=None, Pq=None):
     """carried_c = S,  Y_c = X_c + A_c S,  S ← g_c ⊙ S + B_cᵀ Y_c (+ E_c) over [..., n, ·, ·] operands (leading
     axes flattened to one (b, h) axis), in order or in reverse.
     S0 [.., K, V], A (None: Y = X) and Bm (None: no B term) [.., n, C, K], X [.., n, C, V], g [.., n, F] (F = 1 or K),
@@ -187,7 +187,9 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     fragment frame runs, by MLX first otherwise),
     E None or [.., n, K, V]; P None or the factors (Pa [.., n, C, K], Pb [.., n, C, V]) of one more E term
     Paᵀ Pb (read as factors by the fragment frame, ``scan_fuses_products``; multiplied out by MLX first
-    otherwise). Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32, and with
+    otherwise). ``Aq``, ``Pq``: None or row scales [.., n, C, 1] of A and of Pa, applied as read on the fragment
+    frame (A and Pa may then be 16-bit), by MLX first otherwise.
+    Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32, and with
     ``St`` [.., n, K, V] also dg = Σ_j carried ⊙ St [.., n, K] (in the kernel where it fuses products)."""
     lead = S0.shape[:-2]
     K, V = S0.shape[-2:]
@@ -197,19 +199,24 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     fuse = scan_fuses_products(t, C, K, V, Bm is not None)
     if Bq is not None and not fuse:
         Bm, Bq = Bq * Bm, None
+    if Aq is not None and not use_mma(t, C, K, V):
+        A, Aq = Aq * A, None
+    if Pq is not None and not fuse:
+        P, Pq = (Pq * P[0], P[1]), None
     if P is not None and not fuse:
         Pe = P[0].swapaxes(-1, -2) @ P[1]
         E, P = (Pe if E is None else E + Pe), None
     dg_here = St is not None and fuse
     flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
-    user = ([flat(S0, K, V)] + ([flat(A, n, C, K)] if A is not None else []) + [flat(X, n, C, V)]
-            + ([flat(Bm, n, C, K)] if Bm is not None else []) + ([flat(Bq, n, C)] if Bq is not None else [])
-            + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
+    user = ([flat(S0, K, V)] + ([flat(A, n, C, K)] if A is not None else []) + ([flat(Aq, n, C)] if Aq is not None else [])
+            + [flat(X, n, C, V)] + ([flat(Bm, n, C, K)] if Bm is not None else [])
+            + ([flat(Bq, n, C)] if Bq is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
             + ([flat(P[0], n, C, K), flat(P[1], n, C, V)] if P is not None else [])
-            + ([flat(St, n, K, V)] if dg_here else []))
-    mma = P is not None or dg_here or Bq is not None or use_mma(t, C, K, V)
+            + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
+    mma = P is not None or dg_here or Bq is not None or Aq is not None or use_mma(t, C, K, V)
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
-                    dg=dg_here, q=Bq is not None, vec=not mma and V % 4 == 0, mma=mma)
+                    dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, vec=not mma and V % 4 == 0,
+                    mma=mma)
     outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv), user)
     carried, Y, S_end = outs[0].reshape(*lead, n, K, V), outs[1], outs[2].reshape(*lead, K, V)
     Y = Y.reshape(*lead, n, C, V) if A is not None else X

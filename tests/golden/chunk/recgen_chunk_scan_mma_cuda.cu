@@ -77,8 +77,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       }
 #pragma unroll 4
       for (int k0 = 0; k0 < K; k0 += 8) {
-        const float a_[4] = {A[(bc * C + r) * K + k0 + tq], A[(bc * C + r + 8) * K + k0 + tq],
-                             A[(bc * C + r) * K + k0 + tq + 4], A[(bc * C + r + 8) * K + k0 + tq + 4]};
+        const float a_[4] = {static_cast<float>(A[(bc * C + r) * K + k0 + tq]), static_cast<float>(A[(bc * C + r + 8) * K + k0 + tq]),
+                             static_cast<float>(A[(bc * C + r) * K + k0 + tq + 4]), static_cast<float>(A[(bc * C + r + 8) * K + k0 + tq + 4])};
 #pragma unroll
         for (int ct = 0; ct < YCT; ++ct) {
           const float b_[2] = {Ss_[(k0 + tq) * LD + 8 * (ct0 + ct) + gq], Ss_[(k0 + tq + 4) * LD + 8 * (ct0 + ct) + gq]};
