@@ -376,9 +376,11 @@ def model_layout(y, out):
 
 
 def core_layout(y, n: int, C: int, dtype):
-    """``model_layout``'s inverse: [B, n C, H, V] -> [B, H, n, C, V] of ``dtype``."""
+    """``model_layout``'s inverse: [B, n C, H, V] -> [B, H, n, C, V] of ``dtype``, row-major. MLX's cast of the
+    transposed view would keep its strides, and then every product and kernel that reads it (three GEMMs and the
+    reverse scan, each wanting row-major operands) would copy it again; one copy in the input's type comes first."""
     B, _, H, V = y.shape
-    return y.reshape(B, n, C, H, V).transpose(0, 3, 1, 2, 4).astype(dtype)
+    return mx.contiguous(y.reshape(B, n, C, H, V).transpose(0, 3, 1, 2, 4)).astype(dtype)
 
 
 def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None, out=None, rfac=None):
