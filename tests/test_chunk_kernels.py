@@ -186,7 +186,7 @@ def _emulated_call(launch, dialect, user, extra, debug=False):
                                     ("simple_gla", 40), ("gla", 40), ("kda", 40), ("power_retention", 40)])
 def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     """The chunked core with the generated kernels wired in (inverse, forward and backward scans, the
-    key-vector decay's pair kernels, power retention's feature map),
+    key-vector decay's pair kernels and backward tail, power retention's feature map),
     end to end against the float64 reference: forward, final state, every gradient; strong decays,
     K != V, GQA, a partial last chunk (T = 40 with chunk 16), T = 1 (C = 1: one row group)."""
     pytest.importorskip("mlx.core")
@@ -202,9 +202,9 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     delta = specs.BUILTINS[name].step.transition is not None
     want = ({"recgen_chunk_tril_inverse", "recgen_chunk_scan", "recgen_chunk_scan_e_rev"} if delta
             else {"recgen_chunk_scan_noa", "recgen_chunk_scan_nob_e_rev"})
-    if key:  # a delta rule's two pairs of u (A and M_ru) in one pass
-        want |= {"recgen_chunk_pair_dual", "recgen_chunk_pair_grad_dual"} if delta else {"recgen_chunk_pair",
-                                                                                          "recgen_chunk_pair_grad"}
+    if key:  # a delta rule's two pairs of u (A and M_ru) in one pass; the backward's elementwise tail
+        want |= ({"recgen_chunk_pair_dual", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"} if delta
+                 else {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})
     if specs.BUILTINS[name].features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
         want = {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"}
     assert kinds == want, kinds
@@ -463,6 +463,48 @@ def test_chunk_bwd_mma_at_the_cuda_layout(monkeypatch):
         assert _rel(got, w) < (4e-3 if t == "bfloat16" else 1e-5), (t, _rel(got, w))
 
 
+def _bwd_key_ref(ins, rs):
+    """float64 of the key-decay tail (``chunk_bwd_key.j2``), written from ``parallel._backward``'s MLX form: P, Q from
+    anchored sums per key column, dr = P DRP + DRX, du = Q DUQ + DUX, db̃ = P DR + DBX, dG = r dr − u du + b̃ db̃,
+    dG_{C-1} += Σ_s u Q DUQ + g DG, dl = reverse cumsum; r = rs R, dR = rs dr."""
+    f64 = lambda k: np.asarray(ins[k], np.float64) if k in ins else None  # noqa: E731
+    R, U, L = f64("R"), f64("U"), f64("L")
+    r = rs * R
+    P = np.exp(np.cumsum(L, 1))
+    Q = np.exp(np.concatenate([np.cumsum(L[:, ::-1], 1)[:, ::-1][:, 1:], np.zeros_like(L[:, :1])], 1))
+    dr, du = P * f64("DRP") + f64("DRX"), Q * f64("DUQ") + f64("DUX")
+    g = r * dr - U * du
+    outs = [rs * dr, du]
+    if "Bt" in ins:
+        db = P * f64("DR") + f64("DBX")
+        g = g + f64("Bt") * db
+        outs.append(db)
+    g[:, -1] += (U * Q * f64("DUQ")).sum(1) + P[:, -1] * f64("DG")
+    return outs + [np.cumsum(g[:, ::-1], 1)[:, ::-1]]
+
+
+@pytest.mark.parametrize("C,K,delta", [(16, 32, True), (16, 40, False), (8, 64, True), (1, 8, False)])
+def test_chunk_bwd_key_matches_numpy(C, K, delta):
+    """The key-vector decay's backward tail (chunk_bwd_key.j2) against float64: per key column, decays down to e^-20
+    a token and a run of weak ones after strong ones (anchored sums); K = 40: a second, partial group of columns;
+    C = 1; the readout role scaled (Rs = 0.3)."""
+    rng = np.random.default_rng(C + K + delta)
+    N = 3
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    L = (-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
+    L[0, : C // 2], L[0, C // 2:] = -20.0, -0.01
+    ins = {"R": f(N, C, K), "U": f(N, C, K), "L": L, "DRX": f(N, C, K), "DUX": f(N, C, K), "DRP": f(N, C, K),
+           "DUQ": f(N, C, K), "DG": f(N, K), "Rs": np.array([0.3], np.float32)}
+    if delta:
+        ins |= {"Bt": f(N, C, K), "DBX": f(N, C, K), "DR": f(N, C, K)}
+    outs = verify.run_launch(ck.bwd_key_launch("metal", N, C, K, ("float32",) * (3 if delta else 2)), ins)
+    want = _bwd_key_ref(ins, 0.3)
+    assert len(outs) == len(want)
+    for got, w in zip(outs, want):
+        assert got.shape == w.shape and _rel(got, w) < 1e-5, _rel(got, w)
+    assert not cs.bwd_key_supported("metal", 128) and cs.bwd_key_supported("cuda", 64)
+
+
 def test_chunk_bwd_mma_layouts():
     """CUDA's 48 KiB: C = 64 at BW 32, the E tile holding both pair cotangents; Metal's 32 KiB: C = 32 (the staging
     area holds Γ first, so it is at least C × LD)."""
@@ -506,6 +548,12 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     ut = {"Bt": -f(2, 32, 16) / 4, "U": f(2, 32, 16) / 4, "W": f(2, 32, 8), "logd": -f(2, 32) ** 2}
     outs = verify.run_launch(ck.ut_mma_launch("metal", 2, 32, 16, 8), ut, sanitizer=sanitizer)
     for got, want in zip(outs, _ut_ref(*(ut[k] for k in ("Bt", "U", "W", "logd")))):
+        assert _rel(got, want) < 1e-5
+    kt = {"R": f(2, 8, 40), "U": f(2, 8, 40), "Bt": f(2, 8, 40), "L": -f(2, 8, 40) ** 2, "DRX": f(2, 8, 40),
+          "DUX": f(2, 8, 40), "DBX": f(2, 8, 40), "DRP": f(2, 8, 40), "DUQ": f(2, 8, 40), "DR": f(2, 8, 40),
+          "DG": f(2, 40), "Rs": np.ones(1, np.float32)}  # the key-decay tail: a partial second group of columns
+    outs = verify.run_launch(ck.bwd_key_launch("metal", 2, 8, 40, ("float32",) * 3), kt, sanitizer=sanitizer)
+    for got, want in zip(outs, _bwd_key_ref(kt, 1.0)):
         assert _rel(got, want) < 1e-5
     for delta in (True, False):  # the backward's pass: 2 groups, 2 passes of 8 key columns
         bw = _bwd_inputs(rng, 2, 32, 16, delta)

@@ -46,7 +46,7 @@ def test_chunk_kernels_match_golden(target):
     """The generated chunk kernels (MLX form: header and body) with their template constants at the
     GPU shapes (C = 64, K = V = 128): inverse, delta-rule scans (scalar decay) and diagonal scans in both
     frames (FMA, fragment multiply-adds), the forward fragment scans taking u and Q (``ScanVariant.q``), pair kernels (key-vector decay), the sympow feature map, the fragment readout and UT transform (Metal's at C = 32: C = 64 does
-    not fit its threadgroup memory), the backward's fragment pass after the scan (Metal's at C = 32)."""
+    not fit its threadgroup memory), the backward's fragment pass after the scan (Metal's at C = 32), the key-decay backward tail."""
     from recgen.codegen.chunk_sources import ScanVariant
     from recgen.runtime import chunk_kernels as ck
 
@@ -70,7 +70,8 @@ def test_chunk_kernels_match_golden(target):
                 + [ck.out_mma_launch(target, 8, 64, 128, 128), ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"))]
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128)]
                 + [ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "float32", "bfloat16")),
-                   ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"))])
+                   ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"))]
+                + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * n) for n in (2, 3)])
     for launch in launches:
         src = launch.source
         text = (f"// template: {dict(launch.template)}; grid {launch.grid}, threadgroup {launch.threadgroup}\n"

@@ -428,6 +428,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
         return _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac)
     states, M = res[:2]
     Z, Tm, W = res[2:] if bt is not None else (w, None, None)
+    given = (r, u, bt)  # the roles as the core got them: the key-decay tail kernel reads them so
     r, u, w, bt, Z = _up(geo, r, u, w, bt, Z)
     r = _scaled(r, rfac)
     P, Q = geo.P, geo.Q
@@ -440,16 +441,20 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     if bt is None:
         dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
         d_rP = dy @ statesT
-        dw = dZ
-        dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ
-        dbt = None
+        dw, dbt_, dR = dZ, None, None
     else:
         Delta = Tm.swapaxes(-1, -2) @ dZ
         d_rP, dR = dy @ statesT, Delta @ statesT  # two products: one over [dy; Delta] held a 2C-row copy and its result
         dbt_, dr_, du_ = geo.pair_dual_grad(Delta @ ZT, dy @ ZT, bt, r, u)  # du_: of both pairs
-        dbt = P * dR + dbt_
         dw = Delta
-        dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ + bt * dbt_ + (bt * P) * dR
+    if geo.key and kern and ck.fuses_key_tail(kern, u.shape[-2]):  # the elementwise tail below as one kernel
+        dr, du, dbt, dl = ck.chunk_bwd_key(*given, geo.l, dr_, du_, dbt_, d_rP, d_uQ, dR, dg, kern, rfac)
+        return dS0, dr, du, dw, dl, dbt
+    dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ
+    dbt = None
+    if bt is not None:
+        dbt = P * dR + dbt_
+        dG = dG + bt * dbt_ + (bt * P) * dR
     du = Q * d_uQ + du_
     dr = P * d_rP + dr_
     dG = geo.fold(dG)

@@ -18,6 +18,8 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
   chunk with A or M_ru formed in threadgroup memory (shared helpers in ``_fragments.j2``).
 - ``bwd_mma_source`` (scalar decays, fragment frame): the backward's pass after its reverse scan, per chunk: the
   pair gradients through Γ and the elementwise tail (dr, du, db̃ and the log-decays' reverse cumulative sum).
+- ``bwd_key_source`` (key-vector decays): the backward's elementwise tail after the pair kernels' gradients, one
+  thread a key column of a chunk.
 
 A ``*_layout`` gives a kernel's template constants for a size, or says it has none (then the core keeps MLX
 ops). Layout constants that were tuned on hardware (columns per threadgroup) come in as arguments from the
@@ -145,6 +147,22 @@ def bwd_mma_source(dialect: str, delta: bool) -> KernelSource:
     return _source(d, "chunk_bwd_mma.j2", "bwd_mma" + ("_delta" if delta else ""),
                    "backward of the chunked core after its reverse scan, fragment multiply-adds", ins, outs, (),
                    helpers=d.mma_prelude, delta=delta)
+
+
+@lru_cache(maxsize=None)
+def bwd_key_source(dialect: str, delta: bool) -> KernelSource:
+    """A key-vector decay's backward tail (``chunk_bwd_key.j2``); ``delta``: with the delta rule's b̃ terms."""
+    ins = (("R", "U", "Bt", "L", "DRX", "DUX", "DBX", "DRP", "DUQ", "DR") if delta
+           else ("R", "U", "L", "DRX", "DUX", "DRP", "DUQ")) + ("DG", "Rs")
+    outs = ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
+    return _source(get(dialect), "chunk_bwd_key.j2", "bwd_key" + ("_delta" if delta else ""),
+                   "elementwise tail of the chunked core's backward, key-vector decay", ins, outs, (), delta=delta)
+
+
+def bwd_key_supported(dialect: str, C: int) -> bool:
+    """Whether the key-decay tail has a layout for chunks of C tokens: P and dG of 32 columns staged (2 × 32 C floats)
+    fit the dialect's threadgroup memory (C ≤ 64 on both)."""
+    return 1 <= C <= 64 and 2 * 32 * C * 4 <= get(dialect).smem_bytes
 
 
 @lru_cache(maxsize=None)

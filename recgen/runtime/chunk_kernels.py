@@ -12,7 +12,8 @@ import math
 from functools import lru_cache
 
 from ..codegen.backends import get
-from ..codegen.chunk_sources import (BV, ScanVariant, bwd_mma_layout, bwd_mma_source, inverse_source, out_mma_layout, out_mma_source,
+from ..codegen.chunk_sources import (BV, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
+                                     bwd_mma_source, inverse_source, out_mma_layout, out_mma_source,
                                      pair_grad_source, pair_layout, pair_source, scan_layout, scan_mma_layout,
                                      scan_source, sympow_layout, sympow_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
@@ -44,6 +45,11 @@ def fuses_bwd(t: Tuning, C: int, K: int, delta: bool) -> bool:
     """Whether a scalar decay's backward after the reverse scan (the pair gradients through Γ and the elementwise
     tail) runs as the fragment kernel (``chunk_bwd``)."""
     return t.mma_scan and t.fused_bwd and bwd_mma_layout(t.dialect, C, K, delta, t.bwd_bw) is not None
+
+
+def fuses_key_tail(t: Tuning, C: int) -> bool:
+    """Whether a key-vector decay's backward tail after its pair gradients runs as a kernel (``chunk_bwd_key``)."""
+    return t.chunk_kernels and t.fused_bwd and bwd_key_supported(t.dialect, C)
 
 
 def scan_fuses_products(t: Tuning, C: int, K: int, V: int, has_b: bool) -> bool:
@@ -130,6 +136,17 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
     tmpl = (("C", C), ("K", K)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "BT"), types))
     outs = tuple(((N, C, K), dt) for dt in types) + (((N, C), "float32"),)
     return Launch(bwd_mma_source(dialect, delta), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
+
+
+@lru_cache(maxsize=256)
+def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple) -> Launch:
+    """N chunks of C tokens, one threadgroup of 32 threads a block of 32 key columns; ``types`` as ``bwd_mma_launch``."""
+    if not bwd_key_supported(dialect, C):
+        raise ValueError(f"chunk_bwd_key: C={C} must be at most 64")
+    ng = -(-K // 32)
+    tmpl = (("C", C), ("K", K), ("NG", ng)) + tuple(zip(("RT", "UT", "BT"), types))
+    outs = tuple(((N, C, K), dt) for dt in types) + (((N, C, K), "float32"),)
+    return Launch(bwd_key_source(dialect, len(types) == 3), (), outs, (N * ng * 32, 1, 1), (32, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -275,6 +292,27 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None):
     dr, du = outs[0].reshape(r.shape), outs[1].reshape(u.shape)
     dbt = outs[2].reshape(bt.shape) if delta else None
     return dr, du, dbt, outs[-1].reshape(l.shape)
+
+
+def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=None):
+    """A key-vector decay's backward tail after the pair gradients, by the generated kernel (``chunk_bwd_key.j2``):
+    the roles r, u (b̃) [.., n, C, K] as the core got them, the log-decays l [.., n, C, K], the pair gradients dRX,
+    dUX (dBX) and the products DRP = d(r ⊙ P), DUQ = d(u ⊙ Q) (DR = d(b̃ ⊙ P) before its pair term) [.., n, C, K],
+    the scan's decay gradient dg [.., n, K]. ``rs``: the readout role is rs·r (dRX then of rs·r). Returns (dr, du,
+    db̃ or None, dl [.., n, C, K]); dr, du, db̃ in their roles' types."""
+    import mlx.core as mx
+
+    (C, K), N = r.shape[-2:], _lead(r, 2)
+    delta = bt is not None
+    flat = lambda x: x.reshape(N, C, K)  # noqa: E731
+    roles = (r, u, bt) if delta else (r, u)
+    types = tuple(str(x.dtype).split(".")[-1] for x in roles)
+    grads = (dRX, dUX, dBX, DRP, DUQ, DR) if delta else (dRX, dUX, DRP, DUQ)
+    user = ([flat(x) for x in roles] + [flat(l)] + [flat(x) for x in grads]
+            + [dg.reshape(N, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+    outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types), user)
+    dr, du = outs[0].reshape(r.shape), outs[1].reshape(u.shape)
+    return dr, du, (outs[2].reshape(bt.shape) if delta else None), outs[-1].reshape(l.shape)
 
 
 def pair(X, Y, dk, strict: bool, t: Tuning):

@@ -66,7 +66,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     """Build and run one small instance of a frame's kernels on this machine's GPU, at the template
     constants of the common case (C = 64, K = V = 128: the very kernels a model then uses, so nothing is
     compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
-    ``frame``: "base" (the inverse, the key-decay pair and the sympow feature map), "scan" (the FMA scan) or "mma" (the fragment
+    ``frame``: "base" (the inverse, the key-decay pair and backward tail, the sympow feature map), "scan" (the FMA scan) or "mma" (the fragment
     scan as the forward runs it, B in bf16 with its rows scaled as read; the readout in both output layouts,
     bf16 in the model's; the UT transform; the backward's pass after the scan). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
     then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked call."""
@@ -84,6 +84,16 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             got = [ck.tril_inverse(f32(L), t), ck.pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, t),
                    ck.sympow_fn(t, 1, "block")(f32(Xp[:, :2, None, :16]))[0, 0]]
             ref = [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None], sympow(Xp[0, :2, :16])]
+            if ck.fuses_key_tail(t, C):  # and the key-decay backward tail (delta rule), decay e^-0.1 a token
+                Lk = np.full((1, C, K), -0.1)
+                D = rng.normal(size=(7, 1, C, K))  # DRX, DUX, DBX, DRP, DUQ, DR, and b̃
+                dgk = rng.normal(size=(1, K))
+                P, Q = np.exp(np.cumsum(Lk, 1)), np.exp(-0.1 * np.arange(C - 1, -1, -1.0))[None, :, None]
+                dr, du, db = P * D[3] + D[0], Q * D[4] + D[1], P * D[5] + D[2]
+                dG = Xp * dr - Yp * du + D[6] * db
+                dG[:, -1] += (Yp * Q * D[4]).sum(1) + P[:, -1] * dgk
+                got += list(ck.chunk_bwd_key(f32(Xp), f32(Yp), f32(D[6]), f32(Lk), *(f32(x) for x in D[:6]), f32(dgk), t))
+                ref += [dr, du, db, np.cumsum(dG[:, ::-1], 1)[:, ::-1]]
         else:
             S0, X = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V))
             A, Bm = rng.normal(size=(1, n, C, K)) / K, rng.normal(size=(1, n, C, K)) / C
