@@ -51,7 +51,8 @@ class Tuning:
     mma_scan: bool = False          # the scan on fragment multiply-adds (tensor cores) rather than FMAs
     fused_readout: bool = True      # the scalar-decay readout as one fragment kernel (with ``mma_scan``)
     fused_ut: bool = True           # the delta rule's UT transform as one fragment kernel (with ``mma_scan``)
-    fused_bwd: bool = True          # the scalar-decay backward after its scan as one fragment kernel (``mma_scan``)
+    fused_bwd: bool = True          # the backward after its scan as kernels: a scalar decay's fragment pass (with
+    #                                 ``mma_scan``), a key-vector decay's elementwise tail
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
