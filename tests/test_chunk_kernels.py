@@ -682,7 +682,7 @@ def fresh_probe():
     pr._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "scan", "mma"])
+@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass."""
     monkeypatch.setattr(ck, "mlx_call", _emulated_call)
@@ -715,6 +715,11 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
     with pytest.warns(RuntimeWarning, match="fragment scan"):
         c = pr.checked(t)
     assert c.chunk_kernels and not c.mma_scan  # the FMA scan passed
+    pr.checked.cache_clear()
+    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "tail" else None)
+    with pytest.warns(RuntimeWarning, match="fused backward"):
+        c = pr.checked(t)
+    assert c.chunk_kernels and c.mma_scan and not c.fused_bwd  # only the backward's tail falls back
     pr.checked.cache_clear()
     pr._failed.clear()
     monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "base" else None)

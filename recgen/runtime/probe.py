@@ -36,6 +36,8 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
             changes.update(mma_scan=False)
         else:
             changes.update(chunk_kernels=False)
+        if changes.get("chunk_kernels", True) and t.fused_bwd and not usable(t.dialect, "tail", sizes):
+            changes.update(fused_bwd=False)  # the backward's tail in MLX ops; the rest of the kernels stay
     return replace(t, **changes) if changes else t
 
 
@@ -66,10 +68,12 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     """Build and run one small instance of a frame's kernels on this machine's GPU, at the template
     constants of the common case (C = 64, K = V = 128: the very kernels a model then uses, so nothing is
     compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
-    ``frame``: "base" (the inverse, the key-decay pair and backward tail, the sympow feature map), "scan" (the FMA scan) or "mma" (the fragment
-    scan as the forward runs it, B in bf16 with its rows scaled as read; the readout in both output layouts,
-    bf16 in the model's; the UT transform; the backward's pass after the scan). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say)
-    then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked call."""
+    ``frame``: "base" (the inverse, the key-decay pair, the sympow feature map), "tail" (the key-decay backward
+    tail), "scan" (the FMA scan) or "mma" (the fragment scan as the forward runs it, B in bf16 with its rows scaled
+    as read; the readout in both output layouts, bf16 in the model's; the UT transform; the backward's pass after
+    the scan). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say) then
+    keeps MLX ops, or the FMA scan, instead of raising from inside every chunked call; a failing "tail" turns only
+    the fused backward off."""
     import mlx.core as mx
     import numpy as np
 
@@ -84,7 +88,10 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             got = [ck.tril_inverse(f32(L), t), ck.pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, t),
                    ck.sympow_fn(t, 1, "block")(f32(Xp[:, :2, None, :16]))[0, 0]]
             ref = [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None], sympow(Xp[0, :2, :16])]
-            if ck.fuses_key_tail(t, C):  # and the key-decay backward tail (delta rule), decay e^-0.1 a token
+        elif frame == "tail":  # the key-decay backward tail (delta rule), decay e^-0.1 a token
+            Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
+            got, ref = [], []
+            if ck.fuses_key_tail(t, C):
                 Lk = np.full((1, C, K), -0.1)
                 D = rng.normal(size=(7, 1, C, K))  # DRX, DUX, DBX, DRP, DUQ, DR, and b̃
                 dgk = rng.normal(size=(1, K))
@@ -164,7 +171,8 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
         return True
     if err is not None and (dialect, frame) not in _failed:
         _failed.add((dialect, frame))
-        what = {"mma": "the fragment scan (the FMA scan is used)"}.get(frame, "the chunk kernels (MLX ops are used)")
+        what = {"mma": "the fragment scan (the FMA scan is used)",
+                "tail": "the fused backward (MLX ops are used for it)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
     return err is None
 

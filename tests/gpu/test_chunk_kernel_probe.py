@@ -1,6 +1,6 @@
 """The chunk kernels' self-test (``recgen.runtime.probe.usable``) passes on this GPU for every frame: where
-one fails, the chunked form silently falls back to MLX ops ("base", "scan") or to the FMA scan ("mma"), so
-the checks of the chunked form would pass without testing the kernels."""
+one fails, the chunked form silently falls back to MLX ops ("base", "scan"; "tail": the backward's) or to the FMA
+scan ("mma"), so the checks of the chunked form would pass without testing the kernels."""
 from __future__ import annotations
 
 import warnings
@@ -10,7 +10,7 @@ import pytest
 pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("probe")]
 
 
-@pytest.mark.parametrize("frame", ["base", "scan", "mma"])
+@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma"])
 def test_chunk_kernels_pass_their_self_test(frame):
     from recgen.runtime.probe import usable
 
