@@ -55,6 +55,7 @@ class Tuning:
     #                                 ``mma_scan``), a key-vector decay's elementwise tail
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
+    scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (not measured yet: off)
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
@@ -123,6 +124,8 @@ ENVIRONMENT = {
     "RECGEN_FUSED_UT": ("fused_ut", _flag),
     "RECGEN_FUSED_BWD": ("fused_bwd", _flag),
     "RECGEN_BWD_BW": ("bwd_bw", int),
+    "RECGEN_SCAN_BV": ("scan_bv", int),
+    "RECGEN_SCAN_PREFETCH": ("scan_prefetch", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),

@@ -248,6 +248,40 @@ def test_fused_backward_pass_beside_the_fma_scans(monkeypatch):
     assert "recgen_chunk_bwd_mma_delta" in kinds and "recgen_chunk_scan_e_rev_v4" in kinds, kinds
 
 
+@pytest.mark.parametrize("C,K,V,F,has_e,reverse,has_b", [(16, 32, 16, 1, False, False, True), (32, 32, 32, 32, True, True, True),
+                                                     (16, 16, 8, 1, True, True, False), (64, 64, 64, 1, False, False, True)])
+def test_chunk_scan_prefetching_matches_numpy(C, K, V, F, has_e, reverse, has_b):
+    """The fragment scan with each group's A and X fragments loaded a chunk ahead (``ScanVariant.pf``), in both
+    directions, scalar and key decays, with and without B and E, against ``_scan_ref``; three chunks so the
+    prefetched fragments of chunks 1 and 2 are the ones used. Layouts without one item of Y a group refuse it."""
+    v = ScanVariant(a=True, b=has_b, e=has_e, reverse=reverse, mma=True, pf=True)
+    assert cs.scan_prefetches(C, K, V)
+    _check_scan(ck.scan_launch("metal", v, 2, 3, C, K, V, F), np.random.default_rng(C + K + V), 2, 3, C, K, V, F,
+                has_e, reverse, True, has_b)
+    assert not cs.scan_prefetches(32, 16, 32)  # one group, two items
+    with pytest.raises(ValueError, match="one item"):
+        ck.scan_launch("metal", v, 2, 3, 32, 16, 32, F)
+
+
+@pytest.mark.parametrize("name", ["gated_delta_net", "simple_gla"])
+def test_chunked_core_with_prefetching_scans_matches_reference(name, monkeypatch):
+    """``Tuning.scan_prefetch`` end to end: the fragment scans with an A term (GDN's forward and reverse ones, the
+    reverse with its row scales and factors; simple GLA's reverse one) load their A and X fragments a chunk ahead; forward, final state and every gradient against
+    the float64 reference (K = 32, V = 16: one item of Y a group)."""
+    pytest.importorskip("mlx.core")
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, scan_prefetch=True)
+    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=32, V=16, seed=2, tuning=t))
+    kinds = {c.split("_metal")[0] for c in calls}
+    want = ({"recgen_chunk_scan_mma_q_pf", "recgen_chunk_scan_mma_aq_p_pq_pf_dg_rev"} if name == "gated_delta_net"
+            else {"recgen_chunk_scan_mma_nob_aq_e_pf_rev"})  # simple GLA's forward scan has no A term
+    assert {k for k in kinds if "_pf" in k} == want, kinds
+
+
 def _out_ref(r, u, Z, St, l):
     """float64 M[t, s] = (r_t . u_s) prod_{s<tau<=t} e^{l_tau} (s <= t, else 0) and
     y_t = e^{G_t} r_t S + sum_{s<=t} M[t, s] z_s, per chunk."""

@@ -62,7 +62,8 @@ def test_chunk_kernels_match_golden(target):
                 + scans(128, a=False, b=True)
                 + scans(128, e=True, reverse=True, a=True, b=False)
                 + [mma(reverse=True, p=True, dg=True), mma(reverse=True, p=True, dg=True, aq=True, pq=True),
-                   mma(reverse=True, e=True, b=False, aq=True)]
+                   mma(reverse=True, e=True, b=False, aq=True), mma(q=True, pf=True),
+                   mma(reverse=True, p=True, dg=True, aq=True, pq=True, pf=True)]
                 + [mma(a=a, q=True) for a in (True, False)]
                 + [ck.pair_launch(target, 8, 64, 128, strict, grad) for strict in (False, True) for grad in (False, True)]
                 + [ck.pair_launch(target, 8, 64, 128, True, grad, dual=True) for grad in (False, True)]

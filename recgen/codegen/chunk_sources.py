@@ -48,9 +48,10 @@ class ScanVariant:
     update (without it S <- g S + E: the backward diagonal scan); ``e``: an E term given as a product;
     ``p``: one more term Pa_cᵀ Pb_c given as its factors; ``dg``: also the row sums of carried ⊙ St (the
     backward's decay gradient, never formed); ``q``: B's rows scaled as read (the forward's u ⊙ Q); ``aq``, ``pq``:
-    A's and Pa's rows scaled as read (the backward's u ⊙ Q and r ⊙ P); ``reverse``: over the chunks in reverse;
-    ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0); ``mma``: the fragment frame. p, dg, q, aq and pq
-    exist on the fragment frame only."""
+    A's and Pa's rows scaled as read (the backward's u ⊙ Q and r ⊙ P); ``pf``: each group's fragments of A and X
+    loaded a chunk ahead (needs one item of Y a group: ``scan_prefetches``); ``reverse``: over the chunks in
+    reverse; ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0); ``mma``: the fragment frame. p, dg, q, aq,
+    pq and pf exist on the fragment frame only."""
 
     a: bool = True
     b: bool = True
@@ -61,6 +62,7 @@ class ScanVariant:
     q: bool = False
     aq: bool = False
     pq: bool = False
+    pf: bool = False
     vec: bool = False
     mma: bool = False
 
@@ -69,17 +71,17 @@ class ScanVariant:
             raise ValueError("chunk_scan: needs A or B")
         if self.q and not self.b:
             raise ValueError("chunk_scan: row scales Bq need a B term")
-        if self.aq and not self.a or self.pq and not self.p:
-            raise ValueError("chunk_scan: row scales Aq, Pq need an A, P term")
-        if (self.p or self.dg or self.q or self.aq) and not self.mma:
-            raise ValueError("chunk_scan: P, dg, Bq and Aq terms need the fragment frame")
+        if self.aq and not self.a or self.pq and not self.p or self.pf and not self.a:
+            raise ValueError("chunk_scan: row scales Aq, Pq and prefetching need an A, P, A term")
+        if (self.p or self.dg or self.q or self.aq or self.pf) and not self.mma:
+            raise ValueError("chunk_scan: P, dg, Bq, Aq terms and prefetching need the fragment frame")
 
     @property
     def kind(self) -> str:
         """The kernel name's variant part."""
         return (("scan_mma" if self.mma else "scan") + ("" if self.a else "_noa") + ("" if self.b else "_nob")
                 + ("_q" if self.q else "") + ("_aq" if self.aq else "") + ("_e" if self.e else "")
-                + ("_p" if self.p else "") + ("_pq" if self.pq else "")
+                + ("_p" if self.p else "") + ("_pq" if self.pq else "") + ("_pf" if self.pf else "")
                 + ("_dg" if self.dg else "") + ("_rev" if self.reverse else "") + ("_v4" if self.vec else ""))
 
     @property
@@ -111,7 +113,7 @@ def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
     if v.mma:
         return _source(d, "chunk_scan_mma.j2", v.kind, "chunk scan of the chunked core, fragment multiply-adds",
                        v.inputs, v.outputs, (), helpers=d.mma_prelude, has_p=v.p, has_dg=v.dg, has_q=v.q,
-                       has_aq=v.aq, has_pq=v.pq, **flags)
+                       has_aq=v.aq, has_pq=v.pq, pf=v.pf, **flags)
     return _source(d, "chunk_scan.j2", v.kind, "chunk scan of the chunked core", v.inputs, v.outputs, (),
                    vec=v.vec, **flags)
 
@@ -272,6 +274,12 @@ def scan_mma_layout(C: int, K: int, V: int, most_bv: int = 32) -> dict | None:
     ct = bv // 8
     yct = next((y for y in range(ct, 0, -1) if ct % y == 0 and (C // 16) * (ct // y) >= nw), 1)
     return {"BV": bv, "NW": nw, "LD": ld, "YCT": yct}
+
+
+def scan_prefetches(C: int, K: int, V: int, most_bv: int = 32) -> bool:
+    """Whether the fragment scan's layout gives each group exactly one item of Y (``ScanVariant.pf`` needs it)."""
+    lay = scan_mma_layout(C, K, V, most_bv)
+    return lay is not None and (C // 16) * (lay["BV"] // 8 // lay["YCT"]) == lay["NW"]
 
 
 @lru_cache(maxsize=None)

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
-                                     bwd_mma_source, inverse_source, out_mma_layout, out_mma_source,
+                                     bwd_mma_source, inverse_source, scan_prefetches, out_mma_layout, out_mma_source,
                                      pair_grad_source, pair_layout, pair_source, scan_layout, scan_mma_layout,
                                      scan_source, sympow_layout, sympow_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
@@ -86,6 +86,8 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
         lay = scan_mma_layout(C, K, V, most_bv)
         if lay is None:
             raise ValueError(f"chunk_scan_mma: C={C}, K={K} must be multiples of 16 and V={V} of 8")
+        if v.pf and not scan_prefetches(C, K, V, most_bv):
+            raise ValueError(f"chunk_scan_mma: prefetching needs one item of Y a group, not so at C={C}, K={K}, V={V}")
         nt = 32 * lay["NW"]
         tmpl = (("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items())
         return Launch(src, (("rt", (n,), "int32"),), _scan_outputs(BH, n, C, K, V, v, V // lay["BV"]),
@@ -231,9 +233,10 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
             + ([flat(P[0], n, C, K), flat(P[1], n, C, V)] if P is not None else [])
             + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
     mma = P is not None or dg_here or Bq is not None or Aq is not None or use_mma(t, C, K, V)
+    pf = mma and A is not None and t.scan_prefetch and scan_prefetches(C, K, V, t.scan_bv)
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
-                    dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, vec=not mma and V % 4 == 0,
-                    mma=mma)
+                    dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf,
+                    vec=not mma and V % 4 == 0, mma=mma)
     outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv), user)
     carried, Y, S_end = outs[0].reshape(*lead, n, K, V), outs[1], outs[2].reshape(*lead, K, V)
     Y = Y.reshape(*lead, n, C, V) if A is not None else X
