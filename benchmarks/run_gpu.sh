@@ -5,6 +5,7 @@
 #   SPECS="gla simple_gla" bash benchmarks/run_gpu.sh bench-fla:4,4096,16,128
 #   THRESHOLD_TS="256 512" bash benchmarks/run_gpu.sh threshold:8,T,8,64   # chunked form from T=1 vs never
 #   SPECS="kda gla" bash benchmarks/run_gpu.sh ab:RECGEN_FUSED_BWD:4,4096,16,128  # a switch off, then on, one call
+#   AB_VALUES="32 16" bash benchmarks/run_gpu.sh ab:RECGEN_SCAN_BV:4,4096,16,128  # or any values of a variable
 # Timings are `recgen bench` (chained calls, the op's defaults; recgen/bench.py says how) and FLA in the same call.
 # `check` is the GPU test suite (python -m pytest -m gpu, in shards). Expects the offline bundle (.gpu-bundle,
 # built outside the repo) to be carried along.
@@ -51,7 +52,7 @@ for stage in "$@"; do
                | grep -E "ms " | sed "s/^/T=$T chunked-from=$f $c /" | tee -a "$OUT/threshold.log"
            done; done; done ;;
     ab:*) var=${stage#ab:}; shape=${var#*:}; var=${var%%:*}               # VAR=0 then VAR=1, every spec of $SPECS
-          for sp in $SPECS; do for v in 0 1; do
+          for sp in $SPECS; do for v in ${AB_VALUES:-0 1}; do
             env $var=$v timeout ${BENCH_TIMEOUT:-150} python -m recgen.cli bench $sp --shape $shape \
               --passes ${PASSES:-fwdbwd,peak} --json "$OUT/ab_${var}${v}_${sp}_${shape//,/x}.json" 2>&1 \
               | grep -E " ms | GiB " | sed "s/^/$sp $var=$v /" | tee -a "$OUT/ab.log"
