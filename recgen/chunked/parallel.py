@@ -286,24 +286,23 @@ def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=N
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after.
     With ``kern`` the scan is the generated one, (A, X, B, E) = (u ⊙ Q, F, W, E) reversed (no B
     without a delta rule). ``E`` may come as its factors (Pa, Pb), E_c = Pa_cᵀ Pb_c: the generated
-    scan takes them as they are where it can (``chunk_kernels.scan_fuses_products``); elsewhere they are
-    multiplied out here, before the scan.
+    scan takes them as they are where it can (``chunk_kernels.scan_fuses_products``; ``chunk_scan`` multiplies
+    them out before it elsewhere); MLX ops multiply them out here.
     With ``states`` (the forward's [.., n, K, V]) a fourth result: dg = Σ_j dS_{c+1} ⊙ S_c [.., n, K],
     formed inside the generated scan where it fuses products.
     ``uQ`` and E's first factor may come as (x, row scales) pairs (u, Q) and (r, P): the generated scan applies
-    the scales as it reads x; elsewhere they are multiplied out here."""
+    the scales as it reads x, where it can; elsewhere they are multiplied out as the factors are."""
     uQ, Aq = uQ if isinstance(uQ, tuple) else (uQ, None)
-    (C, K), V = uQ.shape[-2:], F.shape[-1]
+    C, K = uQ.shape[-2:]
     generated = kern and ck.scan_supported(kern, C, K)  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
-    Pq = None
+    P, Pq = None, None
     if isinstance(E, tuple):
         (Pa, Pq), Pb = (E[0] if isinstance(E[0], tuple) else (E[0], None)), E[1]
-        if generated and ck.scan_fuses_products(kern, C, K, V, W is not None):
-            E = (Pa, Pb)
+        if generated:
+            P, E = (Pa, Pb), None
         else:
             E, Pq = _rows(Pa, Pq).swapaxes(-1, -2) @ Pb, None
     if generated:
-        P, E = (E, None) if isinstance(E, tuple) else (None, E)
         return ck.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True, P=P, St=states, Aq=Aq, Pq=Pq)
     out = _scan_backward_ops(geo, dS_end, _rows(uQ, Aq), W, F, E, compose, matrix)
     return out if states is None else out + ((out[0] * states).sum(-1),)

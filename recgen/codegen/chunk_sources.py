@@ -71,8 +71,10 @@ class ScanVariant:
             raise ValueError("chunk_scan: needs A or B")
         if self.q and not self.b:
             raise ValueError("chunk_scan: row scales Bq need a B term")
-        if self.aq and not self.a or self.pq and not self.p or self.pf and not self.a:
-            raise ValueError("chunk_scan: row scales Aq, Pq and prefetching need an A, P, A term")
+        if (self.aq or self.pf) and not self.a:
+            raise ValueError("chunk_scan: row scales Aq and prefetching need an A term")
+        if self.pq and not self.p:
+            raise ValueError("chunk_scan: row scales Pq need a P term")
         if (self.p or self.dg or self.q or self.aq or self.pf) and not self.mma:
             raise ValueError("chunk_scan: P, dg, Bq, Aq terms and prefetching need the fragment frame")
 

@@ -187,6 +187,11 @@ def _lead(x, tail: int) -> int:
     return math.prod(x.shape[:-tail])
 
 
+def _dtype_name(dtype) -> str:
+    """An mx dtype's name as launches carry it ("bfloat16")."""
+    return str(dtype).split(".")[-1]
+
+
 def _call(t: Tuning, launch: Launch, user: list):
     return mlx_call(launch, get(t.dialect), user, [], t.debug)
 
@@ -256,7 +261,7 @@ def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None):
 
     (n, C, K), V = r.shape[-3:], Z.shape[-1]
     N = _lead(r, 2)
-    yt = None if out is None else (r.shape[-4], n, str(out).split(".")[-1])
+    yt = None if out is None else (r.shape[-4], n, _dtype_name(out))
     y, M = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv),
                     [r.reshape(N, C, K), u.reshape(N, C, K), Z.reshape(N, C, V), states.reshape(N, K, V),
                      l.reshape(N, C), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
@@ -287,7 +292,7 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None):
     delta = bt is not None
     flat = lambda x: x.reshape(N, C, K)  # noqa: E731
     roles = (r, u, bt) if delta else (r, u)
-    types = tuple(str(x.dtype).split(".")[-1] for x in roles)
+    types = tuple(_dtype_name(x.dtype) for x in roles)
     user = (([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)] + [flat(x) for x in roles]
             + [flat(DUQ), flat(DRP)] + ([flat(DR)] if delta else [])
             + [l.reshape(N, C), DG.reshape(N), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
@@ -309,7 +314,7 @@ def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=No
     delta = bt is not None
     flat = lambda x: x.reshape(N, C, K)  # noqa: E731
     roles = (r, u, bt) if delta else (r, u)
-    types = tuple(str(x.dtype).split(".")[-1] for x in roles)
+    types = tuple(_dtype_name(x.dtype) for x in roles)
     grads = (dRX, dUX, dBX, DRP, DUQ, DR) if delta else (dRX, dUX, DRP, DUQ)
     user = ([flat(x) for x in roles] + [flat(l)] + [flat(x) for x in grads]
             + [dg.reshape(N, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
