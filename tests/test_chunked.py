@@ -29,7 +29,7 @@ from recgen.spec import ir  # noqa: E402
 from recgen.testing import rel_err  # noqa: E402
 from recgen.chunked import forward, naive_loop  # noqa: E402
 from recgen.spec.features import sympow  # noqa: E402
-from recgen.spec.frontend import Key, Scalar, Step, Value, Param, normalizer, rank1, outer, recurrence  # noqa: E402
+from recgen.spec.frontend import Key, KeyGate, Scalar, Step, Value, Param, normalizer, rank1, outer, recurrence  # noqa: E402
 from recgen.spec.fns import exp, sigmoid, softplus  # noqa: E402
 from recgen.spec.layouts import infer_sizes  # noqa: E402
 
@@ -222,7 +222,7 @@ def test_custom_spec_sigmoid_decay_uses_log():
 
 @recurrence
 def dplr(q: Key, k: Key, kk: Key, v: Value, g: Scalar, beta: Scalar):
-    """A rank-1 transition whose a is not a multiple of u (the general WY/UT path, by autodiff)."""
+    """A rank-1 transition whose a is not a multiple of u (the general WY/UT path: ``rank1``'s core)."""
     return Step(decay=exp(g), transition=rank1(-beta * kk, k), update=outer(beta * k, v), readout=ir.SCALE * q)
 
 
@@ -250,7 +250,7 @@ def delta_pre(q: Key, k: Key, v: Value, g: Scalar, beta: Scalar, c: Param["i"]):
 
 @recurrence
 def dplr_pre(q: Key, k: Key, kk: Key, v: Value, g: Scalar, beta: Scalar):
-    """A general rank-1 transition (``core.chunks_rank1``) with the pre-update readout, no bonus."""
+    """A general rank-1 transition (``rank1``'s core) with the pre-update readout, no bonus."""
     return Step(decay=exp(g), transition=rank1(-beta * kk, k), update=outer(beta * k, v), readout=ir.SCALE * q,
                 readout_before_update=True)
 
@@ -317,7 +317,7 @@ BEFORE_DECAY = {"dplr_scalar": dplr_scalar, "dplr_pre_bonus": dplr_pre_bonus, "d
 @pytest.mark.parametrize("T,chunk", [(1, 16), (45, 16), (64, 64)])
 @pytest.mark.parametrize("name", sorted(BEFORE_DECAY))
 def test_transition_before_decay_forms(name, T, chunk):
-    """The transition before the decay (``chunks_rank1``'s shifted pairs) with a scalar decay, beside the pre-update
+    """The transition before the decay (``rank1``'s shifted pairs) with a scalar decay, beside the pre-update
     readout and bonus, and beside a normalizer: strong decays, against the reference."""
     from recgen.chunked.terms import plan
 
@@ -330,6 +330,48 @@ def test_rwkv7_segmented():
     """Segments of one chunk (a 1-byte budget): each segment starts from its own entry state."""
     with tuning.override(segment_budget=1):
         assert_close(compare(specs.rwkv7, 70, chunk=16, seed=23, gmin=-20.0))
+
+
+@recurrence
+def dplr_key(q: Key, k: Key, kk: Key, v: Value, gk: KeyGate, beta: Scalar):
+    """A general rank-1 transition after a key-vector decay (``rank1``'s core: A and M_ra, B and M_ru in pairs)."""
+    return Step(decay=exp(gk), transition=rank1(-beta * kk, k), update=outer(beta * k, v), readout=ir.SCALE * q)
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 16), (45, 16), (64, 32)])
+def test_general_rank1_after_a_key_decay(T, chunk):
+    """Strong key-vector decays (to e^-20), a partial last chunk, T = 1, GQA, K != V: against the reference."""
+    from recgen.chunked.terms import plan
+
+    assert plan(dplr_key).decay_class == "key" and not plan(dplr_key).has_rho
+    assert_close(compare(dplr_key, T, chunk=chunk, seed=T + 3, gmin=-20.0))
+
+
+@pytest.mark.parametrize("key,before", [(False, False), (False, True), (True, False), (True, True)])
+def test_rank1_core_vjp_matches_autodiff(key, before):
+    """The rank-1 core's written VJP against MLX autodiff of the same algebra written independently
+    (``core.chunks_rank1``: the hierarchy of decay levels and an unrolled scan), on random chunked operands with
+    decays to e^-20: every output and every gradient, the log-decays' included."""
+    from recgen.chunked import core, rank1
+
+    rng = np.random.default_rng(7 + 2 * key + before)
+    B, H, n, C, K, V = 2, 3, 3, 8, 8, 5
+    f = lambda *s, sc=1.0: mx.array((rng.normal(size=s) * sc).astype(np.float32))  # noqa: E731
+    S0, r, u, w = f(B, H, K, V), f(B, H, n, C, K), f(B, H, n, C, K, sc=0.5), f(B, H, n, C, V)
+    kk = rng.normal(size=(B, H, n, C, K))
+    kk /= np.linalg.norm(kk, axis=-1, keepdims=True)
+    a, b = mx.array((-kk).astype(np.float32)), mx.array((kk * rng.uniform(0.1, 0.9, kk.shape)).astype(np.float32))
+    l = mx.array(-rng.uniform(0, 20 / C, (B, H, n, C, K if key else 1)).astype(np.float32))
+    dy, dS = f(B, H, n, C, V), f(B, H, K, V)
+    t = tuning.resolve("cpu", environ={})
+    written = lambda *x: rank1.core_fn(key, before, t)(*x)[:2]  # noqa: E731
+    auto = lambda S, r, u, w, a, b, l: [core.chunks_rank1(S, r, u, w, a, b, mx.exp(l), before)[i] for i in (0, 2)]  # noqa: E731
+    ins = [S0, r, u, w, a, b, l]
+    (y1, s1), g1 = mx.vjp(written, ins, [dy, dS])
+    (y2, s2), g2 = mx.vjp(auto, ins, [dy, dS])
+    assert rel_err(y1, y2) < 1e-5 and rel_err(s1, s2) < 1e-5
+    for name, x, z in zip(("S0", "r", "u", "w", "a", "b", "l"), g1, g2):
+        assert rel_err(x, z) < 1e-4, (name, rel_err(x, z))
 
 
 def test_general_rank1_and_separate_normalizer():

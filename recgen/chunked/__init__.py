@@ -18,7 +18,7 @@ Three forms, by the spec's terms:
   the selective scan). The roles (r, u, w, b̃, log-decays) are evaluated elementwise from the
   inputs by MLX ops and differentiated by MLX autodiff; the core's matmul algebra has its own VJP.
 - Any other rank-1 transition with a scalar or key-vector decay, one before the decay (RWKV-7's DPLR) included:
-  ``core.chunks_rank1``, the WY/UT form of all chunks at once, differentiated by MLX autodiff.
+  ``rank1``'s core, the WY/UT form with two key vectors (a, u), with a hand-derived VJP.
 - Full (i, j) or value-indexed decays (selective scan): ``core.scan_full``, a two-level scan
   (~2√T sequential elementwise steps per segment) with a written VJP (the reverse recurrence by the
   same scan). With a rank-1 transition as well no chunked form exists (``_stepwise``): the roles are
@@ -50,7 +50,7 @@ from ..codegen.chunk_sources import sympow_supported
 from ..runtime import chunk_kernels as ck
 from ..runtime.probe import checked
 from ..tuning import Tuning, current
-from . import core, parallel
+from . import core, parallel, rank1
 from .core import pow2_ceil
 from .terms import KEY_ROLES, bind, evaluate, plan
 
@@ -251,15 +251,14 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
 
 
 def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
-    """A rank-1 transition with a ≠ ρ·u (scalar or key decay): ``core.chunks_rank1`` by autodiff."""
+    """A rank-1 transition with a ≠ ρ·u or one before the decay (scalar or key decay): ``rank1``'s core."""
     z = rest[0] if has_z else None
     T, t = _roles(tun, p, names, scale, sizes, S, rest[1:] if has_z else rest)
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     r, y0 = _pre_shift(p.rec, t, S)
-    y, _, S = core.chunks_rank1(S, ch(r), ch(t["u"]), ch(t["w"]), ch(t["a"]), ch(t["b"]),
-                                core.exp(ch(_as_f(t["logdecay"])), tun.pow2_exp),  # pad l (decay 1), then exp
-                                p.rec.transition_before_decay)
+    fn = rank1.core_fn(p.decay_class == "key", p.rec.transition_before_decay, tun)
+    y, S = fn(S, *(ch(x) for x in (r, t["u"], t["w"], t["a"], t["b"], _as_f(t["logdecay"]))))[:2]
     y = _pre_unshift(y.reshape(sizes.B, sizes.H, n * C, sizes.V)[:, :, :T], y0)
     nz, z = _z_scan(tun, p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)

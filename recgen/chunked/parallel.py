@@ -45,7 +45,7 @@ from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
 from .core import add_half, decay_levels, exp, half, offdiag_blocks, pair_levels, tr, unit_lower_inv
 
-__all__ = ["core_fn"]
+__all__ = ["core_fn", "decay_geometry", "log_decay_grad", "scan_backward"]
 
 
 def _tri(C: int, strict: bool):
@@ -280,7 +280,7 @@ def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None):
     return states, Z, S[..., 0, :, :]
 
 
-def _scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=None, states=None):
+def scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=None, states=None):
     """Reverse scan over chunks: dS_{c+1} for every chunk c [.., n, K, V], dZ [.., n, C, V] and
     dS_0, from dZ_c = F_c + (u ⊙ Q)_c dS_{c+1} and dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ dZ_c.
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after.
@@ -314,7 +314,7 @@ def _rows(x, scale):
 
 
 def _scan_backward_ops(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool):
-    """``_scan_backward`` in MLX ops."""
+    """``scan_backward`` in MLX ops."""
     gs = geo.g[..., None]
     dS = dS_end[..., None, :, :]
     nxt, dZs = [], []
@@ -433,7 +433,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     P, Q = geo.P, geo.Q
     rP, uQ = r * P, u * Q
     F = M.swapaxes(-1, -2) @ dy
-    dSn, dZ, dS0, dg = _scan_backward(geo, dS_end, uQ, W, F, (rP, dy), compose, matrix, kern, states)  # E = (r⊙P)ᵀ dy
+    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, uQ, W, F, (rP, dy), compose, matrix, kern, states)  # E = (r⊙P)ᵀ dy
     cp = geo.t.copy_transposes
     statesT, ZT = tr(states, cp), tr(Z, cp)
     d_uQ = Z @ tr(dSn, cp)
@@ -456,13 +456,18 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
         dG = dG + bt * dbt_ + (bt * P) * dR
     du = Q * d_uQ + du_
     dr = P * d_rP + dr_
-    dG = geo.fold(dG)
-    # G_end enters Q (for every s) and g = e^{G_end}
-    dG_end = geo.fold((uQ * d_uQ).sum(-2) + geo.g * dg)
+    dl = log_decay_grad(geo, dG, (uQ * d_uQ).sum(-2) + geo.g * dg)
+    return dS0, _scaled(dr, rfac), du, dw, dl, dbt
+
+
+def log_decay_grad(geo, dG, dG_end):
+    """dl [.., C, F] from dG, the gradient of the cumulative log-decays G_t [.., C, K] through every factor
+    exp(±G_t), and dG_end [.., K], that of G_end (which enters Q_s for every s, and g = e^{G_end}): both folded
+    to the decay's shape, dG_end joining the last row, then a reverse cumulative sum inside each chunk."""
+    dG, dG_end = geo.fold(dG), geo.fold(dG_end)
     C = dG.shape[-2]
     dG = dG + mx.where((mx.arange(C) == C - 1)[:, None], dG_end[..., None, :], 0.0)
-    dl = mx.cumsum(dG, axis=-2, reverse=True)
-    return dS0, _scaled(dr, rfac), du, dw, dl, dbt
+    return mx.cumsum(dG, axis=-2, reverse=True)
 
 
 def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac):
@@ -475,7 +480,7 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
     (Z,) = _up(geo, Z)
     Pr = geo.P if rfac is None else geo.P * rfac
     F = M.swapaxes(-1, -2) @ dy
-    dSn, dZ, dS0, dg = _scan_backward(geo, dS_end, (u, geo.Q), W, F, ((r, Pr), dy), compose, matrix, kern, states)
+    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (u, geo.Q), W, F, ((r, Pr), dy), compose, matrix, kern, states)
     cp = geo.t.copy_transposes
     statesT, ZT = tr(states, cp), tr(Z, cp)
     Delta = Tm.swapaxes(-1, -2) @ dZ if bt is not None else dZ
@@ -485,9 +490,15 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
     return dS0, dr, du, Delta, dl, dbt
 
 
-def _key_geo(t: Tuning):
-    """The key-vector decay class with chunk kernels: the pair kernels where they have a layout for (C, K) (K a
-    multiple of 32), the hierarchy otherwise."""
+def decay_geometry(key: bool, kern: Tuning | None):
+    """The class (or factory, same signature) of a chunk's decay geometry: ``ScalarDecay``; for a key-vector decay
+    with chunk kernels (``kern``) the pair kernels where they have a layout for (C, K) (K a multiple of 32, known at
+    the first call), the hierarchy (``KeyDecay``) otherwise."""
+    if not key:
+        return ScalarDecay
+    if not kern:
+        return KeyDecay
+
     def make(l, t_, saved=()):
         if pair_supported(t_.dialect, *l.shape[-2:]):
             return KernelKeyDecay(l, t_, saved)
@@ -508,9 +519,7 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
     Z, T, W, and a key-vector decay's hierarchy) are for the VJP only and take no cotangent."""
     matrix, compile, inv_base = t.gpu_forms, t.compile, t.inverse_base
     kern = t if t.chunk_kernels else None
-    Geo = KeyDecay if key else ScalarDecay
-    if key and kern:  # the pair kernels need K % 32 == 0, known at the first call: chosen per call below
-        Geo = _key_geo(kern)
+    Geo = decay_geometry(key, kern)
     nres = 5 if delta else 2
 
     def fwd(S0, r, u, w, l, bt=None):

@@ -1,0 +1,169 @@
+r"""The general rank-1 transition's chunk core with its hand-derived VJP: a ≠ ρ·u (two key vectors of their own),
+or the transition before the decay (RWKV-7's DPLR order). The delta rules (a = ρ u after the decay) take
+``parallel``'s core, of which this is the two-key generalization.
+
+Per chunk (state S, tokens t = 0..C-1) the step is S_t = D_t ⊙ S_{t-1} + a_t x_tᵀ + u_t w_tᵀ, where
+x_t = b_tᵀ (D_t ⊙ S_{t-1}) reads the decayed state, or x_t = b_tᵀ S_{t-1} with ``before_decay``. With P, Q, g and
+the pair matrices M_XY of ``parallel`` (P_t = Γ(t, start), Q_s = Γ(end, s), g = P_end), unrolling x gives
+
+    A  = M_ba (strict),  B = M_bu (strict),  b̂ = b ⊙ P
+    before the decay: A, B = the non-strict pairs of b one token earlier, read one row later; b̂_t = b_t ⊙ P_{t-1}
+    T  = (I − A)^{-1},  U = T B w,  W = T b̂
+    X_c     = U_c + W_c S_c                                  (the x_t of the chunk's tokens)
+    S_{c+1} = g_c ⊙ S_c + (a ⊙ Q)_cᵀ X_c + (u ⊙ Q)_cᵀ w_c   (the scan over chunks; the last term is its E)
+    y_c     = (r ⊙ P)_c S_c + M_ra,c X_c + M_ru,c w_c
+
+No decay is divided: the earlier b pairs with Γ(t−1, s) through its own rows. The backward mirrors the delta
+rule's (``parallel``'s docstring), with F = M_raᵀ dy and the reverse scan over (a ⊙ Q, W):
+
+    dX = F + (a ⊙ Q) dS_{c+1},  Δ = Tᵀ dX,  dA = Δ Xᵀ,  dB = Δ wᵀ,  db̂ = Δ S_cᵀ
+    dw = M_ruᵀ dy + Bᵀ Δ + (u ⊙ Q) dS_{c+1},  dM_ra = dy Xᵀ,  dM_ru = dy wᵀ
+    d(r ⊙ P) = dy S_cᵀ,  d(a ⊙ Q) = X dS_{c+1}ᵀ,  d(u ⊙ Q) = w dS_{c+1}ᵀ,  dg = Σ_j dS_{c+1} ⊙ S_c
+
+and the pair gradients (``pair_grad``) and the log-decays' gradient through G as there (``log_decay_grad``).
+The four pairs go through the decay geometry of ``parallel`` (on GPUs with chunk kernels: the generated pair
+kernels, A with M_ra and B with M_ru in one pass each where the transition follows the decay), the inverse and
+both scans through the generated kernels where they have a layout, MLX ops elsewhere."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from ..codegen.chunk_sources import inverse_supported
+from ..runtime import chunk_kernels as ck
+from ..tuning import Tuning
+from .core import tr, unit_lower_inv
+from .parallel import decay_geometry, log_decay_grad, scan_backward
+
+__all__ = ["core_fn"]
+
+
+def rows_later(M):
+    """M [.., C, F] with every row moved one down (row 0 zero): M'[t] = M[t-1]."""
+    return mx.concatenate([mx.zeros_like(M[..., :1, :]), M[..., :-1, :]], axis=-2)
+
+
+def rows_earlier(M):
+    """M [.., C, F] with every row moved one up (the last row zero): M'[t] = M[t+1]."""
+    return mx.concatenate([M[..., 1:, :], mx.zeros_like(M[..., :1, :])], axis=-2)
+
+
+def _pairs(geo, r, u, a, b, before: bool):
+    """(A, B, M_ra, M_ru) of every chunk."""
+    if before:  # b_t meets Γ(t−1, s), s ≤ t−1: the non-strict pairs of b one token earlier, one row later
+        be = rows_earlier(b)
+        A, B = rows_later(geo.pair(be, a, strict=False)), rows_later(geo.pair(be, u, strict=False))
+        return A, B, geo.pair(r, a, strict=False), geo.pair(r, u, strict=False)
+    A, Mra = geo.pair_dual(b, r, a)  # the strict pair of b and the readout's pair share their right operand
+    B, Mru = geo.pair_dual(b, r, u)
+    return A, B, Mra, Mru
+
+
+def _pair_grads(geo, dA, dB, dMra, dMru, r, u, a, b, before: bool):
+    """(dr, du, da, db, dG) through the four pairs: dG is the pairs' part of the gradient of G (row factors
+    e^{G_t} give X ⊙ dX, column factors e^{−G_s} give −Y ⊙ dY)."""
+    if before:
+        be = rows_earlier(b)  # the pair's row t' = t − 1 carries G_{t−1}: its dG lands in the pair's rows
+        dbe1, da1 = geo.pair_grad(rows_earlier(dA), be, a, strict=False)
+        dbe2, du1 = geo.pair_grad(rows_earlier(dB), be, u, strict=False)
+        dr1, da2 = geo.pair_grad(dMra, r, a, strict=False)
+        dr2, du2 = geo.pair_grad(dMru, r, u, strict=False)
+        dbe = dbe1 + dbe2
+        da, du, dG, db = da1 + da2, du1 + du2, be * dbe, rows_later(dbe)
+    else:  # as ``_pairs`` formed them: two passes, each over one right operand
+        db1, dr1, da = geo.pair_dual_grad(dA, dMra, b, r, a)
+        db2, dr2, du = geo.pair_dual_grad(dB, dMru, b, r, u)
+        db = db1 + db2
+        dG = b * db
+    dr = dr1 + dr2
+    return dr, du, da, db, dG + r * dr - a * da - u * du
+
+
+def _scan_forward(geo, S0, W, U, aQ, uQ, w, kern):
+    """(states [.., n, K, V], X [.., n, C, V], S_end): X_c = U_c + W_c S_c, S ← g_c ⊙ S + (a⊙Q)_cᵀ X_c + (u⊙Q)_cᵀ w_c."""
+    C, K = aQ.shape[-2:]
+    if kern and ck.scan_supported(kern, C, K):  # the last term as the factors of the generated scan's E
+        return ck.chunk_scan(S0, W, U, aQ, geo.g, None, kern, reverse=False, P=(uQ, w))
+    E = tr(uQ) @ w
+    n = U.shape[-3]
+    S, states, Xs = S0[..., None, :, :], [], []
+    for c in range(n):
+        sl = (Ellipsis, slice(c, c + 1), slice(None), slice(None))
+        states.append(S)
+        X = mx.addmm(U[sl], W[sl], S)
+        Xs.append(X)
+        S = mx.addmm(geo.g[..., c:c + 1, :, None] * S + E[sl], tr(aQ[sl]), X)
+    return mx.concatenate(states, axis=-3), mx.concatenate(Xs, axis=-3), S[..., 0, :, :]
+
+
+def _forward(geo, S0, r, u, w, a, b, before: bool, kern):
+    """(y, S_end, residuals (states, X, T, W, B, M_ra, M_ru))."""
+    A, B, Mra, Mru = _pairs(geo, r, u, a, b, before)
+    Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(A.shape[-1]) else unit_lower_inv(A)
+    Pb = rows_later(geo.P) + (mx.arange(geo.P.shape[-2]) == 0)[:, None] if before else geo.P  # P_{t−1}, P_{−1} = 1
+    U, W = Tm @ (B @ w), Tm @ (b * Pb)
+    states, X, S_end = _scan_forward(geo, S0, W, U, a * geo.Q, u * geo.Q, w, kern)
+    y = (r * geo.P) @ states + Mra @ X + Mru @ w
+    return y, S_end, (states, X, Tm, W, B, Mra, Mru)
+
+
+def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern):
+    """(dS0, dr, du, dw, da, db, dl) of ``_forward``."""
+    states, X, Tm, W, B, Mra, Mru = res
+    P, Q = geo.P, geo.Q
+    rP, aQ, uQ = r * P, a * Q, u * Q
+    C, K = a.shape[-2:]
+    dSn, dX, dS0, dg = scan_backward(geo, dS_end, aQ, W, tr(Mra) @ dy, (rP, dy), 2 * C >= K, False, kern, states)
+    Delta = tr(Tm) @ dX
+    statesT, XT, wT, dSnT = tr(states), tr(X), tr(w), tr(dSn)
+    dr, du, da, db, dG = _pair_grads(geo, Delta @ XT, Delta @ wT, dy @ XT, dy @ wT, r, u, a, b, before)
+    d_rP, d_aQ, d_uQ, dbP = dy @ statesT, X @ dSnT, w @ dSnT, Delta @ statesT
+    dw = tr(Mru) @ dy + tr(B) @ Delta + uQ @ dSn
+    dr, da, du = dr + P * d_rP, da + Q * d_aQ, du + Q * d_uQ
+    dG = dG + rP * d_rP - aQ * d_aQ - uQ * d_uQ
+    if before:  # b̂_t = b_t ⊙ P_{t−1}: its G is the row before's (P_{−1} = 1 has none)
+        Pb = rows_later(P) + (mx.arange(C) == 0)[:, None]
+        db = db + Pb * dbP
+        dG = dG + rows_earlier(b * Pb * dbP)
+    else:
+        db = db + P * dbP
+        dG = dG + (b * P) * dbP
+    dl = log_decay_grad(geo, dG, (aQ * d_aQ + uQ * d_uQ).sum(-2) + geo.g * dg)
+    return dS0, dr, du, dw, da, db, dl
+
+
+@lru_cache(maxsize=64)
+def core_fn(key: bool, before: bool, t: Tuning):
+    """The general rank-1 core as an ``mx.custom_function`` with the VJP above.
+
+    Arguments (chunked, [..., n, C, F]): S0 [..., K, V], r, u, a, b [.., C, K], w [.., C, V], l [.., C, F] (log-decays;
+    F = K when ``key``, else 1). ``before``: the transition reads the state before the decay. Returns
+    (y [.., n, C, V], S_end, *residuals), the residuals for the VJP only."""
+    kern = t if t.chunk_kernels else None
+    Geo = decay_geometry(key, kern)
+    nres = 7
+
+    def fwd(S0, r, u, w, a, b, l):
+        geo = Geo(l, t)
+        y, S_end, res = _forward(geo, S0, r, u, w, a, b, before, kern)
+        return (y, S_end) + res + tuple(geo.saved())
+
+    def bwd(*args):
+        (S0, r, u, w, a, b, l), rest = args[:7], args[7:]
+        res, geo_saved, (dy, dS_end) = rest[:nres], rest[nres:-2], rest[-2:]
+        return _backward(Geo(l, t, geo_saved), r, u, w, a, b, res, dy, dS_end, before, kern)
+
+    if t.compile:
+        fwd, bwd = mx.compile(fwd), mx.compile(bwd)
+
+    @mx.custom_function
+    def core(*args):
+        return fwd(*args)
+
+    @core.vjp
+    def core_vjp(primals, cotangents, outputs):
+        dy, dS_end = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents[:2], outputs[:2])]
+        return bwd(*primals, *outputs[2:], dy, dS_end)
+
+    return core
