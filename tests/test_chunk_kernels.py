@@ -232,6 +232,28 @@ def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
     assert kinds == want, kinds
 
 
+@pytest.mark.parametrize("name,K,V,mma,want", [
+    ("rwkv7", 32, 6, False, {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_tril_inverse",
+                             "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev"}),
+    ("dplr_key", 16, 8, True, {"recgen_chunk_tril_inverse", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev"})])
+def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, monkeypatch):
+    """The general rank-1 core (``chunked.rank1``) with the generated kernels: RWKV-7 (the transition before a
+    key-vector decay: single pairs of the earlier b, the FMA scans), and a transition after a key-vector decay on
+    the fragment scans (the update's u wᵀ as the forward scan's product term; K = 16 keeps the pairs in MLX ops);
+    GQA, a partial last chunk, strong decays: forward, final state and every gradient against the float64
+    reference."""
+    pytest.importorskip("mlx.core")
+    from recgen import specs
+    from test_chunked import assert_close, compare, dplr_key
+
+    rec = dplr_key if name == "dplr_key" else specs.BUILTINS[name]
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=mma)
+    assert_close(compare(rec, 40, chunk=16, B=1, H=2, Hk=1, K=K, V=V, seed=5, tuning=t))
+    assert {c.split("_metal")[0] for c in calls} == want
+
+
 def test_fused_backward_pass_beside_the_fma_scans(monkeypatch):
     """V = 12 (not a multiple of 8) has no fragment scan, while the backward's fragment pass (which needs K only)
     still runs: the reverse scan then gets u ⊙ Q and the product (r ⊙ P)ᵀ dy formed by MLX from the row-scaled

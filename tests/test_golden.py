@@ -45,7 +45,7 @@ def test_emission_is_deterministic(tmp_path):
 def test_chunk_kernels_match_golden(target):
     """The generated chunk kernels (MLX form: header and body) with their template constants at the
     GPU shapes (C = 64, K = V = 128): inverse, delta-rule scans (scalar decay) and diagonal scans in both
-    frames (FMA, fragment multiply-adds), the forward fragment scans taking u and Q (``ScanVariant.q``), pair kernels (key-vector decay), the sympow feature map, the fragment readout and UT transform (Metal's at C = 32: C = 64 does
+    frames (FMA, fragment multiply-adds), the forward fragment scans taking u and Q (``ScanVariant.q``) or a product term (the general rank-1 core's u wᵀ), pair kernels (key-vector decay), the sympow feature map, the fragment readout and UT transform (Metal's at C = 32: C = 64 does
     not fit its threadgroup memory), the backward's fragment pass after the scan (Metal's at C = 32), the key-decay backward tail."""
     from recgen.codegen.chunk_sources import ScanVariant
     from recgen.runtime import chunk_kernels as ck
@@ -63,7 +63,7 @@ def test_chunk_kernels_match_golden(target):
                 + scans(128, e=True, reverse=True, a=True, b=False)
                 + [mma(reverse=True, p=True, dg=True), mma(reverse=True, p=True, dg=True, aq=True, pq=True),
                    mma(reverse=True, e=True, b=False, aq=True), mma(q=True, pf=True),
-                   mma(reverse=True, p=True, dg=True, aq=True, pq=True, pf=True)]
+                   mma(reverse=True, p=True, dg=True, aq=True, pq=True, pf=True), mma(p=True)]
                 + [mma(a=a, q=True) for a in (True, False)]
                 + [ck.pair_launch(target, 8, 64, 128, strict, grad) for strict in (False, True) for grad in (False, True)]
                 + [ck.pair_launch(target, 8, 64, 128, True, grad, dual=True) for grad in (False, True)]

@@ -71,9 +71,10 @@ def supported(rec: ir.Recurrence) -> None:
 
 
 def fast_form(rec: ir.Recurrence) -> bool:
-    """Whether ``rec`` runs on the parallel core with its written VJP: a scalar or key-vector decay
-    with no transition or a delta-rule one (a = ρ·u)."""
-    return analyze(rec).fast_form
+    """Whether ``rec``'s chunked form is matmuls over chunks with a written VJP: a scalar or key-vector decay, on
+    the parallel core (no transition or a delta-rule one, a = ρ·u) or the general rank-1 core (any other)."""
+    p = analyze(rec)
+    return p.parallel_core or p.rank1_core
 
 
 def segment_budget(t: Tuning) -> int:
@@ -398,7 +399,7 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
         per_token = 4 * sizes.B * sizes.H * sizes.K * sizes.V * WORKSET_FACTOR["full"]
         seg = max(1, segment_budget(tun) // per_token)
     else:
-        body = _fast if fast_form(rec) else _general
+        body = _fast if p.parallel_core else _general
         fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)
         per_token = 4 * sizes.B * sizes.H * (sizes.K + sizes.V + C) * WORKSET_FACTOR[p.decay_class]
         seg = max(1, segment_budget(tun) // (per_token * C)) * C

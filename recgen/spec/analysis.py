@@ -51,10 +51,16 @@ class Analysis:
         return self.rho is not None
 
     @property
-    def fast_form(self) -> bool:
-        """Whether the chunked form runs on the parallel core with its written VJP: a scalar or key-vector decay
-        with no transition or a delta-rule one."""
+    def parallel_core(self) -> bool:
+        """Whether the chunked form runs on the parallel core: a scalar or key-vector decay with no transition or
+        a delta-rule one."""
         return self.decay_class != "full" and (self.rec.step.transition is None or self.delta_rule)
+
+    @property
+    def rank1_core(self) -> bool:
+        """Whether it runs on the general rank-1 core: any other rank-1 transition (a ≠ ρ·u, or one before the
+        decay) with a scalar or key-vector decay."""
+        return self.decay_class != "full" and self.rec.step.transition is not None and not self.delta_rule
 
 
 @lru_cache(maxsize=256)
