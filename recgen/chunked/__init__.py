@@ -71,10 +71,11 @@ def supported(rec: ir.Recurrence) -> None:
 
 
 def fast_form(rec: ir.Recurrence) -> bool:
-    """Whether ``rec``'s chunked form is matmuls over chunks with a written VJP: a scalar or key-vector decay, on
-    the parallel core (no transition or a delta-rule one, a = ρ·u) or the general rank-1 core (any other)."""
-    p = analyze(rec)
-    return p.parallel_core or p.rank1_core
+    """Whether ``rec`` runs on the parallel core (a scalar or key-vector decay with no transition or a delta-rule
+    one, a = ρ·u): the chunked form measured faster than the recurrent kernels from a T on GPUs, so a kernel op
+    takes it from there (``recgen.ops``). The general rank-1 core has a written VJP too, but it has not been timed
+    on a GPU: its kernel ops keep the recurrent backward unless asked (``backward="chunked"``)."""
+    return analyze(rec).parallel_core
 
 
 def segment_budget(t: Tuning) -> int:
