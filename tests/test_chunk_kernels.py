@@ -233,12 +233,12 @@ def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
 
 
 @pytest.mark.parametrize("name,K,V,mma,want", [
-    ("rwkv7", 32, 6, False, {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_tril_inverse",
-                             "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev"}),
+    ("rwkv7", 32, 6, False, {"recgen_chunk_pair_dual_nonstrict", "recgen_chunk_pair_grad_dual_nonstrict",
+                             "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev"}),
     ("dplr_key", 16, 8, True, {"recgen_chunk_tril_inverse", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev"})])
 def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, monkeypatch):
     """The general rank-1 core (``chunked.rank1``) with the generated kernels: RWKV-7 (the transition before a
-    key-vector decay: single pairs of the earlier b, the FMA scans), and a transition after a key-vector decay on
+    key-vector decay: the dual pair kernels with the earlier b's pairs non-strict, the FMA scans), and a transition after a key-vector decay on
     the fragment scans (the update's u wᵀ as the forward scan's product term; K = 16 keeps the pairs in MLX ops);
     GQA, a partial last chunk, strong decays: forward, final state and every gradient against the float64
     reference."""
@@ -678,27 +678,29 @@ def test_pair_kernels_match_numpy(strict, C, K):
 
 
 
-@pytest.mark.parametrize("C,K", [(8, 32), (48, 64)])
-def test_dual_pair_kernels_match_numpy(C, K):
-    """The delta rule's two pairs of one Y in one pass: M = pair(X, Y) strictly below the diagonal and
-    M2 = pair(X2, Y) with it, and their gradients (dY summed), element by element against float64."""
-    rng = np.random.default_rng(C)
+@pytest.mark.parametrize("C,K,strict", [(8, 32, True), (48, 64, True), (48, 64, False)])
+def test_dual_pair_kernels_match_numpy(C, K, strict):
+    """Two pairs of one Y in one pass: M = pair(X, Y) strictly below the diagonal (the delta rule's A) or with it
+    (``strict`` off: the general rank-1 core's earlier b) and M2 = pair(X2, Y) with it, and their gradients (dY
+    summed), element by element against float64."""
+    rng = np.random.default_rng(C + strict)
     N = 2
     X, X2, Y = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(3))
     dM, dM2 = (rng.normal(size=(N, C, C)).astype(np.float32) for _ in range(2))
     dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
     dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
-    M, M2 = verify.run_launch(ck.pair_launch("metal", N, C, K, True, dual=True), {"X": X, "X2": X2, "Y": Y, "dk": dk})
-    assert _rel(M, _pair_ref(X, Y, dk, True)) < 1e-5 and _rel(M2, _pair_ref(X2, Y, dk, False)) < 1e-5
-    dX, dX2, dY = verify.run_launch(ck.pair_launch("metal", N, C, K, True, grad=True, dual=True),
+    first = strict
+    M, M2 = verify.run_launch(ck.pair_launch("metal", N, C, K, first, dual=True), {"X": X, "X2": X2, "Y": Y, "dk": dk})
+    assert _rel(M, _pair_ref(X, Y, dk, first)) < 1e-5 and _rel(M2, _pair_ref(X2, Y, dk, False)) < 1e-5
+    dX, dX2, dY = verify.run_launch(ck.pair_launch("metal", N, C, K, first, grad=True, dual=True),
                                     {"dM": dM, "dM2": dM2, "X": X, "X2": X2, "Y": Y, "dk": dk})
     eye = np.eye(K)
     unit = lambda i: np.broadcast_to(eye[i], (N, C, K)) * 1.0  # noqa: E731
-    for got, dm, strict in ((dX, dM, True), (dX2, dM2, False)):
-        G = np.stack([_pair_ref(unit(i), Y, dk, strict) for i in range(K)], -1)
+    for got, dm, lt in ((dX, dM, first), (dX2, dM2, False)):
+        G = np.stack([_pair_ref(unit(i), Y, dk, lt) for i in range(K)], -1)
         assert _rel(got, np.einsum("nts,ntsi->nti", dm, G)) < 1e-5
-    want = sum(np.einsum("nts,ntsi->nsi", dm, np.stack([_pair_ref(x, unit(i), dk, strict) for i in range(K)], -1))
-               for x, dm, strict in ((X, dM, True), (X2, dM2, False)))
+    want = sum(np.einsum("nts,ntsi->nsi", dm, np.stack([_pair_ref(x, unit(i), dk, lt) for i in range(K)], -1))
+               for x, dm, lt in ((X, dM, first), (X2, dM2, False)))
     assert _rel(dY, want) < 1e-5
 
 

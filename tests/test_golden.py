@@ -66,7 +66,8 @@ def test_chunk_kernels_match_golden(target):
                    mma(reverse=True, p=True, dg=True, aq=True, pq=True, pf=True), mma(p=True)]
                 + [mma(a=a, q=True) for a in (True, False)]
                 + [ck.pair_launch(target, 8, 64, 128, strict, grad) for strict in (False, True) for grad in (False, True)]
-                + [ck.pair_launch(target, 8, 64, 128, True, grad, dual=True) for grad in (False, True)]
+                + [ck.pair_launch(target, 8, 64, 128, strict, grad, dual=True) for strict in (False, True)
+                   for grad in (False, True)]
                 + [ck.sympow_launch(target, 2, 4096, 8, 8, 64, True, grad) for grad in (False, True)]
                 + [ck.out_mma_launch(target, 8, 64, 128, 128), ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"))]
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128)]

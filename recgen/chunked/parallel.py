@@ -63,13 +63,13 @@ def _decay_to_end(l, pow2: bool):
 class PairsOneByOne:
     """The delta rule's two pairs of one Y (A of b̃, strict; M of r) and their gradients, one pair at a time."""
 
-    def pair_dual(self, X, X2, Y):
+    def pair_dual(self, X, X2, Y, strict: bool = True):
         """(pair(X, Y, strict), pair(X2, Y))."""
-        return self.pair(X, Y, strict=True), self.pair(X2, Y, strict=False)
+        return self.pair(X, Y, strict=strict), self.pair(X2, Y, strict=False)
 
-    def pair_dual_grad(self, dM, dM2, X, X2, Y):
+    def pair_dual_grad(self, dM, dM2, X, X2, Y, strict: bool = True):
         """(dX, dX2, dY) of ``pair_dual``, dY summed over both pairs."""
-        dX, dY = self.pair_grad(dM, X, Y, strict=True)
+        dX, dY = self.pair_grad(dM, X, Y, strict=strict)
         dX2, dY2 = self.pair_grad(dM2, X2, Y, strict=False)
         return dX, dX2, dY + dY2
 
@@ -186,16 +186,16 @@ class KernelKeyDecay(PairsOneByOne):
     def pair_grad(self, dM, X, Y, strict: bool):
         return ck.pair_grad(dM, X, Y, self.d, strict, self.t)
 
-    def pair_dual(self, X, X2, Y):
+    def pair_dual(self, X, X2, Y, strict: bool = True):
         """Both pairs in one pass over Y and the decays (``chunk_kernels.pair_dual``) where its tiles fit."""
         if self.dual:
-            return ck.pair_dual(X, X2, Y, self.d, self.t)
-        return super().pair_dual(X, X2, Y)
+            return ck.pair_dual(X, X2, Y, self.d, self.t, strict)
+        return super().pair_dual(X, X2, Y, strict)
 
-    def pair_dual_grad(self, dM, dM2, X, X2, Y):
+    def pair_dual_grad(self, dM, dM2, X, X2, Y, strict: bool = True):
         if self.dual:
-            return ck.pair_dual_grad(dM, dM2, X, X2, Y, self.d, self.t)
-        return super().pair_dual_grad(dM, dM2, X, X2, Y)
+            return ck.pair_dual_grad(dM, dM2, X, X2, Y, self.d, self.t, strict)
+        return super().pair_dual_grad(dM, dM2, X, X2, Y, strict)
 
     fold = staticmethod(KeyDecay.fold)
 

@@ -22,7 +22,7 @@ rule's (``parallel``'s docstring), with F = M_raᵀ dy and the reverse scan over
 
 and the pair gradients (``pair_grad``) and the log-decays' gradient through G as there (``log_decay_grad``).
 The four pairs go through the decay geometry of ``parallel`` (on GPUs with chunk kernels: the generated pair
-kernels, A with M_ra and B with M_ru in one pass each where the transition follows the decay), the inverse and
+kernels, A with M_ra and B with M_ru in one pass each), the inverse and
 both scans through the generated kernels where they have a layout, MLX ops elsewhere."""
 from __future__ import annotations
 
@@ -51,32 +51,27 @@ def rows_earlier(M):
 
 def _pairs(geo, r, u, a, b, before: bool):
     """(A, B, M_ra, M_ru) of every chunk."""
-    if before:  # b_t meets Γ(t−1, s), s ≤ t−1: the non-strict pairs of b one token earlier, one row later
-        be = rows_earlier(b)
-        A, B = rows_later(geo.pair(be, a, strict=False)), rows_later(geo.pair(be, u, strict=False))
-        return A, B, geo.pair(r, a, strict=False), geo.pair(r, u, strict=False)
-    A, Mra = geo.pair_dual(b, r, a)  # the strict pair of b and the readout's pair share their right operand
-    B, Mru = geo.pair_dual(b, r, u)
+    # b's pair and the readout's pair share their right operand (a, then u): one pass each. Before the decay b_t
+    # meets Γ(t−1, s), s ≤ t−1: the non-strict pairs of b one token earlier, read one row later
+    be = rows_earlier(b) if before else b
+    A, Mra = geo.pair_dual(be, r, a, strict=not before)
+    B, Mru = geo.pair_dual(be, r, u, strict=not before)
+    if before:
+        A, B = rows_later(A), rows_later(B)
     return A, B, Mra, Mru
 
 
 def _pair_grads(geo, dA, dB, dMra, dMru, r, u, a, b, before: bool):
     """(dr, du, da, db, dG) through the four pairs: dG is the pairs' part of the gradient of G (row factors
     e^{G_t} give X ⊙ dX, column factors e^{−G_s} give −Y ⊙ dY)."""
-    if before:
-        be = rows_earlier(b)  # the pair's row t' = t − 1 carries G_{t−1}: its dG lands in the pair's rows
-        dbe1, da1 = geo.pair_grad(rows_earlier(dA), be, a, strict=False)
-        dbe2, du1 = geo.pair_grad(rows_earlier(dB), be, u, strict=False)
-        dr1, da2 = geo.pair_grad(dMra, r, a, strict=False)
-        dr2, du2 = geo.pair_grad(dMru, r, u, strict=False)
-        dbe = dbe1 + dbe2
-        da, du, dG, db = da1 + da2, du1 + du2, be * dbe, rows_later(dbe)
-    else:  # as ``_pairs`` formed them: two passes, each over one right operand
-        db1, dr1, da = geo.pair_dual_grad(dA, dMra, b, r, a)
-        db2, dr2, du = geo.pair_dual_grad(dB, dMru, b, r, u)
-        db = db1 + db2
-        dG = b * db
-    dr = dr1 + dr2
+    be = rows_earlier(b) if before else b
+    if before:  # the pairs of the earlier b were read one row later
+        dA, dB = rows_earlier(dA), rows_earlier(dB)
+    db1, dr1, da = geo.pair_dual_grad(dA, dMra, be, r, a, strict=not before)  # as ``_pairs`` formed them
+    db2, dr2, du = geo.pair_dual_grad(dB, dMru, be, r, u, strict=not before)
+    dbe, dr = db1 + db2, dr1 + dr2
+    dG = be * dbe  # the pair's row t' (t − 1 before the decay) carries G_{t'}: its dG lands in the pair's rows
+    db = rows_later(dbe) if before else dbe
     return dr, du, da, db, dG + r * dr - a * da - u * du
 
 

@@ -169,11 +169,19 @@ def bwd_key_supported(dialect: str, C: int) -> bool:
     return 1 <= C <= 64 and 2 * 32 * C * 4 <= get(dialect).smem_bytes
 
 
+def _pair_suffix(strict: bool, dual: bool) -> str:
+    """The pair kernels' name suffix: the dual form's first pair is strict unless named otherwise (the delta rule's
+    A); a transition before the decay pairs b one token earlier with s <= t (``chunked.rank1``)."""
+    if dual:
+        return "_dual" if strict else "_dual_nonstrict"
+    return "_strict" if strict else ""
+
+
 @lru_cache(maxsize=None)
 def pair_source(dialect: str, strict: bool, dual: bool = False) -> KernelSource:
-    """M of X (pairs s < t where ``strict``); ``dual``: also M2 of X2 (s <= t) beside the strict M of X."""
+    """M of X (pairs s < t where ``strict``); ``dual``: also M2 of X2 (s <= t) beside M of X."""
     ins = ("X", "X2", "Y", "dk", "rt") if dual else ("X", "Y", "dk", "rt")
-    return _source(get(dialect), "chunk_pair.j2", "pair" + ("_dual" if dual else "_strict" if strict else ""),
+    return _source(get(dialect), "chunk_pair.j2", "pair" + _pair_suffix(strict, dual),
                    "key-vector decay pair matrix of a chunk", ins, ("M", "M2") if dual else ("M",), (),
                    strict=strict, dual=dual)
 
@@ -182,7 +190,7 @@ def pair_source(dialect: str, strict: bool, dual: bool = False) -> KernelSource:
 def pair_grad_source(dialect: str, strict: bool, dual: bool = False) -> KernelSource:
     """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed)."""
     ins = ("dM", "dM2", "X", "X2", "Y", "dk", "rt") if dual else ("dM", "X", "Y", "dk", "rt")
-    return _source(get(dialect), "chunk_pair_grad.j2", "pair_grad" + ("_dual" if dual else "_strict" if strict else ""),
+    return _source(get(dialect), "chunk_pair_grad.j2", "pair_grad" + _pair_suffix(strict, dual),
                    "gradients of the key-vector decay pair matrix", ins,
                    ("dX", "dX2", "dY") if dual else ("dX", "dY"), (), strict=strict, dual=dual)
 

@@ -154,7 +154,7 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple) -> Launch
 @lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False) -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
-    operands X (strict) and X2 sharing Y and the decays (``chunk_sources.pair_source``)."""
+    operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``)."""
     lay = pair_layout(dialect, C, K, dual)
     src = (pair_grad_source if grad else pair_source)(dialect, strict, dual)
     groups = N * lay["NB"] * (2 if grad else 1)
@@ -339,20 +339,21 @@ def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning):
     return dX.reshape(X.shape), dY.reshape(Y.shape)
 
 
-def pair_dual(X, X2, Y, dk, t: Tuning):
-    """(M of X for s < t, M2 of X2 for s <= t) in one pass over Y and the decays (the delta rule's A and M_ru)."""
+def pair_dual(X, X2, Y, dk, t: Tuning, strict: bool = True):
+    """(M of X for s < t (s <= t unless ``strict``), M2 of X2 for s <= t) in one pass over Y and the decays (the delta
+    rule's A and M_ru)."""
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     lay = (N, C, K)
-    M, M2 = _call(t, pair_launch(t.dialect, N, C, K, True, dual=True),
+    M, M2 = _call(t, pair_launch(t.dialect, N, C, K, strict, dual=True),
                   [X.reshape(lay), X2.reshape(lay), Y.reshape(lay), dk.reshape(lay)])
     return M.reshape(*X.shape[:-1], C), M2.reshape(*X.shape[:-1], C)
 
 
-def pair_dual_grad(dM, dM2, X, X2, Y, dk, t: Tuning):
+def pair_dual_grad(dM, dM2, X, X2, Y, dk, t: Tuning, strict: bool = True):
     """(dX, dX2, dY) for the cotangents of ``pair_dual`` (dY of both pairs, summed)."""
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     lay = (N, C, K)
-    dX, dX2, dY = _call(t, pair_launch(t.dialect, N, C, K, True, grad=True, dual=True),
+    dX, dX2, dY = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True, dual=True),
                         [dM.reshape(N, C, C), dM2.reshape(N, C, C), X.reshape(lay), X2.reshape(lay),
                          Y.reshape(lay), dk.reshape(lay)])
     return dX.reshape(X.shape), dX2.reshape(X.shape), dY.reshape(Y.shape)
