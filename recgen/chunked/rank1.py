@@ -49,6 +49,11 @@ def rows_earlier(M):
     return mx.concatenate([M[..., 1:, :], mx.zeros_like(M[..., :1, :])], axis=-2)
 
 
+def p_before(P):
+    """P_{t−1} [.., C, F], with P_{−1} = 1: the decay that b_t meets where the transition comes before the decay."""
+    return rows_later(P) + (mx.arange(P.shape[-2]) == 0)[:, None]
+
+
 def _pairs(geo, r, u, a, b, before: bool):
     """(A, B, M_ra, M_ru) of every chunk."""
     # b's pair and the readout's pair share their right operand (a, then u): one pass each. Before the decay b_t
@@ -76,7 +81,8 @@ def _pair_grads(geo, dA, dB, dMra, dMru, r, u, a, b, before: bool):
 
 
 def _scan_forward(geo, S0, W, U, aQ, uQ, w, kern):
-    """(states [.., n, K, V], X [.., n, C, V], S_end): X_c = U_c + W_c S_c, S ← g_c ⊙ S + (a⊙Q)_cᵀ X_c + (u⊙Q)_cᵀ w_c."""
+    """(states [.., n, K, V], X [.., n, C, V], S_end): X_c = U_c + W_c S_c and
+    S ← g_c ⊙ S + (a ⊙ Q)_cᵀ X_c + (u ⊙ Q)_cᵀ w_c."""
     C, K = aQ.shape[-2:]
     if kern and ck.scan_supported(kern, C, K):  # the last term as the factors of the generated scan's E
         return ck.chunk_scan(S0, W, U, aQ, geo.g, None, kern, reverse=False, P=(uQ, w))
@@ -96,8 +102,7 @@ def _forward(geo, S0, r, u, w, a, b, before: bool, kern):
     """(y, S_end, residuals (states, X, T, W, B, M_ra, M_ru))."""
     A, B, Mra, Mru = _pairs(geo, r, u, a, b, before)
     Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(A.shape[-1]) else unit_lower_inv(A)
-    Pb = rows_later(geo.P) + (mx.arange(geo.P.shape[-2]) == 0)[:, None] if before else geo.P  # P_{t−1}, P_{−1} = 1
-    U, W = Tm @ (B @ w), Tm @ (b * Pb)
+    U, W = Tm @ (B @ w), Tm @ (b * (p_before(geo.P) if before else geo.P))
     states, X, S_end = _scan_forward(geo, S0, W, U, a * geo.Q, u * geo.Q, w, kern)
     y = (r * geo.P) @ states + Mra @ X + Mru @ w
     return y, S_end, (states, X, Tm, W, B, Mra, Mru)
@@ -118,7 +123,7 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern):
     dr, da, du = dr + P * d_rP, da + Q * d_aQ, du + Q * d_uQ
     dG = dG + rP * d_rP - aQ * d_aQ - uQ * d_uQ
     if before:  # b̂_t = b_t ⊙ P_{t−1}: its G is the row before's (P_{−1} = 1 has none)
-        Pb = rows_later(P) + (mx.arange(C) == 0)[:, None]
+        Pb = p_before(P)
         db = db + Pb * dbP
         dG = dG + rows_earlier(b * Pb * dbP)
     else:
