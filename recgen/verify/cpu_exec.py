@@ -29,6 +29,7 @@ from .typecheck import clang_problem, find_clang
 
 HERE = Path(__file__).resolve().parent
 RUNTIME = HERE / "msl_cpu_runtime.h"
+EMULATOR = HERE / "msl_cpu_emu.h"  # included by RUNTIME: both are part of a build's cache key
 BF16 = "bfloat16"  # numpy has no bfloat16: stored as uint16 bits, converted from/to float32
 
 _DTYPES = {
@@ -38,10 +39,10 @@ _DTYPES = {
     "short": np.int16, "int16_t": np.int16, "ushort": np.uint16, "uint16_t": np.uint16,
     "char": np.int8, "int8_t": np.int8, "uchar": np.uint8, "uint8_t": np.uint8, "bool": np.bool_,
 }
-_SANITIZE = {
+_SANITIZE = {  # sanitizers watch real threads: one std::thread per GPU thread there, fibers otherwise (msl_cpu_emu.h)
     None: [],
-    "address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
-    "thread": ["-fsanitize=thread"],
+    "address": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-DMSL_EMU_THREADS"],
+    "thread": ["-fsanitize=thread", "-DMSL_EMU_THREADS"],
 }
 _ENV = {
     "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0",
@@ -153,7 +154,7 @@ def build(source: str, kernel_name: str | None = None, sanitizer: str | None = N
           f"{_launcher(kernel, ntg)}")
     flags = ["-std=c++20", "-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-Wno-unknown-attributes",
              "-Wno-vla-cxx-extension", "-Wno-unused-value", *_SANITIZE[sanitizer]]
-    key = hashlib.sha256("\0".join([tu, clang, *flags, RUNTIME.read_text()]).encode()).hexdigest()[:24]
+    key = hashlib.sha256("\0".join([tu, clang, *flags, RUNTIME.read_text(), EMULATOR.read_text()]).encode()).hexdigest()[:24]
     exe = cache_dir() / f"k_{key}"
     if not exe.exists():
         with tempfile.TemporaryDirectory(prefix="recgen_build_") as tmp:

@@ -29,14 +29,18 @@ inline void poison_tg_arrays() {
 }
 inline double timeout_s() { const char* e = std::getenv("MSL_EMU_TIMEOUT"); return e ? std::atof(e) : 20.0; }
 
+// The threads of a threadgroup run as fibers (user-space contexts) in one OS thread: a barrier switches to the
+// next fiber instead of sleeping in the kernel, which made std::thread-per-GPU-thread runs mostly system time
+// (futex waits and thread creation on every threadgroup). Sanitizer builds keep one std::thread per GPU thread
+// (MSL_EMU_THREADS, set by cpu_exec): TSan finds missing barriers as races between real threads, and ASan does not
+// follow stack switches it is not told of.
 // Counting barrier over a fixed set of threads; finished threads drop out.  Every arrival
 // records its source line: two lines in one phase = a non-uniform barrier.
 struct Barrier {
   std::mutex m; std::condition_variable cv;
   int expected = 0, arrived = 0, line = -1; uint64_t gen = 0, mask = 0, last_mask = 0;
   const char* what = "threadgroup_barrier";
-  uint64_t arrive_and_wait(int lane, int at_line) {
-    std::unique_lock<std::mutex> lk(m);
+  void arrive(int lane, int at_line) {
     if (arrived == 0) line = at_line;
     else if (line != at_line) {
       char b[200]; std::snprintf(b, sizeof b, "non-uniform %s: reached at line %d and at line %d in the same phase",
@@ -44,15 +48,21 @@ struct Barrier {
       fail(b);
     }
     if (lane < 64) mask |= (1ull << lane);
+  }
+  [[noreturn]] void deadlock() {
+    char b[200]; std::snprintf(b, sizeof b, "deadlock in %s at line %d: %d of %d threads arrived "
+                               "(others are in a divergent branch or never reach it)", what, line, arrived, expected);
+    fail(b);
+  }
+#if defined(MSL_EMU_THREADS)
+  uint64_t arrive_and_wait(int lane, int at_line) {
+    std::unique_lock<std::mutex> lk(m);
+    arrive(lane, at_line);
     uint64_t my = gen;
     if (++arrived == expected) { release(); return last_mask; }
     auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s());
     while (gen == my)
-      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && gen == my) {
-        char b[200]; std::snprintf(b, sizeof b, "deadlock in %s at line %d: %d of %d threads arrived "
-                                   "(others are in a divergent branch or never reach it)", what, line, arrived, expected);
-        fail(b);
-      }
+      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && gen == my) deadlock();
     return last_mask;
   }
   void drop() {
@@ -60,6 +70,13 @@ struct Barrier {
     --expected;
     if (arrived > 0 && arrived == expected) release();
   }
+#else
+  uint64_t arrive_and_wait(int lane, int at_line);  // below: it yields to the scheduler
+  void drop() {
+    --expected;
+    if (arrived > 0 && arrived == expected) release();
+  }
+#endif
   void release() { arrived = 0; ++gen; last_mask = mask; mask = 0; cv.notify_all(); }
 };
 
@@ -121,6 +138,98 @@ inline int driver_main(int argc, char** argv, int nbuf, void** bufs, const int* 
   return 0;
 }
 
+// One thread's whole run: the kernel, then it leaves its SIMD group's and threadgroup's barriers.
+inline void run_thread(Ctx& c, const std::function<void(const Ctx&)>& kernel) {
+  tls = &c;
+  kernel(c);
+  c.group->sgs[c.simdgroup_index_in_threadgroup].bar.drop();
+  c.group->bar.drop();
+}
+
+#if defined(MSL_EMU_THREADS)
+inline void run_group(std::vector<Ctx>& cs, const std::function<void(const Ctx&)>& kernel) {
+  std::vector<std::thread> ths;
+  ths.reserve(cs.size());
+  for (Ctx& c : cs) ths.emplace_back([&c, &kernel]() { run_thread(c, kernel); });
+  for (auto& t : ths) t.join();
+}
+#else
+// Round-robin fibers: each runs until it waits at a barrier not yet released (it yields) or finishes. A pass over
+// every live fiber in which none arrived at a barrier, passed one or finished is a deadlock.
+constexpr size_t kFiberStack = 1 << 20;  // lazily committed; kernels keep their registers' arrays here
+struct Fiber { ucontext_t ctx; char* stack = nullptr; bool done = false; Barrier* waiting = nullptr; };
+struct Scheduler {
+  ucontext_t main;
+  std::vector<Fiber> fibers;
+  std::vector<Ctx>* cs = nullptr;
+  const std::function<void(const Ctx&)>* kernel = nullptr;
+  size_t current = 0;
+  uint64_t events = 0;  // arrivals, passes and completions
+  ~Scheduler() { for (Fiber& f : fibers) std::free(f.stack); }
+};
+inline Scheduler& scheduler() { static Scheduler s; return s; }
+
+inline void fiber_yield() {
+  Scheduler& s = scheduler();
+  swapcontext(&s.fibers[s.current].ctx, &s.main);
+}
+
+inline uint64_t Barrier::arrive_and_wait(int lane, int at_line) {
+  Scheduler& s = scheduler();
+  arrive(lane, at_line);
+  ++s.events;
+  uint64_t my = gen;
+  if (++arrived == expected) { release(); return last_mask; }
+  s.fibers[s.current].waiting = this;
+  while (gen == my) fiber_yield();
+  s.fibers[s.current].waiting = nullptr;
+  ++s.events;
+  return last_mask;
+}
+
+inline void fiber_main() {
+  Scheduler& s = scheduler();
+  Fiber& f = s.fibers[s.current];
+  run_thread((*s.cs)[s.current], *s.kernel);
+  f.done = true;
+  ++s.events;
+}  // returns to uc_link: the scheduler
+
+inline void run_group(std::vector<Ctx>& cs, const std::function<void(const Ctx&)>& kernel) {
+  Scheduler& s = scheduler();
+  size_t n = cs.size();
+  if (s.fibers.size() < n) s.fibers.resize(n);
+  s.cs = &cs;
+  s.kernel = &kernel;
+  for (size_t i = 0; i < n; ++i) {
+    Fiber& f = s.fibers[i];
+    if (!f.stack) f.stack = static_cast<char*>(std::malloc(kFiberStack));
+    f.done = false;
+    f.waiting = nullptr;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack;
+    f.ctx.uc_stack.ss_size = kFiberStack;
+    f.ctx.uc_link = &s.main;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  for (size_t live = n; live > 0;) {
+    uint64_t before = s.events;
+    for (size_t i = 0; i < n; ++i) {
+      if (s.fibers[i].done) continue;
+      s.current = i;
+      tls = &cs[i];
+      swapcontext(&s.main, &s.fibers[i].ctx);
+      if (s.fibers[i].done) --live;
+    }
+    if (live > 0 && s.events == before) {
+      for (size_t i = 0; i < n; ++i)
+        if (!s.fibers[i].done && s.fibers[i].waiting) s.fibers[i].waiting->deadlock();
+      fail("deadlock: no thread can run");
+    }
+  }
+}
+#endif
+
 // dispatchThreads semantics: `grid` counts threads; edge threadgroups are trimmed.
 inline int dispatch(uint3 grid, uint3 tg, const std::function<void(const Ctx&)>& kernel,
                     const std::function<void()>& group_begin) {
@@ -142,9 +251,9 @@ inline int dispatch(uint3 grid, uint3 tg, const std::function<void(const Ctx&)>&
         }
         poison_tg_arrays();
         if (group_begin) group_begin();
-        std::vector<std::thread> ths; ths.reserve(n);
+        std::vector<Ctx> cs(n);
         for (uint i = 0; i < n; ++i) {
-          Ctx c{};
+          Ctx& c = cs[i];
           uint3 lp = {i % act.x, (i / act.x) % act.y, i / (act.x * act.y)};
           c.thread_position_in_threadgroup = lp; c.threadgroup_position_in_grid = gpos;
           c.thread_position_in_grid = gpos * tg + lp; c.threads_per_threadgroup = act;
@@ -157,14 +266,8 @@ inline int dispatch(uint3 grid, uint3 tg, const std::function<void(const Ctx&)>&
           c.thread_index_in_quadgroup = i % 4; c.quadgroup_index_in_threadgroup = i / 4;
           c.quadgroups_per_threadgroup = (n + 3) / 4; c.dispatch_quadgroups_per_threadgroup = (full + 3) / 4;
           c.group = &g;
-          ths.emplace_back([c, &kernel]() mutable {
-            tls = &c;
-            kernel(c);
-            c.group->sgs[c.simdgroup_index_in_threadgroup].bar.drop();
-            c.group->bar.drop();
-          });
         }
-        for (auto& t : ths) t.join();
+        run_group(cs, kernel);
         for (uint i = 1; i < n; ++i)
           if (g.barrier_count[i] != g.barrier_count[0]) {
             char b[200]; std::snprintf(b, sizeof b, "non-uniform threadgroup_barrier in threadgroup (%u,%u,%u): "

@@ -1,4 +1,4 @@
-// msl_cpu_runtime.h -- run (MLX-wrapped) MSL kernels on the CPU, one std::thread per GPU thread.
+// msl_cpu_runtime.h -- run (MLX-wrapped) MSL kernels on the CPU, one fiber (sanitizers: std::thread) per GPU thread.
 //
 // Why: the only GPU-free check of MSL *behaviour* (indexing, barriers, SIMD-lane logic, atomics).
 // Built with -fsanitize=thread it reports missing barriers as data races; with
@@ -22,6 +22,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <ucontext.h>
 #include <vector>
 
 typedef unsigned int uint;

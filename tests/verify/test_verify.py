@@ -137,6 +137,25 @@ def test_divergent_barrier_is_reported():
 
 @needs_mlx
 @needs_clang
+@pytest.mark.parametrize("sanitizer", [None, "address"])
+def test_deadlock_is_reported(sanitizer, monkeypatch):
+    """Lane 0 waits at the threadgroup barrier, the other lanes of its SIMD group at a shuffle, which needs lane 0:
+    neither can complete. The fibers' scheduler finds it at once; one std::thread a GPU thread (the sanitizer
+    builds) after the emulator's timeout."""
+    monkeypatch.setenv("MSL_EMU_TIMEOUT", "2")
+    n = 64
+    body = REDUCE.replace("threadgroup_barrier(mem_flags::mem_threadgroup);",
+                          "if (thread_index_in_simdgroup == 0) threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+                          "    else v += simd_shuffle(v, 0);")
+    x = np.ones(n, np.float32)
+    src = _wrap(body, [x, np.uint32(n)], ["inp", "n"], (1,), (n, 1, 1), (n, 1, 1))
+    with pytest.raises(MSLRuntimeError, match="deadlock"):
+        run_msl(src, None, {"inp": x, "n": np.uint32(n)}, {"out": ((1,), np.float32)}, (n, 1, 1), (n, 1, 1),
+                sanitizer=sanitizer)
+
+
+@needs_mlx
+@needs_clang
 def test_half_and_bfloat_round_like_the_gpu():
     import mlx.core as mx
     n = 64
