@@ -12,6 +12,10 @@ from __future__ import annotations
 import pytest
 from op_check import ALL_SPECS, Case, assert_close, load_spec, op_errors, params
 
+from recgen.spec import ir
+from recgen.spec.fns import exp
+from recgen.spec.frontend import Key, KeyGate, Scalar, Step, Value, rank1, outer, recurrence
+
 pytestmark = pytest.mark.gpu
 
 # A shape no other test uses: the chunked form's compiled graphs are traced once per shape, and the fragment
@@ -29,3 +33,15 @@ def test_chunked_form(name, case, dtype, rng):
 @pytest.mark.parametrize("name,case,dtype", params(FRAGMENT_SPECS, dtypes=("bfloat16",), cases=(FRAGMENT_CASE,)))
 def test_chunked_form_fragment_scan(name, case, dtype, rng, fragment_scan):
     assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
+
+
+@recurrence
+def dplr_after_key_decay(q: Key, k: Key, kk: Key, v: Value, gk: KeyGate, beta: Scalar):
+    """The general rank-1 core after a key-vector decay (RWKV-7 is the one before it): A with M_ra and B with M_ru
+    on the strict dual pair kernels."""
+    return Step(decay=exp(gk), transition=rank1(-beta * kk, k), update=outer(beta * k, v), readout=ir.SCALE * q)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_general_rank1_after_a_key_decay(dtype, rng):
+    assert_close(op_errors(dplr_after_key_decay, FRAGMENT_CASE, dtype, rng, backend="mlx"), dtype)
