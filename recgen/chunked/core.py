@@ -6,8 +6,9 @@ l_t (scalar or key-vector) and its in-chunk inclusive cumulative sum G_t, write
 Γ(t, s) = exp(G_t − G_s) (the decay applied between token s and token t, s ≤ t), formed only
 for s ≤ t after masking, so it is ≤ 1 for decays ≤ 1 and never overflows.
 
-General rank-1 transition Q = P + a (bᵀP), P = D ⊙ S (``chunks_rank1``; the delta rules, a = ρ u,
-use the faster ``parallel`` core). Unrolling, S_t = Λ(t,0) S + Σ_{s≤t} Λ(t,s) (a_s x_sᵀ + u_s w_sᵀ)
+General rank-1 transition Q = P + a (bᵀP), P = D ⊙ S (``chunks_rank1``: this algebra written for MLX autodiff,
+the tests' independent check of ``rank1``'s core, which runs it with a written VJP; the delta rules, a = ρ u, use
+the ``parallel`` core). Unrolling, S_t = Λ(t,0) S + Σ_{s≤t} Λ(t,s) (a_s x_sᵀ + u_s w_sᵀ)
 with x_t = (Λ_t S_{t-1})ᵀ b_t (the decayed "prediction"), which solves the unit lower-triangular
 system (WY/UT form)
     x_t − Σ_{s<t} L[t,s] x_s = (b_t ⊙ e^{G_t})ᵀ S + Σ_{s<t} [Σ_i b_ti u_si Γ_i(t,s)] w_s,
@@ -343,22 +344,27 @@ def state_step(S, D, r, u, w, a=None, b=None, before_decay: bool = False, readou
     return r @ (S if readout_before else S_next), S_next
 
 
-def _rows_later(M):
+def rows_later(M):
     """M [.., C, F] with every row moved one down (row 0 zero): M'[t] = M[t-1]."""
     return mx.concatenate([mx.zeros_like(M[..., :1, :]), M[..., :-1, :]], axis=-2)
 
 
+def rows_earlier(M):
+    """M [.., C, F] with every row moved one up (the last row zero): M'[t] = M[t+1]."""
+    return mx.concatenate([M[..., 1:, :], mx.zeros_like(M[..., :1, :])], axis=-2)
+
+
 def chunks_rank1(S, r, u, w, a, b, d, before_decay: bool = False):
     """All chunks with a general rank-1 transition (a not a multiple of u, or one ``before_decay``; see the module
-    docstring for the WY/UT form), differentiated by MLX autodiff. The delta rules (a = ρ u, after the decay) take
-    the faster ``parallel`` core instead. r, u, a, b [B,H,n,C,K]; w [B,H,n,C,V]; d = e^l [B,H,n,C,F].
+    docstring for the WY/UT form), for MLX autodiff: the tests check ``rank1``'s core and its written VJP against
+    it (the decay hierarchy, an unrolled scan, M_ru applied to w without being formed). r, u, a, b [B,H,n,C,K]; w [B,H,n,C,V]; d = e^l [B,H,n,C,F].
     Returns (y [B,H,n,C,V], chunk-entry states, final state)."""
     levels, P, Q = decay_levels(d)
     g = P[..., -1, :, None]
     if before_decay:  # b_t meets Γ(t-1, s): b one token earlier, non-strict pairs, read one row later
-        b_early = mx.concatenate([b[..., 1:, :], mx.zeros_like(b[..., :1, :])], axis=-2)
-        L = _rows_later(pair_levels(b_early, a, levels, strict=False))
-        Lu = _rows_later(pair_levels(b_early, u, levels, strict=False))
+        b_early = rows_earlier(b)
+        L = rows_later(pair_levels(b_early, a, levels, strict=False))
+        Lu = rows_later(pair_levels(b_early, u, levels, strict=False))
         bP = b * mx.concatenate([mx.ones_like(P[..., :1, :]), P[..., :-1, :]], axis=-2)  # b_t ⊙ e^{G_{t-1}}
     else:
         L = pair_levels(b, a, levels, strict=True)

@@ -22,8 +22,8 @@ rule's (``parallel``'s docstring), with F = M_raᵀ dy and the reverse scan over
 
 and the pair gradients (``pair_grad``) and the log-decays' gradient through G as there (``log_decay_grad``).
 The four pairs go through the decay geometry of ``parallel`` (on GPUs with chunk kernels: the generated pair
-kernels, A with M_ra and B with M_ru in one pass each), the inverse and
-both scans through the generated kernels where they have a layout, MLX ops elsewhere."""
+kernels, A with M_ra and B with M_ru in one pass each), the inverse and both scans through the generated kernels
+where they have a layout, MLX ops elsewhere."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -33,20 +33,10 @@ import mlx.core as mx
 from ..codegen.chunk_sources import inverse_supported
 from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
-from .core import tr, unit_lower_inv
+from .core import rows_earlier, rows_later, tr, unit_lower_inv
 from .parallel import decay_geometry, log_decay_grad, scan_backward
 
 __all__ = ["core_fn"]
-
-
-def rows_later(M):
-    """M [.., C, F] with every row moved one down (row 0 zero): M'[t] = M[t-1]."""
-    return mx.concatenate([mx.zeros_like(M[..., :1, :]), M[..., :-1, :]], axis=-2)
-
-
-def rows_earlier(M):
-    """M [.., C, F] with every row moved one up (the last row zero): M'[t] = M[t+1]."""
-    return mx.concatenate([M[..., 1:, :], mx.zeros_like(M[..., :1, :])], axis=-2)
 
 
 def p_before(P):
