@@ -94,7 +94,7 @@ def _forward(geo, S0, r, u, w, a, b, before: bool, kern):
     Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(A.shape[-1]) else unit_lower_inv(A)
     U, W = Tm @ (B @ w), Tm @ (b * (p_before(geo.P) if before else geo.P))
     states, X, S_end = _scan_forward(geo, S0, W, U, a * geo.Q, u * geo.Q, w, kern)
-    y = (r * geo.P) @ states + Mra @ X + Mru @ w
+    y = mx.addmm(mx.addmm(Mru @ w, Mra, X), r * geo.P, states)
     return y, S_end, (states, X, Tm, W, B, Mra, Mru)
 
 
@@ -109,7 +109,7 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern):
     statesT, XT, wT, dSnT = tr(states), tr(X), tr(w), tr(dSn)
     dr, du, da, db, dG = _pair_grads(geo, Delta @ XT, Delta @ wT, dy @ XT, dy @ wT, r, u, a, b, before)
     d_rP, d_aQ, d_uQ, dbP = dy @ statesT, X @ dSnT, w @ dSnT, Delta @ statesT
-    dw = tr(Mru) @ dy + tr(B) @ Delta + uQ @ dSn
+    dw = mx.addmm(mx.addmm(uQ @ dSn, tr(B), Delta), tr(Mru), dy)
     dr, da, du = dr + P * d_rP, da + Q * d_aQ, du + Q * d_uQ
     dG = dG + rP * d_rP - aQ * d_aQ - uQ * d_uQ
     if before:  # b̂_t = b_t ⊙ P_{t−1}: its G is the row before's (P_{−1} = 1 has none)
