@@ -8,7 +8,7 @@ import subprocess
 from helpers import ROOT
 
 COMMANDS = ('pip install -e ".[cpu]" && recgen emit gated_delta_net --all -o build && python examples/quickstart.py',
-            'pip install -e ".[cpu,test]" && python -m pytest')
+            'pip install -e ".[cpu,test]" && python -m pytest -n auto --dist loadgroup')
 
 
 def test_readme_is_short_and_keeps_the_two_commands():
