@@ -79,6 +79,8 @@ METHOD = {
               "every gradient (the output too: a model's loss reads it)",
     "sync_ms": "one call at a time: mx.eval + mx.synchronize around each call, median of 5",
     "link_ms": "the link alone, chained the same way: an upper bound on its share of a chained call",
+    "first_call_s": "the warm-up: one synchronized call in a fresh process, kernel builds and graph tracing "
+                    "included (what a program's first step waits for)",
     "peak": "mx.reset_peak_memory() then mx.get_peak_memory() around one synchronized call, inputs resident, GiB",
     "decode": f"T = 1 steps chained through the state (each step's initial state the last step's final state), "
               f"one mx.async_eval a step as a generate loop runs, {DECODE_TOKENS} steps after {DECODE_WARM}; "
@@ -330,10 +332,13 @@ def measure_timed(impl: str, kind: str, call, step, start, repeat: int | None = 
                   warm: bool = True, sync_reps: int = SYNC_REPS, link_alone: bool = False) -> Measure:
     """A chained measure of ``step`` (``call`` its one-shot form): warm-up, ``sync_reps`` synchronized calls (they
     size the chain), ``rounds`` chains. ``link_alone`` also times the link by itself (``METHOD['link_ms']``)."""
-    if warm:  # compile and first-call costs, the op's and the link's
-        mx.eval(call())
-        time_chained(step, start, 1, 1)
     extra = {}
+    if warm:  # compile and first-call costs, the op's and the link's
+        t0 = time.perf_counter()
+        mx.eval(call())
+        mx.synchronize()
+        extra["first_call_s"] = time.perf_counter() - t0
+        time_chained(step, start, 1, 1)
     sync = None
     if sync_reps:
         sync = statistics.median(time_sync(call, reps=sync_reps))

@@ -67,6 +67,11 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
             notes.setdefault((m.impl, m.note), []).append(m.kind)
     for (impl, note), kinds in notes.items():
         console.print(f"[yellow]{impl} {', '.join(kinds)}[/]: {note}")
+    first = [(label, m.extra["first_call_s"]) for kind, label in ROWS
+             if (m := result.get("recgen", kind)) is not None and "first_call_s" in m.extra]
+    if first:
+        console.print("first calls (kernel builds, tracing): " + ", ".join(f"{label.rsplit(' ', 1)[0]} {s:.3g} s"
+                                                                            for label, s in first))
     dec = result.get("recgen", "decode")
     if dec is not None:
         console.print(f"decode: a copy of the same state bytes takes {dec.extra['copy_ms']:.4g} ms: the step runs at "

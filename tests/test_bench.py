@@ -107,6 +107,7 @@ def test_json_has_the_fields(result, tmp_path):
             assert r["unit"] == unit and r["value"] > 0, r
     rec_fwd = got[("recgen", "fwd")]
     assert rec_fwd["calls"] == 2 and len(rec_fwd["rounds_ms"]) == bench.ROUNDS and rec_fwd["link_ms"] > 0
+    assert rec_fwd["first_call_s"] > 0 and got[("recgen", "fwdbwd")]["first_call_s"] > 0
     assert d["ratios"]["fwd/naive"] == pytest.approx(rec_fwd["value"] / got[("naive", "fwd")]["value"])
     assert {k for (impl, k) in got if impl == "fla"} == {"fwd", "fwdbwd", "peak_fwd", "peak_fwdbwd"}
 
@@ -178,6 +179,7 @@ def test_cli_runs_a_tiny_shape_with_the_naive_baseline(tmp_path):
                              "--baseline", "naive", "--repeat", "2", "--json", str(path))
     assert code == 0, err
     assert "fwd+bwd ms" in out and "recgen/naive" in out and "peak fwd GiB" in out
+    assert "first calls (kernel builds, tracing): fwd " in out and "fwd+bwd " in out
     d = json.loads(path.read_text())
     assert d["spec"] == "simple_gla" and d["shape"]["T"] == 8
     assert {(r["impl"], r["kind"]) for r in d["results"]} >= {("recgen", "fwd"), ("naive", "fwdbwd")}
