@@ -26,8 +26,8 @@ def test_kernel_op_chunked_backward(name, case, dtype, rng):
 
 @pytest.mark.parametrize("name,case,dtype", params(["rwkv7"]))
 def test_kernel_op_general_chunked_backward(name, case, dtype, rng):
-    """A spec without the fast chunked form (RWKV-7's transition before the decay): ``backward="chunked"`` runs the
-    general WY form's autodiff on the GPU."""
+    """RWKV-7's transition before the decay: ``backward="chunked"`` runs the general rank-1 core's written VJP
+    (``chunked.rank1``) on the GPU."""
     assert_close(op_errors(load_spec(name), case, dtype, rng, backend="cuda", backward="chunked"), dtype)
 
 
