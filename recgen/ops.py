@@ -355,6 +355,7 @@ selective_scan = Op(specs.selective_scan)
 selective_scan_linear_dt = Op(specs.selective_scan_linear_dt)
 power_retention = PowerRetention()
 hgrn2 = Op(specs.hgrn2)
+mlstm = Op(specs.mlstm)
 mlstm_sigmoid = Op(specs.mlstm_sigmoid)
 
 

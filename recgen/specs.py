@@ -144,6 +144,23 @@ def mlstm_sigmoid(q: Key, k: Key, v: Value, ig: Scalar, fg: Scalar):
 
 
 @recurrence
+def mlstm(q: Key, k: Key, v: Value, ig: Scalar, fg: Scalar):
+    r"""xLSTM's mLSTM as its paper defines it: exponential input gate, sigmoid forget gate, the normalizer
+    max(|n_tᵀ q̃_t|, 1).
+
+    C_t = σ(fg_t) C_{t-1} + e^{ig_t} k_t v_tᵀ;  n_t = σ(fg_t) n_{t-1} + e^{ig_t} k_t;
+    o_t = C_tᵀ q̃_t / max(|n_tᵀ q̃_t|, 1),  q̃_t = scale · q_t.
+    ig, fg [B,T,H] pre-activations; state (C [B,H,K,V], n [B,H,K]). xLSTM's running-max stabilizer m_t rescales C,
+    n and the floor 1 together (C̃ = e^{-m} C, and max(|ñᵀq̃|, e^{-m})), so it changes no value: it keeps e^{ig}
+    in range, which float32 does here while ig stays below ~80 (less the log of the states' sums). Its kernels
+    also add ε to the stabilized denominator, which is ε·e^{m_t} in these units; this op adds nothing. The
+    normalizer's derivative is sign(x) where |x| > 1, 0 below (½ at the kink, sympy's Heaviside)."""
+    forget = exp(logsigmoid(fg))
+    return Step(decay=forget, update=outer(exp(ig) * k, v), readout=scale * q,
+                normalizer=normalizer(forget, exp(ig) * k, lambda n: sp.Max(sp.Abs(n), 1)))
+
+
+@recurrence
 def rwkv6(r: Key, k: Key, v: Value, w: KeyGate, u: Param["i"]):
     r"""RWKV-6 (FLA's ``chunk_rwkv6``): S_t = diag(e^{w_t}) S_{t-1} + k_t v_tᵀ,
     o_t = (S_{t-1} + diag(u) k_t v_tᵀ)ᵀ (scale · r_t): the state before this step, plus the current token with the
@@ -162,4 +179,4 @@ def rwkv7(r: Key, w: KeyGate, k: Key, v: Value, a: Key, b: Key):
 
 BUILTINS = {r.name: r for r in (gated_delta_net, kda, delta_net, gla, simple_gla, selective_scan,
                                 selective_scan_linear_dt, power_retention, retnet, hgrn2, mamba2, mamba2_linear_dt,
-                                mlstm_sigmoid, rwkv6, rwkv7)}
+                                mlstm, mlstm_sigmoid, rwkv6, rwkv7)}

@@ -49,6 +49,8 @@ _SPECIAL = {
     ("selective_scan_linear_dt", "dt"): lambda rng, s: rng.uniform(0.05, 1.5, s),
     ("mlstm_sigmoid", "ig"): lambda rng, s: 2 * rng.standard_normal(s),
     ("mlstm_sigmoid", "fg"): lambda rng, s: 3 * rng.standard_normal(s),
+    ("mlstm", "ig"): lambda rng, s: 1.5 * rng.standard_normal(s),  # e^ig: input gates from ~0.01 to ~100
+    ("mlstm", "fg"): lambda rng, s: 3 * rng.standard_normal(s),
     ("hgrn2", "g"): log_decay,
     # Mamba-2: A < 0 with magnitudes 0.5 to 20 (Δ A to -60), Δ = softplus(dt + bias) or dt > 0 as given
     ("mamba2", "A"): lambda rng, s: -np.exp(rng.uniform(np.log(0.5), np.log(20.0), s)),

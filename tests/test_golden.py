@@ -13,7 +13,7 @@ from recgen.emit import emit
 
 GOLDEN = Path(__file__).parent / "golden"
 KERNEL_SPECS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt",
-                "retnet", "hgrn2", "mamba2", "mamba2_linear_dt", "mlstm_sigmoid", "rwkv6", "rwkv7"]
+                "retnet", "hgrn2", "mamba2", "mamba2_linear_dt", "mlstm", "mlstm_sigmoid", "rwkv6", "rwkv7"]
 SIZES = dict(K=64, V=64, H=4, HK=2)  # the reference size of the goldens
 
 

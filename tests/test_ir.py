@@ -170,6 +170,35 @@ def test_unknown_symbol():
             return Step(decay=exp(alpha), update=outer(k, v), readout=q)
 
 
+@pytest.mark.parametrize("where,fn", [("update u", lambda g: sp.atan(g)), ("normalizer function", lambda g: sp.erf(g)),
+                                      ("readout r", lambda g: sp.floor(g))])
+def test_a_function_no_backend_computes_is_rejected(where, fn):
+    """atan, erf, floor: the reference's numpy would compute them, but the chunked form's MLX table and the kernels'
+    dialects have no spelling; the decorator says so, naming the function, instead of a backend failing later."""
+    name = type(fn(sp.Symbol("x"))).__name__
+    with raises_spec(where, name, "does not compute"):
+        @recurrence
+        def bad(q: Key, k: Key, v: Value, g: Scalar):
+            if where == "update u":
+                return Step(decay=sigmoid(g), update=outer(fn(g) * k, v), readout=q)
+            if where == "readout r":
+                return Step(decay=sigmoid(g), update=outer(k, v), readout=fn(g) * q)
+            return Step(decay=sigmoid(g), update=outer(k, v), readout=q, normalizer=normalizer(sigmoid(g), k, fn))
+
+
+def test_every_backend_spells_every_function():
+    """``fns.FUNCTIONS`` is what the decorator admits: the chunked form's MLX table and each kernel dialect's table
+    hold each of them."""
+    from recgen.codegen.backends import DIALECTS
+    from recgen.spec.fns import FUNCTIONS
+
+    for d in DIALECTS.values():
+        assert FUNCTIONS <= set(d.fns), (d.name, sorted(FUNCTIONS - set(d.fns)))
+    pytest.importorskip("mlx.core")
+    from recgen.chunked.terms import mlx_module
+    assert FUNCTIONS <= set(mlx_module()), sorted(FUNCTIONS - set(mlx_module()))
+
+
 def test_missing_annotation():
     with raises_spec("'k'", "annotation"):
         @recurrence

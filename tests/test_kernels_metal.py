@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_proble
 from recgen.testing import kernel_inputs, rel_err  # noqa: E402
 
 KERNEL_SPECS = ["gated_delta_net", "kda", "delta_net", "gla", "simple_gla", "selective_scan", "selective_scan_linear_dt",
-                "retnet", "hgrn2", "mamba2", "mamba2_linear_dt", "mlstm_sigmoid", "rwkv6", "rwkv7"]
+                "retnet", "hgrn2", "mamba2", "mamba2_linear_dt", "mlstm", "mlstm_sigmoid", "rwkv6", "rwkv7"]
 
 
 def _check(name, sizes, sanitizer=None, seed=0):

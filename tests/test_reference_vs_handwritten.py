@@ -110,7 +110,7 @@ def test_fla_models(name, T, rng):
         assert_close("dh0", g["initial_state"], grad_of(g_ref, "initial_state"))
 
 
-@pytest.mark.parametrize("name", FLA_MODELS + ["power_retention", "mlstm_sigmoid"])
+@pytest.mark.parametrize("name", FLA_MODELS + ["power_retention", "mlstm", "mlstm_sigmoid"])
 def test_gqa_against_expanded_keys(name, rng):
     """The IR's GQA == the handwritten model on keys repeated to H heads, key grads summed per group."""
     spec, ref = BUILTINS[name], load_ref(name)
@@ -244,20 +244,21 @@ def test_mamba2(name, T, rng):
 
 # -- normalizer states: (S, z) ------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("name", ["mlstm", "mlstm_sigmoid"])
 @pytest.mark.parametrize("T", TS)
-def test_mlstm_sigmoid(T, rng):
-    spec, ref = BUILTINS["mlstm_sigmoid"], load_ref("mlstm_sigmoid")
+def test_mlstm(name, T, rng):
+    spec, ref = BUILTINS[name], load_ref(name)
     x = random_inputs(spec, rng, B=B, T=T, H=H, Hk=HK, K=K, V=V)
     h0 = random_state(spec, rng, B=B, H=H, K=K, V=V)
     do, dht = random_cotangents(spec, rng, B=B, T=T, H=H, K=K, V=V)
     for sc in (None, 0.6):
         o, (S, z) = reference.run(spec, initial_state=h0, scale=sc, **x)
-        o_ref, st_ref = ref.mlstm_sigmoid(**x, initial_state=h0, scale=sc)
+        o_ref, st_ref = getattr(ref, name)(**x, initial_state=h0, scale=sc)
         assert_close("o", o, o_ref)
         assert_close("final C", S, st_ref[0])
         assert_close("final n", z, st_ref[1])
         g = reference.grad(spec, do=do, dht=dht, initial_state=h0, scale=sc, **x)
-        g_ref = ref.mlstm_sigmoid_bwd(**x, do=do, dht=dht, initial_state=h0, scale=sc)
+        g_ref = getattr(ref, f"{name}_bwd")(**x, do=do, dht=dht, initial_state=h0, scale=sc)
         for inp in spec.inputs:
             assert_close(f"d{inp.name}", g[inp.name], g_ref[inp.name])
         assert_close("dC0", g["initial_state"][0], g_ref["initial_state"][0])
@@ -288,7 +289,7 @@ def test_power_retention(T, rng):
 
 def test_every_builtin_is_covered():
     covered = set(FLA_MODELS) | {"selective_scan", "selective_scan_linear_dt", "power_retention", "mamba2",
-                                 "mamba2_linear_dt", "mlstm_sigmoid"}
+                                 "mamba2_linear_dt", "mlstm", "mlstm_sigmoid"}
     assert covered == set(BUILTINS)
 
 

@@ -13,6 +13,7 @@ exactly for every decay the decorator accepts (nonnegative by construction; 0 is
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -39,7 +40,9 @@ def mlx_module(pow2_exp: bool = False) -> dict:
 
     return {
         "exp": lambda x: exp(x, pow2_exp), "log": mx.log, "sqrt": mx.sqrt, "tanh": mx.tanh, "sin": mx.sin, "cos": mx.cos,
-        "Abs": mx.abs, "abs": mx.abs, "sign": mx.sign, "Max": mx.maximum, "Min": mx.minimum,
+        "Abs": mx.abs, "abs": mx.abs, "sign": mx.sign,
+        "Max": lambda *a: functools.reduce(mx.maximum, a), "Min": lambda *a: functools.reduce(mx.minimum, a),
+        "Heaviside": lambda x, at0=0.5: mx.where(x > 0, 1.0, mx.where(x < 0, 0.0, at0)),
         "sigmoid": mx.sigmoid,
         "softplus": lambda x: mx.logaddexp(x, 0.0),
         "logsigmoid": lambda x: -mx.logaddexp(-x, 0.0),

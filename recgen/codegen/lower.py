@@ -16,6 +16,8 @@ from functools import lru_cache
 import sympy as sp
 
 from ..errors import UnsupportedKernel
+from .backends import DIALECTS
+from .printer import kprint
 from ..math import adjoint as adj
 from ..spec import ir
 from ..spec.layouts import Sizes
@@ -122,12 +124,35 @@ def has_kernel(rec: ir.Recurrence, sizes: Sizes, fwd_layout: tuple[int, int, int
     return True
 
 
+@lru_cache(maxsize=128)
 def unsupported(rec: ir.Recurrence) -> str | None:
-    """Why ``rec`` has no recurrent kernels (the message of ``UnsupportedKernel``), or None when it has them."""
+    """Why ``rec`` has no recurrent kernels (the message of ``UnsupportedKernel``), or None when it has them: a
+    feature map, or a term, partial or normalizer of the spec that some dialect cannot spell (a function outside its
+    table, a power that is not a small integer or a square root), found here rather than when a kernel is rendered."""
     if rec.features:
         return (f"{rec.name}: feature maps ({', '.join(f.name for f in rec.features)}) have no recurrent kernel "
                 "yet; use backend='mlx'")
+    ad = adj.derive(rec)
+    exprs = list(rec.terms().values()) + [p.expr for p in ad.partials]
+    if rec.step.normalizer is not None:
+        exprs += [rec.step.normalizer.fn, ad.dN]
+    for d in DIALECTS.values():
+        for e in exprs:
+            try:
+                kprint(e, d, _AnyName())
+            except NotImplementedError as err:
+                return f"{rec.name}: {err}, so it has no recurrent kernels; use backend='mlx'"
     return None
+
+
+class _AnyName(dict):
+    """A printer's names for any symbol: its own name (``unsupported`` asks only whether a term prints)."""
+
+    def __contains__(self, s) -> bool:
+        return True
+
+    def __getitem__(self, s) -> str:
+        return str(s)
 
 
 @lru_cache(maxsize=128)

@@ -55,7 +55,26 @@ class KernelPrinter(C99CodePrinter):
             raise NotImplementedError(f"function {name} has no {self.dialect.name} spelling")
         return f"{self.dialect.fns[name]}({', '.join(self._print(a) for a in f.args)})"
 
-    _print_exp = _print_log = _print_Abs = _print_Function
+    _print_exp = _print_log = _print_Abs = _print_sign = _print_sin = _print_cos = _print_Function
+    _print_floor = _print_ceiling = _print_Function
+
+    def _print_math_func(self, expr, nest=False, known=None):
+        """sympy's C99 printer spells its math functions (atan, cosh, erf, ...) in double precision by C's names;
+        here every function comes from the dialect table or is refused."""
+        return self._print_Function(expr)
+
+    def _print_Max(self, f):
+        """Max and Min of any arity as nested two-argument calls (C's fmaxf, Metal's max take two)."""
+        name = type(f).__name__
+        if name not in self.dialect.fns:
+            raise NotImplementedError(f"function {name} has no {self.dialect.name} spelling")
+        first, *rest = f.args
+        out = self._print(first)
+        for a in rest:
+            out = f"{self.dialect.fns[name]}({out}, {self._print(a)})"
+        return out
+
+    _print_Min = _print_Max
 
 
 def kprint(expr: sp.Expr, dialect: Dialect, names: dict) -> str:

@@ -12,7 +12,14 @@ import numpy as np
 import sympy as sp
 from sympy import exp  # noqa: F401  (re-exported: the decay gate users write)
 
-__all__ = ["sigmoid", "softplus", "logsigmoid", "exp", "NUMPY_GATES"]
+__all__ = ["sigmoid", "softplus", "logsigmoid", "exp", "NUMPY_GATES", "FUNCTIONS"]
+
+# The functions a spec may apply (sympy's names). Every backend computes each of them and of their derivatives:
+# the float64 reference (numpy), the chunked form's MLX table (``chunked.terms.mlx_module``) and each kernel
+# dialect's table (``codegen.backends``); tests hold the tables to this set. Any other function is a SpecError at
+# declaration, not a failure when some backend first meets it.
+FUNCTIONS = frozenset({"exp", "log", "sqrt", "tanh", "sin", "cos", "Abs", "sign", "Max", "Min", "Heaviside",
+                       "sigmoid", "softplus", "logsigmoid"})
 
 
 class sigmoid(sp.Function):
@@ -72,4 +79,7 @@ NUMPY_GATES = {
     "sigmoid": _np_sigmoid,
     "softplus": _np_softplus,
     "logsigmoid": lambda x: -_np_softplus(-np.asarray(x)),
+    # |x| as ±x by the sign of the real part: the same for real x, and analytic off 0 (numpy's abs of a complex
+    # number is its modulus), so complex-step derivatives of the reference see sign(x)
+    "Abs": lambda x: np.where(np.real(x) < 0, -np.asarray(x), np.asarray(x)),
 }

@@ -277,6 +277,7 @@ class Recurrence:
             if bad:
                 raise SpecError(f"term {ROLE_NAMES[role]} = {expr}: has index {sorted(bad)} but may only "
                                 f"depend on {allowed[role] or 'no index'} ({ROLE_WHY[role]})")
+        self._check_functions()
         self._check_key_space()
         self._check_decays()
         self._check_readout_extensions()
@@ -286,6 +287,20 @@ class Recurrence:
                 raise SpecError(f"normalizer function N(n) = {self.step.normalizer.fn} may only use n, "
                                 f"found {sorted(map(str, extra))}")
         return self
+
+    def _check_functions(self) -> None:
+        """Every function a term or the normalizer applies is one every backend computes (``fns.FUNCTIONS``)."""
+        from .fns import FUNCTIONS
+
+        exprs = [(f"term {ROLE_NAMES[role]}", e) for role, e in self.terms().items()]
+        if self.step.normalizer is not None:
+            exprs.append(("normalizer function N(n)", self.step.normalizer.fn))
+        for where, e in exprs:
+            for node in sp.preorder_traversal(e):
+                name = type(node).__name__
+                if isinstance(node, (sp.Function, sp.Max, sp.Min)) and name not in FUNCTIONS:
+                    raise SpecError(f"{where} = {e}: recgen does not compute the function {name}; the functions "
+                                    f"it computes: {', '.join(sorted(FUNCTIONS))}")
 
     def _check_decays(self) -> None:
         """Every decay has an exact logarithm (the chunked forms need it), and ``before_decay`` is a bool. (A rank-1

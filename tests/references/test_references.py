@@ -17,6 +17,7 @@ from .gla import gla, gla_bwd
 from .hgrn2 import hgrn2, hgrn2_bwd, hgrn2_gate
 from .kda import kda, kda_bwd
 from .mamba2 import mamba2, mamba2_bwd
+from .mlstm import mlstm, mlstm_bwd
 from .mlstm_sigmoid import mlstm_sigmoid, mlstm_sigmoid_bwd
 from .rwkv6 import rwkv6, rwkv6_bwd
 from .rwkv7 import rwkv7, rwkv7_bwd
@@ -655,6 +656,59 @@ def test_mlstm_sigmoid_key_scale_is_query_scale():
     oa, _ = mlstm_sigmoid(x["q"], x["k"], x["v"], ig, fg)
     ob, _ = mlstm_sigmoid(x["q"], x["k"] * K_ ** -0.5, x["v"], ig, fg, scale=1.0)
     np.testing.assert_allclose(oa, ob, rtol=1e-13, atol=1e-13)
+
+
+# ----------------------------------------------------------------------------- mlstm (xLSTM's exponential input gate)
+@pytest.mark.parametrize("T,Hk,H,scale", CASES, ids=CASE_IDS)
+def test_mlstm_grad(T, Hk, H, scale):
+    """Both sides of the normalizer's kink: the inputs' |n_tᵀq̃_t| fall on both sides of 1."""
+    rng = np.random.default_rng(8900 + T + 10 * Hk)
+    inp = fla_data(rng, T, Hk, H)
+    inp["ig"], inp["fg"] = 1.5 * rng.standard_normal((B_, T, H)), 3 * rng.standard_normal((B_, T, H))
+    inp["fg"].reshape(-1)[0] = -20.0  # a forget gate of e^-20
+    inp["n0"] = rng.standard_normal((B_, H, K_))
+    do = rng.standard_normal((B_, T, H, V_))
+    dC, dn = rng.standard_normal((B_, H, K_, V_)), rng.standard_normal((B_, H, K_))
+
+    def loss(x):
+        o, (C, n) = mlstm(x["q"], x["k"], x["v"], x["ig"], x["fg"], scale=scale, initial_state=(x["S0"], x["n0"]))
+        return np.sum(o * do) + np.sum(C * dC) + np.sum(n * dn)
+
+    gr = mlstm_bwd(inp["q"], inp["k"], inp["v"], inp["ig"], inp["fg"], do, (dC, dn), scale=scale,
+                   initial_state=(inp["S0"], inp["n0"]))
+    check_grads(loss, inp, {"q": gr["q"], "k": gr["k"], "v": gr["v"], "ig": gr["ig"], "fg": gr["fg"],
+                            "S0": gr["initial_state"][0], "n0": gr["initial_state"][1]})
+
+
+def test_mlstm_equals_xlstms_stabilized_form():
+    """xLSTM's stabilized recurrence (running max m_t = max(log f_t + m_{t-1}, ig_t); C̃, ñ scaled by e^{-m_t};
+    o = C̃ᵀq̃ / max(|ñᵀq̃|, e^{-m_t})), written out here, gives the reference's output, large input gates included
+    (e^{ig} up to e^60, past where an unstabilized float32 loop would still hold, both sides of the kink)."""
+    rng = np.random.default_rng(9000)
+    T, H = 12, 2
+    x = fla_data(rng, T, H, H)
+    ig, fg = 20 * rng.standard_normal((B_, T, H)), 3 * rng.standard_normal((B_, T, H))
+    ig = np.minimum(ig, 60.0)
+    o, (C, n) = mlstm(x["q"], x["k"], x["v"], ig, fg)
+    qs = K_ ** -0.5 * x["q"]
+    logf = -np.logaddexp(0, -fg)
+    Ct, nt, m = np.zeros((B_, H, K_, V_)), np.zeros((B_, H, K_)), np.full((B_, H), -np.inf)
+    want, floors = np.zeros(o.shape), []
+    for t in range(T):
+        m_new = np.maximum(logf[:, t] + m, ig[:, t])
+        fs, is_ = np.exp(logf[:, t] + m - m_new), np.exp(ig[:, t] - m_new)
+        Ct = fs[..., None, None] * Ct + is_[..., None, None] * x["k"][:, t, :, :, None] * x["v"][:, t, :, None, :]
+        nt = fs[..., None] * nt + is_[..., None] * x["k"][:, t]
+        m = m_new
+        den = np.maximum(np.abs(np.einsum("bhk,bhk->bh", nt, qs[:, t])), np.exp(-m))
+        floors.append(np.abs(np.einsum("bhk,bhk->bh", nt, qs[:, t])) < np.exp(-m))
+        want[:, t] = np.einsum("bhkv,bhk->bhv", Ct, qs[:, t]) / den[..., None]
+    floors = np.array(floors)
+    assert floors.any() and not floors.all()  # both sides of max(|x|, 1)
+    np.testing.assert_allclose(o, want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(C * np.exp(-m)[..., None, None], Ct, rtol=1e-10, atol=1e-300)
+
+
 # ----------------------------------------------------------------------------- rwkv6
 def _rwkv6_data(rng, T, Hk, H):
     d = fla_data(rng, T, Hk, H)

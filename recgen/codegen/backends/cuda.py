@@ -5,6 +5,8 @@ PRELUDE = """\
 __device__ __forceinline__ float rg_sigmoid(float x) { return 0.5f * (1.0f + tanhf(0.5f * x)); }
 __device__ __forceinline__ float rg_softplus(float x) { return x > 0.0f ? x + log1pf(expf(-x)) : log1pf(expf(x)); }
 __device__ __forceinline__ float rg_logsigmoid(float x) { return -rg_softplus(-x); }
+__device__ __forceinline__ float rg_sign(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f); }
+__device__ __forceinline__ float rg_heaviside(float x, float at0) { return x > 0.0f ? 1.0f : (x < 0.0f ? 0.0f : at0); }
 """
 
 # The warp's tensor cores: one mma.sync m16n8k8 on TF32 operands (rounded to nearest), FP32 accumulators.
@@ -32,7 +34,8 @@ CUDA = Dialect(
     smem="__shared__", int64="long long", global_space="", shared_space="",
     smem_bytes=48 * 1024,  # static __shared__ per block without opting in
     fns={"exp": "expf", "log": "logf", "sqrt": "sqrtf", "tanh": "tanhf",
-         "sigmoid": "rg_sigmoid", "softplus": "rg_softplus", "logsigmoid": "rg_logsigmoid", "Abs": "fabsf"},
+         "sigmoid": "rg_sigmoid", "softplus": "rg_softplus", "logsigmoid": "rg_logsigmoid", "Abs": "fabsf",
+         "Max": "fmaxf", "Min": "fminf", "sign": "rg_sign", "Heaviside": "rg_heaviside", "sin": "sinf", "cos": "cosf"},
     dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"},
     prelude=PRELUDE,
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE,

@@ -6,6 +6,7 @@ PRELUDE = """\
 inline float rg_sigmoid(float x) { return 0.5f * (1.0f + metal::precise::tanh(0.5f * x)); }
 inline float rg_softplus(float x) { return x > 0.0f ? x + metal::log(1.0f + metal::exp(-x)) : metal::log(1.0f + metal::exp(x)); }
 inline float rg_logsigmoid(float x) { return -rg_softplus(-x); }
+inline float rg_heaviside(float x, float at0) { return x > 0.0f ? 1.0f : (x < 0.0f ? 0.0f : at0); }
 """
 
 # A reference spelling of the 16x8x8 fragment multiply-add in the PTX m16n8k8 layout, by SIMD
@@ -35,7 +36,9 @@ METAL = Dialect(
     smem="threadgroup", int64="int64_t", global_space="device ", shared_space="threadgroup ",
     smem_bytes=32 * 1024,  # maxTotalThreadgroupMemoryLength of Apple GPUs
     fns={"exp": "metal::exp", "log": "metal::log", "sqrt": "metal::sqrt", "tanh": "metal::precise::tanh",
-         "sigmoid": "rg_sigmoid", "softplus": "rg_softplus", "logsigmoid": "rg_logsigmoid", "Abs": "metal::abs"},
+         "sigmoid": "rg_sigmoid", "softplus": "rg_softplus", "logsigmoid": "rg_logsigmoid", "Abs": "metal::abs",
+         "Max": "metal::max", "Min": "metal::min", "sign": "metal::sign", "Heaviside": "rg_heaviside",
+         "sin": "metal::sin", "cos": "metal::cos"},
     dtypes={"float32": "float", "float16": "half", "bfloat16": "bfloat16_t"},
     prelude=PRELUDE,
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE,

@@ -6,6 +6,8 @@
 __device__ __forceinline__ float rg_sigmoid(float x) { return 0.5f * (1.0f + tanhf(0.5f * x)); }
 __device__ __forceinline__ float rg_softplus(float x) { return x > 0.0f ? x + log1pf(expf(-x)) : log1pf(expf(x)); }
 __device__ __forceinline__ float rg_logsigmoid(float x) { return -rg_softplus(-x); }
+__device__ __forceinline__ float rg_sign(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f); }
+__device__ __forceinline__ float rg_heaviside(float x, float at0) { return x > 0.0f ? 1.0f : (x < 0.0f ? 0.0f : at0); }
 
 extern "C" __global__ void __launch_bounds__(256) recgen_delta_net_bwd_cuda_float32(
     const float* __restrict__ q_in,

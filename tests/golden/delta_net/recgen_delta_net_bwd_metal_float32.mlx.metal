@@ -5,6 +5,7 @@
 inline float rg_sigmoid(float x) { return 0.5f * (1.0f + metal::precise::tanh(0.5f * x)); }
 inline float rg_softplus(float x) { return x > 0.0f ? x + metal::log(1.0f + metal::exp(-x)) : metal::log(1.0f + metal::exp(x)); }
 inline float rg_logsigmoid(float x) { return -rg_softplus(-x); }
+inline float rg_heaviside(float x, float at0) { return x > 0.0f ? 1.0f : (x < 0.0f ? 0.0f : at0); }
 
 // MLX form: source (the body)
   // recurrent backward of delta_net: per chunk, recompute then sweep back

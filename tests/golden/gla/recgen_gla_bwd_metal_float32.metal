@@ -6,6 +6,7 @@ using namespace metal;
 inline float rg_sigmoid(float x) { return 0.5f * (1.0f + metal::precise::tanh(0.5f * x)); }
 inline float rg_softplus(float x) { return x > 0.0f ? x + metal::log(1.0f + metal::exp(-x)) : metal::log(1.0f + metal::exp(x)); }
 inline float rg_logsigmoid(float x) { return -rg_softplus(-x); }
+inline float rg_heaviside(float x, float at0) { return x > 0.0f ? 1.0f : (x < 0.0f ? 0.0f : at0); }
 
 template <int K, int KIN, int V, int H, int HK, int C, int LK, int RK, int CPL, int WV>
 [[kernel]] void recgen_gla_bwd_metal_float32_impl(
