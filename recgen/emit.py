@@ -32,20 +32,31 @@ from .errors import UnsupportedKernel
 from .spec.layouts import Sizes, input_dims
 
 AXIS_NAMES = {"Hk": "HK", "Kin": "K"}  # the template constants' names of the layouts' axes
+# The buffers a recurrent kernel takes beside the spec's inputs: (element type, "io" being the inputs' type; shape).
+STATE_BUFFERS = {
+    "rt": ("int", "[2] = (T, B)"), "scale_in": ("float", "[1]"),
+    "h0": ("float", "[B,H,K,V]"), "z0": ("float", "[B,H,K]"),
+    "ckpt": ("float", "[B,H,ceil(T/C),K,V]"), "ckptz": ("float", "[B,H,ceil(T/C),K]"),
+    "do_in": ("io", "[B,T,H,V]"), "dht": ("float", "[B,H,K,V]"), "dhtz": ("float", "[B,H,K]"),
+    "ydo_in": ("float", "[B,T,H] = sum_j do_j y_j / N(n) (o_j without a skip term)"),
+}
 
 
 def _shape(x: ir.Input) -> str:
     return "[" + ",".join(AXIS_NAMES.get(a, a) for a in input_dims(x)) + "]"
 
 
-def _buffers(rec: ir.Recurrence, launch, d: Dialect, dtype: str, kind: str) -> list[dict]:
+def _buffers(rec: ir.Recurrence, launch, d: Dialect, dtype: str) -> list[dict]:
+    """The standalone signature: the kernel source's own inputs, then its outputs, in order."""
     T = d.standalone_dtypes
-    bufs = [(f"{x.name}_in", T[dtype], _shape(x), True) for x in rec.inputs]
-    bufs += [("rt", "int", "[2] = (T, B)", True), ("scale_in", "float", "[1]", True)]
-    extra = {"fwd": [("h0", "float", "[B,H,K,V]", True)],
-             "bwd": [("ckpt", "float", "[B,H,ceil(T/C),K,V]", True), ("do_in", T[dtype], "[B,T,H,V]", True),
-                     ("dht", "float", "[B,H,K,V]", True)]}[kind]
-    bufs += extra
+    spec_inputs = {f"{x.name}_in": x for x in rec.inputs}
+    bufs = []
+    for name in launch.source.inputs:
+        if name in spec_inputs:
+            bufs.append((name, T[dtype], _shape(spec_inputs[name]), True))
+        else:
+            ctype, shape = STATE_BUFFERS[name]
+            bufs.append((name, T[dtype] if ctype == "io" else ctype, shape, True))
     for name, (shape, dt) in zip(launch.source.outputs, launch.outputs):
         bufs.append((name, T[dtype] if name == "o" else "float", str(list(shape)), False))
     out = []
@@ -106,7 +117,7 @@ def _emit_kernels(rec: ir.Recurrence, d: Dialect, target: str, outdir: str | Pat
         src = launch.source
         tmpl = dict(launch.template)
         entry = f"recgen_{name}_{kind}_{target}_{dtype}"
-        bufs = _buffers(rec, launch, d, dtype, "bwd" if kind == "bwd" else "fwd")
+        bufs = _buffers(rec, launch, d, dtype)
         kinds = {n: _kind(v) for n, v in tmpl.items()}
         values = {n: _spell(v, d) for n, v in tmpl.items()}
         ctx = {"banner": banner, "prelude": d.prelude, "body": src.source, "buffers": bufs, "entry": entry,

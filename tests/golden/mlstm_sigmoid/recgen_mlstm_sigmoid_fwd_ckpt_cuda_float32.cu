@@ -18,6 +18,7 @@ extern "C" __global__ void __launch_bounds__(128) recgen_mlstm_sigmoid_fwd_ckpt_
     const int* __restrict__ rt,
     const float* __restrict__ scale_in,
     const float* __restrict__ h0,
+    const float* __restrict__ z0,
     float* __restrict__ o,
     float* __restrict__ ht,
     float* __restrict__ ckpt,
