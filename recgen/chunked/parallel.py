@@ -45,7 +45,7 @@ from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
 from .core import add_half, decay_levels, exp, half, offdiag_blocks, pair_levels, tr, unit_lower_inv
 
-__all__ = ["core_fn", "decay_geometry", "log_decay_grad", "scan_backward"]
+__all__ = ["core_fn", "decay_geometry", "log_decay_grad", "scan_backward", "with_vjp"]
 
 
 def _tri(C: int, strict: bool):
@@ -539,6 +539,13 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         grads = (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
         return tuple(g.astype(x.dtype) for g, x in zip(grads, a))  # a 16-bit role (``role_dtype``) takes its own type
 
+    return with_vjp(fwd, bwd, compile)
+
+
+def with_vjp(fwd, bwd, compile: bool):
+    """A chunk core as an ``mx.custom_function``: ``fwd(*args)`` returns (y, S_end, *residuals); its VJP is
+    ``bwd(*args, *residuals, dy, dS_end)``, the two cotangents zeros where none came. ``compile``: both traced once
+    by ``mx.compile``."""
     if compile:
         fwd, bwd = mx.compile(fwd), mx.compile(bwd)
 

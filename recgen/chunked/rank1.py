@@ -34,7 +34,7 @@ from ..codegen.chunk_sources import inverse_supported
 from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
 from .core import rows_earlier, rows_later, tr, unit_lower_inv
-from .parallel import decay_geometry, log_decay_grad, scan_backward
+from .parallel import decay_geometry, log_decay_grad, scan_backward, with_vjp
 
 __all__ = ["core_fn"]
 
@@ -144,16 +144,4 @@ def core_fn(key: bool, before: bool, t: Tuning):
         res, geo_saved, (dy, dS_end) = rest[:nres], rest[nres:-2], rest[-2:]
         return _backward(Geo(l, t, geo_saved), r, u, w, a, b, res, dy, dS_end, before, kern)
 
-    if t.compile:
-        fwd, bwd = mx.compile(fwd), mx.compile(bwd)
-
-    @mx.custom_function
-    def core(*args):
-        return fwd(*args)
-
-    @core.vjp
-    def core_vjp(primals, cotangents, outputs):
-        dy, dS_end = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents[:2], outputs[:2])]
-        return bwd(*primals, *outputs[2:], dy, dS_end)
-
-    return core
+    return with_vjp(fwd, bwd, t.compile)
