@@ -12,10 +12,9 @@ With per-token, per-head gate pre-activations ``ig`` (input) and ``fg`` (forget)
 
 The forget gate is written as the decay ``exp(logsigmoid(fg))`` (log-space, as FLA), the input gate
 as ``sigmoid(ig)`` (the "sig" variant: no exponential input gate, hence no max-stabilizer state).
-Not xLSTM's exact mLSTM: its exponential input gate needs a running-max stabilizer state the IR does not
-have (docs/design.md). xLSTM divides by ``max(|n_tᵀ q̃_t|, 1)``; that is not differentiable at ±1 and 0, so this example
-uses the smooth stand-in ``N(x) = sqrt(x² + 1)``: N ≥ 1 (never divides by ~0), N(x) ≈ |x| for
-large |x|, N'(x) = x / N(x). The readout carries ``scale · q`` (default scale K^{-1/2}).
+Not xLSTM's mLSTM, which the built-in ``mlstm`` is (an exponential input gate, and ``max(|n_tᵀ q̃_t|, 1)``,
+whose derivative jumps at ±1: docs/design.md). This example uses the smooth stand-in ``N(x) = sqrt(x² + 1)``:
+N ≥ 1 (never divides by ~0), N(x) ≈ |x| for large |x|, N'(x) = x / N(x). The readout carries ``scale · q`` (default scale K^{-1/2}).
 
 Layouts: q, k ``[B,T,Hk,K]``, v ``[B,T,H,V]``, ig, fg ``[B,T,H]``, state ``(C [B,H,K,V], n [B,H,K])``.
 

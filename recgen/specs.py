@@ -131,8 +131,8 @@ def mamba2_linear_dt(x: Value, dt: Scalar, A: Param[()], B: Key, C: Key, D: Para
 
 @recurrence
 def mlstm_sigmoid(q: Key, k: Key, v: Value, ig: Scalar, fg: Scalar):
-    r"""mLSTM with a *sigmoid* input gate and a smooth normalizer: not xLSTM's exact mLSTM, whose exponential
-    input gate needs a running-max stabilizer state (docs/design.md, "Built-ins beyond FLA's ops").
+    r"""mLSTM with a *sigmoid* input gate and a smooth normalizer: a variant, not xLSTM's mLSTM (that is ``mlstm``:
+    an exponential input gate and max(|n_tᵀq̃_t|, 1); docs/design.md, "Built-ins beyond FLA's ops").
 
     C_t = σ(fg_t) C_{t-1} + σ(ig_t) k_t v_tᵀ;  n_t = σ(fg_t) n_{t-1} + σ(ig_t) k_t;
     o_t = C_tᵀ q̃_t / sqrt((n_tᵀ q̃_t)² + 1),  q̃_t = scale · q_t (xLSTM's k/√K is the same: C, n are linear in k).
