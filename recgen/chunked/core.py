@@ -354,10 +354,16 @@ def rows_earlier(M):
     return mx.concatenate([M[..., 1:, :], mx.zeros_like(M[..., :1, :])], axis=-2)
 
 
+def p_before(P):
+    """P_{t−1} [.., C, F], with P_{−1} = 1: the decay that b_t meets where the transition comes before the decay."""
+    return rows_later(P) + (mx.arange(P.shape[-2]) == 0)[:, None]
+
+
 def chunks_rank1(S, r, u, w, a, b, d, before_decay: bool = False):
     """All chunks with a general rank-1 transition (a not a multiple of u, or one ``before_decay``; see the module
     docstring for the WY/UT form), for MLX autodiff: the tests check ``rank1``'s core and its written VJP against
-    it (the decay hierarchy, an unrolled scan, M_ru applied to w without being formed). r, u, a, b [B,H,n,C,K]; w [B,H,n,C,V]; d = e^l [B,H,n,C,F].
+    it (the decay hierarchy, an unrolled scan, M_ru applied to w without being formed).
+    r, u, a, b [B,H,n,C,K]; w [B,H,n,C,V]; d = e^l [B,H,n,C,F].
     Returns (y [B,H,n,C,V], chunk-entry states, final state)."""
     levels, P, Q = decay_levels(d)
     g = P[..., -1, :, None]
@@ -365,7 +371,7 @@ def chunks_rank1(S, r, u, w, a, b, d, before_decay: bool = False):
         b_early = rows_earlier(b)
         L = rows_later(pair_levels(b_early, a, levels, strict=False))
         Lu = rows_later(pair_levels(b_early, u, levels, strict=False))
-        bP = b * mx.concatenate([mx.ones_like(P[..., :1, :]), P[..., :-1, :]], axis=-2)  # b_t ⊙ e^{G_{t-1}}
+        bP = b * p_before(P)  # b_t ⊙ e^{G_{t-1}}
     else:
         L = pair_levels(b, a, levels, strict=True)
         Lu = pair_levels(b, u, levels, strict=True)

@@ -33,15 +33,10 @@ import mlx.core as mx
 from ..codegen.chunk_sources import inverse_supported
 from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
-from .core import rows_earlier, rows_later, tr, unit_lower_inv
+from .core import p_before, rows_earlier, rows_later, tr, unit_lower_inv
 from .parallel import decay_geometry, log_decay_grad, scan_backward, with_vjp
 
 __all__ = ["core_fn"]
-
-
-def p_before(P):
-    """P_{t−1} [.., C, F], with P_{−1} = 1: the decay that b_t meets where the transition comes before the decay."""
-    return rows_later(P) + (mx.arange(P.shape[-2]) == 0)[:, None]
 
 
 def _pairs(geo, r, u, a, b, before: bool):

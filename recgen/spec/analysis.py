@@ -56,12 +56,6 @@ class Analysis:
         a delta-rule one."""
         return self.decay_class != "full" and (self.rec.step.transition is None or self.delta_rule)
 
-    @property
-    def rank1_core(self) -> bool:
-        """Whether it runs on the general rank-1 core: any other rank-1 transition (a ≠ ρ·u, or one before the
-        decay) with a scalar or key-vector decay."""
-        return self.decay_class != "full" and self.rec.step.transition is not None and not self.delta_rule
-
 
 @lru_cache(maxsize=256)
 def analyze(rec: ir.Recurrence) -> Analysis:
