@@ -134,6 +134,7 @@ def test_backward_choice_follows_the_tuning():
     assert ops.choose_backward(gdn, cuda, 100, None) == "recurrent"
     assert ops.choose_backward(gdn, metal, 4096, None) == "recurrent"
     assert ops.choose_backward(specs.selective_scan, cuda, 4096, None) == "recurrent"  # no fast chunked form
+    assert ops.choose_backward(specs.rwkv7, cuda, 4096, None) == "chunked"  # the general rank-1 core
     assert ops.choose_backward(gdn, cuda, 4096, "recurrent") == "recurrent"
     forced = tuning.resolve("gpu", "metal", environ={"RECGEN_BACKWARD": "chunked"})
     assert ops.choose_backward(gdn, forced, 100, None) == "chunked"
@@ -153,6 +154,7 @@ def test_chunked_forward_follows_the_tuning():
     assert gdn.runs_chunked(cuda, 1024) and not gdn.runs_chunked(cuda, 1023) and not gdn.runs_chunked(metal, 1 << 20)
     assert not ops.Op(specs.gated_delta_net, backward="recurrent").runs_chunked(cuda, 4096)
     assert not ops.Op(specs.selective_scan).runs_chunked(cuda, 1 << 20)  # no fast chunked form
+    assert ops.Op(specs.rwkv7).runs_chunked(cuda, 4096) and not ops.Op(specs.rwkv7).runs_chunked(cuda, 1023)
     t = tuning.resolve("gpu", "cuda", environ={"RECGEN_CHUNKED_FORWARD_MIN_T": "2048"})
     assert ops.chunked_forward(specs.gated_delta_net, t, 2048)
     assert not ops.chunked_forward(specs.gated_delta_net, t, 1024)

@@ -56,6 +56,13 @@ class Analysis:
         a delta-rule one."""
         return self.decay_class != "full" and (self.rec.step.transition is None or self.delta_rule)
 
+    @property
+    def matmul_core(self) -> bool:
+        """Whether the chunked form runs on a matmul core with a written VJP: the parallel core, or for any other
+        rank-1 transition (RWKV-7's, one before the decay included) the general rank-1 core; both need a scalar or
+        key-vector decay."""
+        return self.decay_class != "full"
+
 
 @lru_cache(maxsize=256)
 def analyze(rec: ir.Recurrence) -> Analysis:
