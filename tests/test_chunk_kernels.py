@@ -232,14 +232,41 @@ def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
     assert kinds == want, kinds
 
 
+@pytest.mark.parametrize("name,want", [
+    ("kda", {"recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt",
+             "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"}),
+    ("gla", {"recgen_chunk_pair", "recgen_chunk_scan_mma_noa", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_nob_e_rev",
+             "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})])
+def test_key_decay_core_on_the_fragment_frames(name, want, monkeypatch):
+    """A key-vector decay's chunked core on the fragment frames: the pair kernels form A and M_ru, the UT transform
+    (kda) and the readout take them formed with P per key element (``chunk_ut_key``, ``chunk_out_key``); K = 32
+    (a slab of the pair kernels), GQA, a partial last chunk, strong decays: forward, final state and every gradient
+    against the float64 reference."""
+    pytest.importorskip("mlx.core")
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True)
+    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=32, V=8, seed=4, tuning=t))
+    kinds = {c.split("_metal")[0] for c in calls}
+    assert kinds == want, kinds
+
+
 @pytest.mark.parametrize("name,K,V,mma,want", [
     ("rwkv7", 32, 6, False, {"recgen_chunk_pair_dual_nonstrict", "recgen_chunk_pair_grad_dual_nonstrict",
                              "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev"}),
-    ("dplr_key", 16, 8, True, {"recgen_chunk_tril_inverse", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev"})])
+    ("rwkv7", 32, 8, True, {"recgen_chunk_pair_dual_nonstrict", "recgen_chunk_pair_grad_dual_nonstrict",
+                            "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_out_mma_key",
+                            "recgen_chunk_scan_mma_p_dg_rev"}),
+    ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_out_mma_key",
+                               "recgen_chunk_scan_mma_p_dg_rev"})])
 def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, monkeypatch):
     """The general rank-1 core (``chunked.rank1``) with the generated kernels: RWKV-7 (the transition before a
     key-vector decay: the dual pair kernels with the earlier b's pairs non-strict, the FMA scans), and a transition after a key-vector decay on
-    the fragment scans (the update's u wᵀ as the forward scan's product term; K = 16 keeps the pairs in MLX ops);
+    the fragment frames (the update's u wᵀ as the forward scan's product term, the UT transform and readout with A and
+    M_ra given; K = 16 keeps the pairs in MLX ops);
     GQA, a partial last chunk, strong decays: forward, final state and every gradient against the float64
     reference."""
     pytest.importorskip("mlx.core")
@@ -360,6 +387,34 @@ def test_chunk_out_mma_writes_the_model_layout(out):
     del mx
 
 
+def _key_decays(rng, N, C, K):
+    """Per-key-element P_t = e^{G_t} [N, C, K] from log-decays down to -20 a token, a run of weak ones after strong
+    ones in the first chunk."""
+    l = -20 * rng.uniform(size=(N, C, K)) ** 3
+    l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
+    return np.exp(np.cumsum(l, 1)).astype(np.float32)
+
+
+@pytest.mark.parametrize("C,K,V,yt", [(16, 16, 24, None), (32, 40, 32, None), (16, 32, 16, "bfloat16")])
+def test_chunk_out_mma_key_matches_numpy(C, K, V, yt):
+    """The key-vector decay's readout (``key``): M given, R staged as Rs R ⊙ P with P per key element; y alone is
+    written (in the model's layout and type where ``yt``: B = 2, H = 3, n = 2)."""
+    rng = np.random.default_rng(C + K + V)
+    B, H, n = 2, 3, 2
+    N = B * H * n
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    ins = {"R": f(N, C, K), "Mi": np.tril(f(N, C, C)), "Z": f(N, C, V), "St": f(N, K, V), "Pk": _key_decays(rng, N, C, K),
+           "Rs": np.array([0.3], np.float32)}
+    launch = ck.out_mma_launch("metal", N, C, K, V, None if yt is None else (H, n, yt), key=True)
+    (y,) = verify.run_launch(launch, ins)
+    R, P, M, Z, St = (ins[k].astype(np.float64) for k in ("R", "Pk", "Mi", "Z", "St"))
+    want = 0.3 * (R * P) @ St + M @ Z  # Rs scales the first term only: M comes formed of the readout role
+    if yt is not None:
+        want = want.reshape(B, H, n * C, V).transpose(0, 2, 1, 3)
+    assert y.shape == want.shape
+    assert _rel(y, want) < (1e-5 if yt is None else 4e-3)
+
+
 def test_chunk_out_mma_layouts():
     """Column blocks and staging depths by dialect: CUDA's 48 KiB take BV 128 (OUT_BV) and KB 32; Metal's 32 KiB
     a shallower staging depth; sizes outside the layouts have none."""
@@ -401,6 +456,22 @@ def test_chunk_ut_mma_matches_numpy(C, K, V, bw):
     assert dict(launch.template)["BW"] == next(b for b in (bw, 64, 32, 16, 8) if K % b == 0 and V % b == 0)
     outs = verify.run_launch(launch, ins)
     for got, want in zip(outs, _ut_ref(*(ins[k] for k in ("Bt", "U", "W", "logd")))):
+        assert got.shape == want.shape
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+
+
+@pytest.mark.parametrize("C,K,V,bw", [(16, 16, 24, 128), (32, 40, 16, 128), (32, 64, 128, 64)])
+def test_chunk_ut_mma_key_matches_numpy(C, K, V, bw):
+    """The key-vector decay's UT transform (``key``): A given (strictly lower, entries as unit-norm keys times beta
+    make them), inverted and applied to W and Bt ⊙ P with P per key element."""
+    rng = np.random.default_rng(C + K + V + 1)
+    N = 3
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    A = np.tril(f(N, C, C), -1) * 0.5 / np.sqrt(C)
+    ins = {"Ai": A, "W": f(N, C, V), "Bt": -f(N, C, K) / np.sqrt(K), "Pk": _key_decays(rng, N, C, K)}
+    outs = verify.run_launch(ck.ut_mma_launch("metal", N, C, K, V, bw, key=True), ins)
+    T = np.linalg.inv(np.eye(C) - A.astype(np.float64))
+    for got, want in zip(outs, (T, T @ ins["W"], T @ (ins["Bt"].astype(np.float64) * ins["Pk"]))):
         assert got.shape == want.shape
         assert _rel(got, want) < 1e-5, _rel(got, want)
 

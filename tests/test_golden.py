@@ -70,7 +70,8 @@ def test_chunk_kernels_match_golden(target):
                    for grad in (False, True)]
                 + [ck.sympow_launch(target, 2, 4096, 8, 8, 64, True, grad) for grad in (False, True)]
                 + [ck.out_mma_launch(target, 8, 64, 128, 128), ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"))]
-                + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128)]
+                + [ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), key=True)]
+                + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, key=key) for key in (False, True)]
                 + [ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "float32", "bfloat16")),
                    ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"))]
                 + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * n) for n in (2, 3)])

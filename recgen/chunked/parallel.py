@@ -390,29 +390,31 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
     readout role is rfac·r: the fused readout scales as it reads r (M_ru and y are linear in r)."""
     U, W, Tm, M = w, None, None, None
     (C, K), V = u.shape[-2:], w.shape[-1]
-    fused = bool(kern) and not geo.key  # the fragment UT transform and readout take scalar decays
-    if bt is not None and fused and ck.fuses_ut(kern, C, K, V):
+    if bt is not None and kern and not geo.key and ck.fuses_ut(kern, C, K, V):
         Tm, U, W = ck.chunk_ut(bt, u, w, geo.l, kern)  # A never in memory
     elif bt is not None:  # A and M_ru share u and the decays: one pass forms both
         bt_, u_, w_, r_ = _up(geo, bt, u, w, _scaled(r, rfac))
         A, M = geo.pair_dual(bt_, r_, u_)
-        if kern and inverse_supported(A.shape[-1]):
-            Tm = ck.tril_inverse(A, kern)
+        if kern and ck.fuses_ut(kern, C, K, V):  # a key-vector decay: the inverse and both products in one kernel
+            Tm, U, W = ck.chunk_ut_key(A, w, bt_, geo.P, kern)
         else:
-            Tm = unit_lower_inv(A, inv_base)
-        U, W = Tm @ w_, Tm @ (bt_ * geo.P)
+            Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(A.shape[-1]) else unit_lower_inv(A, inv_base)
+            U, W = Tm @ w_, Tm @ (bt_ * geo.P)
     states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern)
-    if fused and ck.fuses_readout(kern, C, K, V):
+    if kern and not geo.key and ck.fuses_readout(kern, C, K, V):
         # M_ru is written for the backward: forming it again there was measured slower than keeping it
         y, M = ck.chunk_out(r, u, Z, states, geo.l, kern, out, rfac)
     else:
         if M is None:  # else formed with A, from the same r_
             r_, u_ = _up(geo, _scaled(r, rfac), u)
             M = geo.pair(r_, u_, strict=False)
-        (Z_,) = _up(geo, Z)
-        y = (r_ * geo.P) @ states + M @ Z_
-        if out is not None:
-            y = model_layout(y, out)
+        if kern and ck.fuses_readout(kern, C, K, V):  # a key-vector decay: M_ru given, P per key element
+            y = ck.chunk_out_key(r, M, Z, states, geo.P, kern, out, rfac)
+        else:
+            (Z_,) = _up(geo, Z)
+            y = (r_ * geo.P) @ states + M @ Z_
+            if out is not None:
+                y = model_layout(y, out)
     return y, S_end, (states, M) + ((Z, Tm, W) if bt is not None else ())
 
 

@@ -23,7 +23,8 @@ rule's (``parallel``'s docstring), with F = M_raᵀ dy and the reverse scan over
 and the pair gradients (``pair_grad``) and the log-decays' gradient through G as there (``log_decay_grad``).
 The four pairs go through the decay geometry of ``parallel`` (on GPUs with chunk kernels: the generated pair
 kernels, A with M_ra and B with M_ru in one pass each), the inverse and both scans through the generated kernels
-where they have a layout, MLX ops elsewhere."""
+where they have a layout, MLX ops elsewhere; on the fragment frames the inverse with U and W is one kernel, and so is
+the readout's (r ⊙ P) S_c + M_ra X (the UT transform and readout of ``parallel``'s key-vector decays)."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -86,10 +87,18 @@ def _scan_forward(geo, S0, W, U, aQ, uQ, w, kern):
 def _forward(geo, S0, r, u, w, a, b, before: bool, kern):
     """(y, S_end, residuals (states, X, T, W, B, M_ra, M_ru))."""
     A, B, Mra, Mru = _pairs(geo, r, u, a, b, before)
-    Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(A.shape[-1]) else unit_lower_inv(A)
-    U, W = Tm @ (B @ w), Tm @ (b * (p_before(geo.P) if before else geo.P))
+    (C, K), V = a.shape[-2:], w.shape[-1]
+    Pb = p_before(geo.P) if before else geo.P
+    if kern and ck.fuses_ut(kern, C, K, V):  # the inverse and both products in one kernel (A formed)
+        Tm, U, W = ck.chunk_ut_key(A, B @ w, b, mx.broadcast_to(Pb, b.shape), kern)
+    else:
+        Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(C) else unit_lower_inv(A)
+        U, W = Tm @ (B @ w), Tm @ (b * Pb)
     states, X, S_end = _scan_forward(geo, S0, W, U, a * geo.Q, u * geo.Q, w, kern)
-    y = mx.addmm(mx.addmm(Mru @ w, Mra, X), r * geo.P, states)
+    if kern and ck.fuses_readout(kern, C, K, V):  # (r ⊙ P) S_c + M_ra X in one kernel (M_ra formed)
+        y = mx.addmm(ck.chunk_out_key(r, Mra, X, states, mx.broadcast_to(geo.P, r.shape), kern), Mru, w)
+    else:
+        y = mx.addmm(mx.addmm(Mru @ w, Mra, X), r * geo.P, states)
     return y, S_end, (states, X, Tm, W, B, Mra, Mru)
 
 

@@ -13,9 +13,10 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
 - ``sympow_source``: the degree-2 symmetric power feature map φ(x) (``recgen.spec.features.sympow``) and its
   gradient, elementwise, for the chunked form of feature-map specs (MLX forms φ by gathers, and its gradient by a
   scatter-add with D + 1 writers an entry).
-- ``ut_mma_source`` and ``out_mma_source`` (scalar decays, fragment frames): the delta rule's UT transform
+- ``ut_mma_source`` and ``out_mma_source`` (fragment frames): the delta rule's UT transform
   (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout y = (r ⊙ P) S_c + M_ru Z, each one kernel per
-  chunk with A or M_ru formed in threadgroup memory (shared helpers in ``_fragments.j2``).
+  chunk; for a scalar decay A or M_ru is formed in threadgroup memory (shared helpers in ``_fragments.j2``), for a
+  key-vector decay (``key``) it comes from the pair kernels and P is per key element.
 - ``bwd_mma_source`` (scalar decays, fragment frame): the backward's pass after its reverse scan, per chunk: the
   pair gradients through Γ and the elementwise tail (dr, du, db̃ and the log-decays' reverse cumulative sum).
 - ``bwd_key_source`` (key-vector decays): the backward's elementwise tail after the pair kernels' gradients, one
@@ -127,19 +128,24 @@ def inverse_source(dialect: str) -> KernelSource:
 
 
 @lru_cache(maxsize=None)
-def out_mma_source(dialect: str, yt: bool = False) -> KernelSource:
-    """``yt``: y written in the model's layout [B, T, H, V] and its type (template constants H, NCH, OT)."""
+def out_mma_source(dialect: str, yt: bool = False, key: bool = False) -> KernelSource:
+    """``yt``: y written in the model's layout [B, T, H, V] and its type (template constants H, NCH, OT); ``key``: a
+    key-vector decay's readout, M given (from the pair kernels) and P per key element, y the only output."""
     d = get(dialect)
-    return _source(d, "chunk_out_mma.j2", "out_mma" + ("_yt" if yt else ""),
-                   "chunk readout of the chunked core, fragment multiply-adds",
-                   ("R", "U", "Z", "St", "logd", "Rs"), ("Y", "M"), (), helpers=d.mma_prelude, yt=yt)
+    ins = ("R", "Mi", "Z", "St", "Pk", "Rs") if key else ("R", "U", "Z", "St", "logd", "Rs")
+    return _source(d, "chunk_out_mma.j2", "out_mma" + ("_key" if key else "") + ("_yt" if yt else ""),
+                   "chunk readout of the chunked core, fragment multiply-adds", ins, ("Y",) if key else ("Y", "M"), (),
+                   helpers=d.mma_prelude, yt=yt, key=key)
 
 
 @lru_cache(maxsize=None)
-def ut_mma_source(dialect: str) -> KernelSource:
+def ut_mma_source(dialect: str, key: bool = False) -> KernelSource:
+    """``key``: a key-vector decay's UT transform, A given (from the pair kernels) and P per key element."""
     d = get(dialect)
-    return _source(d, "chunk_ut_mma.j2", "ut_mma", "UT transform of the chunked core's delta rule, fragment multiply-adds",
-                   ("Bt", "U", "W", "logd"), ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude)
+    ins = ("Ai", "W", "Bt", "Pk") if key else ("Bt", "U", "W", "logd")
+    return _source(d, "chunk_ut_mma.j2", "ut_mma" + ("_key" if key else ""),
+                   "UT transform of the chunked core's delta rule, fragment multiply-adds", ins, ("Tm", "Uw", "Wb"), (),
+                   helpers=d.mma_prelude, key=key)
 
 
 @lru_cache(maxsize=None)

@@ -31,13 +31,14 @@ def use_mma(t: Tuning, C: int, K: int, V: int) -> bool:
 
 
 def fuses_readout(t: Tuning, C: int, K: int, V: int) -> bool:
-    """Whether the scalar-decay readout y = (r ⊙ P) S_c + M_ru Z runs as the fragment kernel (``chunk_out``)."""
+    """Whether the readout y = (r ⊙ P) S_c + M_ru Z runs as the fragment kernel (``chunk_out``; a key-vector decay's,
+    with M_ru formed by the pair kernels: ``chunk_out_key``)."""
     return t.mma_scan and t.fused_readout and out_mma_layout(t.dialect, C, K, V, t.out_bv) is not None
 
 
 def fuses_ut(t: Tuning, C: int, K: int, V: int) -> bool:
     """Whether the delta rule's UT transform (A = M_b̃u, T = (I − A)^{-1}, U = T w, W = T (b̃ ⊙ P)) runs as the
-    fragment kernel (``chunk_ut``) for a scalar decay."""
+    fragment kernel (``chunk_ut``; a key-vector decay's, with A formed by the pair kernels: ``chunk_ut_key``)."""
     return t.mma_scan and t.fused_ut and ut_mma_layout(t.dialect, C, K, V, t.ut_bw) is not None
 
 
@@ -99,8 +100,10 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
 
 
 @lru_cache(maxsize=256)
-def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | None = None, most_bv: int = 128) -> Launch:
-    """``yt`` = (H, n, dtype name): y as [N / (H n), n C, H, V] of that type (N = B H n chunks), else [N, C, V] float32."""
+def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | None = None, most_bv: int = 128,
+                   key: bool = False) -> Launch:
+    """``yt`` = (H, n, dtype name): y as [N / (H n), n C, H, V] of that type (N = B H n chunks), else [N, C, V] float32;
+    ``key``: a key-vector decay's readout (M given: y is the only output)."""
     lay = out_mma_layout(dialect, C, K, V, most_bv)
     if lay is None:
         raise ValueError(f"chunk_out_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8")
@@ -111,19 +114,20 @@ def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | Non
         tmpl += (("H", H), ("NCH", n), ("OT", dt))
         y = ((N // (H * n), n * C, H, V), dt)
     nt = 2 * C  # C / 16 SIMD groups of 32
-    return Launch(out_mma_source(dialect, yt is not None), (), (y, ((N, C, C), "float32")),
+    return Launch(out_mma_source(dialect, yt is not None, key), (), (y,) if key else (y, ((N, C, C), "float32")),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
-def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 128) -> Launch:
+def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 128, key: bool = False) -> Launch:
+    """``key``: a key-vector decay's UT transform (A given)."""
     lay = ut_mma_layout(dialect, C, K, V, most_bw)
     if lay is None:
         raise ValueError(f"chunk_ut_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8, "
                          f"and the tiles must fit {dialect}'s threadgroup memory")
     tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items())
     outs = (((N, C, C), "float32"), ((N, C, V), "float32"), ((N, C, K), "float32"))
-    return Launch(ut_mma_source(dialect), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
+    return Launch(ut_mma_source(dialect, key), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -277,6 +281,31 @@ def chunk_ut(bt, u, w, l, t: Tuning):
     Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw),
                         [bt.reshape(N, C, K), u.reshape(N, C, K), w.reshape(N, C, V), l.reshape(N, C)])
     return Tm.reshape(*bt.shape[:-1], C), U.reshape(w.shape), W.reshape(bt.shape)
+
+
+def chunk_out_key(r, M, Z, states, P, t: Tuning, out=None, rs=None):
+    """``chunk_out`` for a key-vector decay: y = (r ⊙ P) S_c + M Z per chunk with M [.., n, C, C] formed (by the pair
+    kernels, of rs·r where ``rs``) and P [.., n, C, K] per key element (float32). Returns y [.., n, C, V] float32, or
+    with ``out`` y in the model's layout [B, n C, H, V] and that type."""
+    import mlx.core as mx
+
+    (n, C, K), V = r.shape[-3:], Z.shape[-1]
+    N = _lead(r, 2)
+    yt = None if out is None else (r.shape[-4], n, _dtype_name(out))
+    (y,) = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, key=True),
+                 [r.reshape(N, C, K), M.reshape(N, C, C), Z.reshape(N, C, V), states.reshape(N, K, V),
+                  P.reshape(N, C, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+    return y if out is not None else y.reshape(*Z.shape)
+
+
+def chunk_ut_key(A, w, bt, P, t: Tuning):
+    """``chunk_ut`` for a key-vector decay: A [.., n, C, C] formed (strictly lower, by the pair kernels), P [.., n, C,
+    K] per key element. Returns (Tm = (I − A)^{-1}, U = Tm w, W = Tm (b̃ ⊙ P))."""
+    (C, K), V = bt.shape[-2:], w.shape[-1]
+    N = _lead(bt, 2)
+    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, key=True),
+                     [A.reshape(N, C, C), w.reshape(N, C, V), bt.reshape(N, C, K), P.reshape(N, C, K)])
+    return Tm.reshape(A.shape), U.reshape(w.shape), W.reshape(bt.shape)
 
 
 def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None):

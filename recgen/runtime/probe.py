@@ -70,8 +70,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
     ``frame``: "base" (the inverse, the key-decay pair, the sympow feature map), "tail" (the key-decay backward
     tail), "scan" (the FMA scan) or "mma" (the fragment scan as the forward runs it, B in bf16 with its rows scaled
-    as read; the readout in both output layouts, bf16 in the model's; the UT transform; the backward's pass after
-    the scan). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say) then
+    as read; the readout in both output layouts, bf16 in the model's; the UT transform; a key-vector decay's UT
+    transform and readout; the backward's pass after the scan). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say) then
     keeps MLX ops, or the FMA scan, instead of raising from inside every chunked call; a failing "tail" turns only
     the fused backward off."""
     import mlx.core as mx
@@ -135,6 +135,13 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     T = np.linalg.inv(np.eye(C) - A)
                     got = [*got, *ck.chunk_ut(f32(-R / K), f32(U), f32(X[0]), f32(np.full((n, C, 1), -0.1)), t)]
                     ref += [T, T @ X[0], T @ (-R / K * np.exp(G)[:, None])]
+                    # and a key-vector decay's: A given, its decays per key element
+                    Pk = np.exp(np.cumsum(-0.2 * rng.uniform(size=(n, C, K)), 1))
+                    got = [*got, *ck.chunk_ut_key(f32(A), f32(X[0]), f32(-R / K), f32(Pk), t)]
+                    ref += [T, T @ X[0], T @ (-R / K * Pk)]
+                    # and its readout: M given, r ⊙ P per key element, the readout role 0.5 r
+                    got.append(ck.chunk_out_key(f32(R), f32(M), f32(X[0]), f32(np.stack(ref_c)), f32(Pk), t, rs=0.5))
+                    ref.append(0.5 * (R * Pk) @ np.stack(ref_c) + M @ X[0])
                 # and the backward's pass after the scan (the delta rule's form), where its tiles fit
                 if ck.fuses_bwd(t, C, K, True):
                     dMA, dMR = rng.normal(size=(2, n, C, C))
