@@ -16,6 +16,11 @@ from recgen.verify.typecheck import clang_problem  # noqa: E402
 pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
 
 
+# The fragment frames' two lane layouts on the emulator: Metal's simdgroup_matrix ("metal") and CUDA's PTX m16n8k8
+# ("metal_ptx": the Metal spelling of CUDA's layout by SIMD shuffles), so the indexing each layout needs is checked.
+FRAGMENT_LAYOUTS = ["metal", "metal_ptx"]
+
+
 def _scan(dialect, BH, n, C, K, V, F, has_e, reverse, has_a=True, has_b=True, mma=None, bv=32, **terms):
     """The scan's launch for these terms: on fragments where ``mma`` (default: where the dialect's measured
     tuning would put it), else the FMA frame."""
@@ -79,17 +84,17 @@ def test_chunk_scan_matches_numpy(F, has_e, reverse, has_a, has_b):
     _check_scan(launch, np.random.default_rng(F + 2 * has_e), BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("F,has_e,reverse,has_a,has_b,C,K,V", [
     (1, False, False, True, True, 32, 32, 48),    # 2 groups, 2 row blocks of Y round-robin, BV 16
     (32, True, False, True, True, 16, 32, 32),    # 2 groups share Y's one row block by columns (YCT 2)
     (64, True, True, True, True, 16, 64, 40),     # 4 groups, 1 block of Y (groups 1-3 idle), BV 8
     (1, False, False, False, True, 16, 32, 32),   # Y = X: B fragments straight from X
     (32, True, True, True, False, 16, 32, 64)])   # S <- g S + E: no B term, 2 column threadgroups
-def test_chunk_scan_mma_matches_numpy(F, has_e, reverse, has_a, has_b, C, K, V):
-    """The fragment scan (chunk_scan_mma.j2) in the Metal spelling of the 16x8x8 multiply-add (SIMD
-    shuffles in the PTX m16n8k8 lane layout that CUDA's tensor cores use)."""
+def test_chunk_scan_mma_matches_numpy(frame, F, has_e, reverse, has_a, has_b, C, K, V):
+    """The fragment scan (chunk_scan_mma.j2) in each lane layout (``FRAGMENT_LAYOUTS``)."""
     BH, n = 2, 3
-    launch = _scan("metal", BH, n, C, K, V, F, has_e, reverse, has_a, has_b, mma=True)
+    launch = _scan(frame, BH, n, C, K, V, F, has_e, reverse, has_a, has_b, mma=True)
     assert launch.source.name.startswith("recgen_chunk_scan_mma")
     _check_scan(launch, np.random.default_rng(F + C + V), BH, n, C, K, V, F, has_e, reverse, has_a, has_b)
 
@@ -99,8 +104,9 @@ def _scan_mma_launch_at_bv(bv, *args, **kw):
     return _scan(*args, mma=True, bv=bv, **kw)
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("has_e", [False, True])
-def test_chunk_scan_mma_with_product_term(has_e):
+def test_chunk_scan_mma_with_product_term(frame, has_e):
     """The fragment scan's E term given as factors: S <- g S + B^T Y (+ E) + Pa^T Pb, never multiplied out;
     and the decay gradient's row sums dg_c = sum_j carried_c * St_c, per threadgroup of columns (V = 32: 2)."""
     rng = np.random.default_rng(3 + has_e)
@@ -113,7 +119,7 @@ def test_chunk_scan_mma_with_product_term(has_e):
     if has_e:
         ins["E"] = f(BH, n, K, V)
         E = E + ins["E"]
-    launch = _scan_mma_launch_at_bv(16, "metal", BH, n, C, K, V, K, has_e, True, True, True, p=True, dg=True)  # 2 partial sums a row
+    launch = _scan_mma_launch_at_bv(16, frame, BH, n, C, K, V, K, has_e, True, True, True, p=True, dg=True)  # 2 partial sums a row
     outs = verify.run_launch(launch, ins)
     want = _scan_ref(ins["S0"], ins["A"], ins["X"], ins["Bm"], ins["g"], E, True)
     for got, w in zip(outs[:3], want):
@@ -122,8 +128,9 @@ def test_chunk_scan_mma_with_product_term(has_e):
     assert _rel(outs[3].sum(2), (want[0] * ins["St"]).sum(-1)) < 1e-5
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("has_a", [True, False])
-def test_chunk_scan_mma_scales_b_rows(has_a):
+def test_chunk_scan_mma_scales_b_rows(frame, has_a):
     """The forward's u ⊙ Q formed as read: B's rows scaled by Bq (decays down to e^-20), B given in bf16 (the
     roles' 16-bit type), against float64 numpy at the bf16-rounded B; V = 32 at BV 16: two column threadgroups."""
     mx = pytest.importorskip("mlx.core")
@@ -134,7 +141,7 @@ def test_chunk_scan_mma_scales_b_rows(has_a):
     Bq = np.exp(-20 * rng.uniform(size=(BH, n, C))).astype(np.float32)
     ins = {"S0": f(BH, K, V), "X": f(BH, n, C, V), "Bm": Bm, "Bq": Bq,
            "g": np.exp(-20 * rng.uniform(size=(BH, n, 1))).astype(np.float32)} | ({"A": f(BH, n, C, K) * 0.2} if has_a else {})
-    launch = _scan_mma_launch_at_bv(16, "metal", BH, n, C, K, V, 1, False, False, has_a, True, q=True)
+    launch = _scan_mma_launch_at_bv(16, frame, BH, n, C, K, V, 1, False, False, has_a, True, q=True)
     assert "_q_" in launch.source.name
     outs = verify.run_launch(launch, ins)
     B64 = np.array(Bm.astype(mx.float32)).astype(np.float64) * Bq[..., None]
@@ -258,15 +265,13 @@ def test_key_decay_core_on_the_fragment_frames(name, want, monkeypatch):
     ("rwkv7", 32, 6, False, {"recgen_chunk_pair_dual_nonstrict", "recgen_chunk_pair_grad_dual_nonstrict",
                              "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev"}),
     ("rwkv7", 32, 8, True, {"recgen_chunk_pair_dual_nonstrict", "recgen_chunk_pair_grad_dual_nonstrict",
-                            "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_out_mma_key",
-                            "recgen_chunk_scan_mma_p_dg_rev"}),
-    ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_out_mma_key",
-                               "recgen_chunk_scan_mma_p_dg_rev"})])
+                            "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev"}),
+    ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev"})])
 def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, monkeypatch):
     """The general rank-1 core (``chunked.rank1``) with the generated kernels: RWKV-7 (the transition before a
     key-vector decay: the dual pair kernels with the earlier b's pairs non-strict, the FMA scans), and a transition after a key-vector decay on
-    the fragment frames (the update's u wᵀ as the forward scan's product term, the UT transform and readout with A and
-    M_ra given; K = 16 keeps the pairs in MLX ops);
+    the fragment frames (the update's u wᵀ as the forward scan's product term, the UT transform with A given; K = 16
+    keeps the pairs in MLX ops);
     GQA, a partial last chunk, strong decays: forward, final state and every gradient against the float64
     reference."""
     pytest.importorskip("mlx.core")
@@ -347,8 +352,9 @@ def _out_ref(r, u, Z, St, l):
     return y, M
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("C,K,V,bv", [(16, 16, 24, 64), (32, 40, 32, 16), (64, 16, 16, 64), (32, 32, 128, 128)])
-def test_chunk_out_mma_matches_numpy(C, K, V, bv):
+def test_chunk_out_mma_matches_numpy(frame, C, K, V, bv):
     """The fragment readout (chunk_out_mma.j2): one chunk per threadgroup row, C / 16 groups each forming
     its rows of M = (R U^T) * Gamma; V split over threadgroups of BV columns (V = 32 at BV 16: two), R, U,
     S_c, Z staged KB at a time (K = 40: five blocks of 8; the last case CUDA's BV 128, KB 32); decays down to
@@ -359,7 +365,7 @@ def test_chunk_out_mma_matches_numpy(C, K, V, bv):
     l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
     l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
     ins = {"R": f(N, C, K), "U": f(N, C, K), "Z": f(N, C, V), "St": f(N, K, V), "logd": l, "Rs": np.array([0.3], np.float32)}
-    launch = ck.out_mma_launch("metal", N, C, K, V, None, bv)
+    launch = ck.out_mma_launch(frame, N, C, K, V, None, bv)
     assert dict(launch.template)["BV"] == next(b for b in (bv, 64, 32, 16, 8) if V % b == 0)
     y, M = verify.run_launch(launch, ins)
     want_y, want_M = _out_ref(0.3 * ins["R"], *(ins[k] for k in ("U", "Z", "St", "logd")))  # the readout role is Rs R
@@ -395,8 +401,9 @@ def _key_decays(rng, N, C, K):
     return np.exp(np.cumsum(l, 1)).astype(np.float32)
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("C,K,V,yt", [(16, 16, 24, None), (32, 40, 32, None), (16, 32, 16, "bfloat16")])
-def test_chunk_out_mma_key_matches_numpy(C, K, V, yt):
+def test_chunk_out_mma_key_matches_numpy(frame, C, K, V, yt):
     """The key-vector decay's readout (``key``): M given, R staged as Rs R ⊙ P with P per key element; y alone is
     written (in the model's layout and type where ``yt``: B = 2, H = 3, n = 2)."""
     rng = np.random.default_rng(C + K + V)
@@ -405,7 +412,7 @@ def test_chunk_out_mma_key_matches_numpy(C, K, V, yt):
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     ins = {"R": f(N, C, K), "Mi": np.tril(f(N, C, C)), "Z": f(N, C, V), "St": f(N, K, V), "Pk": _key_decays(rng, N, C, K),
            "Rs": np.array([0.3], np.float32)}
-    launch = ck.out_mma_launch("metal", N, C, K, V, None if yt is None else (H, n, yt), key=True)
+    launch = ck.out_mma_launch(frame, N, C, K, V, None if yt is None else (H, n, yt), key=True)
     (y,) = verify.run_launch(launch, ins)
     R, P, M, Z, St = (ins[k].astype(np.float64) for k in ("R", "Pk", "Mi", "Z", "St"))
     want = 0.3 * (R * P) @ St + M @ Z  # Rs scales the first term only: M comes formed of the readout role
@@ -439,8 +446,9 @@ def _ut_ref(bt, u, w, l):
     return T, T @ w, T @ (bt * np.exp(np.cumsum(l, 1))[..., None])
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("C,K,V,bw", [(16, 16, 24, 128), (32, 40, 16, 128), (32, 64, 128, 64), (16, 128, 128, 128)])
-def test_chunk_ut_mma_matches_numpy(C, K, V, bw):
+def test_chunk_ut_mma_matches_numpy(frame, C, K, V, bw):
     """The fragment UT transform (chunk_ut_mma.j2): A formed on fragments, inverted in threadgroup memory,
     applied to W and Bt * e^G in passes of BW columns (K = 40: BW 8, five passes; K = 64, V = 128: BW 64, KB 32;
     BW 128: one pass each);
@@ -452,7 +460,7 @@ def test_chunk_ut_mma_matches_numpy(C, K, V, bw):
     l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
     l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
     ins = {"Bt": -f(N, C, K) / np.sqrt(K), "U": f(N, C, K) / np.sqrt(K), "W": f(N, C, V), "logd": l}
-    launch = ck.ut_mma_launch("metal", N, C, K, V, bw)
+    launch = ck.ut_mma_launch(frame, N, C, K, V, bw)
     assert dict(launch.template)["BW"] == next(b for b in (bw, 64, 32, 16, 8) if K % b == 0 and V % b == 0)
     outs = verify.run_launch(launch, ins)
     for got, want in zip(outs, _ut_ref(*(ins[k] for k in ("Bt", "U", "W", "logd")))):
@@ -460,8 +468,9 @@ def test_chunk_ut_mma_matches_numpy(C, K, V, bw):
         assert _rel(got, want) < 1e-5, _rel(got, want)
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("C,K,V,bw", [(16, 16, 24, 128), (32, 40, 16, 128), (32, 64, 128, 64)])
-def test_chunk_ut_mma_key_matches_numpy(C, K, V, bw):
+def test_chunk_ut_mma_key_matches_numpy(frame, C, K, V, bw):
     """The key-vector decay's UT transform (``key``): A given (strictly lower, entries as unit-norm keys times beta
     make them), inverted and applied to W and Bt ⊙ P with P per key element."""
     rng = np.random.default_rng(C + K + V + 1)
@@ -469,7 +478,7 @@ def test_chunk_ut_mma_key_matches_numpy(C, K, V, bw):
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     A = np.tril(f(N, C, C), -1) * 0.5 / np.sqrt(C)
     ins = {"Ai": A, "W": f(N, C, V), "Bt": -f(N, C, K) / np.sqrt(K), "Pk": _key_decays(rng, N, C, K)}
-    outs = verify.run_launch(ck.ut_mma_launch("metal", N, C, K, V, bw, key=True), ins)
+    outs = verify.run_launch(ck.ut_mma_launch(frame, N, C, K, V, bw, key=True), ins)
     T = np.linalg.inv(np.eye(C) - A.astype(np.float64))
     for got, want in zip(outs, (T, T @ ins["W"], T @ (ins["Bt"].astype(np.float64) * ins["Pk"]))):
         assert got.shape == want.shape
@@ -478,7 +487,7 @@ def test_chunk_ut_mma_key_matches_numpy(C, K, V, bw):
 
 def test_chunk_ut_mma_at_the_cuda_layout(monkeypatch):
     """C = 64 (the GPU default: block levels m = 16 and 32 of the inverse) at CUDA's layout, which exceeds Metal's
-    32 KiB of threadgroup memory, so the Metal spelling runs with only that limit waived (the lint and the type
+    32 KiB of threadgroup memory, so the Metal spelling of its lane layout (metal_ptx) runs with only that limit waived (the lint and the type
     check's static_assert; the CPU emulator has no such limit); every other layer as usual."""
     import sys
 
@@ -494,7 +503,7 @@ def test_chunk_ut_mma_at_the_cuda_layout(monkeypatch):
     l[1] = -0.01  # weak decays: the whole chunk couples (A's far blocks matter)
     ins = {"Bt": -f(N, C, K) / np.sqrt(K), "U": f(N, C, K) / np.sqrt(K), "W": f(N, C, V), "logd": l}
     lay = cs.ut_mma_layout("cuda", C, K, V)
-    launch = ck.Launch(cs.ut_mma_source("metal"), (), (((N, C, C), "float32"), ((N, C, V), "float32"), ((N, C, K), "float32")),
+    launch = ck.Launch(cs.ut_mma_source("metal_ptx"), (), (((N, C, C), "float32"), ((N, C, V), "float32"), ((N, C, K), "float32")),
                        (N * 2 * C, 1, 1), (2 * C, 1, 1), (("C", C), ("K", K), ("V", V)) + tuple(lay.items()))
     for got, want in zip(verify.run_launch(launch, ins), _ut_ref(*(ins[k] for k in ("Bt", "U", "W", "logd")))):
         assert _rel(got, want) < 1e-5, _rel(got, want)
@@ -549,15 +558,16 @@ def _bwd_inputs(rng, N, C, K, delta, strong=True):
     return ins | ({"dMA": f(N, C, C), "Bt": f(N, C, K), "DR": f(N, C, K)} if delta else {})
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("C,K,delta,bw", [(16, 16, True, 32), (32, 40, True, 32), (32, 64, True, 16), (16, 24, False, 32),
                                           (32, 64, False, 32)])
-def test_chunk_bwd_mma_matches_numpy(C, K, delta, bw):
+def test_chunk_bwd_mma_matches_numpy(frame, C, K, delta, bw):
     """The backward's fragment pass after the scan (chunk_bwd_mma.j2) against float64: the delta rule's form and the
     diagonal one; keys in passes of BW columns (K = 40: five passes of 8; K = 64 at most 16: four), C / 16 groups
     owning rows, E read by rows and by columns; decays down to e^-20 a token and weak ones after strong ones; dM
     dense (its upper part must be ignored); the readout role scaled (Rs = 0.3)."""
     ins = _bwd_inputs(np.random.default_rng(C + K + delta), 2, C, K, delta)
-    launch = ck.bwd_mma_launch("metal", 2, C, K, ("float32",) * (3 if delta else 2), bw)
+    launch = ck.bwd_mma_launch(frame, 2, C, K, ("float32",) * (3 if delta else 2), bw)
     assert dict(launch.template)["BW"] == next(b for b in (bw, 16, 8) if b <= bw and K % b == 0)
     outs = verify.run_launch(launch, ins)
     want = _bwd_ref(ins, 0.3)
@@ -583,7 +593,7 @@ def test_chunk_bwd_mma_at_the_cuda_layout(monkeypatch):
     lay = cs.bwd_mma_layout("cuda", C, K, True)
     assert lay == {"BW": 32, "LD": 68, "LDB": 40, "XS": 7680} and cs.bwd_mma_layout("metal", C, K, True) is None
     types = ("bfloat16", "float32", "bfloat16")
-    launch = ck.Launch(cs.bwd_mma_source("metal", True), (), tuple(((N, C, K), t) for t in types) + (((N, C), "float32"),),
+    launch = ck.Launch(cs.bwd_mma_source("metal_ptx", True), (), tuple(((N, C, K), t) for t in types) + (((N, C), "float32"),),
                        (N * 2 * C, 1, 1), (2 * C, 1, 1), (("C", C), ("K", K)) + tuple(lay.items())
                        + tuple(zip(("RT", "UT", "BT"), types)))
     typed = ins | {k: mx.array(ins[k]).astype(mx.bfloat16) for k in ("R", "Bt")}

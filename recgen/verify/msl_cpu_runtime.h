@@ -145,6 +145,43 @@ inline bool simd_all(bool b, MSL_L) { return msl_emu::simd_exchange(b, line, [](
 inline bool simd_any(bool b, MSL_L) { return msl_emu::simd_exchange(b, line, [](uint, uint64_t a, auto get) {
   for (uint l = 0; l < 32; ++l) if ((a >> l & 1) && get(l)) return true; return false; }); }
 
+// simdgroup_matrix 8x8 (float): lane l holds thread_elements() = row fm, columns fn, fn + 1, the layout MLX's steel
+// kernels rely on (BaseMMAFrag::get_coord). simdgroup_multiply_accumulate gathers A and B from every lane (a SIMD-group
+// rendezvous that all 32 lanes must join, as on the GPU), and each lane keeps its own elements of A B + C.
+template <class T, int R, int C> struct simdgroup_matrix;  // only what the emulator models is defined
+template <> struct simdgroup_matrix<float, 8, 8> {
+  float2 e = float2(0.0f);
+  float2& thread_elements() { return e; }
+  const float2& thread_elements() const { return e; }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+inline void sg_coord(uint lane, int& fm, int& fn) {
+  const int qid = int(lane) / 4;
+  fm = (qid & 4) + (int(lane) / 2) % 4;
+  fn = (qid & 2) * 2 + (int(lane) % 2) * 2;
+}
+inline void simdgroup_multiply_accumulate(simdgroup_float8x8& d, const simdgroup_float8x8& a, const simdgroup_float8x8& b,
+                                          const simdgroup_float8x8& c, MSL_L) {
+  float A[8][8], B[8][8];
+  auto gather = [&](float2 mine, float (&M)[8][8]) {
+    msl_emu::simd_exchange(mine, line, [&](uint, uint64_t act, auto get) {
+      if (act != 0xffffffffull) msl_emu::fail("simdgroup_multiply_accumulate needs all 32 lanes of the SIMD group");
+      for (uint l = 0; l < 32; ++l) {
+        int fm, fn; sg_coord(l, fm, fn);
+        const float2 v = get(l);
+        M[fm][fn] = v[0]; M[fm][fn + 1] = v[1];
+      }
+      return mine; });
+  };
+  gather(a.e, A);
+  gather(b.e, B);
+  int fm, fn; sg_coord(msl_emu::tls->thread_index_in_simdgroup, fm, fn);
+  float2 r = c.e;
+  for (int j = 0; j < 2; ++j)
+    for (int k = 0; k < 8; ++k) r[j] += A[fm][k] * B[k][fn + j];
+  d.e = r;
+}
+
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 inline void threadgroup_barrier(mem_flags, MSL_L) {

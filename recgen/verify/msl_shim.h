@@ -80,6 +80,19 @@ int simd_and(int); uint simd_and(uint); int simd_or(int); uint simd_or(uint);
 int simd_xor(int); uint simd_xor(uint);
 bool simd_all(bool); bool simd_any(bool); bool simd_is_first();
 
+// simdgroup_matrix: 8x8 of float, half or bfloat; each lane's thread_elements() are two of them.
+template <class T, int R, int C> struct simdgroup_matrix {
+  typedef T elements __attribute__((ext_vector_type(2)));
+  simdgroup_matrix();
+  thread elements& thread_elements();
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+template <class T, class U, class V, class W>
+void simdgroup_multiply_accumulate(thread simdgroup_matrix<T, 8, 8>&, thread const simdgroup_matrix<U, 8, 8>&,
+                                   thread const simdgroup_matrix<V, 8, 8>&, thread const simdgroup_matrix<W, 8, 8>&);
+
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline mem_flags operator|(mem_flags a, mem_flags b);
 void threadgroup_barrier(mem_flags);

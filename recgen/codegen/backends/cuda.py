@@ -1,5 +1,5 @@
 """CUDA spellings (through mx.fast.cuda_kernel; NVRTC, C++17)."""
-from .dialect import Dialect
+from .dialect import PTX_FRAGMENTS, Dialect
 
 PRELUDE = """\
 __device__ __forceinline__ float rg_sigmoid(float x) { return 0.5f * (1.0f + tanhf(0.5f * x)); }
@@ -38,6 +38,6 @@ CUDA = Dialect(
          "Max": "fmaxf", "Min": "fminf", "sign": "rg_sign", "Heaviside": "rg_heaviside", "sin": "sinf", "cos": "cosf"},
     dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"},
     prelude=PRELUDE,
-    mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE,
+    mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE, frag=PTX_FRAGMENTS,
     standalone_dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}, restrict=" __restrict__",
 )

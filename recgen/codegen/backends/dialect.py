@@ -8,6 +8,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True)
+class Fragments:
+    """Where a lane holds its parts of the 16x8x8 fragment multiply-add D += A B (``Dialect.mma``), as the templates'
+    index expressions: every fragment frame indexes its operands through these, so one frame serves each layout.
+    ``gq`` and ``tq`` are expressions of ``lane`` declared once per kernel; D's four elements are always rows gq,
+    gq + 8 by columns 2 tq, 2 tq + 1 (in that order); A's element i (16x8) sits at row offset ``a_row[i]`` and
+    column ``a_k[i]`` (of the k0 .. k0 + 7 being contracted), of which there are two per lane, ``a_ks``, element i
+    reading ``a_ks[a_kpair[i]]``; B's element j (8x8) at row ``b_row[j]``, column ``b_col[j]``. ``row_xor``: the lane
+    masks that join the lanes holding one row of D. Offsets are spelled " + expr" (or "" for 0)."""
+
+    gq: str
+    tq: str
+    a_row: tuple
+    a_kpair: tuple
+    a_ks: tuple
+    b_row: tuple
+    b_col: tuple
+    row_xor: tuple
+
+    @property
+    def a_k(self) -> tuple:
+        return tuple(self.a_ks[i] for i in self.a_kpair)
+
+
+# PTX m16n8k8 (CUDA's tensor cores): A[gq][tq], A[gq+8][tq], A[gq][tq+4], A[gq+8][tq+4]; B[tq][gq], B[tq+4][gq].
+PTX_FRAGMENTS = Fragments(gq="lane >> 2", tq="lane & 3", a_row=("", " + 8", "", " + 8"), a_kpair=(0, 0, 1, 1),
+                          a_ks=(" + tq", " + tq + 4"), b_row=(" + tq", " + tq + 4"), b_col=(" + gq", " + gq"),
+                          row_xor=(1, 2))
+# Metal's simdgroup_matrix 8x8 (the lane layout MLX's steel kernels rely on, BaseMMAFrag::get_coord: lane holds row
+# fm, columns fn, fn + 1 of each 8x8, fm = (qid & 4) + (lane / 2) % 4, fn = (qid & 2) * 2 + (lane % 2) * 2 with
+# qid = lane / 4): A 16x8 as its top and bottom 8x8 matrices, gq = fm and tq = fn / 2.
+SIMDGROUP_FRAGMENTS = Fragments(gq="((lane >> 2) & 4) + ((lane >> 1) & 3)", tq="((lane >> 2) & 2) + (lane & 1)",
+                                a_row=("", "", " + 8", " + 8"), a_kpair=(0, 1, 0, 1), a_ks=(" + 2 * tq", " + 2 * tq + 1"),
+                                b_row=(" + gq", " + gq"), b_col=(" + 2 * tq", " + 2 * tq + 1"), row_xor=(1, 8))
+
+
 @dataclass(frozen=True, eq=False)  # one table per backend: identity is equality, and it hashes for caches
 class Dialect:
     name: str
@@ -28,10 +64,11 @@ class Dialect:
     dtypes: dict                  # numpy-style dtype name -> emitted type name
     prelude: str                  # helper functions (gates) pasted into the kernel header
     # One 16x8x8 fragment multiply-add D += A B across a SIMD group, every lane holding its part of
-    # each fragment in the PTX m16n8k8 layout (chunk_scan_mma.j2 spells it out): {acc} float[4] of D,
-    # {a} float[4] of A, {b} float[2] of B, {lane} the lane index. ``mma_prelude`` defines it.
+    # each fragment where ``frag`` says: {acc} float[4] of D, {a} float[4] of A, {b} float[2] of B, {lane} the
+    # lane index. ``mma_prelude`` defines it.
     mma: str
     mma_prelude: str
+    frag: Fragments
     standalone_dtypes: dict       # dtype name -> buffer element type in a standalone source (``recgen emit``)
     constant_space: str = ""      # address space of small read-only buffers in a standalone signature
     restrict: str = ""            # pointer qualifier of buffers in a standalone signature

@@ -1,5 +1,7 @@
 """Metal Shading Language spellings (through mx.fast.metal_kernel)."""
-from .dialect import Dialect
+from dataclasses import replace
+
+from .dialect import PTX_FRAGMENTS, SIMDGROUP_FRAGMENTS, Dialect
 
 # NOTE: MSL has no log1p; softplus uses log(1 + e) on the non-positive branch, where e <= 1.
 PRELUDE = """\
@@ -9,11 +11,27 @@ inline float rg_logsigmoid(float x) { return -rg_softplus(-x); }
 inline float rg_heaviside(float x, float at0) { return x > 0.0f ? 1.0f : (x < 0.0f ? 0.0f : at0); }
 """
 
-# A reference spelling of the 16x8x8 fragment multiply-add in the PTX m16n8k8 layout, by SIMD
-# shuffles in FP32: correct on any Apple GPU but slow, so the tuning keeps the FMA scan there; it lets the
-# CPU emulator verify the layout-dependent indexing of chunk_scan_mma.j2 that CUDA runs on tensor
-# cores. (simdgroup_matrix keeps its 8x8 layout opaque, so it cannot stand in for these fragments.)
+# The 16x8x8 fragment multiply-add on the SIMD group's matrix unit: A as its top and bottom 8x8 simdgroup_matrix
+# halves, one B, two multiply-accumulates (SIMDGROUP_FRAGMENTS: the lane layout of each 8x8's thread_elements()).
 MMA_PRELUDE = """\
+inline void rg_mma(thread float* d, thread const float* a, thread const float* b, uint lane) {
+  metal::simdgroup_float8x8 a0, a1, bm, d0, d1;
+  a0.thread_elements()[0] = a[0]; a0.thread_elements()[1] = a[1];
+  a1.thread_elements()[0] = a[2]; a1.thread_elements()[1] = a[3];
+  bm.thread_elements()[0] = b[0]; bm.thread_elements()[1] = b[1];
+  d0.thread_elements()[0] = d[0]; d0.thread_elements()[1] = d[1];
+  d1.thread_elements()[0] = d[2]; d1.thread_elements()[1] = d[3];
+  metal::simdgroup_multiply_accumulate(d0, a0, bm, d0);
+  metal::simdgroup_multiply_accumulate(d1, a1, bm, d1);
+  d[0] = d0.thread_elements()[0]; d[1] = d0.thread_elements()[1];
+  d[2] = d1.thread_elements()[0]; d[3] = d1.thread_elements()[1];
+}
+"""
+
+# A reference spelling of the same multiply-add in CUDA's PTX m16n8k8 layout, by SIMD shuffles in FP32: the
+# ``metal_ptx`` dialect, which no op runs; the CPU emulator runs the fragment frames in it so that their indexing
+# in CUDA's layout is checked too, without a GPU.
+PTX_SHUFFLE_PRELUDE = """\
 inline void rg_mma(thread float* d, thread const float* a, thread const float* b, uint lane) {
   const uint gq = lane >> 2, tq = lane & 3;
   for (uint k = 0; k < 8; ++k) {
@@ -41,6 +59,8 @@ METAL = Dialect(
          "sin": "metal::sin", "cos": "metal::cos"},
     dtypes={"float32": "float", "float16": "half", "bfloat16": "bfloat16_t"},
     prelude=PRELUDE,
-    mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE,
+    mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE, frag=SIMDGROUP_FRAGMENTS,
     standalone_dtypes={"float32": "float", "float16": "half", "bfloat16": "bfloat"}, constant_space="constant ",
 )
+
+METAL_PTX = replace(METAL, name="metal_ptx", mma_prelude=PTX_SHUFFLE_PRELUDE, frag=PTX_FRAGMENTS)

@@ -22,7 +22,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   // (r = Rs R: the readout role as the forward scaled it; dR = Rs dr is written, the gradient of R). These are
   // the core's elementwise tail and its pair gradients, some forty MLX ops over [.., C, K] before: one pass here,
   // every output written once in its role's type, Gamma from sums anchored at s (never a difference of sums).
-  // Fragments as in chunk_scan_mma.j2 (PTX m16n8k8: gq = lane / 4, tq = lane % 4); SIMD group w owns rows
+  // Fragments as in chunk_scan_mma.j2 (the dialect's lane layout, gq and tq from the lane); SIMD group w owns rows
   // 16 w .. 16 w + 15 of every output, so a row's sums over K stay in one group (no cross-group reduction but
   // the one scalar of dG_{C-1}). Keys in passes of BW columns: U, r staged per pass, and this lane's elements
   // of DUQ, DRP loaded before the pass's products, so their latency overlaps the staging (fewer, wider

@@ -19,9 +19,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   // are linear in r, so the constant scales M and e^{G} once, not every element of R). M = (r U^T) * Gamma
   // is formed in threadgroup memory. One threadgroup: one chunk, BV value columns;
   // SIMD group w owns rows 16 w .. 16 w + 15 (C / 16 groups), so it needs M's columns s < 16 (w + 1) only.
-  // Fragments as in chunk_scan_mma.j2 (PTX m16n8k8: gq = lane / 4, tq = lane % 4):
-  //   A (16x8): A[gq][tq], A[gq+8][tq], A[gq][tq+4], A[gq+8][tq+4]      B (8x8): B[tq][gq], B[tq+4][gq]
-  //   D (16x8): D[gq][2tq], D[gq][2tq+1], D[gq+8][2tq], D[gq+8][2tq+1]
+  // Fragments as in chunk_scan_mma.j2 (the dialect's lane layout, gq and tq from the lane):
+  //   D (16x8): D[gq][2tq], D[gq][2tq+1], D[gq+8][2tq], D[gq+8][2tq+1]; A and B where _fragments.j2 puts them
   // Every operand reaches its fragments through threadgroup memory, staged KB rows or columns at a time by
   // coalesced loads (fragment loads straight from memory touch 4-8 cache lines each: the kernel was bound by
   // them). M is also written out (the backward's residual), by the first threadgroup of columns.

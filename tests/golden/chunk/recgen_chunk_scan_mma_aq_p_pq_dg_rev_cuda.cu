@@ -20,9 +20,9 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   //   and dg_c = rowsum(carried_c * St_c) (St: states given), as partial sums per threadgroup of columns
   // (chunks in reverse order). One threadgroup: one (batch, head), BV value
   // columns, NW SIMD groups. Products are 16x8x8 fragment multiply-adds, D += A B, each lane holding
-  // a fixed part of every fragment (the PTX m16n8k8 layout; gq = lane / 4, tq = lane % 4):
-  //   A (16x8): A[gq][tq], A[gq+8][tq], A[gq][tq+4], A[gq+8][tq+4]      B (8x8): B[tq][gq], B[tq+4][gq]
+  // a fixed part of every fragment (the dialect's layout: gq, tq from the lane):
   //   D (16x8): D[gq][2tq], D[gq][2tq+1], D[gq+8][2tq], D[gq+8][2tq+1]
+  //   A (16x8): rows gq, gq + 8 and B (8x8) where the layout puts them (_fragments.j2's a_el, b_el)
   // Group w keeps state rows 16 (w RBS + rb) .. + 15 of the tile in registers as D fragments, so the
   // decay and E act in place; Y_c = X_c + A_c S reads S from its threadgroup copy as B fragments
   // (row stride LD = BV + pad, LD = 8 or 24 mod 32: the 4 rows x 8 columns of a B fragment hit 32

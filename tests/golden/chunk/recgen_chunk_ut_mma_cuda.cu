@@ -20,7 +20,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   // substitution, then block levels on fragments), and Tm is applied from threadgroup memory; only Tm, Uw, Wb are
   // written out. (Forward substitution over the whole chunk, thread j owning column j, left the kernel waiting on
   // its C^2 / 2-step chains.)
-  // Fragments as in chunk_scan_mma.j2 (PTX m16n8k8: gq = lane / 4, tq = lane % 4); SIMD group w owns rows
+  // Fragments as in chunk_scan_mma.j2 (the dialect's lane layout, gq and tq from the lane); SIMD group w owns rows
   // 16 w .. 16 w + 15 of A and of the products (C / 16 groups). Operands are staged through threadgroup memory
   // by coalesced loads. Template constants: C (16, 32 or 64), K, V (multiples of 8), BW (columns a pass of
   // the products, dividing K and V), KB (staging depth, dividing C and K), LD (row stride of A and Tm), LDA (of
@@ -72,7 +72,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
         for (int j = 0; j < C / 8; ++j) {
           if (8 * j < r0 + 16) {  // U^T as B fragments: B[k][s] = U[s][k]
-            const float b_[2] = {Xs_[C * LDA + (8 * j + gq) * LDA + kk + tq], Xs_[C * LDA + (8 * j + gq) * LDA + kk + tq + 4]};
+            const float b_[2] = {Xs_[(C + 8 * j + gq) * LDA + kk + tq], Xs_[(C + 8 * j + gq) * LDA + kk + tq + 4]};
             rg_mma(m_[j], a_, b_, lane);
           }
         }
@@ -111,13 +111,15 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
         float x_[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         for (int k0 = 0; k0 < m; k0 += 8) {
           if (step == 0) {  // X = A21 T11: A21 rows o + m + 16 rb .., T11 rows o + k ..
-            const int ra = o + m + 16 * rb + gq, ca = o + k0 + tq;
-            const float a_[4] = {As_[ra * LD + ca], As_[(ra + 8) * LD + ca], As_[ra * LD + ca + 4], As_[(ra + 8) * LD + ca + 4]};
+            const int ra = o + m + 16 * rb + gq;
+            const float a_[4] = {As_[(ra) * LD + o + k0 + tq], As_[(ra + 8) * LD + o + k0 + tq],
+                                 As_[(ra) * LD + o + k0 + tq + 4], As_[(ra + 8) * LD + o + k0 + tq + 4]};
             const float b_[2] = {Ts_[(o + k0 + tq) * LD + o + 8 * ct + gq], Ts_[(o + k0 + tq + 4) * LD + o + 8 * ct + gq]};
             rg_mma(x_, a_, b_, lane);
           } else {  // T21 = T22 X: T22 rows o + m + 16 rb .., columns o + m + k
-            const int ra = o + m + 16 * rb + gq, ca = o + m + k0 + tq;
-            const float a_[4] = {Ts_[ra * LD + ca], Ts_[(ra + 8) * LD + ca], Ts_[ra * LD + ca + 4], Ts_[(ra + 8) * LD + ca + 4]};
+            const int ra = o + m + 16 * rb + gq;
+            const float a_[4] = {Ts_[(ra) * LD + o + m + k0 + tq], Ts_[(ra + 8) * LD + o + m + k0 + tq],
+                                 Ts_[(ra) * LD + o + m + k0 + tq + 4], Ts_[(ra + 8) * LD + o + m + k0 + tq + 4]};
             const float b_[2] = {Xs_[(p * m + k0 + tq) * ldx + 8 * ct + gq], Xs_[(p * m + k0 + tq + 4) * ldx + 8 * ct + gq]};
             rg_mma(x_, a_, b_, lane);
           }
