@@ -217,16 +217,23 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     assert kinds == want, kinds
 
 
-@pytest.mark.parametrize("name,want", [
-    ("gated_delta_net", {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
-                         "recgen_chunk_out_mma_yt", "recgen_chunk_bwd_mma_delta"}),
-    ("simple_gla", {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
-                    "recgen_chunk_bwd_mma"})])
-def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
+@pytest.mark.parametrize("name,K,want", [
+    ("gated_delta_net", 16, {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
+                             "recgen_chunk_out_mma_yt", "recgen_chunk_bwd_mma_delta"}),
+    ("simple_gla", 16, {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
+                        "recgen_chunk_bwd_mma"}),
+    ("kda", 32, {"recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt",
+                 "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"}),
+    ("gla", 32, {"recgen_chunk_pair", "recgen_chunk_scan_mma_noa", "recgen_chunk_out_mma_key_yt",
+                 "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})])
+def test_chunked_core_with_mma_scan_matches_reference(name, K, want, monkeypatch):
     """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
     backward; GDN's backward taking E = (r ⊙ P)ᵀ dy as its factors), the readout and the backward's pass after
-    its scan in place of the inverse kernel, the FMA scans and MLX's products: K = 16 (one group), V = 8 (one column tile), chunk 16, a
-    partial last chunk; forward, final state and every gradient against the float64 reference."""
+    its scan in place of the inverse kernel, the FMA scans and MLX's products; for a key-vector decay (kda, gla) the
+    pair kernels form A and M_ru and the UT transform and readout take them formed with P per key element
+    (``chunk_ut_key``, ``chunk_out_key``). K = 16 (one group) or 32 (a slab of the pair kernels), V = 8 (one column
+    tile), chunk 16, GQA, a partial last chunk, strong decays; forward, final state and every gradient against the
+    float64 reference."""
     pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare
@@ -234,29 +241,7 @@ def test_chunked_core_with_mma_scan_matches_reference(name, want, monkeypatch):
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True)
-    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=9, tuning=t))
-    kinds = {c.split("_metal")[0] for c in calls}
-    assert kinds == want, kinds
-
-
-@pytest.mark.parametrize("name,want", [
-    ("kda", {"recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt",
-             "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"}),
-    ("gla", {"recgen_chunk_pair", "recgen_chunk_scan_mma_noa", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_nob_e_rev",
-             "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})])
-def test_key_decay_core_on_the_fragment_frames(name, want, monkeypatch):
-    """A key-vector decay's chunked core on the fragment frames: the pair kernels form A and M_ru, the UT transform
-    (kda) and the readout take them formed with P per key element (``chunk_ut_key``, ``chunk_out_key``); K = 32
-    (a slab of the pair kernels), GQA, a partial last chunk, strong decays: forward, final state and every gradient
-    against the float64 reference."""
-    pytest.importorskip("mlx.core")
-    from recgen import specs
-    from test_chunked import assert_close, compare
-
-    calls = []
-    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True)
-    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=32, V=8, seed=4, tuning=t))
+    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=K, V=8, seed=9 if K == 16 else 4, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
     assert kinds == want, kinds
 
@@ -688,6 +673,18 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     outs = verify.run_launch(ck.ut_mma_launch("metal", 2, 32, 16, 8), ut, sanitizer=sanitizer)
     for got, want in zip(outs, _ut_ref(*(ut[k] for k in ("Bt", "U", "W", "logd")))):
         assert _rel(got, want) < 1e-5
+    P = np.exp(np.cumsum(-f(2, 32, 16) ** 2, 1)).astype(np.float32)  # a key-vector decay's UT and readout kernels
+    A = np.tril(f(2, 32, 32), -1) / 8
+    outs = verify.run_launch(ck.ut_mma_launch("metal", 2, 32, 16, 8, key=True),
+                             {"Ai": A, "W": ut["W"], "Bt": ut["Bt"], "Pk": P}, sanitizer=sanitizer)
+    T = np.linalg.inv(np.eye(32) - A.astype(np.float64))
+    for got, want in zip(outs, (T, T @ ut["W"], T @ (ut["Bt"] * P))):
+        assert _rel(got, want) < 1e-5
+    M = np.tril(f(2, 32, 32))
+    (y,) = verify.run_launch(ck.out_mma_launch("metal", 2, 32, 16, 8, key=True),
+                             {"R": ro["R"], "Mi": M, "Z": ro["Z"], "St": ro["St"], "Pk": P, "Rs": ro["Rs"]},
+                             sanitizer=sanitizer)
+    assert _rel(y, (ro["R"].astype(np.float64) * P) @ ro["St"] + M @ ro["Z"]) < 1e-5
     kt = {"R": f(2, 8, 40), "U": f(2, 8, 40), "Bt": f(2, 8, 40), "L": -f(2, 8, 40) ** 2, "DRX": f(2, 8, 40),
           "DUX": f(2, 8, 40), "DBX": f(2, 8, 40), "DRP": f(2, 8, 40), "DUQ": f(2, 8, 40), "DR": f(2, 8, 40),
           "DG": f(2, 40), "Rs": np.ones(1, np.float32)}  # the key-decay tail: a partial second group of columns
