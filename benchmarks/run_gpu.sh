@@ -7,6 +7,7 @@
 #   SPECS="kda gla" bash benchmarks/run_gpu.sh ab:RECGEN_FUSED_BWD:4,4096,16,128  # a switch off, then on, one call
 #   AB_VALUES="32 16" bash benchmarks/run_gpu.sh ab:RECGEN_SCAN_BV:4,4096,16,128  # or any values of a variable
 #   SPECS=rwkv7 AB_VALUES="cuda mlx" bash benchmarks/run_gpu.sh ab:RECGEN_BACKEND:4,4096,16,128  # kernels / chunked
+#   SPECS="kda gla rwkv7" bash benchmarks/run_gpu.sh ab:RECGEN_MMA_PAIRS:4,4096,16,128  # pair kernels on fragments
 # Timings are `recgen bench` (chained calls, the op's defaults; recgen/bench.py says how) and FLA in the same call.
 # `check` is the GPU test suite (python -m pytest -m gpu, in shards). Expects the offline bundle (.gpu-bundle,
 # built outside the repo) to be carried along.

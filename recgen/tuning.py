@@ -56,6 +56,7 @@ class Tuning:
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (not measured yet: off)
+    mma_pairs: bool = False         # the key-decay pair kernels' earlier blocks on fragments (not measured yet: off)
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
@@ -126,6 +127,7 @@ ENVIRONMENT = {
     "RECGEN_BWD_BW": ("bwd_bw", int),
     "RECGEN_SCAN_BV": ("scan_bv", int),
     "RECGEN_SCAN_PREFETCH": ("scan_prefetch", _flag),
+    "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),

@@ -217,30 +217,35 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     assert kinds == want, kinds
 
 
-@pytest.mark.parametrize("name,K,want", [
-    ("gated_delta_net", 16, {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
-                             "recgen_chunk_out_mma_yt", "recgen_chunk_bwd_mma_delta"}),
-    ("simple_gla", 16, {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
-                        "recgen_chunk_bwd_mma"}),
-    ("kda", 32, {"recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt",
-                 "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"}),
-    ("gla", 32, {"recgen_chunk_pair", "recgen_chunk_scan_mma_noa", "recgen_chunk_out_mma_key_yt",
-                 "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})])
-def test_chunked_core_with_mma_scan_matches_reference(name, K, want, monkeypatch):
+@pytest.mark.parametrize("name,K,pairs,want", [
+    ("gated_delta_net", 16, False, {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
+                                    "recgen_chunk_out_mma_yt", "recgen_chunk_bwd_mma_delta"}),
+    ("simple_gla", 16, False, {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
+                               "recgen_chunk_bwd_mma"}),
+    ("kda", 32, False, {"recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma",
+                        "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual",
+                        "recgen_chunk_bwd_key_delta"}),
+    ("kda", 32, True, {"recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma",
+                       "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual",
+                       "recgen_chunk_bwd_key_delta"}),
+    ("gla", 32, True, {"recgen_chunk_pair_mma", "recgen_chunk_scan_mma_noa", "recgen_chunk_out_mma_key_yt",
+                       "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})])
+def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monkeypatch):
     """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
     backward; GDN's backward taking E = (r ⊙ P)ᵀ dy as its factors), the readout and the backward's pass after
     its scan in place of the inverse kernel, the FMA scans and MLX's products; for a key-vector decay (kda, gla) the
     pair kernels form A and M_ru and the UT transform and readout take them formed with P per key element
-    (``chunk_ut_key``, ``chunk_out_key``). K = 16 (one group) or 32 (a slab of the pair kernels), V = 8 (one column
-    tile), chunk 16, GQA, a partial last chunk, strong decays; forward, final state and every gradient against the
-    float64 reference."""
+    (``chunk_ut_key``, ``chunk_out_key``), with the pairs' earlier blocks on fragments where ``pairs``
+    (``Tuning.mma_pairs``). K = 16 (one group) or 32 (a slab of the pair kernels), V = 8 (one column tile), chunk 16,
+    GQA, a partial last chunk, strong decays; forward, final state and every gradient against the float64
+    reference."""
     pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare
 
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True)
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, mma_pairs=pairs)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=K, V=8, seed=9 if K == 16 else 4, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
     assert kinds == want, kinds
@@ -702,6 +707,8 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     assert _rel(T, np.linalg.inv(np.eye(C) - L.astype(np.float64))) < 1e-4
     pa = {"X": f(2, 48, 64), "Y": f(2, 48, 64), "dk": np.exp(-f(2, 48, 64) ** 2)}  # 3 blocks, 2 slabs
     (M,) = verify.run_launch(ck.pair_launch("metal", 2, 48, 64, True), pa, sanitizer=sanitizer)
+    (Mf,) = verify.run_launch(ck.pair_launch("metal", 2, 48, 64, True, mma=True), pa, sanitizer=sanitizer)  # fragments
+    assert _rel(Mf, M) < 1e-5
     assert _rel(M, _pair_ref(pa["X"], pa["Y"], pa["dk"], True)) < 1e-5
     dM = np.tril(f(2, 48, 48))
     dX, dY = verify.run_launch(ck.pair_launch("metal", 2, 48, 64, False, grad=True), pa | {"dM": dM},
@@ -782,6 +789,30 @@ def test_dual_pair_kernels_match_numpy(C, K, strict):
     assert _rel(dY, want) < 1e-5
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
+@pytest.mark.parametrize("C,K,strict,dual", [(64, 32, True, False), (48, 64, False, False), (64, 64, True, True),
+                                             (16, 32, False, True)])
+def test_pair_kernels_on_fragments_match_numpy(frame, C, K, strict, dual):
+    """The pair kernels' forward with the earlier blocks on fragment multiply-adds (``mma``): 16-token blocks, items
+    (block, 8-column tile) round-robin over 4 SIMD groups (C = 64: 6 items of block 3, 2 a group), one slab or two,
+    single and dual; decays down to e^-20 and some exactly 0, against float64."""
+    rng = np.random.default_rng(C + K + 2 * strict + dual)
+    N = 2
+    X, X2, Y = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(3))
+    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
+    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
+    ins = {"X": X, "Y": Y, "dk": dk} | ({"X2": X2} if dual else {})
+    launch = ck.pair_launch(frame, N, C, K, strict, dual=dual, mma=True)
+    assert launch.source.name.split(f"_{frame}_")[0].endswith("_mma")
+    outs = verify.run_launch(launch, ins)
+    wants = [_pair_ref(X, Y, dk, strict)] + ([_pair_ref(X2, Y, dk, False)] if dual else [])
+    assert len(outs) == len(wants)
+    for got, want in zip(outs, wants):
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ck.pair_launch(frame, N, 8, K, strict, mma=True)
+
+
 @pytest.mark.parametrize("D,gqa", [(4, "block"), (64, "block"), (16, "tile")])
 def test_sympow_kernels_match_numpy(D, gqa):
     """φ = sympow(x) [B, T, Hk, D] -> [B, H, T, D(D + 1)/2] (value heads expanded: two a key head, in blocks or
@@ -820,7 +851,7 @@ def fresh_probe():
     pr._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma"])
+@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass."""
     monkeypatch.setattr(ck, "mlx_call", _emulated_call)
@@ -858,6 +889,13 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
     with pytest.warns(RuntimeWarning, match="fused backward"):
         c = pr.checked(t)
     assert c.chunk_kernels and c.mma_scan and not c.fused_bwd  # only the backward's tail falls back
+    pr.checked.cache_clear()
+    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "pairs" else None)
+    assert pr.checked(t).mma_pairs is False  # not asked for: not probed, stays off
+    pairs = tuning.resolve("gpu", "cuda", environ={"RECGEN_MMA_PAIRS": "1"})
+    with pytest.warns(RuntimeWarning, match="pair kernels on fragments"):
+        c = pr.checked(pairs)
+    assert c.chunk_kernels and c.mma_scan and not c.mma_pairs  # only the pairs' fragments fall back
     pr.checked.cache_clear()
     pr._failed.clear()
     monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "base" else None)

@@ -184,12 +184,14 @@ def _pair_suffix(strict: bool, dual: bool) -> str:
 
 
 @lru_cache(maxsize=None)
-def pair_source(dialect: str, strict: bool, dual: bool = False) -> KernelSource:
-    """M of X (pairs s < t where ``strict``); ``dual``: also M2 of X2 (s <= t) beside M of X."""
+def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False) -> KernelSource:
+    """M of X (pairs s < t where ``strict``); ``dual``: also M2 of X2 (s <= t) beside M of X; ``mma``: the earlier
+    blocks' products on fragment multiply-adds (blocks of 16 tokens, ``pair_layout``'s FI)."""
+    d = get(dialect)
     ins = ("X", "X2", "Y", "dk", "rt") if dual else ("X", "Y", "dk", "rt")
-    return _source(get(dialect), "chunk_pair.j2", "pair" + _pair_suffix(strict, dual),
+    return _source(d, "chunk_pair.j2", "pair" + _pair_suffix(strict, dual) + ("_mma" if mma else ""),
                    "key-vector decay pair matrix of a chunk", ins, ("M", "M2") if dual else ("M",), (),
-                   strict=strict, dual=dual)
+                   helpers=d.mma_prelude if mma else "", strict=strict, dual=dual, mma=mma)
 
 
 @lru_cache(maxsize=None)
@@ -366,6 +368,11 @@ def pair_supported(dialect: str, C: int, K: int, dual: bool = False) -> bool:
     except ValueError:
         return False
     return True
+
+
+def pair_fragments(C: int) -> bool:
+    """Whether the pair kernel's earlier blocks can run on fragments: blocks of 16 tokens (C a multiple of 16)."""
+    return C >= 16 and C % 16 == 0
 
 
 @lru_cache(maxsize=None)

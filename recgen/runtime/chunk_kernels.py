@@ -14,7 +14,8 @@ from functools import lru_cache
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, inverse_source, scan_prefetches, out_mma_layout, out_mma_source,
-                                     pair_grad_source, pair_layout, pair_source, scan_layout, scan_mma_layout,
+                                     pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
+                                     scan_mma_layout,
                                      scan_source, sympow_layout, sympow_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..spec.features import sympow_pairs
@@ -156,11 +157,17 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple) -> Launch
 
 
 @lru_cache(maxsize=256)
-def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False) -> Launch:
+def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False,
+                mma: bool = False) -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
-    operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``)."""
-    lay = pair_layout(dialect, C, K, dual)
-    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual)
+    operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
+    ``mma``: the forward's earlier blocks on fragments (C a multiple of 16: ``pair_fragments``)."""
+    lay = dict(pair_layout(dialect, C, K, dual))
+    if mma:
+        if grad or not pair_fragments(C):
+            raise ValueError(f"chunk_pair: fragments take the forward at C a multiple of 16 (C={C}, grad={grad})")
+        lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
+    src = pair_grad_source(dialect, strict, dual) if grad else pair_source(dialect, strict, dual, mma)
     groups = N * lay["NB"] * (2 if grad else 1)
     nout = (3 if dual else 2) if grad else (2 if dual else 1)
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * nout
@@ -352,10 +359,16 @@ def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=No
     return dr, du, (outs[2].reshape(bt.shape) if delta else None), outs[-1].reshape(l.shape)
 
 
+def pairs_on_fragments(t: Tuning, C: int) -> bool:
+    """Whether the pair kernels' forward runs its earlier blocks on fragments (``Tuning.mma_pairs``, with the
+    fragment frames on)."""
+    return t.mma_scan and t.mma_pairs and pair_fragments(C)
+
+
 def pair(X, Y, dk, strict: bool, t: Tuning):
     """M [.., C, C] of the key-vector decay pair (see chunk_pair.j2) from X, Y, per-token decays dk [.., C, K]."""
     N, (C, K) = _lead(X, 2), X.shape[-2:]
-    (M,) = _call(t, pair_launch(t.dialect, N, C, K, strict),
+    (M,) = _call(t, pair_launch(t.dialect, N, C, K, strict, mma=pairs_on_fragments(t, C)),
                     [X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)])
     return M.reshape(*X.shape[:-1], C)
 
@@ -373,7 +386,7 @@ def pair_dual(X, X2, Y, dk, t: Tuning, strict: bool = True):
     rule's A and M_ru)."""
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     lay = (N, C, K)
-    M, M2 = _call(t, pair_launch(t.dialect, N, C, K, strict, dual=True),
+    M, M2 = _call(t, pair_launch(t.dialect, N, C, K, strict, dual=True, mma=pairs_on_fragments(t, C)),
                   [X.reshape(lay), X2.reshape(lay), Y.reshape(lay), dk.reshape(lay)])
     return M.reshape(*X.shape[:-1], C), M2.reshape(*X.shape[:-1], C)
 

@@ -38,6 +38,9 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
             changes.update(chunk_kernels=False)
         if changes.get("chunk_kernels", True) and t.fused_bwd and not usable(t.dialect, "tail", sizes):
             changes.update(fused_bwd=False)  # the backward's tail in MLX ops; the rest of the kernels stay
+        if (changes.get("chunk_kernels", True) and changes.get("mma_scan", t.mma_scan) and t.mma_pairs
+                and not usable(t.dialect, "pairs", sizes)):
+            changes.update(mma_pairs=False)  # the pair kernels' FMA form
     return replace(t, **changes) if changes else t
 
 
@@ -69,16 +72,18 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     constants of the common case (C = 64, K = V = 128: the very kernels a model then uses, so nothing is
     compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
     ``frame``: "base" (the inverse, the key-decay pair, the sympow feature map), "tail" (the key-decay backward
-    tail), "scan" (the FMA scan) or "mma" (the fragment scan as the forward runs it, B in bf16 with its rows scaled
-    as read; the readout in both output layouts, bf16 in the model's; the UT transform; a key-vector decay's UT
-    transform and readout; the backward's pass after the scan). A GPU whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say) then
-    keeps MLX ops, or the FMA scan, instead of raising from inside every chunked call; a failing "tail" turns only
-    the fused backward off."""
+    tail), "pairs" (the key-decay pair kernels' forward on fragments, probed where the tuning asks for it), "scan"
+    (the FMA scan) or "mma" (the fragment scan as the forward runs it, B in bf16 with its rows scaled as read; the
+    readout in both output layouts, bf16 in the model's; the UT transform; a key-vector decay's UT transform and
+    readout; the backward's pass after the scan). A GPU whose compiler rejects a frame (an old CUDA architecture
+    without TF32 fragments, say) then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked
+    call; a failing "tail" turns only the fused backward off, a failing "pairs" only the pairs' fragments."""
     import mlx.core as mx
     import numpy as np
 
     rng = np.random.default_rng(0)
-    t = resolve("gpu", dialect, environ={}, chunk_kernels=True, mma_scan=frame == "mma")
+    t = resolve("gpu", dialect, environ={}, chunk_kernels=True, mma_scan=frame in ("mma", "pairs"),
+                mma_pairs=frame == "pairs")
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
     try:
@@ -88,6 +93,15 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             got = [ck.tril_inverse(f32(L), t), ck.pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, t),
                    ck.sympow_fn(t, 1, "block")(f32(Xp[:, :2, None, :16]))[0, 0]]
             ref = [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None], sympow(Xp[0, :2, :16])]
+        elif frame == "pairs":  # the key-decay pair kernels' forward on fragments (dual: A strict, M_ru)
+            X, X2, Y = rng.normal(size=(3, 1, C, K))
+            dk = np.exp(-0.5 * rng.uniform(size=(1, C, K)))
+            G = np.cumsum(np.log(dk[0]), 0)
+            ts = np.arange(C)[:, None, None] - np.arange(C)[None, :, None]  # t - s
+            gam = np.exp(G[:, None, :] - G[None, :, :]) * (ts >= 0)
+            ref = [np.einsum("ti,si,tsi->ts", X[0], Y[0], gam * (ts > 0))[None],
+                   np.einsum("ti,si,tsi->ts", X2[0], Y[0], gam)[None]]
+            got = list(ck.pair_dual(f32(X), f32(X2), f32(Y), f32(dk), t, strict=True))
         elif frame == "tail":  # the key-decay backward tail (delta rule), decay e^-0.1 a token
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             got, ref = [], []
@@ -179,6 +193,7 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
     if err is not None and (dialect, frame) not in _failed:
         _failed.add((dialect, frame))
         what = {"mma": "the fragment scan (the FMA scan is used)",
+                "pairs": "the pair kernels on fragments (their FMA form is used)",
                 "tail": "the fused backward (MLX ops are used for it)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
     return err is None

@@ -40,7 +40,8 @@ PTX_FRAGMENTS = Fragments(gq="lane >> 2", tq="lane & 3", a_row=("", " + 8", "", 
 # fm, columns fn, fn + 1 of each 8x8, fm = (qid & 4) + (lane / 2) % 4, fn = (qid & 2) * 2 + (lane % 2) * 2 with
 # qid = lane / 4): A 16x8 as its top and bottom 8x8 matrices, gq = fm and tq = fn / 2.
 SIMDGROUP_FRAGMENTS = Fragments(gq="((lane >> 2) & 4) + ((lane >> 1) & 3)", tq="((lane >> 2) & 2) + (lane & 1)",
-                                a_row=("", "", " + 8", " + 8"), a_kpair=(0, 1, 0, 1), a_ks=(" + 2 * tq", " + 2 * tq + 1"),
+                                a_row=("", "", " + 8", " + 8"), a_kpair=(0, 1, 0, 1),
+                                a_ks=(" + 2 * tq", " + 2 * tq + 1"),
                                 b_row=(" + gq", " + gq"), b_col=(" + 2 * tq", " + 2 * tq + 1"), row_xor=(1, 8))
 
 
