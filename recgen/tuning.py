@@ -56,7 +56,7 @@ class Tuning:
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (not measured yet: off)
-    mma_pairs: bool = False         # the key-decay pair kernels' earlier blocks on fragments (not measured yet: off)
+    mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments (not measured yet: off)
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)

@@ -226,10 +226,10 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
                         "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual",
                         "recgen_chunk_bwd_key_delta"}),
     ("kda", 32, True, {"recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma",
-                       "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual",
+                       "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual_mma",
                        "recgen_chunk_bwd_key_delta"}),
     ("gla", 32, True, {"recgen_chunk_pair_mma", "recgen_chunk_scan_mma_noa", "recgen_chunk_out_mma_key_yt",
-                       "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})])
+                       "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_pair_grad_mma", "recgen_chunk_bwd_key"})])
 def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monkeypatch):
     """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
     backward; GDN's backward taking E = (r ⊙ P)ᵀ dy as its factors), the readout and the backward's pass after
@@ -716,6 +716,9 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     assert np.isfinite(dX).all() and np.isfinite(dY).all()
     ip = float((dM * _pair_ref(pa["X"], pa["Y"], pa["dk"], False)).sum())  # <dM, M> is bilinear in X and Y
     assert abs(float((dX * pa["X"]).sum()) - ip) < 1e-4 * abs(ip) and abs(float((dY * pa["Y"]).sum()) - ip) < 1e-4 * abs(ip)
+    dXf, dYf = verify.run_launch(ck.pair_launch("metal", 2, 48, 64, False, grad=True, mma=True), pa | {"dM": dM},
+                                 sanitizer=sanitizer)  # the other blocks' parts on fragments
+    assert _rel(dXf, dX) < 1e-5 and _rel(dYf, dY) < 1e-5
     dX, dX2, dY = verify.run_launch(ck.pair_launch("metal", 2, 48, 64, True, grad=True, dual=True),  # two operands
                                     pa | {"X2": pa["Y"], "dM": dM, "dM2": dM}, sanitizer=sanitizer)
     strict_ip = float((dM * _pair_ref(pa["X"], pa["Y"], pa["dk"], True)).sum())
@@ -793,9 +796,10 @@ def test_dual_pair_kernels_match_numpy(C, K, strict):
 @pytest.mark.parametrize("C,K,strict,dual", [(64, 32, True, False), (48, 64, False, False), (64, 64, True, True),
                                              (16, 32, False, True)])
 def test_pair_kernels_on_fragments_match_numpy(frame, C, K, strict, dual):
-    """The pair kernels' forward with the earlier blocks on fragment multiply-adds (``mma``): 16-token blocks, items
-    (block, 8-column tile) round-robin over 4 SIMD groups (C = 64: 6 items of block 3, 2 a group), one slab or two,
-    single and dual; decays down to e^-20 and some exactly 0, against float64."""
+    """The pair kernels with the other blocks on fragment multiply-adds (``mma``), 16-token blocks: the forward's items
+    (block, 8-column tile) round-robin over 4 SIMD groups (C = 64: 6 items of block 3, 2 a group), the gradients'
+    products over the earlier (dX) or later (dY) blocks a column tile a group; one slab or two, single and dual;
+    decays down to e^-20 and some exactly 0, against float64."""
     rng = np.random.default_rng(C + K + 2 * strict + dual)
     N = 2
     X, X2, Y = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(3))
@@ -809,6 +813,19 @@ def test_pair_kernels_on_fragments_match_numpy(frame, C, K, strict, dual):
     assert len(outs) == len(wants)
     for got, want in zip(outs, wants):
         assert _rel(got, want) < 1e-5, _rel(got, want)
+    # the gradients (the other blocks' parts on fragments), against the adjoint built from the reference
+    dM, dM2 = (rng.normal(size=(N, C, C)).astype(np.float32) for _ in range(2))
+    grads = verify.run_launch(ck.pair_launch(frame, N, C, K, strict, grad=True, dual=dual, mma=True),
+                              ins | {"dM": dM} | ({"dM2": dM2} if dual else {}))
+    eye = np.eye(K)
+    unit = lambda i: np.broadcast_to(eye[i], (N, C, K)) * 1.0  # noqa: E731
+    terms = [(X, dM, strict)] + ([(X2, dM2, False)] if dual else [])
+    for got, (x, dm, lt) in zip(grads, terms):  # dX (and dX2)
+        G = np.stack([_pair_ref(unit(i), Y, dk, lt) for i in range(K)], -1)
+        assert _rel(got, np.einsum("nts,ntsi->nti", dm, G)) < 1e-5
+    dY = sum(np.einsum("nts,ntsi->nsi", dm, np.stack([_pair_ref(x, unit(i), dk, lt) for i in range(K)], -1))
+             for x, dm, lt in terms)
+    assert _rel(grads[-1], dY) < 1e-5
     with pytest.raises(ValueError, match="multiple of 16"):
         ck.pair_launch(frame, N, 8, K, strict, mma=True)
 

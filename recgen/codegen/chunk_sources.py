@@ -9,7 +9,7 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
   the dialect's 16×8×8 fragment multiply-add (tensor cores on CUDA), else ``chunk_scan.j2`` on FMAs.
 - ``pair_source`` / ``pair_grad_source``: M[t, s] = Σ_i X_ti Y_si Γ_i(t, s) of a key-vector decay and its
   gradients, Γ factored over blocks of 16 tokens into products of decays (the diagonal blocks carried along a
-  row by one multiplication per step).
+  row by one multiplication per step; the other blocks' products on FMAs, or with ``mma`` on fragments).
 - ``sympow_source``: the degree-2 symmetric power feature map φ(x) (``recgen.spec.features.sympow``) and its
   gradient, elementwise, for the chunked form of feature-map specs (MLX forms φ by gathers, and its gradient by a
   scatter-add with D + 1 writers an entry).
@@ -186,7 +186,7 @@ def _pair_suffix(strict: bool, dual: bool) -> str:
 @lru_cache(maxsize=None)
 def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False) -> KernelSource:
     """M of X (pairs s < t where ``strict``); ``dual``: also M2 of X2 (s <= t) beside M of X; ``mma``: the earlier
-    blocks' products on fragment multiply-adds (blocks of 16 tokens, ``pair_layout``'s FI)."""
+    blocks' products on fragment multiply-adds (blocks of 16 tokens; template constant FI: items a SIMD group)."""
     d = get(dialect)
     ins = ("X", "X2", "Y", "dk", "rt") if dual else ("X", "Y", "dk", "rt")
     return _source(d, "chunk_pair.j2", "pair" + _pair_suffix(strict, dual) + ("_mma" if mma else ""),
@@ -195,12 +195,15 @@ def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = Fals
 
 
 @lru_cache(maxsize=None)
-def pair_grad_source(dialect: str, strict: bool, dual: bool = False) -> KernelSource:
-    """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed)."""
+def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False) -> KernelSource:
+    """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed); ``mma``: the
+    other blocks' parts on fragment multiply-adds."""
+    d = get(dialect)
     ins = ("dM", "dM2", "X", "X2", "Y", "dk", "rt") if dual else ("dM", "X", "Y", "dk", "rt")
-    return _source(get(dialect), "chunk_pair_grad.j2", "pair_grad" + _pair_suffix(strict, dual),
+    return _source(d, "chunk_pair_grad.j2", "pair_grad" + _pair_suffix(strict, dual) + ("_mma" if mma else ""),
                    "gradients of the key-vector decay pair matrix", ins,
-                   ("dX", "dX2", "dY") if dual else ("dX", "dY"), (), strict=strict, dual=dual)
+                   ("dX", "dX2", "dY") if dual else ("dX", "dY"), (), helpers=d.mma_prelude if mma else "",
+                   strict=strict, dual=dual, mma=mma)
 
 
 @lru_cache(maxsize=None)
@@ -361,6 +364,12 @@ def bwd_mma_layout(dialect: str, C: int, K: int, delta: bool, most_bw: int = 32)
 PAIR_KS = 32      # key columns a slab of the pair kernels stages
 
 
+def pair_tiles(lay: dict, C: int, dual: bool) -> int:
+    """Floats of threadgroup memory of the pair kernels' tiles at layout ``lay`` (the gradient's, the larger)."""
+    nx = 2 if dual else 1
+    return lay["LDS"] * lay["BS"] * (nx * (lay["NBM"] + 1) + 2) + lay["NB"] * lay["KS"] + nx * (lay["BS"] * C + C)
+
+
 def pair_supported(dialect: str, C: int, K: int, dual: bool = False) -> bool:
     """Whether the pair kernels have a layout for (C, K) in ``dialect`` (``pair_layout``)."""
     try:
@@ -370,9 +379,10 @@ def pair_supported(dialect: str, C: int, K: int, dual: bool = False) -> bool:
     return True
 
 
-def pair_fragments(C: int) -> bool:
-    """Whether the pair kernel's earlier blocks can run on fragments: blocks of 16 tokens (C a multiple of 16)."""
-    return C >= 16 and C % 16 == 0
+def pair_fragments(dialect: str, C: int, K: int, dual: bool = False) -> bool:
+    """Whether the pair kernels' other blocks can run on fragments: blocks of 16 tokens (C a multiple of 16) where the
+    pair kernels have a layout (the fragments use no threadgroup memory of their own)."""
+    return C >= 16 and C % 16 == 0 and pair_supported(dialect, C, K, dual)
 
 
 @lru_cache(maxsize=None)
@@ -388,10 +398,9 @@ def pair_layout(dialect: str, C: int, K: int, dual: bool = False) -> dict:
     bs = min(16, C)
     if C % bs:
         raise ValueError(f"chunk_pair: C={C} must be a multiple of 16 or at most 16")
-    nb, ks, nx = C // bs, PAIR_KS, 2 if dual else 1
+    nb, ks = C // bs, PAIR_KS
     lay = {"BS": bs, "NB": nb, "NBM": max(nb - 1, 1), "BS8": max(bs // 8, 1), "KS": ks, "LDS": ks + 1,
            "LDM": C + 1, "LDT": bs + 1, "NT": max(32, 8 * bs)}
-    tiles = lay["LDS"] * bs * (nx * (lay["NBM"] + 1) + 2) + nb * ks + nx * (bs * C + C)
-    if 4 * tiles > get(dialect).smem_bytes:
+    if 4 * pair_tiles(lay, C, dual) > get(dialect).smem_bytes:
         raise ValueError(f"chunk_pair: C={C}, K={K} pass {dialect}'s threadgroup memory")
     return lay

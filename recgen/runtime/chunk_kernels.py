@@ -161,13 +161,13 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
                 mma: bool = False) -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
     operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
-    ``mma``: the forward's earlier blocks on fragments (C a multiple of 16: ``pair_fragments``)."""
+    ``mma``: the other blocks' products on fragments (``chunk_sources.pair_fragments``)."""
     lay = dict(pair_layout(dialect, C, K, dual))
-    if mma:
-        if grad or not pair_fragments(C):
-            raise ValueError(f"chunk_pair: fragments take the forward at C a multiple of 16 (C={C}, grad={grad})")
+    if mma and not pair_fragments(dialect, C, K, dual):
+        raise ValueError(f"chunk_pair: fragments need blocks of 16 tokens, C a multiple of 16 (C={C})")
+    if mma and not grad:
         lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
-    src = pair_grad_source(dialect, strict, dual) if grad else pair_source(dialect, strict, dual, mma)
+    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma)
     groups = N * lay["NB"] * (2 if grad else 1)
     nout = (3 if dual else 2) if grad else (2 if dual else 1)
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * nout
@@ -359,16 +359,16 @@ def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=No
     return dr, du, (outs[2].reshape(bt.shape) if delta else None), outs[-1].reshape(l.shape)
 
 
-def pairs_on_fragments(t: Tuning, C: int) -> bool:
-    """Whether the pair kernels' forward runs its earlier blocks on fragments (``Tuning.mma_pairs``, with the
-    fragment frames on)."""
-    return t.mma_scan and t.mma_pairs and pair_fragments(C)
+def pairs_on_fragments(t: Tuning, C: int, K: int, dual: bool = False) -> bool:
+    """Whether the pair kernels run their other blocks on fragments (``Tuning.mma_pairs``, with the fragment frames
+    on, blocks of 16 tokens: ``chunk_sources.pair_fragments``)."""
+    return t.mma_scan and t.mma_pairs and pair_fragments(t.dialect, C, K, dual)
 
 
 def pair(X, Y, dk, strict: bool, t: Tuning):
     """M [.., C, C] of the key-vector decay pair (see chunk_pair.j2) from X, Y, per-token decays dk [.., C, K]."""
     N, (C, K) = _lead(X, 2), X.shape[-2:]
-    (M,) = _call(t, pair_launch(t.dialect, N, C, K, strict, mma=pairs_on_fragments(t, C)),
+    (M,) = _call(t, pair_launch(t.dialect, N, C, K, strict, mma=pairs_on_fragments(t, C, K)),
                     [X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)])
     return M.reshape(*X.shape[:-1], C)
 
@@ -376,7 +376,7 @@ def pair(X, Y, dk, strict: bool, t: Tuning):
 def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning):
     """(dX, dY) [.., C, K] for the cotangent dM [.., C, C] of ``pair``."""
     N, (C, K) = _lead(X, 2), X.shape[-2:]
-    dX, dY = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True),
+    dX, dY = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True, mma=pairs_on_fragments(t, C, K)),
                       [dM.reshape(N, C, C), X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)])
     return dX.reshape(X.shape), dY.reshape(Y.shape)
 
@@ -386,7 +386,7 @@ def pair_dual(X, X2, Y, dk, t: Tuning, strict: bool = True):
     rule's A and M_ru)."""
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     lay = (N, C, K)
-    M, M2 = _call(t, pair_launch(t.dialect, N, C, K, strict, dual=True, mma=pairs_on_fragments(t, C)),
+    M, M2 = _call(t, pair_launch(t.dialect, N, C, K, strict, dual=True, mma=pairs_on_fragments(t, C, K, True)),
                   [X.reshape(lay), X2.reshape(lay), Y.reshape(lay), dk.reshape(lay)])
     return M.reshape(*X.shape[:-1], C), M2.reshape(*X.shape[:-1], C)
 
@@ -395,7 +395,8 @@ def pair_dual_grad(dM, dM2, X, X2, Y, dk, t: Tuning, strict: bool = True):
     """(dX, dX2, dY) for the cotangents of ``pair_dual`` (dY of both pairs, summed)."""
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     lay = (N, C, K)
-    dX, dX2, dY = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True, dual=True),
+    dX, dX2, dY = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True, dual=True,
+                                        mma=pairs_on_fragments(t, C, K, True)),
                         [dM.reshape(N, C, C), dM2.reshape(N, C, C), X.reshape(lay), X2.reshape(lay),
                          Y.reshape(lay), dk.reshape(lay)])
     return dX.reshape(X.shape), dX2.reshape(X.shape), dY.reshape(Y.shape)

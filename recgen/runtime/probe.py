@@ -72,7 +72,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     constants of the common case (C = 64, K = V = 128: the very kernels a model then uses, so nothing is
     compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
     ``frame``: "base" (the inverse, the key-decay pair, the sympow feature map), "tail" (the key-decay backward
-    tail), "pairs" (the key-decay pair kernels' forward on fragments, probed where the tuning asks for it), "scan"
+    tail), "pairs" (the key-decay pair kernels on fragments, probed where the tuning asks for it), "scan"
     (the FMA scan) or "mma" (the fragment scan as the forward runs it, B in bf16 with its rows scaled as read; the
     readout in both output layouts, bf16 in the model's; the UT transform; a key-vector decay's UT transform and
     readout; the backward's pass after the scan). A GPU whose compiler rejects a frame (an old CUDA architecture
@@ -93,7 +93,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             got = [ck.tril_inverse(f32(L), t), ck.pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, t),
                    ck.sympow_fn(t, 1, "block")(f32(Xp[:, :2, None, :16]))[0, 0]]
             ref = [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None], sympow(Xp[0, :2, :16])]
-        elif frame == "pairs":  # the key-decay pair kernels' forward on fragments (dual: A strict, M_ru)
+        elif frame == "pairs":  # the key-decay pair kernels on fragments (dual: A strict, M_ru) and their gradients
             X, X2, Y = rng.normal(size=(3, 1, C, K))
             dk = np.exp(-0.5 * rng.uniform(size=(1, C, K)))
             G = np.cumsum(np.log(dk[0]), 0)
@@ -102,6 +102,11 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             ref = [np.einsum("ti,si,tsi->ts", X[0], Y[0], gam * (ts > 0))[None],
                    np.einsum("ti,si,tsi->ts", X2[0], Y[0], gam)[None]]
             got = list(ck.pair_dual(f32(X), f32(X2), f32(Y), f32(dk), t, strict=True))
+            dM, dM2 = rng.normal(size=(2, 1, C, C))  # and the gradients: dX = (dM ⊙ Γ) Y, dY = (dM ⊙ Γ)ᵀ X + ...
+            E, E2 = dM[0][:, :, None] * gam * (ts > 0), dM2[0][:, :, None] * gam
+            ref += [np.einsum("tsi,si->ti", E, Y[0])[None], np.einsum("tsi,si->ti", E2, Y[0])[None],
+                    (np.einsum("tsi,ti->si", E, X[0]) + np.einsum("tsi,ti->si", E2, X2[0]))[None]]
+            got += list(ck.pair_dual_grad(f32(dM), f32(dM2), f32(X), f32(X2), f32(Y), f32(dk), t, strict=True))
         elif frame == "tail":  # the key-decay backward tail (delta rule), decay e^-0.1 a token
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             got, ref = [], []
