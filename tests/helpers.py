@@ -126,3 +126,41 @@ def state_parts(state) -> tuple:
 def inner(a, b) -> float:
     """Σ a·b over matching (possibly tuple-structured) arrays, without conjugation."""
     return sum(float(np.sum(x * y)) for x, y in zip(state_parts(a), state_parts(b)))
+
+
+def chunk_launches(target: str) -> list:
+    """Every chunk kernel's launch at the GPU shapes (C = 64, K = V = 128; Metal's fragment UT transform and backward
+    pass at C = 32, which its threadgroup memory holds): the golden set (``test_golden``), which the nvcc test
+    compiles too."""
+    from recgen.codegen.chunk_sources import ScanVariant
+    from recgen.runtime import chunk_kernels as ck
+
+    def scans(F, **terms):  # the same scan on FMAs (16-byte columns) and on fragments
+        return [ck.scan_launch(target, ScanVariant(vec=True, **terms), 8, 4, 64, 128, 128, F),
+                ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, F)]
+
+    def mma(**terms):
+        return ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, 1)
+
+    launches = ([ck.inverse_launch(target, 8, 64)]
+                + [x for e in (False, True) for x in scans(1, e=e, reverse=e)]
+                + scans(128, a=False, b=True)
+                + scans(128, e=True, reverse=True, a=True, b=False)
+                + [mma(reverse=True, p=True, dg=True), mma(reverse=True, p=True, dg=True, aq=True, pq=True),
+                   mma(reverse=True, e=True, b=False, aq=True), mma(q=True, pf=True),
+                   mma(reverse=True, p=True, dg=True, aq=True, pq=True, pf=True), mma(p=True)]
+                + [mma(a=a, q=True) for a in (True, False)]
+                + [ck.pair_launch(target, 8, 64, 128, strict, grad) for strict in (False, True) for grad in (False, True)]
+                + [ck.pair_launch(target, 8, 64, 128, strict, grad, dual=True) for strict in (False, True)
+                   for grad in (False, True)]
+                + [ck.pair_launch(target, 8, 64, 128, True, grad, dual, mma=True) for grad in (False, True)
+                   for dual in (False, True)]
+                + [ck.sympow_launch(target, 2, 4096, 8, 8, 64, True, grad) for grad in (False, True)]
+                + [ck.out_mma_launch(target, 8, 64, 128, 128), ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"))]
+                + [ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), key=True)]
+                + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, key=key) for key in (False, True)]
+                + [ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "float32", "bfloat16")),
+                   ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"))]
+                + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * n) for n in (2, 3)]
+                + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * 4, before) for before in (False, True)])
+    return launches

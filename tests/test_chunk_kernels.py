@@ -253,15 +253,18 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
 
 @pytest.mark.parametrize("name,K,V,mma,want", [
     ("rwkv7", 32, 6, False, {"recgen_chunk_pair_dual_nonstrict", "recgen_chunk_pair_grad_dual_nonstrict",
-                             "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev"}),
+                             "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev",
+                             "recgen_chunk_bwd_key_rank1_before"}),
     ("rwkv7", 32, 8, True, {"recgen_chunk_pair_dual_nonstrict", "recgen_chunk_pair_grad_dual_nonstrict",
-                            "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev"}),
-    ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev"})])
+                            "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
+                            "recgen_chunk_bwd_key_rank1_before"}),
+    ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
+                               "recgen_chunk_bwd_key_rank1"})])
 def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, monkeypatch):
     """The general rank-1 core (``chunked.rank1``) with the generated kernels: RWKV-7 (the transition before a
     key-vector decay: the dual pair kernels with the earlier b's pairs non-strict, the FMA scans), and a transition after a key-vector decay on
     the fragment frames (the update's u wᵀ as the forward scan's product term, the UT transform with A given; K = 16
-    keeps the pairs in MLX ops);
+    keeps the pairs in MLX ops); the backward's elementwise tail as the rank-1 kernel (``chunk_bwd_rank1``) in both;
     GQA, a partial last chunk, strong decays: forward, final state and every gradient against the float64
     reference."""
     pytest.importorskip("mlx.core")
@@ -696,6 +699,11 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     outs = verify.run_launch(ck.bwd_key_launch("metal", 2, 8, 40, ("float32",) * 3), kt, sanitizer=sanitizer)
     for got, want in zip(outs, _bwd_key_ref(kt, 1.0)):
         assert _rel(got, want) < 1e-5
+    r1 = kt | {"A": f(2, 8, 40), "B": kt["Bt"], "DAX": f(2, 8, 40), "DAQ": f(2, 8, 40), "DBP": kt["DR"]}
+    plain = verify.run_launch(ck.bwd_key_launch("metal", 2, 8, 40, ("float32",) * 4, True), r1)  # the rank-1 tail
+    for got, want in zip(verify.run_launch(ck.bwd_key_launch("metal", 2, 8, 40, ("float32",) * 4, True), r1,
+                                           sanitizer=sanitizer), plain):
+        assert np.array_equal(got, want)
     for delta in (True, False):  # the backward's pass: 2 groups, 2 passes of 8 key columns
         bw = _bwd_inputs(rng, 2, 32, 16, delta)
         outs = verify.run_launch(ck.bwd_mma_launch("metal", 2, 32, 16, ("float32",) * (2 + delta), 8), bw,

@@ -53,17 +53,14 @@ def _pairs(geo, r, u, a, b, before: bool):
 
 
 def _pair_grads(geo, dA, dB, dMra, dMru, r, u, a, b, before: bool):
-    """(dr, du, da, db, dG) through the four pairs: dG is the pairs' part of the gradient of G (row factors
-    e^{G_t} give X ⊙ dX, column factors e^{−G_s} give −Y ⊙ dY)."""
+    """(dr, du, da, dbe) through the four pairs, dbe the gradient of b as the pairs took it (``_pairs``: be, one token
+    earlier before the decay)."""
     be = rows_earlier(b) if before else b
     if before:  # the pairs of the earlier b were read one row later
         dA, dB = rows_earlier(dA), rows_earlier(dB)
     db1, dr1, da = geo.pair_dual_grad(dA, dMra, be, r, a, strict=not before)  # as ``_pairs`` formed them
     db2, dr2, du = geo.pair_dual_grad(dB, dMru, be, r, u, strict=not before)
-    dbe, dr = db1 + db2, dr1 + dr2
-    dG = be * dbe  # the pair's row t' (t − 1 before the decay) carries G_{t'}: its dG lands in the pair's rows
-    db = rows_later(dbe) if before else dbe
-    return dr, du, da, db, dG + r * dr - a * da - u * du
+    return dr1 + dr2, du, da, db1 + db2
 
 
 def _scan_forward(geo, S0, W, U, aQ, uQ, w, kern):
@@ -110,9 +107,17 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern):
     dSn, dX, dS0, dg = scan_backward(geo, dS_end, aQ, W, tr(Mra) @ dy, (rP, dy), 2 * C >= K, False, kern, states)
     Delta = tr(Tm) @ dX
     statesT, XT, wT, dSnT = tr(states), tr(X), tr(w), tr(dSn)
-    dr, du, da, db, dG = _pair_grads(geo, Delta @ XT, Delta @ wT, dy @ XT, dy @ wT, r, u, a, b, before)
+    dr, du, da, dbe = _pair_grads(geo, Delta @ XT, Delta @ wT, dy @ XT, dy @ wT, r, u, a, b, before)
     d_rP, d_aQ, d_uQ, dbP = dy @ statesT, X @ dSnT, w @ dSnT, Delta @ statesT
     dw = mx.addmm(mx.addmm(uQ @ dSn, tr(B), Delta), tr(Mru), dy)
+    if geo.key and kern and ck.fuses_key_tail(kern, C):  # the elementwise tail below as one kernel
+        dr, du, da, db, dl = ck.chunk_bwd_rank1(r, u, a, b, geo.l, dr, du, da, dbe, d_rP, d_uQ, d_aQ, dbP, dg, kern,
+                                                before)
+        return dS0, dr, du, dw, da, db, dl
+    be = rows_earlier(b) if before else b
+    dG = be * dbe  # the pair's row t' (t − 1 before the decay) carries G_{t'}: its dG lands in the pair's rows
+    db = rows_later(dbe) if before else dbe
+    dG = dG + r * dr - a * da - u * du
     dr, da, du = dr + P * d_rP, da + Q * d_aQ, du + Q * d_uQ
     dG = dG + rP * d_rP - aQ * d_aQ - uQ * d_uQ
     if before:  # b̂_t = b_t ⊙ P_{t−1}: its G is the row before's (P_{−1} = 1 has none)

@@ -160,13 +160,20 @@ def bwd_mma_source(dialect: str, delta: bool) -> KernelSource:
 
 
 @lru_cache(maxsize=None)
-def bwd_key_source(dialect: str, delta: bool) -> KernelSource:
-    """A key-vector decay's backward tail (``chunk_bwd_key.j2``); ``delta``: with the delta rule's b̃ terms."""
-    ins = (("R", "U", "Bt", "L", "DRX", "DUX", "DBX", "DRP", "DUQ", "DR") if delta
-           else ("R", "U", "L", "DRX", "DUX", "DRP", "DUQ")) + ("DG", "Rs")
-    outs = ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
-    return _source(get(dialect), "chunk_bwd_key.j2", "bwd_key" + ("_delta" if delta else ""),
-                   "elementwise tail of the chunked core's backward, key-vector decay", ins, outs, (), delta=delta)
+def bwd_key_source(dialect: str, delta: bool, rank1: bool = False, before: bool = False) -> KernelSource:
+    """A key-vector decay's backward tail (``chunk_bwd_key.j2``); ``delta``: with the delta rule's b̃ terms; ``rank1``:
+    the general rank-1 core's (a and b, ``before``: the transition before the decay)."""
+    if rank1:
+        ins = ("R", "U", "A", "B", "L", "DRX", "DUX", "DAX", "DBX", "DRP", "DUQ", "DAQ", "DBP", "DG", "Rs")
+        outs = ("dRo", "dUo", "dAo", "dBo", "dl")
+        kind = "bwd_key_rank1" + ("_before" if before else "")
+    else:
+        ins = (("R", "U", "Bt", "L", "DRX", "DUX", "DBX", "DRP", "DUQ", "DR") if delta
+               else ("R", "U", "L", "DRX", "DUX", "DRP", "DUQ")) + ("DG", "Rs")
+        outs = ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
+        kind = "bwd_key" + ("_delta" if delta else "")
+    return _source(get(dialect), "chunk_bwd_key.j2", kind, "elementwise tail of the chunked core's backward, key-vector "
+                   "decay", ins, outs, (), delta=delta and not rank1, rank1=rank1, before=before)
 
 
 def bwd_key_supported(dialect: str, C: int) -> bool:

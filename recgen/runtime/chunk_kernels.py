@@ -146,14 +146,18 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
 
 
 @lru_cache(maxsize=256)
-def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple) -> Launch:
-    """N chunks of C tokens, one threadgroup of 32 threads a block of 32 key columns; ``types`` as ``bwd_mma_launch``."""
+def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: bool | None = None) -> Launch:
+    """N chunks of C tokens, one threadgroup of 32 threads a block of 32 key columns; ``types`` as ``bwd_mma_launch``,
+    or with ``before`` given (True or False) the general rank-1 core's tail: ``types`` those of R, U, A, B."""
     if not bwd_key_supported(dialect, C):
         raise ValueError(f"chunk_bwd_key: C={C} must be at most 64")
     ng = -(-K // 32)
-    tmpl = (("C", C), ("K", K), ("NG", ng)) + tuple(zip(("RT", "UT", "BT"), types))
+    rank1 = before is not None
+    names = ("RT", "UT", "AT", "BT") if rank1 else ("RT", "UT", "BT")
+    tmpl = (("C", C), ("K", K), ("NG", ng)) + tuple(zip(names, types))
     outs = tuple(((N, C, K), dt) for dt in types) + (((N, C, K), "float32"),)
-    return Launch(bwd_key_source(dialect, len(types) == 3), (), outs, (N * ng * 32, 1, 1), (32, 1, 1), tmpl)
+    src = bwd_key_source(dialect, len(types) == 3 and not rank1, rank1, bool(before))
+    return Launch(src, (), outs, (N * ng * 32, 1, 1), (32, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -363,6 +367,25 @@ def pairs_on_fragments(t: Tuning, C: int, K: int, dual: bool = False) -> bool:
     """Whether the pair kernels run their other blocks on fragments (``Tuning.mma_pairs``, with the fragment frames
     on, blocks of 16 tokens: ``chunk_sources.pair_fragments``)."""
     return t.mma_scan and t.mma_pairs and pair_fragments(t.dialect, C, K, dual)
+
+
+def chunk_bwd_rank1(r, u, a, b, l, dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP, dg, t: Tuning, before: bool):
+    """The general rank-1 core's backward tail (``chunked.rank1``) for a key-vector decay, by the generated kernel
+    (``chunk_bwd_key.j2``, ``rank1``): the roles r, u, a, b and the log-decays l [.., n, C, K]; the pairs' gradients
+    dRX, dUX, dAX and dBX (of b as the pairs took it: one token earlier where ``before``); the products DRP = d(r ⊙ P),
+    DUQ = d(u ⊙ Q), DAQ = d(a ⊙ Q), DBP = d(b ⊙ P') [.., n, C, K] (P' = P, or P one token earlier where ``before``);
+    the scan's decay gradient dg [.., n, K]. Returns (dr, du, da, db, dl [.., n, C, K]), the roles' gradients in
+    their types."""
+    import mlx.core as mx
+
+    (C, K), N = r.shape[-2:], _lead(r, 2)
+    flat = lambda x: x.reshape(N, C, K)  # noqa: E731
+    roles = (r, u, a, b)
+    types = tuple(_dtype_name(x.dtype) for x in roles)
+    user = ([flat(x) for x in roles] + [flat(l)] + [flat(x) for x in (dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP)]
+            + [dg.reshape(N, K), mx.array([1.0], dtype=mx.float32)])
+    outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, before), user)
+    return tuple(o.reshape(x.shape) for o, x in zip(outs, roles + (l,)))
 
 
 def pair(X, Y, dk, strict: bool, t: Tuning):

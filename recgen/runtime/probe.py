@@ -107,7 +107,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             ref += [np.einsum("tsi,si->ti", E, Y[0])[None], np.einsum("tsi,si->ti", E2, Y[0])[None],
                     (np.einsum("tsi,ti->si", E, X[0]) + np.einsum("tsi,ti->si", E2, X2[0]))[None]]
             got += list(ck.pair_dual_grad(f32(dM), f32(dM2), f32(X), f32(X2), f32(Y), f32(dk), t, strict=True))
-        elif frame == "tail":  # the key-decay backward tail (delta rule), decay e^-0.1 a token
+        elif frame == "tail":  # the key-decay backward tails (delta rule; rank-1), decay e^-0.1 a token
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             got, ref = [], []
             if ck.fuses_key_tail(t, C):
@@ -120,6 +120,16 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                 dG[:, -1] += (Yp * Q * D[4]).sum(1) + P[:, -1] * dgk
                 got += list(ck.chunk_bwd_key(f32(Xp), f32(Yp), f32(D[6]), f32(Lk), *(f32(x) for x in D[:6]), f32(dgk), t))
                 ref += [dr, du, db, np.cumsum(dG[:, ::-1], 1)[:, ::-1]]
+                # and the general rank-1 core's, the transition before the decay (RWKV-7): b's pairs one token earlier
+                A_, B_, DAX, DBX, DAQ, DBP = rng.normal(size=(6, 1, C, K))
+                da = Q * DAQ + DAX
+                Pb = np.concatenate([np.ones((1, 1, K)), P[:, :-1]], 1)
+                db = Pb * DBP + np.concatenate([np.zeros((1, 1, K)), DBX[:, :-1]], 1)
+                dG = Xp * dr - Yp * du - A_ * da + np.concatenate([(B_ * db)[:, 1:], np.zeros((1, 1, K))], 1)
+                dG[:, -1] += (Yp * Q * D[4] + A_ * Q * DAQ).sum(1) + P[:, -1] * dgk
+                got += list(ck.chunk_bwd_rank1(*(f32(x) for x in (Xp, Yp, A_, B_, Lk, D[0], D[1], DAX, DBX, D[3], D[4],
+                                                                  DAQ, DBP, dgk)), t, before=True))
+                ref += [dr, du, da, db, np.cumsum(dG[:, ::-1], 1)[:, ::-1]]
         else:
             S0, X = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V))
             A, Bm = rng.normal(size=(1, n, C, K)) / K, rng.normal(size=(1, n, C, K)) / C
