@@ -24,7 +24,8 @@ and the pair gradients (``pair_grad``) and the log-decays' gradient through G as
 The four pairs go through the decay geometry of ``parallel`` (on GPUs with chunk kernels: the generated pair
 kernels, A with M_ra and B with M_ru in one pass each), the inverse and both scans through the generated kernels
 where they have a layout, MLX ops elsewhere; on the fragment frames the inverse with U and W is one kernel (the UT
-transform of ``parallel``'s key-vector decays, A given)."""
+transform of ``parallel``'s key-vector decays, A given), and a key-vector decay's backward ends in one elementwise
+kernel (``chunk_kernels.chunk_bwd_rank1``)."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -93,7 +94,7 @@ def _forward(geo, S0, r, u, w, a, b, before: bool, kern):
         U, W = Tm @ (B @ w), Tm @ (b * Pb)
     states, X, S_end = _scan_forward(geo, S0, W, U, a * geo.Q, u * geo.Q, w, kern)
     # The readout stays three accumulating products: with two of its terms in the readout kernel and the third added
-    # after it, RWKV-7's forward measured slower on the H100 (6.61 -> 7.00 ms at bf16, 4,4096,16,128)
+    # after it (one more pass over y), the forward measured slower (docs/design.md)
     y = mx.addmm(mx.addmm(Mru @ w, Mra, X), r * geo.P, states)
     return y, S_end, (states, X, Tm, W, B, Mra, Mru)
 

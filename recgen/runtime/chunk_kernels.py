@@ -15,8 +15,8 @@ from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, inverse_source, scan_prefetches, out_mma_layout, out_mma_source,
                                      pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
-                                     scan_mma_layout,
-                                     scan_source, sympow_layout, sympow_source, ut_mma_layout, ut_mma_source)
+                                     scan_mma_layout, scan_source, sympow_layout, sympow_source, ut_mma_layout,
+                                     ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..spec.features import sympow_pairs
 from ..tuning import Tuning
