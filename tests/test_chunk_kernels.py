@@ -750,6 +750,20 @@ def _pair_ref(X, Y, dk, strict):
     return M
 
 
+def _pair_grads_ref(terms, Y, dk):
+    """float64 (dX for each (X, dM, strict) of ``terms``, and dY summed over them) of the pairs M(X, Y): <dM, M(X, Y)>
+    is linear in X and in Y, so each gradient is built from the reference column by column (dX[:, t, i] =
+    <dM, M(e_ti, Y)>)."""
+    N, C, K = Y.shape
+    eye = np.eye(K)
+    unit = lambda i: np.broadcast_to(eye[i], (N, C, K)) * 1.0  # noqa: E731
+    dXs = [np.einsum("nts,ntsi->nti", dm, np.stack([_pair_ref(unit(i), Y, dk, lt) for i in range(K)], -1))
+           for _, dm, lt in terms]
+    dY = sum(np.einsum("nts,ntsi->nsi", dm, np.stack([_pair_ref(x, unit(i), dk, lt) for i in range(K)], -1))
+             for x, dm, lt in terms)
+    return dXs, dY
+
+
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("C,K", [(8, 64), (64, 32), (32, 64)])
 def test_pair_kernels_match_numpy(strict, C, K):
@@ -765,12 +779,9 @@ def test_pair_kernels_match_numpy(strict, C, K):
     (M,) = verify.run_launch(ck.pair_launch("metal", N, C, K, strict), {"X": X, "Y": Y, "dk": dk})
     assert _rel(M, _pair_ref(X, Y, dk, strict)) < 1e-5
     dX, dY = verify.run_launch(ck.pair_launch("metal", N, C, K, strict, grad=True), {"dM": dM, "X": X, "Y": Y, "dk": dk})
-    eye = np.eye(K)
-    # <dM, M(X, Y)> = sum_t,i X_ti dX_ti: dX[:, t, i] = <dM, M(e_ti, Y)>, built from the reference column by column
-    G = np.stack([_pair_ref(np.broadcast_to(eye[i], (N, C, K)) * 1.0, Y, dk, strict) for i in range(K)], -1)
-    assert _rel(dX, np.einsum("nts,ntsi->nti", dM, G)) < 1e-5
-    G = np.stack([_pair_ref(X, np.broadcast_to(eye[i], (N, C, K)) * 1.0, dk, strict) for i in range(K)], -1)
-    assert _rel(dY, np.einsum("nts,ntsi->nsi", dM, G)) < 1e-5
+    (want_dX,), want_dY = _pair_grads_ref([(X, dM, strict)], Y, dk)
+    assert _rel(dX, want_dX) < 1e-5
+    assert _rel(dY, want_dY) < 1e-5
 
 
 
@@ -790,14 +801,10 @@ def test_dual_pair_kernels_match_numpy(C, K, strict):
     assert _rel(M, _pair_ref(X, Y, dk, first)) < 1e-5 and _rel(M2, _pair_ref(X2, Y, dk, False)) < 1e-5
     dX, dX2, dY = verify.run_launch(ck.pair_launch("metal", N, C, K, first, grad=True, dual=True),
                                     {"dM": dM, "dM2": dM2, "X": X, "X2": X2, "Y": Y, "dk": dk})
-    eye = np.eye(K)
-    unit = lambda i: np.broadcast_to(eye[i], (N, C, K)) * 1.0  # noqa: E731
-    for got, dm, lt in ((dX, dM, first), (dX2, dM2, False)):
-        G = np.stack([_pair_ref(unit(i), Y, dk, lt) for i in range(K)], -1)
-        assert _rel(got, np.einsum("nts,ntsi->nti", dm, G)) < 1e-5
-    want = sum(np.einsum("nts,ntsi->nsi", dm, np.stack([_pair_ref(x, unit(i), dk, lt) for i in range(K)], -1))
-               for x, dm, lt in ((X, dM, first), (X2, dM2, False)))
-    assert _rel(dY, want) < 1e-5
+    want_dXs, want_dY = _pair_grads_ref([(X, dM, first), (X2, dM2, False)], Y, dk)
+    for got, want in zip((dX, dX2), want_dXs):
+        assert _rel(got, want) < 1e-5
+    assert _rel(dY, want_dY) < 1e-5
 
 
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
@@ -825,15 +832,11 @@ def test_pair_kernels_on_fragments_match_numpy(frame, C, K, strict, dual):
     dM, dM2 = (rng.normal(size=(N, C, C)).astype(np.float32) for _ in range(2))
     grads = verify.run_launch(ck.pair_launch(frame, N, C, K, strict, grad=True, dual=dual, mma=True),
                               ins | {"dM": dM} | ({"dM2": dM2} if dual else {}))
-    eye = np.eye(K)
-    unit = lambda i: np.broadcast_to(eye[i], (N, C, K)) * 1.0  # noqa: E731
-    terms = [(X, dM, strict)] + ([(X2, dM2, False)] if dual else [])
-    for got, (x, dm, lt) in zip(grads, terms):  # dX (and dX2)
-        G = np.stack([_pair_ref(unit(i), Y, dk, lt) for i in range(K)], -1)
-        assert _rel(got, np.einsum("nts,ntsi->nti", dm, G)) < 1e-5
-    dY = sum(np.einsum("nts,ntsi->nsi", dm, np.stack([_pair_ref(x, unit(i), dk, lt) for i in range(K)], -1))
-             for x, dm, lt in terms)
-    assert _rel(grads[-1], dY) < 1e-5
+    want_dXs, want_dY = _pair_grads_ref([(X, dM, strict)] + ([(X2, dM2, False)] if dual else []), Y, dk)
+    assert len(grads) == len(want_dXs) + 1
+    for got, want in zip(grads, want_dXs):  # dX (and dX2)
+        assert _rel(got, want) < 1e-5
+    assert _rel(grads[-1], want_dY) < 1e-5
     with pytest.raises(ValueError, match="multiple of 16"):
         ck.pair_launch(frame, N, 8, K, strict, mma=True)
 

@@ -49,11 +49,15 @@ class KernelPrinter(C99CodePrinter):
             return f"{self.dialect.fns['sqrt']}({self._print(base)})"
         raise NotImplementedError(f"power {e} has no kernel spelling; rewrite it with exp/log")
 
-    def _print_Function(self, f):
+    def _spelling(self, f) -> str:
+        """The dialect's name of the function ``f`` applies, or NotImplementedError."""
         name = type(f).__name__
         if name not in self.dialect.fns:
             raise NotImplementedError(f"function {name} has no {self.dialect.name} spelling")
-        return f"{self.dialect.fns[name]}({', '.join(self._print(a) for a in f.args)})"
+        return self.dialect.fns[name]
+
+    def _print_Function(self, f):
+        return f"{self._spelling(f)}({', '.join(self._print(a) for a in f.args)})"
 
     _print_exp = _print_log = _print_Abs = _print_sign = _print_sin = _print_cos = _print_Function
     _print_floor = _print_ceiling = _print_Function
@@ -65,13 +69,11 @@ class KernelPrinter(C99CodePrinter):
 
     def _print_Max(self, f):
         """Max and Min of any arity as nested two-argument calls (C's fmaxf, Metal's max take two)."""
-        name = type(f).__name__
-        if name not in self.dialect.fns:
-            raise NotImplementedError(f"function {name} has no {self.dialect.name} spelling")
+        fn = self._spelling(f)
         first, *rest = f.args
         out = self._print(first)
         for a in rest:
-            out = f"{self.dialect.fns[name]}({out}, {self._print(a)})"
+            out = f"{fn}({out}, {self._print(a)})"
         return out
 
     _print_Min = _print_Max

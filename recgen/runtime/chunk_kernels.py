@@ -54,6 +54,12 @@ def fuses_key_tail(t: Tuning, C: int) -> bool:
     return t.chunk_kernels and t.fused_bwd and bwd_key_supported(t.dialect, C)
 
 
+def pairs_on_fragments(t: Tuning, C: int, K: int, dual: bool = False) -> bool:
+    """Whether the pair kernels run their other blocks on fragments (``Tuning.mma_pairs``, with the fragment frames
+    on, blocks of 16 tokens: ``chunk_sources.pair_fragments``)."""
+    return t.mma_scan and t.mma_pairs and pair_fragments(t.dialect, C, K, dual)
+
+
 def scan_fuses_products(t: Tuning, C: int, K: int, V: int, has_b: bool) -> bool:
     """Whether ``chunk_scan`` takes an E term as its factors (the fragment frame, with a B term) rather than as a
     product MLX forms first. Without B the scan is otherwise elementwise and the fused product only adds latency
@@ -348,25 +354,25 @@ def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=No
     dUX (dBX) and the products DRP = d(r ⊙ P), DUQ = d(u ⊙ Q) (DR = d(b̃ ⊙ P) before its pair term) [.., n, C, K],
     the scan's decay gradient dg [.., n, K]. ``rs``: the readout role is rs·r (dRX then of rs·r). Returns (dr, du,
     db̃ or None, dl [.., n, C, K]); dr, du, db̃ in their roles' types."""
+    delta = bt is not None
+    roles = (r, u, bt) if delta else (r, u)
+    grads = (dRX, dUX, dBX, DRP, DUQ, DR) if delta else (dRX, dUX, DRP, DUQ)
+    outs = _key_tail(roles, l, grads, dg, t, rs)
+    return outs[0], outs[1], (outs[2] if delta else None), outs[-1]
+
+
+def _key_tail(roles, l, grads, dg, t: Tuning, rs=None, before: bool | None = None):
+    """The key-decay backward tail kernel on flattened chunks: the roles, the log-decays, the gradients in the
+    kernel's input order, dg, the readout scale ``rs``; ``before`` selects the rank-1 form (``bwd_key_launch``).
+    Returns the roles' gradients in their shapes and types, then dl."""
     import mlx.core as mx
 
-    (C, K), N = r.shape[-2:], _lead(r, 2)
-    delta = bt is not None
-    flat = lambda x: x.reshape(N, C, K)  # noqa: E731
-    roles = (r, u, bt) if delta else (r, u)
+    (C, K), N = roles[0].shape[-2:], _lead(roles[0], 2)
     types = tuple(_dtype_name(x.dtype) for x in roles)
-    grads = (dRX, dUX, dBX, DRP, DUQ, DR) if delta else (dRX, dUX, DRP, DUQ)
-    user = ([flat(x) for x in roles] + [flat(l)] + [flat(x) for x in grads]
+    user = ([x.reshape(N, C, K) for x in (*roles, l, *grads)]
             + [dg.reshape(N, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-    outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types), user)
-    dr, du = outs[0].reshape(r.shape), outs[1].reshape(u.shape)
-    return dr, du, (outs[2].reshape(bt.shape) if delta else None), outs[-1].reshape(l.shape)
-
-
-def pairs_on_fragments(t: Tuning, C: int, K: int, dual: bool = False) -> bool:
-    """Whether the pair kernels run their other blocks on fragments (``Tuning.mma_pairs``, with the fragment frames
-    on, blocks of 16 tokens: ``chunk_sources.pair_fragments``)."""
-    return t.mma_scan and t.mma_pairs and pair_fragments(t.dialect, C, K, dual)
+    outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, before), user)
+    return tuple(o.reshape(x.shape) for o, x in zip(outs, (*roles, l)))
 
 
 def chunk_bwd_rank1(r, u, a, b, l, dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP, dg, t: Tuning, before: bool):
@@ -376,16 +382,7 @@ def chunk_bwd_rank1(r, u, a, b, l, dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP, dg, t
     DUQ = d(u ⊙ Q), DAQ = d(a ⊙ Q), DBP = d(b ⊙ P') [.., n, C, K] (P' = P, or P one token earlier where ``before``);
     the scan's decay gradient dg [.., n, K]. Returns (dr, du, da, db, dl [.., n, C, K]), the roles' gradients in
     their types."""
-    import mlx.core as mx
-
-    (C, K), N = r.shape[-2:], _lead(r, 2)
-    flat = lambda x: x.reshape(N, C, K)  # noqa: E731
-    roles = (r, u, a, b)
-    types = tuple(_dtype_name(x.dtype) for x in roles)
-    user = ([flat(x) for x in roles] + [flat(l)] + [flat(x) for x in (dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP)]
-            + [dg.reshape(N, K), mx.array([1.0], dtype=mx.float32)])
-    outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, before), user)
-    return tuple(o.reshape(x.shape) for o, x in zip(outs, roles + (l,)))
+    return _key_tail((r, u, a, b), l, (dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP), dg, t, before=before)
 
 
 def pair(X, Y, dk, strict: bool, t: Tuning):

@@ -19,6 +19,7 @@ import re
 import subprocess
 import tempfile
 from dataclasses import replace
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,12 @@ def poison_threadgroup(src: str) -> str:
                   r"\1 static const bool \2_rg_poisoned_ = msl_emu::register_tg_array(\2, sizeof(\2));", src)
 
 
+@lru_cache(maxsize=1)
+def _headers() -> str:
+    """The runtime headers' text, part of every build's cache key: read once per process, not per build."""
+    return RUNTIME.read_text() + "\0" + EMULATOR.read_text()
+
+
 def build(source: str, kernel_name: str | None = None, sanitizer: str | None = None,
           clang: str | None = None) -> tuple[Path, Kernel]:
     """Compile `source` into a driver executable (cached by content hash); returns (path, kernel)."""
@@ -154,7 +161,7 @@ def build(source: str, kernel_name: str | None = None, sanitizer: str | None = N
           f"{_launcher(kernel, ntg)}")
     flags = ["-std=c++20", "-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-Wno-unknown-attributes",
              "-Wno-vla-cxx-extension", "-Wno-unused-value", *_SANITIZE[sanitizer]]
-    key = hashlib.sha256("\0".join([tu, clang, *flags, RUNTIME.read_text(), EMULATOR.read_text()]).encode()).hexdigest()[:24]
+    key = hashlib.sha256("\0".join([tu, clang, *flags, _headers()]).encode()).hexdigest()[:24]
     exe = cache_dir() / f"k_{key}"
     if not exe.exists():
         with tempfile.TemporaryDirectory(prefix="recgen_build_") as tmp:
