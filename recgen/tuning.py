@@ -39,6 +39,8 @@ class Tuning:
     # -- the chunked form ---------------------------------------------------------------------------
     chunk_size: int = 16            # default chunk length
     key_chunk_size: int = 16        # ... for key-vector decays
+    feature_chunk_size: int = 64    # ... for a feature map through its kernel identity (entry states are its
+    #                                 expanded space: fewer, longer chunks)
     gpu_forms: bool = False         # few large ops (the scan over chunks as one matmul, full-block inverses)
     compile: bool = False           # mx.compile the chunked stretch and core (fuses elementwise work)
     inverse_base: int = 1           # block size from which the triangular inverse climbs by block levels
@@ -76,7 +78,7 @@ DEVICE_DEFAULTS = {
     "cpu": dict(chunk_size=16, key_chunk_size=16, pow2_exp=True, copy_transposes=True,
                 segment_budget=512 * 2**20),
     # On GPUs MLX spends ~16 us a launch: few large ops, one compiled graph, chunks of 64.
-    "gpu": dict(chunk_size=64, key_chunk_size=64, gpu_forms=True, compile=True, inverse_base=16),
+    "gpu": dict(chunk_size=64, key_chunk_size=64, feature_chunk_size=256, gpu_forms=True, compile=True, inverse_base=16),
 }
 
 # What was measured faster on each dialect's hardware (docs/design.md and BENCHMARKS.md say where and how).
@@ -130,6 +132,7 @@ ENVIRONMENT = {
     "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),
+    "RECGEN_FEATURE_CHUNK": ("feature_chunk_size", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
     "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),
     "RECGEN_FWD_LAYOUT": ("fwd_layout", _layout),

@@ -189,13 +189,25 @@ def _emulated_call(launch, dialect, user, extra, debug=False):
     return [mx.array(o) for o in verify.run_launch(launch, ins)]
 
 
+def _sympow_skip():
+    """A feature map outside the kernel identity's form (a skip term): φ through the sympow kernels."""
+    import recgen as rg
+
+    @rg.recurrence
+    def sympow_skip(q: rg.Key, k: rg.Key, v: rg.Value, g: rg.Scalar, D: rg.Param["j"]):
+        return rg.Step(decay=rg.exp(g), update=rg.outer(rg.sympow(k), v), readout=rg.sympow(q), skip=D * v)
+
+    return sympow_skip
+
+
 @pytest.mark.parametrize("name,T", [("gated_delta_net", 40), ("delta_net", 16), ("gated_delta_net", 1),
-                                    ("simple_gla", 40), ("gla", 40), ("kda", 40), ("power_retention", 40)])
+                                    ("simple_gla", 40), ("gla", 40), ("kda", 40), ("power_retention", 40),
+                                    ("sympow_skip", 40)])
 def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     """The chunked core with the generated kernels wired in (inverse, forward and backward scans, the
-    key-vector decay's pair kernels and backward tail, power retention's feature map),
-    end to end against the float64 reference: forward, final state, every gradient; strong decays,
-    K != V, GQA, a partial last chunk (T = 40 with chunk 16), T = 1 (C = 1: one row group)."""
+    key-vector decay's pair kernels and backward tail, a feature map's φ), end to end against the float64
+    reference: forward, final state, every gradient; strong decays, K != V, GQA, a partial last chunk (T = 40 with
+    chunk 16), T = 1 (C = 1: one row group). Power retention's kernel-identity form is MLX ops only."""
     pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare
@@ -204,16 +216,17 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     key = name in ("gla", "kda")  # K = 32: a slab of the pair kernels
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True)
-    assert_close(compare(specs.BUILTINS[name], T, chunk=16, K=32 if key else 16, V=6, seed=5, tuning=t))
+    rec = _sympow_skip() if name == "sympow_skip" else specs.BUILTINS[name]
+    assert_close(compare(rec, T, chunk=16, K=32 if key else 16, V=6, seed=5, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
-    delta = specs.BUILTINS[name].step.transition is not None
+    delta = rec.step.transition is not None
     want = ({"recgen_chunk_tril_inverse", "recgen_chunk_scan", "recgen_chunk_scan_e_rev"} if delta
             else {"recgen_chunk_scan_noa", "recgen_chunk_scan_nob_e_rev"})
     if key:  # a delta rule's two pairs of u (A and M_ru) in one pass; the backward's elementwise tail
         want |= ({"recgen_chunk_pair_dual", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"} if delta
                  else {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})
-    if specs.BUILTINS[name].features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
-        want = {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"}
+    if rec.features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
+        want = set() if name == "power_retention" else {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"}
     assert kinds == want, kinds
 
 

@@ -50,9 +50,9 @@ from ..codegen.chunk_sources import sympow_supported
 from ..runtime import chunk_kernels as ck
 from ..runtime.probe import checked
 from ..tuning import Tuning, current
-from . import core, parallel, rank1
+from . import core, features, parallel, rank1
 from .core import pow2_ceil
-from .terms import KEY_ROLES, bind, evaluate, plan
+from .terms import KEY_ROLES, bind, evaluate, expand_heads, plan
 
 __all__ = ["forward", "naive_loop", "supported", "fast_form", "segment_budget"]
 
@@ -171,14 +171,16 @@ def _diag_scan(tun, S, r, u, w, l, C, key: bool, delta_bt=None, out=None, rfac=N
     return y.reshape(B, H, n * C, y.shape[-1])[:, :, :T], S_end
 
 
-def _roles(tun, p, names, scale, sizes, S, arrays, raw=None):
-    """(T, roles); ``raw``: see ``terms.bind``. Feature maps run on the chunk kernels where they are on (float32)."""
+def _roles(tun, p, names, scale, sizes, S, arrays, raw=None, roles=None):
+    """(T, roles); ``raw``: see ``terms.bind``. Feature maps run on the chunk kernels where they are on (float32).
+    ``roles``: only these (none of which reads a feature map), else every role."""
     chunk = dict(zip(names, arrays))  # upcast by ``bind``, after the layout views: fused with the role math
     T = next(chunk[x.name].shape[1] for x in p.rec.inputs if x.per_token)
     kern = (tun.chunk_kernels and S.dtype == mx.float32
             and all(sympow_supported(tun.dialect, chunk[f.source].shape[-1]) for f in p.rec.features))
-    vals = bind(p, chunk, sizes.H, S.dtype, raw, (lambda x, H, gqa: ck.sympow_fn(tun, H, gqa)(x)) if kern else None)
-    return T, evaluate(p, vals, scale, sizes.B, sizes.H, T, sizes.K, sizes.V, S.dtype)
+    vals = bind(p, chunk, sizes.H, S.dtype, raw, (lambda x, H, gqa: ck.sympow_fn(tun, H, gqa)(x)) if kern else None,
+                features=roles is None)
+    return T, evaluate(p, vals, scale, sizes.B, sizes.H, T, sizes.K, sizes.V, S.dtype, roles)
 
 
 def _z_scan(tun, p, t, z, C):
@@ -250,6 +252,27 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
             nz, z = _z_scan(tun, p, t, z, C)
     o = _readout(p, p.rec, t, y, nz)
     return (o, S, z) if has_z else (o, S)
+
+
+def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
+    """A feature-map spec through its kernel identity (``features``; ``Analysis.feature_identity``): the scores
+    inside chunks from the raw keys, the expanded state only between chunks. z rides along as S's value column V."""
+    z = rest[0] if has_z else None
+    arrays = rest[1:] if has_z else rest
+    fi = p.analysis.feature_identity
+    chunk = dict(zip(names, arrays))
+    T, t = _roles(tun, p, names, scale, sizes, S, arrays, roles=("w", "logdecay"))
+    q, k = (expand_heads(chunk[nm], sizes.H, p.rec.gqa, 2).transpose(0, 2, 1, 3).astype(S.dtype) for nm in (fi.q, fi.k))
+    d, V = q.shape[-1], sizes.V
+    W, state = t["w"], S
+    if has_z:
+        W = mx.concatenate([W, mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)], axis=-1)
+        state = mx.concatenate([S, z[..., None]], axis=-1)
+    c = float(fi.c.subs(ir.SCALE, scale))
+    Y, S_end = features.chunk_form(q, k, W, t["logdecay"], features.to_tiles(state, d), c, C, tun.pow2_exp)
+    S_end = features.from_tiles(S_end, d)
+    o = _readout(p, p.rec, t, Y[..., :V], Y[..., V] if has_z else None)
+    return (o, S_end[..., :V], S_end[..., V]) if has_z else (o, S_end)
 
 
 def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
@@ -392,9 +415,15 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     names = [x.name for x in rec.inputs]
     state = [S, z] if has_z else [S]
     args = [inputs[nm] for nm in names]  # cast to ``dtype`` inside the bodies (``_roles``): fused there
-    C = chunk_size or (tun.key_chunk_size if p.decay_class == "key" else tun.chunk_size)
+    C = chunk_size or (tun.key_chunk_size if p.decay_class == "key" else
+                       tun.feature_chunk_size if p.feature_identity else tun.chunk_size)
     C = pow2_ceil(min(C, T))  # speed and memory only, not the result
-    if p.decay_class == "full":  # O(T·K·V) working set: the segment budget sets the stretch
+    if p.feature_identity:  # one tile of the expanded space at a time
+        fn = _body(_features, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)
+        d = inputs[p.feature_identity.k].shape[-1]
+        per_token = features.workset_per_token(sizes.B * sizes.H, d, sizes.V + has_z, C)
+        seg = max(1, segment_budget(tun) // (per_token * C)) * C
+    elif p.decay_class == "full":  # O(T·K·V) working set: the segment budget sets the stretch
         body = _full if rec.step.transition is None else _stepwise
         fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, False)
         per_token = 4 * sizes.B * sizes.H * sizes.K * sizes.V * WORKSET_FACTOR["full"]

@@ -139,7 +139,7 @@ def expand_heads(x, H: int, gqa: str, axis: int):
     return mx.tile(x, reps)
 
 
-def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, sympow=None) -> dict:
+def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, sympow=None, features: bool = True) -> dict:
     """Symbol -> array in the chunk frame [B,H,C,K|1,V|1]; per-token inputs are [B,C,...] slices.
     With ``dtype`` each value is cast after its layout view (transpose, head expansion), so under
     ``mx.compile`` the cast fuses into the role math's strided pass instead of being a pass of its
@@ -151,7 +151,7 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
     core's reshape would copy it again in float32 (a cast and a float32 layout copy per such input).
     ``raw`` (a dict), if given, receives those row-major copies before the cast, by symbol. ``sympow``: the
     feature map as (x [B,C,Hk,D], H, gqa) -> φ [B,H,C,F] (default: ``sympow_mx``, heads expanded, transposed; the
-    chunk kernels' ``chunk_kernels.sympow_fn``, which writes that layout itself)."""
+    chunk kernels' ``chunk_kernels.sympow_fn``, which writes that layout itself); ``features=False`` binds none."""
     mx = _mx()
     rec = p.rec
     vals = {}
@@ -175,7 +175,7 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
             used_raw = any(x.symbol in e.free_symbols for e in rec.terms().values())
             if used_raw:
                 vals[x.symbol] = cast(row_major(expand_heads(a, H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None], x))
-            for f in rec.features:
+            for f in rec.features if features else ():
                 if f.source == x.name:
                     vals[f.symbol] = phi(cast(a), H, rec.gqa)[..., None]
         elif x.kind == "key_gate":                   # [B,C,H,K]
@@ -189,9 +189,10 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
     return vals
 
 
-def evaluate(p: Plan, vals: dict, scale: float, B: int, H: int, C: int, K: int, V: int, dtype=None) -> dict:
-    """Every role on its domain: key roles [B,H,C,K], value roles [B,H,C,V]; log-decays at the
-    shape of their class: scalar [B,H,C], key [B,H,C,K], full [B,H,C,K|1,V] (broadcastable)."""
+def evaluate(p: Plan, vals: dict, scale: float, B: int, H: int, C: int, K: int, V: int, dtype=None,
+             roles=None) -> dict:
+    """Every role (or those of ``roles``) on its domain: key roles [B,H,C,K], value roles [B,H,C,V]; log-decays at
+    the shape of their class: scalar [B,H,C], key [B,H,C,K], full [B,H,C,K|1,V] (broadcastable)."""
     mx = _mx()
     args = tuple(vals.get(s, None) for s in p.symbols[:-1]) + (scale,)
     out = {}
@@ -200,6 +201,8 @@ def evaluate(p: Plan, vals: dict, scale: float, B: int, H: int, C: int, K: int, 
         return v if isinstance(v, mx.array) else mx.array(float(v), dtype=dtype or mx.float32)
 
     for role, fn in p.fns.items():
+        if roles is not None and role not in roles:
+            continue
         v = as_array(fn(*args))
         if role in KEY_ROLES:
             out[role] = mx.broadcast_to(v, (B, H, C, K, 1))[..., 0]

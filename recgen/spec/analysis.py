@@ -20,6 +20,17 @@ CHUNK_CLASS = {(): "scalar", (ir.I,): "key", (ir.J,): "full", (ir.I, ir.J): "ful
 
 
 @dataclass(frozen=True)
+class FeatureIdentity:
+    """A spec whose readout and update keys are one feature map of two key inputs, r = c·φ(q), u = φ(k) (c free of
+    every input but scale), with a scalar decay, no transition, skip or bonus, and no normalizer or one that rides
+    along S: its chunked form computes in-chunk scores through the map's kernel identity (``chunked.features``)."""
+
+    q: str        # the readout's key input
+    k: str        # the update's key input
+    c: sp.Expr    # the readout's constant factor, an expression of scale
+
+
+@dataclass(frozen=True)
 class Analysis:
     rec: ir.Recurrence
     decay_index: tuple[str, ...]          # free indices of the decay: (), (i,), (j,) or (i, j)
@@ -30,6 +41,7 @@ class Analysis:
     bare_roles: tuple                     # (role, input symbol) where a role is an input verbatim (GDN's b = k, w = v)
     r_scaled: tuple | None                # (input symbol x, c as an expression of scale) where the readout is r = c·x
     fuse_z: bool                          # z rides along S as an extra value column (same decay and update)
+    feature_identity: "FeatureIdentity | None" = None  # the chunked form through φ(q)ᵀφ(k) = (qᵀk)²
 
     @property
     def decay_kind(self) -> str:
@@ -82,7 +94,21 @@ def analyze(rec: ir.Recurrence) -> Analysis:
                 rho_pow2 = float(r)
     sides = ir.KEY_ROLES + ir.VALUE_ROLES
     bare = tuple((role, e) for role, e in terms.items() if role in sides and isinstance(e, sp.Symbol) and e in rec.symbols)
-    return Analysis(rec, decay_index, zindex, rho, rho_pow2, bare, _scaled(rec, terms.get("r")), fuse)
+    return Analysis(rec, decay_index, zindex, rho, rho_pow2, bare, _scaled(rec, terms.get("r")), fuse,
+                    _feature_identity(rec, terms, decay_index, fuse))
+
+
+def _feature_identity(rec: ir.Recurrence, terms: dict, decay_index, fuse: bool) -> FeatureIdentity | None:
+    """The spec's ``FeatureIdentity``, or None where its chunked form is the general one."""
+    feats = {f.symbol: f for f in rec.features if f.degree == 2}
+    if (not feats or decay_index or rec.step.transition is not None or rec.step.readout_before_update
+            or "skip" in terms or "bonus" in terms or (rec.has_normalizer and not fuse)):
+        return None
+    u = sp.sympify(terms["u"])
+    c, x = sp.sympify(terms["r"]).as_independent(*rec.symbols, as_Add=False)
+    if u not in feats or x not in feats or not c.free_symbols <= {ir.SCALE}:
+        return None
+    return FeatureIdentity(feats[x].source, feats[u].source, c)
 
 
 def _scaled(rec: ir.Recurrence, e) -> tuple | None:
