@@ -39,8 +39,8 @@ class Tuning:
     # -- the chunked form ---------------------------------------------------------------------------
     chunk_size: int = 16            # default chunk length
     key_chunk_size: int = 16        # ... for key-vector decays
-    feature_chunk_size: int = 64    # ... for a feature map through its kernel identity (entry states are its
-    #                                 expanded space: fewer, longer chunks)
+    feature_identity: bool = True   # a feature map's chunked form through its kernel identity (``chunked.features``)
+    feature_chunk_size: int = 64    # ... its chunk length (entry states are the expanded space: fewer, longer chunks)
     gpu_forms: bool = False         # few large ops (the scan over chunks as one matmul, full-block inverses)
     compile: bool = False           # mx.compile the chunked stretch and core (fuses elementwise work)
     inverse_base: int = 1           # block size from which the triangular inverse climbs by block levels
@@ -132,6 +132,7 @@ ENVIRONMENT = {
     "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),
+    "RECGEN_FEATURE_IDENTITY": ("feature_identity", _flag),
     "RECGEN_FEATURE_CHUNK": ("feature_chunk_size", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
     "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),

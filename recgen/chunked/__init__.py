@@ -415,10 +415,11 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     names = [x.name for x in rec.inputs]
     state = [S, z] if has_z else [S]
     args = [inputs[nm] for nm in names]  # cast to ``dtype`` inside the bodies (``_roles``): fused there
+    identity = p.feature_identity is not None and tun.feature_identity
     C = chunk_size or (tun.key_chunk_size if p.decay_class == "key" else
-                       tun.feature_chunk_size if p.feature_identity else tun.chunk_size)
+                       tun.feature_chunk_size if identity else tun.chunk_size)
     C = pow2_ceil(min(C, T))  # speed and memory only, not the result
-    if p.feature_identity:  # one tile of the expanded space at a time
+    if identity:  # one tile of the expanded space at a time
         fn = _body(_features, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)
         d = inputs[p.feature_identity.k].shape[-1]
         per_token = features.workset_per_token(sizes.B * sizes.H, d, sizes.V + has_z, C)
