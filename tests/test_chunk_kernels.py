@@ -207,7 +207,8 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     """The chunked core with the generated kernels wired in (inverse, forward and backward scans, the
     key-vector decay's pair kernels and backward tail, a feature map's φ), end to end against the float64
     reference: forward, final state, every gradient; strong decays, K != V, GQA, a partial last chunk (T = 40 with
-    chunk 16), T = 1 (C = 1: one row group). Power retention's kernel-identity form is MLX ops only."""
+    chunk 16), T = 1 (C = 1: one row group). Power retention's kernel-identity form takes φ's rows from the sympow
+    kernels (``features.PackedRows``), the skip spec's general form its roles."""
     pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare
@@ -226,7 +227,7 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
         want |= ({"recgen_chunk_pair_dual", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"} if delta
                  else {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})
     if rec.features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
-        want = set() if name == "power_retention" else {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"}
+        want = {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"}
     assert kinds == want, kinds
 
 

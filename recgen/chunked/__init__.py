@@ -269,8 +269,9 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         W = mx.concatenate([W, mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)], axis=-1)
         state = mx.concatenate([S, z[..., None]], axis=-1)
     c = float(fi.c.subs(ir.SCALE, scale))
-    Y, S_end = features.chunk_form(q, k, W, t["logdecay"], features.to_tiles(state, d), c, C, tun.pow2_exp)
-    S_end = features.from_tiles(S_end, d)
+    rows = features.rows_for(tun, d, S.dtype)
+    Y, S_end = features.chunk_form(q, k, W, t["logdecay"], rows.to_rows(state), c, C, tun.pow2_exp, rows)
+    S_end = rows.from_rows(S_end)
     o = _readout(p, p.rec, t, Y[..., :V], Y[..., V] if has_z else None)
     return (o, S_end[..., :V], S_end[..., V]) if has_z else (o, S_end)
 

@@ -32,7 +32,10 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from ..codegen.chunk_sources import sympow_supported
+from ..runtime import chunk_kernels as ck
 from ..spec.features import sympow_pairs
+from ..tuning import Tuning
 from .core import exp
 
 
@@ -110,15 +113,6 @@ def tile_features(x, ft: FeatureTiles, i: int):
     return x[..., lo:lo + ft.bs, None] * x[..., None, lo:]
 
 
-def tile_features_vjp(x, G, ft: FeatureTiles, i: int):
-    """dx [..., d] of Σ G ⊙ tile_features(x, i), G [..., bs, d - i·bs]."""
-    lo = i * ft.bs
-    da = (G * x[..., None, lo:]).sum(-1)            # ∂/∂x_a: Σ_b G_ab x_b
-    db = (G * x[..., lo:lo + ft.bs, None]).sum(-2)  # ∂/∂x_b: Σ_a G_ab x_a
-    pad = [(0, 0)] * (x.ndim - 1)
-    return mx.pad(da, pad + [(lo, ft.d - lo - ft.bs)]) + mx.pad(db, pad + [(lo, 0)])
-
-
 def workset_per_token(BH: int, d: int, V1: int, C: int) -> int:
     """Bytes a token adds to a training step's working set, about: one tile's features and their cotangents
     (three [T, bs·d] arrays), its four state arrays over chunks, the in-chunk scores and the per-token inputs and
@@ -161,44 +155,120 @@ def chunk_decays(gam, pow2: bool = False):
     return to_t, to_end, L, l0
 
 
+# -- the rows of the expanded space -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TileRows:
+    """The expanded space as ``FeatureTiles`` formed by MLX ops (any device): several tiles, weights ω."""
+
+    ft: FeatureTiles
+
+    count = property(lambda self: self.ft.count)
+
+    def size(self, i: int) -> int:
+        return self.ft.rows(i)
+
+    def weight(self, i: int):
+        return self.ft.weight(i)
+
+    def features(self, x, i: int):
+        """Tile i's rows of x [B,H,n,C,d] -> [B,H,n,C,R_i] (unweighted)."""
+        return tile_features(x, self.ft, i).reshape(*x.shape[:-1], -1)
+
+    def features_vjp(self, x, G, i: int):
+        """dx of Σ G ⊙ features(x, i): the two sides of each product as batched matrix-vector products."""
+        lo, bs = i * self.ft.bs, self.ft.bs
+        G = G.reshape(*G.shape[:-1], bs, -1)                      # [..., bs, d - lo]
+        da = (G @ x[..., lo:, None])[..., 0]                      # Σ_b G_ab x_b
+        db = (x[..., None, lo:lo + bs] @ G)[..., 0, :]            # Σ_a G_ab x_a
+        pad = [(0, 0)] * (x.ndim - 1)
+        return mx.pad(da, pad + [(lo, self.ft.d - lo - bs)]) + mx.pad(db, pad + [(lo, 0)])
+
+    def to_rows(self, S):
+        return to_tiles(S, self.ft.d)
+
+    def from_rows(self, S):
+        return from_tiles(S, self.ft.d)
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """φ's own packed rows (the spec's state layout, ω = 1, one tile), formed and differentiated by the generated
+    sympow kernels where the tuning runs chunk kernels: φ written contiguous in one pass, its gradient read in
+    one (MLX's broadcast products and reductions were most of the tiles' backward on the H100)."""
+
+    t: Tuning
+
+    count = 1
+
+    def weight(self, i: int):
+        return None
+
+    def _phi(self):
+        return ck.sympow_fn(self.t, 1, "block")
+
+    def features(self, x, i: int):
+        B, H, n, C, d = x.shape
+        return self._phi()(x.reshape(B * H, n * C, 1, d)).reshape(B, H, n, C, -1)
+
+    def features_vjp(self, x, G, i: int):
+        B, H, n, C, d = x.shape
+        flat = x.reshape(B * H, n * C, 1, d)
+        return mx.vjp(self._phi(), [flat], [G.reshape(B * H, 1, n * C, -1)])[1][0].reshape(x.shape)
+
+    def to_rows(self, S):
+        return S
+
+    def from_rows(self, S):
+        return S
+
+
+def rows_for(t: Tuning, d: int, dtype):
+    """The generated sympow kernels' packed rows where the tuning runs chunk kernels and they have a layout for d
+    (float32), else MLX's tiles."""
+    if t.chunk_kernels and dtype == mx.float32 and sympow_supported(t.dialect, d):
+        return PackedRows(t)
+    return TileRows(feature_tiles(d))
+
+
 # -- the expanded states, tile by tile (written VJP) ---------------------------------------------------------
 
-def _tile_states(k, Wb, L, l0, S0_i, ft, i):
+def _tile_states(rows, k, Wb, L, l0, S0_i, i):
     """(φ_i(k) [B,H,n,C,R_i], ΔS [B,H,n,R_i,V'], Ŝ [B,H,n+1,R_i,V']) of tile i."""
     B, H, n, C, _ = k.shape
-    pk = tile_features(k, ft, i).reshape(B, H, n, C, -1)
+    pk = rows.features(k, i)
     dS = pk.swapaxes(-1, -2) @ Wb
     R, V1 = dS.shape[-2:]
     Sh = (L @ dS.reshape(B, H, n, R * V1)).reshape(B, H, n + 1, R, V1) + l0[..., None, None] * S0_i[:, :, None]
     return pk, dS, Sh
 
 
-def _weighted_q(q, ft, i):
-    B, H, n, C, _ = q.shape
-    return tile_features(q, ft, i).reshape(B, H, n, C, -1) * mx.array(ft.weight(i), dtype=q.dtype)
+def _weighted(rows, i, S):
+    """ω ⊙ S over tile i's rows (S [..., R_i, V']): the weights ride on the state, never on a token's features."""
+    w = rows.weight(i)
+    return S if w is None else S * mx.array(w, dtype=S.dtype)[:, None]
 
 
 @lru_cache(maxsize=None)
-def inter_fn(d: int):
-    """inter(q, k, Wb, L, l0, S0) -> (Z [B,H,n,C,V'] = Σ_rows ω φ(q_t) Ŝ_{n(t)}, Ŝ_end [B,H,R,V'] in tile rows);
-    q, k [B,H,n,C,d], Wb = e^{Γ_C−Γ_s} W [B,H,n,C,V'], S0 [B,H,R,V'] in tile rows."""
-    ft = feature_tiles(d)
-    starts = [ft.start(i) for i in range(ft.count)] + [ft.total]
+def inter_fn(rows):
+    """inter(q, k, Wb, L, l0, S0) -> (Z [B,H,n,C,V'] = Σ_rows ω φ(q_t) Ŝ_{n(t)}, Ŝ_end [B,H,R,V'] in ``rows``);
+    q, k [B,H,n,C,d], Wb = e^{Γ_C−Γ_s} W [B,H,n,C,V'], S0 [B,H,R,V'] in ``rows``."""
+    bounds = np.cumsum([0] + [rows.size(i) for i in range(rows.count)]) if rows.count > 1 else None
 
     def tile(S, i):
-        return S[:, :, starts[i]:starts[i + 1]]
+        return S if bounds is None else S[:, :, int(bounds[i]):int(bounds[i + 1])]
 
     @mx.custom_function
     def inter(q, k, Wb, L, l0, S0):
         Z, ends, after = None, [], []
-        for i in range(ft.count):
-            ki = mx.depends(k, after) if after else k  # one tile's features alive at a time
-            _, _, Sh = _tile_states(ki, Wb, L, l0, tile(S0, i), ft, i)
-            part = _weighted_q(q, ft, i) @ Sh[:, :, :-1]
+        for i in range(rows.count):
+            qi, ki = mx.depends([q, k], after) if after else (q, k)  # one tile's features alive at a time
+            _, _, Sh = _tile_states(rows, ki, Wb, L, l0, tile(S0, i), i)
+            part = rows.features(qi, i) @ _weighted(rows, i, Sh[:, :, :-1])
             Z = part if Z is None else Z + part
             ends.append(Sh[:, :, -1])
             after = [Z]
-        return Z, mx.concatenate(ends, axis=-2)
+        return Z, ends[0] if len(ends) == 1 else mx.concatenate(ends, axis=-2)
 
     @inter.vjp
     def inter_vjp(primals, cotangents, outputs):
@@ -206,15 +276,13 @@ def inter_fn(d: int):
         dZ, dS_end = (mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs))
         B, H, n, C, _ = q.shape
         dq, dk, dWb, dL, dl0, dS0, after = 0.0, 0.0, 0.0, 0.0, 0.0, [], []
-        for i in range(ft.count):
-            ki = mx.depends(k, after) if after else k
-            pk, dS, Sh = _tile_states(ki, Wb, L, l0, tile(S0, i), ft, i)
-            pq = _weighted_q(q, ft, i)
+        for i in range(rows.count):
+            qi, ki = mx.depends([q, k], after) if after else (q, k)
+            pk, dS, Sh = _tile_states(rows, ki, Wb, L, l0, tile(S0, i), i)
             R, V1 = dS.shape[-2:]
-            dSh = mx.concatenate([pq.swapaxes(-1, -2) @ dZ, tile(dS_end, i)[:, :, None]], axis=2)  # [B,H,n+1,R,V']
-            w = mx.array(ft.weight(i), dtype=q.dtype)
-            Gq = (dZ @ Sh[:, :, :-1].swapaxes(-1, -2)) * w                                        # [B,H,n,C,R]
-            dq = dq + tile_features_vjp(q, Gq.reshape(B, H, n, C, ft.bs, -1), ft, i)
+            read = _weighted(rows, i, rows.features(qi, i).swapaxes(-1, -2) @ dZ)                   # [B,H,n,R,V']
+            dSh = mx.concatenate([read, tile(dS_end, i)[:, :, None]], axis=2)                     # [B,H,n+1,R,V']
+            dq = dq + rows.features_vjp(qi, dZ @ _weighted(rows, i, Sh[:, :, :-1]).swapaxes(-1, -2), i)
             flat = dSh.reshape(B, H, n + 1, R * V1)
             dL = dL + flat @ dS.reshape(B, H, n, R * V1).swapaxes(-1, -2)
             S0_i = tile(S0, i)
@@ -222,18 +290,17 @@ def inter_fn(d: int):
             dS0.append((l0[:, :, None] @ flat).reshape(B, H, R, V1))
             ddS = (L.swapaxes(-1, -2) @ flat).reshape(B, H, n, R, V1)                              # [B,H,n,R,V']
             dWb = dWb + pk @ ddS
-            Gk = Wb @ ddS.swapaxes(-1, -2)                                                       # [B,H,n,C,R]
-            dk = dk + tile_features_vjp(ki, Gk.reshape(B, H, n, C, ft.bs, -1), ft, i)
+            dk = dk + rows.features_vjp(ki, Wb @ ddS.swapaxes(-1, -2), i)
             after = [dq, dk, dWb]
-        return dq, dk, dWb, dL, dl0, mx.concatenate(dS0, axis=-2)
+        return dq, dk, dWb, dL, dl0, dS0[0] if len(dS0) == 1 else mx.concatenate(dS0, axis=-2)
 
     return inter
 
 
-def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False):
-    """Y [B,H,T,V'] and the final state [B,H,R,V'] (tile rows) of the module docstring's form; q, k [B,H,T,d],
-    W [B,H,T,V'], gam the log-decays [B,H,T], S0 [B,H,R,V'] in tile rows; chunks of C tokens (T padded with
-    tokens that change nothing: zero keys and values, log-decay 0); ``pow2``: ``core.exp``'s."""
+def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None):
+    """Y [B,H,T,V'] and the final state [B,H,R,V'] of the module docstring's form; q, k [B,H,T,d], W [B,H,T,V'],
+    gam the log-decays [B,H,T], S0 [B,H,R,V'], both states in ``rows``' layout (default: MLX's tiles); chunks of C
+    tokens (T padded with tokens that change nothing: zero keys and values, log-decay 0); ``pow2``: ``core.exp``'s."""
     B, H, T, d = q.shape
     n = -(-T // C)
 
@@ -244,6 +311,6 @@ def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False):
 
     qc, kc, Wc, gc = (chunks(x) for x in (q, k, W, gam))
     to_t, to_end, L, l0 = chunk_decays(gc, pow2)
-    Z, S_end = inter_fn(d)(qc, kc, Wc * to_end[..., None], L, l0, S0)
+    Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)))(qc, kc, Wc * to_end[..., None], L, l0, S0)
     Y = chunk_scores(qc, kc, gc, pow2) @ Wc + to_t[..., None] * Z
     return (c * Y).reshape(B, H, n * C, -1)[:, :, :T], S_end
