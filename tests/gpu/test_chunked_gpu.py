@@ -35,6 +35,19 @@ def test_chunked_form_fragment_scan(name, case, dtype, rng, fragment_scan):
     assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
 
 
+# the key-vector decays' pair kernels with the earlier blocks on fragments (``Tuning.mma_pairs``, off by default;
+# TF32 operands, so with the fragment scan): single (gla), dual strict (kda), dual non-strict (rwkv7)
+PAIR_SPECS = ("gla", "kda", "rwkv7")
+
+
+@pytest.mark.parametrize("name,case,dtype", params(PAIR_SPECS, dtypes=("bfloat16",), cases=(FRAGMENT_CASE,)))
+def test_chunked_form_pairs_on_fragments(name, case, dtype, rng):
+    from recgen import tuning
+
+    with tuning.override(mma_pairs=True, mma_scan=True):
+        assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
+
+
 @recurrence
 def dplr_after_key_decay(q: Key, k: Key, kk: Key, v: Value, gk: KeyGate, beta: Scalar):
     """The general rank-1 core after a key-vector decay (RWKV-7 is the one before it): A with M_ra and B with M_ru
