@@ -266,7 +266,8 @@ class PowerRetention(Op):
     is the spec's own recurrence. φ(q) and φ(k) are formed in MLX (a decode step's are tiny; for long T this is
     the expanded-feature path, not the kernel identity of issue 19's chunk kernels), and gradients flow through
     MLX autodiff of the composition into simple_gla's kernel VJPs. Used where the backend is a GPU's kernels and
-    T < ``Tuning.key_blocks_max_t``; otherwise the spec's own chunked form runs."""
+    T < ``Tuning.key_blocks_max_t`` (but for decode with ``Tuning.feature_decode``: the feature decode kernel);
+    otherwise the spec's own chunked form runs."""
 
     def __init__(self, backend: str | None = None, chunk_size: int | None = None, backward: str | None = None):
         super().__init__(specs.power_retention, backend, chunk_size, backward)
@@ -274,8 +275,10 @@ class PowerRetention(Op):
 
     def _run(self, arrays: dict, sizes: Sizes, initial_state, output_final_state, scale, backend, check_finite):
         t = checked(current())
+        from .chunked.features import decodes
+
         if (choose_backend(t, backend, self.backend) == "mlx" or sizes.B == 0 or sizes.T == 0
-                or sizes.T >= t.key_blocks_max_t):
+                or sizes.T >= t.key_blocks_max_t or (sizes.T == 1 and decodes(t, sizes.Kin, sizes.V))):
             return super()._run(arrays, sizes, initial_state, output_final_state, scale, backend, check_finite)
         states = None if initial_state is None else check_initial_state(self.rec, sizes, initial_state)
         return self.key_blocks(arrays, sizes, states, output_final_state, op_scale(self.rec, sizes, scale), backend,

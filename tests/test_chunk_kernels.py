@@ -893,7 +893,7 @@ def fresh_probe():
     pr._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs"])
+@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass."""
     monkeypatch.setattr(ck, "mlx_call", _emulated_call)
@@ -938,6 +938,12 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
     with pytest.warns(RuntimeWarning, match="pair kernels on fragments"):
         c = pr.checked(pairs)
     assert c.chunk_kernels and c.mma_scan and not c.mma_pairs  # only the pairs' fragments fall back
+    pr.checked.cache_clear()
+    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "decode" else None)
+    decode = tuning.resolve("gpu", "cuda", environ={"RECGEN_FEATURE_DECODE": "1"})
+    with pytest.warns(RuntimeWarning, match="feature decode"):
+        c = pr.checked(decode)
+    assert c.chunk_kernels and c.mma_scan and not c.feature_decode  # only the decode step falls back
     pr.checked.cache_clear()
     pr._failed.clear()
     monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "base" else None)

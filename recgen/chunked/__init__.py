@@ -276,6 +276,24 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     return (o, S_end[..., :V], S_end[..., V]) if has_z else (o, S_end)
 
 
+def _features_decode(tun, p, scale, sizes, S, z, inputs):
+    """One token of a feature-map spec through its kernel identity on the feature decode kernel: (o, state)."""
+    fi = p.analysis.feature_identity
+    names = [x.name for x in p.rec.inputs]
+    _, t = _roles(tun, p, names, scale, sizes, S, [inputs[n] for n in names], roles=("w", "logdecay"))
+    B, H, V = sizes.B, sizes.H, sizes.V
+    BH, F = B * H, S.shape[-2]
+    q, k = (expand_heads(inputs[nm][:, 0], H, p.rec.gqa, 1).astype(S.dtype).reshape(BH, -1) for nm in (fi.q, fi.k))
+    decay = core.exp(t["logdecay"][:, :, 0], tun.pow2_exp).reshape(BH)
+    zs = [z.reshape(BH, F)] if z is not None else []
+    outs = features.decode_fn(tun, z is not None)(q, k, t["w"][:, :, 0].reshape(BH, V), decay, S.reshape(BH, F, V), *zs)
+    c = float(fi.c.subs(ir.SCALE, scale))
+    n = c * outs[3].reshape(B, H, 1) if z is not None else None
+    o = _readout(p, p.rec, t, c * outs[1].reshape(B, H, 1, V), n)
+    S1 = outs[0].reshape(B, H, F, V)
+    return o, ((S1, outs[2].reshape(B, H, F)) if z is not None else S1)
+
+
 def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """A rank-1 transition with a ≠ ρ·u or one before the decay (scalar or key decay): ``rank1``'s core."""
     z = rest[0] if has_z else None
@@ -410,13 +428,17 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     has_z = rec.has_normalizer
     if T == 0 or sizes.B == 0:
         return _finish(rec, [], S, z, out_dtype, sizes, dtype)
+    identity = p.feature_identity is not None and tun.feature_identity
+    if (T == 1 and identity and compute_dtype is None
+            and features.decodes(tun, inputs[p.feature_identity.k].shape[-1], sizes.V)):
+        o, state = _features_decode(tun, plan(rec, tun.pow2_exp), scale, sizes, S, z, inputs)
+        return o.astype(out_dtype), state
     if T == 1 and compute_dtype is None and not tun.chunk_kernels:
         # decode without chunk kernels (the CPU): one step in MLX ops, fewer than the chunk algebra at C = 1
         return naive_loop(rec, inputs, scale=scale, initial_state=initial_state, tuning=tun)
     names = [x.name for x in rec.inputs]
     state = [S, z] if has_z else [S]
     args = [inputs[nm] for nm in names]  # cast to ``dtype`` inside the bodies (``_roles``): fused there
-    identity = p.feature_identity is not None and tun.feature_identity
     C = chunk_size or (tun.key_chunk_size if p.decay_class == "key" else
                        tun.feature_chunk_size if identity else tun.chunk_size)
     C = pow2_ceil(min(C, T))  # speed and memory only, not the result

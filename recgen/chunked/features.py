@@ -32,11 +32,12 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from ..codegen.chunk_sources import sympow_supported
+from ..codegen.chunk_sources import feature_decode_supported, sympow_supported
 from ..runtime import chunk_kernels as ck
 from ..spec.features import sympow_pairs
 from ..tuning import Tuning
 from .core import exp
+from .terms import sympow_mx
 
 
 @dataclass(frozen=True)
@@ -314,3 +315,40 @@ def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None
     Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)))(qc, kc, Wc * to_end[..., None], L, l0, S0)
     Y = chunk_scores(qc, kc, gc, pow2) @ Wc + to_t[..., None] * Z
     return (c * Y).reshape(B, H, n * C, -1)[:, :, :T], S_end
+
+
+# -- decode (T = 1) ------------------------------------------------------------------------------------------
+
+def decodes(t: Tuning, d: int, V: int) -> bool:
+    """Whether a decode step runs the generated feature decode kernel (``Tuning.feature_decode``, a layout for d, V)."""
+    return t.feature_decode and t.dialect is not None and feature_decode_supported(t.dialect, d, V)
+
+
+def decode_step(q, k, w, decay, S, z=None):
+    """One step in MLX ops (the decode kernel's definition and VJP): q, k [BH, d], w [BH, V], decay [BH],
+    S [BH, F, V] in φ's packed rows, z [BH, F] or None -> (S', y = φ(q)ᵀS'[, z', n = φ(q)ᵀz'])."""
+    pq, pk = sympow_mx(q), sympow_mx(k)
+    S1 = decay[:, None, None] * S + pk[:, :, None] * w[:, None, :]
+    y = (pq[:, None, :] @ S1)[:, 0]
+    if z is None:
+        return S1, y
+    z1 = decay[:, None] * z + pk
+    return S1, y, z1, (pq * z1).sum(-1)
+
+
+@lru_cache(maxsize=16)
+def decode_fn(t: Tuning, has_z: bool):
+    """``decode_step`` by the generated kernel (``chunk_kernels.feature_decode``: each state row read and written
+    once, split over blocks of rows), its VJP that of ``decode_step`` (decode rarely needs one)."""
+
+    @mx.custom_function
+    def step(q, k, w, decay, S, *z):
+        S1, z1, y, n = ck.feature_decode(q, k, w, decay, S, z[0] if has_z else None, t)
+        return (S1, y, z1, n) if has_z else (S1, y)
+
+    @step.vjp
+    def step_vjp(primals, cotangents, outputs):
+        cots = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs)]
+        return tuple(mx.vjp(decode_step, list(primals), cots)[1])
+
+    return step

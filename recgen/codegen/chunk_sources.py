@@ -13,6 +13,8 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
 - ``sympow_source``: the degree-2 symmetric power feature map φ(x) (``recgen.spec.features.sympow``) and its
   gradient, elementwise, for the chunked form of feature-map specs (MLX forms φ by gathers, and its gradient by a
   scatter-add with D + 1 writers an entry).
+- ``feature_decode_source``: one decode step of a feature map's state in φ's packed rows, split over K (blocks of
+  rows a threadgroup, each block's partial readout summed by the caller), for specs through the kernel identity.
 - ``ut_mma_source`` and ``out_mma_source`` (fragment frames): the delta rule's UT transform
   (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout y = (r ⊙ P) S_c + M_ru Z, each one kernel per
   chunk; for a scalar decay A or M_ru is formed in threadgroup memory (shared helpers in ``_fragments.j2``), for a
@@ -222,7 +224,42 @@ def sympow_source(dialect: str, grad: bool = False) -> KernelSource:
     return _source(get(dialect), "features_sympow.j2", "sympow", "sympow feature map", ("x", "pa", "pb", "rt"), ("phi",), ())
 
 
+@lru_cache(maxsize=None)
+def feature_decode_source(dialect: str, has_z: bool) -> KernelSource:
+    """(q, k [BH, D], w [BH, V], decay [BH], S [BH, F, V][, z [BH, F]], pair tables pa, pb) -> (S', [z',] part
+    [BH, NB, V + has_z]): one decode step of a feature map's state, a block of its rows a threadgroup."""
+    ins = ("q", "k", "w", "decay", "S") + (("z",) if has_z else ()) + ("pa", "pb")
+    outs = ("S_out",) + (("z_out",) if has_z else ()) + ("part",)
+    return _source(get(dialect), "features_decode.j2", "feature_decode" + ("_z" if has_z else ""),
+                   "decode step of a feature-map state, split over its rows", ins, outs, (), has_z=has_z)
+
+
 # -- which sizes have a kernel, and their layouts --------------------------------------------------
+def feature_decode_layout(dialect: str, D: int, V: int, has_z: bool) -> dict:
+    """Template constants of the feature decode kernel: F = D (D + 1) / 2 rows in blocks of RB, NT = 128 threads as
+    RL row lanes by CL column lanes (CL = 32 from V = 32: a SIMD group reads a row's consecutive columns), VJ
+    columns a lane; q, k, w and the row lanes' partials in threadgroup memory (raises ValueError past it)."""
+    F, NT = D * (D + 1) // 2, 128
+    CL = 32 if V >= 32 else max(1, 1 << (V - 1).bit_length())
+    RL = NT // CL
+    V1 = V + has_z
+    if 4 * (2 * D + V + RL * V1) > get(dialect).smem_bytes:
+        raise ValueError(f"feature decode: D={D}, V={V} pass {dialect}'s threadgroup memory")
+    RB = 64
+    return {"D": D, "F": F, "V": V, "V1": V1, "NT": NT, "CL": CL, "RL": RL, "VJ": -(-V // CL), "RB": RB,
+            "NB": -(-F // RB)}
+
+
+def feature_decode_supported(dialect: str, D: int, V: int) -> bool:
+    """Whether the feature decode kernel has a layout for (D, V) in ``dialect``."""
+    try:
+        feature_decode_layout(dialect, D, V, True)
+    except ValueError:
+        return False
+    return True
+
+
+
 def sympow_layout(dialect: str, D: int, grad: bool = False) -> dict:
     """Template constants of the sympow kernels: F = D (D + 1) / 2 features, NT threads a row (the forward's 128
     along φ's row; the gradient's one an entry of x, at least a SIMD group). Raises ValueError where the gradient's

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
-                                     bwd_mma_source, inverse_source, scan_prefetches, out_mma_layout, out_mma_source,
+                                     bwd_mma_source, feature_decode_layout, feature_decode_source, inverse_source, scan_prefetches, out_mma_layout, out_mma_source,
                                      pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
                                      scan_mma_layout, scan_source, sympow_layout, sympow_source, ut_mma_layout,
                                      ut_mma_source)
@@ -200,6 +200,20 @@ def sympow_launch(dialect: str, B: int, T: int, H: int, Hk: int, D: int, block: 
     tmpl = (("D", D), ("H", H), ("HK", Hk), ("BLOCK", block)) + tuple(lay.items())
     return Launch(sympow_source(dialect, grad), runtime, ((out, "float32"),), (rows * lay["NT"], 1, 1),
                   (lay["NT"], 1, 1), tmpl)
+
+
+@lru_cache(maxsize=64)
+def feature_decode_launch(dialect: str, BH: int, D: int, V: int, has_z: bool) -> Launch:
+    """One decode step of a feature map's state (``feature_decode_source``), BH heads, one threadgroup a block of RB
+    of φ's D (D + 1) / 2 packed rows; the pair tables are runtime inputs."""
+    lay = feature_decode_layout(dialect, D, V, has_z)
+    a, b, _ = sympow_pairs(D)
+    F = lay["F"]
+    runtime = (("pa", tuple(int(i) for i in a), "int32"), ("pb", tuple(int(i) for i in b), "int32"))
+    outs = (((BH, F, V), "float32"),) + ((((BH, F), "float32"),) if has_z else ()) + \
+        (((BH, lay["NB"], lay["V1"]), "float32"),)
+    return Launch(feature_decode_source(dialect, has_z), runtime, outs, (BH * lay["NB"] * lay["NT"], 1, 1),
+                  (lay["NT"], 1, 1), tuple(lay.items()))
 
 
 # -- MLX calls -------------------------------------------------------------------------------------
@@ -420,6 +434,18 @@ def pair_dual_grad(dM, dM2, X, X2, Y, dk, t: Tuning, strict: bool = True):
                         [dM.reshape(N, C, C), dM2.reshape(N, C, C), X.reshape(lay), X2.reshape(lay),
                          Y.reshape(lay), dk.reshape(lay)])
     return dX.reshape(X.shape), dX2.reshape(X.shape), dY.reshape(Y.shape)
+
+
+def feature_decode(q, k, w, decay, S, z, t: Tuning):
+    """One decode step of a feature map's state by the generated kernel: q, k [BH, D], w [BH, V], decay [BH],
+    S [BH, F, V], z [BH, F] or None (float32) -> (S', z' or None, y [BH, V], n [BH] or None), y and n the readout's
+    sums over φ(q)'s rows before its constant (the blocks' partials summed here, in order)."""
+    BH, D = q.shape
+    V = w.shape[-1]
+    has_z = z is not None
+    outs = _call(t, feature_decode_launch(t.dialect, BH, D, V, has_z), [q, k, w, decay, S] + ([z] if has_z else []))
+    part = outs[-1].sum(1)
+    return outs[0], outs[1] if has_z else None, part[:, :V], part[:, V] if has_z else None
 
 
 @lru_cache(maxsize=16)

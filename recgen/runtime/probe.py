@@ -41,6 +41,8 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
         if (changes.get("chunk_kernels", True) and changes.get("mma_scan", t.mma_scan) and t.mma_pairs
                 and not usable(t.dialect, "pairs", sizes)):
             changes.update(mma_pairs=False)  # the pair kernels' FMA form
+    if t.feature_decode and (t.dialect is None or not usable(t.dialect, "decode", sizes)):
+        changes.update(feature_decode=False)  # a feature map's decode step in MLX ops
     return replace(t, **changes) if changes else t
 
 
@@ -75,7 +77,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     tail), "pairs" (the key-decay pair kernels on fragments, probed where the tuning asks for it), "scan"
     (the FMA scan) or "mma" (the fragment scan as the forward runs it, B in bf16 with its rows scaled as read; the
     readout in both output layouts, bf16 in the model's; the UT transform; a key-vector decay's UT transform and
-    readout; the backward's pass after the scan). A GPU whose compiler rejects a frame (an old CUDA architecture
+    readout; the backward's pass after the scan), "decode" (the feature decode kernel at d = V = 64, probed where the
+    tuning asks for it). A GPU whose compiler rejects a frame (an old CUDA architecture
     without TF32 fragments, say) then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked
     call; a failing "tail" turns only the fused backward off, a failing "pairs" only the pairs' fragments."""
     import mlx.core as mx
@@ -107,6 +110,13 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             ref += [np.einsum("tsi,si->ti", E, Y[0])[None], np.einsum("tsi,si->ti", E2, Y[0])[None],
                     (np.einsum("tsi,ti->si", E, X[0]) + np.einsum("tsi,ti->si", E2, X2[0]))[None]]
             got += list(ck.pair_dual_grad(f32(dM), f32(dM2), f32(X), f32(X2), f32(Y), f32(dk), t, strict=True))
+        elif frame == "decode":  # one step of a feature map's state (power retention's at d = 64), with z
+            q, k, w = rng.normal(size=(2, 64)), rng.normal(size=(2, 64)), rng.normal(size=(2, 64))
+            S, z, dec = rng.normal(size=(2, 2080, 64)), rng.normal(size=(2, 2080)), np.array([0.9, 0.5])
+            pq, pk = sympow(q), sympow(k)
+            S1, z1 = dec[:, None, None] * S + pk[:, :, None] * w[:, None, :], dec[:, None] * z + pk
+            got = list(ck.feature_decode(*(f32(x) for x in (q, k, w, dec, S, z)), t))
+            ref = [S1, z1, np.einsum("bf,bfv->bv", pq, S1), (pq * z1).sum(-1)]
         elif frame == "tail":  # the key-decay backward tails (delta rule; rank-1), decay e^-0.1 a token
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             got, ref = [], []
@@ -209,7 +219,8 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
         _failed.add((dialect, frame))
         what = {"mma": "the fragment scan (the FMA scan is used)",
                 "pairs": "the pair kernels on fragments (their FMA form is used)",
-                "tail": "the fused backward (MLX ops are used for it)"}.get(frame, "the chunk kernels (MLX ops are used)")
+                "tail": "the fused backward (MLX ops are used for it)",
+                "decode": "the feature decode kernel (MLX ops are used for the step)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
     return err is None
 
