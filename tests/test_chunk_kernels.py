@@ -208,7 +208,7 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     key-vector decay's pair kernels and backward tail, a feature map's φ), end to end against the float64
     reference: forward, final state, every gradient; strong decays, K != V, GQA, a partial last chunk (T = 40 with
     chunk 16), T = 1 (C = 1: one row group). Power retention's kernel-identity form takes φ's rows from the sympow
-    kernels (``features.PackedRows``), the skip spec's general form its roles."""
+    kernels (``feature_rows.PackedRows``), the skip spec's general form its roles."""
     pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare

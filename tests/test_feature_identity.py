@@ -8,6 +8,7 @@ import pytest
 
 import recgen as rg
 from recgen import chunked, specs, tuning
+from recgen.chunked import feature_rows as R
 from recgen.chunked import features as F
 from recgen.math import reference
 from recgen.spec.analysis import analyze
@@ -18,10 +19,10 @@ from recgen.testing import kernel_inputs, reachable_state, rel_err
 
 @pytest.mark.parametrize("d,bs,count", [(4, 4, 1), (20, 10, 2), (48, 16, 3), (17, 1, 17)])
 def test_tiles_weighted_products_are_the_squared_dot(d, bs, count, rng):
-    ft = F.feature_tiles(d)
+    ft = R.feature_tiles(d)
     assert (ft.bs, ft.count) == (bs, count)
     x, y = rng.standard_normal((2, 3, d))
-    got = sum((F.tile_features(mx.array(x), ft, i).reshape(3, -1) * F.tile_features(mx.array(y), ft, i).reshape(3, -1)
+    got = sum((R.tile_features(mx.array(x), ft, i).reshape(3, -1) * R.tile_features(mx.array(y), ft, i).reshape(3, -1)
                * mx.array(ft.weight(i))).sum(-1) for i in range(ft.count))
     np.testing.assert_allclose(np.array(got), (x * y).sum(-1) ** 2, rtol=1e-5)
 
@@ -29,9 +30,9 @@ def test_tiles_weighted_products_are_the_squared_dot(d, bs, count, rng):
 def test_packed_states_round_trip_through_tiles(rng):
     d = 20
     S = mx.array(sympow(rng.standard_normal((2, 5, d))).swapaxes(-1, -2) @ rng.standard_normal((2, 5, 3)))
-    tiles = F.to_tiles(S, d)
-    assert tiles.shape == (2, F.feature_tiles(d).total, 3)
-    np.testing.assert_allclose(np.array(F.from_tiles(tiles, d)), np.array(S), rtol=1e-6)
+    tiles = R.to_tiles(S, d)
+    assert tiles.shape == (2, R.feature_tiles(d).total, 3)
+    np.testing.assert_allclose(np.array(R.from_tiles(tiles, d)), np.array(S), rtol=1e-6)
 
 
 def _loop(q, k, W, g, S0):
@@ -54,10 +55,10 @@ def test_chunk_form_matches_a_numpy_loop(d, T, C, rng):
     g[0, 1, T // 2] = -np.inf
     S0 = sympow(rng.standard_normal((B, H, 3, d))).swapaxes(-1, -2) @ rng.standard_normal((B, H, 3, V1))
     f64 = lambda x: mx.array(x, dtype=mx.float64)  # noqa: E731
-    Y, S_end = F.chunk_form(f64(q), f64(k), f64(W), f64(g), F.to_tiles(f64(S0), d), 0.5, C, pow2=True)
+    Y, S_end = F.chunk_form(f64(q), f64(k), f64(W), f64(g), R.to_tiles(f64(S0), d), 0.5, C, pow2=True)
     Y_r, S_r = _loop(q, k, W, g, S0)
     assert rel_err(np.array(Y), 0.5 * Y_r) <= 1e-12
-    assert rel_err(np.array(F.from_tiles(S_end, d)), S_r) <= 1e-12
+    assert rel_err(np.array(R.from_tiles(S_end, d)), S_r) <= 1e-12
 
 
 CASES = [Sizes(B=2, T=37, H=4, Hk=2, Kin=20, K=210, V=5),   # two tiles, GQA, odd T across chunks of 8

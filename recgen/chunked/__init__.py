@@ -50,7 +50,7 @@ from ..codegen.chunk_sources import sympow_supported
 from ..runtime import chunk_kernels as ck
 from ..runtime.probe import checked
 from ..tuning import Tuning, current
-from . import core, features, parallel, rank1
+from . import core, feature_rows, features, parallel, rank1
 from .core import pow2_ceil
 from .terms import KEY_ROLES, bind, evaluate, expand_heads, plan
 
@@ -269,7 +269,7 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         W = mx.concatenate([W, mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)], axis=-1)
         state = mx.concatenate([S, z[..., None]], axis=-1)
     c = float(fi.c.subs(ir.SCALE, scale))
-    rows = features.rows_for(tun, d, S.dtype)
+    rows = feature_rows.rows_for(tun, d, S.dtype)
     Y, S_end = features.chunk_form(q, k, W, t["logdecay"], rows.to_rows(state), c, C, tun.pow2_exp, rows)
     S_end = rows.from_rows(S_end)
     o = _readout(p, p.rec, t, Y[..., :V], Y[..., V] if has_z else None)

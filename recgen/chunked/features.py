@@ -14,104 +14,30 @@ state is one matmul over chunks, no sequential scan. Every decay factor is an ex
 it spans (segment sums), never a difference of cumulative sums, so strong decays lose nothing and a decay of 0
 (log −∞) is a reset.
 
-The expanded space is held in blocks of rows that are products x_a x_b (``FeatureTiles``): tile i has the rows
-a ∈ [i·bs, (i+1)·bs), b ∈ [i·bs, d), each a broadcast product of two slices (no gather), weighted 1 where b lies in
-a's own block (both orders present) and 2 beyond (one order for two), so Σ_rows ω φ_row(x) φ_row(y) = (xᵀy)²:
-bs·(d+bs)·d/(2bs) rows, 2560 at d = 64 against the packed d(d+1)/2 = 2080. The state passes in and out in the
-spec's packed layout (``to_tiles``, ``from_tiles``: one gather each).
+The expanded space's rows come from ``feature_rows``: φ's packed rows by the generated sympow kernels where chunk
+kernels run, MLX's tiles of broadcast products elsewhere.
 
 ``inter`` (entry states and their readout over the tiles) has a written VJP that recomputes each tile's features
-and states, one tile at a time (``mx.depends`` orders them), so neither pass keeps φ(q), φ(k) of every token:
-the working set is one tile's. The in-chunk scores and the decay factors are MLX autodiff.
+and states rather than keep them from the forward, tile after tile (``mx.depends`` orders them; on GPUs MLX
+allocates for all the work it has queued, so there the order bounds memory only loosely, and φ of every token is
+formed once a pass). The in-chunk scores and the decay factors are MLX autodiff.
+
+A decode step (T = 1) can run the generated feature decode kernel instead (``decode_fn``, ``Tuning.feature_decode``):
+each state row read and written once, split over blocks of rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 
-from ..codegen.chunk_sources import feature_decode_supported, sympow_supported
+from ..codegen.chunk_sources import feature_decode_supported
 from ..runtime import chunk_kernels as ck
-from ..spec.features import sympow_pairs
 from ..tuning import Tuning
 from .core import exp
+from .feature_rows import TileRows, feature_tiles
 from .terms import sympow_mx
-
-
-@dataclass(frozen=True)
-class FeatureTiles:
-    """The expanded space of degree-2 features of width d as tiles of rows (a, b), a in [i·bs, (i+1)·bs), b >= i·bs."""
-
-    d: int
-    bs: int
-
-    @property
-    def count(self) -> int:
-        return self.d // self.bs
-
-    def rows(self, i: int) -> int:
-        return self.bs * (self.d - i * self.bs)
-
-    @property
-    def total(self) -> int:
-        return sum(self.rows(i) for i in range(self.count))
-
-    def start(self, i: int) -> int:
-        return sum(self.rows(j) for j in range(i))
-
-    def weight(self, i: int) -> np.ndarray:
-        """ω of tile i's rows: 1 inside a's own block (both orders of (a, b) are rows), 2 beyond it (one for two)."""
-        w = np.full((self.bs, self.d - i * self.bs), 2.0)
-        w[:, :self.bs] = 1.0
-        return w.reshape(-1)
-
-    def row(self, a: int, b: int) -> int:
-        """The tile row of (a, b) for a <= b."""
-        i = a // self.bs
-        return self.start(i) + (a - i * self.bs) * (self.d - i * self.bs) + (b - i * self.bs)
-
-
-@lru_cache(maxsize=None)
-def feature_tiles(d: int) -> FeatureTiles:
-    """Blocks of bs = the largest divisor of d up to 16: few tiles (4 at d = 64) for 23% more rows than packed."""
-    return FeatureTiles(d, max(b for b in range(1, min(d, 16) + 1) if d % b == 0))
-
-
-@lru_cache(maxsize=None)
-def _packing(d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(tile row of each packed pair, its coefficient c_ab; packed pair of each tile row, 1/c of it)."""
-    ft = feature_tiles(d)
-    a, b, c = sympow_pairs(d)
-    pack_rows = np.array([ft.row(x, y) for x, y in zip(a, b)], dtype=np.int32)
-    index = {(x, y): n for n, (x, y) in enumerate(zip(a, b))}
-    tile_pairs, inv = [], []
-    for i in range(ft.count):
-        for x in range(i * ft.bs, (i + 1) * ft.bs):
-            for y in range(i * ft.bs, d):
-                n = index[(min(x, y), max(x, y))]
-                tile_pairs.append(n)
-                inv.append(1.0 / c[n])
-    return pack_rows, c, np.array(tile_pairs, dtype=np.int32), np.array(inv)
-
-
-def to_tiles(S, d: int):
-    """A packed state [..., d(d+1)/2, V] -> the tiles' rows [..., R, V] (a symmetric full state's rows)."""
-    _, _, pairs, inv = _packing(d)
-    return mx.take(S, mx.array(pairs), axis=-2) * mx.array(inv, dtype=S.dtype)[:, None]
-
-
-def from_tiles(S, d: int):
-    """The tiles' rows [..., R, V] -> the packed state [..., d(d+1)/2, V]."""
-    rows, c, _, _ = _packing(d)
-    return mx.take(S, mx.array(rows), axis=-2) * mx.array(c, dtype=S.dtype)[:, None]
-
-
-def tile_features(x, ft: FeatureTiles, i: int):
-    """Tile i's rows of x [..., d]: x_a x_b as [..., bs, d - i·bs] (unweighted)."""
-    lo = i * ft.bs
-    return x[..., lo:lo + ft.bs, None] * x[..., None, lo:]
 
 
 def workset_per_token(BH: int, d: int, V1: int, C: int) -> int:
@@ -154,82 +80,6 @@ def chunk_decays(gam, pow2: bool = False):
     L = mx.concatenate([mx.zeros(seg.shape[:-2] + (1, n), seg.dtype), exp(seg, pow2)], axis=-2)  # row n'+1: start of n'+1
     l0 = exp(mx.concatenate([mx.zeros(tot.shape[:-1] + (1,), tot.dtype), mx.cumsum(tot, axis=-1)], axis=-1), pow2)
     return to_t, to_end, L, l0
-
-
-# -- the rows of the expanded space -------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TileRows:
-    """The expanded space as ``FeatureTiles`` formed by MLX ops (any device): several tiles, weights ω."""
-
-    ft: FeatureTiles
-
-    count = property(lambda self: self.ft.count)
-
-    def size(self, i: int) -> int:
-        return self.ft.rows(i)
-
-    def weight(self, i: int):
-        return self.ft.weight(i)
-
-    def features(self, x, i: int):
-        """Tile i's rows of x [B,H,n,C,d] -> [B,H,n,C,R_i] (unweighted)."""
-        return tile_features(x, self.ft, i).reshape(*x.shape[:-1], -1)
-
-    def features_vjp(self, x, G, i: int):
-        """dx of Σ G ⊙ features(x, i): the two sides of each product as batched matrix-vector products."""
-        lo, bs = i * self.ft.bs, self.ft.bs
-        G = G.reshape(*G.shape[:-1], bs, -1)                      # [..., bs, d - lo]
-        da = (G @ x[..., lo:, None])[..., 0]                      # Σ_b G_ab x_b
-        db = (x[..., None, lo:lo + bs] @ G)[..., 0, :]            # Σ_a G_ab x_a
-        pad = [(0, 0)] * (x.ndim - 1)
-        return mx.pad(da, pad + [(lo, self.ft.d - lo - bs)]) + mx.pad(db, pad + [(lo, 0)])
-
-    def to_rows(self, S):
-        return to_tiles(S, self.ft.d)
-
-    def from_rows(self, S):
-        return from_tiles(S, self.ft.d)
-
-
-@dataclass(frozen=True)
-class PackedRows:
-    """φ's own packed rows (the spec's state layout, ω = 1, one tile), formed and differentiated by the generated
-    sympow kernels where the tuning runs chunk kernels: φ written contiguous in one pass, its gradient read in
-    one (MLX's broadcast products and reductions were most of the tiles' backward on the H100)."""
-
-    t: Tuning
-
-    count = 1
-
-    def weight(self, i: int):
-        return None
-
-    def _phi(self):
-        return ck.sympow_fn(self.t, 1, "block")
-
-    def features(self, x, i: int):
-        B, H, n, C, d = x.shape
-        return self._phi()(x.reshape(B * H, n * C, 1, d)).reshape(B, H, n, C, -1)
-
-    def features_vjp(self, x, G, i: int):
-        B, H, n, C, d = x.shape
-        flat = x.reshape(B * H, n * C, 1, d)
-        return mx.vjp(self._phi(), [flat], [G.reshape(B * H, 1, n * C, -1)])[1][0].reshape(x.shape)
-
-    def to_rows(self, S):
-        return S
-
-    def from_rows(self, S):
-        return S
-
-
-def rows_for(t: Tuning, d: int, dtype):
-    """The generated sympow kernels' packed rows where the tuning runs chunk kernels and they have a layout for d
-    (float32), else MLX's tiles."""
-    if t.chunk_kernels and dtype == mx.float32 and sympow_supported(t.dialect, d):
-        return PackedRows(t)
-    return TileRows(feature_tiles(d))
 
 
 # -- the expanded states, tile by tile (written VJP) ---------------------------------------------------------
