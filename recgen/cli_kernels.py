@@ -33,6 +33,9 @@ def add_emit(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="", help="register-shaping sizes, e.g. K=128,V=128,H=16,HK=16")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                    help="dtype of the input buffers")
+    p.add_argument("--chunked", action="store_true",
+                   help="the chunked form's kernels (training, prefill) and their call order instead")
+    p.add_argument("--chunk", type=int, default=64, help="chunk length of --chunked (default: 64)")
 
 
 def cmd_emit(args: argparse.Namespace, console: Console) -> int:
@@ -44,8 +47,16 @@ def cmd_emit(args: argparse.Namespace, console: Console) -> int:
     rec = resolve_spec(args.spec)
     sizes = parse_sizes(args.sizes)
     command = "recgen " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else "recgen emit"
+    if args.chunked and (args.chunk < 1 or args.chunk & (args.chunk - 1)):
+        raise CliError(f"--chunk: expected a power of two, got {args.chunk}")
     for target in (TARGETS if args.all else (args.target,)):
-        for path in emit(rec, target, args.out, dtype=args.dtype, command=command, **sizes):
+        if args.chunked:
+            from .emit_chunked import emit_chunked
+
+            paths = emit_chunked(rec, target, args.out, C=args.chunk, dtype=args.dtype, command=command, **sizes)
+        else:
+            paths = emit(rec, target, args.out, dtype=args.dtype, command=command, **sizes)
+        for path in paths:
             console.print(f"wrote {path}")
     return 0
 

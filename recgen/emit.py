@@ -59,13 +59,15 @@ def _buffers(rec: ir.Recurrence, launch, d: Dialect, dtype: str) -> list[dict]:
             bufs.append((name, T[dtype] if ctype == "io" else ctype, shape, True))
     for name, (shape, dt) in zip(launch.source.outputs, launch.outputs):
         bufs.append((name, T[dtype] if name == "o" else "float", str(list(shape)), False))
-    out = []
-    for i, (name, ctype, shape, is_in) in enumerate(bufs):
-        space = d.constant_space if name in ("rt", "scale_in") and d.constant_space else d.global_space
-        const = "const " if is_in else ""
-        out.append({"index": i, "name": name, "dtype": ctype, "shape": shape, "input": is_in,
-                    "decl": f"{const}{space}{ctype}*{d.restrict} {name}"})
-    return out
+    return [buffer(d, i, *b, small=b[0] in ("rt", "scale_in")) for i, b in enumerate(bufs)]
+
+
+def buffer(d: Dialect, index: int, name: str, ctype: str, shape: str, is_in: bool, small: bool = False) -> dict:
+    """One buffer of a standalone signature (``small``: a read-only scalar table, in Metal's constant space)."""
+    space = d.constant_space if small and d.constant_space else d.global_space
+    const = "const " if is_in else ""
+    return {"index": index, "name": name, "dtype": ctype, "shape": shape, "input": is_in,
+            "decl": f"{const}{space}{ctype}*{d.restrict} {name}"}
 
 
 def _kind(v) -> str:
@@ -75,6 +77,31 @@ def _kind(v) -> str:
 
 def _spell(v, d: Dialect) -> str:
     return d.standalone_dtypes[v] if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def template_values(d: Dialect, tmpl: dict) -> dict:
+    """A launch's template constants for a manifest: dtypes spelled as the standalone buffers are."""
+    return {n: (d.standalone_dtypes[v] if isinstance(v, str) else v) for n, v in tmpl.items()}
+
+
+def write_kernel(d: Dialect, launch, entry: str, bufs: list, banner: str, out: Path, prelude: str) -> tuple[Path, Path]:
+    """``launch``'s kernel as a standalone source (signature ``bufs``, template constants fixed, ``prelude`` before
+    it) and in MLX's form (header and body); returns both paths."""
+    src = launch.source
+    tmpl = dict(launch.template)
+    kinds = {n: _kind(v) for n, v in tmpl.items()}
+    values = {n: _spell(v, d) for n, v in tmpl.items()}
+    ctx = {"banner": banner, "prelude": prelude, "body": src.source, "buffers": bufs, "entry": entry,
+           "fn": entry + "_impl", "threads": launch.threadgroup[0],
+           "template_params": ", ".join(f"{kinds[n]} {n}" for n in tmpl),
+           "template_args": ", ".join(values.values()),
+           "constants": [f"using {n} = {values[n]};" if kinds[n] == "typename" else
+                         f"constexpr {kinds[n]} {n} = {values[n]};" for n in tmpl]}
+    path = out / f"{entry}.{d.ext}"
+    path.write_text(template_env().get_template(f"standalone.{d.ext}.j2").render(**ctx))
+    mlx_path = out / f"{entry}.mlx.{d.ext}"
+    mlx_path.write_text(f"{banner}\n// MLX form: header\n{src.header}\n// MLX form: source (the body)\n{src.source}")
+    return path, mlx_path
 
 
 def emit(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V: int, H: int, HK: int,
@@ -118,24 +145,12 @@ def _emit_kernels(rec: ir.Recurrence, d: Dialect, target: str, outdir: str | Pat
         tmpl = dict(launch.template)
         entry = f"recgen_{name}_{kind}_{target}_{dtype}"
         bufs = _buffers(rec, launch, d, dtype)
-        kinds = {n: _kind(v) for n, v in tmpl.items()}
-        values = {n: _spell(v, d) for n, v in tmpl.items()}
-        ctx = {"banner": banner, "prelude": d.prelude, "body": src.source, "buffers": bufs, "entry": entry,
-               "fn": entry + "_impl", "threads": launch.threadgroup[0],
-               "template_params": ", ".join(f"{kinds[n]} {n}" for n in tmpl),
-               "template_args": ", ".join(values.values()),
-               "constants": [f"using {n} = {values[n]};" if kinds[n] == "typename" else
-                             f"constexpr {kinds[n]} {n} = {values[n]};" for n in tmpl]}
-        text = template_env().get_template(f"standalone.{d.ext}.j2").render(**ctx)
-        path = out / f"{entry}.{d.ext}"
-        path.write_text(text)
-        mlx_path = out / f"{entry}.mlx.{d.ext}"
-        mlx_path.write_text(f"{banner}\n// MLX form: header\n{src.header}\n// MLX form: source (the body)\n{src.source}")
+        path, mlx_path = write_kernel(d, launch, entry, bufs, banner, out, d.prelude)
         written += [path, mlx_path]
         grid, tg = launch.grid, launch.threadgroup
         manifest["kernels"].append({
             "kind": kind, "entry": entry, "file": path.name, "mlx_file": mlx_path.name, "mlx_name": src.name,
-            "template": {n: (d.standalone_dtypes[v] if isinstance(v, str) else v) for n, v in tmpl.items()},
+            "template": template_values(d, tmpl),
             "buffers": [{k: b[k] for k in ("index", "name", "dtype", "shape", "input")} for b in bufs],
             "threadgroup": list(tg),
             "grid_threadgroups": [f"{grid[0] // tg[0]}", "B*H", "1"],

@@ -8,6 +8,8 @@ constants (``scan_bv``, ``out_bv``, ``ut_bw``) shape them. What each kernel comp
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from functools import lru_cache
 
@@ -227,7 +229,29 @@ def _dtype_name(dtype) -> str:
     return str(dtype).split(".")[-1]
 
 
+_recording: contextvars.ContextVar = contextvars.ContextVar("recgen_chunk_recording", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """Record chunk-kernel calls instead of launching them (``recgen emit --chunked``): yields the list that fills
+    with (launch, ((shape, dtype name) of each user buffer)) in call order; each call returns zeros of its
+    outputs' shapes, so the MLX algebra around it runs on and the next calls are reached."""
+    calls: list = []
+    token = _recording.set(calls)
+    try:
+        yield calls
+    finally:
+        _recording.reset(token)
+
+
 def _call(t: Tuning, launch: Launch, user: list):
+    calls = _recording.get()
+    if calls is not None:
+        import mlx.core as mx
+
+        calls.append((launch, tuple((tuple(a.shape), str(a.dtype).split(".")[-1]) for a in user)))
+        return [mx.zeros(shape, getattr(mx, dt)) for shape, dt in launch.outputs]
     return mlx_call(launch, get(t.dialect), user, [], t.debug)
 
 
