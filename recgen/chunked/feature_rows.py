@@ -138,8 +138,12 @@ class PackedRows:
     one (MLX's broadcast products and reductions were most of the tiles' backward on the H100)."""
 
     t: Tuning
+    d: int
 
     count = 1
+
+    def size(self, i: int) -> int:
+        return self.d * (self.d + 1) // 2
 
     def weight(self, i: int):
         return None
@@ -167,5 +171,5 @@ def rows_for(t: Tuning, d: int, dtype):
     """The generated sympow kernels' packed rows where the tuning runs chunk kernels and they have a layout for d
     (float32), else MLX's tiles."""
     if t.chunk_kernels and dtype == mx.float32 and sympow_supported(t.dialect, d):
-        return PackedRows(t)
+        return PackedRows(t, d)
     return TileRows(feature_tiles(d))

@@ -40,13 +40,12 @@ from .feature_rows import TileRows, feature_tiles
 from .terms import sympow_mx
 
 
-def workset_per_token(BH: int, d: int, V1: int, C: int) -> int:
-    """Bytes a token adds to a training step's working set, about: one tile's features and their cotangents
-    (three [T, bs·d] arrays), its four state arrays over chunks, the in-chunk scores and the per-token inputs and
+def workset_per_token(rows, BH: int, d: int, V1: int, C: int) -> int:
+    """Bytes a token adds to a training step's working set, about: the widest tile's features and their cotangents
+    (three [T, R] arrays), its four state arrays over chunks, the in-chunk scores and the per-token inputs and
     gradients (float32)."""
-    ft = feature_tiles(d)
-    R0 = ft.rows(0)
-    return 4 * BH * (3 * R0 + 4 * R0 * V1 // C + 4 * C + 8 * (d + V1))
+    R = max(rows.size(i) for i in range(rows.count))
+    return 4 * BH * (3 * R + 4 * R * V1 // C + 4 * C + 8 * (d + V1))
 
 
 # -- decay factors (MLX autodiff) ----------------------------------------------------------------------------

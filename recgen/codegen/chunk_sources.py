@@ -250,6 +250,7 @@ def feature_decode_layout(dialect: str, D: int, V: int, has_z: bool) -> dict:
             "NB": -(-F // RB)}
 
 
+@lru_cache(maxsize=None)
 def feature_decode_supported(dialect: str, D: int, V: int) -> bool:
     """Whether the feature decode kernel has a layout for (D, V) in ``dialect``."""
     try:
