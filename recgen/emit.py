@@ -8,9 +8,11 @@ and ``manifest.json``: buffers (index, name, dtype, shape), constants, grid and 
 Register-shaping sizes are fixed at emit time (``--sizes K=128,V=128,H=16,HK=16``); T and B stay
 runtime values in the ``rt`` buffer.
 
-Power retention has no kernels of its own yet: it is written as the ``simple_gla`` kernels of its key blocks
+Power retention has no recurrent kernels of its own: it is written as the ``simple_gla`` kernels of its key blocks
 (``recgen.key_blocks``), entries named ``recgen_power_retention_blocks_*``, with the composition (φ's pairs, the
-block layout, the readout) in its manifest under ``"composition"``.
+block layout, the readout) in its manifest under ``"composition"``, and its decode step as the feature decode
+kernel (kind ``"decode"``: one step split over φ's rows, partial sums a host adds). The chunked form's kernels
+(training, prefill) are ``recgen.emit_chunked``'s (``recgen emit --chunked``).
 """
 from __future__ import annotations
 
@@ -79,6 +81,20 @@ def _spell(v, d: Dialect) -> str:
     return d.standalone_dtypes[v] if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
 
 
+def kernel_buffers(d: Dialect, launch, user) -> list[dict]:
+    """A chunk kernel's standalone signature: its user buffers (``user``: (shape, dtype name) of each, as called),
+    its runtime tables, then its outputs, in the order of the kernel's source."""
+    T = d.standalone_dtypes
+    runtime = {n: (dt, len(v)) for n, v, dt in launch.runtime}
+    names = [n for n in launch.source.inputs if n not in runtime]
+    rows = [(n, T[dt], str(list(shape)), True, False) for n, (shape, dt) in zip(names, user)]
+    rows += [(n, "int" if dt == "int32" else T[dt], f"[{size}]", True, size <= 8) for n, (dt, size) in runtime.items()]
+    rows += [(n, T[dt], str(list(shape)), False, False) for n, (shape, dt) in zip(launch.source.outputs, launch.outputs)]
+    order = {n: i for i, n in enumerate(list(launch.source.inputs) + list(launch.source.outputs))}
+    rows.sort(key=lambda r: order[r[0]])
+    return [buffer(d, i, n, ctype, shape, is_in, small) for i, (n, ctype, shape, is_in, small) in enumerate(rows)]
+
+
 def template_values(d: Dialect, tmpl: dict) -> dict:
     """A launch's template constants for a manifest: dtypes spelled as the standalone buffers are."""
     return {n: (d.standalone_dtypes[v] if isinstance(v, str) else v) for n, v in tmpl.items()}
@@ -116,18 +132,34 @@ def emit(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V: int, H:
         kb = key_blocks(sizes)
         return _emit_kernels(specs.simple_gla, d, target, outdir, kb.inner(sizes), dtype, command,
                              name=f"{rec.name}_blocks", manifest_spec=rec,
-                             extra={"composition": key_blocks_manifest(kb, K)})
+                             extra={"composition": key_blocks_manifest(kb, K)}, more=_feature_decode(d, K, V, H))
     why = unsupported(rec)
     if why:  # before any size is derived or any file written
         raise UnsupportedKernel(f"{rec.name} has no kernels to emit: {why}")
     return _emit_kernels(rec, d, target, outdir, Sizes(1, 1, H, HK, K, K, V), dtype, command)
 
 
+def _feature_decode(d: Dialect, K: int, V: int, H: int) -> dict:
+    """Power retention's decode step as the feature decode kernel (float32 buffers, B = 1 at emit: the grid is
+    B·H·NB threadgroups), for the manifest's kernels beside the composition: kind -> (launch, buffers, note)."""
+    from .runtime.chunk_kernels import feature_decode_launch
+
+    launch = feature_decode_launch(d.name, H, K, V, True)
+    F = K * (K + 1) // 2
+    user = [((H, K), "float32"), ((H, K), "float32"), ((H, V), "float32"), ((H,), "float32"), ((H, F, V), "float32"),
+            ((H, F), "float32")]
+    note = ("one decode step for B*H heads (rows = heads): q, k the raw keys (value heads expanded), w = v, decay = "
+            "exp(g); S, z the state in phi's packed rows. o = scale^2 * sum(part[..., :V], 1) / (scale^2 * "
+            "sum(part[..., V], 1) + 1e-2), the partials summed over NB in order (recgen.chunked.features)")
+    return {"decode": (launch, kernel_buffers(d, launch, user), note)}
+
+
 def _emit_kernels(rec: ir.Recurrence, d: Dialect, target: str, outdir: str | Path, sizes: Sizes, dtype: str,
                   command: str, name: str | None = None, manifest_spec: ir.Recurrence | None = None,
-                  extra: dict | None = None) -> list[Path]:
+                  extra: dict | None = None, more: dict | None = None) -> list[Path]:
     """The recurrent kernels of ``rec`` at ``sizes``, entries named after ``name`` (default the spec's), the
-    manifest after ``manifest_spec`` (default ``rec``) with ``extra`` entries."""
+    manifest after ``manifest_spec`` (default ``rec``) with ``extra`` entries; ``more``: other kernels, kind ->
+    (launch, buffers, note)."""
     name = name or rec.name
     top = manifest_spec or rec
     p = plan(rec, sizes, decode=False)
@@ -140,22 +172,24 @@ def _emit_kernels(rec: ir.Recurrence, d: Dialect, target: str, outdir: str | Pat
                 "bwd": backward_launch(p, d, sizes, 1.0)}
     written, manifest = [], {"recgen": __version__, "spec": top.name, "spec_hash": top.spec_hash(), "target": target,
                              "dtype": dtype, "command": command, **(extra or {}), "kernels": []}
-    for kind, launch in launches.items():
+    note = ("rt = [T, B] (int32), scale_in = [scale]; outputs summed over their leading partial axis where the "
+            "shape has one (see recgen.runtime.recurrent.finish_grads)")
+    kernels = {kind: (launch, _buffers(rec, launch, d, dtype), note) for kind, launch in launches.items()}
+    for kind, (launch, bufs, note) in (kernels | (more or {})).items():
         src = launch.source
-        tmpl = dict(launch.template)
         entry = f"recgen_{name}_{kind}_{target}_{dtype}"
-        bufs = _buffers(rec, launch, d, dtype)
-        path, mlx_path = write_kernel(d, launch, entry, bufs, banner, out, d.prelude)
+        helpers = "" if kind in launches else "\n" + src.header  # a recurrent header is the prelude; a chunk one adds
+        path, mlx_path = write_kernel(d, launch, entry, bufs, banner, out, d.prelude + helpers)
         written += [path, mlx_path]
         grid, tg = launch.grid, launch.threadgroup
         manifest["kernels"].append({
             "kind": kind, "entry": entry, "file": path.name, "mlx_file": mlx_path.name, "mlx_name": src.name,
-            "template": template_values(d, tmpl),
+            "template": template_values(d, dict(launch.template)),
             "buffers": [{k: b[k] for k in ("index", "name", "dtype", "shape", "input")} for b in bufs],
             "threadgroup": list(tg),
-            "grid_threadgroups": [f"{grid[0] // tg[0]}", "B*H", "1"],
-            "note": "rt = [T, B] (int32), scale_in = [scale]; outputs summed over their leading partial axis "
-                    "where the shape has one (see recgen.runtime.recurrent.finish_grads)",
+            "grid_threadgroups": [f"{grid[0] // tg[0]}", "B*H", "1"] if kind in launches else
+                                 ["B*H*NB", "1", "1"],
+            "note": note,
         })
     mpath = out / f"{top.name}.{target}.manifest.json"
     mpath.write_text(json.dumps(manifest, indent=1) + "\n")

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from .codegen.backends import get
-from .emit import buffer, template_values, write_kernel
+from .emit import kernel_buffers, template_values, write_kernel
 from .errors import UnsupportedKernel
 from .spec import ir
 from .spec.layouts import Sizes, input_dims
@@ -81,7 +81,7 @@ def emit_chunked(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V:
         src = launch.source
         entry = f"recgen_{rec.name}_{src.name.split('_' + d.name)[0].removeprefix('recgen_')}_{len(entries)}_{target}"
         entries[key] = entry
-        bufs = chunk_buffers(d, launch, user)
+        bufs = kernel_buffers(d, launch, user)
         path, mlx_path = write_kernel(d, launch, entry, bufs, banner, out, d.prelude + "\n" + src.header)
         written += [path, mlx_path]
         kernels.append({"entry": entry, "file": path.name, "mlx_file": mlx_path.name, "mlx_name": src.name,
@@ -103,17 +103,3 @@ def emit_chunked(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V:
     mpath = out / f"{rec.name}.{target}.chunked.manifest.json"
     mpath.write_text(json.dumps(manifest, indent=1) + "\n")
     return written + [mpath]
-
-
-def chunk_buffers(d, launch, user) -> list[dict]:
-    """A chunk kernel's standalone signature: its user buffers (shapes and types as called), its runtime tables,
-    then its outputs."""
-    T = d.standalone_dtypes
-    runtime = {n: (dt, len(v)) for n, v, dt in launch.runtime}
-    names = [n for n in launch.source.inputs if n not in runtime]
-    rows = [(n, T[dt], str(list(shape)), True, False) for n, (shape, dt) in zip(names, user)]
-    rows += [(n, "int" if dt == "int32" else T[dt], f"[{size}]", True, size <= 8) for n, (dt, size) in runtime.items()]
-    rows += [(n, T[dt], str(list(shape)), False, False) for n, (shape, dt) in zip(launch.source.outputs, launch.outputs)]
-    order = {n: i for i, n in enumerate(list(launch.source.inputs) + list(launch.source.outputs))}
-    rows.sort(key=lambda r: order[r[0]])
-    return [buffer(d, i, n, ctype, shape, is_in, small) for i, (n, ctype, shape, is_in, small) in enumerate(rows)]

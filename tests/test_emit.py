@@ -108,3 +108,43 @@ def test_power_retention_emits_its_key_blocks_and_a_host_composes_them(tmp_path)
     o_r, (S_r, z_r) = reference.run(rec, scale=scale, **xs)
     assert rel_err(o, o_r) < 1e-5
     assert rel_err(ht[..., :V].reshape(B, H, 10, V), S_r) < 1e-5 and rel_err(ht[..., V].reshape(B, H, 10), z_r) < 1e-5
+
+
+def test_power_retention_emits_its_decode_kernel_and_a_host_steps_with_it(tmp_path):
+    """The feature decode kernel in ``recgen emit power_retention``'s manifest: a host that follows its note (one
+    head a row, the partials summed, the ratio readout) steps the reference's state on the standalone kernel."""
+    import shutil
+    import subprocess
+
+    from recgen.spec.features import sympow, sympow_pairs
+    from recgen.verify.cpu_exec import run_msl
+
+    rec = specs.power_retention
+    assert_standalone_typechecks(emit(rec, "metal", tmp_path, K=4, V=5, H=2, HK=1, dtype="float32"))
+    if shutil.which("nvcc"):  # and the CUDA files (the key blocks' kernels and the decode kernel) compile for sm_90
+        cu = [str(p) for p in emit(rec, "cuda", tmp_path / "cu", K=64, V=64, H=8, HK=8) if p.name.endswith("_cuda_float32.cu")]
+        r = subprocess.run(["nvcc", "-arch=sm_90", "-c", *cu], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert len(cu) == 4 and r.returncode == 0, r.stderr[-3000:]
+    manifest = json.loads((tmp_path / "power_retention.metal.manifest.json").read_text())
+    dec = next(k for k in manifest["kernels"] if k["kind"] == "decode")
+    H, D, V, F = 2, 4, 5, 10
+    rng = np.random.default_rng(5)
+    sizes = Sizes(B=1, T=1, H=H, Hk=1, Kin=D, K=F, V=V)
+    xs, _, _, _, scale = kernel_inputs(rec, sizes, rng)
+    S0, z0 = (np.float32(x).astype(np.float64) for x in (sympow(rng.standard_normal((1, H, 3, D))).swapaxes(-1, -2)
+                                                        @ rng.standard_normal((1, H, 3, V)),
+                                                        sympow(rng.standard_normal((1, H, 3, D))).sum(2)))
+    q, k = (np.repeat(xs[n][0, 0], H, 0).astype(np.float32) for n in ("q", "k"))  # GQA: the key head for both
+    ins = {"q": q, "k": k, "w": xs["v"][0, 0].astype(np.float32), "decay": np.exp(xs["g"][0, 0]).astype(np.float32),
+           "S": S0[0].astype(np.float32), "z": z0[0].astype(np.float32)}
+    a, b, _ = sympow_pairs(D)
+    ins |= {"pa": a.astype(np.int32), "pb": b.astype(np.int32)}
+    outs = {bf["name"]: (tuple(json.loads(bf["shape"])), np.float32) for bf in dec["buffers"] if not bf["input"]}
+    tg = dec["threadgroup"]
+    nb = dec["template"]["NB"]
+    got = run_msl((tmp_path / dec["file"]).read_text(), dec["entry"], ins, outs, (H * nb * tg[0], 1, 1), tuple(tg))
+    part = got["part"].astype(np.float64).sum(1)
+    o = scale ** 2 * part[:, :V] / (scale ** 2 * part[:, V:] + 1e-2)
+    o_r, (S_r, z_r) = reference.run(rec, initial_state=(S0, z0), scale=scale, **xs)
+    assert rel_err(o, o_r[0, 0]) < 1e-5
+    assert rel_err(got["S_out"], S_r[0]) < 1e-5 and rel_err(got["z_out"], z_r[0]) < 1e-5
