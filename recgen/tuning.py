@@ -42,6 +42,7 @@ class Tuning:
     feature_identity: bool = True   # a feature map's chunked form through its kernel identity (``chunked.features``)
     feature_chunk_size: int = 64    # ... its chunk length (entry states are the expanded space: fewer, longer chunks)
     feature_decode: bool = False    # ... its decode step (T = 1) on the generated kernel split over K (not measured yet)
+    feature_kernels: bool = False   # ... its products over φ's rows as fragment kernels forming φ as read (not measured)
     gpu_forms: bool = False         # few large ops (the scan over chunks as one matmul, full-block inverses)
     compile: bool = False           # mx.compile the chunked stretch and core (fuses elementwise work)
     inverse_base: int = 1           # block size from which the triangular inverse climbs by block levels
@@ -136,6 +137,7 @@ ENVIRONMENT = {
     "RECGEN_FEATURE_IDENTITY": ("feature_identity", _flag),
     "RECGEN_FEATURE_CHUNK": ("feature_chunk_size", int),
     "RECGEN_FEATURE_DECODE": ("feature_decode", _flag),
+    "RECGEN_FEATURE_KERNELS": ("feature_kernels", _flag),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
     "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),
     "RECGEN_FWD_LAYOUT": ("fwd_layout", _layout),

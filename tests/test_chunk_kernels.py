@@ -855,6 +855,41 @@ def test_pair_kernels_on_fragments_match_numpy(frame, C, K, strict, dual):
         ck.pair_launch(frame, N, 8, K, strict, mma=True)
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
+@pytest.mark.parametrize("N,C,D,V,sanitizer", [(2, 32, 8, 5, None),     # 36 rows: one partial block of 64
+                                               (1, 64, 12, 16, None),   # two blocks, four SIMD groups of tokens
+                                               (3, 16, 5, 9, "address"),  # one group of tokens, V past a tile
+                                               (1, 16, 4, 3, "thread")])
+def test_feature_product_kernels_match_numpy(frame, N, C, D, V, sanitizer):
+    """φ(X)ᵀY and φ(X)S with φ formed as the fragments read it (features_states_mma.j2, features_out_mma.j2), in
+    each lane layout, against float64 numpy."""
+    from recgen.spec.features import sympow
+
+    rng = np.random.default_rng(D)
+    X, Y = rng.standard_normal((N, C, D)).astype(np.float32), rng.standard_normal((N, C, V)).astype(np.float32)
+    S = rng.standard_normal((N, D * (D + 1) // 2, V)).astype(np.float32)
+    phi = sympow(X.astype(np.float64))
+    (dS,) = verify.run_launch(ck.feature_states_launch(frame, N, C, D, V), {"X": X, "Y": Y}, sanitizer=sanitizer)
+    (Z,) = verify.run_launch(ck.feature_out_launch(frame, N, C, D, V), {"X": X, "S": S}, sanitizer=sanitizer)
+    assert _rel(dS, np.einsum("ncf,ncv->nfv", phi, Y)) < 1e-5
+    assert _rel(Z, np.einsum("ncf,nfv->ncv", phi, S)) < 1e-5
+
+
+def test_power_retention_on_the_feature_product_kernels(monkeypatch):
+    """The kernel-identity form with φ's products on the fragment kernels (``Tuning.feature_kernels``), end to end
+    against the float64 reference: forward, final state, every gradient; GQA, a partial last chunk of 16."""
+    pytest.importorskip("mlx.core")
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, feature_kernels=True)
+    assert_close(compare(specs.power_retention, 40, chunk=16, V=6, seed=5, tuning=t))
+    kinds = {c.split("_metal")[0] for c in calls}
+    assert {"recgen_chunk_feature_states", "recgen_chunk_feature_out", "recgen_chunk_sympow_grad"} <= kinds, kinds
+
+
 @pytest.mark.parametrize("D,gqa", [(4, "block"), (64, "block"), (16, "tile")])
 def test_sympow_kernels_match_numpy(D, gqa):
     """φ = sympow(x) [B, T, Hk, D] -> [B, H, T, D(D + 1)/2] (value heads expanded: two a key head, in blocks or
@@ -893,7 +928,7 @@ def fresh_probe():
     pr._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode"])
+@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode", "features"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass."""
     monkeypatch.setattr(ck, "mlx_call", _emulated_call)
@@ -944,6 +979,12 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
     with pytest.warns(RuntimeWarning, match="feature decode"):
         c = pr.checked(decode)
     assert c.chunk_kernels and c.mma_scan and not c.feature_decode  # only the decode step falls back
+    pr.checked.cache_clear()
+    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "features" else None)
+    fused = tuning.resolve("gpu", "cuda", environ={"RECGEN_FEATURE_KERNELS": "1"})
+    with pytest.warns(RuntimeWarning, match="feature product"):
+        c = pr.checked(fused)
+    assert c.chunk_kernels and c.mma_scan and not c.feature_kernels  # only the feature products fall back
     pr.checked.cache_clear()
     pr._failed.clear()
     monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "base" else None)

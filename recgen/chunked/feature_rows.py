@@ -97,8 +97,24 @@ def tile_features(x, ft: FeatureTiles, i: int):
     return x[..., lo:lo + ft.bs, None] * x[..., None, lo:]
 
 
+class FormedRows:
+    """Rows formed in memory (``features``; ``phi`` hands them to the products), their products MLX matmuls."""
+
+    def phi(self, x, i: int):
+        """What the products of tile i read for x [B,H,n,C,d]: here φ's rows themselves [B,H,n,C,R_i]."""
+        return self.features(x, i)
+
+    def states(self, ph, Y, i: int):
+        """φ(x)ᵀ Y per chunk: [B,H,n,R_i,V'] from ``phi``'s value and Y [B,H,n,C,V']."""
+        return ph.swapaxes(-1, -2) @ Y
+
+    def out(self, ph, S, i: int):
+        """φ(x) S per chunk: [B,H,n,C,V'] from ``phi``'s value and S [B,H,n,R_i,V']."""
+        return ph @ S
+
+
 @dataclass(frozen=True)
-class TileRows:
+class TileRows(FormedRows):
     """The expanded space as ``FeatureTiles`` formed by MLX ops (any device): several tiles, weights ω."""
 
     ft: FeatureTiles
@@ -132,7 +148,7 @@ class TileRows:
 
 
 @dataclass(frozen=True)
-class PackedRows:
+class PackedRows(FormedRows):
     """φ's own packed rows (the spec's state layout, ω = 1, one tile), formed and differentiated by the generated
     sympow kernels where the tuning runs chunk kernels: φ written contiguous in one pass, its gradient read in
     one (MLX's broadcast products and reductions were most of the tiles' backward on the H100)."""
@@ -167,9 +183,26 @@ class PackedRows:
         return S
 
 
-def rows_for(t: Tuning, d: int, dtype):
-    """The generated sympow kernels' packed rows where the tuning runs chunk kernels and they have a layout for d
-    (float32), else MLX's tiles."""
+@dataclass(frozen=True)
+class FusedRows(PackedRows):
+    """``PackedRows`` whose two products run as fragment kernels that form φ as they read it
+    (``chunk_kernels.feature_states``: φ(X)ᵀY; ``feature_out``: φ(X)S), so φ(q) and φ(k) are never written; the
+    gradients' Jacobians stay the packed rows' (a GEMM, then the sympow gradient kernel)."""
+
+    def phi(self, x, i: int):
+        return x
+
+    def states(self, ph, Y, i: int):
+        return ck.feature_states(ph, Y, self.t)
+
+    def out(self, ph, S, i: int):
+        return ck.feature_out(ph, S, self.t)
+
+
+def rows_for(t: Tuning, d: int, dtype, C: int, V1: int):
+    """For chunks of C and V' value columns: the fragment kernels' rows where the tuning asks for them
+    (``Tuning.feature_kernels``) and they have a layout, the sympow kernels' packed rows where it runs chunk kernels,
+    else MLX's tiles; the kernels' rows in float32 only."""
     if t.chunk_kernels and dtype == mx.float32 and sympow_supported(t.dialect, d):
-        return PackedRows(t, d)
+        return FusedRows(t, d) if ck.features_on_kernels(t, C, d, V1) else PackedRows(t, d)
     return TileRows(feature_tiles(d))

@@ -83,14 +83,10 @@ def chunk_decays(gam, pow2: bool = False):
 
 # -- the expanded states, tile by tile (written VJP) ---------------------------------------------------------
 
-def _tile_states(rows, k, Wb, L, l0, S0_i, i):
-    """(φ_i(k) [B,H,n,C,R_i], ΔS [B,H,n,R_i,V'], Ŝ [B,H,n+1,R_i,V']) of tile i."""
-    B, H, n, C, _ = k.shape
-    pk = rows.features(k, i)
-    dS = pk.swapaxes(-1, -2) @ Wb
-    R, V1 = dS.shape[-2:]
-    Sh = (L @ dS.reshape(B, H, n, R * V1)).reshape(B, H, n + 1, R, V1) + l0[..., None, None] * S0_i[:, :, None]
-    return pk, dS, Sh
+def _entry_states(dS, L, l0, S0_i):
+    """Ŝ [B,H,n+1,R,V'] (every chunk's entry state, then the final one) from the chunks' ΔS [B,H,n,R,V']."""
+    B, H, n, R, V1 = dS.shape
+    return (L @ dS.reshape(B, H, n, R * V1)).reshape(B, H, n + 1, R, V1) + l0[..., None, None] * S0_i[:, :, None]
 
 
 def _weighted(rows, i, S):
@@ -102,7 +98,8 @@ def _weighted(rows, i, S):
 @lru_cache(maxsize=None)
 def inter_fn(rows):
     """inter(q, k, Wb, L, l0, S0) -> (Z [B,H,n,C,V'] = Σ_rows ω φ(q_t) Ŝ_{n(t)}, Ŝ_end [B,H,R,V'] in ``rows``);
-    q, k [B,H,n,C,d], Wb = e^{Γ_C−Γ_s} W [B,H,n,C,V'], S0 [B,H,R,V'] in ``rows``."""
+    q, k [B,H,n,C,d], Wb = e^{Γ_C−Γ_s} W [B,H,n,C,V'], S0 [B,H,R,V'] in ``rows``. The products over the rows are
+    ``rows``' (``phi``, ``states``, ``out``), so the same algebra runs on formed rows or on kernels that form them."""
     bounds = np.cumsum([0] + [rows.size(i) for i in range(rows.count)]) if rows.count > 1 else None
 
     def tile(S, i):
@@ -112,9 +109,9 @@ def inter_fn(rows):
     def inter(q, k, Wb, L, l0, S0):
         Z, ends, after = None, [], []
         for i in range(rows.count):
-            qi, ki = mx.depends([q, k], after) if after else (q, k)  # one tile's features alive at a time
-            _, _, Sh = _tile_states(rows, ki, Wb, L, l0, tile(S0, i), i)
-            part = rows.features(qi, i) @ _weighted(rows, i, Sh[:, :, :-1])
+            qi, ki = mx.depends([q, k], after) if after else (q, k)  # tile after tile
+            Sh = _entry_states(rows.states(rows.phi(ki, i), Wb, i), L, l0, tile(S0, i))
+            part = rows.out(rows.phi(qi, i), _weighted(rows, i, Sh[:, :, :-1]), i)
             Z = part if Z is None else Z + part
             ends.append(Sh[:, :, -1])
             after = [Z]
@@ -128,18 +125,19 @@ def inter_fn(rows):
         dq, dk, dWb, dL, dl0, dS0, after = 0.0, 0.0, 0.0, 0.0, 0.0, [], []
         for i in range(rows.count):
             qi, ki = mx.depends([q, k], after) if after else (q, k)
-            pk, dS, Sh = _tile_states(rows, ki, Wb, L, l0, tile(S0, i), i)
+            pk, pq, S0_i = rows.phi(ki, i), rows.phi(qi, i), tile(S0, i)
+            dS = rows.states(pk, Wb, i)
+            Sh = _entry_states(dS, L, l0, S0_i)
             R, V1 = dS.shape[-2:]
-            read = _weighted(rows, i, rows.features(qi, i).swapaxes(-1, -2) @ dZ)                   # [B,H,n,R,V']
+            read = _weighted(rows, i, rows.states(pq, dZ, i))                                     # [B,H,n,R,V']
             dSh = mx.concatenate([read, tile(dS_end, i)[:, :, None]], axis=2)                     # [B,H,n+1,R,V']
             dq = dq + rows.features_vjp(qi, dZ @ _weighted(rows, i, Sh[:, :, :-1]).swapaxes(-1, -2), i)
             flat = dSh.reshape(B, H, n + 1, R * V1)
             dL = dL + flat @ dS.reshape(B, H, n, R * V1).swapaxes(-1, -2)
-            S0_i = tile(S0, i)
             dl0 = dl0 + (dSh * S0_i[:, :, None]).sum((-2, -1))
             dS0.append((l0[:, :, None] @ flat).reshape(B, H, R, V1))
             ddS = (L.swapaxes(-1, -2) @ flat).reshape(B, H, n, R, V1)                              # [B,H,n,R,V']
-            dWb = dWb + pk @ ddS
+            dWb = dWb + rows.out(pk, ddS, i)
             dk = dk + rows.features_vjp(ki, Wb @ ddS.swapaxes(-1, -2), i)
             after = [dq, dk, dWb]
         return dq, dk, dWb, dL, dl0, dS0[0] if len(dS0) == 1 else mx.concatenate(dS0, axis=-2)

@@ -15,6 +15,8 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
   scatter-add with D + 1 writers an entry).
 - ``feature_decode_source``: one decode step of a feature map's state in φ's packed rows, split over K (blocks of
   rows a threadgroup, each block's partial readout summed by the caller), for specs through the kernel identity.
+- ``feature_states_source`` / ``feature_out_source`` (fragment frames): a chunk's products over a feature map's
+  packed rows, φ(X)ᵀY and φ(X)S, with φ formed as the A fragments are read (never written).
 - ``ut_mma_source`` and ``out_mma_source`` (fragment frames): the delta rule's UT transform
   (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout y = (r ⊙ P) S_c + M_ru Z, each one kernel per
   chunk; for a scalar decay A or M_ru is formed in threadgroup memory (shared helpers in ``_fragments.j2``), for a
@@ -234,7 +236,43 @@ def feature_decode_source(dialect: str, has_z: bool) -> KernelSource:
                    "decode step of a feature-map state, split over its rows", ins, outs, (), has_z=has_z)
 
 
+@lru_cache(maxsize=None)
+def feature_states_source(dialect: str) -> KernelSource:
+    """dS = φ(X)ᵀ Y of each chunk (X [N, C, D], Y [N, C, V], pair tables pa, pb -> dS [N, F, V])."""
+    d = get(dialect)
+    return _source(d, "features_states_mma.j2", "feature_states", "a chunk's phi(X)^T Y, phi formed as read",
+                   ("X", "Y", "pa", "pb"), ("dS",), (), helpers=d.mma_prelude)
+
+
+@lru_cache(maxsize=None)
+def feature_out_source(dialect: str) -> KernelSource:
+    """Z = φ(X) S of each chunk (X [N, C, D], S [N, F, V], pair tables pa, pb -> Z [N, C, V])."""
+    d = get(dialect)
+    return _source(d, "features_out_mma.j2", "feature_out", "a chunk's phi(X) S, phi formed as read",
+                   ("X", "S", "pa", "pb"), ("Z",), (), helpers=d.mma_prelude)
+
+
 # -- which sizes have a kernel, and their layouts --------------------------------------------------
+@lru_cache(maxsize=None)
+def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
+    """Template constants of the feature product kernels, {"states": ..., "out": ...}, or None where they have no
+    layout: C a multiple of 16; VP = V rounded up to 8 columns in fragments; the states kernel's token staging TB
+    (32, 16 or 8 dividing C) and the readout's SIMD groups NG (4, 2 or 1, 16 NG dividing C) and row staging RB (32,
+    16 or 8), the first that fit the dialect's threadgroup memory (x staged at row stride LDX, y or S at LDB)."""
+    if C % 16:
+        return None
+    room, VP, F = get(dialect).smem_bytes // 4, -(-V // 8) * 8, D * (D + 1) // 2
+    ldx, ldb = a_stride(D), b_stride(VP)
+    base = {"C": C, "D": D, "F": F, "V": V, "VP": VP, "LDX": ldx, "LDB": ldb}
+    tb = next((tb for tb in (32, 16, 8) if C % tb == 0 and tb * (ldx + ldb) <= room), None)
+    out = next(((ng, rb) for ng in (4, 2, 1) if C % (16 * ng) == 0 for rb in (32, 16, 8)
+                if 16 * ng * ldx + rb * (ldb + 3) <= room), None)
+    if tb is None or out is None:
+        return None
+    return {"states": base | {"TB": tb}, "out": base | {"NG": out[0], "RB": out[1]}}
+
+
+
 def feature_decode_layout(dialect: str, D: int, V: int, has_z: bool) -> dict:
     """Template constants of the feature decode kernel: F = D (D + 1) / 2 rows in blocks of RB, NT = 128 threads as
     RL row lanes by CL column lanes (CL = 32 from V = 32: a SIMD group reads a row's consecutive columns), VJ

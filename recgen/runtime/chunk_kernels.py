@@ -15,7 +15,8 @@ from functools import lru_cache
 
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
-                                     bwd_mma_source, feature_decode_layout, feature_decode_source, inverse_source, scan_prefetches, out_mma_layout, out_mma_source,
+                                     bwd_mma_source, feature_decode_layout, feature_decode_source, feature_mma_layout,
+                                     feature_out_source, feature_states_source, inverse_source, scan_prefetches, out_mma_layout, out_mma_source,
                                      pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
                                      scan_mma_layout, scan_source, sympow_layout, sympow_source, ut_mma_layout,
                                      ut_mma_source)
@@ -209,13 +210,43 @@ def feature_decode_launch(dialect: str, BH: int, D: int, V: int, has_z: bool) ->
     """One decode step of a feature map's state (``feature_decode_source``), BH heads, one threadgroup a block of RB
     of φ's D (D + 1) / 2 packed rows; the pair tables are runtime inputs."""
     lay = feature_decode_layout(dialect, D, V, has_z)
-    a, b, _ = sympow_pairs(D)
     F = lay["F"]
-    runtime = (("pa", tuple(int(i) for i in a), "int32"), ("pb", tuple(int(i) for i in b), "int32"))
+    runtime = _pair_tables(D)
     outs = (((BH, F, V), "float32"),) + ((((BH, F), "float32"),) if has_z else ()) + \
         (((BH, lay["NB"], lay["V1"]), "float32"),)
     return Launch(feature_decode_source(dialect, has_z), runtime, outs, (BH * lay["NB"] * lay["NT"], 1, 1),
                   (lay["NT"], 1, 1), tuple(lay.items()))
+
+
+def _pair_tables(D: int) -> tuple:
+    a, b, _ = sympow_pairs(D)
+    return (("pa", tuple(int(i) for i in a), "int32"), ("pb", tuple(int(i) for i in b), "int32"))
+
+
+@lru_cache(maxsize=64)
+def feature_states_launch(dialect: str, N: int, C: int, D: int, V: int) -> Launch:
+    """dS = φ(X)ᵀ Y of N chunks (``feature_states_source``): a threadgroup 64 of the F packed rows of a chunk."""
+    lay = feature_mma_layout(dialect, C, D, V)["states"]
+    groups = N * -(-lay["F"] // 64)
+    return Launch(feature_states_source(dialect), _pair_tables(D), (((N, lay["F"], V), "float32"),),
+                  (groups * 128, 1, 1), (128, 1, 1), tuple(lay.items()))
+
+
+@lru_cache(maxsize=64)
+def feature_out_launch(dialect: str, N: int, C: int, D: int, V: int) -> Launch:
+    """Z = φ(X) S of N chunks (``feature_out_source``): a threadgroup 16 NG tokens of a chunk."""
+    lay = feature_mma_layout(dialect, C, D, V)["out"]
+    NT = 32 * lay["NG"]
+    groups = N * C // (16 * lay["NG"])
+    return Launch(feature_out_source(dialect), _pair_tables(D), (((N, C, V), "float32"),), (groups * NT, 1, 1),
+                  (NT, 1, 1), tuple(lay.items()))
+
+
+def features_on_kernels(t: Tuning, C: int, D: int, V: int) -> bool:
+    """Whether a feature map's products over its rows run as the fragment kernels (``Tuning.feature_kernels``, with
+    the fragment frames on: on CUDA their operands are TF32, which ``MLX_ENABLE_TF32=0`` declines)."""
+    return (t.feature_kernels and t.mma_scan and t.dialect is not None
+            and feature_mma_layout(t.dialect, C, D, V) is not None)
 
 
 # -- MLX calls -------------------------------------------------------------------------------------
@@ -458,6 +489,20 @@ def pair_dual_grad(dM, dM2, X, X2, Y, dk, t: Tuning, strict: bool = True):
                         [dM.reshape(N, C, C), dM2.reshape(N, C, C), X.reshape(lay), X2.reshape(lay),
                          Y.reshape(lay), dk.reshape(lay)])
     return dX.reshape(X.shape), dX2.reshape(X.shape), dY.reshape(Y.shape)
+
+
+def feature_states(X, Y, t: Tuning):
+    """φ(X)ᵀ Y for each chunk: X [..., C, D], Y [..., C, V] (float32) -> [..., F, V], φ formed as read."""
+    N, (C, D), V = _lead(X, 2), X.shape[-2:], Y.shape[-1]
+    (dS,) = _call(t, feature_states_launch(t.dialect, N, C, D, V), [X.reshape(N, C, D), Y.reshape(N, C, V)])
+    return dS.reshape(*X.shape[:-2], dS.shape[-2], V)
+
+
+def feature_out(X, S, t: Tuning):
+    """φ(X) S for each chunk: X [..., C, D], S [..., F, V] (float32) -> [..., C, V], φ formed as read."""
+    N, (C, D), (F, V) = _lead(X, 2), X.shape[-2:], S.shape[-2:]
+    (Z,) = _call(t, feature_out_launch(t.dialect, N, C, D, V), [X.reshape(N, C, D), S.reshape(N, F, V)])
+    return Z.reshape(*X.shape[:-2], C, V)
 
 
 def feature_decode(q, k, w, decay, S, z, t: Tuning):

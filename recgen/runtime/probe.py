@@ -43,6 +43,8 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
             changes.update(mma_pairs=False)  # the pair kernels' FMA form
     if t.feature_decode and (t.dialect is None or not usable(t.dialect, "decode", sizes)):
         changes.update(feature_decode=False)  # a feature map's decode step in MLX ops
+    if t.feature_kernels and (t.dialect is None or not usable(t.dialect, "features", sizes)):
+        changes.update(feature_kernels=False)  # φ formed in memory, its products MLX matmuls
     return replace(t, **changes) if changes else t
 
 
@@ -77,8 +79,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     tail), "pairs" (the key-decay pair kernels on fragments, probed where the tuning asks for it), "scan"
     (the FMA scan) or "mma" (the fragment scan as the forward runs it, B in bf16 with its rows scaled as read; the
     readout in both output layouts, bf16 in the model's; the UT transform; a key-vector decay's UT transform and
-    readout; the backward's pass after the scan), "decode" (the feature decode kernel at d = V = 64, probed where the
-    tuning asks for it). A GPU whose compiler rejects a frame (an old CUDA architecture
+    readout; the backward's pass after the scan), "decode" (the feature decode kernel at d = V = 64) and "features"
+    (the feature product kernels at C = 64, d = 64, V = 65), each probed where the tuning asks for it. A GPU whose compiler rejects a frame (an old CUDA architecture
     without TF32 fragments, say) then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked
     call; a failing "tail" turns only the fused backward off, a failing "pairs" only the pairs' fragments."""
     import mlx.core as mx
@@ -117,6 +119,12 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             S1, z1 = dec[:, None, None] * S + pk[:, :, None] * w[:, None, :], dec[:, None] * z + pk
             got = list(ck.feature_decode(*(f32(x) for x in (q, k, w, dec, S, z)), t))
             ref = [S1, z1, np.einsum("bf,bfv->bv", pq, S1), (pq * z1).sum(-1)]
+        elif frame == "features":  # φ(X)ᵀY and φ(X)S with φ formed as read, power retention's d = 64 and V + 1
+            X, Y = rng.normal(size=(2, 64, 64)) / 8, rng.normal(size=(2, 64, 65))
+            S = rng.normal(size=(2, 2080, 65))
+            phi = sympow(X)
+            got = [ck.feature_states(f32(X), f32(Y), t), ck.feature_out(f32(X), f32(S), t)]
+            ref = [np.einsum("ncf,ncv->nfv", phi, Y), np.einsum("ncf,nfv->ncv", phi, S)]
         elif frame == "tail":  # the key-decay backward tails (delta rule; rank-1), decay e^-0.1 a token
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             got, ref = [], []
@@ -220,7 +228,8 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
         what = {"mma": "the fragment scan (the FMA scan is used)",
                 "pairs": "the pair kernels on fragments (their FMA form is used)",
                 "tail": "the fused backward (MLX ops are used for it)",
-                "decode": "the feature decode kernel (MLX ops are used for the step)"}.get(frame, "the chunk kernels (MLX ops are used)")
+                "decode": "the feature decode kernel (MLX ops are used for the step)",
+                "features": "the feature product kernels (φ is formed in memory)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
     return err is None
 

@@ -18,8 +18,20 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.xdist_group("power_retention_d64")
+@pytest.mark.parametrize("fused", [False, True], ids=["phi_formed", "phi_in_kernels"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_power_retention_at_d64_matches_the_reference(dtype):
+def test_power_retention_at_d64_matches_the_reference(dtype, fused):
+    """φ's rows formed by the sympow kernels (the default), or read by the feature product kernels
+    (``Tuning.feature_kernels``, on fragments: TF32 operands, so float32 takes bfloat16's tolerances there)."""
+    import contextlib
+
+    from recgen import tuning
+
+    with tuning.override(feature_kernels=True, mma_scan=True) if fused else contextlib.nullcontext():
+        _check_at_d64(dtype, TOL["bfloat16"] if fused else None)
+
+
+def _check_at_d64(dtype, tf32_tol):
     rec = specs.power_retention
     sizes = Sizes(B=1, T=300, H=4, Hk=2, Kin=64, K=2080, V=24)
     rng = np.random.default_rng(7)
@@ -39,7 +51,7 @@ def test_power_retention_at_d64_matches_the_reference(dtype):
     cot64 = [np.array(c.astype(mx.float32), np.float64) for c in cots]
     o_r, s_r = reference.run(rec, initial_state=h0, scale=scale, **seen)
     g_r = reference.grad(rec, do=cot64[0], dht=tuple(cot64[1:]), initial_state=h0, scale=scale, **seen)
-    ftol, gtol = TOL[dtype]
+    ftol, gtol = tf32_tol or TOL[dtype]
     errs = {k: rel_err(np.array(a.astype(mx.float32)), b) for k, a, b in zip(("o", "S", "z"), outs, (o_r, *s_r))}
     errs |= {"d" + n: rel_err(np.array(g.astype(mx.float32)), r)
              for n, g, r in zip(names + ["S0", "z0"], grads, [g_r[n] for n in names] + list(g_r["initial_state"]))}
