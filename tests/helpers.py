@@ -157,7 +157,8 @@ def chunk_launches(target: str) -> list:
                    for dual in (False, True)]
                 + [ck.sympow_launch(target, 2, 4096, 8, 8, 64, True, grad) for grad in (False, True)]
                 + [ck.feature_decode_launch(target, 16, 64, 64, has_z) for has_z in (True, False)]
-                + [ck.feature_states_launch(target, 256, 256, 64, 65), ck.feature_out_launch(target, 256, 256, 64, 65)]
+                + [ck.feature_states_launch(target, 256, 256, 64, 65), ck.feature_out_launch(target, 256, 256, 64, 65),
+                   ck.feature_jac_launch(target, 256, 256, 64, 65)]
                 + [ck.out_mma_launch(target, 8, 64, 128, 128), ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"))]
                 + [ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), key=True)]
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, key=key) for key in (False, True)]

@@ -861,9 +861,9 @@ def test_pair_kernels_on_fragments_match_numpy(frame, C, K, strict, dual):
                                                (3, 16, 5, 9, "address"),  # one group of tokens, V past a tile
                                                (1, 16, 4, 3, "thread")])
 def test_feature_product_kernels_match_numpy(frame, N, C, D, V, sanitizer):
-    """φ(X)ᵀY and φ(X)S with φ formed as the fragments read it (features_states_mma.j2, features_out_mma.j2), in
-    each lane layout, against float64 numpy."""
-    from recgen.spec.features import sympow
+    """φ(X)ᵀY and φ(X)S with φ formed as the fragments read it (features_states_mma.j2, features_out_mma.j2), and the
+    gradient through them (features_jac_mma.j2), in each lane layout, against float64 numpy."""
+    from recgen.spec.features import sympow, sympow_vjp
 
     rng = np.random.default_rng(D)
     X, Y = rng.standard_normal((N, C, D)).astype(np.float32), rng.standard_normal((N, C, V)).astype(np.float32)
@@ -871,8 +871,10 @@ def test_feature_product_kernels_match_numpy(frame, N, C, D, V, sanitizer):
     phi = sympow(X.astype(np.float64))
     (dS,) = verify.run_launch(ck.feature_states_launch(frame, N, C, D, V), {"X": X, "Y": Y}, sanitizer=sanitizer)
     (Z,) = verify.run_launch(ck.feature_out_launch(frame, N, C, D, V), {"X": X, "S": S}, sanitizer=sanitizer)
+    (dX,) = verify.run_launch(ck.feature_jac_launch(frame, N, C, D, V), {"X": X, "S": S, "Y": Y}, sanitizer=sanitizer)
     assert _rel(dS, np.einsum("ncf,ncv->nfv", phi, Y)) < 1e-5
     assert _rel(Z, np.einsum("ncf,nfv->ncv", phi, S)) < 1e-5
+    assert _rel(dX, sympow_vjp(X.astype(np.float64), np.einsum("nfv,ncv->ncf", S.astype(np.float64), Y))) < 1e-5
 
 
 def test_power_retention_on_the_feature_product_kernels(monkeypatch):
@@ -887,7 +889,7 @@ def test_power_retention_on_the_feature_product_kernels(monkeypatch):
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, feature_kernels=True)
     assert_close(compare(specs.power_retention, 40, chunk=16, V=6, seed=5, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
-    assert {"recgen_chunk_feature_states", "recgen_chunk_feature_out", "recgen_chunk_sympow_grad"} <= kinds, kinds
+    assert kinds == {"recgen_chunk_feature_states", "recgen_chunk_feature_out", "recgen_chunk_feature_jac"}, kinds
 
 
 @pytest.mark.parametrize("D,gqa", [(4, "block"), (64, "block"), (16, "tile")])

@@ -112,6 +112,11 @@ class FormedRows:
         """φ(x) S per chunk: [B,H,n,C,V'] from ``phi``'s value and S [B,H,n,R_i,V']."""
         return ph @ S
 
+    def jac(self, x, S, Y, i: int):
+        """dx [B,H,n,C,d] of Σ_t Σ_r (S_r · Y_t) φ_r(x_t) per chunk (S [B,H,n,R_i,V'], Y [B,H,n,C,V']): the rows'
+        cotangents Y Sᵀ formed, then ``features_vjp``."""
+        return self.features_vjp(x, Y @ S.swapaxes(-1, -2), i)
+
 
 @dataclass(frozen=True)
 class TileRows(FormedRows):
@@ -185,9 +190,9 @@ class PackedRows(FormedRows):
 
 @dataclass(frozen=True)
 class FusedRows(PackedRows):
-    """``PackedRows`` whose two products run as fragment kernels that form φ as they read it
-    (``chunk_kernels.feature_states``: φ(X)ᵀY; ``feature_out``: φ(X)S), so φ(q) and φ(k) are never written; the
-    gradients' Jacobians stay the packed rows' (a GEMM, then the sympow gradient kernel)."""
+    """``PackedRows`` whose products run as fragment kernels that form φ as they read it
+    (``chunk_kernels.feature_states``: φ(X)ᵀY; ``feature_out``: φ(X)S; ``feature_jac``: the gradient through them,
+    2 M x with M the state's quadratic form), so neither φ(q), φ(k) nor a [T, F] cotangent is ever written."""
 
     def phi(self, x, i: int):
         return x
@@ -197,6 +202,9 @@ class FusedRows(PackedRows):
 
     def out(self, ph, S, i: int):
         return ck.feature_out(ph, S, self.t)
+
+    def jac(self, x, S, Y, i: int):
+        return ck.feature_jac(x, S, Y, self.t)
 
 
 def rows_for(t: Tuning, d: int, dtype, C: int, V1: int):

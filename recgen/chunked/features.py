@@ -99,7 +99,8 @@ def _weighted(rows, i, S):
 def inter_fn(rows):
     """inter(q, k, Wb, L, l0, S0) -> (Z [B,H,n,C,V'] = Σ_rows ω φ(q_t) Ŝ_{n(t)}, Ŝ_end [B,H,R,V'] in ``rows``);
     q, k [B,H,n,C,d], Wb = e^{Γ_C−Γ_s} W [B,H,n,C,V'], S0 [B,H,R,V'] in ``rows``. The products over the rows are
-    ``rows``' (``phi``, ``states``, ``out``), so the same algebra runs on formed rows or on kernels that form them."""
+    ``rows``' (``phi``, ``states``, ``out``, ``jac``), so the same algebra runs on formed rows or on kernels that form
+    them."""
     bounds = np.cumsum([0] + [rows.size(i) for i in range(rows.count)]) if rows.count > 1 else None
 
     def tile(S, i):
@@ -131,14 +132,14 @@ def inter_fn(rows):
             R, V1 = dS.shape[-2:]
             read = _weighted(rows, i, rows.states(pq, dZ, i))                                     # [B,H,n,R,V']
             dSh = mx.concatenate([read, tile(dS_end, i)[:, :, None]], axis=2)                     # [B,H,n+1,R,V']
-            dq = dq + rows.features_vjp(qi, dZ @ _weighted(rows, i, Sh[:, :, :-1]).swapaxes(-1, -2), i)
+            dq = dq + rows.jac(qi, _weighted(rows, i, Sh[:, :, :-1]), dZ, i)
             flat = dSh.reshape(B, H, n + 1, R * V1)
             dL = dL + flat @ dS.reshape(B, H, n, R * V1).swapaxes(-1, -2)
             dl0 = dl0 + (dSh * S0_i[:, :, None]).sum((-2, -1))
             dS0.append((l0[:, :, None] @ flat).reshape(B, H, R, V1))
             ddS = (L.swapaxes(-1, -2) @ flat).reshape(B, H, n, R, V1)                              # [B,H,n,R,V']
             dWb = dWb + rows.out(pk, ddS, i)
-            dk = dk + rows.features_vjp(ki, Wb @ ddS.swapaxes(-1, -2), i)
+            dk = dk + rows.jac(ki, ddS, Wb, i)
             after = [dq, dk, dWb]
         return dq, dk, dWb, dL, dl0, dS0[0] if len(dS0) == 1 else mx.concatenate(dS0, axis=-2)
 

@@ -15,8 +15,9 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
   scatter-add with D + 1 writers an entry).
 - ``feature_decode_source``: one decode step of a feature map's state in φ's packed rows, split over K (blocks of
   rows a threadgroup, each block's partial readout summed by the caller), for specs through the kernel identity.
-- ``feature_states_source`` / ``feature_out_source`` (fragment frames): a chunk's products over a feature map's
-  packed rows, φ(X)ᵀY and φ(X)S, with φ formed as the A fragments are read (never written).
+- ``feature_states_source`` / ``feature_out_source`` / ``feature_jac_source`` (fragment frames): a chunk's products
+  over a feature map's packed rows, φ(X)ᵀY and φ(X)S, with φ formed as the A fragments are read (never written), and
+  the gradient through them, dX = 2 M X with M the symmetric matrix of the state's quadratic form.
 - ``ut_mma_source`` and ``out_mma_source`` (fragment frames): the delta rule's UT transform
   (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout y = (r ⊙ P) S_c + M_ru Z, each one kernel per
   chunk; for a scalar decay A or M_ru is formed in threadgroup memory (shared helpers in ``_fragments.j2``), for a
@@ -252,13 +253,23 @@ def feature_out_source(dialect: str) -> KernelSource:
                    ("X", "S", "pa", "pb"), ("Z",), (), helpers=d.mma_prelude)
 
 
+@lru_cache(maxsize=None)
+def feature_jac_source(dialect: str) -> KernelSource:
+    """dX of Σ_t Σ_r (S_r · Y_t) φ_r(x_t) per chunk (X [N, C, D], S [N, F, V], Y [N, C, V] -> dX [N, C, D]), through
+    the symmetric matrix of the quadratic form: no [T, F] cotangent formed."""
+    d = get(dialect)
+    return _source(d, "features_jac_mma.j2", "feature_jac", "a chunk's gradient through phi's rows",
+                   ("X", "S", "Y"), ("dX",), (), helpers=d.mma_prelude)
+
+
 # -- which sizes have a kernel, and their layouts --------------------------------------------------
 @lru_cache(maxsize=None)
 def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
-    """Template constants of the feature product kernels, {"states": ..., "out": ...}, or None where they have no
-    layout: C a multiple of 16; VP = V rounded up to 8 columns in fragments; the states kernel's token staging TB
-    (32, 16 or 8 dividing C) and the readout's SIMD groups NG (4, 2 or 1, 16 NG dividing C) and row staging RB (32,
-    16 or 8), the first that fit the dialect's threadgroup memory (x staged at row stride LDX, y or S at LDB)."""
+    """Template constants of the feature product kernels, {"states": ..., "out": ..., "jac": ...}, or None where they
+    have no layout: C a multiple of 16; VP = V rounded up to 8 columns in fragments; the states kernel's token
+    staging TB (32, 16 or 8 dividing C), the readout's SIMD groups NG (4, 2 or 1, 16 NG dividing C) and row staging
+    RB (32, 16 or 8), the gradient's NG (x and y staged, one D x VP block of the state: DP = D rounded up to 8), the
+    first that fit the dialect's threadgroup memory (x staged at row stride LDX, y or S at LDB)."""
     if C % 16:
         return None
     room, VP, F = get(dialect).smem_bytes // 4, -(-V // 8) * 8, D * (D + 1) // 2
@@ -267,9 +278,13 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
     tb = next((tb for tb in (32, 16, 8) if C % tb == 0 and tb * (ldx + ldb) <= room), None)
     out = next(((ng, rb) for ng in (4, 2, 1) if C % (16 * ng) == 0 for rb in (32, 16, 8)
                 if 16 * ng * ldx + rb * (ldb + 3) <= room), None)
-    if tb is None or out is None:
+    dp = -(-D // 8) * 8
+    ldxj = a_stride(dp)
+    jac = next((ng for ng in (4, 2, 1) if C % (16 * ng) == 0 and 16 * ng * (ldxj + ldb) + dp * ldb <= room), None)
+    if tb is None or out is None or jac is None:
         return None
-    return {"states": base | {"TB": tb}, "out": base | {"NG": out[0], "RB": out[1]}}
+    return {"states": base | {"TB": tb}, "out": base | {"NG": out[0], "RB": out[1]},
+            "jac": base | {"DP": dp, "LDX": ldxj, "NG": jac}}
 
 
 

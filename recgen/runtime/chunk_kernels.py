@@ -16,7 +16,7 @@ from functools import lru_cache
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, feature_decode_layout, feature_decode_source, feature_mma_layout,
-                                     feature_out_source, feature_states_source, inverse_source, scan_prefetches, out_mma_layout, out_mma_source,
+                                     feature_jac_source, feature_out_source, feature_states_source, inverse_source, scan_prefetches, out_mma_layout, out_mma_source,
                                      pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
                                      scan_mma_layout, scan_source, sympow_layout, sympow_source, ut_mma_layout,
                                      ut_mma_source)
@@ -240,6 +240,16 @@ def feature_out_launch(dialect: str, N: int, C: int, D: int, V: int) -> Launch:
     groups = N * C // (16 * lay["NG"])
     return Launch(feature_out_source(dialect), _pair_tables(D), (((N, C, V), "float32"),), (groups * NT, 1, 1),
                   (NT, 1, 1), tuple(lay.items()))
+
+
+@lru_cache(maxsize=64)
+def feature_jac_launch(dialect: str, N: int, C: int, D: int, V: int) -> Launch:
+    """dX through φ's rows of N chunks (``feature_jac_source``): a threadgroup 16 NG tokens of a chunk."""
+    lay = feature_mma_layout(dialect, C, D, V)["jac"]
+    NT = 32 * lay["NG"]
+    groups = N * C // (16 * lay["NG"])
+    return Launch(feature_jac_source(dialect), (), (((N, C, D), "float32"),), (groups * NT, 1, 1), (NT, 1, 1),
+                  tuple(lay.items()))
 
 
 def features_on_kernels(t: Tuning, C: int, D: int, V: int) -> bool:
@@ -503,6 +513,15 @@ def feature_out(X, S, t: Tuning):
     N, (C, D), (F, V) = _lead(X, 2), X.shape[-2:], S.shape[-2:]
     (Z,) = _call(t, feature_out_launch(t.dialect, N, C, D, V), [X.reshape(N, C, D), S.reshape(N, F, V)])
     return Z.reshape(*X.shape[:-2], C, V)
+
+
+def feature_jac(X, S, Y, t: Tuning):
+    """The gradient dX of Σ_t Σ_r (S_r · Y_t) φ_r(x_t) for each chunk: X [..., C, D], S [..., F, V], Y [..., C, V]
+    (float32) -> [..., C, D], no [C, F] cotangent formed."""
+    N, (C, D), (F, V) = _lead(X, 2), X.shape[-2:], S.shape[-2:]
+    (dX,) = _call(t, feature_jac_launch(t.dialect, N, C, D, V),
+                  [X.reshape(N, C, D), S.reshape(N, F, V), Y.reshape(N, C, V)])
+    return dX.reshape(X.shape)
 
 
 def feature_decode(q, k, w, decay, S, z, t: Tuning):

@@ -9,7 +9,7 @@ import warnings
 from dataclasses import replace
 from functools import lru_cache
 
-from ..spec.features import sympow
+from ..spec.features import sympow, sympow_vjp
 from ..tuning import Tuning, resolve
 from . import chunk_kernels as ck
 
@@ -80,7 +80,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     (the FMA scan) or "mma" (the fragment scan as the forward runs it, B in bf16 with its rows scaled as read; the
     readout in both output layouts, bf16 in the model's; the UT transform; a key-vector decay's UT transform and
     readout; the backward's pass after the scan), "decode" (the feature decode kernel at d = V = 64) and "features"
-    (the feature product kernels at C = 64, d = 64, V = 65), each probed where the tuning asks for it. A GPU whose compiler rejects a frame (an old CUDA architecture
+    (the feature product and gradient kernels at C = 64, d = 64, V = 65), each probed where the tuning asks for it. A GPU whose compiler rejects a frame (an old CUDA architecture
     without TF32 fragments, say) then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked
     call; a failing "tail" turns only the fused backward off, a failing "pairs" only the pairs' fragments."""
     import mlx.core as mx
@@ -123,8 +123,10 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             X, Y = rng.normal(size=(2, 64, 64)) / 8, rng.normal(size=(2, 64, 65))
             S = rng.normal(size=(2, 2080, 65))
             phi = sympow(X)
-            got = [ck.feature_states(f32(X), f32(Y), t), ck.feature_out(f32(X), f32(S), t)]
-            ref = [np.einsum("ncf,ncv->nfv", phi, Y), np.einsum("ncf,nfv->ncv", phi, S)]
+            got = [ck.feature_states(f32(X), f32(Y), t), ck.feature_out(f32(X), f32(S), t),
+                   ck.feature_jac(f32(X), f32(S), f32(Y), t)]
+            ref = [np.einsum("ncf,ncv->nfv", phi, Y), np.einsum("ncf,nfv->ncv", phi, S),
+                   sympow_vjp(X, np.einsum("nfv,ncv->ncf", S, Y))]
         elif frame == "tail":  # the key-decay backward tails (delta rule; rank-1), decay e^-0.1 a token
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             got, ref = [], []
