@@ -969,31 +969,26 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
         c = pr.checked(t)
     assert c.chunk_kernels and c.mma_scan and not c.fused_bwd  # only the backward's tail falls back
     pr.checked.cache_clear()
-    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "pairs" else None)
-    assert pr.checked(t).mma_pairs is False  # not asked for: not probed, stays off
-    pairs = tuning.resolve("gpu", "cuda", environ={"RECGEN_MMA_PAIRS": "1"})
-    with pytest.warns(RuntimeWarning, match="pair kernels on fragments"):
-        c = pr.checked(pairs)
-    assert c.chunk_kernels and c.mma_scan and not c.mma_pairs  # only the pairs' fragments fall back
-    pr.checked.cache_clear()
-    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "decode" else None)
-    decode = tuning.resolve("gpu", "cuda", environ={"RECGEN_FEATURE_DECODE": "1"})
-    with pytest.warns(RuntimeWarning, match="feature decode"):
-        c = pr.checked(decode)
-    assert c.chunk_kernels and c.mma_scan and not c.feature_decode  # only the decode step falls back
-    pr.checked.cache_clear()
-    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "features" else None)
-    fused = tuning.resolve("gpu", "cuda", environ={"RECGEN_FEATURE_KERNELS": "1"})
-    with pytest.warns(RuntimeWarning, match="feature product"):
-        c = pr.checked(fused)
-    assert c.chunk_kernels and c.mma_scan and not c.feature_kernels  # only the feature products fall back
-    pr.checked.cache_clear()
     pr._failed.clear()
     monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "base" else None)
     with pytest.warns(RuntimeWarning, match="chunk kernels"):
         assert not pr.checked(t).chunk_kernels
     # the environment states an intention (Metal has no measurement); the self-test still applies to it
     assert tuning.resolve("gpu", "metal", environ={"RECGEN_CHUNK_KERNELS": "1"}).chunk_kernels
+
+
+@pytest.mark.parametrize("frame,variable,flag,warning", [
+    ("pairs", "RECGEN_MMA_PAIRS", "mma_pairs", "pair kernels on fragments"),
+    ("decode", "RECGEN_FEATURE_DECODE", "feature_decode", "feature decode"),
+    ("features", "RECGEN_FEATURE_KERNELS", "feature_kernels", "feature product")])
+def test_an_opt_in_frame_that_fails_turns_only_itself_off(frame, variable, flag, warning, monkeypatch, fresh_probe):
+    """A frame probed only where the tuning asks for it: not asked, it stays off unprobed; asked and failing, only its
+    own choice falls back (with a warning), the chunk kernels and the fragment scan stay."""
+    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: "RuntimeError: no" if f == frame else None)
+    assert getattr(pr.checked(tuning.resolve("gpu", "cuda", environ={})), flag) is False
+    with pytest.warns(RuntimeWarning, match=warning):
+        c = pr.checked(tuning.resolve("gpu", "cuda", environ={variable: "1"}))
+    assert c.chunk_kernels and c.mma_scan and not getattr(c, flag)
 
 
 def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
