@@ -255,10 +255,15 @@ def test_sympow_outside_a_spec():
 
 
 def test_sympow_degree():
-    with raises_spec("degree 2"):
+    with raises_spec("degree must be 2, 3 or 4", "1"):
         @recurrence
         def bad(q: Key, k: Key, v: Value):
-            return Step(update=outer(sympow(k, 3), v), readout=sympow(q, 3))
+            return Step(update=outer(sympow(k, 1), v), readout=sympow(q, 1))
+
+    with raises_spec("state rows must be one space"):  # two degrees: two feature spaces
+        @recurrence
+        def mixed(q: Key, k: Key, v: Value):
+            return Step(update=outer(sympow(k, 3), v), readout=sympow(q, 2))
 
 
 def test_duplicate_names():

@@ -24,7 +24,7 @@ from ..spec import ir
 from ..spec.analysis import Analysis, analyze
 from ..spec.decay import log_decay
 from ..spec.numeric import lambdify
-from ..spec.features import sympow_pairs
+from ..spec.features import sympow_terms
 
 
 def _mx():
@@ -116,13 +116,14 @@ def plan(rec: ir.Recurrence, pow2_exp: bool = False) -> Plan:
 
 # -- binding -----------------------------------------------------------------------------------
 
-def sympow_mx(x):
-    """φ(x) of recgen.spec.features.sympow with MLX ops (differentiable): [..., d] -> [..., d(d+1)/2]."""
+def sympow_mx(x, degree: int = 2):
+    """φ(x) of recgen.spec.features.sympow with MLX ops (differentiable): [..., d] -> [..., C(d + p − 1, p)]."""
     mx = _mx()
-    a, b, c = sympow_pairs(x.shape[-1])
-    a, b = mx.array(a.astype(np.int32)), mx.array(b.astype(np.int32))
-    coef = mx.array(c, dtype=x.dtype)
-    return mx.take(x, a, axis=-1) * mx.take(x, b, axis=-1) * coef
+    idx, c = sympow_terms(x.shape[-1], degree)
+    out = mx.array(c, dtype=x.dtype)
+    for i in range(degree):
+        out = out * mx.take(x, mx.array(idx[:, i].astype(np.int32)), axis=-1)
+    return out
 
 
 def expand_heads(x, H: int, gqa: str, axis: int):
@@ -149,15 +150,19 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
     A key or value that a role is verbatim (``Plan.bare_roles``) or a constant multiple of (``Plan.r_scaled``) is
     first copied to row-major order in its own type: MLX's cast keeps a transposed view's strides, so the chunked
     core's reshape would copy it again in float32 (a cast and a float32 layout copy per such input).
-    ``raw`` (a dict), if given, receives those row-major copies before the cast, by symbol. ``sympow``: the
+    ``raw`` (a dict), if given, receives those row-major copies before the cast, by symbol. ``sympow``: the degree-2
     feature map as (x [B,C,Hk,D], H, gqa) -> φ [B,H,C,F] (default: ``sympow_mx``, heads expanded, transposed; the
-    chunk kernels' ``chunk_kernels.sympow_fn``, which writes that layout itself); ``features=False`` binds none."""
+    chunk kernels' ``chunk_kernels.sympow_fn``, which writes that layout itself); other degrees take ``sympow_mx``;
+    ``features=False`` binds none."""
     mx = _mx()
     rec = p.rec
     vals = {}
     cast = (lambda a: a.astype(dtype)) if dtype is not None else (lambda a: a)
     bare = {s for _, s in p.bare_roles} | ({p.r_scaled[0]} if p.r_scaled else set())
-    phi = sympow or (lambda x, H, gqa: expand_heads(sympow_mx(x), H, gqa, 2).transpose(0, 2, 1, 3))
+    def phi(x, H, gqa, degree):
+        if sympow is not None and degree == 2:
+            return sympow(x, H, gqa)
+        return expand_heads(sympow_mx(x, degree), H, gqa, 2).transpose(0, 2, 1, 3)
 
     def row_major(a, x):
         if x.symbol not in bare:
@@ -177,7 +182,7 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
                 vals[x.symbol] = cast(row_major(expand_heads(a, H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None], x))
             for f in rec.features if features else ():
                 if f.source == x.name:
-                    vals[f.symbol] = phi(cast(a), H, rec.gqa)[..., None]
+                    vals[f.symbol] = phi(cast(a), H, rec.gqa, f.degree)[..., None]
         elif x.kind == "key_gate":                   # [B,C,H,K]
             vals[x.symbol] = cast(a.transpose(0, 2, 1, 3)[..., None])
         elif x.kind == "value":                      # [B,C,H,V]

@@ -104,7 +104,7 @@ def _frame(rec: ir.Recurrence, x: ir.Input, a: np.ndarray, t: int, kh: np.ndarra
 def _bind(rec, arrays, t, kh, scale) -> tuple:
     vals = {x.symbol: _frame(rec, x, arrays[x.name], t, kh) for x in rec.inputs}
     for f in rec.features:
-        vals[f.symbol] = sympow(vals[sp.Symbol(f.source, real=True)][..., 0])[..., None]
+        vals[f.symbol] = sympow(vals[sp.Symbol(f.source, real=True)][..., 0], f.degree)[..., None]
     return tuple(vals[s] for s in _compile(rec).symbols[:-1]) + (scale,)
 
 
@@ -251,7 +251,8 @@ def _accumulate(rec, c, d, args, t, kh, arrays, grads, feat_src, sizes):
     for fname, g in feat_grads.items():
         src = rec.input(feat_src[fname])
         xk = arrays[src.name][:, t][:, kh]
-        _add_input_grad(src, sympow_vjp(xk, g)[..., None], grads[src.name], t, kh, sizes)
+        degree = next(f.degree for f in rec.features if f.name == fname)
+        _add_input_grad(src, sympow_vjp(xk, g, degree)[..., None], grads[src.name], t, kh, sizes)
 
 
 def _add_input_grad(x: ir.Input, contrib: np.ndarray, out: np.ndarray, t, kh, sizes: Sizes):

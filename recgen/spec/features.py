@@ -1,30 +1,52 @@
 r"""Feature maps in float64 numpy (the reference); kernels compute the same products on the fly.
 
-sympow of degree 2: φ(x)_{(a,b)} = c_{ab} x_a x_b for a ≤ b (row-major), c_{aa} = 1, c_{ab} = √2,
-so φ(x)ᵀφ(y) = (xᵀy)². Its VJP: dx_a = Σ_{b} c_{ab} dφ_{(a,b)} x_b + Σ_{b} c_{ba} dφ_{(b,a)} x_b.
+sympow of degree p: φ(x)_m = c_m Π_{a∈m} x_a over the multisets m = (a_1 ≤ … ≤ a_p) of key indices in
+lexicographic order, c_m = √(p! / Π_j k_j!) (k_j how often j occurs in m), so φ(x)ᵀφ(y) = (xᵀy)^p; width
+C(d + p − 1, p). Degree 2: the pairs a ≤ b row-major, c_aa = 1, c_ab = √2. Its VJP: dx_j = Σ_m c_m dφ_m ∂(Π x)/∂x_j,
+each occurrence of j in m contributing the product of the others.
 """
 from __future__ import annotations
 
+import itertools
+import math
+from collections import Counter
 from functools import lru_cache
 
 import numpy as np
 
 
+def sympow_width(d: int, degree: int = 2) -> int:
+    """The number of rows of φ: C(d + p − 1, p)."""
+    return math.comb(d + degree - 1, degree)
+
+
+@lru_cache(maxsize=None)
+def sympow_terms(d: int, degree: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """(index multisets [F, p] in lexicographic order, their coefficients [F])."""
+    idx = np.array(list(itertools.combinations_with_replacement(range(d), degree)), dtype=np.int64).reshape(-1, degree)
+    fact = math.factorial(degree)
+    coef = np.array([math.sqrt(fact / math.prod(math.factorial(k) for k in Counter(m).values())) for m in idx.tolist()])
+    return idx, coef
+
+
 @lru_cache(maxsize=None)
 def sympow_pairs(d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Row-major (a, b) pairs with a ≤ b and their coefficients."""
-    a, b = np.triu_indices(d)
-    coef = np.where(a == b, 1.0, np.sqrt(2.0))
-    return a, b, coef
+    """Degree 2's rows: (a, b, c) with a ≤ b row-major (the kernels' tables)."""
+    idx, coef = sympow_terms(d, 2)
+    return idx[:, 0], idx[:, 1], coef
 
 
-def sympow(x: np.ndarray) -> np.ndarray:
-    a, b, c = sympow_pairs(x.shape[-1])
-    return c * x[..., a] * x[..., b]
+def sympow(x: np.ndarray, degree: int = 2) -> np.ndarray:
+    idx, c = sympow_terms(x.shape[-1], degree)
+    return c * np.prod(x[..., idx], axis=-1)
 
 
-def sympow_vjp(x: np.ndarray, dphi: np.ndarray) -> np.ndarray:
+def sympow_vjp(x: np.ndarray, dphi: np.ndarray, degree: int = 2) -> np.ndarray:
     d = x.shape[-1]
-    a, b, c = sympow_pairs(d)
-    ea, eb = np.eye(d)[a], np.eye(d)[b]  # one-hot [D, d]
-    return (c * dphi * x[..., b]) @ ea + (c * dphi * x[..., a]) @ eb
+    idx, c = sympow_terms(d, degree)
+    xs = x[..., idx]                                  # [..., F, p]
+    dx = 0.0
+    for i in range(degree):
+        others = np.prod(np.delete(xs, i, axis=-1), axis=-1) if degree > 1 else 1.0
+        dx = dx + (c * dphi * others) @ np.eye(d)[idx[:, i]]
+    return dx

@@ -40,15 +40,16 @@ _features: list[ir.Feature] | None = None  # features declared while a spec func
 
 
 def sympow(x: sp.Symbol, degree: int = 2) -> sp.Symbol:
-    """φ(x): the symmetric degree-2 power feature map of a key input, of width d(d+1)/2."""
+    """φ(x): the symmetric power feature map of degree 2, 3 or 4 of a key input (φ(x)ᵀφ(y) = (xᵀy)^degree), of width
+    C(d + degree − 1, degree): d(d+1)/2 at degree 2."""
     if _features is None:
         raise ir.SpecError("sympow() can only be used inside a @recurrence function")
     if not isinstance(x, sp.Symbol):
         raise ir.SpecError(f"sympow() takes a key input itself, got {x}: scale outside, "
                            "e.g. scale**2 * sympow(q)")
-    if degree != 2:
-        raise ir.SpecError(f"sympow(): only degree 2 is supported, got {degree}")
-    feat = ir.Feature(f"phi({x.name})", x.name, degree)
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree not in (2, 3, 4):
+        raise ir.SpecError(f"sympow(): degree must be 2, 3 or 4, got {degree!r}")
+    feat = ir.Feature(f"phi({x.name})" if degree == 2 else f"phi{degree}({x.name})", x.name, degree)
     if feat not in _features:
         _features.append(feat)
     return feat.symbol

@@ -28,6 +28,7 @@ key gate ``[B,T,H,K]``, value ``[B,T,H,V]``, parameter ``[H, *signature]``.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass, fields
 
@@ -101,8 +102,9 @@ class Feature:
 
     Its name, ``phi(<source>)``, is no identifier, so no input can take it (inputs must be identifiers).
 
-    ``sympow`` of degree 2 maps x ∈ R^d to the d(d+1)/2 products x_a x_b (a ≤ b) with √2 on the
-    cross terms, so that φ(x)ᵀφ(y) = (xᵀy)². The state rows then live in the feature space.
+    ``sympow`` of degree p maps x ∈ R^d to the C(d+p−1, p) products over index multisets with √(multinomial)
+    coefficients (degree 2: x_a x_b, a ≤ b, √2 on the cross terms), so that φ(x)ᵀφ(y) = (xᵀy)^p. The state rows
+    then live in the feature space (``recgen.spec.features``).
     """
 
     name: str
@@ -114,7 +116,7 @@ class Feature:
         return sp.Symbol(self.name, real=True)
 
     def width(self, d: int) -> int:
-        return d * (d + 1) // 2
+        return math.comb(d + self.degree - 1, self.degree)
 
 
 @dataclass(frozen=True)
@@ -362,6 +364,10 @@ class Recurrence:
         if used_feat and used_raw:
             raise SpecError(f"term {ROLE_NAMES[used_raw]} uses a raw key input while term "
                             f"{ROLE_NAMES[used_feat]} uses a feature map: the state rows must be one space")
+        degrees = sorted({f.degree for f in self.features})
+        if len(degrees) > 1:
+            raise SpecError(f"feature maps of degrees {degrees} ({', '.join(f.name for f in self.features)}): "
+                            "the state rows must be one space")
 
     def __call__(self, /, *args, **kwargs):
         """A spec is data: the op that runs it is ``recgen.load(spec)`` (the IR knows no runtime)."""
