@@ -1,13 +1,13 @@
 """sympow of degree 2, 3 and 4 (``rg.sympow(k, degree)``): φ(x)ᵀφ(y) = (xᵀy)^p, its VJP, and a degree-4 power
-retention spec through the reference interpreter and the chunked form (the general one: the kernel identity's
-form and the kernels are degree 2), forward, final state and every gradient, against an independent float64 oracle
+retention spec through the reference interpreter and the chunked forms (the kernel identity's with φ's rows by MLX
+gathers, and the general one), forward, final state and every gradient, against an independent float64 oracle
 (the attention form: Σ_s e^{G_t - G_s} (q_t·k_s)^4 v_s) and against the reference."""
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import recgen as rg
-from recgen import chunked
+from recgen import chunked, tuning
 from recgen.chunked.terms import sympow_mx
 from recgen.math import reference
 from recgen.spec.analysis import analyze
@@ -57,7 +57,7 @@ def test_degree4_reference_matches_the_attention_form(rng):
 
 def test_degree4_chunked_form_matches_the_reference(rng):
     rec = power_retention4
-    assert analyze(rec).feature_identity is None  # the identity's rows are degree 2: the general chunked form
+    assert analyze(rec).feature_identity.degree == 4  # the kernel identity's form, φ's rows by MLX gathers
     xs = _inputs(rng)
     do, dS, dz = rng.standard_normal((2, 9, 2, 4)), rng.standard_normal((2, 2, 15, 4)), rng.standard_normal((2, 2, 15))
     names = list(xs)
@@ -67,13 +67,15 @@ def test_degree4_chunked_form_matches_the_reference(rng):
         return o, S, z
 
     f64 = lambda a: mx.array(a, dtype=mx.float64)  # noqa: E731
-    got, grads = mx.vjp(f, [f64(xs[n]) for n in names], [f64(do), f64(dS), f64(dz)])
     o_r, s_r = reference.run(rec, scale=0.7, **xs)
     g_r = reference.grad(rec, do=do, dht=(dS, dz), scale=0.7, **xs)
-    for a, b in zip(got, (o_r, *s_r)):
-        assert rel_err(np.array(a), b) <= 1e-10
-    for n, g in zip(names, grads):
-        assert rel_err(np.array(g), g_r[n]) <= 1e-10, n
+    for identity in (True, False):  # the identity's form, and the general one
+        with tuning.override(feature_identity=identity):
+            got, grads = mx.vjp(f, [f64(xs[n]) for n in names], [f64(do), f64(dS), f64(dz)])
+        for a, b in zip(got, (o_r, *s_r)):
+            assert rel_err(np.array(a), b) <= 1e-10
+        for n, g in zip(names, grads):
+            assert rel_err(np.array(g), g_r[n]) <= 1e-10, (identity, n)
 
 
 def test_other_degrees_are_rejected_when_declared():

@@ -20,7 +20,7 @@ The forms, by the spec's terms:
 - Any other rank-1 transition with a scalar or key-vector decay, one before the decay (RWKV-7's DPLR) included:
   ``rank1``'s core, the WY/UT form with two key vectors (a, u), with a hand-derived VJP.
 - A feature map read and updated through its kernel identity (power retention: r = c·φ(q), u = φ(k), a scalar
-  decay; ``Analysis.feature_identity``): ``features``, scores (qᵀk)² inside chunks, the expanded state only between
+  decay; ``Analysis.feature_identity``): ``features``, scores (qᵀk)^p inside chunks, the expanded state only between
   them (``feature_rows``), with a written VJP; a decode step on the feature decode kernel where the tuning asks.
 - Full (i, j) or value-indexed decays (selective scan): ``core.scan_full``, a two-level scan
   (~2√T sequential elementwise steps per segment) with a written VJP (the reverse recurrence by the
@@ -272,8 +272,8 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         W = mx.concatenate([W, mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)], axis=-1)
         state = mx.concatenate([S, z[..., None]], axis=-1)
     c = float(fi.c.subs(ir.SCALE, scale))
-    rows = feature_rows.rows_for(tun, d, S.dtype, C, W.shape[-1])  # as ``forward`` chose them for the segments
-    Y, S_end = features.chunk_form(q, k, W, t["logdecay"], rows.to_rows(state), c, C, tun.pow2_exp, rows)
+    rows = feature_rows.rows_for(tun, d, S.dtype, C, W.shape[-1], fi.degree)  # as ``forward`` chose them
+    Y, S_end = features.chunk_form(q, k, W, t["logdecay"], rows.to_rows(state), c, C, tun.pow2_exp, rows, fi.degree)
     S_end = rows.from_rows(S_end)
     o = _readout(p, p.rec, t, Y[..., :V], Y[..., V] if has_z else None)
     return (o, S_end[..., :V], S_end[..., V]) if has_z else (o, S_end)
@@ -432,7 +432,8 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     if T == 0 or sizes.B == 0:
         return _finish(rec, [], S, z, out_dtype, sizes, dtype)
     identity = p.feature_identity is not None and tun.feature_identity
-    if T == 1 and identity and compute_dtype is None and features.decodes(tun, sizes.Kin, sizes.V):
+    if (T == 1 and identity and compute_dtype is None
+            and features.decodes(tun, sizes.Kin, sizes.V, p.feature_identity.degree)):
         o, state = _features_decode(tun, plan(rec, tun.pow2_exp), scale, sizes, S, z, inputs)
         return o.astype(out_dtype), state
     if T == 1 and compute_dtype is None and not tun.chunk_kernels:
@@ -446,7 +447,7 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     C = pow2_ceil(min(C, T))  # speed and memory only, not the result
     if identity:  # one tile of the expanded space at a time
         fn = _body(_features, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)
-        rows = feature_rows.rows_for(tun, sizes.Kin, dtype, C, sizes.V + has_z)
+        rows = feature_rows.rows_for(tun, sizes.Kin, dtype, C, sizes.V + has_z, p.feature_identity.degree)
         per_token = features.workset_per_token(rows, sizes.B * sizes.H, sizes.Kin, sizes.V + has_z, C)
         seg = max(1, segment_budget(tun) // (per_token * C)) * C
     elif p.decay_class == "full":  # O(T·K·V) working set: the segment budget sets the stretch

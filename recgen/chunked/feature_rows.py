@@ -1,9 +1,11 @@
-r"""The rows of a degree-2 feature map's expanded space, as the kernel-identity form (``chunked.features``) reads them:
-each layout forms the rows of φ(x) for the products over them and gives their gradient.
+r"""The rows of a feature map's expanded space, as the kernel-identity form (``chunked.features``) reads them: each
+layout forms the rows of φ(x) for the products over them (or forms them as it reads them) and gives their gradient.
 
 - ``PackedRows``: the spec's own d(d+1)/2 packed rows, formed and differentiated by the generated sympow kernels
   (``recgen.runtime.chunk_kernels.sympow_fn``) where the tuning runs chunk kernels.
-- ``TileRows``: MLX ops on any device, blocks of rows that are products x_a x_b (``FeatureTiles``): tile i has the
+- ``FusedRows``: the packed rows read by fragment kernels that form φ as they read it (``Tuning.feature_kernels``).
+- ``GatheredRows``: degrees 3 and 4, the packed rows by MLX gathers.
+- ``TileRows``: MLX ops on any device (degree 2), blocks of rows that are products x_a x_b (``FeatureTiles``): tile i has the
   rows a ∈ [i·bs, (i+1)·bs), b ∈ [i·bs, d), each a broadcast product of two slices (no gather), weighted 1 where b
   lies in a's own block (both orders present) and 2 beyond (one order for two), so Σ_rows ω φ_row(x) φ_row(y) =
   (xᵀy)²: 2560 rows at d = 64 against the packed d(d+1)/2 = 2080. The state passes in and out in the spec's packed
@@ -19,8 +21,9 @@ import numpy as np
 
 from ..codegen.chunk_sources import sympow_supported
 from ..runtime import chunk_kernels as ck
-from ..spec.features import sympow_pairs
+from ..spec.features import sympow_pairs, sympow_width
 from ..tuning import Tuning
+from .terms import sympow_mx
 
 
 @dataclass(frozen=True)
@@ -207,10 +210,41 @@ class FusedRows(PackedRows):
         return ck.feature_jac(x, S, Y, self.t)
 
 
-def rows_for(t: Tuning, d: int, dtype, C: int, V1: int):
+@dataclass(frozen=True)
+class GatheredRows(FormedRows):
+    """φ's packed rows of any degree by MLX gathers and products (``terms.sympow_mx``), its gradient MLX autodiff of
+    them: the rows of degrees the tiles and kernels do not cover (3, 4)."""
+
+    d: int
+    degree: int
+
+    count = 1
+
+    def size(self, i: int) -> int:
+        return sympow_width(self.d, self.degree)
+
+    def weight(self, i: int):
+        return None
+
+    def features(self, x, i: int):
+        return sympow_mx(x, self.degree)
+
+    def features_vjp(self, x, G, i: int):
+        return mx.vjp(lambda a: sympow_mx(a, self.degree), [x], [G])[1][0]
+
+    def to_rows(self, S):
+        return S
+
+    def from_rows(self, S):
+        return S
+
+
+def rows_for(t: Tuning, d: int, dtype, C: int, V1: int, degree: int = 2):
     """For chunks of C and V' value columns: the fragment kernels' rows where the tuning asks for them
     (``Tuning.feature_kernels``) and they have a layout, the sympow kernels' packed rows where it runs chunk kernels,
-    else MLX's tiles; the kernels' rows in float32 only."""
+    else MLX's tiles; the kernels' rows in float32 only; degrees but 2 by MLX gathers."""
+    if degree != 2:
+        return GatheredRows(d, degree)
     if t.chunk_kernels and dtype == mx.float32 and sympow_supported(t.dialect, d):
         return FusedRows(t, d) if ck.features_on_kernels(t, C, d, V1) else PackedRows(t, d)
     return TileRows(feature_tiles(d))

@@ -60,11 +60,11 @@ def segment_sums(x):
     return mx.where(mx.array(np.tril(np.ones((C, C), dtype=bool))), seg, -mx.inf)
 
 
-def chunk_scores(q, k, gam, pow2: bool = False):
-    """(q_tᵀk_s)² e^{Γ_t−Γ_s} for s <= t, 0 above: [B,H,n,C,d] x2, [B,H,n,C] -> [B,H,n,C,C] (``pow2``:
+def chunk_scores(q, k, gam, pow2: bool = False, degree: int = 2):
+    """(q_tᵀk_s)^degree e^{Γ_t−Γ_s} for s <= t, 0 above: [B,H,n,C,d] x2, [B,H,n,C] -> [B,H,n,C,C] (``pow2``:
     ``core.exp``'s)."""
     p = q @ k.swapaxes(-1, -2)
-    return p * p * exp(segment_sums(gam), pow2)
+    return p ** degree * exp(segment_sums(gam), pow2)
 
 
 def chunk_decays(gam, pow2: bool = False):
@@ -146,9 +146,10 @@ def inter_fn(rows):
     return inter
 
 
-def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None):
+def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None, degree: int = 2):
     """Y [B,H,T,V'] and the final state [B,H,R,V'] of the module docstring's form; q, k [B,H,T,d], W [B,H,T,V'],
-    gam the log-decays [B,H,T], S0 [B,H,R,V'], both states in ``rows``' layout (default: MLX's tiles); chunks of C
+    gam the log-decays [B,H,T], S0 [B,H,R,V'], both states in ``rows``' layout (default: MLX's tiles, degree 2);
+    ``degree`` the feature map's (the scores' power; ``rows`` must be of it); chunks of C
     tokens (T padded with tokens that change nothing: zero keys and values, log-decay 0); ``pow2``: ``core.exp``'s."""
     B, H, T, d = q.shape
     n = -(-T // C)
@@ -161,15 +162,16 @@ def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None
     qc, kc, Wc, gc = (chunks(x) for x in (q, k, W, gam))
     to_t, to_end, L, l0 = chunk_decays(gc, pow2)
     Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)))(qc, kc, Wc * to_end[..., None], L, l0, S0)
-    Y = chunk_scores(qc, kc, gc, pow2) @ Wc + to_t[..., None] * Z
+    Y = chunk_scores(qc, kc, gc, pow2, degree) @ Wc + to_t[..., None] * Z
     return (c * Y).reshape(B, H, n * C, -1)[:, :, :T], S_end
 
 
 # -- decode (T = 1) ------------------------------------------------------------------------------------------
 
-def decodes(t: Tuning, d: int, V: int) -> bool:
-    """Whether a decode step runs the generated feature decode kernel (``Tuning.feature_decode``, a layout for d, V)."""
-    return t.feature_decode and t.dialect is not None and feature_decode_supported(t.dialect, d, V)
+def decodes(t: Tuning, d: int, V: int, degree: int = 2) -> bool:
+    """Whether a decode step runs the generated feature decode kernel (``Tuning.feature_decode``, degree 2, a layout
+    for d, V)."""
+    return t.feature_decode and degree == 2 and t.dialect is not None and feature_decode_supported(t.dialect, d, V)
 
 
 def decode_step(q, k, w, decay, S, z=None):

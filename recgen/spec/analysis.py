@@ -28,6 +28,7 @@ class FeatureIdentity:
     q: str        # the readout's key input
     k: str        # the update's key input
     c: sp.Expr    # the readout's constant factor, an expression of scale
+    degree: int = 2  # the feature map's: φ(q)ᵀφ(k) = (qᵀk)^degree
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Analysis:
     bare_roles: tuple                     # (role, input symbol) where a role is an input verbatim (GDN's b = k, w = v)
     r_scaled: tuple | None                # (input symbol x, c as an expression of scale) where the readout is r = c·x
     fuse_z: bool                          # z rides along S as an extra value column (same decay and update)
-    feature_identity: "FeatureIdentity | None" = None  # the chunked form through φ(q)ᵀφ(k) = (qᵀk)²
+    feature_identity: "FeatureIdentity | None" = None  # the chunked form through φ(q)ᵀφ(k) = (qᵀk)^p
 
     @property
     def decay_kind(self) -> str:
@@ -100,7 +101,7 @@ def analyze(rec: ir.Recurrence) -> Analysis:
 
 def _feature_identity(rec: ir.Recurrence, terms: dict, decay_index, fuse: bool) -> FeatureIdentity | None:
     """The spec's ``FeatureIdentity``, or None where its chunked form is the general one."""
-    feats = {f.symbol: f for f in rec.features if f.degree == 2}
+    feats = {f.symbol: f for f in rec.features}
     if (not feats or decay_index or rec.step.transition is not None or rec.step.readout_before_update
             or "skip" in terms or "bonus" in terms or (rec.has_normalizer and not fuse)):
         return None
@@ -108,7 +109,7 @@ def _feature_identity(rec: ir.Recurrence, terms: dict, decay_index, fuse: bool) 
     c, x = sp.sympify(terms["r"]).as_independent(*rec.symbols, as_Add=False)
     if u not in feats or x not in feats or not c.free_symbols <= {ir.SCALE}:
         return None
-    return FeatureIdentity(feats[x].source, feats[u].source, c)
+    return FeatureIdentity(feats[x].source, feats[u].source, c, feats[u].degree)
 
 
 def _scaled(rec: ir.Recurrence, e) -> tuple | None:
