@@ -107,7 +107,15 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         o, ht, g = run(xs, initial_state=h0, do=do, dht=dht, scale=scale, sanitizer=args.sanitizer, report=report)
     except VerificationError as e:
         failed = str(e)
-    how = " as simple_gla kernels over key blocks" if blocks else ""
+    ferrs = {}
+    if blocks and failed is None:  # and its decode step and chunk products over φ's rows (their own kernels)
+        from .verify.feature_kernels import check_feature_kernels
+
+        try:
+            ferrs = check_feature_kernels(s["K"], s["V"], sanitizer=args.sanitizer, report=report)
+        except VerificationError as e:
+            failed = str(e)
+    how = " as simple_gla kernels over key blocks, and its feature kernels" if blocks else ""
     table = Table(title=f"recgen check {rec.name}{how}: Metal verified on the CPU, not on Apple hardware")
     for col in ("kernel", "layer", "result"):
         table.add_column(col)
@@ -123,6 +131,10 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
             ok = e <= (1e-5 if k == "o" or k.startswith("final_state") else 1e-4)
             failed = failed or (None if ok else f"{k}: relative error {e:.2e}")
             table.add_row("vs float64 reference", k, f"[{'green' if ok else 'red'}]{e:.2e}[/]")
+    for k, e in ferrs.items():
+            ok = e <= 1e-5
+            failed = failed or (None if ok else f"{k}: relative error {e:.2e}")
+            table.add_row("vs float64 numpy", k, f"[{'green' if ok else 'red'}]{e:.2e}[/]")
     console.print(table)
     if failed:
         console.print(f"[bold red]FAILED[/]: {failed}")
