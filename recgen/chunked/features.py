@@ -64,7 +64,10 @@ def chunk_scores(q, k, gam, pow2: bool = False, degree: int = 2):
     """(q_tᵀk_s)^degree e^{Γ_t−Γ_s} for s <= t, 0 above: [B,H,n,C,d] x2, [B,H,n,C] -> [B,H,n,C,C] (``pow2``:
     ``core.exp``'s)."""
     p = q @ k.swapaxes(-1, -2)
-    return p ** degree * exp(segment_sums(gam), pow2)
+    s = p
+    for _ in range(degree - 1):  # products, not a power function: exact signs and derivatives at p = 0
+        s = s * p
+    return s * exp(segment_sums(gam), pow2)
 
 
 def chunk_decays(gam, pow2: bool = False):
