@@ -34,7 +34,8 @@ class Tuning:
     backward: str | None = None     # force a kernel op's backward ("recurrent" | "chunked"); None: by T
     chunked_backward_min_t: int | None = None  # from this T the kernel op's VJP is the chunked backward
     chunked_forward_min_t: int | None = None   # ... and from this T its forward too (the chunked form)
-    key_blocks_max_t: int = 1024    # power retention runs as simple_gla heads over key blocks below this T
+    key_blocks_max_t: int = 256     # power retention runs as simple_gla heads over key blocks below this T (from the
+    #                                 H100's T = 4096 numbers scaled down: both paths are linear in T there; not A/B'd)
     debug: bool = False             # finite checks on every call (they sync the host); print kernels when built
     # -- the chunked form ---------------------------------------------------------------------------
     chunk_size: int = 16            # default chunk length
