@@ -279,6 +279,21 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     return (o, S_end[..., :V], S_end[..., V]) if has_z else (o, S_end)
 
 
+@lru_cache(maxsize=32)
+def _features_decode_fn(rec, tun: Tuning, scale: float, sizes, has_z: bool, out_dtype):
+    """``_features_decode`` for one spec, tuning and call signature as one compiled function (S[, z], *inputs) ->
+    (o, S[, z]): the role math and the readout around the kernel are a dozen small ops, host time every token."""
+    names = [x.name for x in rec.inputs]
+
+    def step(S, *rest):
+        z = rest[0] if has_z else None
+        o, state = _features_decode(tun, plan(rec, tun.pow2_exp), scale, sizes, S, z,
+                                    dict(zip(names, rest[1:] if has_z else rest)))
+        return (o.astype(out_dtype), *(state if has_z else (state,)))
+
+    return mx.compile(step) if tun.compile else step
+
+
 def _features_decode(tun, p, scale, sizes, S, z, inputs):
     """One token of a feature-map spec through its kernel identity on the feature decode kernel: (o, state)."""
     fi = p.analysis.feature_identity
@@ -434,8 +449,10 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     identity = p.feature_identity is not None and tun.feature_identity
     if (T == 1 and identity and compute_dtype is None
             and features.decodes(tun, sizes.Kin, sizes.V, p.feature_identity.degree)):
-        o, state = _features_decode(tun, plan(rec, tun.pow2_exp), scale, sizes, S, z, inputs)
-        return o.astype(out_dtype), state
+        names = [x.name for x in rec.inputs]
+        outs = _features_decode_fn(rec, tun, float(scale), sizes, has_z, out_dtype)(
+            S, *([z] if has_z else []), *(inputs[n] for n in names))
+        return outs[0], ((outs[1], outs[2]) if has_z else outs[1])
     if T == 1 and compute_dtype is None and not tun.chunk_kernels:
         # decode without chunk kernels (the CPU): one step in MLX ops, fewer than the chunk algebra at C = 1
         return naive_loop(rec, inputs, scale=scale, initial_state=initial_state, tuning=tun)

@@ -57,3 +57,34 @@ def _check_at_d64(dtype, tf32_tol):
              for n, g, r in zip(names + ["S0", "z0"], grads, [g_r[n] for n in names] + list(g_r["initial_state"]))}
     bad = {k: v for k, v in errs.items() if not v <= (gtol if k.startswith("d") else ftol)}
     assert not bad, (bad, errs)
+
+
+@pytest.mark.xdist_group("power_retention_d64")
+def test_power_retention_decode_on_the_feature_decode_kernel():
+    """A decode step through the op with ``Tuning.feature_decode`` (the kernel split over φ's rows, its role math and
+    readout compiled around it): output, state and gradients against the float64 reference, float32."""
+    from recgen import tuning
+
+    rec = specs.power_retention
+    sizes = Sizes(B=2, T=1, H=4, Hk=2, Kin=64, K=2080, V=24)
+    rng = np.random.default_rng(11)
+    xs, _, do, dht, scale = kernel_inputs(rec, sizes, rng)
+    h0 = reachable_state(sizes, rng)
+    names = list(xs)
+    prim = [mx.array(xs[n], mx.float32) for n in names] + [mx.array(s, mx.float32) for s in h0]
+    cots = [mx.array(do, mx.float32)] + [mx.array(s, mx.float32) for s in dht]
+
+    def f(*a):
+        o, (S, z) = ops.power_retention(*a[:4], initial_state=(a[4], a[5]), output_final_state=True)
+        return o, S, z
+
+    with tuning.override(feature_decode=True):
+        outs, grads = mx.vjp(f, prim, cots)
+        mx.eval(outs, grads)
+    o_r, s_r = reference.run(rec, initial_state=h0, scale=scale, **xs)
+    g_r = reference.grad(rec, do=do, dht=dht, initial_state=h0, scale=scale, **xs)
+    ftol, gtol = TOL["float32"]
+    for k, a, b in zip(("o", "S", "z"), outs, (o_r, *s_r)):
+        assert rel_err(np.array(a), b) <= ftol, k
+    for n, g, r in zip(names + ["S0", "z0"], grads, [g_r[n] for n in names] + list(g_r["initial_state"])):
+        assert rel_err(np.array(g), r) <= gtol, n
