@@ -8,7 +8,7 @@ import pytest
 from helpers import ROOT
 
 
-@pytest.mark.parametrize("script", ["quickstart.py", "retnet.py", "mlstm.py", "hgrn2.py"])
+@pytest.mark.parametrize("script", ["quickstart.py", "retnet.py", "mlstm.py", "hgrn2.py", "power_retention.py"])
 def test_example_runs(script):
     p = subprocess.run([sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True, timeout=300,
                        cwd=ROOT)
