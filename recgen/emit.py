@@ -149,8 +149,9 @@ def _feature_decode(d: Dialect, K: int, V: int, H: int) -> dict:
     user = [((H, K), "float32"), ((H, K), "float32"), ((H, V), "float32"), ((H,), "float32"), ((H, F, V), "float32"),
             ((H, F), "float32")]
     note = ("one decode step for B*H heads (rows = heads): q, k the raw keys (value heads expanded), w = v, decay = "
-            "exp(g); S, z the state in phi's packed rows. o = scale^2 * sum(part[..., :V], 1) / (scale^2 * "
-            "sum(part[..., V], 1) + 1e-2), the partials summed over NB in order (recgen.chunked.features)")
+            "exp(g); S, z the state in phi's packed rows; pa, pb the first two columns of the composition's pairs. "
+            "o = scale^2 * sum(part[..., :V], 1) / (scale^2 * sum(part[..., V], 1) + 1e-2), the partials summed over "
+            "NB in order (recgen.chunked.features)")
     return {"decode": (launch, kernel_buffers(d, launch, user), note)}
 
 

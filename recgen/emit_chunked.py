@@ -87,7 +87,7 @@ def emit_chunked(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V:
         kernels.append({"entry": entry, "file": path.name, "mlx_file": mlx_path.name, "mlx_name": src.name,
                         "template": template_values(d, dict(launch.template)),
                         "buffers": [{k: b[k] for k in ("index", "name", "dtype", "shape", "input")} for b in bufs],
-                        "runtime": {n: list(v) if len(v) <= 8 else f"{len(v)} values" for n, v, _ in launch.runtime},
+                        "runtime": {n: list(v) for n, v, _ in launch.runtime},
                         "threadgroup": list(launch.threadgroup),
                         "grid_threadgroups": [g // t for g, t in zip(launch.grid, launch.threadgroup)]})
     manifest = {"recgen": __version__, "spec": rec.name, "spec_hash": rec.spec_hash(), "target": target,
@@ -95,8 +95,8 @@ def emit_chunked(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V:
                 "inputs": {x.name: "[" + ",".join(input_dims(x)) + "]" for x in rec.inputs},
                 "note": "the kernels of recgen's chunked form and the order it calls them in (forward, then "
                         "backward), at the sizes above; between the calls recgen.chunked runs MLX ops (matmuls over "
-                        "chunks, the role math), which a host runs itself. Runtime buffers hold the values listed "
-                        "(pair tables in full in the kernel's MLX form's launch recipe, recgen.runtime.chunk_kernels).",
+                        "chunks, the role math), which a host runs itself. A kernel's runtime buffers hold the values "
+                        "listed under its \"runtime\" (e.g. the feature map's pair tables pa, pb).",
                 "kernels": kernels,
                 "calls": [{"entry": entries[(la.source.name, la.template, la.grid, la.threadgroup)],
                            "buffers": [list(s) for s, _ in user]} for la, user in calls]}
