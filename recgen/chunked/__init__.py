@@ -271,7 +271,7 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     if has_z:
         W = mx.concatenate([W, mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)], axis=-1)
         state = mx.concatenate([S, z[..., None]], axis=-1)
-    c = float(fi.c.subs(ir.SCALE, scale))
+    c = fi.constant(scale)
     rows = feature_rows.rows_for(tun, d, S.dtype, C, W.shape[-1], fi.degree)  # as ``forward`` chose them
     Y, S_end = features.chunk_form(q, k, W, t["logdecay"], rows.to_rows(state), c, C, tun.pow2_exp, rows, fi.degree)
     S_end = rows.from_rows(S_end)
@@ -305,7 +305,7 @@ def _features_decode(tun, p, scale, sizes, S, z, inputs):
     decay = core.exp(t["logdecay"][:, :, 0], tun.pow2_exp).reshape(BH)
     zs = [z.reshape(BH, F)] if z is not None else []
     outs = features.decode_fn(tun, z is not None)(q, k, t["w"][:, :, 0].reshape(BH, V), decay, S.reshape(BH, F, V), *zs)
-    c = float(fi.c.subs(ir.SCALE, scale))
+    c = fi.constant(scale)
     n = c * outs[3].reshape(B, H, 1) if z is not None else None
     o = _readout(p, p.rec, t, c * outs[1].reshape(B, H, 1, V), n)
     S1 = outs[0].reshape(B, H, F, V)

@@ -159,6 +159,7 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
     vals = {}
     cast = (lambda a: a.astype(dtype)) if dtype is not None else (lambda a: a)
     bare = {s for _, s in p.bare_roles} | ({p.r_scaled[0]} if p.r_scaled else set())
+
     def phi(x, H, gqa, degree):
         if sympow is not None and degree == 2:
             return sympow(x, H, gqa)

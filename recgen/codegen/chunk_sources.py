@@ -287,7 +287,6 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
             "jac": base | {"DP": dp, "LDX": ldxj, "NG": jac}}
 
 
-
 def feature_decode_layout(dialect: str, D: int, V: int, has_z: bool) -> dict:
     """Template constants of the feature decode kernel: F = D (D + 1) / 2 rows in blocks of RB, NT = 128 threads as
     RL row lanes by CL column lanes (CL = 32 from V = 32: a SIMD group reads a row's consecutive columns), VJ
@@ -311,7 +310,6 @@ def feature_decode_supported(dialect: str, D: int, V: int) -> bool:
     except ValueError:
         return False
     return True
-
 
 
 def sympow_layout(dialect: str, D: int, grad: bool = False) -> dict:

@@ -186,7 +186,7 @@ def grad(rec: ir.Recurrence, /, *, do, dht=None, initial_state=None, scale=None,
         if dz0 is not None:
             dz = dz + np.asarray(dz0)
     grads = {x.name: np.zeros_like(arrays[x.name]) for x in rec.inputs}
-    feat_src = {f.name: f.source for f in rec.features}
+    feats = {f.name: f for f in rec.features}
     for t in reversed(range(sizes.T)):
         st, args = steps[t], _bind(rec, arrays, t, kh, scale)
         dot = do[:, t]
@@ -228,12 +228,12 @@ def grad(rec: ir.Recurrence, /, *, do, dht=None, initial_state=None, scale=None,
             d["zdecay"] = dz * st.z_prev
             d["zupdate"] = dz
             dz = st.t["zdecay"] * dz
-        _accumulate(rec, c, d, args, t, kh, arrays, grads, feat_src, sizes)
+        _accumulate(rec, c, d, args, t, kh, arrays, grads, feats, sizes)
     grads["initial_state"] = (dS, dz) if rec.has_normalizer else dS
     return grads
 
 
-def _accumulate(rec, c, d, args, t, kh, arrays, grads, feat_src, sizes):
+def _accumulate(rec, c, d, args, t, kh, arrays, grads, feats, sizes):
     """grad[x] += Σ_{domain \\ index(x)} d[role] ⊙ ∂role/∂x, then heads/batch/time reductions."""
     frame = {"decay": lambda a: a, "i": lambda a: a[..., None], "j": lambda a: a[:, :, None, :]}
     feat_grads: dict[str, np.ndarray] = {}
@@ -243,16 +243,15 @@ def _accumulate(rec, c, d, args, t, kh, arrays, grads, feat_src, sizes):
         contrib = adj4 * fn(*args)
         axes = tuple(2 if ix == ir.I else 3 for ix in p.reduce)
         contrib = contrib.sum(axis=axes, keepdims=True) if axes else contrib
-        if p.wrt in feat_src:
+        if p.wrt in feats:
             feat_grads[p.wrt] = feat_grads.get(p.wrt, 0) + np.broadcast_to(contrib, (sizes.B, sizes.H, sizes.K, 1))[..., 0]
             continue
         x = rec.input(p.wrt)
         _add_input_grad(x, contrib, grads[x.name], t, kh, sizes)
     for fname, g in feat_grads.items():
-        src = rec.input(feat_src[fname])
+        src = rec.input(feats[fname].source)
         xk = arrays[src.name][:, t][:, kh]
-        degree = next(f.degree for f in rec.features if f.name == fname)
-        _add_input_grad(src, sympow_vjp(xk, g, degree)[..., None], grads[src.name], t, kh, sizes)
+        _add_input_grad(src, sympow_vjp(xk, g, feats[fname].degree)[..., None], grads[src.name], t, kh, sizes)
 
 
 def _add_input_grad(x: ir.Input, contrib: np.ndarray, out: np.ndarray, t, kh, sizes: Sizes):

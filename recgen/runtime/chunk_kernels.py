@@ -16,7 +16,8 @@ from functools import lru_cache
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, feature_decode_layout, feature_decode_source, feature_mma_layout,
-                                     feature_jac_source, feature_out_source, feature_states_source, inverse_source, scan_prefetches, out_mma_layout, out_mma_source,
+                                     feature_jac_source, feature_out_source, feature_states_source, inverse_source,
+                                     scan_prefetches, out_mma_layout, out_mma_source,
                                      pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
                                      scan_mma_layout, scan_source, sympow_layout, sympow_source, ut_mma_layout,
                                      ut_mma_source)
@@ -188,6 +189,12 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     return Launch(src, (("rt", (N,), "int32"),), outs, (groups * lay["NT"], 1, 1), (lay["NT"], 1, 1), tmpl)
 
 
+def _pair_tables(D: int) -> tuple:
+    """φ's row-major pairs a <= b (``recgen.spec.features.sympow_pairs``) as the runtime tables pa, pb."""
+    a, b, _ = sympow_pairs(D)
+    return (("pa", tuple(int(i) for i in a), "int32"), ("pb", tuple(int(i) for i in b), "int32"))
+
+
 @lru_cache(maxsize=256)
 def sympow_launch(dialect: str, B: int, T: int, H: int, Hk: int, D: int, block: bool, grad: bool = False) -> Launch:
     """φ of x [B, T, Hk, D] into [B, H, T, F], value heads expanded from key heads (``block``: h // (H / Hk), else
@@ -195,9 +202,8 @@ def sympow_launch(dialect: str, B: int, T: int, H: int, Hk: int, D: int, block: 
     (``sympow_layout``). The pair tables (``recgen.spec.features.sympow_pairs``) and (B, T) are runtime inputs, so
     a new T compiles nothing."""
     lay = sympow_layout(dialect, D, grad)
-    a, b, _ = sympow_pairs(D)
     rt = ("rt", (B, T), "int32")
-    runtime = (rt,) if grad else (("pa", tuple(int(i) for i in a), "int32"), ("pb", tuple(int(i) for i in b), "int32"), rt)
+    runtime = (rt,) if grad else _pair_tables(D) + (rt,)
     out = (B, T, Hk, D) if grad else (B, H, T, lay["F"])
     rows = B * T * (Hk if grad else H)
     tmpl = (("D", D), ("H", H), ("HK", Hk), ("BLOCK", block)) + tuple(lay.items())
@@ -218,9 +224,6 @@ def feature_decode_launch(dialect: str, BH: int, D: int, V: int, has_z: bool) ->
                   (lay["NT"], 1, 1), tuple(lay.items()))
 
 
-def _pair_tables(D: int) -> tuple:
-    a, b, _ = sympow_pairs(D)
-    return (("pa", tuple(int(i) for i in a), "int32"), ("pb", tuple(int(i) for i in b), "int32"))
 
 
 @lru_cache(maxsize=64)
@@ -232,24 +235,25 @@ def feature_states_launch(dialect: str, N: int, C: int, D: int, V: int) -> Launc
                   (groups * 128, 1, 1), (128, 1, 1), tuple(lay.items()))
 
 
+def _by_tokens(src, runtime: tuple, out: tuple, N: int, C: int, lay: dict) -> Launch:
+    """A feature kernel a threadgroup of 16 NG tokens of a chunk (NG SIMD groups), over N chunks of C."""
+    NT = 32 * lay["NG"]
+    return Launch(src, runtime, ((out, "float32"),), (N * C // (16 * lay["NG"]) * NT, 1, 1), (NT, 1, 1),
+                  tuple(lay.items()))
+
+
 @lru_cache(maxsize=64)
 def feature_out_launch(dialect: str, N: int, C: int, D: int, V: int) -> Launch:
     """Z = φ(X) S of N chunks (``feature_out_source``): a threadgroup 16 NG tokens of a chunk."""
     lay = feature_mma_layout(dialect, C, D, V)["out"]
-    NT = 32 * lay["NG"]
-    groups = N * C // (16 * lay["NG"])
-    return Launch(feature_out_source(dialect), _pair_tables(D), (((N, C, V), "float32"),), (groups * NT, 1, 1),
-                  (NT, 1, 1), tuple(lay.items()))
+    return _by_tokens(feature_out_source(dialect), _pair_tables(D), (N, C, V), N, C, lay)
 
 
 @lru_cache(maxsize=64)
 def feature_jac_launch(dialect: str, N: int, C: int, D: int, V: int) -> Launch:
     """dX through φ's rows of N chunks (``feature_jac_source``): a threadgroup 16 NG tokens of a chunk."""
     lay = feature_mma_layout(dialect, C, D, V)["jac"]
-    NT = 32 * lay["NG"]
-    groups = N * C // (16 * lay["NG"])
-    return Launch(feature_jac_source(dialect), (), (((N, C, D), "float32"),), (groups * NT, 1, 1), (NT, 1, 1),
-                  tuple(lay.items()))
+    return _by_tokens(feature_jac_source(dialect), (), (N, C, D), N, C, lay)
 
 
 def features_on_kernels(t: Tuning, C: int, D: int, V: int) -> bool:

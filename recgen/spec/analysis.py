@@ -30,6 +30,10 @@ class FeatureIdentity:
     c: sp.Expr    # the readout's constant factor, an expression of scale
     degree: int = 2  # the feature map's: φ(q)ᵀφ(k) = (qᵀk)^degree
 
+    def constant(self, scale: float) -> float:
+        """c at the call's ``scale``."""
+        return float(self.c.subs(ir.SCALE, scale))
+
 
 @dataclass(frozen=True)
 class Analysis:
@@ -105,18 +109,24 @@ def _feature_identity(rec: ir.Recurrence, terms: dict, decay_index, fuse: bool) 
     if (not feats or decay_index or rec.step.transition is not None or rec.step.readout_before_update
             or "skip" in terms or "bonus" in terms or (rec.has_normalizer and not fuse)):
         return None
-    u = sp.sympify(terms["u"])
-    c, x = sp.sympify(terms["r"]).as_independent(*rec.symbols, as_Add=False)
-    if u not in feats or x not in feats or not c.free_symbols <= {ir.SCALE}:
+    u, r = sp.sympify(terms["u"]), _constant_multiple(rec, terms["r"])
+    if u not in feats or r is None or r[0] not in feats:
         return None
-    return FeatureIdentity(feats[x].source, feats[u].source, c, feats[u].degree)
+    return FeatureIdentity(feats[r[0]].source, feats[u].source, r[1], feats[u].degree)
 
 
-def _scaled(rec: ir.Recurrence, e) -> tuple | None:
-    """(x, c) where e = c·x for an input symbol x and c free of every input but ``scale``, else None."""
+def _constant_multiple(rec: ir.Recurrence, e) -> tuple | None:
+    """(x, c) where e = c·x for an input or feature symbol x and c free of every input but ``scale`` (c may be 1),
+    else None."""
     if e is None:
         return None
     c, x = sp.sympify(e).as_independent(*rec.symbols, as_Add=False)
-    if not (isinstance(x, sp.Symbol) and x in rec.symbols) or c == 1 or not c.free_symbols <= {ir.SCALE}:
+    if not (isinstance(x, sp.Symbol) and x in rec.symbols) or not c.free_symbols <= {ir.SCALE}:
         return None
     return x, c
+
+
+def _scaled(rec: ir.Recurrence, e) -> tuple | None:
+    """(x, c) where e = c·x for an input symbol x and c ≠ 1 free of every input but ``scale``, else None."""
+    m = _constant_multiple(rec, e)
+    return None if m is None or m[1] == 1 else m
