@@ -42,8 +42,9 @@ class Tuning:
     key_chunk_size: int = 16        # ... for key-vector decays
     feature_identity: bool = True   # a feature map's chunked form through its kernel identity (``chunked.features``)
     feature_chunk_size: int = 64    # ... its chunk length (entry states are the expanded space: fewer, longer chunks)
-    feature_decode: bool = False    # ... its decode step (T = 1) on the generated kernel split over K (not measured yet)
-    feature_kernels: bool = False   # ... its products over φ's rows as fragment kernels forming φ as read (not measured)
+    feature_decode: bool = False    # ... its decode step (T = 1) on the generated kernel split over K
+    feature_kernels: bool = False   # ... its products over φ's rows as fragment kernels forming φ as read (half the
+    #                                 memory, but its gradient kernel made training 2.2x slower on the H200: off)
     gpu_forms: bool = False         # few large ops (the scan over chunks as one matmul, full-block inverses)
     compile: bool = False           # mx.compile the chunked stretch and core (fuses elementwise work)
     inverse_base: int = 1           # block size from which the triangular inverse climbs by block levels
@@ -61,7 +62,7 @@ class Tuning:
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (not measured yet: off)
-    mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments (not measured yet: off)
+    mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
@@ -87,7 +88,7 @@ DEVICE_DEFAULTS = {
 # What was measured faster on each dialect's hardware (docs/design.md and BENCHMARKS.md say where and how).
 MEASURED = {
     "cuda": dict(chunk_kernels=True, mma_scan=True, chunked_backward_min_t=1024,
-                 chunked_forward_min_t=1024),
+                 chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 
