@@ -81,9 +81,9 @@ def intra_fn(degree: int, pow2: bool):
     P = qkᵀ, E the decay factors and dA = dY Wᵀ,
 
         dq = G k,  dk = Gᵀ q  (G = p·dA ⊙ P^{p−1} ⊙ E),  dW = Aᵀ dY,
-        dγ_l = Σ_{u<l} (Σ_t D[t, u] − Σ_s D[u, s])  (D = dA ⊙ A, the gradient of the segment sums)
+        dγ_l = Σ_{u≥l} (Σ_s D[u, s] − Σ_t D[t, u])  (D = dA ⊙ A, the gradient of the segment sums)
 
-    since seg[t, s] spans s < l ≤ t (pairs with s < l, less those with t < l too). MLX's autodiff of the same graph ran the segment sums' broadcast, scan and
+    since seg[t, s] spans s < l ≤ t. MLX's autodiff of the same graph ran the segment sums' broadcast, scan and
     selects backwards over every [C, C] block; this is five products and two row sums."""
 
     @mx.custom_function
@@ -100,7 +100,7 @@ def intra_fn(degree: int, pow2: bool):
         Pp = Pd * P
         D = dAE * Pp
         G = degree * dAE * Pd
-        dgam = mx.cumsum(D.sum(-2) - D.sum(-1), axis=-1, inclusive=False)  # 0 for a chunk's first token, exactly
+        dgam = mx.cumsum(D.sum(-1) - D.sum(-2), axis=-1, reverse=True)
         return G @ k, G.swapaxes(-1, -2) @ q, (Pp * E).swapaxes(-1, -2) @ dY, dgam
 
     return intra
