@@ -6,7 +6,7 @@ For a spec with a scalar decay e^{γ_t}, readout r_t = c·φ(q_t) (c a constant)
 transition (a normalizer with the same decay and update rides along as the value column W = [w, 1]), per (b, h)
 and chunk n of C tokens with in-chunk cumulative log-decays Γ_t and entry state Ŝ_n:
 
-    Y_t     = c·( e^{Γ_t} φ(q_t)ᵀ Ŝ_n + Σ_{s≤t} e^{Γ_t−Γ_s} (q_tᵀk_s)² W_s )       (``intra_fn``, ``inter_fn``)
+    Y_t     = c·( e^{Γ_t} φ(q_t)ᵀ Ŝ_n + Σ_{s≤t} e^{Γ_t−Γ_s} (q_tᵀk_s)² W_s )       (``chunk_scores``, ``inter``)
     Ŝ_{n'}  = Σ_{m<n'} L[n', m] ΔS_m + l0[n'] Ŝ_0,   ΔS_m = Σ_{s∈m} φ(k_s) (e^{Γ_C−Γ_s} W_s)ᵀ
 
 with L[n', m] the decay from chunk m's end to chunk n''s start and l0 that from the sequence's start: every entry
@@ -20,8 +20,7 @@ kernels run, MLX's tiles of broadcast products elsewhere.
 ``inter`` (entry states and their readout over the tiles) has a written VJP that recomputes each tile's features
 and states rather than keep them from the forward, tile after tile (``mx.depends`` orders them; on GPUs MLX
 allocates for all the work it has queued, so there the order bounds memory only loosely, and φ of every token is
-formed once a pass). The in-chunk scores have a written VJP too (``intra_fn``); the decay factors between chunks
-are MLX autodiff.
+formed once a pass). The in-chunk scores and the decay factors are MLX autodiff.
 
 A decode step (T = 1) can run the generated feature decode kernel instead (``decode_fn``, ``Tuning.feature_decode``):
 each state row read and written once, split over blocks of rows.
@@ -53,57 +52,22 @@ def workset_per_token(rows, BH: int, d: int, V1: int, C: int) -> int:
 
 def segment_sums(x):
     """seg[..., t, s] = Σ_{s<l≤t} x_l for s <= t, −∞ above the diagonal: x [..., C] -> [..., C, C]. A sum of the
-    spanned log-decays only (no difference of cumulative sums), so it loses nothing to strong decays: row t holds
-    x_l for l ≤ t, and a reverse exclusive sum along that row (the contiguous axis) adds x_t, x_{t−1}, …, x_{s+1}."""
+    spanned log-decays only (no difference of cumulative sums), so it loses nothing to strong decays."""
     C = x.shape[-1]
-    upto = mx.array(np.tril(np.ones((C, C), dtype=bool)))
-    rows = mx.where(upto, x[..., None, :], 0.0)
-    seg = mx.cumsum(rows, axis=-1, reverse=True, inclusive=False)
-    return mx.where(upto, seg, -mx.inf)
-
-
-def _power(p, degree: int):
-    s = p
-    for _ in range(degree - 1):  # products, not a power function: exact signs and derivatives at p = 0
-        s = s * p
-    return s
+    below = mx.array(np.tril(np.ones((C, C), dtype=bool), -1))
+    rep = mx.where(below, mx.broadcast_to(x[..., :, None], x.shape + (C,)), 0.0)
+    seg = mx.cumsum(rep, axis=-2)
+    return mx.where(mx.array(np.tril(np.ones((C, C), dtype=bool))), seg, -mx.inf)
 
 
 def chunk_scores(q, k, gam, pow2: bool = False, degree: int = 2):
     """(q_tᵀk_s)^degree e^{Γ_t−Γ_s} for s <= t, 0 above: [B,H,n,C,d] x2, [B,H,n,C] -> [B,H,n,C,C] (``pow2``:
     ``core.exp``'s)."""
-    return _power(q @ k.swapaxes(-1, -2), degree) * exp(segment_sums(gam), pow2)
-
-
-@lru_cache(maxsize=None)
-def intra_fn(degree: int, pow2: bool):
-    r"""intra(q, k, W, gam) = chunk_scores(q, k, gam) @ W [B,H,n,C,V'] with a written VJP: with A the scores,
-    P = qkᵀ, E the decay factors and dA = dY Wᵀ,
-
-        dq = G k,  dk = Gᵀ q  (G = p·dA ⊙ P^{p−1} ⊙ E),  dW = Aᵀ dY,
-        dγ_l = Σ_{u≥l} (Σ_s D[u, s] − Σ_t D[t, u])  (D = dA ⊙ A, the gradient of the segment sums)
-
-    since seg[t, s] spans s < l ≤ t. MLX's autodiff of the same graph ran the segment sums' broadcast, scan and
-    selects backwards over every [C, C] block; this is five products and two row sums."""
-
-    @mx.custom_function
-    def intra(q, k, W, gam):
-        return chunk_scores(q, k, gam, pow2, degree) @ W
-
-    @intra.vjp
-    def intra_vjp(primals, dY, Y):
-        q, k, W, gam = primals
-        E = exp(segment_sums(gam), pow2)
-        P = q @ k.swapaxes(-1, -2)
-        Pd = _power(P, degree - 1)
-        dAE = (dY @ W.swapaxes(-1, -2)) * E
-        Pp = Pd * P
-        D = dAE * Pp
-        G = degree * dAE * Pd
-        dgam = mx.cumsum(D.sum(-1) - D.sum(-2), axis=-1, reverse=True)
-        return G @ k, G.swapaxes(-1, -2) @ q, (Pp * E).swapaxes(-1, -2) @ dY, dgam
-
-    return intra
+    p = q @ k.swapaxes(-1, -2)
+    s = p
+    for _ in range(degree - 1):  # products, not a power function: exact signs and derivatives at p = 0
+        s = s * p
+    return s * exp(segment_sums(gam), pow2)
 
 
 def chunk_decays(gam, pow2: bool = False):
@@ -201,7 +165,7 @@ def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None
     qc, kc, Wc, gc = (chunks(x) for x in (q, k, W, gam))
     to_t, to_end, L, l0 = chunk_decays(gc, pow2)
     Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)))(qc, kc, Wc * to_end[..., None], L, l0, S0)
-    Y = intra_fn(degree, pow2)(qc, kc, Wc, gc) + to_t[..., None] * Z
+    Y = chunk_scores(qc, kc, gc, pow2, degree) @ Wc + to_t[..., None] * Z
     return (c * Y).reshape(B, H, n * C, -1)[:, :, :T], S_end
 
 
