@@ -8,6 +8,7 @@
 #   AB_VALUES="32 16" bash benchmarks/run_gpu.sh ab:RECGEN_SCAN_BV:4,4096,16,128  # or any values of a variable
 #   SPECS=rwkv7 AB_VALUES="cuda mlx" bash benchmarks/run_gpu.sh ab:RECGEN_BACKEND:4,4096,16,128  # kernels / chunked
 #   SPECS="kda gla rwkv7" bash benchmarks/run_gpu.sh ab:RECGEN_MMA_PAIRS:4,4096,16,128  # pair kernels on fragments
+#   bash benchmarks/run_gpu.sh retention   # the retention package's power_retention (its autotuning: minutes)
 # Timings are `recgen bench` (chained calls, the op's defaults; recgen/bench.py says how) and FLA in the same call.
 # `check` is the GPU test suite (python -m pytest -m gpu, in shards). Expects the offline bundle (.gpu-bundle,
 # built outside the repo) to be carried along.
@@ -45,6 +46,8 @@ for stage in "$@"; do
               2>&1 | tee "$OUT/mlx_lm_bf16.log"                       # train step, prefill, decode against mlx-lm
             MLX_ENABLE_TF32=0 timeout 120 python benchmarks/bench_mlx_lm.py --skip-train --dtype float32 \
               2>&1 | tee "$OUT/mlx_lm_f32_generate.log" ;;            # do the greedy ids agree in exact float32?
+    retention) timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_retention.py --shape ${RETENTION_SHAPE:-2,4096,8,64} \
+                 --json "$OUT/retention.json" 2>&1 | tee "$OUT/retention.log" ;;  # the paper's kernels (wheels in the bundle)
     decode) timeout 120 python benchmarks/bench_decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
     threshold:*) for T in ${THRESHOLD_TS:-256 512 1024}; do                 # where the chunked form starts (per T):
            for f in 1 1000000; do for c in "" --compiled; do              # the chunked form from T=1 / never,
