@@ -982,10 +982,14 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
     ("decode", "RECGEN_FEATURE_DECODE", "feature_decode", "feature decode"),
     ("features", "RECGEN_FEATURE_KERNELS", "feature_kernels", "feature product")])
 def test_an_opt_in_frame_that_fails_turns_only_itself_off(frame, variable, flag, warning, monkeypatch, fresh_probe):
-    """A frame probed only where the tuning asks for it: not asked, it stays off unprobed; asked and failing, only its
-    own choice falls back (with a warning), the chunk kernels and the fragment scan stay."""
-    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: "RuntimeError: no" if f == frame else None)
-    assert getattr(pr.checked(tuning.resolve("gpu", "cuda", environ={})), flag) is False
+    """A frame probed only where the tuning asks for it (CUDA's measured defaults or the environment): not asked, it
+    stays off unprobed; asked and failing, only its own choice falls back (with a warning), the chunk kernels and
+    the fragment scan stay."""
+    probed = []
+    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: probed.append(f) or
+                        ("RuntimeError: no" if f == frame else None))
+    assert getattr(pr.checked(tuning.resolve("gpu", "cuda", environ={variable: "0"})), flag) is False
+    assert frame not in probed
     with pytest.warns(RuntimeWarning, match=warning):
         c = pr.checked(tuning.resolve("gpu", "cuda", environ={variable: "1"}))
     assert c.chunk_kernels and c.mma_scan and not getattr(c, flag)
