@@ -43,8 +43,6 @@ class Tuning:
     feature_identity: bool = True   # a feature map's chunked form through its kernel identity (``chunked.features``)
     feature_chunk_size: int = 64    # ... its chunk length (entry states are the expanded space: fewer, longer chunks)
     feature_decode: bool = False    # ... its decode step (T = 1) on the generated kernel split over K
-    feature_rows_16bit: bool = False  # ... φ's rows and their products' operands in 16 bits for 16-bit inputs
-    #                                   (float32 accumulation; not measured yet: off)
     feature_kernels: bool = False   # ... its products over φ's rows as fragment kernels forming φ as read (half the
     #                                 memory, but its gradient kernel made training 2.2x slower on the H200: off)
     gpu_forms: bool = False         # few large ops (the scan over chunks as one matmul, full-block inverses)
@@ -142,7 +140,6 @@ ENVIRONMENT = {
     "RECGEN_FEATURE_CHUNK": ("feature_chunk_size", int),
     "RECGEN_FEATURE_DECODE": ("feature_decode", _flag),
     "RECGEN_FEATURE_KERNELS": ("feature_kernels", _flag),
-    "RECGEN_FEATURE_ROWS_16BIT": ("feature_rows_16bit", _flag),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
     "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),
     "RECGEN_FWD_LAYOUT": ("fwd_layout", _layout),

@@ -1060,30 +1060,6 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare,
     assert seen == {"1": typed, None: bare, "0": {}}[roles16], seen
 
 
-@pytest.mark.parametrize("half", [False, True])
-def test_power_retention_rows_in_16_bits_match_the_reference(half, monkeypatch):
-    """``Tuning.feature_rows_16bit``: with bf16 inputs φ's rows and their products' operands are bf16
-    (``feature_rows.HalfRows``), float32 accumulation; end to end on the emulated sympow kernels against the float64
-    reference (the inputs rounded to bf16 for it too) within bf16 tolerances, every gradient; the switch off keeps
-    float32 rows. Strong decays, GQA, K != V, a partial last chunk."""
-    mx = pytest.importorskip("mlx.core")
-    from recgen import specs
-    from recgen.chunked import feature_rows as R
-    from test_chunked import assert_close, compare
-
-    monkeypatch.setattr(ck, "mlx_call", _emulated_call)
-    made = []
-    rows_for = R.rows_for
-    monkeypatch.setattr(R, "rows_for", lambda *a, **k: made.append(rows_for(*a, **k)) or made[-1])
-    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, feature_rows_16bit=half)
-    assert_close(compare(specs.power_retention, 40, chunk=16, V=6, seed=9, in_dtype=mx.bfloat16, tuning=t),
-                 1e-2, 2e-2)
-    assert made and all(type(r) is (R.HalfRows if half else R.PackedRows) for r in made), made
-    if half:
-        assert {r.low for r in made} == {"bfloat16"}
-    assert type(rows_for(t, 4, mx.float32, 16, 7, 2, mx.float32)) is R.PackedRows  # float32 inputs: float32 rows
-
-
 def test_role_dtype_is_16_bit_only_where_fused_kernels_read_the_roles():
     mx = pytest.importorskip("mlx.core")
     from recgen.chunked import parallel

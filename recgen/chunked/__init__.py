@@ -272,7 +272,7 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         W = mx.concatenate([W, mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)], axis=-1)
         state = mx.concatenate([S, z[..., None]], axis=-1)
     c = fi.constant(scale)
-    rows = feature_rows.rows_for(tun, d, S.dtype, C, W.shape[-1], fi.degree, out_dtype)  # as ``forward`` chose them
+    rows = feature_rows.rows_for(tun, d, S.dtype, C, W.shape[-1], fi.degree)  # as ``forward`` chose them
     Y, S_end = features.chunk_form(q, k, W, t["logdecay"], rows.to_rows(state), c, C, tun.pow2_exp, rows, fi.degree)
     S_end = rows.from_rows(S_end)
     o = _readout(p, p.rec, t, Y[..., :V], Y[..., V] if has_z else None)
@@ -464,7 +464,7 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     C = pow2_ceil(min(C, T))  # speed and memory only, not the result
     if identity:  # one tile of the expanded space at a time
         fn = _body(_features, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)
-        rows = feature_rows.rows_for(tun, sizes.Kin, dtype, C, sizes.V + has_z, p.feature_identity.degree, out_dtype)
+        rows = feature_rows.rows_for(tun, sizes.Kin, dtype, C, sizes.V + has_z, p.feature_identity.degree)
         per_token = features.workset_per_token(rows, sizes.B * sizes.H, sizes.Kin, sizes.V + has_z, C)
         seg = max(1, segment_budget(tun) // (per_token * C)) * C
     elif p.decay_class == "full":  # O(T·K·V) working set: the segment budget sets the stretch

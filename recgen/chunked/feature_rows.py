@@ -3,7 +3,6 @@ layout forms the rows of φ(x) for the products over them (or forms them as it r
 
 - ``PackedRows``: the spec's own d(d+1)/2 packed rows, formed and differentiated by the generated sympow kernels
   (``recgen.runtime.chunk_kernels.sympow_fn``) where the tuning runs chunk kernels.
-- ``HalfRows``: the same in 16 bits for 16-bit inputs (``Tuning.feature_rows_16bit``).
 - ``FusedRows``: the packed rows read by fragment kernels that form φ as they read it (``Tuning.feature_kernels``).
 - ``GatheredRows``: degrees 3 and 4, the packed rows by MLX gathers.
 - ``TileRows``: MLX ops on any device (degree 2), blocks of rows that are products x_a x_b (``FeatureTiles``): tile i has the
@@ -193,30 +192,6 @@ class PackedRows(FormedRows):
 
 
 @dataclass(frozen=True)
-class HalfRows(PackedRows):
-    """``PackedRows`` kept in 16 bits (``Tuning.feature_rows_16bit``, for 16-bit inputs): φ's rows, and the other
-    operand of every product over them, in ``low`` (the inputs' type), the products accumulating in float32 and
-    returned in float32; half the bytes of φ and of the products' operands, the results rounded to ``low`` once."""
-
-    low: str = "bfloat16"
-
-    def _low(self, x):
-        return x.astype(getattr(mx, self.low))
-
-    def phi(self, x, i: int):
-        return self._low(self.features(x, i))
-
-    def states(self, ph, Y, i: int):
-        return (ph.swapaxes(-1, -2) @ self._low(Y)).astype(mx.float32)
-
-    def out(self, ph, S, i: int):
-        return (ph @ self._low(S)).astype(mx.float32)
-
-    def jac(self, x, S, Y, i: int):
-        return self.features_vjp(x, self._low(Y) @ self._low(S).swapaxes(-1, -2), i)
-
-
-@dataclass(frozen=True)
 class FusedRows(PackedRows):
     """``PackedRows`` whose products run as fragment kernels that form φ as they read it
     (``chunk_kernels.feature_states``: φ(X)ᵀY; ``feature_out``: φ(X)S; ``feature_jac``: the gradient through them,
@@ -264,17 +239,12 @@ class GatheredRows(FormedRows):
         return S
 
 
-def rows_for(t: Tuning, d: int, dtype, C: int, V1: int, degree: int = 2, input_dtype=None):
+def rows_for(t: Tuning, d: int, dtype, C: int, V1: int, degree: int = 2):
     """For chunks of C and V' value columns: the fragment kernels' rows where the tuning asks for them
-    (``Tuning.feature_kernels``) and they have a layout, the sympow kernels' packed rows where it runs chunk kernels
-    (in 16 bits for 16-bit inputs where ``Tuning.feature_rows_16bit`` asks), else MLX's tiles; the kernels' rows
-    from float32 only; degrees but 2 by MLX gathers."""
+    (``Tuning.feature_kernels``) and they have a layout, the sympow kernels' packed rows where it runs chunk kernels,
+    else MLX's tiles; the kernels' rows in float32 only; degrees but 2 by MLX gathers."""
     if degree != 2:
         return GatheredRows(d, degree)
     if t.chunk_kernels and dtype == mx.float32 and sympow_supported(t.dialect, d):
-        if ck.features_on_kernels(t, C, d, V1):
-            return FusedRows(t, d)
-        if t.feature_rows_16bit and input_dtype in (mx.bfloat16, mx.float16):
-            return HalfRows(t, d, "bfloat16" if input_dtype == mx.bfloat16 else "float16")
-        return PackedRows(t, d)
+        return FusedRows(t, d) if ck.features_on_kernels(t, C, d, V1) else PackedRows(t, d)
     return TileRows(feature_tiles(d))

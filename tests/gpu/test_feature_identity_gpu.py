@@ -18,16 +18,16 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.xdist_group("power_retention_d64")
-@pytest.mark.parametrize("mode", ["phi_formed", "phi_in_kernels", "phi_16bit"])
+@pytest.mark.parametrize("fused", [False, True], ids=["phi_formed", "phi_in_kernels"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_power_retention_at_d64_matches_the_reference(dtype, mode):
-    """φ's rows formed by the sympow kernels (the default), read by the feature product kernels
-    (``Tuning.feature_kernels``, on fragments: TF32 operands, so float32 takes bfloat16's tolerances there), or kept
-    in 16 bits for 16-bit inputs (``Tuning.feature_rows_16bit``; float32 inputs keep float32 rows)."""
+def test_power_retention_at_d64_matches_the_reference(dtype, fused):
+    """φ's rows formed by the sympow kernels (the default), or read by the feature product kernels
+    (``Tuning.feature_kernels``, on fragments: TF32 operands, so float32 takes bfloat16's tolerances there)."""
+    import contextlib
+
     from recgen import tuning
 
-    fused = mode == "phi_in_kernels"
-    with tuning.override(feature_kernels=fused, mma_scan=True, feature_rows_16bit=mode == "phi_16bit"):
+    with tuning.override(feature_kernels=True, mma_scan=True) if fused else contextlib.nullcontext():
         _check_at_d64(dtype, TOL["bfloat16"] if fused else None)
 
 
