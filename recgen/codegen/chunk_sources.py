@@ -268,8 +268,9 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
     """Template constants of the feature product kernels, {"states": ..., "out": ..., "jac": ...}, or None where they
     have no layout: C a multiple of 16; VP = V rounded up to 8 columns in fragments; the states kernel's token
     staging TB (32, 16 or 8 dividing C), the readout's SIMD groups NG (4, 2 or 1, 16 NG dividing C) and row staging
-    RB (32, 16 or 8), the gradient's NG (x and y staged, one D x VP block of the state: DP = D rounded up to 8), the
-    first that fit the dialect's threadgroup memory (x staged at row stride LDX, y or S at LDB)."""
+    RB (32, 16 or 8), the gradient's NG (8, 4, 2 or 1: x and y in registers, one D x VP block of the state in
+    threadgroup memory, DP = D rounded up to 8), the first that fit the dialect's threadgroup memory (x staged at row
+    stride LDX, y, S or the block at LDB)."""
     if C % 16:
         return None
     room, VP, F = get(dialect).smem_bytes // 4, -(-V // 8) * 8, D * (D + 1) // 2
@@ -279,12 +280,12 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
     out = next(((ng, rb) for ng in (4, 2, 1) if C % (16 * ng) == 0 for rb in (32, 16, 8)
                 if 16 * ng * ldx + rb * (ldb + 3) <= room), None)
     dp = -(-D // 8) * 8
-    ldxj = a_stride(dp)
-    jac = next((ng for ng in (4, 2, 1) if C % (16 * ng) == 0 and 16 * ng * (ldxj + ldb) + dp * ldb <= room), None)
+    jac = next((ng for ng in (8, 4, 2, 1) if C % (16 * ng) == 0), None) if dp * ldb <= room else None
     if tb is None or out is None or jac is None:
         return None
+    jac_base = {k: v for k, v in base.items() if k != "LDX"}
     return {"states": base | {"TB": tb}, "out": base | {"NG": out[0], "RB": out[1]},
-            "jac": base | {"DP": dp, "LDX": ldxj, "NG": jac}}
+            "jac": jac_base | {"DP": dp, "NG": jac}}
 
 
 def feature_decode_layout(dialect: str, D: int, V: int, has_z: bool) -> dict:
