@@ -34,8 +34,8 @@ class Tuning:
     backward: str | None = None     # force a kernel op's backward ("recurrent" | "chunked"); None: by T
     chunked_backward_min_t: int | None = None  # from this T the kernel op's VJP is the chunked backward
     chunked_forward_min_t: int | None = None   # ... and from this T its forward too (the chunked form)
-    key_blocks_max_t: int = 256     # power retention runs as simple_gla heads over key blocks below this T (from the
-    #                                 H100's T = 4096 numbers scaled down: both paths are linear in T there; not A/B'd)
+    key_blocks_max_t: int = 256     # power retention runs as simple_gla heads over key blocks below this T (one
+    #                                 chunk of the identity form; at T = 512 that form trained 3.3x faster)
     debug: bool = False             # finite checks on every call (they sync the host); print kernels when built
     # -- the chunked form ---------------------------------------------------------------------------
     chunk_size: int = 16            # default chunk length
@@ -44,7 +44,7 @@ class Tuning:
     feature_chunk_size: int = 64    # ... its chunk length (entry states are the expanded space: fewer, longer chunks)
     feature_decode: bool = False    # ... its decode step (T = 1) on the generated kernel split over K
     feature_kernels: bool = False   # ... its products over φ's rows as fragment kernels forming φ as read (half the
-    #                                 memory, but its gradient kernel made training 2.2x slower on the H200: off)
+    #                                 memory; the first gradient kernel made training 2.2x slower, its rework untimed)
     gpu_forms: bool = False         # few large ops (the scan over chunks as one matmul, full-block inverses)
     compile: bool = False           # mx.compile the chunked stretch and core (fuses elementwise work)
     inverse_base: int = 1           # block size from which the triangular inverse climbs by block levels
