@@ -6,10 +6,9 @@ degree 2, gated, bf16, for each chunk size asked.
 
 Run it in its own process (torch's CUDA allocator and MLX's are kept apart, as for FLA). Times are
 ``triton.testing.do_bench`` medians (one call at a time, synchronized); peak is ``torch.cuda.max_memory_allocated``
-around one call after a reset (inputs included, as
-``recgen bench`` counts them). The first call of each chunk size autotunes
-(minutes on a cold cache), so the script warms each up once before timing. The GPU host has no package index:
-``pip download --no-deps retention einops -d .gpu-bundle`` here puts the wheels into the offline bundle.
+around one call after a reset (inputs included, as ``recgen bench`` counts them). The first call of each chunk
+size autotunes (minutes on a cold cache), so the script warms each up once before timing. The GPU host has no
+package index: ``pip download --no-deps retention einops -d .gpu-bundle`` here puts the wheels into the bundle.
 """
 from __future__ import annotations
 

@@ -60,6 +60,11 @@ def record(rec: ir.Recurrence, target: str, sizes: Sizes, C: int, dtype: str = "
     return calls
 
 
+def _kernel_key(launch) -> tuple:
+    """What makes two recorded calls one kernel: the same source, template constants, grid and threadgroup."""
+    return launch.source.name, launch.template, launch.grid, launch.threadgroup
+
+
 def emit_chunked(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V: int, H: int, HK: int,
                  C: int = 64, dtype: str = "float32", command: str = "") -> list[Path]:
     """Write the chunk kernels of ``rec``'s chunked form for ``target`` at chunks of C, inputs of ``dtype``, into
@@ -75,7 +80,7 @@ def emit_chunked(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V:
               f"// command: {command or 'recgen emit --chunked'}")
     written, kernels, entries = [], [], {}
     for launch, user in calls:
-        key = (launch.source.name, launch.template, launch.grid, launch.threadgroup)
+        key = _kernel_key(launch)
         if key in entries:
             continue
         src = launch.source
@@ -91,15 +96,16 @@ def emit_chunked(rec: ir.Recurrence, target: str, outdir: str | Path, K: int, V:
                         "threadgroup": list(launch.threadgroup),
                         "grid_threadgroups": [g // t for g, t in zip(launch.grid, launch.threadgroup)]})
     manifest = {"recgen": __version__, "spec": rec.name, "spec_hash": rec.spec_hash(), "target": target,
-                "command": command, "chunk": C, "dtype": dtype, "sizes": {"B": 1, "T": 2 * C + 3, "H": H, "HK": HK, "K": K, "V": V},
+                "command": command, "chunk": C, "dtype": dtype,
+                "sizes": {"B": 1, "T": 2 * C + 3, "H": H, "HK": HK, "K": K, "V": V},
                 "inputs": {x.name: "[" + ",".join(input_dims(x)) + "]" for x in rec.inputs},
                 "note": "the kernels of recgen's chunked form and the order it calls them in (forward, then "
                         "backward), at the sizes above; between the calls recgen.chunked runs MLX ops (matmuls over "
                         "chunks, the role math), which a host runs itself. A kernel's runtime buffers hold the values "
                         "listed under its \"runtime\" (e.g. the feature map's pair tables pa, pb).",
                 "kernels": kernels,
-                "calls": [{"entry": entries[(la.source.name, la.template, la.grid, la.threadgroup)],
-                           "buffers": [list(s) for s, _ in user]} for la, user in calls]}
+                "calls": [{"entry": entries[_kernel_key(la)], "buffers": [list(s) for s, _ in user]}
+                          for la, user in calls]}
     mpath = out / f"{rec.name}.{target}.chunked.manifest.json"
     mpath.write_text(json.dumps(manifest, indent=1) + "\n")
     return written + [mpath]

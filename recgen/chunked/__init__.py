@@ -447,16 +447,15 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     if T == 0 or sizes.B == 0:
         return _finish(rec, [], S, z, out_dtype, sizes, dtype)
     identity = p.feature_identity is not None and tun.feature_identity
+    names = [x.name for x in rec.inputs]
     if (T == 1 and identity and compute_dtype is None
             and features.decodes(tun, sizes.Kin, sizes.V, p.feature_identity.degree)):
-        names = [x.name for x in rec.inputs]
         outs = _features_decode_fn(rec, tun, float(scale), sizes, has_z, out_dtype)(
             S, *([z] if has_z else []), *(inputs[n] for n in names))
         return outs[0], ((outs[1], outs[2]) if has_z else outs[1])
     if T == 1 and compute_dtype is None and not tun.chunk_kernels:
         # decode without chunk kernels (the CPU): one step in MLX ops, fewer than the chunk algebra at C = 1
         return naive_loop(rec, inputs, scale=scale, initial_state=initial_state, tuning=tun)
-    names = [x.name for x in rec.inputs]
     state = [S, z] if has_z else [S]
     args = [inputs[nm] for nm in names]  # cast to ``dtype`` inside the bodies (``_roles``): fused there
     C = chunk_size or (tun.key_chunk_size if p.decay_class == "key" else

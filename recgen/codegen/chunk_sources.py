@@ -268,9 +268,9 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
     """Template constants of the feature product kernels, {"states": ..., "out": ..., "jac": ...}, or None where they
     have no layout: C a multiple of 16; VP = V rounded up to 8 columns in fragments; the states kernel's token
     staging TB (32, 16 or 8 dividing C), the readout's SIMD groups NG (4, 2 or 1, 16 NG dividing C) and row staging
-    RB (32, 16 or 8), the gradient's NG (8, 4, 2 or 1: x and y in registers, one D x VP block of the state in
-    threadgroup memory, DP = D rounded up to 8), the first that fit the dialect's threadgroup memory (x staged at row
-    stride LDX, y, S or the block at LDB)."""
+    RB (32, 16 or 8), the first that fit the dialect's threadgroup memory (x staged at row stride LDX, y or S at
+    LDB); the gradient's NG, the first of 8, 4, 2, 1 with 16 NG dividing C (x and y in registers, its one staged
+    operand a DP x VP block of the state at LDB, DP = D rounded up to 8, which must fit)."""
     if C % 16:
         return None
     room, VP, F = get(dialect).smem_bytes // 4, -(-V // 8) * 8, D * (D + 1) // 2

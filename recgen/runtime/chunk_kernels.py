@@ -224,8 +224,6 @@ def feature_decode_launch(dialect: str, BH: int, D: int, V: int, has_z: bool) ->
                   (lay["NT"], 1, 1), tuple(lay.items()))
 
 
-
-
 @lru_cache(maxsize=64)
 def feature_states_launch(dialect: str, N: int, C: int, D: int, V: int) -> Launch:
     """dS = φ(X)ᵀ Y of N chunks (``feature_states_source``): a threadgroup 64 of the F packed rows of a chunk."""
@@ -295,7 +293,7 @@ def _call(t: Tuning, launch: Launch, user: list):
     if calls is not None:
         import mlx.core as mx
 
-        calls.append((launch, tuple((tuple(a.shape), str(a.dtype).split(".")[-1]) for a in user)))
+        calls.append((launch, tuple((tuple(a.shape), _dtype_name(a.dtype)) for a in user)))
         return [mx.zeros(shape, getattr(mx, dt)) for shape, dt in launch.outputs]
     return mlx_call(launch, get(t.dialect), user, [], t.debug)
 
