@@ -21,6 +21,7 @@ def main() -> None:
     p.add_argument("--compiled", action="store_true")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--timeline", action="store_true", help="also every kernel of the last call, in launch order")
     args = p.parse_args()
 
     import mlx.core as mx
@@ -53,6 +54,14 @@ def main() -> None:
           f"{ms:.3f} ms of GPU kernels a call, {launches} launches")
     for name, t in sorted(total.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"{t:8.3f} ms {count[name] // args.reps:4d}x  {name[:110]}")
+    if args.timeline:  # which op a copy or cast belongs to shows in what runs beside it
+        kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA") and e.name
+                   and not e.name.startswith("cuda")]
+        kernels.sort(key=lambda e: e.time_range.start)
+        print("timeline of the last call:")
+        for e in kernels[-launches:]:
+            dur = (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3
+            print(f"{dur:8.3f} ms  {e.name.replace('mlx::core::cu::', '')[:120]}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 #   SPECS="kda gla rwkv7" bash benchmarks/run_gpu.sh ab:RECGEN_MMA_PAIRS:4,4096,16,128  # pair kernels on fragments
 #   bash benchmarks/run_gpu.sh retention   # the retention package's power_retention (its autotuning: minutes)
 #   bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # every kernel of one call, the table in $OUT
+#   PROFILE_ARGS=--timeline bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # and in launch order
 # Timings are `recgen bench` (chained calls, the op's defaults; recgen/bench.py says how) and FLA in the same call.
 # `check` is the GPU test suite (python -m pytest -m gpu, in shards). Expects the offline bundle (.gpu-bundle,
 # built outside the repo) to be carried along.
@@ -50,7 +51,7 @@ for stage in "$@"; do
     retention) timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_retention.py --shape ${RETENTION_SHAPE:-2,4096,8,64} \
                  --json "$OUT/retention.json" 2>&1 | tee "$OUT/retention.log" ;;  # the paper's kernels (wheels in the bundle)
     profile:*) p=${stage#profile:}; sp=${p%%:*}; p=${p#*:}; shape=${p%%:*}; pass=${p#*:}  # profile:SPEC:SHAPE:PASS
-               timeout ${BENCH_TIMEOUT:-150} python benchmarks/profile_kernels.py $sp --shape $shape --pass $pass \
+               timeout ${BENCH_TIMEOUT:-150} python benchmarks/profile_kernels.py $sp --shape $shape --pass $pass $PROFILE_ARGS \
                  --top 40 2>&1 | grep -v Warn | tee "$OUT/profile_${sp}_${shape//,/x}_$pass.txt" ;;  # whole, in $OUT
     decode) timeout 120 python benchmarks/bench_decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
     threshold:*) for T in ${THRESHOLD_TS:-256 512 1024}; do                 # where the chunked form starts (per T):
