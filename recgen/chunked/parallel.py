@@ -56,12 +56,9 @@ def _tri(C: int, strict: bool):
 def _decay_to_end(l, pow2: bool):
     """Q_s = Γ(end, s) = exp(Σ_{τ>s} l_τ) [.., C, F]: a reverse cumulative sum anchored at the chunk's end,
     so no difference of large sums."""
-    return exp(mx.cumsum(l, axis=-2, reverse=True, inclusive=False), pow2)  # Σ_{τ>s} l_τ, one scan (no copy)
-
-
-def _decay_before(l, pow2: bool):
-    """P_{t−1} = exp(Σ_{τ<t} l_τ) [.., C, F] (P_{−1} = 1): an exclusive cumulative sum, not P moved a row."""
-    return exp(mx.cumsum(l, axis=-2, inclusive=False), pow2)
+    # Moved a row up, not an exclusive scan: MLX's exclusive strided scan is the slower one on CUDA (docs/design.md)
+    after = mx.cumsum(l, axis=-2, reverse=True)[..., 1:, :]          # Σ_{τ>s} l_τ for s < C-1
+    return exp(mx.concatenate([after, mx.zeros_like(l[..., :1, :])], axis=-2), pow2)
 
 
 class PairsOneByOne:
@@ -94,9 +91,6 @@ class ScalarDecay(PairsOneByOne):
         self.P = exp(mx.cumsum(l, axis=-2), t.pow2_exp)
         self.Q = _decay_to_end(l, t.pow2_exp)
         self.g = self.P[..., -1, :]
-
-    def p_before(self):
-        return _decay_before(self.l, self.t.pow2_exp)
 
     @cached_property
     def gamma(self):
@@ -193,9 +187,6 @@ class KernelKeyDecay(PairsOneByOne):
     def saved() -> list:
         """Nothing kept: three elementwise passes rebuild it in the backward."""
         return []
-
-    def p_before(self):
-        return _decay_before(self.l, self.t.pow2_exp)
 
     def pair(self, X, Y, strict: bool):
         return ck.pair(X, Y, self.d, strict, self.t)
