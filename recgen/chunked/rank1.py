@@ -124,15 +124,19 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern):
         dr, du, da, db, dl = ck.chunk_bwd_rank1(r, u, a, b, geo.l, dr, du, da, db, d_rP, d_uQ, d_aQ, dbP, dg, kern,
                                                 before)
         return dS0, dr, du, dw, da, db, dl
-    dG = r * dr - a * da - u * du
+    # b_t meets G_{t−1} before the decay, in its pairs and in b̂_t = b_t ⊙ P_{t−1}: its dG is the row before's.
+    # The terms are summed in this order (the pairs' first, b̂'s last): where they nearly cancel (a scalar decay
+    # sums them over K) another order loses more in float32
+    dG = (rows_earlier(b * db) if before else b * db) + r * dr - a * da - u * du
     dr, da, du = dr + P * d_rP, da + Q * d_aQ, du + Q * d_uQ
     dG = dG + rP * d_rP - aQ * d_aQ - uQ * d_uQ
-    if before:  # b_t meets G_{t−1} in its pairs and in b̂_t = b_t ⊙ P_{t−1}: its dG is the row before's
-        db = db + geo.p_before() * dbP
-        dG = dG + rows_earlier(b * db)
+    if before:
+        Pb = geo.p_before()
+        db = db + Pb * dbP
+        dG = dG + rows_earlier(b * Pb * dbP)
     else:
         db = db + P * dbP
-        dG = dG + b * db
+        dG = dG + (b * P) * dbP
     dl = log_decay_grad(geo, dG, (aQ * d_aQ + uQ * d_uQ).sum(-2) + geo.g * dg)
     return dS0, dr, du, dw, da, db, dl
 
