@@ -155,7 +155,6 @@ def chunk_launches(target: str) -> list:
                    for grad in (False, True)]
                 + [ck.pair_launch(target, 8, 64, 128, True, grad, dual, mma=True) for grad in (False, True)
                    for dual in (False, True)]
-                + [ck.pair_launch(target, 8, 64, 128, True, grad, True, mma=True, lag=True) for grad in (False, True)]
                 + [ck.sympow_launch(target, 2, 4096, 8, 8, 64, True, grad) for grad in (False, True)]
                 + [ck.feature_decode_launch(target, 16, 64, 64, has_z) for has_z in (True, False)]
                 + [ck.feature_states_launch(target, 256, 256, 64, 65), ck.feature_out_launch(target, 256, 256, 64, 65),

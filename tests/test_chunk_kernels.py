@@ -266,19 +266,17 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
 
 
 @pytest.mark.parametrize("name,K,V,mma,want", [
-    ("rwkv7", 32, 6, False, {"recgen_chunk_pair_dual_lag", "recgen_chunk_pair_grad_dual_lag",
+    ("rwkv7", 32, 6, False, {"recgen_chunk_pair_dual_nonstrict", "recgen_chunk_pair_grad_dual_nonstrict",
                              "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev",
                              "recgen_chunk_bwd_key_rank1_before"}),
-    ("rwkv7", 32, 8, True, {"recgen_chunk_pair_dual_lag", "recgen_chunk_pair_grad_dual_lag",
+    ("rwkv7", 32, 8, True, {"recgen_chunk_pair_dual_nonstrict", "recgen_chunk_pair_grad_dual_nonstrict",
                             "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
                             "recgen_chunk_bwd_key_rank1_before"}),
-    ("rwkv7", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
-                            "recgen_chunk_bwd_key_rank1_before"}),  # pairs in MLX ops: b shifted, then the tail
     ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
                                "recgen_chunk_bwd_key_rank1"})])
 def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, monkeypatch):
     """The general rank-1 core (``chunked.rank1``) with the generated kernels: RWKV-7 (the transition before a
-    key-vector decay: the dual pair kernels with b's rows lagged, the FMA scans), and a transition after a key-vector decay on
+    key-vector decay: the dual pair kernels with the earlier b's pairs non-strict, the FMA scans), and a transition after a key-vector decay on
     the fragment frames (the update's u wᵀ as the forward scan's product term, the UT transform with A given; K = 16
     keeps the pairs in MLX ops); the backward's elementwise tail as the rank-1 kernel (``chunk_bwd_rank1``) in both;
     GQA, a partial last chunk, strong decays: forward, final state and every gradient against the float64
@@ -756,14 +754,12 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
 
 
 def _pair_ref(X, Y, dk, strict):
-    """float64 M[t, s] = sum_i X_ti Y_si prod_{s<tau<=t} d_tau,i (s <= t or s < t); ``strict="lag"``: s < t and
-    prod_{s<tau<=t-1} (the rows lagged one token)."""
+    """float64 M[t, s] = sum_i X_ti Y_si prod_{s<tau<=t} d_tau,i (s <= t or s < t)."""
     N, C, K = X.shape
     M = np.zeros((N, C, C))
-    lag = strict == "lag"
     for t in range(C):
         for s in range(t if strict else t + 1):
-            gam = np.prod(dk[:, s + 1:t + (0 if lag else 1)].astype(np.float64), axis=1)
+            gam = np.prod(dk[:, s + 1:t + 1].astype(np.float64), axis=1)
             M[:, t, s] = (X[:, t] * Y[:, s] * gam).sum(-1)
     return M
 
@@ -820,32 +816,6 @@ def test_dual_pair_kernels_match_numpy(C, K, strict):
     dX, dX2, dY = verify.run_launch(ck.pair_launch("metal", N, C, K, first, grad=True, dual=True),
                                     {"dM": dM, "dM2": dM2, "X": X, "X2": X2, "Y": Y, "dk": dk})
     want_dXs, want_dY = _pair_grads_ref([(X, dM, first), (X2, dM2, False)], Y, dk)
-    for got, want in zip((dX, dX2), want_dXs):
-        assert _rel(got, want) < 1e-5
-    assert _rel(dY, want_dY) < 1e-5
-
-
-@pytest.mark.parametrize("frame,mma", [("metal", False)] + [(f, True) for f in FRAGMENT_LAYOUTS])
-@pytest.mark.parametrize("C,K", [(16, 32), (64, 64)])
-def test_lagged_dual_pair_kernels_match_numpy(frame, mma, C, K):
-    """The dual pair kernels with X's rows lagged (``lag``: G(t − 1, s), s < t; RWKV-7's b before the decay) and X2's
-    not, and their gradients, against float64: one block of rows and four (the earlier and later blocks' factors),
-    with and without fragments, decays down to e^-20 and some exactly 0. A lag of the wrong row fails."""
-    rng = np.random.default_rng(C + K + len(frame))
-    N = 2
-    X, X2, Y = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(3))
-    dM, dM2 = (rng.normal(size=(N, C, C)).astype(np.float32) for _ in range(2))
-    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
-    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
-    ins = {"X": X, "X2": X2, "Y": Y, "dk": dk}
-    launch = ck.pair_launch(frame, N, C, K, True, dual=True, mma=mma, lag=True)
-    assert "_dual_lag" in launch.source.name
-    M, M2 = verify.run_launch(launch, ins)
-    assert _rel(M, _pair_ref(X, Y, dk, "lag")) < 1e-5 and _rel(M2, _pair_ref(X2, Y, dk, False)) < 1e-5
-    assert _rel(M, _pair_ref(X, Y, dk, True)) > 1e-2  # not the unlagged strict pair
-    dX, dX2, dY = verify.run_launch(ck.pair_launch(frame, N, C, K, True, grad=True, dual=True, mma=mma, lag=True),
-                                    ins | {"dM": dM, "dM2": dM2})
-    want_dXs, want_dY = _pair_grads_ref([(X, dM, "lag"), (X2, dM2, False)], Y, dk)
     for got, want in zip((dX, dX2), want_dXs):
         assert _rel(got, want) < 1e-5
     assert _rel(dY, want_dY) < 1e-5

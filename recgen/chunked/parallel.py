@@ -43,7 +43,7 @@ import mlx.core as mx
 from ..codegen.chunk_sources import inverse_supported, pair_supported
 from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
-from .core import add_half, decay_levels, exp, half, offdiag_blocks, p_before, pair_levels, tr, unit_lower_inv
+from .core import add_half, decay_levels, exp, half, offdiag_blocks, pair_levels, tr, unit_lower_inv
 
 __all__ = ["core_fn", "decay_geometry", "log_decay_grad", "scan_backward", "with_vjp"]
 
@@ -56,19 +56,12 @@ def _tri(C: int, strict: bool):
 def _decay_to_end(l, pow2: bool):
     """Q_s = Γ(end, s) = exp(Σ_{τ>s} l_τ) [.., C, F]: a reverse cumulative sum anchored at the chunk's end,
     so no difference of large sums."""
-    # Moved a row up, not an exclusive scan: MLX's exclusive strided scan is the slower one on CUDA (docs/design.md)
     after = mx.cumsum(l, axis=-2, reverse=True)[..., 1:, :]          # Σ_{τ>s} l_τ for s < C-1
     return exp(mx.concatenate([after, mx.zeros_like(l[..., :1, :])], axis=-2), pow2)
 
 
 class PairsOneByOne:
     """The delta rule's two pairs of one Y (A of b̃, strict; M of r) and their gradients, one pair at a time."""
-
-    lags = False  # whether ``pair_dual`` lags its first operand's rows itself (``lag``)
-
-    def p_before(self):
-        """P_{t−1} [.., C, F], P_{−1} = 1: the decay that b_t meets where the transition comes before the decay."""
-        return p_before(self.P)
 
     def pair_dual(self, X, X2, Y, strict: bool = True):
         """(pair(X, Y, strict), pair(X2, Y))."""
@@ -181,7 +174,6 @@ class KernelKeyDecay(PairsOneByOne):
         self.Q = _decay_to_end(l, t.pow2_exp)
         self.g = self.P[..., -1, :]
         self.dual = pair_supported(t.dialect, *l.shape[-2:], dual=True)  # the dual kernels' tiles fit
-        self.lags = self.dual
 
     @staticmethod
     def saved() -> list:
@@ -194,16 +186,15 @@ class KernelKeyDecay(PairsOneByOne):
     def pair_grad(self, dM, X, Y, strict: bool):
         return ck.pair_grad(dM, X, Y, self.d, strict, self.t)
 
-    def pair_dual(self, X, X2, Y, strict: bool = True, lag: bool = False):
-        """Both pairs in one pass over Y and the decays (``chunk_kernels.pair_dual``) where its tiles fit; ``lag``
-        (only there, ``lags``): X's rows meet the decays up to t − 1, pairs s < t."""
+    def pair_dual(self, X, X2, Y, strict: bool = True):
+        """Both pairs in one pass over Y and the decays (``chunk_kernels.pair_dual``) where its tiles fit."""
         if self.dual:
-            return ck.pair_dual(X, X2, Y, self.d, self.t, strict, lag)
+            return ck.pair_dual(X, X2, Y, self.d, self.t, strict)
         return super().pair_dual(X, X2, Y, strict)
 
-    def pair_dual_grad(self, dM, dM2, X, X2, Y, strict: bool = True, lag: bool = False):
+    def pair_dual_grad(self, dM, dM2, X, X2, Y, strict: bool = True):
         if self.dual:
-            return ck.pair_dual_grad(dM, dM2, X, X2, Y, self.d, self.t, strict, lag)
+            return ck.pair_dual_grad(dM, dM2, X, X2, Y, self.d, self.t, strict)
         return super().pair_dual_grad(dM, dM2, X, X2, Y, strict)
 
     fold = staticmethod(KeyDecay.fold)

@@ -35,7 +35,7 @@ import mlx.core as mx
 from ..codegen.chunk_sources import inverse_supported
 from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
-from .core import rows_earlier, rows_later, tr, unit_lower_inv
+from .core import p_before, rows_earlier, rows_later, tr, unit_lower_inv
 from .parallel import decay_geometry, log_decay_grad, scan_backward, with_vjp
 
 __all__ = ["core_fn"]
@@ -44,12 +44,7 @@ __all__ = ["core_fn"]
 def _pairs(geo, r, u, a, b, before: bool):
     """(A, B, M_ra, M_ru) of every chunk."""
     # b's pair and the readout's pair share their right operand (a, then u): one pass each. Before the decay b_t
-    # meets Γ(t−1, s), s ≤ t−1: the pair kernels lag b's rows themselves (``lags``); elsewhere the non-strict pairs
-    # of b one token earlier, read one row later (three shifted copies)
-    if before and geo.lags:
-        A, Mra = geo.pair_dual(b, r, a, lag=True)
-        B, Mru = geo.pair_dual(b, r, u, lag=True)
-        return A, B, Mra, Mru
+    # meets Γ(t−1, s), s ≤ t−1: the non-strict pairs of b one token earlier, read one row later
     be = rows_earlier(b) if before else b
     A, Mra = geo.pair_dual(be, r, a, strict=not before)
     B, Mru = geo.pair_dual(be, r, u, strict=not before)
@@ -59,18 +54,14 @@ def _pairs(geo, r, u, a, b, before: bool):
 
 
 def _pair_grads(geo, dA, dB, dMra, dMru, r, u, a, b, before: bool):
-    """(dr, du, da, db) through the four pairs as ``_pairs`` formed them, db that of b itself."""
-    if before and geo.lags:
-        db1, dr1, da = geo.pair_dual_grad(dA, dMra, b, r, a, lag=True)
-        db2, dr2, du = geo.pair_dual_grad(dB, dMru, b, r, u, lag=True)
-        return dr1 + dr2, du, da, db1 + db2
+    """(dr, du, da, dbe) through the four pairs, dbe the gradient of b as the pairs took it (``_pairs``: be, one token
+    earlier before the decay)."""
     be = rows_earlier(b) if before else b
     if before:  # the pairs of the earlier b were read one row later
         dA, dB = rows_earlier(dA), rows_earlier(dB)
-    db1, dr1, da = geo.pair_dual_grad(dA, dMra, be, r, a, strict=not before)
+    db1, dr1, da = geo.pair_dual_grad(dA, dMra, be, r, a, strict=not before)  # as ``_pairs`` formed them
     db2, dr2, du = geo.pair_dual_grad(dB, dMru, be, r, u, strict=not before)
-    dbe = db1 + db2  # of b one token earlier: b_t's is row t − 1's (b_0 meets no pair)
-    return dr1 + dr2, du, da, rows_later(dbe) if before else dbe
+    return dr1 + dr2, du, da, db1 + db2
 
 
 def _scan_forward(geo, S0, W, U, aQ, uQ, w, kern):
@@ -95,7 +86,7 @@ def _forward(geo, S0, r, u, w, a, b, before: bool, kern):
     """(y, S_end, residuals (states, X, T, W, B, M_ra, M_ru))."""
     A, B, Mra, Mru = _pairs(geo, r, u, a, b, before)
     (C, K), V = a.shape[-2:], w.shape[-1]
-    Pb = geo.p_before() if before else geo.P
+    Pb = p_before(geo.P) if before else geo.P
     if kern and ck.fuses_ut(kern, C, K, V):  # the inverse and both products in one kernel (A formed)
         Tm, U, W = ck.chunk_ut_key(A, B @ w, b, mx.broadcast_to(Pb, b.shape), kern)
     else:
@@ -117,21 +108,21 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern):
     dSn, dX, dS0, dg = scan_backward(geo, dS_end, aQ, W, tr(Mra) @ dy, (rP, dy), 2 * C >= K, False, kern, states)
     Delta = tr(Tm) @ dX
     statesT, XT, wT, dSnT = tr(states), tr(X), tr(w), tr(dSn)
-    dr, du, da, db = _pair_grads(geo, Delta @ XT, Delta @ wT, dy @ XT, dy @ wT, r, u, a, b, before)
+    dr, du, da, dbe = _pair_grads(geo, Delta @ XT, Delta @ wT, dy @ XT, dy @ wT, r, u, a, b, before)
     d_rP, d_aQ, d_uQ, dbP = dy @ statesT, X @ dSnT, w @ dSnT, Delta @ statesT
     dw = mx.addmm(mx.addmm(uQ @ dSn, tr(B), Delta), tr(Mru), dy)
     if geo.key and kern and ck.fuses_key_tail(kern, C):  # the elementwise tail below as one kernel
-        dr, du, da, db, dl = ck.chunk_bwd_rank1(r, u, a, b, geo.l, dr, du, da, db, d_rP, d_uQ, d_aQ, dbP, dg, kern,
+        dr, du, da, db, dl = ck.chunk_bwd_rank1(r, u, a, b, geo.l, dr, du, da, dbe, d_rP, d_uQ, d_aQ, dbP, dg, kern,
                                                 before)
         return dS0, dr, du, dw, da, db, dl
-    # b_t meets G_{t−1} before the decay, in its pairs and in b̂_t = b_t ⊙ P_{t−1}: its dG is the row before's.
-    # The terms are summed in this order (the pairs' first, b̂'s last): where they nearly cancel (a scalar decay
-    # sums them over K) another order loses more in float32
-    dG = (rows_earlier(b * db) if before else b * db) + r * dr - a * da - u * du
+    be = rows_earlier(b) if before else b
+    dG = be * dbe  # the pair's row t' (t − 1 before the decay) carries G_{t'}: its dG lands in the pair's rows
+    db = rows_later(dbe) if before else dbe
+    dG = dG + r * dr - a * da - u * du
     dr, da, du = dr + P * d_rP, da + Q * d_aQ, du + Q * d_uQ
     dG = dG + rP * d_rP - aQ * d_aQ - uQ * d_uQ
-    if before:
-        Pb = geo.p_before()
+    if before:  # b̂_t = b_t ⊙ P_{t−1}: its G is the row before's (P_{−1} = 1 has none)
+        Pb = p_before(P)
         db = db + Pb * dbP
         dG = dG + rows_earlier(b * Pb * dbP)
     else:

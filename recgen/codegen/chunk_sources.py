@@ -187,39 +187,35 @@ def bwd_key_supported(dialect: str, C: int) -> bool:
     return 1 <= C <= 64 and 2 * 32 * C * 4 <= get(dialect).smem_bytes
 
 
-def _pair_suffix(strict: bool, dual: bool, lag: bool = False) -> str:
+def _pair_suffix(strict: bool, dual: bool) -> str:
     """The pair kernels' name suffix: the dual form's first pair is strict unless named otherwise (the delta rule's
-    A); ``lag``: its rows meet the decays up to t − 1 (a transition before the decay, ``chunked.rank1``)."""
-    if lag:
-        return "_dual_lag" if dual else "_lag"
+    A); a transition before the decay pairs b one token earlier with s <= t (``chunked.rank1``)."""
     if dual:
         return "_dual" if strict else "_dual_nonstrict"
     return "_strict" if strict else ""
 
 
 @lru_cache(maxsize=None)
-def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False, lag: bool = False) -> KernelSource:
-    """M of X (pairs s < t where ``strict``; ``lag``: s < t with the rows' decays up to t − 1, G(t − 1, s)); ``dual``:
-    also M2 of X2 (s <= t) beside M of X; ``mma``: the earlier blocks' products on fragment multiply-adds (blocks of 16
-    tokens; template constant FI: items a SIMD group)."""
+def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False) -> KernelSource:
+    """M of X (pairs s < t where ``strict``); ``dual``: also M2 of X2 (s <= t) beside M of X; ``mma``: the earlier
+    blocks' products on fragment multiply-adds (blocks of 16 tokens; template constant FI: items a SIMD group)."""
     d = get(dialect)
     ins = ("X", "X2", "Y", "dk", "rt") if dual else ("X", "Y", "dk", "rt")
-    return _source(d, "chunk_pair.j2", "pair" + _pair_suffix(strict, dual, lag) + ("_mma" if mma else ""),
+    return _source(d, "chunk_pair.j2", "pair" + _pair_suffix(strict, dual) + ("_mma" if mma else ""),
                    "key-vector decay pair matrix of a chunk", ins, ("M", "M2") if dual else ("M",), (),
-                   helpers=d.mma_prelude if mma else "", strict=strict, dual=dual, mma=mma, lag=lag)
+                   helpers=d.mma_prelude if mma else "", strict=strict, dual=dual, mma=mma)
 
 
 @lru_cache(maxsize=None)
-def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False,
-                     lag: bool = False) -> KernelSource:
+def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False) -> KernelSource:
     """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed); ``mma``: the
-    other blocks' parts on fragment multiply-adds; ``lag`` as ``pair_source``'s."""
+    other blocks' parts on fragment multiply-adds."""
     d = get(dialect)
     ins = ("dM", "dM2", "X", "X2", "Y", "dk", "rt") if dual else ("dM", "X", "Y", "dk", "rt")
-    return _source(d, "chunk_pair_grad.j2", "pair_grad" + _pair_suffix(strict, dual, lag) + ("_mma" if mma else ""),
+    return _source(d, "chunk_pair_grad.j2", "pair_grad" + _pair_suffix(strict, dual) + ("_mma" if mma else ""),
                    "gradients of the key-vector decay pair matrix", ins,
                    ("dX", "dX2", "dY") if dual else ("dX", "dY"), (), helpers=d.mma_prelude if mma else "",
-                   strict=strict, dual=dual, mma=mma, lag=lag)
+                   strict=strict, dual=dual, mma=mma)
 
 
 @lru_cache(maxsize=None)

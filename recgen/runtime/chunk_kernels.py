@@ -172,17 +172,16 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
 
 @lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False,
-                mma: bool = False, lag: bool = False) -> Launch:
+                mma: bool = False) -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
     operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
-    ``mma``: the other blocks' products on fragments (``chunk_sources.pair_fragments``); ``lag``: X's rows meet the
-    decays up to t − 1 (pairs s < t)."""
+    ``mma``: the other blocks' products on fragments (``chunk_sources.pair_fragments``)."""
     lay = dict(pair_layout(dialect, C, K, dual))
     if mma and not pair_fragments(dialect, C, K, dual):
         raise ValueError(f"chunk_pair: fragments need blocks of 16 tokens, C a multiple of 16 (C={C})")
     if mma and not grad:
         lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
-    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma, lag)
+    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma)
     groups = N * lay["NB"] * (2 if grad else 1)
     nout = (3 if dual else 2) if grad else (2 if dual else 1)
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * nout
@@ -460,7 +459,7 @@ def _key_tail(roles, l, grads, dg, t: Tuning, rs=None, before: bool | None = Non
 def chunk_bwd_rank1(r, u, a, b, l, dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP, dg, t: Tuning, before: bool):
     """The general rank-1 core's backward tail (``chunked.rank1``) for a key-vector decay, by the generated kernel
     (``chunk_bwd_key.j2``, ``rank1``): the roles r, u, a, b and the log-decays l [.., n, C, K]; the pairs' gradients
-    dRX, dUX, dAX and dBX (of b itself); the products DRP = d(r ⊙ P),
+    dRX, dUX, dAX and dBX (of b as the pairs took it: one token earlier where ``before``); the products DRP = d(r ⊙ P),
     DUQ = d(u ⊙ Q), DAQ = d(a ⊙ Q), DBP = d(b ⊙ P') [.., n, C, K] (P' = P, or P one token earlier where ``before``);
     the scan's decay gradient dg [.., n, K]. Returns (dr, du, da, db, dl [.., n, C, K]), the roles' gradients in
     their types."""
@@ -483,23 +482,22 @@ def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning):
     return dX.reshape(X.shape), dY.reshape(Y.shape)
 
 
-def pair_dual(X, X2, Y, dk, t: Tuning, strict: bool = True, lag: bool = False):
-    """(M of X for s < t (s <= t unless ``strict``; ``lag``: s < t with X's rows decayed up to t − 1), M2 of X2 for
-    s <= t) in one pass over Y and the decays (the delta rule's A and M_ru)."""
+def pair_dual(X, X2, Y, dk, t: Tuning, strict: bool = True):
+    """(M of X for s < t (s <= t unless ``strict``), M2 of X2 for s <= t) in one pass over Y and the decays (the delta
+    rule's A and M_ru)."""
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     lay = (N, C, K)
-    M, M2 = _call(t, pair_launch(t.dialect, N, C, K, strict, dual=True, mma=pairs_on_fragments(t, C, K, True),
-                                 lag=lag),
+    M, M2 = _call(t, pair_launch(t.dialect, N, C, K, strict, dual=True, mma=pairs_on_fragments(t, C, K, True)),
                   [X.reshape(lay), X2.reshape(lay), Y.reshape(lay), dk.reshape(lay)])
     return M.reshape(*X.shape[:-1], C), M2.reshape(*X.shape[:-1], C)
 
 
-def pair_dual_grad(dM, dM2, X, X2, Y, dk, t: Tuning, strict: bool = True, lag: bool = False):
+def pair_dual_grad(dM, dM2, X, X2, Y, dk, t: Tuning, strict: bool = True):
     """(dX, dX2, dY) for the cotangents of ``pair_dual`` (dY of both pairs, summed)."""
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     lay = (N, C, K)
     dX, dX2, dY = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True, dual=True,
-                                        mma=pairs_on_fragments(t, C, K, True), lag=lag),
+                                        mma=pairs_on_fragments(t, C, K, True)),
                         [dM.reshape(N, C, C), dM2.reshape(N, C, C), X.reshape(lay), X2.reshape(lay),
                          Y.reshape(lay), dk.reshape(lay)])
     return dX.reshape(X.shape), dX2.reshape(X.shape), dY.reshape(Y.shape)

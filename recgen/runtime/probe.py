@@ -140,11 +140,11 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                 dG[:, -1] += (Yp * Q * D[4]).sum(1) + P[:, -1] * dgk
                 got += list(ck.chunk_bwd_key(f32(Xp), f32(Yp), f32(D[6]), f32(Lk), *(f32(x) for x in D[:6]), f32(dgk), t))
                 ref += [dr, du, db, np.cumsum(dG[:, ::-1], 1)[:, ::-1]]
-                # and the general rank-1 core's, the transition before the decay (RWKV-7): b_t meets G_{t-1}
+                # and the general rank-1 core's, the transition before the decay (RWKV-7): b's pairs one token earlier
                 A_, B_, DAX, DBX, DAQ, DBP = rng.normal(size=(6, 1, C, K))
                 da = Q * DAQ + DAX
                 Pb = np.concatenate([np.ones((1, 1, K)), P[:, :-1]], 1)
-                db = Pb * DBP + DBX
+                db = Pb * DBP + np.concatenate([np.zeros((1, 1, K)), DBX[:, :-1]], 1)
                 dG = Xp * dr - Yp * du - A_ * da + np.concatenate([(B_ * db)[:, 1:], np.zeros((1, 1, K))], 1)
                 dG[:, -1] += (Yp * Q * D[4] + A_ * Q * DAQ).sum(1) + P[:, -1] * dgk
                 got += list(ck.chunk_bwd_rank1(*(f32(x) for x in (Xp, Yp, A_, B_, Lk, D[0], D[1], DAX, DBX, D[3], D[4],

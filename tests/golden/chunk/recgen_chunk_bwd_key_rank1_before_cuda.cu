@@ -14,8 +14,8 @@
   // (C x 32 floats each, conflict-free). Template constants: C, K, NG (column groups a chunk), RT, UT, AT, BT.
   // The general rank-1 core's tail (chunked/rank1.py): a second key vector a (DAX its pairs' gradient, DAQ = d(a * Q))
   // and b (DBX: of the pairs' b, DBP = d(b * P')):  da = Q DAQ + DAX,  db = P' DBP + DBX,  dG_t -= a da,
-  // the transition before the decay: b_t meets P' = P_{t-1} (P_{-1} = 1) and, in its pairs, the decays up to t - 1,
-  // so b_t db_t lands on G_{t-1} (dG_t += b_{t+1} db_{t+1});
+  // the transition before the decay: b_t meets P' = P_{t-1} (P_{-1} = 1), its pairs' gradient arrives for b one token
+  // earlier (db_t = P_{t-1} DBP_t + DBX_{t-1}), and b_t db_t lands on G_{t-1} (dG_t += b_{t+1} db_{t+1});
   // sum_s a Q DAQ joins dG_{C-1}.
   __shared__ float Ps_[C * 32];
   __shared__ float Gs_[C * 32];
@@ -47,7 +47,7 @@
       g -= a * da;
       e += a * q * daq;
       dAo[at] = static_cast<AT>(da);
-      const float db = (t > 0 ? Ps_[(t - 1) * 32 + lane] : 1.0f) * DBP[at] + DBX[at];
+      const float db = (t > 0 ? Ps_[(t - 1) * 32 + lane] * DBP[at] + DBX[at - K] : DBP[at]);
       g += bdb;
       bdb = static_cast<float>(B[at]) * db;
       dBo[at] = static_cast<BT>(db);
