@@ -123,6 +123,8 @@ ENVIRONMENT = {
     "RECGEN_BACKWARD": ("backward", _choice("RECGEN_BACKWARD", BACKWARDS)),
     "RECGEN_CHUNKED_FORWARD_MIN_T": ("chunked_forward_min_t", int),  # beyond any T: never
     "RECGEN_KEY_BLOCKS_MAX_T": ("key_blocks_max_t", int),
+    "RECGEN_CHUNK": ("chunk_size", int),
+    "RECGEN_KEY_CHUNK": ("key_chunk_size", int),
     "RECGEN_DEBUG": ("debug", _flag),
     "RECGEN_CHUNK_KERNELS": ("chunk_kernels", _flag),
     "RECGEN_MMA_SCAN": ("mma_scan", _flag),
