@@ -536,8 +536,6 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
         if out is not None:
             dy = core_layout(dy, *r.shape[-3:-1], l.dtype)
-        else:  # a view of the model's layout where a readout term follows the core: made row-major once, not
-            dy = mx.contiguous(dy)  # by each product and the reverse scan that read it
         dS0, dr, du, dw, dl, dbt = _backward(Geo(l, t, geo_saved), r, u, w, bt, res, dy, dS_end, compose, matrix, kern,
                                              rfac)
         grads = (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())

@@ -102,8 +102,8 @@ def _forward(geo, S0, r, u, w, a, b, before: bool, kern):
 def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern):
     """(dS0, dr, du, dw, da, db, dl) of ``_forward``."""
     states, X, Tm, W, B, Mra, Mru = res
-    # dy arrives as a view of the model's layout [B, T, H, V]: made row-major once here, or each of the five
-    # products and the reverse scan that read it would copy it again
+    # dy arrives as a view of the model's layout [B, T, H, V]: made row-major once here, not by each of the five
+    # products and the reverse scan that read it (a lower training peak)
     dy = mx.contiguous(dy)
     P, Q = geo.P, geo.Q
     rP, aQ, uQ = r * P, a * Q, u * Q
