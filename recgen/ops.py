@@ -279,7 +279,10 @@ class PowerRetention(Op):
 
         if (choose_backend(t, backend, self.backend) == "mlx" or sizes.B == 0 or sizes.T == 0
                 or sizes.T >= t.key_blocks_max_t or (sizes.T == 1 and decodes(t, sizes.Kin, sizes.V))):
-            return super()._run(arrays, sizes, initial_state, output_final_state, scale, backend, check_finite)
+            # the spec's own chunked form, which runs this device's chunk kernels where the tuning has them (the
+            # kernel identity's, the feature decode kernel), whichever backend was asked for: a feature map has no
+            # recurrent kernel, so passing a GPU backend on would raise UnsupportedKernel
+            return super()._run(arrays, sizes, initial_state, output_final_state, scale, "mlx", check_finite)
         states = None if initial_state is None else check_initial_state(self.rec, sizes, initial_state)
         return self.key_blocks(arrays, sizes, states, output_final_state, op_scale(self.rec, sizes, scale), backend,
                                check_finite)

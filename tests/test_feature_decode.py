@@ -83,7 +83,8 @@ def test_power_retention_decode_on_the_kernel_matches_the_reference(sizes, monke
 
 def test_the_op_routes_decode_to_the_kernel(monkeypatch):
     """``ops.power_retention`` at T = 1 with ``Tuning.feature_decode`` runs the kernel (after its self-test), not the
-    key-block composition; without it, not."""
+    key-block composition; without it, not. With a GPU backend asked for by name too (a feature map has no
+    recurrent kernel: passing the name on once raised UnsupportedKernel on CUDA)."""
     from recgen import ops
     from recgen.runtime import probe as pr
 
@@ -101,4 +102,9 @@ def test_the_op_routes_decode_to_the_kernel(monkeypatch):
         o = ops.power_retention(**arrays)[0]
         assert rel_err(np.array(o), o_r) <= 1e-5
         assert any(c.startswith("recgen_chunk_feature_decode_z") for c in calls) == on
+    calls.clear()
+    monkeypatch.setattr(ops, "check_backend", lambda *a: None)  # "metal" counts as available on this machine
+    o = ops.PowerRetention(backend="metal")(**arrays)[0]
+    assert rel_err(np.array(o), o_r) <= 1e-5
+    assert any(c.startswith("recgen_chunk_feature_decode_z") for c in calls)
     pr.checked.cache_clear()

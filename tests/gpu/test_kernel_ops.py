@@ -50,7 +50,8 @@ def test_kernel_op_normalizer_with_skip(name, case, dtype, rng):
 
 @pytest.mark.parametrize("name,case,dtype", params(["power_retention"], cases=CASES[:2]))
 def test_power_retention_on_kernels_by_key_blocks(name, case, dtype, rng):
-    """Power retention through ``ops.PowerRetention`` on CUDA: simple_gla's kernels over blocks of φ's rows."""
+    """Power retention through ``ops.PowerRetention`` on CUDA: simple_gla's kernels over blocks of φ's rows (at T = 1
+    the feature decode kernel, reached through the chunked form with the backend asked for by name)."""
     from recgen.ops import PowerRetention
 
     rec = load_spec(name)
