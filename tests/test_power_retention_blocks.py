@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from recgen import ops, specs
+from recgen import ops, specs, tuning
 from recgen.key_blocks import key_blocks
 from recgen.math import reference
 from recgen.spec.layouts import Sizes
@@ -49,6 +49,22 @@ def test_the_mlx_backend_keeps_the_spec_chunked_form():
                                        np.random.default_rng(0))
     arrays = {n: mx.array(x, mx.float32) for n, x in xs.items()}
     o = ops.power_retention(**arrays)[0]
+    o_r, _ = reference.run(specs.power_retention, scale=scale, **xs)
+    assert rel_err(np.array(o), o_r) <= 1e-5
+
+
+def test_a_named_gpu_backend_runs_the_chunked_form_beyond_the_key_blocks(monkeypatch):
+    """From ``Tuning.key_blocks_max_t`` on, ``PowerRetention(backend=<a GPU's>)`` runs the spec's chunked form (with
+    that device's chunk kernels where the tuning has them): passing the backend's name on looked for a recurrent
+    kernel a feature map does not have and raised UnsupportedKernel. Here "metal" is made to count as available and
+    the composition stops at T = 2, so T = 6 takes the chunked form on this CPU."""
+    sizes = Sizes(B=1, T=6, H=2, Hk=1, Kin=8, K=36, V=4)
+    xs, _, _, _, scale = kernel_inputs(specs.power_retention, sizes, np.random.default_rng(3))
+    arrays = {n: mx.array(x, mx.float32) for n, x in xs.items()}
+    t = tuning.resolve("cpu", environ={}, dialect="metal", key_blocks_max_t=2)
+    monkeypatch.setattr(ops, "check_backend", lambda *a: None)
+    monkeypatch.setattr(ops, "current", lambda: t)
+    o = ops.PowerRetention(backend="metal")(**arrays)[0]
     o_r, _ = reference.run(specs.power_retention, scale=scale, **xs)
     assert rel_err(np.array(o), o_r) <= 1e-5
 
