@@ -121,6 +121,13 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         table.add_column(col)
     for name, layer, ok, detail in report.layers:
         table.add_row(name, layer, "[green]ok[/]" if ok else f"[red]{detail[:200]}[/]")
+
+    def judge(against: str, k: str, e: float, bound: float) -> None:
+        nonlocal failed
+        ok = e <= bound
+        failed = failed or (None if ok else f"{k}: relative error {e:.2e}")
+        table.add_row(against, k, f"[{'green' if ok else 'red'}]{e:.2e}[/]")
+
     if failed is None:
         o_r, ht_r = reference.run(rec, initial_state=h0, scale=scale, **xs)
         g_r = reference.grad(rec, do=do, dht=dht, initial_state=h0, scale=scale, **xs)
@@ -128,13 +135,9 @@ def cmd_check(args: argparse.Namespace, console: Console) -> int:
         for k in g_r:
             errs |= _state_errs(f"d{k}", g[k], g_r[k], rel_err)
         for k, e in errs.items():
-            ok = e <= (1e-5 if k == "o" or k.startswith("final_state") else 1e-4)
-            failed = failed or (None if ok else f"{k}: relative error {e:.2e}")
-            table.add_row("vs float64 reference", k, f"[{'green' if ok else 'red'}]{e:.2e}[/]")
+            judge("vs float64 reference", k, e, 1e-5 if k == "o" or k.startswith("final_state") else 1e-4)
     for k, e in ferrs.items():
-            ok = e <= 1e-5
-            failed = failed or (None if ok else f"{k}: relative error {e:.2e}")
-            table.add_row("vs float64 numpy", k, f"[{'green' if ok else 'red'}]{e:.2e}[/]")
+        judge("vs float64 numpy", k, e, 1e-5)
     console.print(table)
     if failed:
         console.print(f"[bold red]FAILED[/]: {failed}")

@@ -44,7 +44,7 @@ class Tuning:
     feature_chunk_size: int = 64    # ... its chunk length (entry states are the expanded space: fewer, longer chunks)
     feature_decode: bool = False    # ... its decode step (T = 1) on the generated kernel split over K
     feature_kernels: bool = False   # ... its products over φ's rows as fragment kernels forming φ as read (half the
-    #                                 memory; the first gradient kernel made training 2.2x slower, its rework untimed)
+    #                                 memory, but training slower than MLX's products over formed rows)
     gpu_forms: bool = False         # few large ops (the scan over chunks as one matmul, full-block inverses)
     compile: bool = False           # mx.compile the chunked stretch and core (fuses elementwise work)
     inverse_base: int = 1           # block size from which the triangular inverse climbs by block levels

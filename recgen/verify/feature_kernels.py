@@ -7,6 +7,7 @@ import numpy as np
 
 from ..runtime import chunk_kernels as ck
 from ..spec.features import sympow, sympow_vjp
+from ..testing import rel_err as rel
 from .kernels import Report, run_launch
 
 
@@ -17,7 +18,6 @@ def check_feature_kernels(d: int, V: int, *, sanitizer=None, report: Report | No
     rng = np.random.default_rng(seed)
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     F, BH, V1 = d * (d + 1) // 2, 3, V + 1
-    rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))  # noqa: E731
     q, k, w, S, z = f(BH, d), f(BH, d), f(BH, V), f(BH, F, V), f(BH, F)
     dec = np.exp(-rng.uniform(0, 3, BH)).astype(np.float32)
     S1, z1, part = run_launch(ck.feature_decode_launch("metal", BH, d, V, True),
