@@ -61,6 +61,8 @@ class Tuning:
     #                                 ``mma_scan``), a key-vector decay's elementwise tail
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
+    scan_nw: int = 4                # SIMD groups per threadgroup of the forward fragment scan (most)
+    reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (not measured yet: off)
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
@@ -88,7 +90,7 @@ DEVICE_DEFAULTS = {
 # What was measured faster on each dialect's hardware (docs/design.md and BENCHMARKS.md say where and how).
 MEASURED = {
     "cuda": dict(chunk_kernels=True, mma_scan=True, chunked_backward_min_t=1024,
-                 chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True),
+                 chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True, reverse_scan_nw=8),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 
@@ -134,6 +136,8 @@ ENVIRONMENT = {
     "RECGEN_FUSED_BWD": ("fused_bwd", _flag),
     "RECGEN_BWD_BW": ("bwd_bw", int),
     "RECGEN_SCAN_BV": ("scan_bv", int),
+    "RECGEN_SCAN_NW": ("scan_nw", int),
+    "RECGEN_REVERSE_SCAN_NW": ("reverse_scan_nw", int),
     "RECGEN_SCAN_PREFETCH": ("scan_prefetch", _flag),
     "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),

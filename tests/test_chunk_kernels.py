@@ -7,6 +7,7 @@ import pytest
 from recgen import tuning
 from recgen.codegen import chunk_sources as cs
 from recgen.codegen.chunk_sources import ScanVariant
+from recgen.chunked import rank1
 from recgen.runtime import chunk_kernels as ck
 from recgen.runtime import probe as pr
 
@@ -126,6 +127,39 @@ def test_chunk_scan_mma_with_product_term(frame, has_e):
         assert _rel(got, w) < 1e-5, _rel(got, w)
     assert outs[3].shape == (BH, n, 2, K)
     assert _rel(outs[3].sum(2), (want[0] * ins["St"]).sum(-1)) < 1e-5
+
+
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
+@pytest.mark.parametrize("F,has_e,reverse,dg", [(1, False, False, False), (128, True, True, True)])
+def test_chunk_scan_mma_on_eight_groups(frame, F, has_e, reverse, dg):
+    """``Tuning.scan_nw`` = 8 (the fragment scan with twice the SIMD groups: one 16-row state block and one item of
+    Y each at C = 64, K = 128), forward and reverse, scalar and key decays, with the product term and the decay
+    gradient's row sums, against float64 numpy."""
+    rng = np.random.default_rng(5 + F)
+    BH, n, C, K, V = 1, 2, 64, 128, 32
+    assert cs.scan_mma_layout(C, K, V, 32, 8) == {"BV": 32, "NW": 8, "LD": 40, "YCT": 2}
+    assert cs.scan_mma_layout(C, 64, V, 32, 8)["NW"] == 4  # 4 state blocks: no more groups than blocks
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    ins = {"S0": f(BH, K, V), "A": f(BH, n, C, K) * 0.1, "X": f(BH, n, C, V), "Bm": f(BH, n, C, K) * 0.1,
+           "g": np.exp(-20 * rng.uniform(size=(BH, n, F))).astype(np.float32)}
+    E = None
+    terms = {}
+    if dg:
+        ins |= {"Pa": f(BH, n, C, K), "Pb": f(BH, n, C, V), "St": f(BH, n, K, V)}
+        E = ins["Pa"].astype(np.float64).swapaxes(-1, -2) @ ins["Pb"]
+        terms = dict(p=True, dg=True)
+    if has_e:
+        ins["E"] = f(BH, n, K, V)
+        E = ins["E"] if E is None else E + ins["E"]
+    v = ScanVariant(a=True, b=True, e=has_e, reverse=reverse, mma=True, **terms)
+    launch = ck.scan_launch(frame, v, BH, n, C, K, V, F, 32, 8)
+    assert launch.threadgroup[0] == 256
+    outs = verify.run_launch(launch, ins)
+    want = _scan_ref(ins["S0"], ins["A"], ins["X"], ins["Bm"], ins["g"], E, reverse)
+    for got, w in zip(outs[:3], want):
+        assert _rel(got, w) < 1e-5, _rel(got, w)
+    if dg:
+        assert _rel(outs[3].sum(2), (want[0] * ins["St"]).sum(-1)) < 1e-5
 
 
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
@@ -291,6 +325,24 @@ def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=mma)
     assert_close(compare(rec, 40, chunk=16, B=1, H=2, Hk=1, K=K, V=V, seed=5, tuning=t))
     assert {c.split("_metal")[0] for c in calls} == want
+
+
+def test_general_rank1_core_applies_the_readout_scale_inside(monkeypatch):
+    """RWKV-7 at a readout scale other than 1 on the kernels: the core takes r itself and scales y (and dy in its
+    backward), so the role scale·r is never formed; forward, final state and every gradient against the float64
+    reference, whose r is scaled first."""
+    pytest.importorskip("mlx.core")
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    seen = []
+    real = rank1.core_fn
+    monkeypatch.setattr(rank1, "core_fn", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(ck, "mlx_call", _emulated_call)
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True)
+    assert_close(compare(specs.BUILTINS["rwkv7"], 24, chunk=16, B=1, H=2, Hk=1, K=32, V=8, seed=7, tuning=t,
+                         scale=0.37))
+    assert seen and all(abs(c - 0.37) < 1e-12 for c in seen), seen
 
 
 def test_fused_backward_pass_beside_the_fma_scans(monkeypatch):

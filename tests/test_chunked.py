@@ -84,9 +84,10 @@ def make_inputs(rec, rng, B, T, H, Hk, K, V, gmin):
 
 
 def compare(rec, T, *, chunk=64, B=2, H=4, Hk=2, K=8, V=6, gmin=-20.0, init=True, seed=0,
-            f64=False, fn=None, in_dtype=None, tuning=None):
+            f64=False, fn=None, in_dtype=None, tuning=None, scale=None):
     """Chunked (or ``fn``) vs the reference: returns {quantity: relative error}. ``in_dtype`` (e.g.
-    mx.bfloat16): the inputs are given in it, rounded to it for the reference too (states stay float32)."""
+    mx.bfloat16): the inputs are given in it, rounded to it for the reference too (states stay float32).
+    ``scale``: the readout scale (default: the spec's)."""
     rng = np.random.default_rng(seed)
     if rec.features:
         K = 4  # raw key width; the state has K(K+1)/2 = 10 rows
@@ -95,7 +96,8 @@ def compare(rec, T, *, chunk=64, B=2, H=4, Hk=2, K=8, V=6, gmin=-20.0, init=True
         d = {k: np.array(mx.array(v.astype(np.float32)).astype(in_dtype).astype(mx.float32)).astype(np.float64)
              for k, v in d.items()}
     sz = infer_sizes(rec, {k: v.shape for k, v in d.items()})
-    scale = sz.Kin ** -0.5 if rec.default_scale == "key" else 1.0
+    if scale is None:
+        scale = sz.Kin ** -0.5 if rec.default_scale == "key" else 1.0
     h0 = None
     if init:
         if rec.has_normalizer:  # a reachable state: sums of features

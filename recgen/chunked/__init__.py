@@ -315,11 +315,14 @@ def _features_decode(tun, p, scale, sizes, S, z, inputs):
 def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """A rank-1 transition with a ≠ ρ·u or one before the decay (scalar or key decay): ``rank1``'s core."""
     z = rest[0] if has_z else None
-    T, t = _roles(tun, p, names, scale, sizes, S, rest[1:] if has_z else rest)
+    raw = {}
+    T, t = _roles(tun, p, names, scale, sizes, S, rest[1:] if has_z else rest, raw)
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     r, y0 = _pre_shift(p.rec, t, S)
-    fn = rank1.core_fn(p.decay_class == "key", p.rec.transition_before_decay, tun)
+    kern = tun if tun.chunk_kernels and y0 is None else None  # a shifted r has no raw input
+    r, rfac = _readout_role(p, r, raw, lambda dtype, bare: S.dtype, kern, scale)  # the core's roles: float32
+    fn = rank1.core_fn(p.decay_class == "key", p.rec.transition_before_decay, tun, rfac)
     y, S = fn(S, *(ch(x) for x in (r, t["u"], t["w"], t["a"], t["b"], _as_f(t["logdecay"]))))[:2]
     y = _pre_unshift(y.reshape(sizes.B, sizes.H, n * C, sizes.V)[:, :, :T], y0)
     nz, z = _z_scan(tun, p, t, z, C) if has_z else (None, z)

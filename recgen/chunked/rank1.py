@@ -82,8 +82,9 @@ def _scan_forward(geo, S0, W, U, aQ, uQ, w, kern):
     return mx.concatenate(states, axis=-3), mx.concatenate(Xs, axis=-3), S[..., 0, :, :]
 
 
-def _forward(geo, S0, r, u, w, a, b, before: bool, kern):
-    """(y, S_end, residuals (states, X, T, W, B, M_ra, M_ru))."""
+def _forward(geo, S0, r, u, w, a, b, before: bool, kern, rfac=None):
+    """(y, S_end, residuals (states, X, T, W, B, M_ra, M_ru)); with ``rfac`` the readout role is rfac·r (y is linear in
+    r through all three of its terms, so the last product scales them)."""
     A, B, Mra, Mru = _pairs(geo, r, u, a, b, before)
     (C, K), V = a.shape[-2:], w.shape[-1]
     Pb = p_before(geo.P) if before else geo.P
@@ -95,16 +96,18 @@ def _forward(geo, S0, r, u, w, a, b, before: bool, kern):
     states, X, S_end = _scan_forward(geo, S0, W, U, a * geo.Q, u * geo.Q, w, kern)
     # The readout stays three accumulating products: with two of its terms in the readout kernel and the third added
     # after it (one more pass over y), the forward measured slower (docs/design.md)
-    y = mx.addmm(mx.addmm(Mru @ w, Mra, X), r * geo.P, states)
+    c = 1.0 if rfac is None else rfac
+    y = mx.addmm(mx.addmm(Mru @ w, Mra, X), r * geo.P, states, alpha=c, beta=c)
     return y, S_end, (states, X, Tm, W, B, Mra, Mru)
 
 
-def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern):
+def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None):
     """(dS0, dr, du, dw, da, db, dl) of ``_forward``."""
     states, X, Tm, W, B, Mra, Mru = res
     # dy arrives as a view of the model's layout [B, T, H, V]: made row-major once here, not by each of the five
-    # products and the reverse scan that read it (a lower training peak)
-    dy = mx.contiguous(dy)
+    # products and the reverse scan that read it (a lower training peak). With ``rfac`` the readout's cotangent is
+    # rfac·dy: every gradient below then holds it, and r's is that of the core's argument
+    dy = mx.contiguous(dy) if rfac is None else mx.contiguous(dy) * rfac
     P, Q = geo.P, geo.Q
     rP, aQ, uQ = r * P, a * Q, u * Q
     C, K = a.shape[-2:]
@@ -136,11 +139,12 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern):
 
 
 @lru_cache(maxsize=64)
-def core_fn(key: bool, before: bool, t: Tuning):
+def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None):
     """The general rank-1 core as an ``mx.custom_function`` with the VJP above.
 
     Arguments (chunked, [..., n, C, F]): S0 [..., K, V], r, u, a, b [.., C, K], w [.., C, V], l [.., C, F] (log-decays;
-    F = K when ``key``, else 1). ``before``: the transition reads the state before the decay. Returns
+    F = K when ``key``, else 1). ``before``: the transition reads the state before the decay. ``rfac`` (a float): the
+    readout role is rfac·r, applied inside (the role rfac·q is never formed, nor its gradient scaled after). Returns
     (y [.., n, C, V], S_end, *residuals), the residuals for the VJP only."""
     kern = t if t.chunk_kernels else None
     Geo = decay_geometry(key, kern)
@@ -148,12 +152,12 @@ def core_fn(key: bool, before: bool, t: Tuning):
 
     def fwd(S0, r, u, w, a, b, l):
         geo = Geo(l, t)
-        y, S_end, res = _forward(geo, S0, r, u, w, a, b, before, kern)
+        y, S_end, res = _forward(geo, S0, r, u, w, a, b, before, kern, rfac)
         return (y, S_end) + res + tuple(geo.saved())
 
     def bwd(*args):
         (S0, r, u, w, a, b, l), rest = args[:7], args[7:]
         res, geo_saved, (dy, dS_end) = rest[:nres], rest[nres:-2], rest[-2:]
-        return _backward(Geo(l, t, geo_saved), r, u, w, a, b, res, dy, dS_end, before, kern)
+        return _backward(Geo(l, t, geo_saved), r, u, w, a, b, res, dy, dS_end, before, kern, rfac)
 
     return with_vjp(fwd, bwd, t.compile)

@@ -377,26 +377,26 @@ def b_stride(n: int) -> int:
 
 
 @lru_cache(maxsize=None)
-def scan_mma_layout(C: int, K: int, V: int, most_bv: int = 32) -> dict | None:
+def scan_mma_layout(C: int, K: int, V: int, most_bv: int = 32, most_nw: int = MMA_NW) -> dict | None:
     """Template constants of the fragment scan, or None where it has no layout: C and K multiples of
     16 (fragment rows), V a multiple of 8 (fragment columns; BV the largest of ``most_bv``, 16, 8 dividing V),
-    NW groups (at most MMA_NW) sharing K / 16 state blocks evenly, the row stride LD of the threadgroup
+    NW groups (``most_nw``, else the most of 4, 2, 1) sharing K / 16 state blocks evenly, the row stride LD of the threadgroup
     copies (≥ BV, 8 or 24 mod 32: conflict-free B fragments), YCT column tiles per item of Y_c (all BV / 8
     unless C / 16 row blocks would leave groups idle). Threadgroup memory: (K + C) LD floats,
     at most 30 KiB at K = 128, C = 64 (both dialects)."""
     if C % 16 or K % 16 or V % 8:
         return None
     bv = next(b for b in (most_bv, 16, 8) if V % b == 0)
-    nw = next(w for w in (MMA_NW, 4, 2, 1) if (K // 16) % w == 0)
+    nw = next(w for w in dict.fromkeys((most_nw, 4, 2, 1)) if (K // 16) % w == 0)
     ld = b_stride(bv)
     ct = bv // 8
     yct = next((y for y in range(ct, 0, -1) if ct % y == 0 and (C // 16) * (ct // y) >= nw), 1)
     return {"BV": bv, "NW": nw, "LD": ld, "YCT": yct}
 
 
-def scan_prefetches(C: int, K: int, V: int, most_bv: int = 32) -> bool:
+def scan_prefetches(C: int, K: int, V: int, most_bv: int = 32, most_nw: int = MMA_NW) -> bool:
     """Whether the fragment scan's layout gives each group exactly one item of Y (``ScanVariant.pf`` needs it)."""
-    lay = scan_mma_layout(C, K, V, most_bv)
+    lay = scan_mma_layout(C, K, V, most_bv, most_nw)
     return lay is not None and (C // 16) * (lay["BV"] // 8 // lay["YCT"]) == lay["NW"]
 
 

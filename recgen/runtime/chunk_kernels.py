@@ -14,7 +14,7 @@ import math
 from functools import lru_cache
 
 from ..codegen.backends import get
-from ..codegen.chunk_sources import (BV, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
+from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, feature_decode_layout, feature_decode_source, feature_mma_layout,
                                      feature_jac_source, feature_out_source, feature_states_source, inverse_source,
                                      scan_prefetches, out_mma_layout, out_mma_source,
@@ -31,7 +31,7 @@ from .launch import Launch, mlx_call
 def use_mma(t: Tuning, C: int, K: int, V: int) -> bool:
     """The scan on fragments: where the tuning asks for it, a fragment layout exists for (C, K, V) and it fits
     threadgroup memory."""
-    lay = scan_mma_layout(C, K, V, t.scan_bv)
+    lay = scan_mma_layout(C, K, V, t.scan_bv, t.scan_nw)
     return t.mma_scan and lay is not None and (K + C) * lay["LD"] * 4 <= get(t.dialect).smem_bytes
 
 
@@ -90,15 +90,15 @@ def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, v: ScanVariant, dgp_c
 
 @lru_cache(maxsize=256)
 def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V: int, F: int,
-                most_bv: int = 32) -> Launch:
+                most_bv: int = 32, most_nw: int = MMA_NW) -> Launch:
     """The scan of variant ``v`` over BH (batch, head) pairs of n chunks: the fragment frame where ``v.mma``
-    (``most_bv``: its widest column tile), else the FMA frame."""
+    (``most_bv``: its widest column tile, ``most_nw``: its most SIMD groups), else the FMA frame."""
     src = scan_source(dialect, v)
     if v.mma:
-        lay = scan_mma_layout(C, K, V, most_bv)
+        lay = scan_mma_layout(C, K, V, most_bv, most_nw)
         if lay is None:
             raise ValueError(f"chunk_scan_mma: C={C}, K={K} must be multiples of 16 and V={V} of 8")
-        if v.pf and not scan_prefetches(C, K, V, most_bv):
+        if v.pf and not scan_prefetches(C, K, V, most_bv, most_nw):
             raise ValueError(f"chunk_scan_mma: prefetching needs one item of Y a group, not so at C={C}, K={K}, V={V}")
         nt = 32 * lay["NW"]
         tmpl = (("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items())
@@ -340,11 +340,14 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
             + ([flat(P[0], n, C, K), flat(P[1], n, C, V)] if P is not None else [])
             + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
     mma = P is not None or dg_here or Bq is not None or Aq is not None or use_mma(t, C, K, V)
-    pf = mma and A is not None and t.scan_prefetch and scan_prefetches(C, K, V, t.scan_bv)
+    # Twice the SIMD groups (one 16-row state block each) measured faster for the reverse scans and slower for the
+    # forward one on the H100 (docs/design.md): a choice per direction
+    nw = t.reverse_scan_nw if reverse else t.scan_nw
+    pf = mma and A is not None and t.scan_prefetch and scan_prefetches(C, K, V, t.scan_bv, nw)
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf,
                     vec=not mma and V % 4 == 0, mma=mma)
-    outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv), user)
+    outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv, nw), user)
     carried, Y, S_end = outs[0].reshape(*lead, n, K, V), outs[1], outs[2].reshape(*lead, K, V)
     Y = Y.reshape(*lead, n, C, V) if A is not None else X
     if St is None:

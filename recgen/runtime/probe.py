@@ -167,6 +167,14 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             got = list(ck.chunk_scan(f32(S0), f32(A), f32(X), Bm16 if frame == "mma" else f32(Bm), g, None,
                                      t, reverse=False, Bq=f32(Bq)[..., None] if frame == "mma" else None))
             ref = [np.stack(ref_c)[None], np.stack(ref_y)[None], S[None]]
+            if frame == "mma":  # and in reverse, as the backward runs it (its own group count: ``reverse_scan_nw``)
+                S, rev_c = S0[0], [None] * n
+                for c in reversed(range(n)):
+                    rev_c[c] = S
+                    S = 0.5 * S + Bs[0, c].T @ (X[0, c] + A[0, c] @ S)
+                got += list(ck.chunk_scan(f32(S0), f32(A), f32(X), Bm16, g, None, t, reverse=True,
+                                          Bq=f32(Bq)[..., None]))[0::2]
+                ref += [np.stack(rev_c)[None], S[None]]
             if frame == "mma":  # and the readout, at decay e^-0.1 a token: y = e^{G} R S_c + ((R Uᵀ) ⊙ Γ) X_c
                 R, U = rng.normal(size=(n, C, K)) / K, rng.normal(size=(n, C, K))
                 G = -0.1 * np.arange(1, C + 1)
