@@ -300,17 +300,17 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
 
 
 @pytest.mark.parametrize("name,K,V,mma,want", [
-    ("rwkv7", 32, 6, False, {"recgen_chunk_pair_dual_nonstrict", "recgen_chunk_pair_grad_dual_nonstrict",
+    ("rwkv7", 32, 6, False, {"recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                              "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev",
                              "recgen_chunk_bwd_key_rank1_before"}),
-    ("rwkv7", 32, 8, True, {"recgen_chunk_pair_dual_nonstrict", "recgen_chunk_pair_grad_dual_nonstrict",
+    ("rwkv7", 32, 8, True, {"recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                             "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
                             "recgen_chunk_bwd_key_rank1_before"}),
     ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
                                "recgen_chunk_bwd_key_rank1"})])
 def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, monkeypatch):
     """The general rank-1 core (``chunked.rank1``) with the generated kernels: RWKV-7 (the transition before a
-    key-vector decay: the dual pair kernels with the earlier b's pairs non-strict, the FMA scans), and a transition after a key-vector decay on
+    key-vector decay: the quad pair kernels, b's pairs one token earlier non-strict, the FMA scans), and a transition after a key-vector decay on
     the fragment frames (the update's u wᵀ as the forward scan's product term, the UT transform with A given; K = 16
     keeps the pairs in MLX ops); the backward's elementwise tail as the rank-1 kernel (``chunk_bwd_rank1``) in both;
     GQA, a partial last chunk, strong decays: forward, final state and every gradient against the float64
@@ -871,6 +871,39 @@ def test_dual_pair_kernels_match_numpy(C, K, strict):
     for got, want in zip((dX, dX2), want_dXs):
         assert _rel(got, want) < 1e-5
     assert _rel(dY, want_dY) < 1e-5
+
+
+@pytest.mark.parametrize("frame,mma", [("metal", False), ("metal", True), ("metal_ptx", True)])
+@pytest.mark.parametrize("C,K,strict", [(48, 64, False), (32, 32, True), (16, 32, False)])
+def test_quad_pair_kernels_match_numpy(frame, mma, C, K, strict):
+    """Four pairs in one pass (RWKV-7's b and r with a and u): M = pair(X, Y), M2 = pair(X2, Y), Mb = pair(X, Yb),
+    M2b = pair(X2, Yb), the X pairs strictly below the diagonal where ``strict``, and their gradients, each summed
+    over the pairs its operand is in; plain and with the other blocks on fragments in both lane layouts; blocks
+    between (C = 48), one or two slabs, decays down to e^-20 and some exactly 0, against float64. (C = 64 passes
+    Metal's 32 KiB: ``pair_supported`` says so, and CUDA runs it: tests/gpu.)"""
+    rng = np.random.default_rng(C + K + strict)
+    N = 2
+    X, X2, Y, Yb = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(4))
+    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
+    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
+    ins = {"X": X, "X2": X2, "Y": Y, "Yb": Yb, "dk": dk}
+    launch = ck.pair_launch(frame, N, C, K, strict, dual=True, quad=True, mma=mma)
+    assert "_quad" in launch.source.name and launch.source.name.split(f"_{frame}_")[0].endswith("_mma") == mma
+    outs = verify.run_launch(launch, ins)
+    wants = [_pair_ref(X, Y, dk, strict), _pair_ref(X2, Y, dk, False), _pair_ref(X, Yb, dk, strict),
+             _pair_ref(X2, Yb, dk, False)]
+    assert len(outs) == 4
+    for got, want in zip(outs, wants):
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+    dM, dM2, dMb, dM2b = (rng.normal(size=(N, C, C)).astype(np.float32) for _ in range(4))
+    grads = verify.run_launch(ck.pair_launch(frame, N, C, K, strict, grad=True, dual=True, quad=True, mma=mma),
+                              ins | {"dM": dM, "dM2": dM2, "dMb": dMb, "dM2b": dM2b})
+    (dXa, dX2a), dYa = _pair_grads_ref([(X, dM, strict), (X2, dM2, False)], Y, dk)
+    (dXb, dX2b), dYb = _pair_grads_ref([(X, dMb, strict), (X2, dM2b, False)], Yb, dk)
+    assert len(grads) == 4
+    for got, want in zip(grads, (dXa + dXb, dX2a + dX2b, dYa, dYb)):
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+    assert cs.pair_supported("cuda", 64, 128, True, True) and not cs.pair_supported("metal", 64, 128, True, True)
 
 
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)

@@ -73,6 +73,16 @@ class PairsOneByOne:
         dX2, dY2 = self.pair_grad(dM2, X2, Y, strict=False)
         return dX, dX2, dY + dY2
 
+    def pair_quad(self, X, X2, Y, Yb, strict: bool = True):
+        """(M, M2, Mb, M2b): ``pair_dual`` of Y and of Yb (the general rank-1 core's four pairs)."""
+        return self.pair_dual(X, X2, Y, strict) + self.pair_dual(X, X2, Yb, strict)
+
+    def pair_quad_grad(self, dM, dM2, dMb, dM2b, X, X2, Y, Yb, strict: bool = True):
+        """(dX, dX2, dY, dYb) of ``pair_quad``, each summed over the pairs its operand is in."""
+        dX, dX2, dY = self.pair_dual_grad(dM, dM2, X, X2, Y, strict)
+        dXb, dX2b, dYb = self.pair_dual_grad(dMb, dM2b, X, X2, Yb, strict)
+        return dX + dXb, dX2 + dX2b, dY, dYb
+
 
 class ScalarDecay(PairsOneByOne):
     """One decay per token (F = 1): Γ as a [.., C, C] matrix; pair terms are masked matmuls."""
@@ -174,6 +184,7 @@ class KernelKeyDecay(PairsOneByOne):
         self.Q = _decay_to_end(l, t.pow2_exp)
         self.g = self.P[..., -1, :]
         self.dual = pair_supported(t.dialect, *l.shape[-2:], dual=True)  # the dual kernels' tiles fit
+        self.quad = pair_supported(t.dialect, *l.shape[-2:], dual=True, quad=True)  # ... the quad kernels' too
 
     @staticmethod
     def saved() -> list:
@@ -196,6 +207,18 @@ class KernelKeyDecay(PairsOneByOne):
         if self.dual:
             return ck.pair_dual_grad(dM, dM2, X, X2, Y, self.d, self.t, strict)
         return super().pair_dual_grad(dM, dM2, X, X2, Y, strict)
+
+    def pair_quad(self, X, X2, Y, Yb, strict: bool = True):
+        """The four pairs in one pass over the decays and X, X2 (``chunk_kernels.pair_quad``) where its tiles fit
+        (CUDA's threadgroup memory at C = 64; Metal's 32 KiB takes two dual passes)."""
+        if self.quad:
+            return ck.pair_quad(X, X2, Y, Yb, self.d, self.t, strict)
+        return super().pair_quad(X, X2, Y, Yb, strict)
+
+    def pair_quad_grad(self, dM, dM2, dMb, dM2b, X, X2, Y, Yb, strict: bool = True):
+        if self.quad:
+            return ck.pair_quad_grad(dM, dM2, dMb, dM2b, X, X2, Y, Yb, self.d, self.t, strict)
+        return super().pair_quad_grad(dM, dM2, dMb, dM2b, X, X2, Y, Yb, strict)
 
     fold = staticmethod(KeyDecay.fold)
 

@@ -22,10 +22,10 @@ rule's (``parallel``'s docstring), with F = M_raᵀ dy and the reverse scan over
 
 and the pair gradients (``pair_grad``) and the log-decays' gradient through G as there (``log_decay_grad``).
 The four pairs go through the decay geometry of ``parallel`` (on GPUs with chunk kernels: the generated pair
-kernels, A with M_ra and B with M_ru in one pass each), the inverse and both scans through the generated kernels
-where they have a layout, MLX ops elsewhere; on the fragment frames the inverse with U and W is one kernel (the UT
-transform of ``parallel``'s key-vector decays, A given), and a key-vector decay's backward ends in one elementwise
-kernel (``chunk_kernels.chunk_bwd_rank1``)."""
+kernels, all four in one pass where the quad kernels' tiles fit, else A with M_ra and B with M_ru in one pass
+each), the inverse and both scans through the generated kernels where they have a layout, MLX ops elsewhere; on
+the fragment frames the inverse with U and W is one kernel (the UT transform of ``parallel``'s key-vector decays,
+A given), and a key-vector decay's backward ends in one elementwise kernel (``chunk_kernels.chunk_bwd_rank1``)."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -43,11 +43,11 @@ __all__ = ["core_fn"]
 
 def _pairs(geo, r, u, a, b, before: bool):
     """(A, B, M_ra, M_ru) of every chunk."""
-    # b's pair and the readout's pair share their right operand (a, then u): one pass each. Before the decay b_t
-    # meets Γ(t−1, s), s ≤ t−1: the non-strict pairs of b one token earlier, read one row later
+    # b's and the readout's pairs with a and with u: one pass over the decays, b and r (the quad kernels; two dual
+    # passes where their tiles do not fit). Before the decay b_t meets Γ(t−1, s), s ≤ t−1: the non-strict pairs of b
+    # one token earlier, read one row later
     be = rows_earlier(b) if before else b
-    A, Mra = geo.pair_dual(be, r, a, strict=not before)
-    B, Mru = geo.pair_dual(be, r, u, strict=not before)
+    A, Mra, B, Mru = geo.pair_quad(be, r, a, u, strict=not before)
     if before:
         A, B = rows_later(A), rows_later(B)
     return A, B, Mra, Mru
@@ -59,9 +59,8 @@ def _pair_grads(geo, dA, dB, dMra, dMru, r, u, a, b, before: bool):
     be = rows_earlier(b) if before else b
     if before:  # the pairs of the earlier b were read one row later
         dA, dB = rows_earlier(dA), rows_earlier(dB)
-    db1, dr1, da = geo.pair_dual_grad(dA, dMra, be, r, a, strict=not before)  # as ``_pairs`` formed them
-    db2, dr2, du = geo.pair_dual_grad(dB, dMru, be, r, u, strict=not before)
-    return dr1 + dr2, du, da, db1 + db2
+    dbe, dr, da, du = geo.pair_quad_grad(dA, dMra, dB, dMru, be, r, a, u, strict=not before)  # as ``_pairs`` formed them
+    return dr, du, da, dbe
 
 
 def _scan_forward(geo, S0, W, U, aQ, uQ, w, kern):

@@ -187,35 +187,47 @@ def bwd_key_supported(dialect: str, C: int) -> bool:
     return 1 <= C <= 64 and 2 * 32 * C * 4 <= get(dialect).smem_bytes
 
 
-def _pair_suffix(strict: bool, dual: bool) -> str:
+def _pair_suffix(strict: bool, dual: bool, quad: bool = False) -> str:
     """The pair kernels' name suffix: the dual form's first pair is strict unless named otherwise (the delta rule's
-    A); a transition before the decay pairs b one token earlier with s <= t (``chunked.rank1``)."""
+    A); a transition before the decay pairs b one token earlier with s <= t (``chunked.rank1``); the quad form pairs
+    both X operands with a second Y too."""
+    if quad:
+        return "_quad" if strict else "_quad_nonstrict"
     if dual:
         return "_dual" if strict else "_dual_nonstrict"
     return "_strict" if strict else ""
 
 
+def _pair_operands(dual: bool, quad: bool) -> tuple[tuple, tuple]:
+    """(X operands, Y operands) of the pair kernels: quad is the dual form with a second Y (Yb)."""
+    return ("X", "X2") if dual or quad else ("X",), ("Y", "Yb") if quad else ("Y",)
+
+
 @lru_cache(maxsize=None)
-def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False) -> KernelSource:
-    """M of X (pairs s < t where ``strict``); ``dual``: also M2 of X2 (s <= t) beside M of X; ``mma``: the earlier
+def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False, quad: bool = False) -> KernelSource:
+    """M of X (pairs s < t where ``strict``); ``dual``: also M2 of X2 (s <= t) beside M of X; ``quad``: the dual
+    form's two pairs with Y and with Yb (M, M2, Mb, M2b: the X pairs strict where ``strict``); ``mma``: the earlier
     blocks' products on fragment multiply-adds (blocks of 16 tokens; template constant FI: items a SIMD group)."""
     d = get(dialect)
-    ins = ("X", "X2", "Y", "dk", "rt") if dual else ("X", "Y", "dk", "rt")
-    return _source(d, "chunk_pair.j2", "pair" + _pair_suffix(strict, dual) + ("_mma" if mma else ""),
-                   "key-vector decay pair matrix of a chunk", ins, ("M", "M2") if dual else ("M",), (),
-                   helpers=d.mma_prelude if mma else "", strict=strict, dual=dual, mma=mma)
+    xs, ys = _pair_operands(dual, quad)
+    outs = tuple("M" + x[1:] + y[1:] for y in ys for x in xs)
+    return _source(d, "chunk_pair.j2", "pair" + _pair_suffix(strict, dual, quad) + ("_mma" if mma else ""),
+                   "key-vector decay pair matrix of a chunk", xs + ys + ("dk", "rt"), outs, (),
+                   helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad)
 
 
 @lru_cache(maxsize=None)
-def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False) -> KernelSource:
-    """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed); ``mma``: the
-    other blocks' parts on fragment multiply-adds."""
+def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False, quad: bool = False) -> KernelSource:
+    """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed); ``quad``:
+    (dX, dX2, dY, dYb) for the cotangents dM, dM2, dMb, dM2b of its quad form (each gradient summed over the pairs
+    its operand is in); ``mma``: the other blocks' parts on fragment multiply-adds."""
     d = get(dialect)
-    ins = ("dM", "dM2", "X", "X2", "Y", "dk", "rt") if dual else ("dM", "X", "Y", "dk", "rt")
-    return _source(d, "chunk_pair_grad.j2", "pair_grad" + _pair_suffix(strict, dual) + ("_mma" if mma else ""),
-                   "gradients of the key-vector decay pair matrix", ins,
-                   ("dX", "dX2", "dY") if dual else ("dX", "dY"), (), helpers=d.mma_prelude if mma else "",
-                   strict=strict, dual=dual, mma=mma)
+    xs, ys = _pair_operands(dual, quad)
+    cots = tuple("dM" + x[1:] + y[1:] for y in ys for x in xs)
+    return _source(d, "chunk_pair_grad.j2", "pair_grad" + _pair_suffix(strict, dual, quad) + ("_mma" if mma else ""),
+                   "gradients of the key-vector decay pair matrix", cots + xs + ys + ("dk", "rt"),
+                   tuple("d" + x for x in xs + ys), (), helpers=d.mma_prelude if mma else "",
+                   strict=strict, dual=dual or quad, mma=mma, quad=quad)
 
 
 @lru_cache(maxsize=None)
@@ -461,35 +473,38 @@ def bwd_mma_layout(dialect: str, C: int, K: int, delta: bool, most_bw: int = 32)
 PAIR_KS = 32      # key columns a slab of the pair kernels stages
 
 
-def pair_tiles(lay: dict, C: int, dual: bool) -> int:
-    """Floats of threadgroup memory of the pair kernels' tiles at layout ``lay`` (the gradient's, the larger)."""
-    nx = 2 if dual else 1
-    return lay["LDS"] * lay["BS"] * (nx * (lay["NBM"] + 1) + 2) + lay["NB"] * lay["KS"] + nx * (lay["BS"] * C + C)
+def pair_tiles(lay: dict, C: int, dual: bool, quad: bool = False) -> int:
+    """Floats of threadgroup memory of the pair kernels' tiles at layout ``lay`` (the gradient's, the larger): a
+    staged operand slot per X (dY) or Y (dX), and every pair's cotangent."""
+    nx, ny = (2 if dual or quad else 1), (2 if quad else 1)
+    return (lay["LDS"] * lay["BS"] * (max(nx, ny) * (lay["NBM"] + 1) + 2) + lay["NB"] * lay["KS"]
+            + nx * ny * (lay["BS"] * C + C))
 
 
-def pair_supported(dialect: str, C: int, K: int, dual: bool = False) -> bool:
+def pair_supported(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False) -> bool:
     """Whether the pair kernels have a layout for (C, K) in ``dialect`` (``pair_layout``)."""
     try:
-        pair_layout(dialect, C, K, dual)
+        pair_layout(dialect, C, K, dual, quad)
     except ValueError:
         return False
     return True
 
 
-def pair_fragments(dialect: str, C: int, K: int, dual: bool = False) -> bool:
+def pair_fragments(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False) -> bool:
     """Whether the pair kernels' other blocks can run on fragments: blocks of 16 tokens (C a multiple of 16) where the
     pair kernels have a layout (the fragments use no threadgroup memory of their own)."""
-    return C >= 16 and C % 16 == 0 and pair_supported(dialect, C, K, dual)
+    return C >= 16 and C % 16 == 0 and pair_supported(dialect, C, K, dual, quad)
 
 
 @lru_cache(maxsize=None)
-def pair_layout(dialect: str, C: int, K: int, dual: bool = False) -> dict:
+def pair_layout(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False) -> dict:
     """Template constants of the pair kernels: blocks of BS = min(16, C) rows (NB a chunk, one threadgroup each;
     NBM the most earlier or later blocks one meets, at least 1), NT = 8 BS threads (at least a SIMD group: the
     forward reduces over 8 lanes), BS8 columns of an earlier block per thread, slabs of KS columns at row stride
     LDS (odd: a column read by 8 rows hits 8 banks), dM staged at row stride LDM (rows) or LDT (columns). Raises
-    ValueError where K is not a multiple of 32 or the tiles (the gradient's, the larger; ``dual``: two operands)
-    pass the dialect's threadgroup memory."""
+    ValueError where K is not a multiple of 32 or the tiles (the gradient's, the larger; ``dual``: two operands,
+    ``quad``: two of each side, four cotangents: 38 KiB at C = 64, past Metal's 32) pass the dialect's threadgroup
+    memory."""
     if K % PAIR_KS:
         raise ValueError(f"chunk_pair: K={K} must be a multiple of {PAIR_KS}")
     bs = min(16, C)
@@ -498,6 +513,6 @@ def pair_layout(dialect: str, C: int, K: int, dual: bool = False) -> dict:
     nb, ks = C // bs, PAIR_KS
     lay = {"BS": bs, "NB": nb, "NBM": max(nb - 1, 1), "BS8": max(bs // 8, 1), "KS": ks, "LDS": ks + 1,
            "LDM": C + 1, "LDT": bs + 1, "NT": max(32, 8 * bs)}
-    if 4 * pair_tiles(lay, C, dual) > get(dialect).smem_bytes:
+    if 4 * pair_tiles(lay, C, dual, quad) > get(dialect).smem_bytes:
         raise ValueError(f"chunk_pair: C={C}, K={K} pass {dialect}'s threadgroup memory")
     return lay

@@ -58,10 +58,10 @@ def fuses_key_tail(t: Tuning, C: int) -> bool:
     return t.chunk_kernels and t.fused_bwd and bwd_key_supported(t.dialect, C)
 
 
-def pairs_on_fragments(t: Tuning, C: int, K: int, dual: bool = False) -> bool:
+def pairs_on_fragments(t: Tuning, C: int, K: int, dual: bool = False, quad: bool = False) -> bool:
     """Whether the pair kernels run their other blocks on fragments (``Tuning.mma_pairs``, with the fragment frames
     on, blocks of 16 tokens: ``chunk_sources.pair_fragments``)."""
-    return t.mma_scan and t.mma_pairs and pair_fragments(t.dialect, C, K, dual)
+    return t.mma_scan and t.mma_pairs and pair_fragments(t.dialect, C, K, dual, quad)
 
 
 def scan_fuses_products(t: Tuning, C: int, K: int, V: int, has_b: bool) -> bool:
@@ -172,18 +172,19 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
 
 @lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False,
-                mma: bool = False) -> Launch:
+                mma: bool = False, quad: bool = False) -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
     operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
-    ``mma``: the other blocks' products on fragments (``chunk_sources.pair_fragments``)."""
-    lay = dict(pair_layout(dialect, C, K, dual))
-    if mma and not pair_fragments(dialect, C, K, dual):
+    ``quad``: both with a second Y as well (four pairs); ``mma``: the other blocks' products on fragments
+    (``chunk_sources.pair_fragments``)."""
+    lay = dict(pair_layout(dialect, C, K, dual, quad))
+    if mma and not pair_fragments(dialect, C, K, dual, quad):
         raise ValueError(f"chunk_pair: fragments need blocks of 16 tokens, C a multiple of 16 (C={C})")
     if mma and not grad:
         lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
-    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma)
+    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma, quad)
     groups = N * lay["NB"] * (2 if grad else 1)
-    nout = (3 if dual else 2) if grad else (2 if dual else 1)
+    nout = len(src.outputs)
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * nout
     tmpl = (("C", C), ("K", K)) + tuple(lay.items())
     return Launch(src, (("rt", (N,), "int32"),), outs, (groups * lay["NT"], 1, 1), (lay["NT"], 1, 1), tmpl)
@@ -504,6 +505,27 @@ def pair_dual_grad(dM, dM2, X, X2, Y, dk, t: Tuning, strict: bool = True):
                         [dM.reshape(N, C, C), dM2.reshape(N, C, C), X.reshape(lay), X2.reshape(lay),
                          Y.reshape(lay), dk.reshape(lay)])
     return dX.reshape(X.shape), dX2.reshape(X.shape), dY.reshape(Y.shape)
+
+
+def pair_quad(X, X2, Y, Yb, dk, t: Tuning, strict: bool = True):
+    """(M of X, M2 of X2, Mb of X, M2b of X2) [.., C, C]: ``pair_dual``'s two pairs with Y and with Yb in one pass
+    over the decays and X, X2 (the X pairs strict where ``strict``)."""
+    N, (C, K) = _lead(X, 2), X.shape[-2:]
+    lay = (N, C, K)
+    outs = _call(t, pair_launch(t.dialect, N, C, K, strict, dual=True, quad=True,
+                                mma=pairs_on_fragments(t, C, K, True, True)),
+                 [a.reshape(lay) for a in (X, X2, Y, Yb, dk)])
+    return tuple(M.reshape(*X.shape[:-1], C) for M in outs)
+
+
+def pair_quad_grad(dM, dM2, dMb, dM2b, X, X2, Y, Yb, dk, t: Tuning, strict: bool = True):
+    """(dX, dX2, dY, dYb) for the cotangents of ``pair_quad`` (each summed over the pairs its operand is in)."""
+    N, (C, K) = _lead(X, 2), X.shape[-2:]
+    lay = (N, C, K)
+    outs = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True, dual=True, quad=True,
+                                mma=pairs_on_fragments(t, C, K, True, True)),
+                 [m.reshape(N, C, C) for m in (dM, dM2, dMb, dM2b)] + [a.reshape(lay) for a in (X, X2, Y, Yb, dk)])
+    return tuple(g.reshape(X.shape) for g in outs)
 
 
 def feature_states(X, Y, t: Tuning):

@@ -9,6 +9,7 @@ import warnings
 from dataclasses import replace
 from functools import lru_cache
 
+from ..codegen.chunk_sources import pair_supported
 from ..spec.features import sympow, sympow_vjp
 from ..tuning import Tuning, resolve
 from . import chunk_kernels as ck
@@ -112,6 +113,17 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             ref += [np.einsum("tsi,si->ti", E, Y[0])[None], np.einsum("tsi,si->ti", E2, Y[0])[None],
                     (np.einsum("tsi,ti->si", E, X[0]) + np.einsum("tsi,ti->si", E2, X2[0]))[None]]
             got += list(ck.pair_dual_grad(f32(dM), f32(dM2), f32(X), f32(X2), f32(Y), f32(dk), t, strict=True))
+            if pair_supported(dialect, C, K, dual=True, quad=True):  # and the quad form: Yb beside Y (RWKV-7)
+                Yb, dMb, dM2b = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, C)), rng.normal(size=(1, C, C))
+                Eb, E2b = dMb[0][:, :, None] * gam * (ts > 0), dM2b[0][:, :, None] * gam
+                ref += [ref[0], ref[1], np.einsum("ti,si,tsi->ts", X[0], Yb[0], gam * (ts > 0))[None],
+                        np.einsum("ti,si,tsi->ts", X2[0], Yb[0], gam)[None],
+                        np.einsum("tsi,si->ti", E, Y[0])[None] + np.einsum("tsi,si->ti", Eb, Yb[0])[None],
+                        np.einsum("tsi,si->ti", E2, Y[0])[None] + np.einsum("tsi,si->ti", E2b, Yb[0])[None], ref[4],
+                        (np.einsum("tsi,ti->si", Eb, X[0]) + np.einsum("tsi,ti->si", E2b, X2[0]))[None]]
+                got += list(ck.pair_quad(f32(X), f32(X2), f32(Y), f32(Yb), f32(dk), t, strict=True))
+                got += list(ck.pair_quad_grad(f32(dM), f32(dM2), f32(dMb), f32(dM2b), f32(X), f32(X2), f32(Y), f32(Yb),
+                                              f32(dk), t, strict=True))
         elif frame == "decode":  # one step of a feature map's state (power retention's at d = 64), with z
             q, k, w = rng.normal(size=(2, 64)), rng.normal(size=(2, 64)), rng.normal(size=(2, 64))
             S, z, dec = rng.normal(size=(2, 2080, 64)), rng.normal(size=(2, 2080)), np.array([0.9, 0.5])

@@ -5,8 +5,7 @@
   // Gradients of the key-vector decay pair matrix (chunk_pair), pairs s <= t, and of M2 (X2, pairs
   // s <= t; dY sums both), one block of BS rows per threadgroup: the first NB threadgroups of a chunk write dX
   // of their block's rows, the next NB dY:
-  //   dX[t] = sum_s dM[t, s] G(t, s) Y[s],   dY[s] = sum_t dM[t, s] G(t, s) X[t].
-  // G factors by blocks as in chunk_pair (products of decays only, each factor <= 1): for s in block J < I,
+  //   dX[t] = sum_s dM[t, s] G(t, s) Y[s],   dY[s] = sum_t dM[t, s] G(t, s) X[t].  // G factors by blocks as in chunk_pair (products of decays only, each factor <= 1): for s in block J < I,
   // t in block I, G = suf_J(s) w_JI pre_I(t), so dX_I = pre_I (dM_IJ Y'_J) with Y' = Y suf_J w_JI, and
   // dY_J = suf_J (dM_IJ^T X'_I) with X' = X pre_I w_JI; within the own block a carried product, one
   // multiplication a step. K runs in slabs of KS columns; thread (r, cg) owns row r of the block and the
@@ -16,9 +15,9 @@
   __shared__ float Tot_[NB * KS];               // each block's decay product
   __shared__ float Os_[NBM * BS * LDS];        // the other blocks' scaled operands (Y' for dX, X' for dY)
   __shared__ float Od_[BS * LDS];              // the own block's operand (Y for dX, X for dY)
-  __shared__ float dMs_[BS * C + C];           // dM's rows (dX: BS x LDM) or columns (dY: C x LDT) of the block
   __shared__ float Os2_[NBM * BS * LDS];        // the other blocks' scaled operands (Y' for dX, X2' for dY)
   __shared__ float Od2_[BS * LDS];              // the own block's operand (Y for dX, X2 for dY)
+  __shared__ float dMs_[BS * C + C];           // dM's rows (dX: BS x LDM) or columns (dY: C x LDT) of the block
   __shared__ float dMs2_[BS * C + C];           // dM2's rows (dX: BS x LDM) or columns (dY: C x LDT) of the block
   const int tid = threadIdx.x;
   const long long chunk = (long long)blockIdx.x / (2 * NB);

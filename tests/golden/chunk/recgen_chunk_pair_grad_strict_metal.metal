@@ -4,8 +4,7 @@
   // gradients of the key-vector decay pair matrix
   // Gradients of the key-vector decay pair matrix (chunk_pair), pairs s < t, one block of BS rows per threadgroup: the first NB threadgroups of a chunk write dX
   // of their block's rows, the next NB dY:
-  //   dX[t] = sum_s dM[t, s] G(t, s) Y[s],   dY[s] = sum_t dM[t, s] G(t, s) X[t].
-  // G factors by blocks as in chunk_pair (products of decays only, each factor <= 1): for s in block J < I,
+  //   dX[t] = sum_s dM[t, s] G(t, s) Y[s],   dY[s] = sum_t dM[t, s] G(t, s) X[t].  // G factors by blocks as in chunk_pair (products of decays only, each factor <= 1): for s in block J < I,
   // t in block I, G = suf_J(s) w_JI pre_I(t), so dX_I = pre_I (dM_IJ Y'_J) with Y' = Y suf_J w_JI, and
   // dY_J = suf_J (dM_IJ^T X'_I) with X' = X pre_I w_JI; within the own block a carried product, one
   // multiplication a step. K runs in slabs of KS columns; thread (r, cg) owns row r of the block and the

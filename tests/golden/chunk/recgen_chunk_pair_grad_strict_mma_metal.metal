@@ -16,8 +16,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // gradients of the key-vector decay pair matrix
   // Gradients of the key-vector decay pair matrix (chunk_pair), pairs s < t, one block of BS rows per threadgroup: the first NB threadgroups of a chunk write dX
   // of their block's rows, the next NB dY:
-  //   dX[t] = sum_s dM[t, s] G(t, s) Y[s],   dY[s] = sum_t dM[t, s] G(t, s) X[t].
-  // G factors by blocks as in chunk_pair (products of decays only, each factor <= 1): for s in block J < I,
+  //   dX[t] = sum_s dM[t, s] G(t, s) Y[s],   dY[s] = sum_t dM[t, s] G(t, s) X[t].  // G factors by blocks as in chunk_pair (products of decays only, each factor <= 1): for s in block J < I,
   // t in block I, G = suf_J(s) w_JI pre_I(t), so dX_I = pre_I (dM_IJ Y'_J) with Y' = Y suf_J w_JI, and
   // dY_J = suf_J (dM_IJ^T X'_I) with X' = X pre_I w_JI; within the own block a carried product, one
   // multiplication a step. K runs in slabs of KS columns; thread (r, cg) owns row r of the block and the
@@ -116,8 +115,10 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       for (int k0 = 0; k0 < (NB - 1 - B0) * BS; k0 += 8) {
         {
           const float b_[2] = {Os_[(k0 + gq) * LDS + c0 + 2 * tq], Os_[(k0 + gq) * LDS + c0 + 2 * tq + 1]};
-          const float a_[4] = {dMs_[((B0 + 1) * BS + k0 + 2 * tq) * LDT + gq], dMs_[((B0 + 1) * BS + k0 + 2 * tq + 1) * LDT + gq], dMs_[((B0 + 1) * BS + k0 + 2 * tq) * LDT + gq + 8], dMs_[((B0 + 1) * BS + k0 + 2 * tq + 1) * LDT + gq + 8]};
-          rg_mma(o_, a_, b_, lane);
+          {
+            const float a_[4] = {dMs_[((B0 + 1) * BS + k0 + 2 * tq) * LDT + gq], dMs_[((B0 + 1) * BS + k0 + 2 * tq + 1) * LDT + gq], dMs_[((B0 + 1) * BS + k0 + 2 * tq) * LDT + gq + 8], dMs_[((B0 + 1) * BS + k0 + 2 * tq + 1) * LDT + gq + 8]};
+            rg_mma(o_, a_, b_, lane);
+          }
         }
       }
       threadgroup_barrier(metal::mem_flags::mem_threadgroup);

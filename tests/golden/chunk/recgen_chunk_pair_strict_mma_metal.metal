@@ -99,7 +99,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
         float a = X[base + (I * BS + t) * K + k0 + c];
         for (int s = BS - 1; s >= 0; --s) {
           if (s <= t) {
-            const float y = Yd_[s * LDS + c], dv = Dd_[s * LDS + c];
+            const float y = Yd_[s * LDS + c];
+            const float dv = Dd_[s * LDS + c];
             part[s] += a * y;
             a *= dv;
           }
