@@ -142,7 +142,7 @@ def chunk_launches(target: str) -> list:
     def mma(**terms):
         return ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, 1)
 
-    launches = ([ck.inverse_launch(target, 8, 64)]
+    launches = ([ck.inverse_launch(target, 8, 64), ck.decays_launch(target, 8, 64, 128)]
                 + [x for e in (False, True) for x in scans(1, e=e, reverse=e)]
                 + scans(128, a=False, b=True)
                 + scans(128, e=True, reverse=True, a=True, b=False)

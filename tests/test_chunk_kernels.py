@@ -35,6 +35,22 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a, np.float64) - b).max() / (np.abs(b).max() + 1e-30))
 
 
+@pytest.mark.parametrize("N,C,F", [(3, 16, 32), (5, 64, 40)])
+def test_key_decays_match_numpy(N, C, F):
+    """The decay geometry kernel (chunk_decays.j2): D = e^l, P_t = e^{sum_{tau<=t} l}, Q_s = e^{sum_{tau>s} l} per
+    chunk and key column, log-decays down to -20 a token and some 0, N F not a multiple of the threadgroup (128)."""
+    rng = np.random.default_rng(N + C + F)
+    l = (-20 * rng.uniform(size=(N, C, F)) ** 3).astype(np.float32)
+    l[rng.uniform(size=l.shape) < 0.05] = 0.0
+    D, P, Q = verify.run_launch(ck.decays_launch("metal", N, C, F), {"l": l})
+    l64 = l.astype(np.float64)
+    after = np.cumsum(l64[:, ::-1], 1)[:, ::-1] - l64  # sum over tau > s
+    # P and Q carry the float32 rounding of their sums (|sum| up to 20 C / 4): relative 2^-24 C max|sum| at most
+    tol = 2.0 ** -24 * C * np.abs(np.cumsum(l64, 1)).max()
+    for got, want, rtol in ((D, np.exp(l64), 2e-6), (P, np.exp(np.cumsum(l64, 1)), tol), (Q, np.exp(after), tol)):
+        assert np.all(np.abs(got - want) <= rtol * want + 1e-38), float((np.abs(got - want) / want).max())
+
+
 @pytest.mark.parametrize("C", [1, 4, 16])
 def test_tril_inverse_matches_numpy(C):
     rng = np.random.default_rng(C)
@@ -259,7 +275,7 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
             else {"recgen_chunk_scan_noa", "recgen_chunk_scan_nob_e_rev"})
     if key:  # a delta rule's two pairs of u (A and M_ru) in one pass; the backward's elementwise tail
         want |= ({"recgen_chunk_pair_dual", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"} if delta
-                 else {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})
+                 else {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"}) | {"recgen_chunk_decays"}
     if rec.features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
         want = {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"}
     assert kinds == want, kinds
@@ -270,13 +286,13 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
                                     "recgen_chunk_out_mma_yt", "recgen_chunk_bwd_mma_delta"}),
     ("simple_gla", 16, False, {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
                                "recgen_chunk_bwd_mma"}),
-    ("kda", 32, False, {"recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma",
+    ("kda", 32, False, {"recgen_chunk_decays", "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma",
                         "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual",
                         "recgen_chunk_bwd_key_delta"}),
-    ("kda", 32, True, {"recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma",
+    ("kda", 32, True, {"recgen_chunk_decays", "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma",
                        "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual_mma",
                        "recgen_chunk_bwd_key_delta"}),
-    ("gla", 32, True, {"recgen_chunk_pair_mma", "recgen_chunk_scan_mma_noa", "recgen_chunk_out_mma_key_yt",
+    ("gla", 32, True, {"recgen_chunk_decays", "recgen_chunk_pair_mma", "recgen_chunk_scan_mma_noa", "recgen_chunk_out_mma_key_yt",
                        "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_pair_grad_mma", "recgen_chunk_bwd_key"})])
 def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monkeypatch):
     """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
@@ -300,10 +316,10 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
 
 
 @pytest.mark.parametrize("name,K,V,mma,want", [
-    ("rwkv7", 32, 6, False, {"recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
+    ("rwkv7", 32, 6, False, {"recgen_chunk_decays", "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                              "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev",
                              "recgen_chunk_bwd_key_rank1_before"}),
-    ("rwkv7", 32, 8, True, {"recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
+    ("rwkv7", 32, 8, True, {"recgen_chunk_decays", "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                             "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
                             "recgen_chunk_bwd_key_rank1_before"}),
     ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",

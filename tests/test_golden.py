@@ -44,7 +44,7 @@ def test_emission_is_deterministic(tmp_path):
 @pytest.mark.parametrize("target", ["metal", "cuda"])
 def test_chunk_kernels_match_golden(target):
     """The generated chunk kernels (MLX form: header and body) with their template constants at the
-    GPU shapes (C = 64, K = V = 128): inverse, delta-rule scans (scalar decay) and diagonal scans in both
+    GPU shapes (C = 64, K = V = 128): inverse, key-vector decay geometry, delta-rule scans (scalar decay) and diagonal scans in both
     frames (FMA, fragment multiply-adds), the forward fragment scans taking u and Q (``ScanVariant.q``) or a product term (the general rank-1 core's u wᵀ), pair kernels (key-vector decay; the quad form at C = 32 on Metal), the sympow feature map, the fragment readout and UT transform (Metal's at C = 32: C = 64 does
     not fit its threadgroup memory), the backward's fragment pass after the scan (Metal's at C = 32), the key-decay backward tail."""
     from helpers import chunk_launches

@@ -171,17 +171,18 @@ class KeyDecay(PairsOneByOne):
 class KernelKeyDecay(PairsOneByOne):
     """A key-vector decay through the generated pair kernels (``chunk_kernels.pair`` / ``pair_grad``): each
     pair matrix is built from products of per-token decays in 16-token blocks (``chunk_pair.j2``), so no
-    hierarchy of levels is built or kept. P and Q come from cumulative sums anchored at the chunk's start and end
-    (P_t = exp(Σ_{τ≤t} l_τ), Q_s = exp(Σ_{τ>s} l_τ)): no difference of large sums."""
+    hierarchy of levels is built or kept. The per-token decays, P and Q come from one kernel pass
+    (``chunk_kernels.key_decays``), with sums anchored at the chunk's start and end (P_t = exp(Σ_{τ≤t} l_τ),
+    Q_s = exp(Σ_{τ>s} l_τ)): no difference of large sums."""
 
     key = True
 
     def __init__(self, l, t: Tuning, saved=()):
         """``saved`` (KeyDecay's signature) is always empty here: see ``saved``."""
         self.l, self.t = l, t
-        self.d = exp(l, t.pow2_exp)
-        self.P = exp(mx.cumsum(l, axis=-2), t.pow2_exp)
-        self.Q = _decay_to_end(l, t.pow2_exp)
+        # one kernel pass for the three (MLX spent two cumulative sums, three exps and a concatenation on them, in
+        # the forward and again in the backward)
+        self.d, self.P, self.Q = ck.key_decays(l, t)
         self.g = self.P[..., -1, :]
         self.dual = pair_supported(t.dialect, *l.shape[-2:], dual=True)  # the dual kernels' tiles fit
         self.quad = pair_supported(t.dialect, *l.shape[-2:], dual=True, quad=True)  # ... the quad kernels' too

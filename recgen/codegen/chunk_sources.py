@@ -133,6 +133,14 @@ def inverse_source(dialect: str) -> KernelSource:
 
 
 @lru_cache(maxsize=None)
+def decays_source(dialect: str) -> KernelSource:
+    """A key-vector decay's per-token decays D, and P, Q from sums anchored at the chunk's start and end, from the
+    log-decays l [N, C, F] (template constants C, F, NT)."""
+    return _source(get(dialect), "chunk_decays.j2", "decays", "decay geometry of key-vector decays", ("l", "rt"),
+                   ("D", "P", "Q"), ())
+
+
+@lru_cache(maxsize=None)
 def out_mma_source(dialect: str, yt: bool = False, key: bool = False) -> KernelSource:
     """``yt``: y written in the model's layout [B, T, H, V] and its type (template constants H, NCH, OT); ``key``: a
     key-vector decay's readout, M given (from the pair kernels) and P per key element, y the only output."""

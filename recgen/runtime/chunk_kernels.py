@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
+                                     decays_source,
                                      bwd_mma_source, feature_decode_layout, feature_decode_source, feature_mma_layout,
                                      feature_jac_source, feature_out_source, feature_states_source, inverse_source,
                                      scan_prefetches, out_mma_layout, out_mma_source,
@@ -81,6 +82,17 @@ def scan_supported(t: Tuning, C: int, K: int) -> bool:
 def inverse_launch(dialect: str, N: int, C: int) -> Launch:
     src = inverse_source(dialect)
     return Launch(src, (), (((N, C, C), "float32"),), (N * C, 1, 1), (C, 1, 1), (("C", C),))
+
+
+DECAYS_NT = 128  # threads a threadgroup of the decay-geometry kernel: one a (chunk, key column)
+
+
+@lru_cache(maxsize=256)
+def decays_launch(dialect: str, N: int, C: int, F: int) -> Launch:
+    """D, P, Q [N, C, F] of a key-vector decay from its log-decays (``chunk_decays.j2``)."""
+    groups = -(-N * F // DECAYS_NT)
+    return Launch(decays_source(dialect), (("rt", (N,), "int32"),), (((N, C, F), "float32"),) * 3,
+                  (groups * DECAYS_NT, 1, 1), (DECAYS_NT, 1, 1), (("C", C), ("F", F), ("NT", DECAYS_NT)))
 
 
 def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, v: ScanVariant, dgp_cols: int = 0) -> tuple:
@@ -297,6 +309,13 @@ def _call(t: Tuning, launch: Launch, user: list):
         calls.append((launch, tuple((tuple(a.shape), _dtype_name(a.dtype)) for a in user)))
         return [mx.zeros(shape, getattr(mx, dt)) for shape, dt in launch.outputs]
     return mlx_call(launch, get(t.dialect), user, [], t.debug)
+
+
+def key_decays(l, t: Tuning):
+    """(D, P, Q) [..., C, K] of the log-decays l [..., C, K] (float32) in one pass: D = e^l, P and Q from sums
+    anchored at the chunk's start and end (``chunk_decays.j2``)."""
+    N, (C, F) = _lead(l, 2), l.shape[-2:]
+    return tuple(x.reshape(l.shape) for x in _call(t, decays_launch(t.dialect, N, C, F), [l.reshape(N, C, F)]))
 
 
 def tril_inverse(L, t: Tuning):
