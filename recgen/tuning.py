@@ -64,6 +64,7 @@ class Tuning:
     scan_nw: int = 4                # SIMD groups per threadgroup of the forward fragment scan (most)
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (not measured yet: off)
+    scan_products: bool = True      # the fragment scan takes a product term E = Paᵀ Pb as its factors
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
@@ -139,6 +140,7 @@ ENVIRONMENT = {
     "RECGEN_SCAN_NW": ("scan_nw", int),
     "RECGEN_REVERSE_SCAN_NW": ("reverse_scan_nw", int),
     "RECGEN_SCAN_PREFETCH": ("scan_prefetch", _flag),
+    "RECGEN_SCAN_PRODUCTS": ("scan_products", _flag),
     "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),
