@@ -322,7 +322,8 @@ def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     r, y0 = _pre_shift(p.rec, t, S)
     kern = tun if tun.chunk_kernels and y0 is None else None  # a shifted r has no raw input
     r, rfac = _readout_role(p, r, raw, lambda dtype, bare: S.dtype, kern, scale)  # the core's roles: float32
-    fn = rank1.core_fn(p.decay_class == "key", p.rec.transition_before_decay, tun, rfac)
+    # a scale of 1 (RWKV-7's) needs no pass over dy: MLX multiplies by 1.0 as by any other number
+    fn = rank1.core_fn(p.decay_class == "key", p.rec.transition_before_decay, tun, None if rfac == 1.0 else rfac)
     y, S = fn(S, *(ch(x) for x in (r, t["u"], t["w"], t["a"], t["b"], _as_f(t["logdecay"]))))[:2]
     y = _pre_unshift(y.reshape(sizes.B, sizes.H, n * C, sizes.V)[:, :, :T], y0)
     nz, z = _z_scan(tun, p, t, z, C) if has_z else (None, z)
