@@ -319,12 +319,16 @@ def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     T, t = _roles(tun, p, names, scale, sizes, S, rest[1:] if has_z else rest, raw)
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
+    key = p.decay_class == "key"
+    kern = tun if tun.chunk_kernels else None
+    keep = rank1.roles_16bit(kern, key, C, sizes.K)  # inputs verbatim stay 16-bit where every reader converts
+    pick = lambda dtype, bare: dtype if keep and bare and dtype in (mx.bfloat16, mx.float16) else S.dtype  # noqa: E731
+    u, w, a, b = (_role_as(p, role, t[role], raw, pick, S.dtype) for role in ("u", "w", "a", "b"))
     r, y0 = _pre_shift(p.rec, t, S)
-    kern = tun if tun.chunk_kernels and y0 is None else None  # a shifted r has no raw input
-    r, rfac = _readout_role(p, r, raw, lambda dtype, bare: S.dtype, kern, scale)  # the core's roles: float32
+    r, rfac = _readout_role(p, r, raw, pick, kern if y0 is None else None, scale)  # a shifted r has no raw input
     # a scale of 1 (RWKV-7's) needs no pass over dy: MLX multiplies by 1.0 as by any other number
-    fn = rank1.core_fn(p.decay_class == "key", p.rec.transition_before_decay, tun, None if rfac == 1.0 else rfac)
-    y, S = fn(S, *(ch(x) for x in (r, t["u"], t["w"], t["a"], t["b"], _as_f(t["logdecay"]))))[:2]
+    fn = rank1.core_fn(key, p.rec.transition_before_decay, tun, None if rfac == 1.0 else rfac)
+    y, S = fn(S, *(ch(x) for x in (r, u, w, a, b, _as_f(t["logdecay"]))))[:2]
     y = _pre_unshift(y.reshape(sizes.B, sizes.H, n * C, sizes.V)[:, :, :T], y0)
     nz, z = _z_scan(tun, p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)

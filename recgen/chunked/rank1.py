@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from ..codegen.chunk_sources import inverse_supported
+from ..codegen.chunk_sources import inverse_supported, pair_supported
 from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
 from .core import p_before, rows_earlier, rows_later, tr, unit_lower_inv
@@ -137,12 +137,21 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None
     return dS0, dr, du, dw, da, db, dl
 
 
+def roles_16bit(kern: Tuning | None, key: bool, C: int, K: int) -> bool:
+    """Whether the core may take roles that are inputs verbatim in their 16-bit type: with a key-vector decay on the
+    pair kernels, every kernel that reads a role converts it on load (the pairs, the UT transform, the scans, the
+    backward tail, which writes its gradients in the roles' types), and every MLX op that meets one meets a float32
+    operand too, so MLX promotes and never rounds (the MLX pair forms multiply two roles: float32 there). The
+    inputs' casts to float32 and the gradients' casts back are then never made (``roles_16bit = "none"``: they are)."""
+    return bool(kern) and key and kern.roles_16bit != "none" and pair_supported(kern.dialect, C, K)
+
+
 @lru_cache(maxsize=64)
 def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None):
     """The general rank-1 core as an ``mx.custom_function`` with the VJP above.
 
     Arguments (chunked, [..., n, C, F]): S0 [..., K, V], r, u, a, b [.., C, K], w [.., C, V], l [.., C, F] (log-decays;
-    F = K when ``key``, else 1). ``before``: the transition reads the state before the decay. ``rfac`` (a float): the
+    F = K when ``key``, else 1; roles in 16 bits where ``roles_16bit``, float32 otherwise). ``before``: the transition reads the state before the decay. ``rfac`` (a float): the
     readout role is rfac·r, applied inside (the role rfac·q is never formed, nor its gradient scaled after). Returns
     (y [.., n, C, V], S_end, *residuals), the residuals for the VJP only."""
     kern = t if t.chunk_kernels else None
@@ -157,6 +166,7 @@ def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None):
     def bwd(*args):
         (S0, r, u, w, a, b, l), rest = args[:7], args[7:]
         res, geo_saved, (dy, dS_end) = rest[:nres], rest[nres:-2], rest[-2:]
-        return _backward(Geo(l, t, geo_saved), r, u, w, a, b, res, dy, dS_end, before, kern, rfac)
+        grads = _backward(Geo(l, t, geo_saved), r, u, w, a, b, res, dy, dS_end, before, kern, rfac)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, args[:7]))  # a 16-bit role takes its own type
 
     return with_vjp(fwd, bwd, t.compile)

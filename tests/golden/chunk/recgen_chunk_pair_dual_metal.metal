@@ -44,7 +44,7 @@
       if (J < I) {                                   // suf_J(s) = prod of J's decays after s
         for (int s = BS - 1; s >= 0; --s) {
           const int64_t at = col + (J * BS + s) * K;
-          Ys_[(J * BS + s) * LDS + c] = Y[at] * p;
+          Ys_[(J * BS + s) * LDS + c] = static_cast<float>(Y[at]) * p;
           p *= dk[at];
         }
       } else {                                       // pre_I(t) = prod of I's decays up to t
@@ -53,9 +53,9 @@
           const float dv = dk[at];
           p *= dv;
           Dd_[s * LDS + c] = dv;
-          Yd_[s * LDS + c] = Y[at];
-          Xs_[s * LDS + c] = X[at] * p;
-          Xs2_[s * LDS + c] = X2[at] * p;
+          Yd_[s * LDS + c] = static_cast<float>(Y[at]);
+          Xs_[s * LDS + c] = static_cast<float>(X[at]) * p;
+          Xs2_[s * LDS + c] = static_cast<float>(X2[at]) * p;
         }
       }
       Tot_[J * KS + c] = p;
@@ -82,8 +82,8 @@
             }
       }
       for (int c = cg; c < KS; c += 8) {             // block I: carry a = X_t G(t, s) down from s = t
-        float a = X[base + (I * BS + t) * K + k0 + c];
-        float a2 = X2[base + (I * BS + t) * K + k0 + c];
+        float a = static_cast<float>(X[base + (I * BS + t) * K + k0 + c]);
+        float a2 = static_cast<float>(X2[base + (I * BS + t) * K + k0 + c]);
         for (int s = BS - 1; s >= 0; --s) {
           if (s <= t) {
             const float y = Yd_[s * LDS + c];

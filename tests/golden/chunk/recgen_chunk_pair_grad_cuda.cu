@@ -39,7 +39,7 @@
           const float dv = dk[at];
           p *= dv;
           Dd_[s * LDS + c] = dv;
-          Od_[s * LDS + c] = Y[at];
+          Od_[s * LDS + c] = static_cast<float>(Y[at]);
           Gs_[s * LDS + c] = p;
         }
       } else if (J == B0) {                          // suf(s): the block's decays after s
@@ -47,21 +47,21 @@
           const long long at = col + (J * BS + s) * K;
           const float dv = dk[at];
           Dd_[s * LDS + c] = dv;
-          Od_[s * LDS + c] = X[at];
+          Od_[s * LDS + c] = static_cast<float>(X[at]);
           Gs_[s * LDS + c] = p;
           p *= dv;
         }
       } else if (!cols && J < B0) {                  // Y suf_J of an earlier block
         for (int s = BS - 1; s >= 0; --s) {
           const long long at = col + (J * BS + s) * K;
-          Os_[(J * BS + s) * LDS + c] = Y[at] * p;
+          Os_[(J * BS + s) * LDS + c] = static_cast<float>(Y[at]) * p;
           p *= dk[at];
         }
       } else if (cols && J > B0) {                   // X pre_J of a later block
         for (int s = 0; s < BS; ++s) {
           const long long at = col + (J * BS + s) * K;
           p *= dk[at];
-          Os_[((J - B0 - 1) * BS + s) * LDS + c] = X[at] * p;
+          Os_[((J - B0 - 1) * BS + s) * LDS + c] = static_cast<float>(X[at]) * p;
         }
       }
       Tot_[J * KS + c] = p;

@@ -71,8 +71,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
           const float dv = dk[at];
           p *= dv;
           Dd_[s * LDS + c] = dv;
-          Od_[s * LDS + c] = Y[at];
-          Od2_[s * LDS + c] = Yb[at];
+          Od_[s * LDS + c] = static_cast<float>(Y[at]);
+          Od2_[s * LDS + c] = static_cast<float>(Yb[at]);
           Gs_[s * LDS + c] = p;
         }
       } else if (J == B0) {                          // suf(s): the block's decays after s
@@ -80,24 +80,24 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
           const long long at = col + (J * BS + s) * K;
           const float dv = dk[at];
           Dd_[s * LDS + c] = dv;
-          Od_[s * LDS + c] = X[at];
-          Od2_[s * LDS + c] = X2[at];
+          Od_[s * LDS + c] = static_cast<float>(X[at]);
+          Od2_[s * LDS + c] = static_cast<float>(X2[at]);
           Gs_[s * LDS + c] = p;
           p *= dv;
         }
       } else if (!cols && J < B0) {                  // Y suf_J of an earlier block
         for (int s = BS - 1; s >= 0; --s) {
           const long long at = col + (J * BS + s) * K;
-          Os_[(J * BS + s) * LDS + c] = Y[at] * p;
-          Os2_[(J * BS + s) * LDS + c] = Yb[at] * p;
+          Os_[(J * BS + s) * LDS + c] = static_cast<float>(Y[at]) * p;
+          Os2_[(J * BS + s) * LDS + c] = static_cast<float>(Yb[at]) * p;
           p *= dk[at];
         }
       } else if (cols && J > B0) {                   // X pre_J of a later block
         for (int s = 0; s < BS; ++s) {
           const long long at = col + (J * BS + s) * K;
           p *= dk[at];
-          Os_[((J - B0 - 1) * BS + s) * LDS + c] = X[at] * p;
-          Os2_[((J - B0 - 1) * BS + s) * LDS + c] = X2[at] * p;
+          Os_[((J - B0 - 1) * BS + s) * LDS + c] = static_cast<float>(X[at]) * p;
+          Os2_[((J - B0 - 1) * BS + s) * LDS + c] = static_cast<float>(X2[at]) * p;
         }
       }
       Tot_[J * KS + c] = p;

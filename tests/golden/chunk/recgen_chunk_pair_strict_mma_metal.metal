@@ -57,7 +57,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       if (J < I) {                                   // suf_J(s) = prod of J's decays after s
         for (int s = BS - 1; s >= 0; --s) {
           const int64_t at = col + (J * BS + s) * K;
-          Ys_[(J * BS + s) * LDS + c] = Y[at] * p;
+          Ys_[(J * BS + s) * LDS + c] = static_cast<float>(Y[at]) * p;
           p *= dk[at];
         }
       } else {                                       // pre_I(t) = prod of I's decays up to t
@@ -66,8 +66,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
           const float dv = dk[at];
           p *= dv;
           Dd_[s * LDS + c] = dv;
-          Yd_[s * LDS + c] = Y[at];
-          Xs_[s * LDS + c] = X[at] * p;
+          Yd_[s * LDS + c] = static_cast<float>(Y[at]);
+          Xs_[s * LDS + c] = static_cast<float>(X[at]) * p;
         }
       }
       Tot_[J * KS + c] = p;
@@ -96,7 +96,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     }
     if (t < BS) {
       for (int c = cg; c < KS; c += 8) {             // block I: carry a = X_t G(t, s) down from s = t
-        float a = X[base + (I * BS + t) * K + k0 + c];
+        float a = static_cast<float>(X[base + (I * BS + t) * K + k0 + c]);
         for (int s = BS - 1; s >= 0; --s) {
           if (s <= t) {
             const float y = Yd_[s * LDS + c];
