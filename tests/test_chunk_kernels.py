@@ -239,6 +239,23 @@ def _emulated_call(launch, dialect, user, extra, debug=False):
     return [mx.array(o) for o in verify.run_launch(launch, ins)]
 
 
+def _emulate_noting_bf16(monkeypatch) -> dict:
+    """Kernels on the emulator (``_emulated_call``), noting by kernel kind the inputs that arrive in bf16."""
+    mx = pytest.importorskip("mlx.core")
+    seen = {}
+
+    def call(launch, dialect, user, extra, debug=False):
+        kind = launch.source.name.split("_metal")[0].removeprefix("recgen_chunk_")
+        names = [n for n in launch.source.inputs if n not in {r[0] for r in launch.runtime}]
+        bf = {n for n, a in zip(names, user) if a.dtype == mx.bfloat16}
+        if bf:
+            seen.setdefault(kind, set()).update(bf)
+        return _emulated_call(launch, dialect, user, extra)
+
+    monkeypatch.setattr(ck, "mlx_call", call)
+    return seen
+
+
 def _sympow_skip():
     """A feature map outside the kernel identity's form (a skip term): φ through the sympow kernels."""
     import recgen as rg
@@ -1146,17 +1163,7 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare,
 
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True,
                        roles_16bit={"1": "all", None: "bare", "0": "none"}[roles16])
-    seen = {}
-
-    def call(launch, dialect, user, extra, debug=False):
-        kind = launch.source.name.split("_metal")[0].removeprefix("recgen_chunk_")
-        names = [n for n in launch.source.inputs if n not in {r[0] for r in launch.runtime}]
-        bf = {n for n, a in zip(names, user) if a.dtype == mx.bfloat16}
-        if bf:
-            seen.setdefault(kind, set()).update(bf)
-        return _emulated_call(launch, dialect, user, extra)
-
-    monkeypatch.setattr(ck, "mlx_call", call)
+    seen = _emulate_noting_bf16(monkeypatch)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=4, in_dtype=mx.bfloat16, tuning=t),
                  1e-2, 1e-2)
     assert seen == {"1": typed, None: bare, "0": {}}[roles16], seen
@@ -1247,17 +1254,7 @@ def test_general_rank1_core_reads_16bit_roles(roles16, monkeypatch):
 
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, mma_pairs=True,
                        roles_16bit={None: "bare", "0": "none"}[roles16])
-    seen = {}
-
-    def call(launch, dialect, user, extra, debug=False):
-        kind = launch.source.name.split("_metal")[0].removeprefix("recgen_chunk_")
-        names = [n for n in launch.source.inputs if n not in {r[0] for r in launch.runtime}]
-        bf = {n for n, a in zip(names, user) if a.dtype == mx.bfloat16}
-        if bf:
-            seen.setdefault(kind, set()).update(bf)
-        return _emulated_call(launch, dialect, user, extra)
-
-    monkeypatch.setattr(ck, "mlx_call", call)
+    seen = _emulate_noting_bf16(monkeypatch)
     assert_close(compare(specs.BUILTINS["rwkv7"], 40, chunk=16, B=1, H=2, Hk=1, K=32, V=8, seed=3,
                          in_dtype=mx.bfloat16, tuning=t), 1e-2, 1e-2)
     want = {"pair_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"}, "pair_grad_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"},
