@@ -151,9 +151,10 @@ def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None):
     """The general rank-1 core as an ``mx.custom_function`` with the VJP above.
 
     Arguments (chunked, [..., n, C, F]): S0 [..., K, V], r, u, a, b [.., C, K], w [.., C, V], l [.., C, F] (log-decays;
-    F = K when ``key``, else 1; roles in 16 bits where ``roles_16bit``, float32 otherwise). ``before``: the transition reads the state before the decay. ``rfac`` (a float): the
-    readout role is rfac·r, applied inside (the role rfac·q is never formed, nor its gradient scaled after). Returns
-    (y [.., n, C, V], S_end, *residuals), the residuals for the VJP only."""
+    F = K when ``key``, else 1; roles in 16 bits where ``roles_16bit``, float32 otherwise). ``before``: the
+    transition reads the state before the decay. ``rfac`` (a float): the readout role is rfac·r, applied inside (the
+    role rfac·q is never formed, nor its gradient scaled after). Returns (y [.., n, C, V], S_end, *residuals), the
+    residuals for the VJP only."""
     kern = t if t.chunk_kernels else None
     Geo = decay_geometry(key, kern)
     nres = 7
