@@ -59,7 +59,8 @@ def _pair_grads(geo, dA, dB, dMra, dMru, r, u, a, b, before: bool):
     be = rows_earlier(b) if before else b
     if before:  # the pairs of the earlier b were read one row later
         dA, dB = rows_earlier(dA), rows_earlier(dB)
-    dbe, dr, da, du = geo.pair_quad_grad(dA, dMra, dB, dMru, be, r, a, u, strict=not before)  # as ``_pairs`` formed them
+    # as ``_pairs`` formed them
+    dbe, dr, da, du = geo.pair_quad_grad(dA, dMra, dB, dMru, be, r, a, u, strict=not before)
     return dr, du, da, dbe
 
 

@@ -225,7 +225,8 @@ def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = Fals
 
 
 @lru_cache(maxsize=None)
-def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False, quad: bool = False) -> KernelSource:
+def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False,
+                     quad: bool = False) -> KernelSource:
     """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed); ``quad``:
     (dX, dX2, dY, dYb) for the cotangents dM, dM2, dMb, dM2b of its quad form (each gradient summed over the pairs
     its operand is in); ``mma``: the other blocks' parts on fragment multiply-adds."""
