@@ -1260,3 +1260,17 @@ def test_general_rank1_core_reads_16bit_roles(roles16, monkeypatch):
     want = {"pair_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"}, "pair_grad_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"},
             "ut_mma_key": {"Bt"}, "scan_mma_p": {"Pb"}, "bwd_key_rank1_before": {"R", "U", "A", "B"}}
     assert seen == ({} if roles16 == "0" else want), seen
+
+
+def test_general_rank1_core_after_the_decay_reads_16bit_roles(monkeypatch):
+    """The rank-1 transition after a key-vector decay (``dplr_key``) with bf16 inputs on the kernels: its roles that are
+    inputs verbatim (b, and q under the readout scale) reach the quad pair kernels, the UT transform and the backward
+    tail in bf16; forward, final state and every gradient against the float64 reference within 1e-2."""
+    mx = pytest.importorskip("mlx.core")
+    from test_chunked import assert_close, compare, dplr_key
+
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, mma_pairs=True)
+    seen = _emulate_noting_bf16(monkeypatch)
+    assert_close(compare(dplr_key, 40, chunk=16, B=1, H=2, Hk=1, K=32, V=8, seed=3, in_dtype=mx.bfloat16, tuning=t),
+                 1e-2, 1e-2)
+    assert seen["pair_quad_mma"] == {"X", "X2"} and seen["bwd_key_rank1"] == {"R", "B"}, seen
