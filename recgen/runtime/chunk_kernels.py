@@ -15,13 +15,11 @@ from functools import lru_cache
 
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
-                                     decays_source,
-                                     bwd_mma_source, feature_decode_layout, feature_decode_source, feature_mma_layout,
-                                     feature_jac_source, feature_out_source, feature_states_source, inverse_source,
-                                     scan_prefetches, out_mma_layout, out_mma_source,
-                                     pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
-                                     scan_mma_layout, scan_source, sympow_layout, sympow_source, ut_mma_layout,
-                                     ut_mma_source)
+                                     bwd_mma_source, decays_source, feature_decode_layout, feature_decode_source,
+                                     feature_jac_source, feature_mma_layout, feature_out_source, feature_states_source,
+                                     inverse_source, out_mma_layout, out_mma_source, pair_fragments, pair_grad_source,
+                                     pair_layout, pair_source, scan_layout, scan_mma_layout, scan_prefetches,
+                                     scan_source, sympow_layout, sympow_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..spec.features import sympow_pairs
 from ..tuning import Tuning
@@ -490,62 +488,50 @@ def chunk_bwd_rank1(r, u, a, b, l, dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP, dg, t
     return _key_tail((r, u, a, b), l, (dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP), dg, t, before=before)
 
 
+def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), dual: bool = False,
+               quad: bool = False) -> tuple:
+    """The pair kernels (``pair_launch``) on flattened chunks: the cotangents [.., C, C] (the gradients' kernels) and
+    the operands [.., C, K] in the kernel's input order, the decays dk. Returns the pairs [.., C, C], or the
+    gradients [.., C, K], shaped as the first operand's chunks."""
+    X = operands[0]
+    N, (C, K) = _lead(X, 2), X.shape[-2:]
+    launch = pair_launch(t.dialect, N, C, K, strict, grad=bool(cots), dual=dual,
+                         mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad)
+    outs = _call(t, launch, [m.reshape(N, C, C) for m in cots] + [a.reshape(N, C, K) for a in (*operands, dk)])
+    shape = X.shape if cots else (*X.shape[:-1], C)
+    return tuple(o.reshape(shape) for o in outs)
+
+
 def pair(X, Y, dk, strict: bool, t: Tuning):
     """M [.., C, C] of the key-vector decay pair (see chunk_pair.j2) from X, Y, per-token decays dk [.., C, K]."""
-    N, (C, K) = _lead(X, 2), X.shape[-2:]
-    (M,) = _call(t, pair_launch(t.dialect, N, C, K, strict, mma=pairs_on_fragments(t, C, K)),
-                    [X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)])
-    return M.reshape(*X.shape[:-1], C)
+    return _pair_call(t, strict, (X, Y), dk)[0]
 
 
 def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning):
     """(dX, dY) [.., C, K] for the cotangent dM [.., C, C] of ``pair``."""
-    N, (C, K) = _lead(X, 2), X.shape[-2:]
-    dX, dY = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True, mma=pairs_on_fragments(t, C, K)),
-                      [dM.reshape(N, C, C), X.reshape(N, C, K), Y.reshape(N, C, K), dk.reshape(N, C, K)])
-    return dX.reshape(X.shape), dY.reshape(Y.shape)
+    return _pair_call(t, strict, (X, Y), dk, (dM,))
 
 
 def pair_dual(X, X2, Y, dk, t: Tuning, strict: bool = True):
     """(M of X for s < t (s <= t unless ``strict``), M2 of X2 for s <= t) in one pass over Y and the decays (the delta
     rule's A and M_ru)."""
-    N, (C, K) = _lead(X, 2), X.shape[-2:]
-    lay = (N, C, K)
-    M, M2 = _call(t, pair_launch(t.dialect, N, C, K, strict, dual=True, mma=pairs_on_fragments(t, C, K, True)),
-                  [X.reshape(lay), X2.reshape(lay), Y.reshape(lay), dk.reshape(lay)])
-    return M.reshape(*X.shape[:-1], C), M2.reshape(*X.shape[:-1], C)
+    return _pair_call(t, strict, (X, X2, Y), dk, dual=True)
 
 
 def pair_dual_grad(dM, dM2, X, X2, Y, dk, t: Tuning, strict: bool = True):
     """(dX, dX2, dY) for the cotangents of ``pair_dual`` (dY of both pairs, summed)."""
-    N, (C, K) = _lead(X, 2), X.shape[-2:]
-    lay = (N, C, K)
-    dX, dX2, dY = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True, dual=True,
-                                        mma=pairs_on_fragments(t, C, K, True)),
-                        [dM.reshape(N, C, C), dM2.reshape(N, C, C), X.reshape(lay), X2.reshape(lay),
-                         Y.reshape(lay), dk.reshape(lay)])
-    return dX.reshape(X.shape), dX2.reshape(X.shape), dY.reshape(Y.shape)
+    return _pair_call(t, strict, (X, X2, Y), dk, (dM, dM2), dual=True)
 
 
 def pair_quad(X, X2, Y, Yb, dk, t: Tuning, strict: bool = True):
     """(M of X, M2 of X2, Mb of X, M2b of X2) [.., C, C]: ``pair_dual``'s two pairs with Y and with Yb in one pass
     over the decays and X, X2 (the X pairs strict where ``strict``)."""
-    N, (C, K) = _lead(X, 2), X.shape[-2:]
-    lay = (N, C, K)
-    outs = _call(t, pair_launch(t.dialect, N, C, K, strict, dual=True, quad=True,
-                                mma=pairs_on_fragments(t, C, K, True, True)),
-                 [a.reshape(lay) for a in (X, X2, Y, Yb, dk)])
-    return tuple(M.reshape(*X.shape[:-1], C) for M in outs)
+    return _pair_call(t, strict, (X, X2, Y, Yb), dk, dual=True, quad=True)
 
 
 def pair_quad_grad(dM, dM2, dMb, dM2b, X, X2, Y, Yb, dk, t: Tuning, strict: bool = True):
     """(dX, dX2, dY, dYb) for the cotangents of ``pair_quad`` (each summed over the pairs its operand is in)."""
-    N, (C, K) = _lead(X, 2), X.shape[-2:]
-    lay = (N, C, K)
-    outs = _call(t, pair_launch(t.dialect, N, C, K, strict, grad=True, dual=True, quad=True,
-                                mma=pairs_on_fragments(t, C, K, True, True)),
-                 [m.reshape(N, C, C) for m in (dM, dM2, dMb, dM2b)] + [a.reshape(lay) for a in (X, X2, Y, Yb, dk)])
-    return tuple(g.reshape(X.shape) for g in outs)
+    return _pair_call(t, strict, (X, X2, Y, Yb), dk, (dM, dM2, dMb, dM2b), dual=True, quad=True)
 
 
 def feature_states(X, Y, t: Tuning):
