@@ -35,20 +35,25 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a, np.float64) - b).max() / (np.abs(b).max() + 1e-30))
 
 
-@pytest.mark.parametrize("N,C,F", [(3, 16, 32), (5, 64, 40)])
-def test_key_decays_match_numpy(N, C, F):
+@pytest.mark.parametrize("N,C,F,before", [(3, 16, 32, False), (5, 64, 40, False), (3, 16, 40, True)])
+def test_key_decays_match_numpy(N, C, F, before):
     """The decay geometry kernel (chunk_decays.j2): D = e^l, P_t = e^{sum_{tau<=t} l}, Q_s = e^{sum_{tau>s} l} per
-    chunk and key column, log-decays down to -20 a token and some 0, N F not a multiple of the threadgroup (128)."""
+    chunk and key column, and with ``before`` P_{t-1} (1 at t = 0), log-decays down to -20 a token and some 0, N F
+    not a multiple of the threadgroup (128)."""
     rng = np.random.default_rng(N + C + F)
     l = (-20 * rng.uniform(size=(N, C, F)) ** 3).astype(np.float32)
     l[rng.uniform(size=l.shape) < 0.05] = 0.0
-    D, P, Q = verify.run_launch(ck.decays_launch("metal", N, C, F), {"l": l})
+    outs = verify.run_launch(ck.decays_launch("metal", N, C, F, before), {"l": l})
+    assert len(outs) == 3 + before
     l64 = l.astype(np.float64)
     after = np.cumsum(l64[:, ::-1], 1)[:, ::-1] - l64  # sum over tau > s
     # P and Q carry the float32 rounding of their sums (|sum| up to 20 C / 4): relative 2^-24 C max|sum| at most
     tol = 2.0 ** -24 * C * np.abs(np.cumsum(l64, 1)).max()
-    for got, want, rtol in ((D, np.exp(l64), 2e-6), (P, np.exp(np.cumsum(l64, 1)), tol), (Q, np.exp(after), tol)):
-        assert np.all(np.abs(got - want) <= rtol * want + 1e-38), float((np.abs(got - want) / want).max())
+    want = [(np.exp(l64), 2e-6), (np.exp(np.cumsum(l64, 1)), tol), (np.exp(after), tol)]
+    if before:
+        want.append((np.exp(np.cumsum(l64, 1) - l64), tol))
+    for got, (w, rtol) in zip(outs, want):
+        assert np.all(np.abs(got - w) <= rtol * w + 1e-38), float((np.abs(got - w) / w).max())
 
 
 @pytest.mark.parametrize("C", [1, 4, 16])
@@ -200,6 +205,54 @@ def test_chunk_scan_mma_scales_b_rows(frame, has_a):
         assert _rel(got, w) < 1e-5, _rel(got, w)
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
+@pytest.mark.parametrize("reverse,pf", [(False, False), (True, False), (True, True)])
+def test_chunk_scan_mma_scales_per_element(frame, reverse, pf):
+    """A key-vector decay's scales as the fragment scan reads its operands (``ScanVariant.qk``: [C, K] as the
+    operand): forward, B = a and Pa = u in bf16 scaled by Q (RWKV-7's (a ⊙ Q)ᵀ X + (u ⊙ Q)ᵀ w); reverse, A = a scaled
+    by Q and Pa = r by P, with the decay gradient's row sums and, with ``pf``, A's fragments loaded a chunk ahead.
+    Scales down to e^-20, against float64 numpy at the bf16-rounded operands."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(21 + 2 * reverse + pf)
+    BH, n, C, K, V = 2, 3, 16, 32, 16 if pf else 32
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    bf = lambda x: mx.array(x).astype(mx.bfloat16)  # noqa: E731
+    f64 = lambda x: np.array(x.astype(mx.float32)).astype(np.float64)  # noqa: E731
+    scale = lambda: np.exp(-20 * rng.uniform(size=(BH, n, C, K))).astype(np.float32)  # noqa: E731
+    ins = {"S0": f(BH, K, V), "X": f(BH, n, C, V), "Bm": bf(f(BH, n, C, K) * 0.2), "Pa": bf(f(BH, n, C, K)),
+           "Pb": f(BH, n, C, V), "Pq": scale(), "g": np.exp(-20 * rng.uniform(size=(BH, n, K))).astype(np.float32)}
+    terms = dict(p=True, pq=True, qk=True)
+    if reverse:
+        ins |= {"A": bf(f(BH, n, C, K) * 0.2), "Aq": scale(), "St": f(BH, n, K, V)}
+        terms |= dict(aq=True, dg=True, pf=pf)
+        A64, B64 = f64(ins["A"]) * ins["Aq"], f64(ins["Bm"])
+    else:
+        ins |= {"A": f(BH, n, C, K) * 0.2, "Bq": scale()}
+        terms |= dict(q=True)
+        A64, B64 = ins["A"].astype(np.float64), f64(ins["Bm"]) * ins["Bq"]
+    E = (f64(ins["Pa"]) * ins["Pq"]).swapaxes(-1, -2) @ ins["Pb"]
+    v = ScanVariant(a=True, b=True, reverse=reverse, mma=True, **terms)
+    assert cs.scan_prefetches(C, K, V, 16) == pf or not pf
+    launch = ck.scan_launch(frame, v, BH, n, C, K, V, K, 16)
+    assert "_qk" in launch.source.name
+    outs = verify.run_launch(launch, ins)
+    want = _scan_ref(ins["S0"], A64, ins["X"], B64, ins["g"], E, reverse)
+    for got, w in zip(outs[:3], want):
+        assert _rel(got, w) < 1e-5, _rel(got, w)
+    if reverse:
+        assert _rel(outs[3].sum(2), (want[0] * ins["St"]).sum(-1)) < 1e-5
+
+
+def test_chunk_scan_refuses_mixed_scales():
+    """Per-row and per-element scales in one call are refused (the kernel reads them all one way)."""
+    mx = pytest.importorskip("mlx.core")
+    z = lambda *s: mx.zeros(s)  # noqa: E731
+    t = tuning.resolve("gpu", "cuda", environ={})
+    with pytest.raises(ValueError, match="all be per row or all per element"):
+        ck.chunk_scan(z(1, 32, 16), z(1, 2, 16, 32), z(1, 2, 16, 16), z(1, 2, 16, 32), z(1, 2, 32), None, t,
+                      reverse=False, P=(z(1, 2, 16, 32), z(1, 2, 16, 16)), Bq=z(1, 2, 16, 32), Pq=z(1, 2, 16, 1))
+
+
 def test_chunk_scan_mma_layouts():
     """Which sizes the fragment scan takes, and the dialect choice: CUDA by default (tensor cores), Metal
     never by default (its multiply-add is a shuffle reference); outside its layouts the FMA frame runs."""
@@ -303,14 +356,17 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
                                     "recgen_chunk_out_mma_yt", "recgen_chunk_bwd_mma_delta"}),
     ("simple_gla", 16, False, {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
                                "recgen_chunk_bwd_mma"}),
-    ("kda", 32, False, {"recgen_chunk_decays", "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma",
-                        "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual",
+    ("kda", 32, False, {"recgen_chunk_decays", "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key",
+                        "recgen_chunk_scan_mma_q_qk", "recgen_chunk_out_mma_key_yt",
+                        "recgen_chunk_scan_mma_aq_p_pq_qk_dg_rev", "recgen_chunk_pair_grad_dual",
                         "recgen_chunk_bwd_key_delta"}),
-    ("kda", 32, True, {"recgen_chunk_decays", "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma",
-                       "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual_mma",
+    ("kda", 32, True, {"recgen_chunk_decays", "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key",
+                       "recgen_chunk_scan_mma_q_qk", "recgen_chunk_out_mma_key_yt",
+                       "recgen_chunk_scan_mma_aq_p_pq_qk_dg_rev", "recgen_chunk_pair_grad_dual_mma",
                        "recgen_chunk_bwd_key_delta"}),
-    ("gla", 32, True, {"recgen_chunk_decays", "recgen_chunk_pair_mma", "recgen_chunk_scan_mma_noa", "recgen_chunk_out_mma_key_yt",
-                       "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_pair_grad_mma", "recgen_chunk_bwd_key"})])
+    ("gla", 32, True, {"recgen_chunk_decays", "recgen_chunk_pair_mma", "recgen_chunk_scan_mma_noa_q_qk",
+                       "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_nob_aq_e_qk_rev", "recgen_chunk_pair_grad_mma",
+                       "recgen_chunk_bwd_key"})])
 def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monkeypatch):
     """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
     backward; GDN's backward taking E = (r ⊙ P)ᵀ dy as its factors), the readout and the backward's pass after
@@ -333,18 +389,18 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
 
 
 @pytest.mark.parametrize("name,K,V,mma,want", [
-    ("rwkv7", 32, 6, False, {"recgen_chunk_decays", "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
+    ("rwkv7", 32, 6, False, {"recgen_chunk_decays", "recgen_chunk_decays_pe", "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                              "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev",
                              "recgen_chunk_bwd_key_rank1_before"}),
-    ("rwkv7", 32, 8, True, {"recgen_chunk_decays", "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
-                            "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
-                            "recgen_chunk_bwd_key_rank1_before"}),
-    ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
-                               "recgen_chunk_bwd_key_rank1"})])
+    ("rwkv7", 32, 8, True, {"recgen_chunk_decays", "recgen_chunk_decays_pe", "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
+                            "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_q_p_pq_qk",
+                            "recgen_chunk_scan_mma_aq_p_pq_qk_dg_rev", "recgen_chunk_bwd_key_rank1_before"}),
+    ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_q_p_pq_qk",
+                               "recgen_chunk_scan_mma_aq_p_pq_qk_dg_rev", "recgen_chunk_bwd_key_rank1"})])
 def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, monkeypatch):
     """The general rank-1 core (``chunked.rank1``) with the generated kernels: RWKV-7 (the transition before a
     key-vector decay: the quad pair kernels, b's pairs one token earlier non-strict, the FMA scans), and a transition after a key-vector decay on
-    the fragment frames (the update's u wᵀ as the forward scan's product term, the UT transform with A given; K = 16
+    the fragment frames (the update's u wᵀ as the forward scan's product term, a ⊙ Q, u ⊙ Q and r ⊙ P formed as the scans read a, u, r, the UT transform with A given; K = 16
     keeps the pairs in MLX ops); the backward's elementwise tail as the rank-1 kernel (``chunk_bwd_rank1``) in both;
     GQA, a partial last chunk, strong decays: forward, final state and every gradient against the float64
     reference."""
@@ -1258,7 +1314,8 @@ def test_general_rank1_core_reads_16bit_roles(roles16, monkeypatch):
     assert_close(compare(specs.BUILTINS["rwkv7"], 40, chunk=16, B=1, H=2, Hk=1, K=32, V=8, seed=3,
                          in_dtype=mx.bfloat16, tuning=t), 1e-2, 1e-2)
     want = {"pair_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"}, "pair_grad_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"},
-            "ut_mma_key": {"Bt"}, "scan_mma_p": {"Pb"}, "bwd_key_rank1_before": {"R", "U", "A", "B"}}
+            "ut_mma_key": {"Bt"}, "scan_mma_q_p_pq_qk": {"Bm", "Pa", "Pb"}, "scan_mma_aq_p_pq_qk_dg_rev": {"A", "Pa"},
+            "bwd_key_rank1_before": {"R", "U", "A", "B"}}
     assert seen == ({} if roles16 == "0" else want), seen
 
 

@@ -43,7 +43,7 @@ import mlx.core as mx
 from ..codegen.chunk_sources import inverse_supported, pair_supported
 from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
-from .core import add_half, decay_levels, exp, half, offdiag_blocks, pair_levels, tr, unit_lower_inv
+from .core import add_half, decay_levels, exp, half, offdiag_blocks, p_before, pair_levels, tr, unit_lower_inv
 
 __all__ = ["core_fn", "decay_geometry", "log_decay_grad", "scan_backward", "with_vjp"]
 
@@ -82,6 +82,10 @@ class PairsOneByOne:
         dX, dX2, dY = self.pair_dual_grad(dM, dM2, X, X2, Y, strict)
         dXb, dX2b, dYb = self.pair_dual_grad(dMb, dM2b, X, X2, Yb, strict)
         return dX + dXb, dX2 + dX2b, dY, dYb
+
+    def p_before(self):
+        """P_{t−1} [.., C, F] (P_{−1} = 1): the decay a transition before the decay meets."""
+        return p_before(self.P)
 
 
 class ScalarDecay(PairsOneByOne):
@@ -177,12 +181,13 @@ class KernelKeyDecay(PairsOneByOne):
 
     key = True
 
-    def __init__(self, l, t: Tuning, saved=()):
-        """``saved`` (KeyDecay's signature) is always empty here: see ``saved``."""
+    def __init__(self, l, t: Tuning, saved=(), before: bool = False):
+        """``saved`` (KeyDecay's signature) is always empty here: see ``saved``. ``before``: P_{t−1} too, from the
+        same pass (``p_before``; a shifted copy of P and a mask were two more passes)."""
         self.l, self.t = l, t
         # one kernel pass for the three (MLX spent two cumulative sums, three exps and a concatenation on them, in
         # the forward and again in the backward)
-        self.d, self.P, self.Q = ck.key_decays(l, t)
+        self.d, self.P, self.Q, *self._pe = ck.key_decays(l, t, before)
         self.g = self.P[..., -1, :]
         self.dual = pair_supported(t.dialect, *l.shape[-2:], dual=True)  # the dual kernels' tiles fit
         self.quad = pair_supported(t.dialect, *l.shape[-2:], dual=True, quad=True)  # ... the quad kernels' too
@@ -191,6 +196,9 @@ class KernelKeyDecay(PairsOneByOne):
     def saved() -> list:
         """Nothing kept: three elementwise passes rebuild it in the backward."""
         return []
+
+    def p_before(self):
+        return self._pe[0] if self._pe else super().p_before()
 
     def pair(self, X, Y, strict: bool):
         return ck.pair(X, Y, self.d, strict, self.t)
@@ -266,10 +274,9 @@ def _apply_rows(L, x, key: bool):
 def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None):
     """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state, the state update taking
     u ⊙ Q. ``kern``: the tuning of the generated chunk scan (``chunk_kernels.chunk_scan``: delta-rule or
-    diagonal), or None; it scales a scalar decay's u by Q as it reads u (u ⊙ Q never in memory)."""
+    diagonal), or None; it scales u by Q as it reads u (per row for a scalar decay, per element for a key-vector
+    one: u ⊙ Q never in memory)."""
     if kern and ck.scan_supported(kern, U.shape[-2], S0.shape[-2]):  # W None: the diagonal scan, Z = U
-        if geo.key:
-            return ck.chunk_scan(S0, W, U, _up(geo, u)[0] * geo.Q, geo.g, None, kern, reverse=False)
         return ck.chunk_scan(S0, W, U, u, geo.g, None, kern, reverse=False, Bq=geo.Q)
     u, U = _up(geo, u, U)
     uQ = u * geo.Q
@@ -457,9 +464,9 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     r, u, w, bt, Z = _up(geo, r, u, w, bt, Z)
     r = _scaled(r, rfac)
     P, Q = geo.P, geo.Q
-    rP, uQ = r * P, u * Q
     F = M.swapaxes(-1, -2) @ dy
-    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, uQ, W, F, (rP, dy), compose, matrix, kern, states)  # E = (r⊙P)ᵀ dy
+    # E = (r ⊙ P)ᵀ dy; u ⊙ Q and r ⊙ P formed as the generated scan reads u and r
+    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (u, Q), W, F, ((r, P), dy), compose, matrix, kern, states)
     cp = geo.t.copy_transposes
     statesT, ZT = tr(states, cp), tr(Z, cp)
     d_uQ = Z @ tr(dSn, cp)
@@ -475,6 +482,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     if geo.key and kern and ck.fuses_key_tail(kern, u.shape[-2]):  # the elementwise tail below as one kernel
         dr, du, dbt, dl = ck.chunk_bwd_key(*given, geo.l, dr_, du_, dbt_, d_rP, d_uQ, dR, dg, kern, rfac)
         return dS0, dr, du, dw, dl, dbt
+    rP, uQ = r * P, u * Q
     dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ
     dbt = None
     if bt is not None:
@@ -516,10 +524,11 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
     return dS0, dr, du, Delta, dl, dbt
 
 
-def decay_geometry(key: bool, kern: Tuning | None):
+def decay_geometry(key: bool, kern: Tuning | None, before: bool = False):
     """The class (or factory, same signature) of a chunk's decay geometry: ``ScalarDecay``; for a key-vector decay
     with chunk kernels (``kern``) the pair kernels where they have a layout for (C, K) (K a multiple of 32, known at
-    the first call), the hierarchy (``KeyDecay``) otherwise."""
+    the first call), the hierarchy (``KeyDecay``) otherwise. ``before``: the geometry's kernel also forms
+    ``p_before`` (a transition before the decay reads it)."""
     if not key:
         return ScalarDecay
     if not kern:
@@ -527,7 +536,7 @@ def decay_geometry(key: bool, kern: Tuning | None):
 
     def make(l, t_, saved=()):
         if pair_supported(t_.dialect, *l.shape[-2:]):
-            return KernelKeyDecay(l, t_, saved)
+            return KernelKeyDecay(l, t_, saved, before)
         return KeyDecay(l, t_, saved)
     return make
 

@@ -35,10 +35,15 @@ import mlx.core as mx
 from ..codegen.chunk_sources import inverse_supported, pair_supported
 from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
-from .core import p_before, rows_earlier, rows_later, tr, unit_lower_inv
+from .core import rows_earlier, rows_later, tr, unit_lower_inv
 from .parallel import decay_geometry, log_decay_grad, scan_backward, with_vjp
 
 __all__ = ["core_fn"]
+
+
+def _f32(x):
+    """x in float32: a 16-bit role that several float32 products read is cast once (MLX would cast it for each)."""
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
 
 
 def _pairs(geo, r, u, a, b, before: bool):
@@ -64,12 +69,14 @@ def _pair_grads(geo, dA, dB, dMra, dMru, r, u, a, b, before: bool):
     return dr, du, da, dbe
 
 
-def _scan_forward(geo, S0, W, U, aQ, uQ, w, kern):
+def _scan_forward(geo, S0, W, U, a, u, w, kern):
     """(states [.., n, K, V], X [.., n, C, V], S_end): X_c = U_c + W_c S_c and
     S ← g_c ⊙ S + (a ⊙ Q)_cᵀ X_c + (u ⊙ Q)_cᵀ w_c."""
-    C, K = aQ.shape[-2:]
-    if kern and ck.scan_supported(kern, C, K):  # the last term as the factors of the generated scan's E
-        return ck.chunk_scan(S0, W, U, aQ, geo.g, None, kern, reverse=False, P=(uQ, w))
+    C, K = a.shape[-2:]
+    if kern and ck.scan_supported(kern, C, K):  # the last term as the factors of the generated scan's E, and a ⊙ Q,
+        # u ⊙ Q formed as the fragment frame reads a and u (two passes, and two casts of 16-bit roles, fewer)
+        return ck.chunk_scan(S0, W, U, a, geo.g, None, kern, reverse=False, P=(u, w), Bq=geo.Q, Pq=geo.Q)
+    aQ, uQ = a * geo.Q, u * geo.Q
     E = tr(uQ) @ w
     n = U.shape[-3]
     S, states, Xs = S0[..., None, :, :], [], []
@@ -87,17 +94,18 @@ def _forward(geo, S0, r, u, w, a, b, before: bool, kern, rfac=None):
     r through all three of its terms, so the last product scales them)."""
     A, B, Mra, Mru = _pairs(geo, r, u, a, b, before)
     (C, K), V = a.shape[-2:], w.shape[-1]
-    Pb = p_before(geo.P) if before else geo.P
+    Pb = geo.p_before() if before else geo.P
+    w32 = _f32(w)  # a 16-bit w meets float32 operands in two products: cast once, not by each
     if kern and ck.fuses_ut(kern, C, K, V):  # the inverse and both products in one kernel (A formed)
-        Tm, U, W = ck.chunk_ut_key(A, B @ w, b, mx.broadcast_to(Pb, b.shape), kern)
+        Tm, U, W = ck.chunk_ut_key(A, B @ w32, b, mx.broadcast_to(Pb, b.shape), kern)
     else:
         Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(C) else unit_lower_inv(A)
-        U, W = Tm @ (B @ w), Tm @ (b * Pb)
-    states, X, S_end = _scan_forward(geo, S0, W, U, a * geo.Q, u * geo.Q, w, kern)
+        U, W = Tm @ (B @ w32), Tm @ (b * Pb)
+    states, X, S_end = _scan_forward(geo, S0, W, U, a, u, w, kern)
     # The readout stays three accumulating products: with two of its terms in the readout kernel and the third added
     # after it (one more pass over y), the forward measured slower (docs/design.md)
     c = 1.0 if rfac is None else rfac
-    y = mx.addmm(mx.addmm(Mru @ w, Mra, X), r * geo.P, states, alpha=c, beta=c)
+    y = mx.addmm(mx.addmm(Mru @ w32, Mra, X), r * geo.P, states, alpha=c, beta=c)
     return y, S_end, (states, X, Tm, W, B, Mra, Mru)
 
 
@@ -109,9 +117,12 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None
     # rfac·dy: every gradient below then holds it, and r's is that of the core's argument
     dy = mx.contiguous(dy) if rfac is None else mx.contiguous(dy) * rfac
     P, Q = geo.P, geo.Q
-    rP, aQ, uQ = r * P, a * Q, u * Q
     C, K = a.shape[-2:]
-    dSn, dX, dS0, dg = scan_backward(geo, dS_end, aQ, W, tr(Mra) @ dy, (rP, dy), 2 * C >= K, False, kern, states)
+    # a ⊙ Q and r ⊙ P as the generated scan reads a and r (``scan_backward``); u ⊙ Q for dw's product
+    dSn, dX, dS0, dg = scan_backward(geo, dS_end, (a, Q), W, tr(Mra) @ dy, ((r, P), dy), 2 * C >= K, False, kern,
+                                     states)
+    uQ = u * Q
+    w = _f32(w)  # a 16-bit w meets float32 operands in three products below: cast once, not by each
     Delta = tr(Tm) @ dX
     statesT, XT, wT, dSnT = tr(states), tr(X), tr(w), tr(dSn)
     dr, du, da, dbe = _pair_grads(geo, Delta @ XT, Delta @ wT, dy @ XT, dy @ wT, r, u, a, b, before)
@@ -121,6 +132,7 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None
         dr, du, da, db, dl = ck.chunk_bwd_rank1(r, u, a, b, geo.l, dr, du, da, dbe, d_rP, d_uQ, d_aQ, dbP, dg, kern,
                                                 before)
         return dS0, dr, du, dw, da, db, dl
+    rP, aQ = r * P, a * Q
     be = rows_earlier(b) if before else b
     dG = be * dbe  # the pair's row t' (t − 1 before the decay) carries G_{t'}: its dG lands in the pair's rows
     db = rows_later(dbe) if before else dbe
@@ -128,7 +140,7 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None
     dr, da, du = dr + P * d_rP, da + Q * d_aQ, du + Q * d_uQ
     dG = dG + rP * d_rP - aQ * d_aQ - uQ * d_uQ
     if before:  # b̂_t = b_t ⊙ P_{t−1}: its G is the row before's (P_{−1} = 1 has none)
-        Pb = p_before(P)
+        Pb = geo.p_before()
         db = db + Pb * dbP
         dG = dG + rows_earlier(b * Pb * dbP)
     else:
@@ -157,11 +169,11 @@ def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None):
     role rfac·q is never formed, nor its gradient scaled after). Returns (y [.., n, C, V], S_end, *residuals), the
     residuals for the VJP only."""
     kern = t if t.chunk_kernels else None
-    Geo = decay_geometry(key, kern)
+    Geo, GeoFwd = decay_geometry(key, kern), decay_geometry(key, kern, before)  # the forward reads P_{t−1}
     nres = 7
 
     def fwd(S0, r, u, w, a, b, l):
-        geo = Geo(l, t)
+        geo = GeoFwd(l, t)
         y, S_end, res = _forward(geo, S0, r, u, w, a, b, before, kern, rfac)
         return (y, S_end) + res + tuple(geo.saved())
 
