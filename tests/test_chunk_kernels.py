@@ -35,25 +35,31 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a, np.float64) - b).max() / (np.abs(b).max() + 1e-30))
 
 
-@pytest.mark.parametrize("N,C,F,before", [(3, 16, 32, False), (5, 64, 40, False), (3, 16, 40, True)])
-def test_key_decays_match_numpy(N, C, F, before):
+@pytest.mark.parametrize("N,C,F,before,scaled", [(3, 16, 32, False, ()), (5, 64, 40, False, ()),
+                                                  (3, 16, 40, True, ("Q", "P", "Pe", "Q"))])
+def test_key_decays_match_numpy(N, C, F, before, scaled):
     """The decay geometry kernel (chunk_decays.j2): D = e^l, P_t = e^{sum_{tau<=t} l}, Q_s = e^{sum_{tau>s} l} per
-    chunk and key column, and with ``before`` P_{t-1} (1 at t = 0), log-decays down to -20 a token and some 0, N F
-    not a multiple of the threadgroup (128)."""
+    chunk and key column, with ``before`` P_{t-1} (1 at t = 0), and roles X_i (bf16 and float32) times the decay
+    ``scaled`` names, log-decays down to -20 a token and some 0, N F not a multiple of the threadgroup (128)."""
+    mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(N + C + F)
     l = (-20 * rng.uniform(size=(N, C, F)) ** 3).astype(np.float32)
     l[rng.uniform(size=l.shape) < 0.05] = 0.0
-    outs = verify.run_launch(ck.decays_launch("metal", N, C, F, before), {"l": l})
-    assert len(outs) == 3 + before
+    xs = [rng.normal(size=(N, C, F)).astype(np.float32) for _ in scaled]
+    ins = {"l": l} | {f"X{i}": (mx.array(x).astype(mx.bfloat16) if i % 2 else x) for i, x in enumerate(xs)}
+    outs = verify.run_launch(ck.decays_launch("metal", N, C, F, before, scaled), ins)
+    assert len(outs) == 3 + before + len(scaled)
     l64 = l.astype(np.float64)
     after = np.cumsum(l64[:, ::-1], 1)[:, ::-1] - l64  # sum over tau > s
     # P and Q carry the float32 rounding of their sums (|sum| up to 20 C / 4): relative 2^-24 C max|sum| at most
     tol = 2.0 ** -24 * C * np.abs(np.cumsum(l64, 1)).max()
-    want = [(np.exp(l64), 2e-6), (np.exp(np.cumsum(l64, 1)), tol), (np.exp(after), tol)]
-    if before:
-        want.append((np.exp(np.cumsum(l64, 1) - l64), tol))
+    dec = {"P": np.exp(np.cumsum(l64, 1)), "Q": np.exp(after), "Pe": np.exp(np.cumsum(l64, 1) - l64)}
+    want = [(np.exp(l64), 2e-6), (dec["P"], tol), (dec["Q"], tol)] + ([(dec["Pe"], tol)] if before else [])
+    for i, w in enumerate(scaled):
+        x = np.array(ins[f"X{i}"].astype(mx.float32), np.float64) if i % 2 else xs[i].astype(np.float64)
+        want.append((x * dec[w], tol + 2e-7))
     for got, (w, rtol) in zip(outs, want):
-        assert np.all(np.abs(got - w) <= rtol * w + 1e-38), float((np.abs(got - w) / w).max())
+        assert np.all(np.abs(got - w) <= rtol * np.abs(w) + 1e-38), float((np.abs(got - w) / np.abs(w)).max())
 
 
 @pytest.mark.parametrize("C", [1, 4, 16])
@@ -345,7 +351,8 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
             else {"recgen_chunk_scan_noa", "recgen_chunk_scan_nob_e_rev"})
     if key:  # a delta rule's two pairs of u (A and M_ru) in one pass; the backward's elementwise tail
         want |= ({"recgen_chunk_pair_dual", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"} if delta
-                 else {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"}) | {"recgen_chunk_decays"}
+                 else {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})
+        want |= {"recgen_chunk_decays_q"}  # with u ⊙ Q
     if rec.features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
         want = {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"}
     assert kinds == want, kinds
@@ -356,16 +363,14 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
                                     "recgen_chunk_out_mma_yt", "recgen_chunk_bwd_mma_delta"}),
     ("simple_gla", 16, False, {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
                                "recgen_chunk_bwd_mma"}),
-    ("kda", 32, False, {"recgen_chunk_decays", "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key",
-                        "recgen_chunk_scan_mma_q_qk", "recgen_chunk_out_mma_key_yt",
-                        "recgen_chunk_scan_mma_aq_p_pq_qk_dg_rev", "recgen_chunk_pair_grad_dual",
+    ("kda", 32, False, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key",
+                        "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual",
                         "recgen_chunk_bwd_key_delta"}),
-    ("kda", 32, True, {"recgen_chunk_decays", "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key",
-                       "recgen_chunk_scan_mma_q_qk", "recgen_chunk_out_mma_key_yt",
-                       "recgen_chunk_scan_mma_aq_p_pq_qk_dg_rev", "recgen_chunk_pair_grad_dual_mma",
-                       "recgen_chunk_bwd_key_delta"}),
-    ("gla", 32, True, {"recgen_chunk_decays", "recgen_chunk_pair_mma", "recgen_chunk_scan_mma_noa_q_qk",
-                       "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_nob_aq_e_qk_rev", "recgen_chunk_pair_grad_mma",
+    ("kda", 32, True, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key",
+                       "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev",
+                       "recgen_chunk_pair_grad_dual_mma", "recgen_chunk_bwd_key_delta"}),
+    ("gla", 32, True, {"recgen_chunk_decays_q", "recgen_chunk_pair_mma", "recgen_chunk_scan_mma_noa",
+                       "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_pair_grad_mma",
                        "recgen_chunk_bwd_key"})])
 def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monkeypatch):
     """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
@@ -389,19 +394,22 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
 
 
 @pytest.mark.parametrize("name,K,V,mma,want", [
-    ("rwkv7", 32, 6, False, {"recgen_chunk_decays", "recgen_chunk_decays_pe", "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
+    ("rwkv7", 32, 6, False, {"recgen_chunk_decays_q_q_p", "recgen_chunk_decays_pe_q_q_p",
+                             "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                              "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev",
                              "recgen_chunk_bwd_key_rank1_before"}),
-    ("rwkv7", 32, 8, True, {"recgen_chunk_decays", "recgen_chunk_decays_pe", "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
-                            "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_q_p_pq_qk",
-                            "recgen_chunk_scan_mma_aq_p_pq_qk_dg_rev", "recgen_chunk_bwd_key_rank1_before"}),
-    ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_q_p_pq_qk",
-                               "recgen_chunk_scan_mma_aq_p_pq_qk_dg_rev", "recgen_chunk_bwd_key_rank1"})])
+    ("rwkv7", 32, 8, True, {"recgen_chunk_decays_q_q_p", "recgen_chunk_decays_pe_q_q_p",
+                            "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
+                            "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
+                            "recgen_chunk_bwd_key_rank1_before"}),
+    ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
+                               "recgen_chunk_bwd_key_rank1"})])
 def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, monkeypatch):
     """The general rank-1 core (``chunked.rank1``) with the generated kernels: RWKV-7 (the transition before a
-    key-vector decay: the quad pair kernels, b's pairs one token earlier non-strict, the FMA scans), and a transition after a key-vector decay on
-    the fragment frames (the update's u wᵀ as the forward scan's product term, a ⊙ Q, u ⊙ Q and r ⊙ P formed as the scans read a, u, r, the UT transform with A given; K = 16
-    keeps the pairs in MLX ops); the backward's elementwise tail as the rank-1 kernel (``chunk_bwd_rank1``) in both;
+    key-vector decay: the quad pair kernels, b's pairs one token earlier non-strict, a ⊙ Q, u ⊙ Q, r ⊙ P and P_{t-1}
+    formed in the decays' pass, the FMA scans), and a transition after a key-vector decay on the fragment frames (the
+    update's u wᵀ as the forward scan's product term, the UT transform with A given; K = 16 keeps the pairs in MLX
+    ops); the backward's elementwise tail as the rank-1 kernel (``chunk_bwd_rank1``) in both;
     GQA, a partial last chunk, strong decays: forward, final state and every gradient against the float64
     reference."""
     pytest.importorskip("mlx.core")
@@ -1314,8 +1322,8 @@ def test_general_rank1_core_reads_16bit_roles(roles16, monkeypatch):
     assert_close(compare(specs.BUILTINS["rwkv7"], 40, chunk=16, B=1, H=2, Hk=1, K=32, V=8, seed=3,
                          in_dtype=mx.bfloat16, tuning=t), 1e-2, 1e-2)
     want = {"pair_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"}, "pair_grad_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"},
-            "ut_mma_key": {"Bt"}, "scan_mma_q_p_pq_qk": {"Bm", "Pa", "Pb"}, "scan_mma_aq_p_pq_qk_dg_rev": {"A", "Pa"},
-            "bwd_key_rank1_before": {"R", "U", "A", "B"}}
+            "ut_mma_key": {"Bt"}, "scan_mma_p": {"Pb"}, "decays_pe_q_q_p": {"X0", "X1", "X2"},
+            "decays_q_q_p": {"X0", "X1", "X2"}, "bwd_key_rank1_before": {"R", "U", "A", "B"}}
     assert seen == ({} if roles16 == "0" else want), seen
 
 

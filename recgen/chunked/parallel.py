@@ -87,17 +87,31 @@ class PairsOneByOne:
         """P_{t−1} [.., C, F] (P_{−1} = 1): the decay a transition before the decay meets."""
         return p_before(self.P)
 
+    def scale(self, scaled: dict | None) -> dict:
+        """name -> x ⊙ P, x ⊙ Q or x ⊙ P_{t−1} for each name -> (x, "P" | "Q" | "Pe") of ``scaled``, in the decays'
+        type: the roles a geometry is built with (``scaled=``, kept as ``scaled``), by MLX ops (the kernel geometry
+        forms them in its own pass)."""
+        decay = {"P": lambda: self.P, "Q": lambda: self.Q, "Pe": self.p_before}
+        return {name: decay[w]() * x for name, (x, w) in (scaled or {}).items()}
+
+    def role(self, name: str, x, which: str):
+        """x ⊙ the decay ``which`` ("P", "Q" or "Pe"): the one formed with the decays where the geometry was built
+        with it under ``name``, else formed here."""
+        return self.scaled[name] if name in self.scaled else self.scale({name: (x, which)})[name]
+
 
 class ScalarDecay(PairsOneByOne):
     """One decay per token (F = 1): Γ as a [.., C, C] matrix; pair terms are masked matmuls."""
 
     key = False
 
-    def __init__(self, l, t: Tuning, saved=()):
+    def __init__(self, l, t: Tuning, saved=(), scaled=None):
+        """``scaled``: roles to scale by a decay (``scale``), formed as ``self.scaled``."""
         self.l, self.t = l, t
         self.P = exp(mx.cumsum(l, axis=-2), t.pow2_exp)
         self.Q = _decay_to_end(l, t.pow2_exp)
         self.g = self.P[..., -1, :]
+        self.scaled = self.scale(scaled)
 
     @cached_property
     def gamma(self):
@@ -135,9 +149,10 @@ class KeyDecay(PairsOneByOne):
 
     key = True
 
-    def __init__(self, l, t: Tuning, saved=()):
+    def __init__(self, l, t: Tuning, saved=(), scaled=None):
         """From the log-decays l, or from ``saved()`` of the forward's instance (the backward reuses
-        the hierarchy instead of recomputing it: one exp and log2(C) levels of [T, K] products)."""
+        the hierarchy instead of recomputing it: one exp and log2(C) levels of [T, K] products).
+        ``scaled``: roles to scale by a decay (``scale``), formed as ``self.scaled``."""
         self.l, self.t = l, t
         if saved:
             self.P, self.Q, *lv = saved
@@ -145,6 +160,7 @@ class KeyDecay(PairsOneByOne):
         else:
             self.levels, self.P, self.Q = decay_levels(exp(l, t.pow2_exp))
         self.g = self.P[..., -1, :]
+        self.scaled = self.scale(scaled)
 
     def saved(self) -> list:
         return [self.P, self.Q] + [x for _, PR, QL in self.levels for x in (PR, QL)]
@@ -181,13 +197,18 @@ class KernelKeyDecay(PairsOneByOne):
 
     key = True
 
-    def __init__(self, l, t: Tuning, saved=(), before: bool = False):
+    def __init__(self, l, t: Tuning, saved=(), scaled=None, before: bool = False):
         """``saved`` (KeyDecay's signature) is always empty here: see ``saved``. ``before``: P_{t−1} too, from the
-        same pass (``p_before``; a shifted copy of P and a mask were two more passes)."""
+        same pass (``p_before``; a shifted copy of P and a mask were two more passes). ``scaled``: roles scaled by a
+        decay (``scale``), formed in that pass too (``self.scaled``; a 16-bit role's cast and the product were two
+        passes each)."""
         self.l, self.t = l, t
+        scaled = scaled or {}
         # one kernel pass for the three (MLX spent two cumulative sums, three exps and a concatenation on them, in
         # the forward and again in the backward)
-        self.d, self.P, self.Q, *self._pe = ck.key_decays(l, t, before)
+        self.d, self.P, self.Q, *rest = ck.key_decays(l, t, before, tuple(scaled.values()))
+        self._pe = rest[:int(before)]
+        self.scaled = dict(zip(scaled, rest[int(before):]))
         self.g = self.P[..., -1, :]
         self.dual = pair_supported(t.dialect, *l.shape[-2:], dual=True)  # the dual kernels' tiles fit
         self.quad = pair_supported(t.dialect, *l.shape[-2:], dual=True, quad=True)  # ... the quad kernels' too
@@ -274,12 +295,14 @@ def _apply_rows(L, x, key: bool):
 def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None):
     """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state, the state update taking
     u ⊙ Q. ``kern``: the tuning of the generated chunk scan (``chunk_kernels.chunk_scan``: delta-rule or
-    diagonal), or None; it scales u by Q as it reads u (per row for a scalar decay, per element for a key-vector
-    one: u ⊙ Q never in memory)."""
+    diagonal), or None; it scales a scalar decay's u by Q as it reads u (u ⊙ Q never in memory); a key-vector
+    decay's u ⊙ Q comes formed with the decays (``geo.scaled``: in the geometry kernel's pass)."""
     if kern and ck.scan_supported(kern, U.shape[-2], S0.shape[-2]):  # W None: the diagonal scan, Z = U
+        if geo.key:
+            return ck.chunk_scan(S0, W, U, geo.role("uQ", u, "Q"), geo.g, None, kern, reverse=False)
         return ck.chunk_scan(S0, W, U, u, geo.g, None, kern, reverse=False, Bq=geo.Q)
     u, U = _up(geo, u, U)
-    uQ = u * geo.Q
+    uQ = geo.role("uQ", u, "Q")
     gs = geo.g[..., None]
     uQt = uQ.swapaxes(-1, -2)
     S = S0[..., None, :, :]
@@ -465,8 +488,13 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     r = _scaled(r, rfac)
     P, Q = geo.P, geo.Q
     F = M.swapaxes(-1, -2) @ dy
-    # E = (r ⊙ P)ᵀ dy; u ⊙ Q and r ⊙ P formed as the generated scan reads u and r
-    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (u, Q), W, F, ((r, P), dy), compose, matrix, kern, states)
+    if geo.key:  # u ⊙ Q (and r ⊙ P where r is the role itself) formed with the decays (``core_fn``'s ``scaled``)
+        uQ, rP = geo.role("uQ", u, "Q"), geo.role("rP", r, "P") if rfac is None else r * P
+        scan_u, scan_r = uQ, rP
+    else:  # u ⊙ Q and r ⊙ P formed as the generated scan reads u and r (row scales)
+        scan_u, scan_r = (u, Q), (r, P)
+    # E = (r ⊙ P)ᵀ dy
+    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, scan_u, W, F, (scan_r, dy), compose, matrix, kern, states)
     cp = geo.t.copy_transposes
     statesT, ZT = tr(states, cp), tr(Z, cp)
     d_uQ = Z @ tr(dSn, cp)
@@ -482,7 +510,8 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     if geo.key and kern and ck.fuses_key_tail(kern, u.shape[-2]):  # the elementwise tail below as one kernel
         dr, du, dbt, dl = ck.chunk_bwd_key(*given, geo.l, dr_, du_, dbt_, d_rP, d_uQ, dR, dg, kern, rfac)
         return dS0, dr, du, dw, dl, dbt
-    rP, uQ = r * P, u * Q
+    if not geo.key:
+        rP, uQ = r * P, u * Q
     dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ
     dbt = None
     if bt is not None:
@@ -534,10 +563,10 @@ def decay_geometry(key: bool, kern: Tuning | None, before: bool = False):
     if not kern:
         return KeyDecay
 
-    def make(l, t_, saved=()):
+    def make(l, t_, saved=(), scaled=None):
         if pair_supported(t_.dialect, *l.shape[-2:]):
-            return KernelKeyDecay(l, t_, saved, before)
-        return KeyDecay(l, t_, saved)
+            return KernelKeyDecay(l, t_, saved, scaled, before)
+        return KeyDecay(l, t_, saved, scaled)
     return make
 
 
@@ -557,8 +586,15 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
     Geo = decay_geometry(key, kern)
     nres = 5 if delta else 2
 
+    def scaled(r, u, backward: bool):
+        """A key-vector decay's roles scaled by its decays, formed with them (on the kernels: in the geometry's
+        pass): the scans' u ⊙ Q, and the backward's r ⊙ P where r is the readout role itself."""
+        if not key:
+            return None
+        return {"uQ": (u, "Q")} | ({"rP": (r, "P")} if backward and rfac is None else {})
+
     def fwd(S0, r, u, w, l, bt=None):
-        geo = Geo(l, t)
+        geo = Geo(l, t, scaled=scaled(r, u, False))
         y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base, kern, out, rfac)
         return (y, S_end) + res + tuple(geo.saved())
 
@@ -569,8 +605,8 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
         if out is not None:
             dy = core_layout(dy, *r.shape[-3:-1], l.dtype)
-        dS0, dr, du, dw, dl, dbt = _backward(Geo(l, t, geo_saved), r, u, w, bt, res, dy, dS_end, compose, matrix, kern,
-                                             rfac)
+        geo = Geo(l, t, geo_saved, scaled(r, u, True))
+        dS0, dr, du, dw, dl, dbt = _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac)
         grads = (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
         return tuple(g.astype(x.dtype) for g, x in zip(grads, a))  # a 16-bit role (``role_dtype``) takes its own type
 

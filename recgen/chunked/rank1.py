@@ -69,14 +69,12 @@ def _pair_grads(geo, dA, dB, dMra, dMru, r, u, a, b, before: bool):
     return dr, du, da, dbe
 
 
-def _scan_forward(geo, S0, W, U, a, u, w, kern):
+def _scan_forward(geo, S0, W, U, aQ, uQ, w, kern):
     """(states [.., n, K, V], X [.., n, C, V], S_end): X_c = U_c + W_c S_c and
     S ← g_c ⊙ S + (a ⊙ Q)_cᵀ X_c + (u ⊙ Q)_cᵀ w_c."""
-    C, K = a.shape[-2:]
-    if kern and ck.scan_supported(kern, C, K):  # the last term as the factors of the generated scan's E, and a ⊙ Q,
-        # u ⊙ Q formed as the fragment frame reads a and u (two passes, and two casts of 16-bit roles, fewer)
-        return ck.chunk_scan(S0, W, U, a, geo.g, None, kern, reverse=False, P=(u, w), Bq=geo.Q, Pq=geo.Q)
-    aQ, uQ = a * geo.Q, u * geo.Q
+    C, K = aQ.shape[-2:]
+    if kern and ck.scan_supported(kern, C, K):  # the last term as the factors of the generated scan's E
+        return ck.chunk_scan(S0, W, U, aQ, geo.g, None, kern, reverse=False, P=(uQ, w))
     E = tr(uQ) @ w
     n = U.shape[-3]
     S, states, Xs = S0[..., None, :, :], [], []
@@ -101,11 +99,11 @@ def _forward(geo, S0, r, u, w, a, b, before: bool, kern, rfac=None):
     else:
         Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(C) else unit_lower_inv(A)
         U, W = Tm @ (B @ w32), Tm @ (b * Pb)
-    states, X, S_end = _scan_forward(geo, S0, W, U, a, u, w, kern)
+    states, X, S_end = _scan_forward(geo, S0, W, U, geo.role("aQ", a, "Q"), geo.role("uQ", u, "Q"), w, kern)
     # The readout stays three accumulating products: with two of its terms in the readout kernel and the third added
     # after it (one more pass over y), the forward measured slower (docs/design.md)
     c = 1.0 if rfac is None else rfac
-    y = mx.addmm(mx.addmm(Mru @ w32, Mra, X), r * geo.P, states, alpha=c, beta=c)
+    y = mx.addmm(mx.addmm(Mru @ w32, Mra, X), geo.role("rP", r, "P"), states, alpha=c, beta=c)
     return y, S_end, (states, X, Tm, W, B, Mra, Mru)
 
 
@@ -117,11 +115,9 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None
     # rfac·dy: every gradient below then holds it, and r's is that of the core's argument
     dy = mx.contiguous(dy) if rfac is None else mx.contiguous(dy) * rfac
     P, Q = geo.P, geo.Q
+    rP, aQ, uQ = geo.role("rP", r, "P"), geo.role("aQ", a, "Q"), geo.role("uQ", u, "Q")
     C, K = a.shape[-2:]
-    # a ⊙ Q and r ⊙ P as the generated scan reads a and r (``scan_backward``); u ⊙ Q for dw's product
-    dSn, dX, dS0, dg = scan_backward(geo, dS_end, (a, Q), W, tr(Mra) @ dy, ((r, P), dy), 2 * C >= K, False, kern,
-                                     states)
-    uQ = u * Q
+    dSn, dX, dS0, dg = scan_backward(geo, dS_end, aQ, W, tr(Mra) @ dy, (rP, dy), 2 * C >= K, False, kern, states)
     w = _f32(w)  # a 16-bit w meets float32 operands in three products below: cast once, not by each
     Delta = tr(Tm) @ dX
     statesT, XT, wT, dSnT = tr(states), tr(X), tr(w), tr(dSn)
@@ -132,7 +128,6 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None
         dr, du, da, db, dl = ck.chunk_bwd_rank1(r, u, a, b, geo.l, dr, du, da, dbe, d_rP, d_uQ, d_aQ, dbP, dg, kern,
                                                 before)
         return dS0, dr, du, dw, da, db, dl
-    rP, aQ = r * P, a * Q
     be = rows_earlier(b) if before else b
     dG = be * dbe  # the pair's row t' (t − 1 before the decay) carries G_{t'}: its dG lands in the pair's rows
     db = rows_later(dbe) if before else dbe
@@ -171,16 +166,18 @@ def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None):
     kern = t if t.chunk_kernels else None
     Geo, GeoFwd = decay_geometry(key, kern), decay_geometry(key, kern, before)  # the forward reads P_{t−1}
     nres = 7
+    # the roles scaled by a decay, formed with the decays (on the kernels: in the geometry's pass)
+    scaled = lambda r, u, a: {"aQ": (a, "Q"), "uQ": (u, "Q"), "rP": (r, "P")}  # noqa: E731
 
     def fwd(S0, r, u, w, a, b, l):
-        geo = GeoFwd(l, t)
+        geo = GeoFwd(l, t, scaled=scaled(r, u, a))
         y, S_end, res = _forward(geo, S0, r, u, w, a, b, before, kern, rfac)
         return (y, S_end) + res + tuple(geo.saved())
 
     def bwd(*args):
         (S0, r, u, w, a, b, l), rest = args[:7], args[7:]
         res, geo_saved, (dy, dS_end) = rest[:nres], rest[nres:-2], rest[-2:]
-        grads = _backward(Geo(l, t, geo_saved), r, u, w, a, b, res, dy, dS_end, before, kern, rfac)
+        grads = _backward(Geo(l, t, geo_saved, scaled(r, u, a)), r, u, w, a, b, res, dy, dS_end, before, kern, rfac)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, args[:7]))  # a 16-bit role takes its own type
 
     return with_vjp(fwd, bwd, t.compile)

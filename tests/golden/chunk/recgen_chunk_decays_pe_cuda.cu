@@ -13,14 +13,19 @@
   const long long base = (id / F) * C * F + id % F;
   float acc = 0.0f;
   for (int t = 0; t < C; ++t) {
-    const float lt = l[base + t * F];
-    Pe[base + t * F] = expf(acc);
+    const long long at = base + t * F;
+    const float lt = l[at];
+    const float pe = expf(acc);
+    Pe[at] = pe;
     acc += lt;
-    D[base + t * F] = expf(lt);
-    P[base + t * F] = expf(acc);
+    D[at] = expf(lt);
+    const float p = expf(acc);
+    P[at] = p;
   }
   acc = 0.0f;
   for (int s = C - 1; s >= 0; --s) {
-    Q[base + s * F] = expf(acc);
-    acc += l[base + s * F];
+    const long long at = base + s * F;
+    const float q = expf(acc);
+    Q[at] = q;
+    acc += l[at];
   }

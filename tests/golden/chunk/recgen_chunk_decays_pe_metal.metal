@@ -13,14 +13,19 @@
   const int64_t base = (id / F) * C * F + id % F;
   float acc = 0.0f;
   for (int t = 0; t < C; ++t) {
-    const float lt = l[base + t * F];
-    Pe[base + t * F] = metal::exp(acc);
+    const int64_t at = base + t * F;
+    const float lt = l[at];
+    const float pe = metal::exp(acc);
+    Pe[at] = pe;
     acc += lt;
-    D[base + t * F] = metal::exp(lt);
-    P[base + t * F] = metal::exp(acc);
+    D[at] = metal::exp(lt);
+    const float p = metal::exp(acc);
+    P[at] = p;
   }
   acc = 0.0f;
   for (int s = C - 1; s >= 0; --s) {
-    Q[base + s * F] = metal::exp(acc);
-    acc += l[base + s * F];
+    const int64_t at = base + s * F;
+    const float q = metal::exp(acc);
+    Q[at] = q;
+    acc += l[at];
   }
