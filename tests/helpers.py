@@ -139,8 +139,8 @@ def chunk_launches(target: str) -> list:
         return [ck.scan_launch(target, ScanVariant(vec=True, **terms), 8, 4, 64, 128, 128, F),
                 ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, F)]
 
-    def mma(F=1, **terms):
-        return ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, F)
+    def mma(**terms):
+        return ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, 1)
 
     launches = ([ck.inverse_launch(target, 8, 64)] + [ck.decays_launch(target, 8, 64, 128, pe) for pe in (False, True)]
                 + [ck.decays_launch(target, 8, 64, 128, pe, sc) for pe, sc in ((False, ("Q",)), (True, ("Q", "Q", "P")))]
@@ -151,11 +151,6 @@ def chunk_launches(target: str) -> list:
                    mma(reverse=True, e=True, b=False, aq=True), mma(q=True, pf=True),
                    mma(reverse=True, p=True, dg=True, aq=True, pq=True, pf=True), mma(p=True)]
                 + [mma(a=a, q=True) for a in (True, False)]
-                # a key-vector decay's scales per element: kda's and gla's scans, the general rank-1 core's
-                + [mma(128, a=a, q=True, qk=True) for a in (True, False)]
-                + [mma(128, reverse=True, e=True, b=False, aq=True, qk=True),
-                   mma(128, q=True, p=True, pq=True, qk=True),
-                   mma(128, reverse=True, p=True, dg=True, aq=True, pq=True, qk=True)]
                 + [ck.pair_launch(target, 8, 64, 128, strict, grad) for strict in (False, True) for grad in (False, True)]
                 + [ck.pair_launch(target, 8, 64, 128, strict, grad, dual=True) for strict in (False, True)
                    for grad in (False, True)]

@@ -211,54 +211,6 @@ def test_chunk_scan_mma_scales_b_rows(frame, has_a):
         assert _rel(got, w) < 1e-5, _rel(got, w)
 
 
-@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
-@pytest.mark.parametrize("reverse,pf", [(False, False), (True, False), (True, True)])
-def test_chunk_scan_mma_scales_per_element(frame, reverse, pf):
-    """A key-vector decay's scales as the fragment scan reads its operands (``ScanVariant.qk``: [C, K] as the
-    operand): forward, B = a and Pa = u in bf16 scaled by Q (RWKV-7's (a ⊙ Q)ᵀ X + (u ⊙ Q)ᵀ w); reverse, A = a scaled
-    by Q and Pa = r by P, with the decay gradient's row sums and, with ``pf``, A's fragments loaded a chunk ahead.
-    Scales down to e^-20, against float64 numpy at the bf16-rounded operands."""
-    mx = pytest.importorskip("mlx.core")
-    rng = np.random.default_rng(21 + 2 * reverse + pf)
-    BH, n, C, K, V = 2, 3, 16, 32, 16 if pf else 32
-    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
-    bf = lambda x: mx.array(x).astype(mx.bfloat16)  # noqa: E731
-    f64 = lambda x: np.array(x.astype(mx.float32)).astype(np.float64)  # noqa: E731
-    scale = lambda: np.exp(-20 * rng.uniform(size=(BH, n, C, K))).astype(np.float32)  # noqa: E731
-    ins = {"S0": f(BH, K, V), "X": f(BH, n, C, V), "Bm": bf(f(BH, n, C, K) * 0.2), "Pa": bf(f(BH, n, C, K)),
-           "Pb": f(BH, n, C, V), "Pq": scale(), "g": np.exp(-20 * rng.uniform(size=(BH, n, K))).astype(np.float32)}
-    terms = dict(p=True, pq=True, qk=True)
-    if reverse:
-        ins |= {"A": bf(f(BH, n, C, K) * 0.2), "Aq": scale(), "St": f(BH, n, K, V)}
-        terms |= dict(aq=True, dg=True, pf=pf)
-        A64, B64 = f64(ins["A"]) * ins["Aq"], f64(ins["Bm"])
-    else:
-        ins |= {"A": f(BH, n, C, K) * 0.2, "Bq": scale()}
-        terms |= dict(q=True)
-        A64, B64 = ins["A"].astype(np.float64), f64(ins["Bm"]) * ins["Bq"]
-    E = (f64(ins["Pa"]) * ins["Pq"]).swapaxes(-1, -2) @ ins["Pb"]
-    v = ScanVariant(a=True, b=True, reverse=reverse, mma=True, **terms)
-    assert cs.scan_prefetches(C, K, V, 16) == pf or not pf
-    launch = ck.scan_launch(frame, v, BH, n, C, K, V, K, 16)
-    assert "_qk" in launch.source.name
-    outs = verify.run_launch(launch, ins)
-    want = _scan_ref(ins["S0"], A64, ins["X"], B64, ins["g"], E, reverse)
-    for got, w in zip(outs[:3], want):
-        assert _rel(got, w) < 1e-5, _rel(got, w)
-    if reverse:
-        assert _rel(outs[3].sum(2), (want[0] * ins["St"]).sum(-1)) < 1e-5
-
-
-def test_chunk_scan_refuses_mixed_scales():
-    """Per-row and per-element scales in one call are refused (the kernel reads them all one way)."""
-    mx = pytest.importorskip("mlx.core")
-    z = lambda *s: mx.zeros(s)  # noqa: E731
-    t = tuning.resolve("gpu", "cuda", environ={})
-    with pytest.raises(ValueError, match="all be per row or all per element"):
-        ck.chunk_scan(z(1, 32, 16), z(1, 2, 16, 32), z(1, 2, 16, 16), z(1, 2, 16, 32), z(1, 2, 32), None, t,
-                      reverse=False, P=(z(1, 2, 16, 32), z(1, 2, 16, 16)), Bq=z(1, 2, 16, 32), Pq=z(1, 2, 16, 1))
-
-
 def test_chunk_scan_mma_layouts():
     """Which sizes the fragment scan takes, and the dialect choice: CUDA by default (tensor cores), Metal
     never by default (its multiply-add is a shuffle reference); outside its layouts the FMA frame runs."""

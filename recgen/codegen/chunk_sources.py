@@ -56,9 +56,8 @@ class ScanVariant:
     backward's decay gradient, never formed); ``q``: B's rows scaled as read (the forward's u ⊙ Q); ``aq``, ``pq``:
     A's and Pa's rows scaled as read (the backward's u ⊙ Q and r ⊙ P); ``pf``: each group's fragments of A and X
     loaded a chunk ahead (needs one item of Y a group: ``scan_prefetches``); ``reverse``: over the chunks in
-    reverse; ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0); ``mma``: the fragment frame; ``qk``: the
-    scales (q, aq, pq) per element, [C, K] as the operand they scale (a key-vector decay's Q and P), not per row.
-    p, dg, q, aq, pq, qk and pf exist on the fragment frame only."""
+    reverse; ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0); ``mma``: the fragment frame. p, dg, q, aq,
+    pq and pf exist on the fragment frame only."""
 
     a: bool = True
     b: bool = True
@@ -72,7 +71,6 @@ class ScanVariant:
     pf: bool = False
     vec: bool = False
     mma: bool = False
-    qk: bool = False
 
     def __post_init__(self):
         if not (self.a or self.b):
@@ -83,8 +81,6 @@ class ScanVariant:
             raise ValueError("chunk_scan: row scales Aq and prefetching need an A term")
         if self.pq and not self.p:
             raise ValueError("chunk_scan: row scales Pq need a P term")
-        if self.qk and not (self.q or self.aq or self.pq):
-            raise ValueError("chunk_scan: per-element scales need a scaled operand (Bq, Aq or Pq)")
         if (self.p or self.dg or self.q or self.aq or self.pf) and not self.mma:
             raise ValueError("chunk_scan: P, dg, Bq, Aq terms and prefetching need the fragment frame")
 
@@ -93,8 +89,7 @@ class ScanVariant:
         """The kernel name's variant part."""
         return (("scan_mma" if self.mma else "scan") + ("" if self.a else "_noa") + ("" if self.b else "_nob")
                 + ("_q" if self.q else "") + ("_aq" if self.aq else "") + ("_e" if self.e else "")
-                + ("_p" if self.p else "") + ("_pq" if self.pq else "") + ("_qk" if self.qk else "")
-                + ("_pf" if self.pf else "")
+                + ("_p" if self.p else "") + ("_pq" if self.pq else "") + ("_pf" if self.pf else "")
                 + ("_dg" if self.dg else "") + ("_rev" if self.reverse else "") + ("_v4" if self.vec else ""))
 
     @property
@@ -126,7 +121,7 @@ def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
     if v.mma:
         return _source(d, "chunk_scan_mma.j2", v.kind, "chunk scan of the chunked core, fragment multiply-adds",
                        v.inputs, v.outputs, (), helpers=d.mma_prelude, has_p=v.p, has_dg=v.dg, has_q=v.q,
-                       has_aq=v.aq, has_pq=v.pq, qk=v.qk, pf=v.pf, **flags)
+                       has_aq=v.aq, has_pq=v.pq, pf=v.pf, **flags)
     return _source(d, "chunk_scan.j2", v.kind, "chunk scan of the chunked core", v.inputs, v.outputs, (),
                    vec=v.vec, **flags)
 

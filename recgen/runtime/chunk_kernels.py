@@ -340,9 +340,7 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     E None or [.., n, K, V]; P None or the factors (Pa [.., n, C, K], Pb [.., n, C, V]) of one more E term
     Paᵀ Pb (read as factors by the fragment frame, ``scan_fuses_products``; multiplied out by MLX first
     otherwise). ``Aq``, ``Pq``: None or row scales [.., n, C, 1] of A and of Pa, applied as read on the fragment
-    frame (A and Pa may then be 16-bit), by MLX first otherwise. Bq, Aq and Pq may instead be scales per element,
-    each the shape of the operand it scales ([.., n, C, K]: a key-vector decay's Q and P; all given ones alike), so
-    the role a ⊙ Q is never formed in memory.
+    frame (A and Pa may then be 16-bit), by MLX first otherwise.
     Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32, and with
     ``St`` [.., n, K, V] also dg = Σ_j carried ⊙ St [.., n, K] (in the kernel where it fuses products)."""
     lead = S0.shape[:-2]
@@ -361,19 +359,12 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
         Pe = P[0].swapaxes(-1, -2) @ P[1]
         E, P = (Pe if E is None else E + Pe), None
     dg_here = St is not None and fuse
-    scales = [q for q in (Bq, Aq, Pq) if q is not None]
-    qk = bool(scales) and scales[0].shape[-1] == K and K > 1
-    if any((q.shape[-1] == K and K > 1) != qk for q in scales):
-        raise ValueError("chunk_scan: the scales Bq, Aq, Pq must all be per row or all per element")
-    sk = (K,) if qk else ()
     flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
-    user = ([flat(S0, K, V)] + ([flat(A, n, C, K)] if A is not None else [])
-            + ([flat(Aq, n, C, *sk)] if Aq is not None else [])
+    user = ([flat(S0, K, V)] + ([flat(A, n, C, K)] if A is not None else []) + ([flat(Aq, n, C)] if Aq is not None else [])
             + [flat(X, n, C, V)] + ([flat(Bm, n, C, K)] if Bm is not None else [])
-            + ([flat(Bq, n, C, *sk)] if Bq is not None else []) + [flat(g, n, F)]
-            + ([flat(E, n, K, V)] if E is not None else [])
+            + ([flat(Bq, n, C)] if Bq is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
             + ([flat(P[0], n, C, K), flat(P[1], n, C, V)] if P is not None else [])
-            + ([flat(Pq, n, C, *sk)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
+            + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
     mma = P is not None or dg_here or Bq is not None or Aq is not None or use_mma(t, C, K, V)
     # Twice the SIMD groups (one 16-row state block each) measured faster for the reverse scans and slower for the
     # forward one on the H100 (docs/design.md): a choice per direction
@@ -381,7 +372,7 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     pf = mma and A is not None and t.scan_prefetch and scan_prefetches(C, K, V, t.scan_bv, nw)
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf,
-                    vec=not mma and V % 4 == 0, mma=mma, qk=qk)
+                    vec=not mma and V % 4 == 0, mma=mma)
     outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv, nw), user)
     carried, Y, S_end = outs[0].reshape(*lead, n, K, V), outs[1], outs[2].reshape(*lead, K, V)
     Y = Y.reshape(*lead, n, C, V) if A is not None else X
