@@ -347,19 +347,19 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
 
 @pytest.mark.parametrize("name,K,V,mma,want", [
     ("rwkv7", 32, 6, False, {"recgen_chunk_decays_q_q_p", "recgen_chunk_decays_pe_q_q_p",
-                             "recgen_chunk_pair_quad_nonstrict_shift", "recgen_chunk_pair_grad_quad_nonstrict_shift",
+                             "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                              "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev",
                              "recgen_chunk_bwd_key_rank1_before"}),
     ("rwkv7", 32, 8, True, {"recgen_chunk_decays_q_q_p", "recgen_chunk_decays_pe_q_q_p",
-                            "recgen_chunk_pair_quad_nonstrict_shift", "recgen_chunk_pair_grad_quad_nonstrict_shift",
+                            "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                             "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
                             "recgen_chunk_bwd_key_rank1_before"}),
     ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
                                "recgen_chunk_bwd_key_rank1"})])
 def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, monkeypatch):
     """The general rank-1 core (``chunked.rank1``) with the generated kernels: RWKV-7 (the transition before a
-    key-vector decay: the quad pair kernels, b's pairs one token earlier non-strict (read and written a row later),
-    a ⊙ Q, u ⊙ Q, r ⊙ P and P_{t-1} formed in the decays' pass, the FMA scans), and a transition after a key-vector decay on the fragment frames (the
+    key-vector decay: the quad pair kernels, b's pairs one token earlier non-strict, a ⊙ Q, u ⊙ Q, r ⊙ P and P_{t-1}
+    formed in the decays' pass, the FMA scans), and a transition after a key-vector decay on the fragment frames (the
     update's u wᵀ as the forward scan's product term, the UT transform with A given; K = 16 keeps the pairs in MLX
     ops); the backward's elementwise tail as the rank-1 kernel (``chunk_bwd_rank1``) in both;
     GQA, a partial last chunk, strong decays: forward, final state and every gradient against the float64
@@ -955,38 +955,6 @@ def test_quad_pair_kernels_match_numpy(frame, mma, C, K, strict):
     assert cs.pair_supported("cuda", 64, 128, True, True) and not cs.pair_supported("metal", 64, 128, True, True)
 
 
-@pytest.mark.parametrize("frame,mma", [("metal", False), ("metal", True), ("metal_ptx", True)])
-@pytest.mark.parametrize("C,K", [(48, 64), (16, 32)])
-def test_quad_pair_kernels_shift_rows(frame, mma, C, K):
-    """``shift`` (RWKV-7 before the decay): the quad kernels reading X one row later (X'_t = X_{t+1}, 0 past the
-    chunk) and writing the pairs of X one row later (row 0 zero), and the gradients reading the X pairs' cotangents
-    one row later, dX that of X': against float64 of the shifted copies the core made before (``rows_earlier`` of
-    X, ``rows_later`` of M and Mb, ``rows_earlier`` of dM and dMb), non-strict, decays down to e^-20 and 0; the
-    X2 pairs unshifted."""
-    rng = np.random.default_rng(C + K + 7)
-    N = 2
-    X, X2, Y, Yb = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(4))
-    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
-    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
-    earlier = lambda a: np.concatenate([a[:, 1:], np.zeros_like(a[:, :1])], 1)  # noqa: E731
-    later = lambda a: np.concatenate([np.zeros_like(a[:, :1]), a[:, :-1]], 1)  # noqa: E731
-    ins = {"X": X, "X2": X2, "Y": Y, "Yb": Yb, "dk": dk}
-    launch = ck.pair_launch(frame, N, C, K, False, dual=True, quad=True, mma=mma, shift=True)
-    assert launch.source.name.split(f"_{frame}_")[0].endswith("_shift")
-    Xe = earlier(X)
-    wants = [later(_pair_ref(Xe, Y, dk, False)), _pair_ref(X2, Y, dk, False), later(_pair_ref(Xe, Yb, dk, False)),
-             _pair_ref(X2, Yb, dk, False)]
-    for got, want in zip(verify.run_launch(launch, ins), wants):
-        assert _rel(got, want) < 1e-5, _rel(got, want)
-    dM, dM2, dMb, dM2b = (rng.normal(size=(N, C, C)).astype(np.float32) for _ in range(4))
-    glaunch = ck.pair_launch(frame, N, C, K, False, grad=True, dual=True, quad=True, mma=mma, shift=True)
-    grads = verify.run_launch(glaunch, ins | {"dM": dM, "dM2": dM2, "dMb": dMb, "dM2b": dM2b})
-    (dXa, dX2a), dYa = _pair_grads_ref([(Xe, earlier(dM), False), (X2, dM2, False)], Y, dk)
-    (dXb, dX2b), dYb = _pair_grads_ref([(Xe, earlier(dMb), False), (X2, dM2b, False)], Yb, dk)
-    for got, want in zip(grads, (dXa + dXb, dX2a + dX2b, dYa, dYb)):
-        assert _rel(got, want) < 1e-5, _rel(got, want)
-
-
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("C,K,strict,dual", [(64, 32, True, False), (48, 64, False, False), (64, 64, True, True),
                                              (16, 32, False, True)])
@@ -1305,8 +1273,7 @@ def test_general_rank1_core_reads_16bit_roles(roles16, monkeypatch):
     seen = _emulate_noting_bf16(monkeypatch)
     assert_close(compare(specs.BUILTINS["rwkv7"], 40, chunk=16, B=1, H=2, Hk=1, K=32, V=8, seed=3,
                          in_dtype=mx.bfloat16, tuning=t), 1e-2, 1e-2)
-    want = {"pair_quad_nonstrict_mma_shift": {"X", "X2", "Y", "Yb"},
-            "pair_grad_quad_nonstrict_mma_shift": {"X", "X2", "Y", "Yb"},
+    want = {"pair_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"}, "pair_grad_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"},
             "ut_mma_key": {"Bt"}, "scan_mma_p": {"Pb"}, "decays_pe_q_q_p": {"X0", "X1", "X2"},
             "decays_q_q_p": {"X0", "X1", "X2"}, "bwd_key_rank1_before": {"R", "U", "A", "B"}}
     assert seen == ({} if roles16 == "0" else want), seen

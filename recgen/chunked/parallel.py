@@ -43,8 +43,7 @@ import mlx.core as mx
 from ..codegen.chunk_sources import inverse_supported, pair_supported
 from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
-from .core import (add_half, decay_levels, exp, half, offdiag_blocks, p_before, pair_levels, rows_earlier, rows_later,
-                   tr, unit_lower_inv)
+from .core import add_half, decay_levels, exp, half, offdiag_blocks, p_before, pair_levels, tr, unit_lower_inv
 
 __all__ = ["core_fn", "decay_geometry", "log_decay_grad", "scan_backward", "with_vjp"]
 
@@ -74,19 +73,12 @@ class PairsOneByOne:
         dX2, dY2 = self.pair_grad(dM2, X2, Y, strict=False)
         return dX, dX2, dY + dY2
 
-    def pair_quad(self, X, X2, Y, Yb, strict: bool = True, shift: bool = False):
-        """(M, M2, Mb, M2b): ``pair_dual`` of Y and of Yb (the general rank-1 core's four pairs). ``shift``: the pairs
-        of X one token later (``rows_earlier(X)``: before the decay RWKV-7's b_t meets Γ(t−1, s)), read one row later
-        (``rows_later``)."""
-        Xs = rows_earlier(X) if shift else X
-        M, M2, Mb, M2b = self.pair_dual(Xs, X2, Y, strict) + self.pair_dual(Xs, X2, Yb, strict)
-        return (rows_later(M), M2, rows_later(Mb), M2b) if shift else (M, M2, Mb, M2b)
+    def pair_quad(self, X, X2, Y, Yb, strict: bool = True):
+        """(M, M2, Mb, M2b): ``pair_dual`` of Y and of Yb (the general rank-1 core's four pairs)."""
+        return self.pair_dual(X, X2, Y, strict) + self.pair_dual(X, X2, Yb, strict)
 
-    def pair_quad_grad(self, dM, dM2, dMb, dM2b, X, X2, Y, Yb, strict: bool = True, shift: bool = False):
-        """(dX, dX2, dY, dYb) of ``pair_quad``, each summed over the pairs its operand is in; with ``shift`` dX is the
-        gradient of X as the pairs took it (``rows_earlier(X)``)."""
-        if shift:
-            X, dM, dMb = rows_earlier(X), rows_earlier(dM), rows_earlier(dMb)
+    def pair_quad_grad(self, dM, dM2, dMb, dM2b, X, X2, Y, Yb, strict: bool = True):
+        """(dX, dX2, dY, dYb) of ``pair_quad``, each summed over the pairs its operand is in."""
         dX, dX2, dY = self.pair_dual_grad(dM, dM2, X, X2, Y, strict)
         dXb, dX2b, dYb = self.pair_dual_grad(dMb, dM2b, X, X2, Yb, strict)
         return dX + dXb, dX2 + dX2b, dY, dYb
@@ -246,18 +238,17 @@ class KernelKeyDecay(PairsOneByOne):
             return ck.pair_dual_grad(dM, dM2, X, X2, Y, self.d, self.t, strict)
         return super().pair_dual_grad(dM, dM2, X, X2, Y, strict)
 
-    def pair_quad(self, X, X2, Y, Yb, strict: bool = True, shift: bool = False):
+    def pair_quad(self, X, X2, Y, Yb, strict: bool = True):
         """The four pairs in one pass over the decays and X, X2 (``chunk_kernels.pair_quad``) where its tiles fit
-        (CUDA's threadgroup memory at C = 64; Metal's 32 KiB takes two dual passes); ``shift`` as the kernel reads
-        and writes rows (no shifted copies)."""
+        (CUDA's threadgroup memory at C = 64; Metal's 32 KiB takes two dual passes)."""
         if self.quad:
-            return ck.pair_quad(X, X2, Y, Yb, self.d, self.t, strict, shift)
-        return super().pair_quad(X, X2, Y, Yb, strict, shift)
+            return ck.pair_quad(X, X2, Y, Yb, self.d, self.t, strict)
+        return super().pair_quad(X, X2, Y, Yb, strict)
 
-    def pair_quad_grad(self, dM, dM2, dMb, dM2b, X, X2, Y, Yb, strict: bool = True, shift: bool = False):
+    def pair_quad_grad(self, dM, dM2, dMb, dM2b, X, X2, Y, Yb, strict: bool = True):
         if self.quad:
-            return ck.pair_quad_grad(dM, dM2, dMb, dM2b, X, X2, Y, Yb, self.d, self.t, strict, shift)
-        return super().pair_quad_grad(dM, dM2, dMb, dM2b, X, X2, Y, Yb, strict, shift)
+            return ck.pair_quad_grad(dM, dM2, dMb, dM2b, X, X2, Y, Yb, self.d, self.t, strict)
+        return super().pair_quad_grad(dM, dM2, dMb, dM2b, X, X2, Y, Yb, strict)
 
     fold = staticmethod(KeyDecay.fold)
 

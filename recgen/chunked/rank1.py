@@ -50,16 +50,22 @@ def _pairs(geo, r, u, a, b, before: bool):
     """(A, B, M_ra, M_ru) of every chunk."""
     # b's and the readout's pairs with a and with u: one pass over the decays, b and r (the quad kernels; two dual
     # passes where their tiles do not fit). Before the decay b_t meets Γ(t−1, s), s ≤ t−1: the non-strict pairs of b
-    # one token earlier, read one row later (``shift``: the quad kernels read and write the rows so; shifted copies
-    # of b, A and B were five passes)
-    A, Mra, B, Mru = geo.pair_quad(b, r, a, u, strict=not before, shift=before)
+    # one token earlier, read one row later
+    be = rows_earlier(b) if before else b
+    A, Mra, B, Mru = geo.pair_quad(be, r, a, u, strict=not before)
+    if before:
+        A, B = rows_later(A), rows_later(B)
     return A, B, Mra, Mru
 
 
 def _pair_grads(geo, dA, dB, dMra, dMru, r, u, a, b, before: bool):
-    """(dr, du, da, dbe) through the four pairs, dbe the gradient of b as the pairs took it (``_pairs``: one token
+    """(dr, du, da, dbe) through the four pairs, dbe the gradient of b as the pairs took it (``_pairs``: be, one token
     earlier before the decay)."""
-    dbe, dr, da, du = geo.pair_quad_grad(dA, dMra, dB, dMru, b, r, a, u, strict=not before, shift=before)
+    be = rows_earlier(b) if before else b
+    if before:  # the pairs of the earlier b were read one row later
+        dA, dB = rows_earlier(dA), rows_earlier(dB)
+    # as ``_pairs`` formed them
+    dbe, dr, da, du = geo.pair_quad_grad(dA, dMra, dB, dMru, be, r, a, u, strict=not before)
     return dr, du, da, dbe
 
 

@@ -218,36 +218,31 @@ def _pair_operands(dual: bool, quad: bool) -> tuple[tuple, tuple]:
 
 
 @lru_cache(maxsize=None)
-def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False, quad: bool = False,
-                shift: bool = False) -> KernelSource:
+def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False, quad: bool = False) -> KernelSource:
     """M of X (pairs s < t where ``strict``); ``dual``: also M2 of X2 (s <= t) beside M of X; ``quad``: the dual
     form's two pairs with Y and with Yb (M, M2, Mb, M2b: the X pairs strict where ``strict``); ``mma``: the earlier
-    blocks' products on fragment multiply-adds (blocks of 16 tokens; template constant FI: items a SIMD group);
-    ``shift``: X's rows read one row later and the X pairs written one row later (row 0 zero)."""
+    blocks' products on fragment multiply-adds (blocks of 16 tokens; template constant FI: items a SIMD group)."""
     d = get(dialect)
     xs, ys = _pair_operands(dual, quad)
     outs = tuple("M" + x[1:] + y[1:] for y in ys for x in xs)
-    kind = "pair" + _pair_suffix(strict, dual, quad) + ("_mma" if mma else "") + ("_shift" if shift else "")
-    return _source(d, "chunk_pair.j2", kind, "key-vector decay pair matrix of a chunk", xs + ys + ("dk", "rt"), outs,
-                   (), helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad,
-                   shift=shift)
+    return _source(d, "chunk_pair.j2", "pair" + _pair_suffix(strict, dual, quad) + ("_mma" if mma else ""),
+                   "key-vector decay pair matrix of a chunk", xs + ys + ("dk", "rt"), outs, (),
+                   helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad)
 
 
 @lru_cache(maxsize=None)
 def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False,
-                     quad: bool = False, shift: bool = False) -> KernelSource:
+                     quad: bool = False) -> KernelSource:
     """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed); ``quad``:
     (dX, dX2, dY, dYb) for the cotangents dM, dM2, dMb, dM2b of its quad form (each gradient summed over the pairs
-    its operand is in); ``mma``: the other blocks' parts on fragment multiply-adds; ``shift`` (``pair_source``'s):
-    X's rows and its pairs' cotangent rows read one row later, dX that of X as the pairs took it."""
+    its operand is in); ``mma``: the other blocks' parts on fragment multiply-adds."""
     d = get(dialect)
     xs, ys = _pair_operands(dual, quad)
     cots = tuple("dM" + x[1:] + y[1:] for y in ys for x in xs)
-    kind = "pair_grad" + _pair_suffix(strict, dual, quad) + ("_mma" if mma else "") + ("_shift" if shift else "")
-    return _source(d, "chunk_pair_grad.j2", kind, "gradients of the key-vector decay pair matrix",
-                   cots + xs + ys + ("dk", "rt"), tuple("d" + x for x in xs + ys), (),
-                   helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad,
-                   shift=shift)
+    return _source(d, "chunk_pair_grad.j2", "pair_grad" + _pair_suffix(strict, dual, quad) + ("_mma" if mma else ""),
+                   "gradients of the key-vector decay pair matrix", cots + xs + ys + ("dk", "rt"),
+                   tuple("d" + x for x in xs + ys), (), helpers=d.mma_prelude if mma else "",
+                   strict=strict, dual=dual or quad, mma=mma, quad=quad)
 
 
 @lru_cache(maxsize=None)

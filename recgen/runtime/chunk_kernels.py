@@ -185,17 +185,17 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
 
 @lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False,
-                mma: bool = False, quad: bool = False, shift: bool = False) -> Launch:
+                mma: bool = False, quad: bool = False) -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
     operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
     ``quad``: both with a second Y as well (four pairs); ``mma``: the other blocks' products on fragments
-    (``chunk_sources.pair_fragments``); ``shift``: X read one row later, its pairs one row later."""
+    (``chunk_sources.pair_fragments``)."""
     lay = dict(pair_layout(dialect, C, K, dual, quad))
     if mma and not pair_fragments(dialect, C, K, dual, quad):
         raise ValueError(f"chunk_pair: fragments need blocks of 16 tokens, C a multiple of 16 (C={C})")
     if mma and not grad:
         lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
-    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma, quad, shift)
+    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma, quad)
     groups = N * lay["NB"] * (2 if grad else 1)
     nout = len(src.outputs)
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * nout
@@ -496,14 +496,14 @@ def chunk_bwd_rank1(r, u, a, b, l, dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP, dg, t
 
 
 def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), dual: bool = False,
-               quad: bool = False, shift: bool = False) -> tuple:
+               quad: bool = False) -> tuple:
     """The pair kernels (``pair_launch``) on flattened chunks: the cotangents [.., C, C] (the gradients' kernels) and
     the operands [.., C, K] in the kernel's input order, the decays dk. Returns the pairs [.., C, C], or the
     gradients [.., C, K], shaped as the first operand's chunks."""
     X = operands[0]
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     launch = pair_launch(t.dialect, N, C, K, strict, grad=bool(cots), dual=dual,
-                         mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad, shift=shift)
+                         mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad)
     outs = _call(t, launch, [m.reshape(N, C, C) for m in cots] + [a.reshape(N, C, K) for a in (*operands, dk)])
     shape = X.shape if cots else (*X.shape[:-1], C)
     return tuple(o.reshape(shape) for o in outs)
@@ -530,18 +530,15 @@ def pair_dual_grad(dM, dM2, X, X2, Y, dk, t: Tuning, strict: bool = True):
     return _pair_call(t, strict, (X, X2, Y), dk, (dM, dM2), dual=True)
 
 
-def pair_quad(X, X2, Y, Yb, dk, t: Tuning, strict: bool = True, shift: bool = False):
+def pair_quad(X, X2, Y, Yb, dk, t: Tuning, strict: bool = True):
     """(M of X, M2 of X2, Mb of X, M2b of X2) [.., C, C]: ``pair_dual``'s two pairs with Y and with Yb in one pass
-    over the decays and X, X2 (the X pairs strict where ``strict``). ``shift``: the pairs of X one token later
-    (X'_t = X_{t+1}, 0 past the chunk) written one row later (row 0 zero): ``core.rows_later`` of the pairs of
-    ``core.rows_earlier(X)``, no shifted copy made."""
-    return _pair_call(t, strict, (X, X2, Y, Yb), dk, dual=True, quad=True, shift=shift)
+    over the decays and X, X2 (the X pairs strict where ``strict``)."""
+    return _pair_call(t, strict, (X, X2, Y, Yb), dk, dual=True, quad=True)
 
 
-def pair_quad_grad(dM, dM2, dMb, dM2b, X, X2, Y, Yb, dk, t: Tuning, strict: bool = True, shift: bool = False):
-    """(dX, dX2, dY, dYb) for the cotangents of ``pair_quad`` (each summed over the pairs its operand is in); with
-    ``shift`` dX is the gradient of X' (X one token later, as the pairs took it)."""
-    return _pair_call(t, strict, (X, X2, Y, Yb), dk, (dM, dM2, dMb, dM2b), dual=True, quad=True, shift=shift)
+def pair_quad_grad(dM, dM2, dMb, dM2b, X, X2, Y, Yb, dk, t: Tuning, strict: bool = True):
+    """(dX, dX2, dY, dYb) for the cotangents of ``pair_quad`` (each summed over the pairs its operand is in)."""
+    return _pair_call(t, strict, (X, X2, Y, Yb), dk, (dM, dM2, dMb, dM2b), dual=True, quad=True)
 
 
 def feature_states(X, Y, t: Tuning):

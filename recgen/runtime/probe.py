@@ -129,17 +129,6 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                 got += list(ck.pair_quad(f32(X), f32(X2), f32(Y), f32(Yb), f32(dk), t, strict=True))
                 got += list(ck.pair_quad_grad(f32(dM), f32(dM2), f32(dMb), f32(dM2b), f32(X), f32(X2), f32(Y), f32(Yb),
                                               f32(dk), t, strict=True))
-                # and RWKV-7's shifted form (non-strict): X read a row later, its pairs written a row later, the
-                # cotangents of its pairs read a row later
-                later = lambda a: np.concatenate([np.zeros_like(a[:1]), a[:-1]])  # noqa: E731
-                earlier = lambda a: np.concatenate([a[1:], np.zeros_like(a[:1])])  # noqa: E731
-                Xe = earlier(X[0])
-                ref += [later(np.einsum("ti,si,tsi->ts", Xe, Y[0], gam))[None],
-                        (np.einsum("tsi,si->ti", earlier(dM[0])[:, :, None] * gam, Y[0])
-                         + np.einsum("tsi,si->ti", earlier(dMb[0])[:, :, None] * gam, Yb[0]))[None]]
-                got += [ck.pair_quad(f32(X), f32(X2), f32(Y), f32(Yb), f32(dk), t, False, shift=True)[0],
-                        ck.pair_quad_grad(f32(dM), f32(dM2), f32(dMb), f32(dM2b), f32(X), f32(X2), f32(Y), f32(Yb),
-                                          f32(dk), t, False, shift=True)[0]]
         elif frame == "decode":  # one step of a feature map's state (power retention's at d = 64), with z
             q, k, w = rng.normal(size=(2, 64)), rng.normal(size=(2, 64)), rng.normal(size=(2, 64))
             S, z, dec = rng.normal(size=(2, 2080, 64)), rng.normal(size=(2, 2080)), np.array([0.9, 0.5])
