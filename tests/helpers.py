@@ -143,9 +143,7 @@ def chunk_launches(target: str) -> list:
         return ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, 1)
 
     launches = ([ck.inverse_launch(target, 8, 64)] + [ck.decays_launch(target, 8, 64, 128, pe) for pe in (False, True)]
-                + [ck.decays_launch(target, 8, 64, 128, False, (("Q", "float32"),))]  # kda's and gla's u ⊙ Q
-                # RWKV-7's a ⊙ Q, u ⊙ Q in bf16 and r ⊙ P in float32 (the forward), and P_{t-1}
-                + [ck.decays_launch(target, 8, 64, 128, True, (("Q", "bfloat16"), ("Q", "bfloat16"), ("P", "float32")))]
+                + [ck.decays_launch(target, 8, 64, 128, pe, sc) for pe, sc in ((False, ("Q",)), (True, ("Q", "Q", "P")))]
                 + [x for e in (False, True) for x in scans(1, e=e, reverse=e)]
                 + scans(128, a=False, b=True)
                 + scans(128, e=True, reverse=True, a=True, b=False)

@@ -88,17 +88,16 @@ class PairsOneByOne:
         return p_before(self.P)
 
     def scale(self, scaled: dict | None) -> dict:
-        """name -> x ⊙ P, x ⊙ Q or x ⊙ P_{t−1} for each name -> (x, "P" | "Q" | "Pe", keep) of ``scaled``, in the
-        decays' type, or x's where ``keep``: the roles a geometry is built with (``scaled=``, kept as ``scaled``),
-        by MLX ops (the kernel geometry forms them in its own pass)."""
+        """name -> x ⊙ P, x ⊙ Q or x ⊙ P_{t−1} for each name -> (x, "P" | "Q" | "Pe") of ``scaled``, in the decays'
+        type: the roles a geometry is built with (``scaled=``, kept as ``scaled``), by MLX ops (the kernel geometry
+        forms them in its own pass)."""
         decay = {"P": lambda: self.P, "Q": lambda: self.Q, "Pe": self.p_before}
-        return {name: (decay[w]() * x).astype(x.dtype if keep else self.P.dtype)
-                for name, (x, w, keep) in (scaled or {}).items()}
+        return {name: decay[w]() * x for name, (x, w) in (scaled or {}).items()}
 
     def role(self, name: str, x, which: str):
         """x ⊙ the decay ``which`` ("P", "Q" or "Pe"): the one formed with the decays where the geometry was built
         with it under ``name``, else formed here."""
-        return self.scaled[name] if name in self.scaled else self.scale({name: (x, which, False)})[name]
+        return self.scaled[name] if name in self.scaled else self.scale({name: (x, which)})[name]
 
 
 class ScalarDecay(PairsOneByOne):
@@ -592,7 +591,7 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         pass): the scans' u ⊙ Q, and the backward's r ⊙ P where r is the readout role itself."""
         if not key:
             return None
-        return {"uQ": (u, "Q", False)} | ({"rP": (r, "P", False)} if backward and rfac is None else {})
+        return {"uQ": (u, "Q")} | ({"rP": (r, "P")} if backward and rfac is None else {})
 
     def fwd(S0, r, u, w, l, bt=None):
         geo = Geo(l, t, scaled=scaled(r, u, False))

@@ -166,26 +166,18 @@ def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None):
     kern = t if t.chunk_kernels else None
     Geo, GeoFwd = decay_geometry(key, kern), decay_geometry(key, kern, before)  # the forward reads P_{t−1}
     nres = 7
-
-    def scaled(r, u, a, w, backward: bool) -> dict:
-        """The roles scaled by a decay, formed with the decays (on the kernels: in the geometry's pass). Those only the
-        fragment scans read (a ⊙ Q both ways, the forward's u ⊙ Q and the backward's r ⊙ P: operands they convert on
-        load) keep the roles' type, so 16-bit roles give 16-bit products, rounded once as FLA rounds its operands:
-        the scans are bandwidth-bound on them. Those an MLX product reads stay float32 (it would round otherwise)."""
-        (C, K), V = a.shape[-2:], w.shape[-1]
-        k16 = bool(kern) and ck.scan_fuses_products(kern, C, K, V, True)
-        return {"aQ": (a, "Q", k16), "uQ": (u, "Q", k16 and not backward), "rP": (r, "P", k16 and backward)}
+    # the roles scaled by a decay, formed with the decays (on the kernels: in the geometry's pass)
+    scaled = lambda r, u, a: {"aQ": (a, "Q"), "uQ": (u, "Q"), "rP": (r, "P")}  # noqa: E731
 
     def fwd(S0, r, u, w, a, b, l):
-        geo = GeoFwd(l, t, scaled=scaled(r, u, a, w, False))
+        geo = GeoFwd(l, t, scaled=scaled(r, u, a))
         y, S_end, res = _forward(geo, S0, r, u, w, a, b, before, kern, rfac)
         return (y, S_end) + res + tuple(geo.saved())
 
     def bwd(*args):
         (S0, r, u, w, a, b, l), rest = args[:7], args[7:]
         res, geo_saved, (dy, dS_end) = rest[:nres], rest[nres:-2], rest[-2:]
-        geo = Geo(l, t, geo_saved, scaled(r, u, a, w, True))
-        grads = _backward(geo, r, u, w, a, b, res, dy, dS_end, before, kern, rfac)
+        grads = _backward(Geo(l, t, geo_saved, scaled(r, u, a)), r, u, w, a, b, res, dy, dS_end, before, kern, rfac)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, args[:7]))  # a 16-bit role takes its own type
 
     return with_vjp(fwd, bwd, t.compile)

@@ -136,8 +136,7 @@ def inverse_source(dialect: str) -> KernelSource:
 def decays_source(dialect: str, before: bool = False, scaled: tuple = ()) -> KernelSource:
     """A key-vector decay's per-token decays D, and P, Q from sums anchored at the chunk's start and end, from the
     log-decays l [N, C, F] (template constants C, F, NT); ``before``: also Pe_t = P_{t-1} (Pe_0 = 1). ``scaled``:
-    one of "P", "Q", "Pe" for each role X_i [N, C, F] given (any float type), Y_i = X_i ⊙ that decay in the type
-    of template constant YT_i."""
+    one of "P", "Q", "Pe" for each role X_i [N, C, F] given (any float type), Y_i = X_i ⊙ that decay in float32."""
     if any(w not in ("P", "Q", "Pe") for w in scaled):
         raise ValueError(f"decays: scaled roles take P, Q or Pe, not {scaled}")
     xs = tuple(f"X{i}" for i in range(len(scaled)))

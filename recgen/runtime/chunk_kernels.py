@@ -89,12 +89,11 @@ DECAYS_NT = 128  # threads a threadgroup of the decay-geometry kernel: one a (ch
 @lru_cache(maxsize=256)
 def decays_launch(dialect: str, N: int, C: int, F: int, before: bool = False, scaled: tuple = ()) -> Launch:
     """D, P, Q [N, C, F] of a key-vector decay from its log-decays (``chunk_decays.j2``); ``before``: and P one token
-    earlier; ``scaled``: and each given role times its decay, ((decay "P" | "Q" | "Pe", dtype name), ...)."""
+    earlier; ``scaled``: and each given role times its decay ("P", "Q" or "Pe")."""
     groups = -(-N * F // DECAYS_NT)
-    outs = (((N, C, F), "float32"),) * (3 + before) + tuple(((N, C, F), dt) for _, dt in scaled)
-    tmpl = (("C", C), ("F", F), ("NT", DECAYS_NT)) + tuple((f"YT{i}", dt) for i, (_, dt) in enumerate(scaled))
-    return Launch(decays_source(dialect, before, tuple(w for w, _ in scaled)), (("rt", (N,), "int32"),), outs,
-                  (groups * DECAYS_NT, 1, 1), (DECAYS_NT, 1, 1), tmpl)
+    nout = 3 + before + len(scaled)
+    return Launch(decays_source(dialect, before, scaled), (("rt", (N,), "int32"),), (((N, C, F), "float32"),) * nout,
+                  (groups * DECAYS_NT, 1, 1), (DECAYS_NT, 1, 1), (("C", C), ("F", F), ("NT", DECAYS_NT)))
 
 
 def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, v: ScanVariant, dgp_cols: int = 0) -> tuple:
@@ -316,14 +315,12 @@ def _call(t: Tuning, launch: Launch, user: list):
 def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = ()):
     """(D, P, Q) [..., C, K] of the log-decays l [..., C, K] (float32) in one pass: D = e^l, P and Q from sums
     anchored at the chunk's start and end (``chunk_decays.j2``); ``before``: and P_{t−1} (1 at t = 0), the decay a
-    transition before the decay meets; ``scaled``: ((x, "P" | "Q" | "Pe", keep), ...), roles x [..., C, K] of any
-    float type: and x ⊙ that decay for each (the scans' u ⊙ Q, the readout's r ⊙ P: one pass, where a cast and a
-    product were two per role), in x's type where ``keep`` (rounded once to the inputs' precision, for kernels
-    that convert on load), else float32."""
+    transition before the decay meets; ``scaled``: ((x, "P" | "Q" | "Pe"), ...), roles x [..., C, K] of any float
+    type: and x ⊙ that decay for each, in float32 (the scans' u ⊙ Q, the readout's r ⊙ P: one pass, where a cast
+    and a product were two per role)."""
     N, (C, F) = _lead(l, 2), l.shape[-2:]
-    kinds = tuple((w, _dtype_name(x.dtype) if keep else "float32") for x, w, keep in scaled)
-    launch = decays_launch(t.dialect, N, C, F, before, kinds)
-    user = [l.reshape(N, C, F)] + [x.reshape(N, C, F) for x, *_ in scaled]
+    launch = decays_launch(t.dialect, N, C, F, before, tuple(w for _, w in scaled))
+    user = [l.reshape(N, C, F)] + [x.reshape(N, C, F) for x, _ in scaled]
     return tuple(x.reshape(l.shape) for x in _call(t, launch, user))
 
 

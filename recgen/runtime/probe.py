@@ -99,9 +99,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             lk = -rng.uniform(size=(1, C, K))  # and the key-vector decay geometry
             got = [ck.tril_inverse(f32(L), t), ck.pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, t),
                    ck.sympow_fn(t, 1, "block")(f32(Xp[:, :2, None, :16]))[0, 0],
-                   # with P one token earlier (RWKV-7's) and roles scaled by Q and P, one in bf16 (kept so)
-                   *ck.key_decays(f32(lk), t, True,
-                                  ((f32(Xp).astype(mx.bfloat16), "Q", True), (f32(Yp), "P", False)))]
+                   # with P one token earlier (RWKV-7's) and roles scaled by Q and P, one in bf16
+                   *ck.key_decays(f32(lk), t, True, ((f32(Xp).astype(mx.bfloat16), "Q"), (f32(Yp), "P")))]
             Pk, Qk = np.exp(np.cumsum(lk, 1)), np.exp(np.cumsum(lk[:, ::-1], 1)[:, ::-1] - lk)
             ref = [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None], sympow(Xp[0, :2, :16]), np.exp(lk),
                    Pk, Qk, np.exp(np.cumsum(lk, 1) - lk), Xp * Qk, Yp * Pk]
