@@ -241,13 +241,14 @@ def test_chunk_scan_layout_fits_each_dialect():
 
 def _emulated_call(launch, dialect, user, extra, debug=False):
     """``launch.mlx_call`` with the Metal CPU emulator underneath: the same launch recipe, the
-    buffers through numpy (fine outside mx.compile, which the CPU path does not use)."""
+    buffers through numpy (fine outside mx.compile, which the CPU path does not use); outputs in the types the launch
+    declares (numpy has no bf16: the emulator's bf16 values come back widened)."""
     mx = pytest.importorskip("mlx.core")
     runtime = {r[0] for r in launch.runtime}
     names = [n for n in launch.source.inputs if n not in runtime]
     ins = {n: a if a.dtype in (mx.bfloat16, mx.float16) else np.array(a.astype(mx.float32))  # 16 bits: typed buffers
            for n, a in zip(names, list(user) + list(extra))}
-    return [mx.array(o) for o in verify.run_launch(launch, ins)]
+    return [mx.array(o).astype(getattr(mx, dt)) for o, (_, dt) in zip(verify.run_launch(launch, ins), launch.outputs)]
 
 
 def _emulate_noting_bf16(monkeypatch) -> dict:
