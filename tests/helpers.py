@@ -143,7 +143,8 @@ def chunk_launches(target: str) -> list:
         return ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, 1)
 
     launches = ([ck.inverse_launch(target, 8, 64)] + [ck.decays_launch(target, 8, 64, 128, pe) for pe in (False, True)]
-                + [ck.decays_launch(target, 8, 64, 128, pe, sc) for pe, sc in ((False, ("Q",)), (True, ("Q", "Q", "P")))]
+                + [ck.decays_launch(target, 8, 64, 128, False, ("Q",))]  # kda's and gla's, with u ⊙ Q
+                + [ck.decays_launch(target, 8, 64, 128, pe, ("Q", "Q", "P"), False) for pe in (True, False)]  # RWKV-7's
                 + [x for e in (False, True) for x in scans(1, e=e, reverse=e)]
                 + scans(128, a=False, b=True)
                 + scans(128, e=True, reverse=True, a=True, b=False)

@@ -35,26 +35,29 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a, np.float64) - b).max() / (np.abs(b).max() + 1e-30))
 
 
-@pytest.mark.parametrize("N,C,F,before,scaled", [(3, 16, 32, False, ()), (5, 64, 40, False, ()),
-                                                  (3, 16, 40, True, ("Q", "P", "Pe", "Q"))])
-def test_key_decays_match_numpy(N, C, F, before, scaled):
+@pytest.mark.parametrize("N,C,F,before,scaled,pq", [(3, 16, 32, False, (), True), (5, 64, 40, False, (), True),
+                                                     (3, 16, 40, True, ("Q", "P", "Pe", "Q"), True),
+                                                     (3, 16, 40, True, ("Q", "P", "Pe", "Q"), False)])
+def test_key_decays_match_numpy(N, C, F, before, scaled, pq):
     """The decay geometry kernel (chunk_decays.j2): D = e^l, P_t = e^{sum_{tau<=t} l}, Q_s = e^{sum_{tau>s} l} per
     chunk and key column, with ``before`` P_{t-1} (1 at t = 0), and roles X_i (bf16 and float32) times the decay
-    ``scaled`` names, log-decays down to -20 a token and some 0, N F not a multiple of the threadgroup (128)."""
+    ``scaled`` names (without ``pq``: G, P's last row, in place of P and Q), log-decays down to -20 a token and some
+    0, N F not a multiple of the threadgroup (128)."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(N + C + F)
     l = (-20 * rng.uniform(size=(N, C, F)) ** 3).astype(np.float32)
     l[rng.uniform(size=l.shape) < 0.05] = 0.0
     xs = [rng.normal(size=(N, C, F)).astype(np.float32) for _ in scaled]
     ins = {"l": l} | {f"X{i}": (mx.array(x).astype(mx.bfloat16) if i % 2 else x) for i, x in enumerate(xs)}
-    outs = verify.run_launch(ck.decays_launch("metal", N, C, F, before, scaled), ins)
-    assert len(outs) == 3 + before + len(scaled)
+    outs = verify.run_launch(ck.decays_launch("metal", N, C, F, before, scaled, pq), ins)
+    assert len(outs) == 3 - (not pq) + before + len(scaled)
     l64 = l.astype(np.float64)
     after = np.cumsum(l64[:, ::-1], 1)[:, ::-1] - l64  # sum over tau > s
     # P and Q carry the float32 rounding of their sums (|sum| up to 20 C / 4): relative 2^-24 C max|sum| at most
     tol = 2.0 ** -24 * C * np.abs(np.cumsum(l64, 1)).max()
     dec = {"P": np.exp(np.cumsum(l64, 1)), "Q": np.exp(after), "Pe": np.exp(np.cumsum(l64, 1) - l64)}
-    want = [(np.exp(l64), 2e-6), (dec["P"], tol), (dec["Q"], tol)] + ([(dec["Pe"], tol)] if before else [])
+    want = [(np.exp(l64), 2e-6)] + ([(dec["P"], tol), (dec["Q"], tol)] if pq else [(dec["P"][:, -1], tol)])
+    want += [(dec["Pe"], tol)] if before else []
     for i, w in enumerate(scaled):
         x = np.array(ins[f"X{i}"].astype(mx.float32), np.float64) if i % 2 else xs[i].astype(np.float64)
         want.append((x * dec[w], tol + 2e-7))
@@ -347,11 +350,11 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
 
 
 @pytest.mark.parametrize("name,K,V,mma,want", [
-    ("rwkv7", 32, 6, False, {"recgen_chunk_decays_q_q_p", "recgen_chunk_decays_pe_q_q_p",
+    ("rwkv7", 32, 6, False, {"recgen_chunk_decays_g_q_q_p", "recgen_chunk_decays_g_pe_q_q_p",
                              "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                              "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev",
                              "recgen_chunk_bwd_key_rank1_before"}),
-    ("rwkv7", 32, 8, True, {"recgen_chunk_decays_q_q_p", "recgen_chunk_decays_pe_q_q_p",
+    ("rwkv7", 32, 8, True, {"recgen_chunk_decays_g_q_q_p", "recgen_chunk_decays_g_pe_q_q_p",
                             "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                             "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
                             "recgen_chunk_bwd_key_rank1_before"}),
@@ -1275,8 +1278,8 @@ def test_general_rank1_core_reads_16bit_roles(roles16, monkeypatch):
     assert_close(compare(specs.BUILTINS["rwkv7"], 40, chunk=16, B=1, H=2, Hk=1, K=32, V=8, seed=3,
                          in_dtype=mx.bfloat16, tuning=t), 1e-2, 1e-2)
     want = {"pair_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"}, "pair_grad_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"},
-            "ut_mma_key": {"Bt"}, "scan_mma_p": {"Pb"}, "decays_pe_q_q_p": {"X0", "X1", "X2"},
-            "decays_q_q_p": {"X0", "X1", "X2"}, "bwd_key_rank1_before": {"R", "U", "A", "B"}}
+            "ut_mma_key": {"Bt"}, "scan_mma_p": {"Pb"}, "decays_g_pe_q_q_p": {"X0", "X1", "X2"},
+            "decays_g_q_q_p": {"X0", "X1", "X2"}, "bwd_key_rank1_before": {"R", "U", "A", "B"}}
     assert seen == ({} if roles16 == "0" else want), seen
 
 

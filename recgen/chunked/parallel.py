@@ -197,19 +197,24 @@ class KernelKeyDecay(PairsOneByOne):
 
     key = True
 
-    def __init__(self, l, t: Tuning, saved=(), scaled=None, before: bool = False):
+    def __init__(self, l, t: Tuning, saved=(), scaled=None, before: bool = False, pq: bool = True):
         """``saved`` (KeyDecay's signature) is always empty here: see ``saved``. ``before``: P_{t−1} too, from the
         same pass (``p_before``; a shifted copy of P and a mask were two more passes). ``scaled``: roles scaled by a
         decay (``scale``), formed in that pass too (``self.scaled``; a 16-bit role's cast and the product were two
-        passes each)."""
+        passes each). ``pq`` off: that pass writes g, not P and Q (where their readers take the products); P and Q
+        are then a second pass, formed only if read (``_pq``)."""
         self.l, self.t = l, t
         scaled = scaled or {}
         # one kernel pass for the three (MLX spent two cumulative sums, three exps and a concatenation on them, in
         # the forward and again in the backward)
-        self.d, self.P, self.Q, *rest = ck.key_decays(l, t, before, tuple(scaled.values()))
+        outs = ck.key_decays(l, t, before, tuple(scaled.values()), pq)
+        if pq:
+            self.d, self.P, self.Q, *rest = outs
+            self.g = self.P[..., -1, :]
+        else:
+            self.d, self.g, *rest = outs
         self._pe = rest[:int(before)]
         self.scaled = dict(zip(scaled, rest[int(before):]))
-        self.g = self.P[..., -1, :]
         self.dual = pair_supported(t.dialect, *l.shape[-2:], dual=True)  # the dual kernels' tiles fit
         self.quad = pair_supported(t.dialect, *l.shape[-2:], dual=True, quad=True)  # ... the quad kernels' too
 
@@ -220,6 +225,19 @@ class KernelKeyDecay(PairsOneByOne):
 
     def p_before(self):
         return self._pe[0] if self._pe else super().p_before()
+
+    @cached_property
+    def _pq(self):
+        """(P, Q) by a pass of their own, for a geometry built without them (``pq`` off): MLX runs it only if read."""
+        return ck.key_decays(self.l, self.t)[1:]
+
+    @cached_property
+    def P(self):
+        return self._pq[0]
+
+    @cached_property
+    def Q(self):
+        return self._pq[1]
 
     def pair(self, X, Y, strict: bool):
         return ck.pair(X, Y, self.d, strict, self.t)
@@ -553,11 +571,11 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
     return dS0, dr, du, Delta, dl, dbt
 
 
-def decay_geometry(key: bool, kern: Tuning | None, before: bool = False):
+def decay_geometry(key: bool, kern: Tuning | None, before: bool = False, pq: bool = True):
     """The class (or factory, same signature) of a chunk's decay geometry: ``ScalarDecay``; for a key-vector decay
     with chunk kernels (``kern``) the pair kernels where they have a layout for (C, K) (K a multiple of 32, known at
     the first call), the hierarchy (``KeyDecay``) otherwise. ``before``: the geometry's kernel also forms
-    ``p_before`` (a transition before the decay reads it)."""
+    ``p_before`` (a transition before the decay reads it); ``pq`` off: it writes g for P and Q (``KernelKeyDecay``)."""
     if not key:
         return ScalarDecay
     if not kern:
@@ -565,7 +583,7 @@ def decay_geometry(key: bool, kern: Tuning | None, before: bool = False):
 
     def make(l, t_, saved=(), scaled=None):
         if pair_supported(t_.dialect, *l.shape[-2:]):
-            return KernelKeyDecay(l, t_, saved, scaled, before)
+            return KernelKeyDecay(l, t_, saved, scaled, before, pq)
         return KeyDecay(l, t_, saved, scaled)
     return make
 

@@ -114,7 +114,6 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None
     # products and the reverse scan that read it (a lower training peak). With ``rfac`` the readout's cotangent is
     # rfac·dy: every gradient below then holds it, and r's is that of the core's argument
     dy = mx.contiguous(dy) if rfac is None else mx.contiguous(dy) * rfac
-    P, Q = geo.P, geo.Q
     rP, aQ, uQ = geo.role("rP", r, "P"), geo.role("aQ", a, "Q"), geo.role("uQ", u, "Q")
     C, K = a.shape[-2:]
     dSn, dX, dS0, dg = scan_backward(geo, dS_end, aQ, W, tr(Mra) @ dy, (rP, dy), 2 * C >= K, False, kern, states)
@@ -128,6 +127,7 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None
         dr, du, da, db, dl = ck.chunk_bwd_rank1(r, u, a, b, geo.l, dr, du, da, dbe, d_rP, d_uQ, d_aQ, dbP, dg, kern,
                                                 before)
         return dS0, dr, du, dw, da, db, dl
+    P, Q = geo.P, geo.Q
     be = rows_earlier(b) if before else b
     dG = be * dbe  # the pair's row t' (t − 1 before the decay) carries G_{t'}: its dG lands in the pair's rows
     db = rows_later(dbe) if before else dbe
@@ -164,7 +164,9 @@ def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None):
     role rfac·q is never formed, nor its gradient scaled after). Returns (y [.., n, C, V], S_end, *residuals), the
     residuals for the VJP only."""
     kern = t if t.chunk_kernels else None
-    Geo, GeoFwd = decay_geometry(key, kern), decay_geometry(key, kern, before)  # the forward reads P_{t−1}
+    # the forward reads P_{t−1} (before the decay) or P; otherwise only the products, D and g (the fused backward tail
+    # takes P and Q from l itself): the geometry kernel writes neither P nor Q where nothing reads them
+    Geo, GeoFwd = decay_geometry(key, kern, pq=False), decay_geometry(key, kern, before, pq=not before)
     nres = 7
     # the roles scaled by a decay, formed with the decays (on the kernels: in the geometry's pass)
     scaled = lambda r, u, a: {"aQ": (a, "Q"), "uQ": (u, "Q"), "rP": (r, "P")}  # noqa: E731

@@ -87,12 +87,15 @@ DECAYS_NT = 128  # threads a threadgroup of the decay-geometry kernel: one a (ch
 
 
 @lru_cache(maxsize=256)
-def decays_launch(dialect: str, N: int, C: int, F: int, before: bool = False, scaled: tuple = ()) -> Launch:
+def decays_launch(dialect: str, N: int, C: int, F: int, before: bool = False, scaled: tuple = (),
+                  pq: bool = True) -> Launch:
     """D, P, Q [N, C, F] of a key-vector decay from its log-decays (``chunk_decays.j2``); ``before``: and P one token
-    earlier; ``scaled``: and each given role times its decay ("P", "Q" or "Pe")."""
+    earlier; ``scaled``: and each given role times its decay ("P", "Q" or "Pe"); ``pq`` off: D and G [N, F] (the
+    chunk's decay) in place of D, P, Q."""
     groups = -(-N * F // DECAYS_NT)
-    nout = 3 + before + len(scaled)
-    return Launch(decays_source(dialect, before, scaled), (("rt", (N,), "int32"),), (((N, C, F), "float32"),) * nout,
+    full = ((N, C, F), "float32")
+    outs = ((full, full, full) if pq else (full, ((N, F), "float32"))) + (full,) * (before + len(scaled))
+    return Launch(decays_source(dialect, before, scaled, pq), (("rt", (N,), "int32"),), outs,
                   (groups * DECAYS_NT, 1, 1), (DECAYS_NT, 1, 1), (("C", C), ("F", F), ("NT", DECAYS_NT)))
 
 
@@ -312,16 +315,17 @@ def _call(t: Tuning, launch: Launch, user: list):
     return mlx_call(launch, get(t.dialect), user, [], t.debug)
 
 
-def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = ()):
+def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = (), pq: bool = True):
     """(D, P, Q) [..., C, K] of the log-decays l [..., C, K] (float32) in one pass: D = e^l, P and Q from sums
     anchored at the chunk's start and end (``chunk_decays.j2``); ``before``: and P_{t−1} (1 at t = 0), the decay a
     transition before the decay meets; ``scaled``: ((x, "P" | "Q" | "Pe"), ...), roles x [..., C, K] of any float
     type: and x ⊙ that decay for each, in float32 (the scans' u ⊙ Q, the readout's r ⊙ P: one pass, where a cast
-    and a product were two per role)."""
+    and a product were two per role). ``pq`` off: (D, g, ...) with g [..., K] the chunk's decay (P's last row) in
+    place of P and Q, two [..., C, K] writes fewer where their readers take the products."""
     N, (C, F) = _lead(l, 2), l.shape[-2:]
-    launch = decays_launch(t.dialect, N, C, F, before, tuple(w for _, w in scaled))
+    launch = decays_launch(t.dialect, N, C, F, before, tuple(w for _, w in scaled), pq)
     user = [l.reshape(N, C, F)] + [x.reshape(N, C, F) for x, _ in scaled]
-    return tuple(x.reshape(l.shape) for x in _call(t, launch, user))
+    return tuple(x.reshape(l.shape if x.ndim == 3 else (*l.shape[:-2], F)) for x in _call(t, launch, user))
 
 
 def tril_inverse(L, t: Tuning):

@@ -104,6 +104,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             Pk, Qk = np.exp(np.cumsum(lk, 1)), np.exp(np.cumsum(lk[:, ::-1], 1)[:, ::-1] - lk)
             ref = [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None], sympow(Xp[0, :2, :16]), np.exp(lk),
                    Pk, Qk, np.exp(np.cumsum(lk, 1) - lk), Xp * Qk, Yp * Pk]
+            # and the form that writes the chunk's decay g in place of P and Q (RWKV-7's)
+            got += list(ck.key_decays(f32(lk), t, False, ((f32(Yp), "P"),), pq=False))
+            ref += [np.exp(lk), Pk[:, -1], Yp * Pk]
         elif frame == "pairs":  # the key-decay pair kernels on fragments (dual: A strict, M_ru) and their gradients
             X, X2, Y = rng.normal(size=(3, 1, C, K))
             dk = np.exp(-0.5 * rng.uniform(size=(1, C, K)))
