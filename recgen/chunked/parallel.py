@@ -506,8 +506,8 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     r = _scaled(r, rfac)
     P, Q = geo.P, geo.Q
     F = M.swapaxes(-1, -2) @ dy
-    if geo.key:  # u ⊙ Q (and r ⊙ P where r is the role itself) formed with the decays (``core_fn``'s ``scaled``)
-        uQ, rP = geo.role("uQ", u, "Q"), geo.role("rP", r, "P") if rfac is None else r * P
+    if geo.key:  # formed with the decays where ``core_fn``'s ``scaled`` asked for them (r ⊙ P: not under rfac)
+        uQ, rP = geo.role("uQ", u, "Q"), geo.role("rP", r, "P")
         scan_u, scan_r = uQ, rP
     else:  # u ⊙ Q and r ⊙ P formed as the generated scan reads u and r (row scales)
         scan_u, scan_r = (u, Q), (r, P)
