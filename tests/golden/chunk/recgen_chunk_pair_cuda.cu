@@ -29,6 +29,7 @@
   float acc[NBM * BS8];
   float part[BS];
   for (int q = 0; q < NBM * BS8; ++q) acc[q] = 0.0f;
+#pragma unroll
   for (int s = 0; s < BS; ++s) part[s] = 0.0f;
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < (I + 1) * KS; q += NT) {  // each column of each block up to I, one thread
@@ -74,7 +75,8 @@
       }
       for (int c = cg; c < KS; c += 8) {             // block I: carry a = X_t G(t, s) down from s = t
         float a = static_cast<float>(X[base + (I * BS + t) * K + k0 + c]);
-        for (int s = BS - 1; s >= 0; --s) {
+#pragma unroll
+        for (int s = BS - 1; s >= 0; --s) {             // unrolled: part[s] stays in registers
           if (s <= t) {
             const float y = Yd_[s * LDS + c];
             const float dv = Dd_[s * LDS + c];
@@ -86,6 +88,7 @@
     }
     __syncthreads();
   }
+#pragma unroll
   for (int s = 0; s < BS; ++s)
     for (int m = 4; m > 0; m >>= 1) part[s] += __shfl_xor_sync(0xffffffffu, part[s], m);
   if (t >= BS) return;
@@ -94,5 +97,7 @@
     if (J >= I) break;
     for (int k = 0; k < BS8; ++k) M[mrow + J * BS + cg + 8 * k] = acc[J * BS8 + k];
   }
-  for (int s = cg; s < BS; s += 8) M[mrow + I * BS + s] = s <= t ? part[s] : 0.0f;
+#pragma unroll
+  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8, ...: a constant index, so part[s] is a register
+    if ((s & 7) == cg) M[mrow + I * BS + s] = s <= t ? part[s] : 0.0f;
   for (int s = (I + 1) * BS + cg; s < C; s += 8) M[mrow + s] = 0.0f;

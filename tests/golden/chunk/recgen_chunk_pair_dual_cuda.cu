@@ -31,10 +31,12 @@
   float acc[NBM * BS8];
   float part[BS];
   for (int q = 0; q < NBM * BS8; ++q) acc[q] = 0.0f;
+#pragma unroll
   for (int s = 0; s < BS; ++s) part[s] = 0.0f;
   float acc2[NBM * BS8];
   float part2[BS];
   for (int q = 0; q < NBM * BS8; ++q) acc2[q] = 0.0f;
+#pragma unroll
   for (int s = 0; s < BS; ++s) part2[s] = 0.0f;
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < (I + 1) * KS; q += NT) {  // each column of each block up to I, one thread
@@ -84,7 +86,8 @@
       for (int c = cg; c < KS; c += 8) {             // block I: carry a = X_t G(t, s) down from s = t
         float a = static_cast<float>(X[base + (I * BS + t) * K + k0 + c]);
         float a2 = static_cast<float>(X2[base + (I * BS + t) * K + k0 + c]);
-        for (int s = BS - 1; s >= 0; --s) {
+#pragma unroll
+        for (int s = BS - 1; s >= 0; --s) {             // unrolled: part[s] stays in registers
           if (s <= t) {
             const float y = Yd_[s * LDS + c];
             const float dv = Dd_[s * LDS + c];
@@ -98,8 +101,10 @@
     }
     __syncthreads();
   }
+#pragma unroll
   for (int s = 0; s < BS; ++s)
     for (int m = 4; m > 0; m >>= 1) part[s] += __shfl_xor_sync(0xffffffffu, part[s], m);
+#pragma unroll
   for (int s = 0; s < BS; ++s)
     for (int m = 4; m > 0; m >>= 1) part2[s] += __shfl_xor_sync(0xffffffffu, part2[s], m);
   if (t >= BS) return;
@@ -108,11 +113,15 @@
     if (J >= I) break;
     for (int k = 0; k < BS8; ++k) M[mrow + J * BS + cg + 8 * k] = acc[J * BS8 + k];
   }
-  for (int s = cg; s < BS; s += 8) M[mrow + I * BS + s] = s < t ? part[s] : 0.0f;
+#pragma unroll
+  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8, ...: a constant index, so part[s] is a register
+    if ((s & 7) == cg) M[mrow + I * BS + s] = s < t ? part[s] : 0.0f;
   for (int s = (I + 1) * BS + cg; s < C; s += 8) M[mrow + s] = 0.0f;
   for (int J = 0; J < NBM; ++J) {
     if (J >= I) break;
     for (int k = 0; k < BS8; ++k) M2[mrow + J * BS + cg + 8 * k] = acc2[J * BS8 + k];
   }
-  for (int s = cg; s < BS; s += 8) M2[mrow + I * BS + s] = s <= t ? part2[s] : 0.0f;
+#pragma unroll
+  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8, ...: a constant index, so part[s] is a register
+    if ((s & 7) == cg) M2[mrow + I * BS + s] = s <= t ? part2[s] : 0.0f;
   for (int s = (I + 1) * BS + cg; s < C; s += 8) M2[mrow + s] = 0.0f;

@@ -52,8 +52,10 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   float fr2_[FI][4];
   for (int q = 0; q < FI; ++q) { fr2_[q][0] = 0.0f; fr2_[q][1] = 0.0f; fr2_[q][2] = 0.0f; fr2_[q][3] = 0.0f; }
   float part[BS];
+#pragma unroll
   for (int s = 0; s < BS; ++s) part[s] = 0.0f;
   float part2[BS];
+#pragma unroll
   for (int s = 0; s < BS; ++s) part2[s] = 0.0f;
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < (I + 1) * KS; q += NT) {  // each column of each block up to I, one thread
@@ -109,7 +111,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       for (int c = cg; c < KS; c += 8) {             // block I: carry a = X_t G(t, s) down from s = t
         float a = static_cast<float>(X[base + (I * BS + t) * K + k0 + c]);
         float a2 = static_cast<float>(X2[base + (I * BS + t) * K + k0 + c]);
-        for (int s = BS - 1; s >= 0; --s) {
+#pragma unroll
+        for (int s = BS - 1; s >= 0; --s) {             // unrolled: part[s] stays in registers
           if (s <= t) {
             const float y = Yd_[s * LDS + c];
             const float dv = Dd_[s * LDS + c];
@@ -123,8 +126,10 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     }
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
   }
+#pragma unroll
   for (int s = 0; s < BS; ++s)
     for (int m = 4; m > 0; m >>= 1) part[s] += simd_shuffle_xor(part[s], m);
+#pragma unroll
   for (int s = 0; s < BS; ++s)
     for (int m = 4; m > 0; m >>= 1) part2[s] += simd_shuffle_xor(part2[s], m);
   for (int q = 0; q < FI; ++q) {
@@ -139,7 +144,11 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   }
   if (t >= BS) return;
   const int64_t mrow = (chunk * C + I * BS + t) * C;
-  for (int s = cg; s < BS; s += 8) M[mrow + I * BS + s] = s < t ? part[s] : 0.0f;
+#pragma unroll
+  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8, ...: a constant index, so part[s] is a register
+    if ((s & 7) == cg) M[mrow + I * BS + s] = s < t ? part[s] : 0.0f;
   for (int s = (I + 1) * BS + cg; s < C; s += 8) M[mrow + s] = 0.0f;
-  for (int s = cg; s < BS; s += 8) M2[mrow + I * BS + s] = s <= t ? part2[s] : 0.0f;
+#pragma unroll
+  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8, ...: a constant index, so part[s] is a register
+    if ((s & 7) == cg) M2[mrow + I * BS + s] = s <= t ? part2[s] : 0.0f;
   for (int s = (I + 1) * BS + cg; s < C; s += 8) M2[mrow + s] = 0.0f;

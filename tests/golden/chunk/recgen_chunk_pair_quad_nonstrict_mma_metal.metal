@@ -59,12 +59,16 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   float fr2b_[FI][4];
   for (int q = 0; q < FI; ++q) { fr2b_[q][0] = 0.0f; fr2b_[q][1] = 0.0f; fr2b_[q][2] = 0.0f; fr2b_[q][3] = 0.0f; }
   float part[BS];
+#pragma unroll
   for (int s = 0; s < BS; ++s) part[s] = 0.0f;
   float partb[BS];
+#pragma unroll
   for (int s = 0; s < BS; ++s) partb[s] = 0.0f;
   float part2[BS];
+#pragma unroll
   for (int s = 0; s < BS; ++s) part2[s] = 0.0f;
   float part2b[BS];
+#pragma unroll
   for (int s = 0; s < BS; ++s) part2b[s] = 0.0f;
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < (I + 1) * KS; q += NT) {  // each column of each block up to I, one thread
@@ -126,7 +130,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       for (int c = cg; c < KS; c += 8) {             // block I: carry a = X_t G(t, s) down from s = t
         float a = static_cast<float>(X[base + (I * BS + t) * K + k0 + c]);
         float a2 = static_cast<float>(X2[base + (I * BS + t) * K + k0 + c]);
-        for (int s = BS - 1; s >= 0; --s) {
+#pragma unroll
+        for (int s = BS - 1; s >= 0; --s) {             // unrolled: part[s] stays in registers
           if (s <= t) {
             const float y = Yd_[s * LDS + c];
             const float yb = Ydb_[s * LDS + c];
@@ -143,12 +148,16 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     }
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
   }
+#pragma unroll
   for (int s = 0; s < BS; ++s)
     for (int m = 4; m > 0; m >>= 1) part[s] += simd_shuffle_xor(part[s], m);
+#pragma unroll
   for (int s = 0; s < BS; ++s)
     for (int m = 4; m > 0; m >>= 1) partb[s] += simd_shuffle_xor(partb[s], m);
+#pragma unroll
   for (int s = 0; s < BS; ++s)
     for (int m = 4; m > 0; m >>= 1) part2[s] += simd_shuffle_xor(part2[s], m);
+#pragma unroll
   for (int s = 0; s < BS; ++s)
     for (int m = 4; m > 0; m >>= 1) part2b[s] += simd_shuffle_xor(part2b[s], m);
   for (int q = 0; q < FI; ++q) {
@@ -167,11 +176,19 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   }
   if (t >= BS) return;
   const int64_t mrow = (chunk * C + I * BS + t) * C;
-  for (int s = cg; s < BS; s += 8) M[mrow + I * BS + s] = s <= t ? part[s] : 0.0f;
+#pragma unroll
+  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8, ...: a constant index, so part[s] is a register
+    if ((s & 7) == cg) M[mrow + I * BS + s] = s <= t ? part[s] : 0.0f;
   for (int s = (I + 1) * BS + cg; s < C; s += 8) M[mrow + s] = 0.0f;
-  for (int s = cg; s < BS; s += 8) Mb[mrow + I * BS + s] = s <= t ? partb[s] : 0.0f;
+#pragma unroll
+  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8, ...: a constant index, so part[s] is a register
+    if ((s & 7) == cg) Mb[mrow + I * BS + s] = s <= t ? partb[s] : 0.0f;
   for (int s = (I + 1) * BS + cg; s < C; s += 8) Mb[mrow + s] = 0.0f;
-  for (int s = cg; s < BS; s += 8) M2[mrow + I * BS + s] = s <= t ? part2[s] : 0.0f;
+#pragma unroll
+  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8, ...: a constant index, so part[s] is a register
+    if ((s & 7) == cg) M2[mrow + I * BS + s] = s <= t ? part2[s] : 0.0f;
   for (int s = (I + 1) * BS + cg; s < C; s += 8) M2[mrow + s] = 0.0f;
-  for (int s = cg; s < BS; s += 8) M2b[mrow + I * BS + s] = s <= t ? part2b[s] : 0.0f;
+#pragma unroll
+  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8, ...: a constant index, so part[s] is a register
+    if ((s & 7) == cg) M2b[mrow + I * BS + s] = s <= t ? part2b[s] : 0.0f;
   for (int s = (I + 1) * BS + cg; s < C; s += 8) M2b[mrow + s] = 0.0f;

@@ -47,6 +47,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   float fr_[FI][4];
   for (int q = 0; q < FI; ++q) { fr_[q][0] = 0.0f; fr_[q][1] = 0.0f; fr_[q][2] = 0.0f; fr_[q][3] = 0.0f; }
   float part[BS];
+#pragma unroll
   for (int s = 0; s < BS; ++s) part[s] = 0.0f;
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < (I + 1) * KS; q += NT) {  // each column of each block up to I, one thread
@@ -96,7 +97,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     if (t < BS) {
       for (int c = cg; c < KS; c += 8) {             // block I: carry a = X_t G(t, s) down from s = t
         float a = static_cast<float>(X[base + (I * BS + t) * K + k0 + c]);
-        for (int s = BS - 1; s >= 0; --s) {
+#pragma unroll
+        for (int s = BS - 1; s >= 0; --s) {             // unrolled: part[s] stays in registers
           if (s <= t) {
             const float y = Yd_[s * LDS + c];
             const float dv = Dd_[s * LDS + c];
@@ -108,6 +110,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     }
     __syncthreads();
   }
+#pragma unroll
   for (int s = 0; s < BS; ++s)
     for (int m = 4; m > 0; m >>= 1) part[s] += __shfl_xor_sync(0xffffffffu, part[s], m);
   for (int q = 0; q < FI; ++q) {
@@ -120,5 +123,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   }
   if (t >= BS) return;
   const long long mrow = (chunk * C + I * BS + t) * C;
-  for (int s = cg; s < BS; s += 8) M[mrow + I * BS + s] = s < t ? part[s] : 0.0f;
+#pragma unroll
+  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8, ...: a constant index, so part[s] is a register
+    if ((s & 7) == cg) M[mrow + I * BS + s] = s < t ? part[s] : 0.0f;
   for (int s = (I + 1) * BS + cg; s < C; s += 8) M[mrow + s] = 0.0f;
