@@ -87,50 +87,82 @@
       }
     }
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+    // The own block's part, every column of the thread at once (j: column cg + 8 j): each cotangent dM[r, s] (dX) or
+    // dM[t, r] (dY) is read once for all of them, not once a column, and the staged operands and decays once for
+    // every X (or Y). The loops unroll, so the per-column carries stay in registers.
     if (r < BS) {
-      for (int c = cg; c < KS; c += 8) {
-        const int64_t at = base + (B0 * BS + r) * K + k0 + c;
-        if (!cols) {                                 // dX of row t = r: Y', Y and the decays serve every X
-          float off = 0.0f, dia = 0.0f;
+      float g_[KS / 8];
+#pragma unroll
+      for (int j = 0; j < KS / 8; ++j) g_[j] = 1.0f;
+      if (!cols) {                                   // dX of row t = r: Y', Y and the decays serve every X
+        float dia_[KS / 8];
+#pragma unroll
+        for (int j = 0; j < KS / 8; ++j) dia_[j] = 0.0f;
+        float dia2_[KS / 8];
+#pragma unroll
+        for (int j = 0; j < KS / 8; ++j) dia2_[j] = 0.0f;
+#pragma unroll
+        for (int s = BS - 1; s >= 0; --s) {
+          if (s <= r) {
+            const float m = dMs_[r * LDM + B0 * BS + s];
+            const float m2 = dMs2_[r * LDM + B0 * BS + s];
+#pragma unroll
+            for (int j = 0; j < KS / 8; ++j) {
+              const int c = cg + 8 * j;
+              const float o = Od_[s * LDS + c];
+              if (s <= r) dia_[j] += (m * o) * g_[j];
+              if (s <= r) dia2_[j] += (m2 * o) * g_[j];
+              g_[j] *= Dd_[s * LDS + c];
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < KS / 8; ++j) {
+          const int c = cg + 8 * j;
+          const int64_t at = base + (B0 * BS + r) * K + k0 + c;
+          float off = 0.0f;
           for (int J = 0; J < NBM; ++J)
             if (J < B0)
               for (int s = 0; s < BS; ++s) off += dMs_[r * LDM + J * BS + s] * Os_[(J * BS + s) * LDS + c];
-          float g = 1.0f;
-          for (int s = BS - 1; s >= 0; --s) {
-            if (s <= r) {
-              if (s <= r) dia += dMs_[r * LDM + B0 * BS + s] * g * Od_[s * LDS + c];
-              g *= Dd_[s * LDS + c];
-            }
-          }
-          dX[at] = Gs_[r * LDS + c] * off + dia;
-          float off2 = 0.0f, dia2 = 0.0f;
+          dX[at] = Gs_[r * LDS + c] * off + dia_[j];
+          float off2 = 0.0f;
           for (int J = 0; J < NBM; ++J)
             if (J < B0)
               for (int s = 0; s < BS; ++s) off2 += dMs2_[r * LDM + J * BS + s] * Os_[(J * BS + s) * LDS + c];
-          float g2 = 1.0f;
-          for (int s = BS - 1; s >= 0; --s) {
-            if (s <= r) {
-              if (s <= r) dia2 += dMs2_[r * LDM + B0 * BS + s] * g2 * Od_[s * LDS + c];
-              g2 *= Dd_[s * LDS + c];
+          dX2[at] = Gs_[r * LDS + c] * off2 + dia2_[j];
+        }
+      } else {                                       // dY of row s = r, summed over M and M2
+        float dia_[KS / 8];
+#pragma unroll
+        for (int j = 0; j < KS / 8; ++j) dia_[j] = 0.0f;
+#pragma unroll
+        for (int t = 0; t < BS; ++t) {
+          if (t >= r) {
+            const int mt = (B0 * BS + t) * LDT + r;
+            const float m = dMs_[mt];
+            const float m2 = dMs2_[mt];
+#pragma unroll
+            for (int j = 0; j < KS / 8; ++j) {
+              const int c = cg + 8 * j;
+              if (t > r) g_[j] *= Dd_[t * LDS + c];
+              const float o = Od_[t * LDS + c] * g_[j];
+              const float o2 = Od2_[t * LDS + c] * g_[j];
+              dia_[j] += (m * o) + (m2 * o2);
             }
           }
-          dX2[at] = Gs_[r * LDS + c] * off2 + dia2;
-        } else {                                     // dY of row s = r, summed over M and M2
-          float off = 0.0f, dia = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < KS / 8; ++j) {
+          const int c = cg + 8 * j;
+          const int64_t at = base + (B0 * BS + r) * K + k0 + c;
+          float off = 0.0f;
           for (int m = 0; m < NBM; ++m)
             if (B0 + 1 + m < NB)
               for (int t = 0; t < BS; ++t) {
                 const int mt = ((B0 + 1 + m) * BS + t) * LDT + r, ot = (m * BS + t) * LDS + c;
                 off += dMs_[mt] * Os_[ot] + dMs2_[mt] * Os2_[ot];
               }
-          float g = 1.0f;
-          for (int t = 0; t < BS; ++t) {
-            if (t > r) g *= Dd_[t * LDS + c];
-            const int mt = (B0 * BS + t) * LDT + r;
-            if (t >= r) dia += dMs_[mt] * g * Od_[t * LDS + c];
-            if (t >= r) dia += dMs2_[mt] * g * Od2_[t * LDS + c];
-          }
-          dY[at] = Gs_[r * LDS + c] * off + dia;
+          dY[at] = Gs_[r * LDS + c] * off + dia_[j];
         }
       }
     }
