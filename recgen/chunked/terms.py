@@ -83,6 +83,7 @@ class Plan:
     N: object           # normalizer function of n, or None
     r_scaled: tuple | None = None  # (input symbol x, c(scale)) where the readout role is r = c·x, c a constant
     # (every built-in's r = scale·q): the chunked core then takes x as it is and applies c inside (``core_fn``'s rfac)
+    logdecay_input: object = None  # the input symbol the log-decay is verbatim (GLA's, KDA's, RWKV-7's), or None
 
     decay_class = property(lambda self: self.analysis.decay_class)    # "scalar" | "key" | "full"
     zdecay_class = property(lambda self: self.analysis.zdecay_class)
@@ -102,7 +103,8 @@ def plan(rec: ir.Recurrence, pow2_exp: bool = False) -> Plan:
     terms = rec.terms()
     a = analyze(rec)
     fns = {role: lam(e) for role, e in terms.items() if role not in ("decay", "zdecay")}
-    fns["logdecay"] = lam(log_decay_expr(terms["decay"]))
+    ld = log_decay_expr(terms["decay"])
+    fns["logdecay"] = lam(ld)
     N = None
     norm = rec.step.normalizer
     if norm is not None:
@@ -111,7 +113,7 @@ def plan(rec: ir.Recurrence, pow2_exp: bool = False) -> Plan:
     if a.rho is not None:
         fns["rho"] = lam(a.rho)
     r_scaled = None if a.r_scaled is None else (a.r_scaled[0], lambdify((ir.SCALE,), a.r_scaled[1], "math"))
-    return Plan(rec, a, syms, fns, N, r_scaled)
+    return Plan(rec, a, syms, fns, N, r_scaled, ld if isinstance(ld, sp.Symbol) and ld in rec.symbols else None)
 
 
 # -- binding -----------------------------------------------------------------------------------
@@ -149,7 +151,8 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
 
     A key or value that a role is verbatim (``Plan.bare_roles``) or a constant multiple of (``Plan.r_scaled``) is
     first copied to row-major order in its own type: MLX's cast keeps a transposed view's strides, so the chunked
-    core's reshape would copy it again in float32 (a cast and a float32 layout copy per such input).
+    core's reshape would copy it again in float32 (a cast and a float32 layout copy per such input); so is a log-decay
+    that is an input verbatim (``Plan.logdecay_input``).
     ``raw`` (a dict), if given, receives those row-major copies before the cast, by symbol. ``sympow``: the degree-2
     feature map as (x [B,C,Hk,D], H, gqa) -> φ [B,H,C,F] (default: ``sympow_mx``, heads expanded, transposed; the
     chunk kernels' ``chunk_kernels.sympow_fn``, which writes that layout itself); other degrees take ``sympow_mx``;
@@ -158,7 +161,10 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
     rec = p.rec
     vals = {}
     cast = (lambda a: a.astype(dtype)) if dtype is not None else (lambda a: a)
-    bare = {s for _, s in p.bare_roles} | ({p.r_scaled[0]} if p.r_scaled else set())
+    # and the log-decay where it is an input verbatim: cast from the row-major copy, it is a contiguous float32
+    # array the chunks' reshape views, not a strided cast the reshape copies again in float32
+    bare = ({s for _, s in p.bare_roles} | ({p.r_scaled[0]} if p.r_scaled else set())
+            | ({p.logdecay_input} if p.logdecay_input is not None else set()))
 
     def phi(x, H, gqa, degree):
         if sympow is not None and degree == 2:
@@ -185,7 +191,7 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
                 if f.source == x.name:
                     vals[f.symbol] = phi(cast(a), H, rec.gqa, f.degree)[..., None]
         elif x.kind == "key_gate":                   # [B,C,H,K]
-            vals[x.symbol] = cast(a.transpose(0, 2, 1, 3)[..., None])
+            vals[x.symbol] = cast(row_major(a.transpose(0, 2, 1, 3)[..., None], x))
         elif x.kind == "value":                      # [B,C,H,V]
             vals[x.symbol] = cast(row_major(a.transpose(0, 2, 1, 3)[..., None, :], x))
         else:                                        # param [H, *index]
