@@ -196,9 +196,6 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     lay = dict(pair_layout(dialect, C, K, dual, quad))
     if mma and not pair_fragments(dialect, C, K, dual, quad):
         raise ValueError(f"chunk_pair: fragments need blocks of 16 tokens, C a multiple of 16 (C={C})")
-    if not grad:  # with fragments, blocks of 16 rows: two threads a row, each summing half its own block's pairs
-        lay["SH"] = 2 if mma and lay["BS"] == 16 else 1
-        lay["NT"] = max(lay["NT"], 8 * lay["BS"] * lay["SH"])
     if mma and not grad:
         lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
     src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma, quad)
