@@ -22,6 +22,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--timeline", action="store_true", help="also every kernel of the last call, in launch order")
+    p.add_argument("--cuda-profiler-range", action="store_true",
+                   help="only one call between cudaProfilerStart and Stop, for `ncu --profile-from-start off` "
+                        "(the warm-up and the once-a-process self-tests outside it); no table")
     args = p.parse_args()
 
     import mlx.core as mx
@@ -38,6 +41,12 @@ def main() -> None:
         mx.eval(call())
     mx.synchronize()
     torch.cuda.init()
+    if args.cuda_profiler_range:
+        torch.cuda.cudart().cudaProfilerStart()
+        mx.eval(call())
+        mx.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.reps):
             mx.eval(call())

@@ -11,6 +11,7 @@
 #   bash benchmarks/run_gpu.sh retention   # the retention package's power_retention (its autotuning: minutes)
 #   bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # every kernel of one call, the table in $OUT
 #   PROFILE_ARGS=--timeline bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # and in launch order
+#   NCU_KERNELS="pair|dg_rev" bash benchmarks/run_gpu.sh ncu:rwkv7:4,4096,16,128:fwdbwd   # Nsight Compute, one call
 # Timings are `recgen bench` (chained calls, the op's defaults; recgen/bench.py says how) and FLA in the same call.
 # `check` is the GPU test suite (python -m pytest -m gpu, in shards). Expects the offline bundle (.gpu-bundle,
 # built outside the repo) to be carried along.
@@ -53,6 +54,14 @@ for stage in "$@"; do
     profile:*) p=${stage#profile:}; sp=${p%%:*}; p=${p#*:}; shape=${p%%:*}; pass=${p#*:}  # profile:SPEC:SHAPE:PASS
                timeout ${BENCH_TIMEOUT:-150} python benchmarks/profile_kernels.py $sp --shape $shape --pass $pass $PROFILE_ARGS \
                  --top 40 2>&1 | grep -v Warn | tee "$OUT/profile_${sp}_${shape//,/x}_$pass.txt" ;;  # whole, in $OUT
+    ncu:*) p=${stage#ncu:}; sp=${p%%:*}; p=${p#*:}; shape=${p%%:*}; pass=${p#*:}  # ncu:SPEC:SHAPE:PASS, the kernels
+           f="$OUT/ncu_${sp}_${shape//,/x}_$pass.txt"                     # matching NCU_KERNELS (a regex) of one call
+           timeout ${BENCH_TIMEOUT:-300} ncu --clock-control none --profile-from-start off \
+             --kernel-name regex:"${NCU_KERNELS:-.}" --section SpeedOfLight --section Occupancy --section LaunchStats \
+             --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+             --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
+             python benchmarks/profile_kernels.py $sp --shape $shape --pass $pass --cuda-profiler-range > "$f" 2>&1
+           grep -E "^  [a-z_]+custom_kernel|^  [a-z_].*\(|Duration|Throughput  |Achieved Occupancy|Registers Per" "$f" ;;
     decode) timeout 120 python benchmarks/bench_decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
     threshold:*) for T in ${THRESHOLD_TS:-256 512 1024}; do                 # where the chunked form starts (per T):
            for f in 1 1000000; do for c in "" --compiled; do              # the chunked form from T=1 / never,
