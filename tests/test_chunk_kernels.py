@@ -850,6 +850,13 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
                                     pa | {"X2": pa["Y"], "dM": dM, "dM2": dM}, sanitizer=sanitizer)
     strict_ip = float((dM * _pair_ref(pa["X"], pa["Y"], pa["dk"], True)).sum())
     assert abs(float((dX * pa["X"]).sum()) - strict_ip) < 1e-4 * abs(ip) and np.isfinite(dX2).all()
+    quad = pa | {"X2": f(2, 48, 64), "Yb": f(2, 48, 64)}  # RWKV-7's four pairs, on fragments, forward and gradient
+    cots = {"dM": dM, "dM2": np.swapaxes(dM, 1, 2).copy(), "dMb": -dM, "dM2b": dM / 2}
+    for grad, extra in ((False, {}), (True, cots)):
+        launch = ck.pair_launch("metal", 2, 48, 64, False, grad=grad, dual=True, quad=True, mma=True)
+        plain = verify.run_launch(launch, quad | extra)
+        for got, want in zip(verify.run_launch(launch, quad | extra, sanitizer=sanitizer), plain):
+            assert np.array_equal(got, want)
     x, dphi = f(1, 2, 2, 16), f(1, 4, 2, 136)  # sympow's gradient: two value heads a key head, rows staged in turn
     (dx,) = verify.run_launch(ck.sympow_launch("metal", 1, 2, 4, 2, 16, True, grad=True), {"dphi": dphi, "x": x},
                               sanitizer=sanitizer)
