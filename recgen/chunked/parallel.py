@@ -507,8 +507,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     P, Q = geo.P, geo.Q
     F = M.swapaxes(-1, -2) @ dy
     if geo.key:  # formed with the decays where ``core_fn``'s ``scaled`` asked for them (r ⊙ P: not under rfac)
-        uQ, rP = geo.role("uQ", u, "Q"), geo.role("rP", r, "P")
-        scan_u, scan_r = uQ, rP
+        scan_u, scan_r = geo.role("uQ", u, "Q"), geo.role("rP", r, "P")
     else:  # u ⊙ Q and r ⊙ P formed as the generated scan reads u and r (row scales)
         scan_u, scan_r = (u, Q), (r, P)
     # E = (r ⊙ P)ᵀ dy
@@ -528,8 +527,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     if geo.key and kern and ck.fuses_key_tail(kern, u.shape[-2]):  # the elementwise tail below as one kernel
         dr, du, dbt, dl = ck.chunk_bwd_key(*given, geo.l, dr_, du_, dbt_, d_rP, d_uQ, dR, dg, kern, rfac)
         return dS0, dr, du, dw, dl, dbt
-    if not geo.key:
-        rP, uQ = r * P, u * Q
+    uQ, rP = (scan_u, scan_r) if geo.key else (u * Q, r * P)
     dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ
     dbt = None
     if bt is not None:
