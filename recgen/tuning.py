@@ -66,6 +66,7 @@ class Tuning:
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (not measured yet: off)
     scan_products: bool = True      # the fragment scan takes a product term E = Paᵀ Pb as its factors
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
+    pair_fold: bool = False         # ... their own block's rows t and BS − 1 − t on one thread (not measured yet)
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
@@ -142,6 +143,7 @@ ENVIRONMENT = {
     "RECGEN_SCAN_PREFETCH": ("scan_prefetch", _flag),
     "RECGEN_SCAN_PRODUCTS": ("scan_products", _flag),
     "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
+    "RECGEN_PAIR_FOLD": ("pair_fold", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),
     "RECGEN_FEATURE_IDENTITY": ("feature_identity", _flag),

@@ -159,6 +159,8 @@ def chunk_launches(target: str) -> list:
                    for dual in (False, True)]
                 + [ck.pair_launch(target, 8, 64 if target == "cuda" else 32, 128, False, grad, True, mma=m, quad=True)
                    for grad in (False, True) for m in (False, True)]  # the quad form (Metal's at C = 32)
+                + [ck.pair_launch(target, 8, 64 if target == "cuda" else 32, 128, not q, grad, True, mma=True, quad=q,
+                                  fold=True) for grad in (False, True) for q in (False, True)]  # rows folded
                 + [ck.sympow_launch(target, 2, 4096, 8, 8, 64, True, grad) for grad in (False, True)]
                 + [ck.feature_decode_launch(target, 16, 64, 64, has_z) for has_z in (True, False)]
                 + [ck.feature_states_launch(target, 256, 256, 64, 65), ck.feature_out_launch(target, 256, 256, 64, 65),

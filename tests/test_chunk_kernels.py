@@ -852,8 +852,8 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     assert abs(float((dX * pa["X"]).sum()) - strict_ip) < 1e-4 * abs(ip) and np.isfinite(dX2).all()
     quad = pa | {"X2": f(2, 48, 64), "Yb": f(2, 48, 64)}  # RWKV-7's four pairs, on fragments, forward and gradient
     cots = {"dM": dM, "dM2": np.swapaxes(dM, 1, 2).copy(), "dMb": -dM, "dM2b": dM / 2}
-    for grad, extra in ((False, {}), (True, cots)):
-        launch = ck.pair_launch("metal", 2, 48, 64, False, grad=grad, dual=True, quad=True, mma=True)
+    for grad, extra, fold in ((False, {}, False), (True, cots, False), (False, {}, True), (True, cots, True)):
+        launch = ck.pair_launch("metal", 2, 48, 64, False, grad=grad, dual=True, quad=True, mma=True, fold=fold)
         plain = verify.run_launch(launch, quad | extra)
         for got, want in zip(verify.run_launch(launch, quad | extra, sanitizer=sanitizer), plain):
             assert np.array_equal(got, want)
@@ -964,6 +964,49 @@ def test_quad_pair_kernels_match_numpy(frame, mma, C, K, strict):
     for got, want in zip(grads, (dXa + dXb, dX2a + dX2b, dYa, dYb)):
         assert _rel(got, want) < 1e-5, _rel(got, want)
     assert cs.pair_supported("cuda", 64, 128, True, True) and not cs.pair_supported("metal", 64, 128, True, True)
+
+
+@pytest.mark.parametrize("frame,mma,C,K,strict,dual,quad", [
+    ("metal", False, 8, 64, True, False, False),    # one block of 8 rows: four row pairs
+    ("metal", False, 4, 32, False, False, False),   # NT = 32 threads, two row pairs
+    ("metal", False, 48, 64, False, True, False),   # three blocks, two slabs
+    ("metal", True, 64, 32, True, True, False),
+    ("metal", True, 48, 64, True, True, True),
+    ("metal_ptx", True, 32, 32, False, True, True)])
+def test_pair_kernels_with_folded_rows_match_numpy(frame, mma, C, K, strict, dual, quad):
+    """``fold`` (``Tuning.pair_fold``): the own block's rows t and BS - 1 - t on one thread, their partial sums in
+    one array (row t's s at s, the other row's at BS - s), reduced over 16 lanes; forward and gradients of single,
+    dual and quad pairs, plain and on fragments in both lane layouts, decays down to e^-20 and some exactly 0,
+    against float64; the gradients also equal the unfolded kernels' bit for bit (the same sums in the same order).
+    An odd block of rows has no folded form."""
+    rng = np.random.default_rng(C + K + strict + 2 * dual + 4 * quad)
+    N = 2
+    X, X2, Y, Yb = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(4))
+    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
+    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
+    ins = {"X": X, "Y": Y, "dk": dk} | ({"X2": X2} if dual else {}) | ({"Yb": Yb} if quad else {})
+    launch = ck.pair_launch(frame, N, C, K, strict, dual=dual, quad=quad, mma=mma, fold=True)
+    assert launch.source.name.split(f"_{frame}_")[0].endswith("_fold")
+    xs, ys = [(X, strict)] + ([(X2, False)] if dual else []), [Y] + ([Yb] if quad else [])
+    outs = verify.run_launch(launch, ins)
+    wants = [_pair_ref(x, y, dk, st) for y in ys for x, st in xs]
+    assert len(outs) == len(wants)
+    for got, want in zip(outs, wants):
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+    names = [n for y in ("", "b")[:len(ys)] for n in ("dM" + y, "dM2" + y)[:len(xs)]]
+    cots = {n: rng.normal(size=(N, C, C)).astype(np.float32) for n in names}
+    grads = verify.run_launch(ck.pair_launch(frame, N, C, K, strict, grad=True, dual=dual, quad=quad, mma=mma,
+                                             fold=True), ins | cots)
+    plain = verify.run_launch(ck.pair_launch(frame, N, C, K, strict, grad=True, dual=dual, quad=quad, mma=mma),
+                              ins | cots)
+    per_y = [_pair_grads_ref([(x, cots[n], st) for (x, st), n in zip(xs, names[len(xs) * i:])], y, dk)
+             for i, y in enumerate(ys)]
+    want_dX = [sum(g[0][k] for g in per_y) for k in range(len(xs))]
+    for got, want, same in zip(grads, want_dX + [g[1] for g in per_y], plain):
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+        assert np.array_equal(got, same)
+    with pytest.raises(ValueError, match="even block"):
+        ck.pair_launch(frame, N, 5, K, strict, fold=True)
 
 
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)

@@ -220,31 +220,36 @@ def _pair_operands(dual: bool, quad: bool) -> tuple[tuple, tuple]:
 
 
 @lru_cache(maxsize=None)
-def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False, quad: bool = False) -> KernelSource:
+def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False, quad: bool = False,
+                fold: bool = False) -> KernelSource:
     """M of X (pairs s < t where ``strict``); ``dual``: also M2 of X2 (s <= t) beside M of X; ``quad``: the dual
     form's two pairs with Y and with Yb (M, M2, Mb, M2b: the X pairs strict where ``strict``); ``mma``: the earlier
-    blocks' products on fragment multiply-adds (blocks of 16 tokens; template constant FI: items a SIMD group)."""
+    blocks' products on fragment multiply-adds (blocks of 16 tokens; template constant FI: items a SIMD group);
+    ``fold``: the own block's rows t and BS − 1 − t carried by one thread (BS even: ``pair_folds``)."""
     d = get(dialect)
     xs, ys = _pair_operands(dual, quad)
     outs = tuple("M" + x[1:] + y[1:] for y in ys for x in xs)
-    return _source(d, "chunk_pair.j2", "pair" + _pair_suffix(strict, dual, quad) + ("_mma" if mma else ""),
-                   "key-vector decay pair matrix of a chunk", xs + ys + ("dk", "rt"), outs, (),
-                   helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad)
+    kind = "pair" + _pair_suffix(strict, dual, quad) + ("_mma" if mma else "") + ("_fold" if fold else "")
+    return _source(d, "chunk_pair.j2", kind, "key-vector decay pair matrix of a chunk", xs + ys + ("dk", "rt"), outs,
+                   (), helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad,
+                   fold=fold)
 
 
 @lru_cache(maxsize=None)
 def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False,
-                     quad: bool = False) -> KernelSource:
+                     quad: bool = False, fold: bool = False) -> KernelSource:
     """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed); ``quad``:
     (dX, dX2, dY, dYb) for the cotangents dM, dM2, dMb, dM2b of its quad form (each gradient summed over the pairs
-    its operand is in); ``mma``: the other blocks' parts on fragment multiply-adds."""
+    its operand is in); ``mma``: the other blocks' parts on fragment multiply-adds; ``fold``: the own block's rows
+    t and BS − 1 − t computed by one thread (``pair_source``)."""
     d = get(dialect)
     xs, ys = _pair_operands(dual, quad)
     cots = tuple("dM" + x[1:] + y[1:] for y in ys for x in xs)
-    return _source(d, "chunk_pair_grad.j2", "pair_grad" + _pair_suffix(strict, dual, quad) + ("_mma" if mma else ""),
-                   "gradients of the key-vector decay pair matrix", cots + xs + ys + ("dk", "rt"),
-                   tuple("d" + x for x in xs + ys), (), helpers=d.mma_prelude if mma else "",
-                   strict=strict, dual=dual or quad, mma=mma, quad=quad)
+    kind = "pair_grad" + _pair_suffix(strict, dual, quad) + ("_mma" if mma else "") + ("_fold" if fold else "")
+    return _source(d, "chunk_pair_grad.j2", kind, "gradients of the key-vector decay pair matrix",
+                   cots + xs + ys + ("dk", "rt"), tuple("d" + x for x in xs + ys), (),
+                   helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad,
+                   fold=fold)
 
 
 @lru_cache(maxsize=None)
@@ -511,6 +516,12 @@ def pair_fragments(dialect: str, C: int, K: int, dual: bool = False, quad: bool 
     """Whether the pair kernels' other blocks can run on fragments: blocks of 16 tokens (C a multiple of 16) where the
     pair kernels have a layout (the fragments use no threadgroup memory of their own)."""
     return C >= 16 and C % 16 == 0 and pair_supported(dialect, C, K, dual, quad)
+
+
+def pair_folds(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False) -> bool:
+    """Whether the pair kernels can fold the own block's rows (one thread rows t and BS − 1 − t, 16 lanes a pair of
+    rows): an even block of rows where they have a layout (NT = 8 BS threads then hold BS / 2 groups of 16)."""
+    return pair_supported(dialect, C, K, dual, quad) and pair_layout(dialect, C, K, dual, quad)["BS"] % 2 == 0
 
 
 @lru_cache(maxsize=None)

@@ -17,7 +17,7 @@ from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, decays_source, feature_decode_layout, feature_decode_source,
                                      feature_jac_source, feature_mma_layout, feature_out_source, feature_states_source,
-                                     inverse_source, out_mma_layout, out_mma_source, pair_fragments, pair_grad_source,
+                                     inverse_source, out_mma_layout, out_mma_source, pair_folds, pair_fragments, pair_grad_source,
                                      pair_layout, pair_source, scan_layout, scan_mma_layout, scan_prefetches,
                                      scan_source, sympow_layout, sympow_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
@@ -188,17 +188,20 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
 
 @lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False,
-                mma: bool = False, quad: bool = False) -> Launch:
+                mma: bool = False, quad: bool = False, fold: bool = False) -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
     operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
     ``quad``: both with a second Y as well (four pairs); ``mma``: the other blocks' products on fragments
-    (``chunk_sources.pair_fragments``)."""
+    (``chunk_sources.pair_fragments``); ``fold``: the own block's rows paired, one thread rows t and BS − 1 − t
+    (``chunk_sources.pair_folds``)."""
     lay = dict(pair_layout(dialect, C, K, dual, quad))
     if mma and not pair_fragments(dialect, C, K, dual, quad):
         raise ValueError(f"chunk_pair: fragments need blocks of 16 tokens, C a multiple of 16 (C={C})")
+    if fold and not pair_folds(dialect, C, K, dual, quad):
+        raise ValueError(f"chunk_pair: folded rows need an even block of rows (C={C})")
     if mma and not grad:
         lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
-    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma, quad)
+    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma, quad, fold)
     groups = N * lay["NB"] * (2 if grad else 1)
     nout = len(src.outputs)
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * nout
@@ -507,7 +510,8 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
     X = operands[0]
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     launch = pair_launch(t.dialect, N, C, K, strict, grad=bool(cots), dual=dual,
-                         mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad)
+                         mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad,
+                         fold=t.pair_fold and pair_folds(t.dialect, C, K, dual, quad))
     outs = _call(t, launch, [m.reshape(N, C, C) for m in cots] + [a.reshape(N, C, K) for a in (*operands, dk)])
     shape = X.shape if cots else (*X.shape[:-1], C)
     return tuple(o.reshape(shape) for o in outs)

@@ -48,6 +48,15 @@ def test_chunked_form_pairs_on_fragments(name, case, dtype, rng):
         assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
 
 
+@pytest.mark.parametrize("name,case,dtype", params(PAIR_SPECS, dtypes=("bfloat16",), cases=(FRAGMENT_CASE,)))
+def test_chunked_form_pairs_with_folded_rows(name, case, dtype, rng):
+    """The pair kernels with the own block's rows folded (``Tuning.pair_fold``, off until measured)."""
+    from recgen import tuning
+
+    with tuning.override(mma_pairs=True, mma_scan=True, pair_fold=True):
+        assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
+
+
 @recurrence
 def dplr_after_key_decay(q: Key, k: Key, kk: Key, v: Value, gk: KeyGate, beta: Scalar):
     """The general rank-1 core after a key-vector decay (RWKV-7 is the one before it): A with M_ra and B with M_ru
