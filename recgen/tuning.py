@@ -57,6 +57,7 @@ class Tuning:
     mma_scan: bool = False          # the scan on fragment multiply-adds (tensor cores) rather than FMAs
     fused_readout: bool = True      # the scalar-decay readout as one fragment kernel (with ``mma_scan``)
     fused_ut: bool = True           # the delta rule's UT transform as one fragment kernel (with ``mma_scan``)
+    ut_products: bool = False       # ... the general rank-1 core's forming U = (T B) w itself (not measured yet)
     fused_bwd: bool = True          # the backward after its scan as kernels: a scalar decay's fragment pass (with
     #                                 ``mma_scan``), a key-vector decay's elementwise tail
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
@@ -135,6 +136,7 @@ ENVIRONMENT = {
     "MLX_ENABLE_TF32": ("mma_scan", lambda text: None if _flag(text) else False),
     "RECGEN_FUSED_READOUT": ("fused_readout", _flag),
     "RECGEN_FUSED_UT": ("fused_ut", _flag),
+    "RECGEN_UT_PRODUCTS": ("ut_products", _flag),
     "RECGEN_FUSED_BWD": ("fused_bwd", _flag),
     "RECGEN_BWD_BW": ("bwd_bw", int),
     "RECGEN_SCAN_BV": ("scan_bv", int),

@@ -349,18 +349,22 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
     assert kinds == want, kinds
 
 
-@pytest.mark.parametrize("name,K,V,mma,want", [
+@pytest.mark.parametrize("name,K,V,mma,want,extra", [
     ("rwkv7", 32, 6, False, {"recgen_chunk_decays_g_q_q_p", "recgen_chunk_decays_g_pe_q_q_p",
                              "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                              "recgen_chunk_tril_inverse", "recgen_chunk_scan_e", "recgen_chunk_scan_e_rev",
-                             "recgen_chunk_bwd_key_rank1_before"}),
+                             "recgen_chunk_bwd_key_rank1_before"}, {}),
     ("rwkv7", 32, 8, True, {"recgen_chunk_decays_g_q_q_p", "recgen_chunk_decays_g_pe_q_q_p",
                             "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                             "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
-                            "recgen_chunk_bwd_key_rank1_before"}),
+                            "recgen_chunk_bwd_key_rank1_before"}, {}),
+    ("rwkv7", 32, 8, True, {"recgen_chunk_decays_g_q_q_p", "recgen_chunk_decays_g_pe_q_q_p",  # the untimed switches
+                            "recgen_chunk_pair_quad_nonstrict_fold", "recgen_chunk_pair_grad_quad_nonstrict_fold",
+                            "recgen_chunk_ut_mma_key_tb", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
+                            "recgen_chunk_bwd_key_rank1_before"}, {"pair_fold": True, "ut_products": True}),
     ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
-                               "recgen_chunk_bwd_key_rank1"})])
-def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, monkeypatch):
+                               "recgen_chunk_bwd_key_rank1"}, {})])
+def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, extra, monkeypatch):
     """The general rank-1 core (``chunked.rank1``) with the generated kernels: RWKV-7 (the transition before a
     key-vector decay: the quad pair kernels, b's pairs one token earlier non-strict, a ⊙ Q, u ⊙ Q, r ⊙ P and P_{t-1}
     formed in the decays' pass, the FMA scans), and a transition after a key-vector decay on the fragment frames (the
@@ -375,7 +379,7 @@ def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want
     rec = dplr_key if name == "dplr_key" else specs.BUILTINS[name]
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=mma)
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=mma, **extra)
     assert_close(compare(rec, 40, chunk=16, B=1, H=2, Hk=1, K=K, V=V, seed=5, tuning=t))
     assert {c.split("_metal")[0] for c in calls} == want
 
@@ -595,6 +599,12 @@ def test_chunk_ut_mma_key_matches_numpy(frame, C, K, V, bw):
     for got, want in zip(outs, (T, T @ ins["W"], T @ (ins["Bt"].astype(np.float64) * ins["Pk"]))):
         assert got.shape == want.shape
         assert _rel(got, want) < 1e-5, _rel(got, want)
+    # B given (``tb``, the general rank-1 core's): U = T (B w), formed as (T B) w in the kernel
+    Bm = np.tril(f(N, C, C), -1) * 0.5 / np.sqrt(C)
+    outs = verify.run_launch(ck.ut_mma_launch(frame, N, C, K, V, bw, key=True, tb=True), ins | {"Bm": Bm})
+    for got, want in zip(outs, (T, T @ (Bm.astype(np.float64) @ ins["W"]), T @ (ins["Bt"].astype(np.float64) * ins["Pk"]))):
+        assert got.shape == want.shape
+        assert _rel(got, want) < 1e-5, _rel(got, want)
 
 
 def test_chunk_ut_mma_at_the_cuda_layout(monkeypatch):
@@ -807,6 +817,10 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     T = np.linalg.inv(np.eye(32) - A.astype(np.float64))
     for got, want in zip(outs, (T, T @ ut["W"], T @ (ut["Bt"] * P))):
         assert _rel(got, want) < 1e-5
+    Bm = np.tril(f(2, 32, 32), -1) / 8  # and with B given: U = (T B) w
+    outs = verify.run_launch(ck.ut_mma_launch("metal", 2, 32, 16, 8, key=True, tb=True),
+                             {"Ai": A, "Bm": Bm, "W": ut["W"], "Bt": ut["Bt"], "Pk": P}, sanitizer=sanitizer)
+    assert _rel(outs[1], T @ (Bm @ ut["W"])) < 1e-5
     M = np.tril(f(2, 32, 32))
     (y,) = verify.run_launch(ck.out_mma_launch("metal", 2, 32, 16, 8, key=True),
                              {"R": ro["R"], "Mi": M, "Z": ro["Z"], "St": ro["St"], "Pk": P, "Rs": ro["Rs"]},

@@ -94,7 +94,9 @@ def _forward(geo, S0, r, u, w, a, b, before: bool, kern, rfac=None):
     (C, K), V = a.shape[-2:], w.shape[-1]
     Pb = geo.p_before() if before else geo.P
     w32 = _f32(w)  # a 16-bit w meets float32 operands in two products: cast once, not by each
-    if kern and ck.fuses_ut(kern, C, K, V):  # the inverse and both products in one kernel (A formed)
+    if kern and ck.fuses_ut(kern, C, K, V) and kern.ut_products:  # U = (T B) w in the kernel: no B w in memory
+        Tm, U, W = ck.chunk_ut_key(A, w, b, mx.broadcast_to(Pb, b.shape), kern, B=B)
+    elif kern and ck.fuses_ut(kern, C, K, V):  # the inverse and both products in one kernel (A formed)
         Tm, U, W = ck.chunk_ut_key(A, B @ w32, b, mx.broadcast_to(Pb, b.shape), kern)
     else:
         Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(C) else unit_lower_inv(A)

@@ -160,13 +160,16 @@ def out_mma_source(dialect: str, yt: bool = False, key: bool = False) -> KernelS
 
 
 @lru_cache(maxsize=None)
-def ut_mma_source(dialect: str, key: bool = False) -> KernelSource:
-    """``key``: a key-vector decay's UT transform, A given (from the pair kernels) and P per key element."""
+def ut_mma_source(dialect: str, key: bool = False, tb: bool = False) -> KernelSource:
+    """``key``: a key-vector decay's UT transform, A given (from the pair kernels) and P per key element; ``tb``
+    (with ``key``): the general rank-1 core's, Uw = Tm (B w) from B given (``chunked.rank1``)."""
+    if tb and not key:
+        raise ValueError("chunk_ut_mma: B given (tb) is the key-vector decay form's")
     d = get(dialect)
-    ins = ("Ai", "W", "Bt", "Pk") if key else ("Bt", "U", "W", "logd")
-    return _source(d, "chunk_ut_mma.j2", "ut_mma" + ("_key" if key else ""),
+    ins = (("Ai", "Bm", "W", "Bt", "Pk") if tb else ("Ai", "W", "Bt", "Pk")) if key else ("Bt", "U", "W", "logd")
+    return _source(d, "chunk_ut_mma.j2", "ut_mma" + ("_key" if key else "") + ("_tb" if tb else ""),
                    "UT transform of the chunked core's delta rule, fragment multiply-adds", ins, ("Tm", "Uw", "Wb"), (),
-                   helpers=d.mma_prelude, key=key)
+                   helpers=d.mma_prelude, key=key, tb=tb)
 
 
 @lru_cache(maxsize=None)

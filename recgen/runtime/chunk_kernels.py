@@ -146,15 +146,18 @@ def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | Non
 
 
 @lru_cache(maxsize=256)
-def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 128, key: bool = False) -> Launch:
-    """``key``: a key-vector decay's UT transform (A given)."""
+def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 128, key: bool = False,
+                  tb: bool = False) -> Launch:
+    """``key``: a key-vector decay's UT transform (A given); ``tb``: and B given, Uw = Tm (B w) (``chunk_ut_key``)."""
     lay = ut_mma_layout(dialect, C, K, V, most_bw)
     if lay is None:
         raise ValueError(f"chunk_ut_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8, "
                          f"and the tiles must fit {dialect}'s threadgroup memory")
+    if tb:  # Tm B's columns a pass: a multiple of 8 dividing C, within the staging rows of BW columns
+        lay = dict(lay, BC=8 * math.gcd(C // 8, lay["BW"] // 8))
     tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items())
     outs = (((N, C, C), "float32"), ((N, C, V), "float32"), ((N, C, K), "float32"))
-    return Launch(ut_mma_source(dialect, key), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
+    return Launch(ut_mma_source(dialect, key, tb), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -432,13 +435,15 @@ def chunk_out_key(r, M, Z, states, P, t: Tuning, out=None, rs=None):
     return y if out is not None else y.reshape(*Z.shape)
 
 
-def chunk_ut_key(A, w, bt, P, t: Tuning):
+def chunk_ut_key(A, w, bt, P, t: Tuning, B=None):
     """``chunk_ut`` for a key-vector decay: A [.., n, C, C] formed (strictly lower, by the pair kernels), P [.., n, C,
-    K] per key element. Returns (Tm = (I − A)^{-1}, U = Tm w, W = Tm (b̃ ⊙ P))."""
+    K] per key element. Returns (Tm = (I − A)^{-1}, U = Tm w, W = Tm (b̃ ⊙ P)); with B [.., n, C, C] (strictly
+    lower) U = Tm (B w), formed in the kernel as (Tm B) w."""
     (C, K), V = bt.shape[-2:], w.shape[-1]
     N = _lead(bt, 2)
-    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, key=True),
-                     [A.reshape(N, C, C), w.reshape(N, C, V), bt.reshape(N, C, K), P.reshape(N, C, K)])
+    given = [A.reshape(N, C, C)] + ([] if B is None else [B.reshape(N, C, C)])
+    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, key=True, tb=B is not None),
+                     given + [w.reshape(N, C, V), bt.reshape(N, C, K), P.reshape(N, C, K)])
     return Tm.reshape(A.shape), U.reshape(w.shape), W.reshape(bt.shape)
 
 
