@@ -58,6 +58,7 @@ class Tuning:
     fused_readout: bool = True      # the scalar-decay readout as one fragment kernel (with ``mma_scan``)
     fused_ut: bool = True           # the delta rule's UT transform as one fragment kernel (with ``mma_scan``)
     ut_products: bool = False       # ... the general rank-1 core's forming U = (T B) w itself (not measured yet)
+    rank1_readout: bool = False     # the general rank-1 core's three readout terms as one kernel (not measured yet)
     fused_bwd: bool = True          # the backward after its scan as kernels: a scalar decay's fragment pass (with
     #                                 ``mma_scan``), a key-vector decay's elementwise tail
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
@@ -137,6 +138,7 @@ ENVIRONMENT = {
     "RECGEN_FUSED_READOUT": ("fused_readout", _flag),
     "RECGEN_FUSED_UT": ("fused_ut", _flag),
     "RECGEN_UT_PRODUCTS": ("ut_products", _flag),
+    "RECGEN_RANK1_READOUT": ("rank1_readout", _flag),
     "RECGEN_FUSED_BWD": ("fused_bwd", _flag),
     "RECGEN_BWD_BW": ("bwd_bw", int),
     "RECGEN_SCAN_BV": ("scan_bv", int),

@@ -167,6 +167,7 @@ def chunk_launches(target: str) -> list:
                    ck.feature_jac_launch(target, 256, 256, 64, 65)]
                 + [ck.out_mma_launch(target, 8, 64, 128, 128), ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"))]
                 + [ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), key=True)]
+                + [ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), key=True, m2=True)]  # RWKV-7's
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, key=key) for key in (False, True)]
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, key=True, tb=True)]
                 + [ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "float32", "bfloat16")),

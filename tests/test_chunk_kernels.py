@@ -361,7 +361,8 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
     ("rwkv7", 32, 8, True, {"recgen_chunk_decays_g_q_q_p", "recgen_chunk_decays_g_pe_q_q_p",  # the untimed switches
                             "recgen_chunk_pair_quad_nonstrict_fold", "recgen_chunk_pair_grad_quad_nonstrict_fold",
                             "recgen_chunk_ut_mma_key_tb", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
-                            "recgen_chunk_bwd_key_rank1_before"}, {"pair_fold": True, "ut_products": True}),
+                            "recgen_chunk_out_mma_key_m2_yt", "recgen_chunk_bwd_key_rank1_before"},
+     {"pair_fold": True, "ut_products": True, "rank1_readout": True}),
     ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
                                "recgen_chunk_bwd_key_rank1"}, {})])
 def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, extra, monkeypatch):
@@ -394,7 +395,7 @@ def test_general_rank1_core_applies_the_readout_scale_inside(monkeypatch):
 
     seen = []
     real = rank1.core_fn
-    monkeypatch.setattr(rank1, "core_fn", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(rank1, "core_fn", lambda *a: seen.append(a[3]) or real(*a))  # (key, before, t, rfac, out)
     monkeypatch.setattr(ck, "mlx_call", _emulated_call)
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True)
     assert_close(compare(specs.BUILTINS["rwkv7"], 24, chunk=16, B=1, H=2, Hk=1, K=32, V=8, seed=7, tuning=t,
@@ -538,6 +539,33 @@ def test_chunk_out_mma_key_matches_numpy(frame, C, K, V, yt):
     assert _rel(y, want) < (1e-5 if yt is None else 4e-3)
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
+@pytest.mark.parametrize("C,K,V,yt", [(16, 16, 24, None), (32, 40, 32, "bfloat16"), (64, 16, 8, None)])
+def test_chunk_out_mma_rank1_matches_numpy(frame, C, K, V, yt):
+    """The general rank-1 core's readout (``m2``): y = Rs ((r ⊙ P) S_c + M_ra X + M_ru w), R given already scaled,
+    both pairs lower, w in bf16 (converted as read); y in the model's layout and type where ``yt``."""
+    rng = np.random.default_rng(C + K + V + 7)
+    B, H, n = 2, 3, 2
+    N = B * H * n
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    mx = pytest.importorskip("mlx.core")
+    w = mx.array(f(N, C, V)).astype(mx.bfloat16)  # a bf16 buffer: the kernel converts as it reads
+    ins = {"R": f(N, C, K) * _key_decays(rng, N, C, K), "Mi": np.tril(f(N, C, C)), "Z": f(N, C, V),
+           "St": f(N, K, V), "M2": np.tril(f(N, C, C)), "Z2": w, "Rs": np.array([0.3], np.float32)}
+    launch = ck.out_mma_launch(frame, N, C, K, V, None if yt is None else (H, n, yt), key=True, m2=True)
+    assert "_key_m2" in launch.source.name
+    (y,) = verify.run_launch(launch, ins)
+    R, M, Z, St, M2 = (ins[k].astype(np.float64) for k in ("R", "Mi", "Z", "St", "M2"))
+    Z2 = np.array(w.astype(mx.float32)).astype(np.float64)
+    want = 0.3 * (R @ St + M @ Z + M2 @ Z2)  # the pairs are of r itself: Rs scales every term
+    if yt is not None:
+        want = want.reshape(B, H, n * C, V).transpose(0, 2, 1, 3)
+    assert y.shape == want.shape
+    assert _rel(y, want) < (1e-5 if yt is None else 4e-3)
+    with pytest.raises(ValueError, match="key-vector decay form"):
+        cs.out_mma_source(frame, key=False, m2=True)
+
+
 def test_chunk_out_mma_layouts():
     """Column blocks and staging depths by dialect: CUDA's 48 KiB take BV 128 (OUT_BV) and KB 32; Metal's 32 KiB
     a shallower staging depth; sizes outside the layouts have none."""
@@ -602,7 +630,8 @@ def test_chunk_ut_mma_key_matches_numpy(frame, C, K, V, bw):
     # B given (``tb``, the general rank-1 core's): U = T (B w), formed as (T B) w in the kernel
     Bm = np.tril(f(N, C, C), -1) * 0.5 / np.sqrt(C)
     outs = verify.run_launch(ck.ut_mma_launch(frame, N, C, K, V, bw, key=True, tb=True), ins | {"Bm": Bm})
-    for got, want in zip(outs, (T, T @ (Bm.astype(np.float64) @ ins["W"]), T @ (ins["Bt"].astype(np.float64) * ins["Pk"]))):
+    want_u = T @ (Bm.astype(np.float64) @ ins["W"])
+    for got, want in zip(outs, (T, want_u, T @ (ins["Bt"].astype(np.float64) * ins["Pk"]))):
         assert got.shape == want.shape
         assert _rel(got, want) < 1e-5, _rel(got, want)
 
@@ -822,6 +851,11 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
                              {"Ai": A, "Bm": Bm, "W": ut["W"], "Bt": ut["Bt"], "Pk": P}, sanitizer=sanitizer)
     assert _rel(outs[1], T @ (Bm @ ut["W"])) < 1e-5
     M = np.tril(f(2, 32, 32))
+    rank1 = {"R": ro["R"], "Mi": M, "Z": ro["Z"], "St": ro["St"], "M2": np.swapaxes(M, 1, 2) * np.tri(32), "Z2": ro["Z"],
+             "Rs": ro["Rs"]}  # the general rank-1 core's readout: a second pair staged over the first
+    (y,) = verify.run_launch(ck.out_mma_launch("metal", 2, 32, 16, 8, key=True, m2=True), rank1, sanitizer=sanitizer)
+    want = ro["Rs"][0] * (ro["R"] @ ro["St"] + M @ ro["Z"] + rank1["M2"] @ ro["Z"])
+    assert _rel(y, want) < 1e-5
     (y,) = verify.run_launch(ck.out_mma_launch("metal", 2, 32, 16, 8, key=True),
                              {"R": ro["R"], "Mi": M, "Z": ro["Z"], "St": ro["St"], "Pk": P, "Rs": ro["Rs"]},
                              sanitizer=sanitizer)

@@ -326,9 +326,15 @@ def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     u, w, a, b = (_role_as(p, role, t[role], raw, pick, S.dtype) for role in ("u", "w", "a", "b"))
     r, y0 = _pre_shift(p.rec, t, S)
     r, rfac = _readout_role(p, r, raw, pick, kern if y0 is None else None, scale)  # a shifted r has no raw input
-    # a scale of 1 (RWKV-7's) needs no pass over dy: MLX multiplies by 1.0 as by any other number
-    fn = rank1.core_fn(key, p.rec.transition_before_decay, tun, None if rfac == 1.0 else rfac)
+    # a scale of 1 (RWKV-7's) needs no pass over dy: MLX multiplies by 1.0 as by any other number. Where the readout
+    # is y alone and its kernel runs, the core writes o in the model's layout and type itself
+    native = (not has_z and "skip" not in t and "bonus" not in t and y0 is None and kern is not None
+              and kern.rank1_readout)
+    fn = rank1.core_fn(key, p.rec.transition_before_decay, tun, None if rfac == 1.0 else rfac,
+                       out_dtype if native else None)
     y, S = fn(S, *(ch(x) for x in (r, u, w, a, b, _as_f(t["logdecay"]))))[:2]
+    if native:
+        return y[:, :T], S
     y = _pre_unshift(y.reshape(sizes.B, sizes.H, n * C, sizes.V)[:, :, :T], y0)
     nz, z = _z_scan(tun, p, t, z, C) if has_z else (None, z)
     o = _readout(p, p.rec, t, y, nz)

@@ -36,7 +36,7 @@ from ..codegen.chunk_sources import inverse_supported, pair_supported
 from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
 from .core import rows_earlier, rows_later, tr, unit_lower_inv
-from .parallel import decay_geometry, log_decay_grad, scan_backward, with_vjp
+from .parallel import core_layout, decay_geometry, log_decay_grad, model_layout, scan_backward, with_vjp
 
 __all__ = ["core_fn"]
 
@@ -87,9 +87,10 @@ def _scan_forward(geo, S0, W, U, aQ, uQ, w, kern):
     return mx.concatenate(states, axis=-3), mx.concatenate(Xs, axis=-3), S[..., 0, :, :]
 
 
-def _forward(geo, S0, r, u, w, a, b, before: bool, kern, rfac=None):
+def _forward(geo, S0, r, u, w, a, b, before: bool, kern, rfac=None, out=None):
     """(y, S_end, residuals (states, X, T, W, B, M_ra, M_ru)); with ``rfac`` the readout role is rfac·r (y is linear in
-    r through all three of its terms, so the last product scales them)."""
+    r through all three of its terms, so the last product scales them); with ``out`` (a dtype) y in the model's
+    layout and that type (``parallel.model_layout``)."""
     A, B, Mra, Mru = _pairs(geo, r, u, a, b, before)
     (C, K), V = a.shape[-2:], w.shape[-1]
     Pb = geo.p_before() if before else geo.P
@@ -102,20 +103,25 @@ def _forward(geo, S0, r, u, w, a, b, before: bool, kern, rfac=None):
         Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(C) else unit_lower_inv(A)
         U, W = Tm @ (B @ w32), Tm @ (b * Pb)
     states, X, S_end = _scan_forward(geo, S0, W, U, geo.role("aQ", a, "Q"), geo.role("uQ", u, "Q"), w, kern)
-    # The readout stays three accumulating products: with two of its terms in the readout kernel and the third added
-    # after it (one more pass over y), the forward measured slower (docs/design.md)
+    if kern and kern.rank1_readout and ck.fuses_readout(kern, C, K, V):  # all three terms in one kernel
+        y = ck.chunk_out_rank1(geo.role("rP", r, "P"), Mra, X, states, Mru, w, kern, out, rfac)
+        return y, S_end, (states, X, Tm, W, B, Mra, Mru)
+    # Else three accumulating products: with two of its terms in the key readout kernel and the third added after
+    # it (one more pass over y), the forward measured slower (docs/design.md)
     c = 1.0 if rfac is None else rfac
     y = mx.addmm(mx.addmm(Mru @ w32, Mra, X), geo.role("rP", r, "P"), states, alpha=c, beta=c)
-    return y, S_end, (states, X, Tm, W, B, Mra, Mru)
+    return (y if out is None else model_layout(y, out)), S_end, (states, X, Tm, W, B, Mra, Mru)
 
 
-def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None):
+def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None, out=None):
     """(dS0, dr, du, dw, da, db, dl) of ``_forward``."""
     states, X, Tm, W, B, Mra, Mru = res
-    # dy arrives as a view of the model's layout [B, T, H, V]: made row-major once here, not by each of the five
-    # products and the reverse scan that read it (a lower training peak). With ``rfac`` the readout's cotangent is
-    # rfac·dy: every gradient below then holds it, and r's is that of the core's argument
-    dy = mx.contiguous(dy) if rfac is None else mx.contiguous(dy) * rfac
+    # dy arrives as a view of the model's layout [B, T, H, V] (with ``out``: that layout itself): made row-major in
+    # the core's once here, not by each of the five products and the reverse scan that read it (a lower training
+    # peak). With ``rfac`` the readout's cotangent is rfac·dy: every gradient below then holds it, and r's is that
+    # of the core's argument
+    dy = mx.contiguous(dy) if out is None else core_layout(dy, *r.shape[-3:-1], geo.l.dtype)
+    dy = dy if rfac is None else dy * rfac
     rP, aQ, uQ = geo.role("rP", r, "P"), geo.role("aQ", a, "Q"), geo.role("uQ", u, "Q")
     C, K = a.shape[-2:]
     dSn, dX, dS0, dg = scan_backward(geo, dS_end, aQ, W, tr(Mra) @ dy, (rP, dy), 2 * C >= K, False, kern, states)
@@ -157,13 +163,14 @@ def roles_16bit(kern: Tuning | None, key: bool, C: int, K: int) -> bool:
 
 
 @lru_cache(maxsize=64)
-def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None):
+def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None, out=None):
     """The general rank-1 core as an ``mx.custom_function`` with the VJP above.
 
     Arguments (chunked, [..., n, C, F]): S0 [..., K, V], r, u, a, b [.., C, K], w [.., C, V], l [.., C, F] (log-decays;
     F = K when ``key``, else 1; roles in 16 bits where ``roles_16bit``, float32 otherwise). ``before``: the
     transition reads the state before the decay. ``rfac`` (a float): the readout role is rfac·r, applied inside (the
-    role rfac·q is never formed, nor its gradient scaled after). Returns (y [.., n, C, V], S_end, *residuals), the
+    role rfac·q is never formed, nor its gradient scaled after). ``out``: None, or a dtype for y in the model's
+    layout [B, n C, H, V] (its cotangent arrives so too). Returns (y [.., n, C, V], S_end, *residuals), the
     residuals for the VJP only."""
     kern = t if t.chunk_kernels else None
     # the forward reads P_{t−1} (before the decay) or P; otherwise only the products, D and g (the fused backward tail
@@ -175,13 +182,14 @@ def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None):
 
     def fwd(S0, r, u, w, a, b, l):
         geo = GeoFwd(l, t, scaled=scaled(r, u, a))
-        y, S_end, res = _forward(geo, S0, r, u, w, a, b, before, kern, rfac)
+        y, S_end, res = _forward(geo, S0, r, u, w, a, b, before, kern, rfac, out)
         return (y, S_end) + res + tuple(geo.saved())
 
     def bwd(*args):
         (S0, r, u, w, a, b, l), rest = args[:7], args[7:]
         res, geo_saved, (dy, dS_end) = rest[:nres], rest[nres:-2], rest[-2:]
-        grads = _backward(Geo(l, t, geo_saved, scaled(r, u, a)), r, u, w, a, b, res, dy, dS_end, before, kern, rfac)
+        grads = _backward(Geo(l, t, geo_saved, scaled(r, u, a)), r, u, w, a, b, res, dy, dS_end, before, kern, rfac,
+                          out)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, args[:7]))  # a 16-bit role takes its own type
 
     return with_vjp(fwd, bwd, t.compile)

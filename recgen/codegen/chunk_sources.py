@@ -149,14 +149,18 @@ def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bo
 
 
 @lru_cache(maxsize=None)
-def out_mma_source(dialect: str, yt: bool = False, key: bool = False) -> KernelSource:
+def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool = False) -> KernelSource:
     """``yt``: y written in the model's layout [B, T, H, V] and its type (template constants H, NCH, OT); ``key``: a
-    key-vector decay's readout, M given (from the pair kernels) and P per key element, y the only output."""
+    key-vector decay's readout, M given (from the pair kernels) and P per key element, y the only output; ``m2``
+    (with ``key``): the general rank-1 core's, R given scaled by its decays and a second pair M2 with values Z2."""
+    if m2 and not key:
+        raise ValueError("chunk_out_mma: a second pair (m2) is the key-vector decay form's")
     d = get(dialect)
-    ins = ("R", "Mi", "Z", "St", "Pk", "Rs") if key else ("R", "U", "Z", "St", "logd", "Rs")
-    return _source(d, "chunk_out_mma.j2", "out_mma" + ("_key" if key else "") + ("_yt" if yt else ""),
-                   "chunk readout of the chunked core, fragment multiply-adds", ins, ("Y",) if key else ("Y", "M"), (),
-                   helpers=d.mma_prelude, yt=yt, key=key)
+    ins = (("R", "Mi", "Z", "St", "M2", "Z2", "Rs") if m2 else ("R", "Mi", "Z", "St", "Pk", "Rs")) if key else \
+        ("R", "U", "Z", "St", "logd", "Rs")
+    kind = "out_mma" + ("_key" if key else "") + ("_m2" if m2 else "") + ("_yt" if yt else "")
+    return _source(d, "chunk_out_mma.j2", kind, "chunk readout of the chunked core, fragment multiply-adds", ins,
+                   ("Y",) if key else ("Y", "M"), (), helpers=d.mma_prelude, yt=yt, key=key, m2=m2)
 
 
 @lru_cache(maxsize=None)

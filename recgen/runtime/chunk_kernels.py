@@ -17,9 +17,10 @@ from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, decays_source, feature_decode_layout, feature_decode_source,
                                      feature_jac_source, feature_mma_layout, feature_out_source, feature_states_source,
-                                     inverse_source, out_mma_layout, out_mma_source, pair_folds, pair_fragments, pair_grad_source,
-                                     pair_layout, pair_source, scan_layout, scan_mma_layout, scan_prefetches,
-                                     scan_source, sympow_layout, sympow_source, ut_mma_layout, ut_mma_source)
+                                     inverse_source, out_mma_layout, out_mma_source, pair_folds, pair_fragments,
+                                     pair_grad_source, pair_layout, pair_source, scan_layout, scan_mma_layout,
+                                     scan_prefetches, scan_source, sympow_layout, sympow_source, ut_mma_layout,
+                                     ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..spec.features import sympow_pairs
 from ..tuning import Tuning
@@ -128,9 +129,10 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
 
 @lru_cache(maxsize=256)
 def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | None = None, most_bv: int = 128,
-                   key: bool = False) -> Launch:
+                   key: bool = False, m2: bool = False) -> Launch:
     """``yt`` = (H, n, dtype name): y as [N / (H n), n C, H, V] of that type (N = B H n chunks), else [N, C, V] float32;
-    ``key``: a key-vector decay's readout (M given: y is the only output)."""
+    ``key``: a key-vector decay's readout (M given: y is the only output); ``m2``: the general rank-1 core's
+    (``chunk_out_rank1``)."""
     lay = out_mma_layout(dialect, C, K, V, most_bv)
     if lay is None:
         raise ValueError(f"chunk_out_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8")
@@ -141,7 +143,7 @@ def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | Non
         tmpl += (("H", H), ("NCH", n), ("OT", dt))
         y = ((N // (H * n), n * C, H, V), dt)
     nt = 2 * C  # C / 16 SIMD groups of 32
-    return Launch(out_mma_source(dialect, yt is not None, key), (), (y,) if key else (y, ((N, C, C), "float32")),
+    return Launch(out_mma_source(dialect, yt is not None, key, m2), (), (y,) if key else (y, ((N, C, C), "float32")),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
@@ -433,6 +435,22 @@ def chunk_out_key(r, M, Z, states, P, t: Tuning, out=None, rs=None):
                  [r.reshape(N, C, K), M.reshape(N, C, C), Z.reshape(N, C, V), states.reshape(N, K, V),
                   P.reshape(N, C, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
     return y if out is not None else y.reshape(*Z.shape)
+
+
+def chunk_out_rank1(rP, Mra, X, states, Mru, w, t: Tuning, out=None, rs=None):
+    """The general rank-1 core's readout y = rs ((r ⊙ P) S_c + M_ra X + M_ru w) per chunk in one kernel: rP [.., n, C,
+    K] (r scaled by its decays), the pairs [.., n, C, C] of r itself, X [.., n, C, V] (float32), w [.., n, C, V] in
+    any type. Returns y [.., n, C, V] float32, or with ``out`` y in the model's layout [B, n C, H, V] and that
+    type."""
+    import mlx.core as mx
+
+    (n, C, K), V = rP.shape[-3:], X.shape[-1]
+    N = _lead(rP, 2)
+    yt = None if out is None else (rP.shape[-4], n, _dtype_name(out))
+    (y,) = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, key=True, m2=True),
+                 [rP.reshape(N, C, K), Mra.reshape(N, C, C), X.reshape(N, C, V), states.reshape(N, K, V),
+                  Mru.reshape(N, C, C), w.reshape(N, C, V), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+    return y if out is not None else y.reshape(*X.shape)
 
 
 def chunk_ut_key(A, w, bt, P, t: Tuning, B=None):
