@@ -364,7 +364,10 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
                             "recgen_chunk_out_mma_key_m2_yt", "recgen_chunk_bwd_key_rank1_before"},
      {"pair_fold": True, "ut_products": True, "rank1_readout": True}),
     ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
-                               "recgen_chunk_bwd_key_rank1"}, {})])
+                               "recgen_chunk_bwd_key_rank1"}, {}),
+    ("dplr_key", 16, 8, True, {"recgen_chunk_ut_mma_key_tb", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
+                               "recgen_chunk_out_mma_key_m2_yt", "recgen_chunk_bwd_key_rank1"},
+     {"ut_products": True, "rank1_readout": True})])
 def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want, extra, monkeypatch):
     """The general rank-1 core (``chunked.rank1``) with the generated kernels: RWKV-7 (the transition before a
     key-vector decay: the quad pair kernels, b's pairs one token earlier non-strict, a ⊙ Q, u ⊙ Q, r ⊙ P and P_{t-1}
@@ -385,10 +388,11 @@ def test_general_rank1_core_with_kernels_matches_reference(name, K, V, mma, want
     assert {c.split("_metal")[0] for c in calls} == want
 
 
-def test_general_rank1_core_applies_the_readout_scale_inside(monkeypatch):
+@pytest.mark.parametrize("readout_kernel", [False, True])
+def test_general_rank1_core_applies_the_readout_scale_inside(readout_kernel, monkeypatch):
     """RWKV-7 at a readout scale other than 1 on the kernels: the core takes r itself and scales y (and dy in its
     backward), so the role scale·r is never formed; forward, final state and every gradient against the float64
-    reference, whose r is scaled first."""
+    reference, whose r is scaled first; with the three readout terms as one kernel too (``Tuning.rank1_readout``)."""
     pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare
@@ -397,7 +401,8 @@ def test_general_rank1_core_applies_the_readout_scale_inside(monkeypatch):
     real = rank1.core_fn
     monkeypatch.setattr(rank1, "core_fn", lambda *a: seen.append(a[3]) or real(*a))  # (key, before, t, rfac, out)
     monkeypatch.setattr(ck, "mlx_call", _emulated_call)
-    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True)
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True,
+                       rank1_readout=readout_kernel)
     assert_close(compare(specs.BUILTINS["rwkv7"], 24, chunk=16, B=1, H=2, Hk=1, K=32, V=8, seed=7, tuning=t,
                          scale=0.37))
     assert seen and all(abs(c - 0.37) < 1e-12 for c in seen), seen
