@@ -62,6 +62,8 @@ class Tuning:
     fused_bwd: bool = True          # the backward after its scan as kernels: a scalar decay's fragment pass (with
     #                                 ``mma_scan``), a key-vector decay's elementwise tail
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
+    logdecay_16bit: bool = False    # ... and a log-decay that is an input verbatim, where only kernels read it (the
+    #                                 general rank-1 core; not measured yet)
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
     scan_nw: int = 4                # SIMD groups per threadgroup of the forward fragment scan (most)
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
@@ -149,6 +151,7 @@ ENVIRONMENT = {
     "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
     "RECGEN_PAIR_FOLD": ("pair_fold", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
+    "RECGEN_16BIT_LOGDECAY": ("logdecay_16bit", _flag),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),
     "RECGEN_FEATURE_IDENTITY": ("feature_identity", _flag),
     "RECGEN_FEATURE_CHUNK": ("feature_chunk_size", int),

@@ -1364,25 +1364,29 @@ def test_readout_role_is_the_input_and_its_constant_where_kernels_run():
     assert prt.r_scaled is not None and chunked._readout_role(prt, r, {}, pick, cuda, 0.5) == (r, None)
 
 
-@pytest.mark.parametrize("roles16", [None, "0"])
+@pytest.mark.parametrize("roles16", [None, "0", "l"])
 def test_general_rank1_core_reads_16bit_roles(roles16, monkeypatch):
     """RWKV-7 with bf16 inputs on the kernels (mma frames, pairs on fragments): its roles that are inputs verbatim
     (k, v, a, b, and q under the readout scale) reach the quad pair kernels, the UT transform, the scans and the
     backward tail in bf16, which convert on load (``rank1.roles_16bit``; ``roles_16bit = "none"``: float32, no bf16
-    operand anywhere), against the float64 reference at the same bf16-rounded inputs: forward, final state and
+    operand anywhere; "l": the log-decay w too, ``Tuning.logdecay_16bit``, read by the decay geometry's kernels
+    and the tail alone), against the float64 reference at the same bf16-rounded inputs: forward, final state and
     every gradient within 1e-2 (a product rounded to bf16 would be ~1e-1 off)."""
     mx = pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare
 
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, mma_pairs=True,
-                       roles_16bit={None: "bare", "0": "none"}[roles16])
+                       roles_16bit={None: "bare", "0": "none", "l": "bare"}[roles16], logdecay_16bit=roles16 == "l")
     seen = _emulate_noting_bf16(monkeypatch)
     assert_close(compare(specs.BUILTINS["rwkv7"], 40, chunk=16, B=1, H=2, Hk=1, K=32, V=8, seed=3,
                          in_dtype=mx.bfloat16, tuning=t), 1e-2, 1e-2)
     want = {"pair_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"}, "pair_grad_quad_nonstrict_mma": {"X", "X2", "Y", "Yb"},
             "ut_mma_key": {"Bt"}, "scan_mma_p": {"Pb"}, "decays_g_pe_q_q_p": {"X0", "X1", "X2"},
             "decays_g_q_q_p": {"X0", "X1", "X2"}, "bwd_key_rank1_before": {"R", "U", "A", "B"}}
+    if roles16 == "l":
+        want = want | {k: want[k] | {"l"} for k in ("decays_g_pe_q_q_p", "decays_g_q_q_p")}
+        want["bwd_key_rank1_before"] = want["bwd_key_rank1_before"] | {"L"}
     assert seen == ({} if roles16 == "0" else want), seen
 
 

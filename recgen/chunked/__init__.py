@@ -332,7 +332,11 @@ def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
               and kern.rank1_readout)
     fn = rank1.core_fn(key, p.rec.transition_before_decay, tun, None if rfac == 1.0 else rfac,
                        out_dtype if native else None)
-    y, S = fn(S, *(ch(x) for x in (r, u, w, a, b, _as_f(t["logdecay"]))))[:2]
+    l = _as_f(t["logdecay"])
+    lin = raw.get(p.logdecay_input)  # the log-decay as input, row-major in its own type, where verbatim
+    if lin is not None and lin.dtype in (mx.bfloat16, mx.float16) and rank1.logdecay_16bit(kern, key, C, sizes.K):
+        l = lin[..., 0]  # [B,H,T,K,1] -> [B,H,T,K]: the kernels convert as they read it, no float32 cast is made
+    y, S = fn(S, *(ch(x) for x in (r, u, w, a, b, l)))[:2]
     if native:
         return y[:, :T], S
     y = _pre_unshift(y.reshape(sizes.B, sizes.H, n * C, sizes.V)[:, :, :T], y0)

@@ -38,7 +38,7 @@ from ..tuning import Tuning
 from .core import rows_earlier, rows_later, tr, unit_lower_inv
 from .parallel import core_layout, decay_geometry, log_decay_grad, model_layout, scan_backward, with_vjp
 
-__all__ = ["core_fn"]
+__all__ = ["core_fn", "logdecay_16bit", "roles_16bit"]
 
 
 def _f32(x):
@@ -120,7 +120,7 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None
     # the core's once here, not by each of the five products and the reverse scan that read it (a lower training
     # peak). With ``rfac`` the readout's cotangent is rfac·dy: every gradient below then holds it, and r's is that
     # of the core's argument
-    dy = mx.contiguous(dy) if out is None else core_layout(dy, *r.shape[-3:-1], geo.l.dtype)
+    dy = mx.contiguous(dy) if out is None else core_layout(dy, *r.shape[-3:-1], mx.float32)
     dy = dy if rfac is None else dy * rfac
     rP, aQ, uQ = geo.role("rP", r, "P"), geo.role("aQ", a, "Q"), geo.role("uQ", u, "Q")
     C, K = a.shape[-2:]
@@ -162,12 +162,20 @@ def roles_16bit(kern: Tuning | None, key: bool, C: int, K: int) -> bool:
     return bool(kern) and key and kern.roles_16bit != "none" and pair_supported(kern.dialect, C, K)
 
 
+def logdecay_16bit(kern: Tuning | None, key: bool, C: int, K: int) -> bool:
+    """Whether the core may take a log-decay that is an input verbatim in its 16-bit type (``Tuning.logdecay_16bit``):
+    with the roles so (``roles_16bit``) and the fused backward tail, only kernels read l (the decay geometry's pass,
+    forward and backward, and the tail), each converting as it reads, so its float32 cast is never made."""
+    return roles_16bit(kern, key, C, K) and kern.logdecay_16bit and ck.fuses_key_tail(kern, C)
+
+
 @lru_cache(maxsize=64)
 def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None, out=None):
     """The general rank-1 core as an ``mx.custom_function`` with the VJP above.
 
     Arguments (chunked, [..., n, C, F]): S0 [..., K, V], r, u, a, b [.., C, K], w [.., C, V], l [.., C, F] (log-decays;
-    F = K when ``key``, else 1; roles in 16 bits where ``roles_16bit``, float32 otherwise). ``before``: the
+    F = K when ``key``, else 1; roles in 16 bits where ``roles_16bit``, l where ``logdecay_16bit``, float32
+    otherwise). ``before``: the
     transition reads the state before the decay. ``rfac`` (a float): the readout role is rfac·r, applied inside (the
     role rfac·q is never formed, nor its gradient scaled after). ``out``: None, or a dtype for y in the model's
     layout [B, n C, H, V] (its cotangent arrives so too). Returns (y [.., n, C, V], S_end, *residuals), the

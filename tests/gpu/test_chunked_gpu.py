@@ -51,11 +51,12 @@ def test_chunked_form_pairs_on_fragments(name, case, dtype, rng):
 @pytest.mark.parametrize("name,case,dtype", params(PAIR_SPECS, dtypes=("bfloat16",), cases=(FRAGMENT_CASE,)))
 def test_chunked_form_pairs_with_folded_rows(name, case, dtype, rng):
     """The pair kernels with the own block's rows folded (``Tuning.pair_fold``) and, for rwkv7, the UT kernel forming
-    U = (T B) w itself (``Tuning.ut_products``) and the readout's three terms as one kernel (``Tuning.rank1_readout``):
-    each off until measured."""
+    U = (T B) w itself (``Tuning.ut_products``), the readout's three terms as one kernel (``Tuning.rank1_readout``)
+    and its log-decay read in bf16 (``Tuning.logdecay_16bit``): each off until measured."""
     from recgen import tuning
 
-    with tuning.override(mma_pairs=True, mma_scan=True, pair_fold=True, ut_products=True, rank1_readout=True):
+    with tuning.override(mma_pairs=True, mma_scan=True, pair_fold=True, ut_products=True, rank1_readout=True,
+                         logdecay_16bit=True):
         assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
 
 

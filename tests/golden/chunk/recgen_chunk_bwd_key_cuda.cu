@@ -22,7 +22,7 @@
     const long long base = bc * C * K + i;
     float acc = 0.0f;
     for (int t = 0; t < C; ++t) {
-      acc += L[base + t * K];
+      acc += static_cast<float>(L[base + t * K]);  // L may be 16-bit (an input verbatim)
       Ps_[t * 32 + lane] = expf(acc);
     }
     float after = 0.0f;  // sum_{tau > t} l_tau
@@ -30,7 +30,7 @@
     for (int t = C - 1; t >= 0; --t) {
       const long long at = base + t * K;
       const float q = expf(after);
-      after += L[at];
+      after += static_cast<float>(L[at]);
       const float p = Ps_[t * 32 + lane];
       const float u = static_cast<float>(U[at]), duq = DUQ[at];
       const float du = q * duq + DUX[at];

@@ -27,7 +27,7 @@
     const int64_t base = bc * C * K + i;
     float acc = 0.0f;
     for (int t = 0; t < C; ++t) {
-      acc += L[base + t * K];
+      acc += static_cast<float>(L[base + t * K]);  // L may be 16-bit (an input verbatim)
       Ps_[t * 32 + lane] = metal::exp(acc);
     }
     float after = 0.0f;  // sum_{tau > t} l_tau
@@ -36,7 +36,7 @@
     for (int t = C - 1; t >= 0; --t) {
       const int64_t at = base + t * K;
       const float q = metal::exp(after);
-      after += L[at];
+      after += static_cast<float>(L[at]);
       const float p = Ps_[t * 32 + lane];
       const float u = static_cast<float>(U[at]), duq = DUQ[at];
       const float du = q * duq + DUX[at];

@@ -18,7 +18,7 @@
   float acc = 0.0f;
   for (int t = 0; t < C; ++t) {
     const int64_t at = base + t * F;
-    const float lt = l[at];
+    const float lt = static_cast<float>(l[at]);  // l may be 16-bit (an input verbatim)
     const float pe = metal::exp(acc);
     Pe[at] = pe;
     acc += lt;
@@ -33,5 +33,5 @@
     const float q = metal::exp(acc);
     Y0[at] = static_cast<float>(X0[at]) * q;
     Y1[at] = static_cast<float>(X1[at]) * q;
-    acc += l[at];
+    acc += static_cast<float>(l[at]);
   }

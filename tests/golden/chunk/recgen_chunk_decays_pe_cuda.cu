@@ -14,7 +14,7 @@
   float acc = 0.0f;
   for (int t = 0; t < C; ++t) {
     const long long at = base + t * F;
-    const float lt = l[at];
+    const float lt = static_cast<float>(l[at]);  // l may be 16-bit (an input verbatim)
     const float pe = expf(acc);
     Pe[at] = pe;
     acc += lt;
@@ -27,5 +27,5 @@
     const long long at = base + s * F;
     const float q = expf(acc);
     Q[at] = q;
-    acc += l[at];
+    acc += static_cast<float>(l[at]);
   }

@@ -14,7 +14,7 @@
   float acc = 0.0f;
   for (int t = 0; t < C; ++t) {
     const int64_t at = base + t * F;
-    const float lt = l[at];
+    const float lt = static_cast<float>(l[at]);  // l may be 16-bit (an input verbatim)
     const float pe = metal::exp(acc);
     Pe[at] = pe;
     acc += lt;
@@ -27,5 +27,5 @@
     const int64_t at = base + s * F;
     const float q = metal::exp(acc);
     Q[at] = q;
-    acc += l[at];
+    acc += static_cast<float>(l[at]);
   }

@@ -14,7 +14,7 @@
   float acc = 0.0f;
   for (int t = 0; t < C; ++t) {
     const long long at = base + t * F;
-    const float lt = l[at];
+    const float lt = static_cast<float>(l[at]);  // l may be 16-bit (an input verbatim)
     acc += lt;
     D[at] = expf(lt);
     const float p = expf(acc);
@@ -26,5 +26,5 @@
     const float q = expf(acc);
     Q[at] = q;
     Y0[at] = static_cast<float>(X0[at]) * q;
-    acc += l[at];
+    acc += static_cast<float>(l[at]);
   }
