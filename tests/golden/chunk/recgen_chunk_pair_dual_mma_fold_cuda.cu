@@ -63,7 +63,11 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   float part2[BS + 1];
 #pragma unroll
   for (int s = 0; s < BS + 1; ++s) part2[s] = 0.0f;
+  // fold: two passes over the slabs, so the earlier blocks' accumulators and the own block's partial sums are never
+  // live together (with both live across the slabs the quad kernel needed 168 registers a thread, three
+  // threadgroups a multiprocessor). Pass 1, the earlier blocks (none for block 0):
   for (int k0 = 0; k0 < K; k0 += KS) {
+    if (I == 0) break;
     for (int q = tid; q < (I + 1) * KS; q += NT) {  // each column of each block up to I, one thread
       const int J = q / KS, c = q % KS;
       const long long col = base + k0 + c;
@@ -114,6 +118,29 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       }
     }
     if (t < BS) {
+    }
+    __syncthreads();
+  }
+  for (int q = 0; q < FI; ++q) {
+    const int it = warp + q * (NT / 32);
+    if (it < 2 * I) {
+      const int s0 = (it / 2) * BS + 8 * (it % 2);
+      M[(chunk * C + I * BS + gq) * C + s0 + 2 * tq] = fr_[q][0]; M[(chunk * C + I * BS + gq) * C + s0 + 2 * tq + 1] = fr_[q][1];
+      M[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq] = fr_[q][2]; M[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq + 1] = fr_[q][3];
+      M2[(chunk * C + I * BS + gq) * C + s0 + 2 * tq] = fr2_[q][0]; M2[(chunk * C + I * BS + gq) * C + s0 + 2 * tq + 1] = fr2_[q][1];
+      M2[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq] = fr2_[q][2]; M2[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq + 1] = fr2_[q][3];
+    }
+  }
+  // Pass 2, the own block: its Y and decays staged as they are (every thread, no walk), then the carries
+  for (int k0 = 0; k0 < K; k0 += KS) {
+    for (int q = tid; q < BS * KS; q += NT) {
+      const int s = q / KS, c = q % KS;
+      const long long at = base + (I * BS + s) * K + k0 + c;
+      Dd_[s * LDS + c] = dk[at];
+      Yd_[s * LDS + c] = static_cast<float>(Y[at]);
+    }
+    __syncthreads();
+    if (t < BS) {
       for (int c = hc; c < KS; c += 16) {            // block I: carries down from s = ta and from s = tb
         float a = static_cast<float>(X[base + (I * BS + ta) * K + k0 + c]);
         float e = static_cast<float>(X[base + (I * BS + tb) * K + k0 + c]);
@@ -139,16 +166,6 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       }
     }
     __syncthreads();
-  }
-  for (int q = 0; q < FI; ++q) {
-    const int it = warp + q * (NT / 32);
-    if (it < 2 * I) {
-      const int s0 = (it / 2) * BS + 8 * (it % 2);
-      M[(chunk * C + I * BS + gq) * C + s0 + 2 * tq] = fr_[q][0]; M[(chunk * C + I * BS + gq) * C + s0 + 2 * tq + 1] = fr_[q][1];
-      M[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq] = fr_[q][2]; M[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq + 1] = fr_[q][3];
-      M2[(chunk * C + I * BS + gq) * C + s0 + 2 * tq] = fr2_[q][0]; M2[(chunk * C + I * BS + gq) * C + s0 + 2 * tq + 1] = fr2_[q][1];
-      M2[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq] = fr2_[q][2]; M2[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq + 1] = fr2_[q][3];
-    }
   }
 #pragma unroll
   for (int s = 0; s < BS + 1; ++s)

@@ -77,7 +77,11 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   float part2b[BS + 1];
 #pragma unroll
   for (int s = 0; s < BS + 1; ++s) part2b[s] = 0.0f;
+  // fold: two passes over the slabs, so the earlier blocks' accumulators and the own block's partial sums are never
+  // live together (with both live across the slabs the quad kernel needed 168 registers a thread, three
+  // threadgroups a multiprocessor). Pass 1, the earlier blocks (none for block 0):
   for (int k0 = 0; k0 < K; k0 += KS) {
+    if (I == 0) break;
     for (int q = tid; q < (I + 1) * KS; q += NT) {  // each column of each block up to I, one thread
       const int J = q / KS, c = q % KS;
       const int64_t col = base + k0 + c;
@@ -134,6 +138,34 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       }
     }
     if (t < BS) {
+    }
+    threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  }
+  for (int q = 0; q < FI; ++q) {
+    const int it = warp + q * (NT / 32);
+    if (it < 2 * I) {
+      const int s0 = (it / 2) * BS + 8 * (it % 2);
+      M[(chunk * C + I * BS + gq) * C + s0 + 2 * tq] = fr_[q][0]; M[(chunk * C + I * BS + gq) * C + s0 + 2 * tq + 1] = fr_[q][1];
+      M[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq] = fr_[q][2]; M[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq + 1] = fr_[q][3];
+      Mb[(chunk * C + I * BS + gq) * C + s0 + 2 * tq] = frb_[q][0]; Mb[(chunk * C + I * BS + gq) * C + s0 + 2 * tq + 1] = frb_[q][1];
+      Mb[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq] = frb_[q][2]; Mb[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq + 1] = frb_[q][3];
+      M2[(chunk * C + I * BS + gq) * C + s0 + 2 * tq] = fr2_[q][0]; M2[(chunk * C + I * BS + gq) * C + s0 + 2 * tq + 1] = fr2_[q][1];
+      M2[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq] = fr2_[q][2]; M2[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq + 1] = fr2_[q][3];
+      M2b[(chunk * C + I * BS + gq) * C + s0 + 2 * tq] = fr2b_[q][0]; M2b[(chunk * C + I * BS + gq) * C + s0 + 2 * tq + 1] = fr2b_[q][1];
+      M2b[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq] = fr2b_[q][2]; M2b[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq + 1] = fr2b_[q][3];
+    }
+  }
+  // Pass 2, the own block: its Y and decays staged as they are (every thread, no walk), then the carries
+  for (int k0 = 0; k0 < K; k0 += KS) {
+    for (int q = tid; q < BS * KS; q += NT) {
+      const int s = q / KS, c = q % KS;
+      const int64_t at = base + (I * BS + s) * K + k0 + c;
+      Dd_[s * LDS + c] = dk[at];
+      Yd_[s * LDS + c] = static_cast<float>(Y[at]);
+      Ydb_[s * LDS + c] = static_cast<float>(Yb[at]);
+    }
+    threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+    if (t < BS) {
       for (int c = hc; c < KS; c += 16) {            // block I: carries down from s = ta and from s = tb
         float a = static_cast<float>(X[base + (I * BS + ta) * K + k0 + c]);
         float e = static_cast<float>(X[base + (I * BS + tb) * K + k0 + c]);
@@ -164,20 +196,6 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       }
     }
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-  }
-  for (int q = 0; q < FI; ++q) {
-    const int it = warp + q * (NT / 32);
-    if (it < 2 * I) {
-      const int s0 = (it / 2) * BS + 8 * (it % 2);
-      M[(chunk * C + I * BS + gq) * C + s0 + 2 * tq] = fr_[q][0]; M[(chunk * C + I * BS + gq) * C + s0 + 2 * tq + 1] = fr_[q][1];
-      M[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq] = fr_[q][2]; M[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq + 1] = fr_[q][3];
-      Mb[(chunk * C + I * BS + gq) * C + s0 + 2 * tq] = frb_[q][0]; Mb[(chunk * C + I * BS + gq) * C + s0 + 2 * tq + 1] = frb_[q][1];
-      Mb[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq] = frb_[q][2]; Mb[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq + 1] = frb_[q][3];
-      M2[(chunk * C + I * BS + gq) * C + s0 + 2 * tq] = fr2_[q][0]; M2[(chunk * C + I * BS + gq) * C + s0 + 2 * tq + 1] = fr2_[q][1];
-      M2[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq] = fr2_[q][2]; M2[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq + 1] = fr2_[q][3];
-      M2b[(chunk * C + I * BS + gq) * C + s0 + 2 * tq] = fr2b_[q][0]; M2b[(chunk * C + I * BS + gq) * C + s0 + 2 * tq + 1] = fr2b_[q][1];
-      M2b[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq] = fr2b_[q][2]; M2b[(chunk * C + I * BS + gq + 8) * C + s0 + 2 * tq + 1] = fr2b_[q][3];
-    }
   }
 #pragma unroll
   for (int s = 0; s < BS + 1; ++s)
