@@ -223,6 +223,12 @@ def _readout_role(p, r, raw, pick, kern, scale):
     return x.astype(pick(x.dtype, bare=True)), float(p.r_scaled[1](scale))
 
 
+def _y_is_o(t, has_z: bool, y0) -> bool:
+    """Whether the core's y is the output o itself (no normalizer, skip or bonus term, no pre-update shift), so a
+    core whose readout kernel writes the model's layout and type may return o directly."""
+    return not has_z and "skip" not in t and "bonus" not in t and y0 is None
+
+
 def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """Scalar or key-vector decay, no transition or a = ρ·u: (S[, z], *inputs) -> (o, S[, z]). Without a
     normalizer or skip term the core writes o in its layout and type (``out_dtype``) itself."""
@@ -246,7 +252,7 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         u, w = (_role_as(p, role, t[role], raw, pick, out_dtype) for role in ("u", "w"))  # out_dtype: the values'
         bt = None if bt is None else _role_as(p, "b", bt, raw, pick, out_dtype, p.rho_pow2)
         r, rfac = _readout_role(p, r, raw, pick, kern if y0 is None else None, scale)  # shifted r: no raw input
-        native = not has_z and "skip" not in t and "bonus" not in t and y0 is None
+        native = _y_is_o(t, has_z, y0)
         y, S = _diag_scan(tun, S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None, rfac)
         if native:
             return y, S
@@ -328,8 +334,7 @@ def _general(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     r, rfac = _readout_role(p, r, raw, pick, kern if y0 is None else None, scale)  # a shifted r has no raw input
     # a scale of 1 (RWKV-7's) needs no pass over dy: MLX multiplies by 1.0 as by any other number. Where the readout
     # is y alone and its kernel runs, the core writes o in the model's layout and type itself
-    native = (not has_z and "skip" not in t and "bonus" not in t and y0 is None and kern is not None
-              and kern.rank1_readout)
+    native = _y_is_o(t, has_z, y0) and kern is not None and kern.rank1_readout
     fn = rank1.core_fn(key, p.rec.transition_before_decay, tun, None if rfac == 1.0 else rfac,
                        out_dtype if native else None)
     l = _as_f(t["logdecay"])

@@ -95,22 +95,22 @@ def _forward(geo, S0, r, u, w, a, b, before: bool, kern, rfac=None, out=None):
     (C, K), V = a.shape[-2:], w.shape[-1]
     Pb = geo.p_before() if before else geo.P
     w32 = _f32(w)  # a 16-bit w meets float32 operands in two products: cast once, not by each
-    if kern and ck.fuses_ut(kern, C, K, V) and kern.ut_products:  # U = (T B) w in the kernel: no B w in memory
-        Tm, U, W = ck.chunk_ut_key(A, w, b, mx.broadcast_to(Pb, b.shape), kern, B=B)
-    elif kern and ck.fuses_ut(kern, C, K, V):  # the inverse and both products in one kernel (A formed)
-        Tm, U, W = ck.chunk_ut_key(A, B @ w32, b, mx.broadcast_to(Pb, b.shape), kern)
+    if kern and ck.fuses_ut(kern, C, K, V):  # the inverse and both products in one kernel (A formed); with
+        tb = kern.ut_products  # ``ut_products`` U = (T B) w there too, so B w is never in memory
+        Tm, U, W = ck.chunk_ut_key(A, w if tb else B @ w32, b, mx.broadcast_to(Pb, b.shape), kern, B=B if tb else None)
     else:
         Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(C) else unit_lower_inv(A)
         U, W = Tm @ (B @ w32), Tm @ (b * Pb)
     states, X, S_end = _scan_forward(geo, S0, W, U, geo.role("aQ", a, "Q"), geo.role("uQ", u, "Q"), w, kern)
+    rP = geo.role("rP", r, "P")
     if kern and kern.rank1_readout and ck.fuses_readout(kern, C, K, V):  # all three terms in one kernel
-        y = ck.chunk_out_rank1(geo.role("rP", r, "P"), Mra, X, states, Mru, w, kern, out, rfac)
-        return y, S_end, (states, X, Tm, W, B, Mra, Mru)
-    # Else three accumulating products: with two of its terms in the key readout kernel and the third added after
-    # it (one more pass over y), the forward measured slower (docs/design.md)
-    c = 1.0 if rfac is None else rfac
-    y = mx.addmm(mx.addmm(Mru @ w32, Mra, X), geo.role("rP", r, "P"), states, alpha=c, beta=c)
-    return (y if out is None else model_layout(y, out)), S_end, (states, X, Tm, W, B, Mra, Mru)
+        y = ck.chunk_out_rank1(rP, Mra, X, states, Mru, w, kern, out, rfac)
+    else:  # three accumulating products: with two of its terms in the key readout kernel and the third added after
+        # it (one more pass over y), the forward measured slower (docs/design.md)
+        c = 1.0 if rfac is None else rfac
+        y = mx.addmm(mx.addmm(Mru @ w32, Mra, X), rP, states, alpha=c, beta=c)
+        y = y if out is None else model_layout(y, out)
+    return y, S_end, (states, X, Tm, W, B, Mra, Mru)
 
 
 def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None, out=None):
@@ -175,11 +175,10 @@ def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None, out=N
 
     Arguments (chunked, [..., n, C, F]): S0 [..., K, V], r, u, a, b [.., C, K], w [.., C, V], l [.., C, F] (log-decays;
     F = K when ``key``, else 1; roles in 16 bits where ``roles_16bit``, l where ``logdecay_16bit``, float32
-    otherwise). ``before``: the
-    transition reads the state before the decay. ``rfac`` (a float): the readout role is rfac·r, applied inside (the
-    role rfac·q is never formed, nor its gradient scaled after). ``out``: None, or a dtype for y in the model's
-    layout [B, n C, H, V] (its cotangent arrives so too). Returns (y [.., n, C, V], S_end, *residuals), the
-    residuals for the VJP only."""
+    otherwise). ``before``: the transition reads the state before the decay. ``rfac`` (a float): the readout role is
+    rfac·r, applied inside (the role rfac·q is never formed, nor its gradient scaled after). ``out``: None, or a
+    dtype for y in the model's layout [B, n C, H, V] (its cotangent arrives so too). Returns (y [.., n, C, V],
+    S_end, *residuals), the residuals for the VJP only."""
     kern = t if t.chunk_kernels else None
     # the forward reads P_{t−1} (before the decay) or P; otherwise only the products, D and g (the fused backward tail
     # takes P and Q from l itself): the geometry kernel writes neither P nor Q where nothing reads them
