@@ -918,6 +918,13 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     assert abs(float((dx * x).sum()) / 2 - ip) < 1e-4 * abs(ip)
 
 
+def _pair_decays(rng, N, C, K):
+    """Per-token decays for the pair kernels' tests: down to e^-20, and about 1% exactly 0 (resets)."""
+    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
+    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
+    return dk
+
+
 def _pair_ref(X, Y, dk, strict):
     """float64 M[t, s] = sum_i X_ti Y_si prod_{s<tau<=t} d_tau,i (s <= t or s < t)."""
     N, C, K = X.shape
@@ -953,8 +960,7 @@ def test_pair_kernels_match_numpy(strict, C, K):
     rng = np.random.default_rng(11 + strict + C)
     N = 3
     X, Y, dM = (rng.normal(size=s).astype(np.float32) for s in ((N, C, K), (N, C, K), (N, C, C)))
-    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
-    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
+    dk = _pair_decays(rng, N, C, K)
     (M,) = verify.run_launch(ck.pair_launch("metal", N, C, K, strict), {"X": X, "Y": Y, "dk": dk})
     assert _rel(M, _pair_ref(X, Y, dk, strict)) < 1e-5
     dX, dY = verify.run_launch(ck.pair_launch("metal", N, C, K, strict, grad=True), {"dM": dM, "X": X, "Y": Y, "dk": dk})
@@ -973,8 +979,7 @@ def test_dual_pair_kernels_match_numpy(C, K, strict):
     N = 2
     X, X2, Y = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(3))
     dM, dM2 = (rng.normal(size=(N, C, C)).astype(np.float32) for _ in range(2))
-    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
-    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
+    dk = _pair_decays(rng, N, C, K)
     first = strict
     M, M2 = verify.run_launch(ck.pair_launch("metal", N, C, K, first, dual=True), {"X": X, "X2": X2, "Y": Y, "dk": dk})
     assert _rel(M, _pair_ref(X, Y, dk, first)) < 1e-5 and _rel(M2, _pair_ref(X2, Y, dk, False)) < 1e-5
@@ -997,8 +1002,7 @@ def test_quad_pair_kernels_match_numpy(frame, mma, C, K, strict):
     rng = np.random.default_rng(C + K + strict)
     N = 2
     X, X2, Y, Yb = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(4))
-    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
-    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
+    dk = _pair_decays(rng, N, C, K)
     ins = {"X": X, "X2": X2, "Y": Y, "Yb": Yb, "dk": dk}
     launch = ck.pair_launch(frame, N, C, K, strict, dual=True, quad=True, mma=mma)
     assert "_quad" in launch.source.name and launch.source.name.split(f"_{frame}_")[0].endswith("_mma") == mma
@@ -1035,8 +1039,7 @@ def test_pair_kernels_with_folded_rows_match_numpy(frame, mma, C, K, strict, dua
     rng = np.random.default_rng(C + K + strict + 2 * dual + 4 * quad)
     N = 2
     X, X2, Y, Yb = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(4))
-    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
-    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
+    dk = _pair_decays(rng, N, C, K)
     ins = {"X": X, "Y": Y, "dk": dk} | ({"X2": X2} if dual else {}) | ({"Yb": Yb} if quad else {})
     launch = ck.pair_launch(frame, N, C, K, strict, dual=dual, quad=quad, mma=mma, fold=True)
     assert launch.source.name.split(f"_{frame}_")[0].endswith("_fold")
@@ -1073,8 +1076,7 @@ def test_pair_kernels_on_fragments_match_numpy(frame, C, K, strict, dual):
     rng = np.random.default_rng(C + K + 2 * strict + dual)
     N = 2
     X, X2, Y = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(3))
-    dk = np.exp(-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
-    dk[rng.uniform(size=dk.shape) < 0.01] = 0.0
+    dk = _pair_decays(rng, N, C, K)
     ins = {"X": X, "Y": Y, "dk": dk} | ({"X2": X2} if dual else {})
     launch = ck.pair_launch(frame, N, C, K, strict, dual=dual, mma=True)
     assert launch.source.name.split(f"_{frame}_")[0].endswith("_mma")
