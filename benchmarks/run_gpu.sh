@@ -6,7 +6,7 @@
 #   THRESHOLD_TS="256 512" bash benchmarks/run_gpu.sh threshold:8,T,8,64   # chunked form from T=1 vs never
 #   SPECS="kda gla" bash benchmarks/run_gpu.sh ab:RECGEN_FUSED_BWD:4,4096,16,128  # a switch off, then on, one call
 #   AB_VALUES="32 16" bash benchmarks/run_gpu.sh ab:RECGEN_SCAN_BV:4,4096,16,128  # or any values of a variable
-#   SPECS=rwkv7 AB_VALUES="0 1 0 1" bash benchmarks/run_gpu.sh abset:RECGEN_PAIR_FOLD,RECGEN_UT_PRODUCTS:4,4096,16,128
+#   SPECS=rwkv7 AB_VALUES="0 1 0 1" bash benchmarks/run_gpu.sh ab:RECGEN_PAIR_FOLD,RECGEN_UT_PRODUCTS:4,4096,16,128
 #                                                        # several switches together: all off, then all on, ...
 #   SPECS=rwkv7 AB_VALUES="cuda mlx" bash benchmarks/run_gpu.sh ab:RECGEN_BACKEND:4,4096,16,128  # kernels / chunked
 #   SPECS="kda gla rwkv7" bash benchmarks/run_gpu.sh ab:RECGEN_MMA_PAIRS:4,4096,16,128  # pair kernels on fragments
@@ -72,17 +72,12 @@ for stage in "$@"; do
                --passes fwd,fwdbwd $c --json "$OUT/threshold_${T}_min${f}${c:+_compiled}.json" 2>&1 \
                | grep -E "ms " | sed "s/^/T=$T chunked-from=$f $c /" | tee -a "$OUT/threshold.log"
            done; done; done ;;
-    ab:*) var=${stage#ab:}; shape=${var#*:}; var=${var%%:*}               # VAR=0 then VAR=1, every spec of $SPECS
-          for sp in $SPECS; do for v in ${AB_VALUES:-0 1}; do
-            env $var=$v timeout ${BENCH_TIMEOUT:-150} python -m recgen.cli bench $sp --shape $shape \
-              --passes ${PASSES:-fwdbwd,peak} --json "$OUT/ab_${var}${v}_${sp}_${shape//,/x}.json" 2>&1 \
+    ab:*) var=${stage#ab:}; shape=${var#*:}; var=${var%%:*}               # VAR=0 then VAR=1, every spec of $SPECS;
+          for sp in $SPECS; do for v in ${AB_VALUES:-0 1}; do              # VAR1,VAR2,...: each set to the value
+            env $(for x in ${var//,/ }; do echo "$x=$v"; done) timeout ${BENCH_TIMEOUT:-150} python -m recgen.cli \
+              bench $sp --shape $shape --passes ${PASSES:-fwdbwd,peak} \
+              --json "$OUT/ab_${var//,/_}${v}_${sp}_${shape//,/x}.json" 2>&1 \
               | grep -E " ms | GiB " | sed "s/^/$sp $var=$v /" | tee -a "$OUT/ab.log"
-          done; done ;;
-    abset:*) vars=${stage#abset:}; shape=${vars#*:}; vars=${vars%%:*}      # VAR1,VAR2,..: all 0, then all 1, ...
-          for sp in $SPECS; do for v in ${AB_VALUES:-0 1}; do
-            env $(for x in ${vars//,/ }; do echo "$x=$v"; done) timeout ${BENCH_TIMEOUT:-150} python -m recgen.cli \
-              bench $sp --shape $shape --passes ${PASSES:-fwdbwd,peak} 2>&1 \
-              | grep -E " ms | GiB " | sed "s/^/$sp {$vars}=$v /" | tee -a "$OUT/abset.log"
           done; done ;;
     *) echo "unknown stage $stage" ;;
   esac
