@@ -57,20 +57,20 @@ class Tuning:
     mma_scan: bool = False          # the scan on fragment multiply-adds (tensor cores) rather than FMAs
     fused_readout: bool = True      # the scalar-decay readout as one fragment kernel (with ``mma_scan``)
     fused_ut: bool = True           # the delta rule's UT transform as one fragment kernel (with ``mma_scan``)
-    ut_products: bool = False       # ... the general rank-1 core's forming U = (T B) w itself (not measured yet)
-    rank1_readout: bool = False     # the general rank-1 core's three readout terms as one kernel (not measured yet)
+    ut_products: bool = False       # ... the general rank-1 core's forming U = (T B) w itself
+    rank1_readout: bool = False     # the general rank-1 core's three readout terms as one kernel
     fused_bwd: bool = True          # the backward after its scan as kernels: a scalar decay's fragment pass (with
     #                                 ``mma_scan``), a key-vector decay's elementwise tail
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
     logdecay_16bit: bool = False    # ... and a log-decay that is an input verbatim, where only kernels read it (the
-    #                                 general rank-1 core; not measured yet)
+    #                                 general rank-1 core)
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
     scan_nw: int = 4                # SIMD groups per threadgroup of the forward fragment scan (most)
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (not measured yet: off)
     scan_products: bool = True      # the fragment scan takes a product term E = Paᵀ Pb as its factors
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
-    pair_fold: bool = False         # ... their own block's rows t and BS − 1 − t on one thread (not measured yet)
+    pair_fold: bool = False         # ... their own block's rows t and BS − 1 − t on one thread
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
@@ -96,7 +96,8 @@ DEVICE_DEFAULTS = {
 # What was measured faster on each dialect's hardware (docs/design.md and BENCHMARKS.md say where and how).
 MEASURED = {
     "cuda": dict(chunk_kernels=True, mma_scan=True, chunked_backward_min_t=1024,
-                 chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True, reverse_scan_nw=8),
+                 chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True, reverse_scan_nw=8,
+                 pair_fold=True, ut_products=True, rank1_readout=True, logdecay_16bit=True),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 
