@@ -144,6 +144,8 @@ ENVIRONMENT = {
     "RECGEN_RANK1_READOUT": ("rank1_readout", _flag),
     "RECGEN_FUSED_BWD": ("fused_bwd", _flag),
     "RECGEN_BWD_BW": ("bwd_bw", int),
+    "RECGEN_OUT_BV": ("out_bv", int),
+    "RECGEN_UT_BW": ("ut_bw", int),
     "RECGEN_SCAN_BV": ("scan_bv", int),
     "RECGEN_SCAN_NW": ("scan_nw", int),
     "RECGEN_REVERSE_SCAN_NW": ("reverse_scan_nw", int),
