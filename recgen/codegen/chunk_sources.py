@@ -210,15 +210,17 @@ def bwd_key_supported(dialect: str, C: int) -> bool:
     return 1 <= C <= 64 and 2 * 32 * C * 4 <= get(dialect).smem_bytes
 
 
-def _pair_suffix(strict: bool, dual: bool, quad: bool = False) -> str:
+def _pair_suffix(strict: bool, dual: bool, quad: bool, mma: bool, fold: bool) -> str:
     """The pair kernels' name suffix: the dual form's first pair is strict unless named otherwise (the delta rule's
     A); a transition before the decay pairs b one token earlier with s <= t (``chunked.rank1``); the quad form pairs
-    both X operands with a second Y too."""
+    both X operands with a second Y too; then the fragment and folded forms."""
     if quad:
-        return "_quad" if strict else "_quad_nonstrict"
-    if dual:
-        return "_dual" if strict else "_dual_nonstrict"
-    return "_strict" if strict else ""
+        form = "_quad" if strict else "_quad_nonstrict"
+    elif dual:
+        form = "_dual" if strict else "_dual_nonstrict"
+    else:
+        form = "_strict" if strict else ""
+    return form + ("_mma" if mma else "") + ("_fold" if fold else "")
 
 
 def _pair_operands(dual: bool, quad: bool) -> tuple[tuple, tuple]:
@@ -236,7 +238,7 @@ def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = Fals
     d = get(dialect)
     xs, ys = _pair_operands(dual, quad)
     outs = tuple("M" + x[1:] + y[1:] for y in ys for x in xs)
-    kind = "pair" + _pair_suffix(strict, dual, quad) + ("_mma" if mma else "") + ("_fold" if fold else "")
+    kind = "pair" + _pair_suffix(strict, dual, quad, mma, fold)
     return _source(d, "chunk_pair.j2", kind, "key-vector decay pair matrix of a chunk", xs + ys + ("dk", "rt"), outs,
                    (), helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad,
                    fold=fold)
@@ -252,7 +254,7 @@ def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool =
     d = get(dialect)
     xs, ys = _pair_operands(dual, quad)
     cots = tuple("dM" + x[1:] + y[1:] for y in ys for x in xs)
-    kind = "pair_grad" + _pair_suffix(strict, dual, quad) + ("_mma" if mma else "") + ("_fold" if fold else "")
+    kind = "pair_grad" + _pair_suffix(strict, dual, quad, mma, fold)
     return _source(d, "chunk_pair_grad.j2", kind, "gradients of the key-vector decay pair matrix",
                    cots + xs + ys + ("dk", "rt"), tuple("d" + x for x in xs + ys), (),
                    helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad,
