@@ -426,15 +426,7 @@ def chunk_out_key(r, M, Z, states, P, t: Tuning, out=None, rs=None):
     """``chunk_out`` for a key-vector decay: y = (r ⊙ P) S_c + M Z per chunk with M [.., n, C, C] formed (by the pair
     kernels, of rs·r where ``rs``) and P [.., n, C, K] per key element (float32). Returns y [.., n, C, V] float32, or
     with ``out`` y in the model's layout [B, n C, H, V] and that type."""
-    import mlx.core as mx
-
-    (n, C, K), V = r.shape[-3:], Z.shape[-1]
-    N = _lead(r, 2)
-    yt = None if out is None else (r.shape[-4], n, _dtype_name(out))
-    (y,) = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, key=True),
-                 [r.reshape(N, C, K), M.reshape(N, C, C), Z.reshape(N, C, V), states.reshape(N, K, V),
-                  P.reshape(N, C, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-    return y if out is not None else y.reshape(*Z.shape)
+    return _out_key(r, M, Z, states, (P,), t, out, rs)
 
 
 def chunk_out_rank1(rP, Mra, X, states, Mru, w, t: Tuning, out=None, rs=None):
@@ -442,15 +434,22 @@ def chunk_out_rank1(rP, Mra, X, states, Mru, w, t: Tuning, out=None, rs=None):
     K] (r scaled by its decays), the pairs [.., n, C, C] of r itself, X [.., n, C, V] (float32), w [.., n, C, V] in
     any type. Returns y [.., n, C, V] float32, or with ``out`` y in the model's layout [B, n C, H, V] and that
     type."""
+    return _out_key(rP, Mra, X, states, (Mru, w), t, out, rs, m2=True)
+
+
+def _out_key(r, M, Z, states, extra: tuple, t: Tuning, out, rs, m2: bool = False):
+    """The key readout frame, shared by ``chunk_out_key`` (``extra`` = (P,)) and ``chunk_out_rank1`` (``m2``: (M2,
+    Z2)); every operand but the states is [.., n, C, F]."""
     import mlx.core as mx
 
-    (n, C, K), V = rP.shape[-3:], X.shape[-1]
-    N = _lead(rP, 2)
-    yt = None if out is None else (rP.shape[-4], n, _dtype_name(out))
-    (y,) = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, key=True, m2=True),
-                 [rP.reshape(N, C, K), Mra.reshape(N, C, C), X.reshape(N, C, V), states.reshape(N, K, V),
-                  Mru.reshape(N, C, C), w.reshape(N, C, V), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-    return y if out is not None else y.reshape(*X.shape)
+    (n, C, K), V = r.shape[-3:], Z.shape[-1]
+    N = _lead(r, 2)
+    yt = None if out is None else (r.shape[-4], n, _dtype_name(out))
+    flat = lambda x: x.reshape(N, C, x.shape[-1])  # noqa: E731
+    (y,) = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, key=True, m2=m2),
+                 [flat(r), flat(M), flat(Z), states.reshape(N, K, V), *(flat(x) for x in extra),
+                  mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+    return y if out is not None else y.reshape(*Z.shape)
 
 
 def chunk_ut_key(A, w, bt, P, t: Tuning, B=None):
