@@ -67,7 +67,7 @@ class Tuning:
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
     scan_nw: int = 4                # SIMD groups per threadgroup of the forward fragment scan (most)
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
-    scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (not measured yet: off)
+    scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (measured no clear gain: off)
     scan_products: bool = True      # the fragment scan takes a product term E = Paᵀ Pb as its factors
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
     pair_fold: bool = False         # ... their own block's rows t and BS − 1 − t on one thread

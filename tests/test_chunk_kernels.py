@@ -358,7 +358,7 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
                             "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",
                             "recgen_chunk_ut_mma_key", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
                             "recgen_chunk_bwd_key_rank1_before"}, {}),
-    ("rwkv7", 32, 8, True, {"recgen_chunk_decays_g_q_q_p", "recgen_chunk_decays_g_pe_q_q_p",  # the untimed switches
+    ("rwkv7", 32, 8, True, {"recgen_chunk_decays_g_q_q_p", "recgen_chunk_decays_g_pe_q_q_p",  # CUDA's defaults
                             "recgen_chunk_pair_quad_nonstrict_fold", "recgen_chunk_pair_grad_quad_nonstrict_fold",
                             "recgen_chunk_ut_mma_key_tb", "recgen_chunk_scan_mma_p", "recgen_chunk_scan_mma_p_dg_rev",
                             "recgen_chunk_out_mma_key_m2_yt", "recgen_chunk_bwd_key_rank1_before"},
