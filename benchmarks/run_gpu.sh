@@ -2,6 +2,7 @@
 # One device call: the stages named as arguments, each with its own time limit, logs and JSON under $OUT.
 #   bash benchmarks/run_gpu.sh check bench bench-extra decode mlx-lm
 #   GPU_TESTS=tests/gpu/test_mlx_lm_gpu.py GPU_TEST_SHARDS=4 bash benchmarks/run_gpu.sh check
+#   GPU_TEST_K="delta_net or probe" bash benchmarks/run_gpu.sh check   # the tests a -k expression selects
 #   SPECS="gla simple_gla" bash benchmarks/run_gpu.sh bench-fla:4,4096,16,128
 #   THRESHOLD_TS="256 512" bash benchmarks/run_gpu.sh threshold:8,T,8,64   # chunked form from T=1 vs never
 #   SPECS="kda gla" bash benchmarks/run_gpu.sh ab:RECGEN_FUSED_BWD:4,4096,16,128  # a switch off, then on, one call
@@ -35,8 +36,9 @@ for stage in "$@"; do
   case $stage in
     check) n=${GPU_TEST_SHARDS:-8}; logs=$(mktemp -d); pids=  # the gpu tests (tests/gpu) as n processes, --shard k/n:
            for k in $(seq 0 $((n - 1))); do          # most of their time is kernel compilation, one core a process
-             timeout ${CHECK_TIMEOUT:-540} python -m pytest -m gpu $GPU_TESTS --shard $k/$n -rs --durations=5 \
-               > "$logs/$k.log" 2>&1 & pids="$pids $!"  # GPU_TESTS: files to check (default: every gpu test)
+             timeout ${CHECK_TIMEOUT:-540} python -m pytest -m gpu $GPU_TESTS ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
+               --shard $k/$n -rs --durations=5 > "$logs/$k.log" 2>&1 & pids="$pids $!"  # GPU_TESTS: files to check
+                                                     # (default: every gpu test); GPU_TEST_K: a -k expression
            done
            rc=0; for p in $pids; do wait $p; r=$?; [ $r = 0 ] || [ $r = 5 ] || rc=$r; done  # 5: a part with no tests
            for k in $(seq 0 $((n - 1))); do echo "=== shard $k/$n"; cat "$logs/$k.log"; done > "$OUT/check_gpu.log"

@@ -61,6 +61,8 @@ class Tuning:
     rank1_readout: bool = False     # the general rank-1 core's three readout terms as one kernel
     fused_bwd: bool = True          # the backward after its scan as kernels: a scalar decay's fragment pass (with
     #                                 ``mma_scan``), a key-vector decay's elementwise tail
+    factor_reads: bool = True       # the delta rule's u = f·k and b̃ = ρ k read from k by the fused kernels (scalar
+    #                                 decays, all kernels fused), never formed
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
     logdecay_16bit: bool = False    # ... and a log-decay that is an input verbatim, where only kernels read it (the
     #                                 general rank-1 core)
@@ -153,6 +155,7 @@ ENVIRONMENT = {
     "RECGEN_SCAN_PRODUCTS": ("scan_products", _flag),
     "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
     "RECGEN_PAIR_FOLD": ("pair_fold", _flag),
+    "RECGEN_FACTOR_READS": ("factor_reads", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_16BIT_LOGDECAY": ("logdecay_16bit", _flag),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),

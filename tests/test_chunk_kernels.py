@@ -315,8 +315,13 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
 
 
 @pytest.mark.parametrize("name,K,pairs,want", [
-    ("gated_delta_net", 16, False, {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
-                                    "recgen_chunk_out_mma_yt", "recgen_chunk_bwd_mma_delta"}),
+    ("gated_delta_net", 16, False, {"recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
+                                    "recgen_chunk_out_mma_uf_yt", "recgen_chunk_bwd_mma_delta_uf"}),
+    ("delta_net", 16, False, {"recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
+                              "recgen_chunk_out_mma_uf_yt", "recgen_chunk_bwd_mma_delta_uf"}),
+    ("gated_delta_net/formed", 16, False, {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q",
+                                           "recgen_chunk_scan_mma_aq_p_pq_dg_rev", "recgen_chunk_out_mma_yt",
+                                           "recgen_chunk_bwd_mma_delta"}),
     ("simple_gla", 16, False, {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
                                "recgen_chunk_bwd_mma"}),
     ("kda", 32, False, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key",
@@ -331,7 +336,9 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
 def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monkeypatch):
     """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
     backward; GDN's backward taking E = (r ⊙ P)ᵀ dy as its factors), the readout and the backward's pass after
-    its scan in place of the inverse kernel, the FMA scans and MLX's products; for a key-vector decay (kda, gla) the
+    its scan in place of the inverse kernel, the FMA scans and MLX's products (GDN and DeltaNet with factor reads:
+    u = β k and b̃ = −k read from k by those kernels; "/formed": ``factor_reads`` off, the roles formed by MLX
+    first); for a key-vector decay (kda, gla) the
     pair kernels form A and M_ru and the UT transform and readout take them formed with P per key element
     (``chunk_ut_key``, ``chunk_out_key``), with the pairs' earlier blocks on fragments where ``pairs``
     (``Tuning.mma_pairs``). K = 16 (one group) or 32 (a slab of the pair kernels), V = 8 (one column tile), chunk 16,
@@ -343,7 +350,9 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
 
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, mma_pairs=pairs)
+    name, _, formed = name.partition("/")
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, mma_pairs=pairs,
+                       factor_reads=not formed)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=K, V=8, seed=9 if K == 16 else 4, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
     assert kinds == want, kinds
@@ -758,6 +767,69 @@ def test_chunk_bwd_mma_at_the_cuda_layout(monkeypatch):
         assert _rel(got, w) < (4e-3 if t == "bfloat16" else 1e-5), (t, _rel(got, w))
 
 
+def _factor_inputs(rng, N, C, K):
+    """A key x [N, C, K] and a factor per token f [N, C] (β-like, some 0: a token that writes nothing), float32."""
+    x = (rng.normal(size=(N, C, K)) / np.sqrt(K)).astype(np.float32)
+    f = rng.uniform(size=(N, C)).astype(np.float32)
+    f[:, 1] = 0.0
+    return x, f
+
+
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
+@pytest.mark.parametrize("C,K,V,bf", [(16, 16, 24, -1.0), (32, 40, 16, -0.5)])
+def test_chunk_ut_mma_reads_factors(frame, C, K, V, bf):
+    """Factor reads (``uf``): the UT transform given one key x, a factor per token Uf and a constant Bf computes
+    what the plain kernel computes from the roles b̃ = Bf x and u = Uf ⊙ x, against float64."""
+    rng = np.random.default_rng(C + K)
+    N = 2
+    x, uf = _factor_inputs(rng, N, C, K)
+    l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
+    ins = {"U": x, "Uf": uf, "Bf": np.array([bf], np.float32), "W": rng.normal(size=(N, C, V)).astype(np.float32),
+           "logd": l}
+    outs = verify.run_launch(ck.ut_mma_launch(frame, N, C, K, V, uf=True), ins)
+    x64 = x.astype(np.float64)
+    for got, want in zip(outs, _ut_ref(bf * x64, uf[..., None] * x64, ins["W"], l)):
+        assert got.shape == want.shape and _rel(got, want) < 1e-5, _rel(got, want)
+
+
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
+@pytest.mark.parametrize("C,K,V", [(16, 16, 24), (32, 40, 32)])
+def test_chunk_out_mma_reads_factors(frame, C, K, V):
+    """Factor reads (``uf``): the readout given a key x and a factor per token Uf forms M = (r (Uf ⊙ x)ᵀ) ⊙ Γ as it
+    reads x; y and M against float64."""
+    rng = np.random.default_rng(C + K + 5)
+    N = 2
+    x, uf = _factor_inputs(rng, N, C, K)
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
+    ins = {"R": f(N, C, K), "U": x, "Uf": uf, "Z": f(N, C, V), "St": f(N, K, V), "logd": l,
+           "Rs": np.array([0.3], np.float32)}
+    y, M = verify.run_launch(ck.out_mma_launch(frame, N, C, K, V, uf=True), ins)
+    want_y, want_M = _out_ref(0.3 * ins["R"], uf[..., None] * x.astype(np.float64), ins["Z"], ins["St"], l)
+    assert _rel(y, want_y) < 1e-5 and _rel(M, want_M) < 1e-5
+
+
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
+@pytest.mark.parametrize("C,K,bw", [(16, 16, 32), (32, 40, 32), (32, 64, 16)])
+def test_chunk_bwd_mma_reads_factors(frame, C, K, bw):
+    """Factor reads (``uf``): the backward's pass given a key x, a factor per token Uf and a constant Bf (u = Uf ⊙ x,
+    b̃ = Bf x) writes dx = Uf du + Bf db̃ and dUf = Σ_i du ⊙ x in place of du and db̃; against the float64 pass on
+    the formed roles (``_bwd_ref``), both chained by hand. Keys in passes of BW columns (K = 40: five of 8)."""
+    rng = np.random.default_rng(C + K + 11)
+    N, bf = 2, -1.0
+    ins = _bwd_inputs(rng, N, C, K, True)
+    x, uf = _factor_inputs(rng, N, C, K)
+    x64, uf64 = x.astype(np.float64), uf.astype(np.float64)[..., None]
+    dr, du, dbt, dl = _bwd_ref(ins | {"U": uf64 * x64, "Bt": bf * x64}, 0.3)
+    given = {k: v for k, v in ins.items() if k != "Bt"} | {"U": x, "Uf": uf, "Bf": np.array([bf], np.float32)}
+    launch = ck.bwd_mma_launch(frame, N, C, K, ("float32", "float32"), bw, uf=True)
+    got = verify.run_launch(launch, given)
+    want = [dr, uf64 * du + bf * dbt, (du * x64).sum(-1), dl]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and _rel(g, w) < 1e-5, _rel(g, w)
+
+
 def _bwd_key_ref(ins, rs):
     """float64 of the key-decay tail (``chunk_bwd_key.j2``), written from ``parallel._backward``'s MLX form: P, Q from
     anchored sums per key column, dr = P DRP + DRX, du = Q DUQ + DUX, db̃ = P DR + DBX, dG = r dr − u du + b̃ db̃,
@@ -882,6 +954,15 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
                                  sanitizer=sanitizer)
         for got, want in zip(outs, _bwd_ref(bw, 0.3)):
             assert _rel(got, want) < 1e-5
+    x, uf = _factor_inputs(rng, 2, 32, 16)  # factor reads: the UT transform, readout and backward's pass, as plain
+    fr = {"U": x, "Uf": uf, "Bf": np.array([-1.0], np.float32)}
+    bw = {k: v for k, v in _bwd_inputs(rng, 2, 32, 16, True).items() if k not in ("U", "Bt")}
+    for launch, given in ((ck.ut_mma_launch("metal", 2, 32, 16, 8, uf=True), fr | {"W": ut["W"], "logd": ut["logd"]}),
+                          (ck.out_mma_launch("metal", 2, 32, 16, 8, uf=True), ro | {"U": x, "Uf": uf}),
+                          (ck.bwd_mma_launch("metal", 2, 32, 16, ("float32",) * 2, 8, uf=True), bw | fr)):
+        plain = verify.run_launch(launch, given)
+        for got, want in zip(verify.run_launch(launch, given, sanitizer=sanitizer), plain):
+            assert np.array_equal(got, want)
     L = np.tril(f(2, C, C), -1)
     (T,) = verify.run_launch(ck.inverse_launch("metal", 2, C), {"L": L}, sanitizer=sanitizer)
     assert _rel(T, np.linalg.inv(np.eye(C) - L.astype(np.float64))) < 1e-4
@@ -1263,7 +1344,11 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
 
 @pytest.mark.parametrize("roles16", ["1", None, "0"])
 @pytest.mark.parametrize("name,typed,bare", [
-    ("gated_delta_net", {"ut_mma": {"Bt", "U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_yt": {"R", "U"},
+    ("gated_delta_net", {"ut_mma_uf": {"U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_uf_yt": {"R", "U"},
+                         "scan_mma_aq_p_pq_dg_rev": {"A", "Pa"}, "bwd_mma_delta_uf": {"R", "U"}},
+     {"ut_mma_uf": {"U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_uf_yt": {"R", "U"},
+      "scan_mma_aq_p_pq_dg_rev": {"A", "Pa"}, "bwd_mma_delta_uf": {"R", "U"}}),
+    ("gated_delta_net/formed", {"ut_mma": {"Bt", "U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_yt": {"R", "U"},
                          "scan_mma_aq_p_pq_dg_rev": {"A", "Pa"}, "bwd_mma_delta": {"R", "U", "Bt"}},
      {"ut_mma": {"Bt", "W"}, "out_mma_yt": {"R"}, "scan_mma_aq_p_pq_dg_rev": {"Pa"}, "bwd_mma_delta": {"R", "Bt"}}),
     ("simple_gla", {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}, "scan_mma_nob_aq_e_rev": {"A"},
@@ -1281,13 +1366,15 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare,
     float32 (asserted per kernel buffer). End to end
     against the float64 reference at the same bf16-rounded inputs: forward, final state and every gradient
     within 1e-2 (o and the input gradients are rounded to bf16, and with 16-bit roles r = q / sqrt(K) and
-    b̃ = β k once; a wrong conversion or a product in bf16 gives O(1) or ~1e-1)."""
+    b̃ = β k once; a wrong conversion or a product in bf16 gives O(1) or ~1e-1). GDN with factor reads (the
+    default) hands every kernel k itself, bf16 unless ``=0``; "/formed": with them off, the roles formed first."""
     mx = pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare
 
+    name, _, formed = name.partition("/")
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True,
-                       roles_16bit={"1": "all", None: "bare", "0": "none"}[roles16])
+                       roles_16bit={"1": "all", None: "bare", "0": "none"}[roles16], factor_reads=not formed)
     seen = _emulate_noting_bf16(monkeypatch)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=4, in_dtype=mx.bfloat16, tuning=t),
                  1e-2, 1e-2)

@@ -158,15 +158,16 @@ def _as_f(x):
     return x if x.ndim == 4 else x[..., None]
 
 
-def _diag_scan(tun, S, r, u, w, l, C, key: bool, delta_bt=None, out=None, rfac=None):
+def _diag_scan(tun, S, r, u, w, l, C, key: bool, delta_bt=None, out=None, rfac=None, rho=None):
     """The parallel core over a whole stretch [B,H,T,·]: returns (y [B,H,T,V'], S_end), or with ``out`` (a
     dtype) y as [B,T,H,V'] of that type, the model's layout (``parallel.core_fn``). With ``rfac`` (a float) the
-    readout role is rfac·r."""
+    readout role is rfac·r. With ``rho`` (a float: factor reads, ``_keyed_input``) u is a key x and ``delta_bt``
+    the factor f [B,H,T,1] of u = f ⊙ x, b̃ = ρ x."""
     B, H, T = r.shape[:3]
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     compose = 2 * C >= r.shape[-1]
-    fn = parallel.core_fn(key, delta_bt is not None, compose, tun, out, rfac)
+    fn = parallel.core_fn(key, delta_bt is not None, compose, tun, out, rfac, rho)
     extra = [ch(delta_bt)] if delta_bt is not None else []
     y, S_end = fn(S, ch(r), ch(u), ch(w), ch(l), *extra)[:2]
     if out is not None:
@@ -223,6 +224,24 @@ def _readout_role(p, r, raw, pick, kern, scale):
     return x.astype(pick(x.dtype, bare=True)), float(p.r_scaled[1](scale))
 
 
+def _keyed_input(p, raw, kern, key: bool, C: int, K: int, V: int):
+    """The key input x where the delta rule's roles can be read from it by the fused kernels (factor reads,
+    ``Tuning.factor_reads``): u = f·x with a factor per token (``Analysis.u_factor``: GDN's β k) and b̃ = ρ x with
+    ρ constant (b = x verbatim), a scalar decay, and every kernel that reads u or b̃ fused (the UT transform, the
+    fragment scans, the readout, the backward's pass). Then neither role is formed in memory (u = β k in float32
+    and b̃ = −k were a cast, a strided product and a negation before the kernels, and their cotangents' products
+    after them). Else None."""
+    a = p.analysis
+    if not (kern and kern.factor_reads and a.u_factor and not key and a.rho is not None and a.rho.is_Number):
+        return None
+    x = a.u_factor[0]
+    if dict(a.bare_roles).get("b") != x or x not in raw:
+        return None
+    fused = (ck.use_mma(kern, C, K, V) and ck.fuses_ut(kern, C, K, V) and ck.fuses_readout(kern, C, K, V)
+             and ck.fuses_bwd(kern, C, K, True) and ck.scan_supported(kern, C, K))
+    return x if fused else None
+
+
 def _y_is_o(t, has_z: bool, y0) -> bool:
     """Whether the core's y is the output o itself (no normalizer, skip or bonus term, no pre-update shift), so a
     core whose readout kernel writes the model's layout and type may return o directly."""
@@ -249,11 +268,17 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         pick = lambda dtype, bare: parallel.role_dtype(*kw, dtype, S.dtype, bare=bare)  # noqa: E731
         r_in, y0 = _pre_shift(p.rec, t, S)
         r = r_in.astype(pick(out_dtype, bare=False)) if y0 is not None else _role_as(p, "r", r_in, raw, pick, out_dtype)
-        u, w = (_role_as(p, role, t[role], raw, pick, out_dtype) for role in ("u", "w"))  # out_dtype: the values'
-        bt = None if bt is None else _role_as(p, "b", bt, raw, pick, out_dtype, p.rho_pow2)
+        w = _role_as(p, "w", t["w"], raw, pick, out_dtype)  # out_dtype: the values'
+        x, rho = _keyed_input(p, raw, kern, key, C, sizes.K, V), None
+        if x is not None:  # u = f ⊙ x and b̃ = ρ x, read so by the kernels
+            u = raw[x][..., 0]
+            u, bt, rho = u.astype(pick(u.dtype, bare=True)), t["ufac"][..., None], float(p.analysis.rho)
+        else:
+            u = _role_as(p, "u", t["u"], raw, pick, out_dtype)
+            bt = None if bt is None else _role_as(p, "b", bt, raw, pick, out_dtype, p.rho_pow2)
         r, rfac = _readout_role(p, r, raw, pick, kern if y0 is None else None, scale)  # shifted r: no raw input
         native = _y_is_o(t, has_z, y0)
-        y, S = _diag_scan(tun, S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None, rfac)
+        y, S = _diag_scan(tun, S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None, rfac, rho)
         if native:
             return y, S
         y = _pre_unshift(y, y0)

@@ -490,6 +490,31 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
     return y, S_end, (states, M) + ((Z, Tm, W) if bt is not None else ())
 
 
+def _forward_keyed(geo, S0, r, x, w, f, rho: float, kern, out=None, rfac=None):
+    """``_forward`` of the delta rule with factor reads (``core_fn``'s ``rho``): u = f ⊙ x and b̃ = ρ x for a key x,
+    a factor per token f [.., C, 1] and a constant ρ, read so by every fused kernel (the UT transform, both scans
+    through their row scales, the readout) and never formed."""
+    Tm, U, W = ck.chunk_ut(None, x, w, geo.l, kern, uf=f, bf=rho)
+    states, Z, S_end = ck.chunk_scan(S0, W, U, x, geo.g, None, kern, reverse=False, Bq=f * geo.Q)
+    y, M = ck.chunk_out(r, x, Z, states, geo.l, kern, out, rfac, uf=f)
+    return y, S_end, (states, M, Z, Tm, W)
+
+
+def _backward_keyed(geo, r, x, f, rho: float, res, dy, dS_end, compose, matrix, kern, rfac):
+    """``_backward_fused`` with factor reads (``_forward_keyed``): the gradients (dS0, dr, dx, dw, dl, df); the pass
+    after the reverse scan writes dx = f du + ρ db̃ and df = Σ_i du ⊙ x itself."""
+    states, M, Z, Tm, W = res
+    Pr = geo.P if rfac is None else geo.P * rfac
+    F = M.swapaxes(-1, -2) @ dy
+    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (x, f * geo.Q), W, F, ((r, Pr), dy), compose, matrix, kern, states)
+    cp = geo.t.copy_transposes
+    statesT, ZT = tr(states, cp), tr(Z, cp)
+    Delta = Tm.swapaxes(-1, -2) @ dZ
+    dr, dx, df, dl = ck.chunk_bwd(Delta @ ZT, dy @ ZT, r, x, None, Z @ tr(dSn, cp), dy @ statesT, Delta @ statesT,
+                                  geo.l, dg.sum(-1), kern, rfac, uf=f, bf=rho)
+    return dS0, dr, dx, Delta, dl, df
+
+
 def _scaled(r, rfac):
     """rfac·r, the readout role (``core_fn``'s ``rfac``; None: r itself)."""
     return r if rfac is None else r * rfac
@@ -587,14 +612,17 @@ def decay_geometry(key: bool, kern: Tuning | None, before: bool = False, pq: boo
 
 
 @lru_cache(maxsize=128)
-def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: float | None = None):
+def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: float | None = None,
+            rho: float | None = None):
     """The chunked core as an ``mx.custom_function`` with the hand-derived VJP above.
 
     Arguments (all chunked, [..., n, C, F]): S0 [..., K, V], r, u [.., C, K], w [.., C, V],
     l [.., C, F] (log-decays; F = K when ``key``, else 1) and, when ``delta``, b̃ [.., C, K].
     ``t``: the tuning (device forms, compilation, the triangular inverse's base, chunk kernels); ``out``: None, or a dtype for y in the
     model's layout [B, n C, H, V] (leading axes then B, H; its cotangent arrives so too); ``rfac``: None, or a
-    constant c for the readout role c·r (given r; ``chunked._readout_role``).
+    constant c for the readout role c·r (given r; ``chunked._readout_role``); ``rho``: None, or the delta rule's
+    constant ρ with factor reads (a scalar decay on the fused kernels, ``chunked._keyed_input``): u is then a key x,
+    the last argument is the factor f [.., C, 1] of u = f ⊙ x, b̃ = ρ x, and the gradients are those of x and f.
     Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru, with b̃
     Z, T, W, and a key-vector decay's hierarchy) are for the VJP only and take no cotangent."""
     matrix, compile, inv_base = t.gpu_forms, t.compile, t.inverse_base
@@ -611,7 +639,10 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
 
     def fwd(S0, r, u, w, l, bt=None):
         geo = Geo(l, t, scaled=scaled(r, u, False))
-        y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base, kern, out, rfac)
+        if rho is not None:
+            y, S_end, res = _forward_keyed(geo, S0, r, u, w, bt, rho, kern, out, rfac)
+        else:
+            y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base, kern, out, rfac)
         return (y, S_end) + res + tuple(geo.saved())
 
     def bwd(*a):
@@ -622,7 +653,10 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         if out is not None:
             dy = core_layout(dy, *r.shape[-3:-1], l.dtype)
         geo = Geo(l, t, geo_saved, scaled(r, u, True))
-        dS0, dr, du, dw, dl, dbt = _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac)
+        if rho is not None:
+            dS0, dr, du, dw, dl, dbt = _backward_keyed(geo, r, u, bt, rho, res, dy, dS_end, compose, matrix, kern, rfac)
+        else:
+            dS0, dr, du, dw, dl, dbt = _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac)
         grads = (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
         return tuple(g.astype(x.dtype) for g, x in zip(grads, a))  # a 16-bit role (``role_dtype``) takes its own type
 

@@ -79,7 +79,7 @@ class Plan:
     rec: ir.Recurrence
     analysis: Analysis
     symbols: tuple
-    fns: dict           # role -> callable(*symbol values, scale); "logdecay", "zlogdecay", "rho" included
+    fns: dict           # role -> callable(*symbol values, scale); "logdecay", "zlogdecay", "rho", "ufac" included
     N: object           # normalizer function of n, or None
     r_scaled: tuple | None = None  # (input symbol x, c(scale)) where the readout role is r = c·x, c a constant
     # (every built-in's r = scale·q): the chunked core then takes x as it is and applies c inside (``core_fn``'s rfac)
@@ -112,6 +112,8 @@ def plan(rec: ir.Recurrence, pow2_exp: bool = False) -> Plan:
         N = lambdify((ir.N_ARG,), norm.fn, mod)
     if a.rho is not None:
         fns["rho"] = lam(a.rho)
+    if a.u_factor is not None:  # u = f·x: the factor per token, for kernels that read x and scale as they read
+        fns["ufac"] = lam(a.u_factor[1])
     r_scaled = None if a.r_scaled is None else (a.r_scaled[0], lambdify((ir.SCALE,), a.r_scaled[1], "math"))
     return Plan(rec, a, syms, fns, N, r_scaled, ld if isinstance(ld, sp.Symbol) and ld in rec.symbols else None)
 
@@ -220,7 +222,7 @@ def evaluate(p: Plan, vals: dict, scale: float, B: int, H: int, C: int, K: int, 
             out[role] = mx.broadcast_to(v, (B, H, C, K, 1))[..., 0]
         elif role in VALUE_ROLES:
             out[role] = mx.broadcast_to(v, (B, H, C, 1, V))[..., 0, :]
-        elif role == "rho":
+        elif role in ("rho", "ufac"):
             out[role] = mx.broadcast_to(v, (B, H, C, 1, 1))[..., 0, 0]
         elif role in ("logdecay", "zlogdecay"):
             cls = p.decay_class if role == "logdecay" else p.zdecay_class

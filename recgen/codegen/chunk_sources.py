@@ -149,42 +149,54 @@ def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bo
 
 
 @lru_cache(maxsize=None)
-def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool = False) -> KernelSource:
+def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool = False, uf: bool = False) -> KernelSource:
     """``yt``: y written in the model's layout [B, T, H, V] and its type (template constants H, NCH, OT); ``key``: a
     key-vector decay's readout, M given (from the pair kernels) and P per key element, y the only output; ``m2``
-    (with ``key``): the general rank-1 core's, R given scaled by its decays and a second pair M2 with values Z2."""
+    (with ``key``): the general rank-1 core's, R given scaled by its decays and a second pair M2 with values Z2;
+    ``uf`` (a scalar decay's): U is a key x read with a factor per token Uf, u = Uf ⊙ x (never formed)."""
     if m2 and not key:
         raise ValueError("chunk_out_mma: a second pair (m2) is the key-vector decay form's")
+    if uf and key:
+        raise ValueError("chunk_out_mma: factor reads (uf) are the scalar decay form's")
     d = get(dialect)
     ins = (("R", "Mi", "Z", "St", "M2", "Z2", "Rs") if m2 else ("R", "Mi", "Z", "St", "Pk", "Rs")) if key else \
-        ("R", "U", "Z", "St", "logd", "Rs")
-    kind = "out_mma" + ("_key" if key else "") + ("_m2" if m2 else "") + ("_yt" if yt else "")
+        (("R", "U", "Uf") if uf else ("R", "U")) + ("Z", "St", "logd", "Rs")
+    kind = "out_mma" + ("_key" if key else "") + ("_m2" if m2 else "") + ("_uf" if uf else "") + ("_yt" if yt else "")
     return _source(d, "chunk_out_mma.j2", kind, "chunk readout of the chunked core, fragment multiply-adds", ins,
-                   ("Y",) if key else ("Y", "M"), (), helpers=d.mma_prelude, yt=yt, key=key, m2=m2)
+                   ("Y",) if key else ("Y", "M"), (), helpers=d.mma_prelude, yt=yt, key=key, m2=m2, uf=uf)
 
 
 @lru_cache(maxsize=None)
-def ut_mma_source(dialect: str, key: bool = False, tb: bool = False) -> KernelSource:
+def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = False) -> KernelSource:
     """``key``: a key-vector decay's UT transform, A given (from the pair kernels) and P per key element; ``tb``
-    (with ``key``): the general rank-1 core's, Uw = Tm (B w) from B given (``chunked.rank1``)."""
+    (with ``key``): the general rank-1 core's, Uw = Tm (B w) from B given (``chunked.rank1``); ``uf`` (a scalar
+    decay's): both roles read from one key x, u = Uf ⊙ x with a factor per token and b̃ = Bf[0] x."""
     if tb and not key:
         raise ValueError("chunk_ut_mma: B given (tb) is the key-vector decay form's")
+    if uf and key:
+        raise ValueError("chunk_ut_mma: factor reads (uf) are the scalar decay form's")
     d = get(dialect)
-    ins = (("Ai", "Bm", "W", "Bt", "Pk") if tb else ("Ai", "W", "Bt", "Pk")) if key else ("Bt", "U", "W", "logd")
-    return _source(d, "chunk_ut_mma.j2", "ut_mma" + ("_key" if key else "") + ("_tb" if tb else ""),
+    ins = (("Ai", "Bm", "W", "Bt", "Pk") if tb else ("Ai", "W", "Bt", "Pk")) if key else \
+        (("U", "Uf", "Bf", "W", "logd") if uf else ("Bt", "U", "W", "logd"))
+    return _source(d, "chunk_ut_mma.j2", "ut_mma" + ("_key" if key else "") + ("_tb" if tb else "") + ("_uf" if uf else ""),
                    "UT transform of the chunked core's delta rule, fragment multiply-adds", ins, ("Tm", "Uw", "Wb"), (),
-                   helpers=d.mma_prelude, key=key, tb=tb)
+                   helpers=d.mma_prelude, key=key, tb=tb, uf=uf)
 
 
 @lru_cache(maxsize=None)
-def bwd_mma_source(dialect: str, delta: bool) -> KernelSource:
-    """The backward pass after the reverse scan (``chunk_bwd_mma.j2``); ``delta``: with the delta rule's b̃ terms."""
+def bwd_mma_source(dialect: str, delta: bool, uf: bool = False) -> KernelSource:
+    """The backward pass after the reverse scan (``chunk_bwd_mma.j2``); ``delta``: with the delta rule's b̃ terms;
+    ``uf`` (with ``delta``): u = Uf ⊙ x and b̃ = Bf[0] x read from one key x, and the gradients of x and Uf written."""
+    if uf and not delta:
+        raise ValueError("chunk_bwd_mma: factor reads (uf) are the delta rule's form")
     d = get(dialect)
-    ins = (("dMA", "dMR", "R", "U", "Bt", "DUQ", "DRP", "DR") if delta else ("dMR", "R", "U", "DUQ", "DRP")) + ("logd", "DG", "Rs")
-    outs = ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
-    return _source(d, "chunk_bwd_mma.j2", "bwd_mma" + ("_delta" if delta else ""),
+    roles = ("U", "Uf", "Bf") if uf else ("U", "Bt") if delta else ("U",)
+    ins = (("dMA", "dMR") if delta else ("dMR",)) + ("R",) + roles + (("DUQ", "DRP", "DR") if delta else ("DUQ", "DRP")) \
+        + ("logd", "DG", "Rs")
+    outs = ("dRo", "dXo", "dFo", "dl") if uf else ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
+    return _source(d, "chunk_bwd_mma.j2", "bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else ""),
                    "backward of the chunked core after its reverse scan, fragment multiply-adds", ins, outs, (),
-                   helpers=d.mma_prelude, delta=delta)
+                   helpers=d.mma_prelude, delta=delta, uf=uf)
 
 
 @lru_cache(maxsize=None)

@@ -129,10 +129,10 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
 
 @lru_cache(maxsize=256)
 def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | None = None, most_bv: int = 128,
-                   key: bool = False, m2: bool = False) -> Launch:
+                   key: bool = False, m2: bool = False, uf: bool = False) -> Launch:
     """``yt`` = (H, n, dtype name): y as [N / (H n), n C, H, V] of that type (N = B H n chunks), else [N, C, V] float32;
     ``key``: a key-vector decay's readout (M given: y is the only output); ``m2``: the general rank-1 core's
-    (``chunk_out_rank1``)."""
+    (``chunk_out_rank1``); ``uf``: u read as a key times a factor per token."""
     lay = out_mma_layout(dialect, C, K, V, most_bv)
     if lay is None:
         raise ValueError(f"chunk_out_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8")
@@ -143,14 +143,15 @@ def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | Non
         tmpl += (("H", H), ("NCH", n), ("OT", dt))
         y = ((N // (H * n), n * C, H, V), dt)
     nt = 2 * C  # C / 16 SIMD groups of 32
-    return Launch(out_mma_source(dialect, yt is not None, key, m2), (), (y,) if key else (y, ((N, C, C), "float32")),
+    return Launch(out_mma_source(dialect, yt is not None, key, m2, uf), (), (y,) if key else (y, ((N, C, C), "float32")),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
 def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 128, key: bool = False,
-                  tb: bool = False) -> Launch:
-    """``key``: a key-vector decay's UT transform (A given); ``tb``: and B given, Uw = Tm (B w) (``chunk_ut_key``)."""
+                  tb: bool = False, uf: bool = False) -> Launch:
+    """``key``: a key-vector decay's UT transform (A given); ``tb``: and B given, Uw = Tm (B w) (``chunk_ut_key``);
+    ``uf``: both roles read from one key with their factors (``chunk_ut``'s ``uf``)."""
     lay = ut_mma_layout(dialect, C, K, V, most_bw)
     if lay is None:
         raise ValueError(f"chunk_ut_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8, "
@@ -159,21 +160,22 @@ def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 1
         lay = dict(lay, BC=8 * math.gcd(C // 8, lay["BW"] // 8))
     tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items())
     outs = (((N, C, C), "float32"), ((N, C, V), "float32"), ((N, C, K), "float32"))
-    return Launch(ut_mma_source(dialect, key, tb), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
+    return Launch(ut_mma_source(dialect, key, tb, uf), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
-def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: int = 32) -> Launch:
+def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: int = 32, uf: bool = False) -> Launch:
     """N chunks, one threadgroup each; ``types``: the dtype names of R, U (and b̃: the delta rule's form), which the
-    gradients dR, dU (dBt) are written in."""
-    delta = len(types) == 3
+    gradients dR, dU (dBt) are written in; ``uf`` (the delta rule's, ``types`` those of R and the key x): u and b̃
+    read from x with their factors, the gradients written dR, dX and dF (of the factor, [N, C] float32)."""
+    delta = len(types) == 3 or uf
     lay = bwd_mma_layout(dialect, C, K, delta, most_bw)
     if lay is None:
         raise ValueError(f"chunk_bwd_mma: C={C} must be 16, 32 or 64 and K={K} a multiple of 8, "
                          f"and the tiles must fit {dialect}'s threadgroup memory")
     tmpl = (("C", C), ("K", K)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "BT"), types))
-    outs = tuple(((N, C, K), dt) for dt in types) + (((N, C), "float32"),)
-    return Launch(bwd_mma_source(dialect, delta), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
+    outs = tuple(((N, C, K), dt) for dt in types) + (((N, C), "float32"),) * (2 if uf else 1)
+    return Launch(bwd_mma_source(dialect, delta, uf), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -394,32 +396,40 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     return carried, Y, S_end, dg
 
 
-def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None):
+def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None):
     """y = (r ⊙ P) S_c + M_ru Z per chunk for a scalar decay (P_t = e^{G_t}, M_ru[t, s] = (r_t · u_s) Γ(t, s),
     s ≤ t, 0 above), by the fragment kernel: r, u [.., n, C, K], Z [.., n, C, V], states [.., n, K, V], l
     (log-decays) [.., n, C, 1]. Returns (y [.., n, C, V] float32, M_ru [.., n, C, C]), or with ``out`` (an
     mx dtype; r then [B, H, n, C, K]) y in the model's layout [B, n C, H, V] and that type. With ``rs`` (a
-    float) the readout role is rs·r, scaled by the kernel (y and M_ru are linear in r)."""
+    float) the readout role is rs·r, scaled by the kernel (y and M_ru are linear in r). With ``uf`` [.., n, C, 1]
+    (float32) ``u`` is a key x and the role uf ⊙ x, formed as read."""
     import mlx.core as mx
 
     (n, C, K), V = r.shape[-3:], Z.shape[-1]
     N = _lead(r, 2)
     yt = None if out is None else (r.shape[-4], n, _dtype_name(out))
-    y, M = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv),
-                    [r.reshape(N, C, K), u.reshape(N, C, K), Z.reshape(N, C, V), states.reshape(N, K, V),
-                     l.reshape(N, C), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+    y, M = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, uf=uf is not None),
+                    [r.reshape(N, C, K), u.reshape(N, C, K)] + ([] if uf is None else [uf.reshape(N, C)])
+                    + [Z.reshape(N, C, V), states.reshape(N, K, V), l.reshape(N, C),
+                       mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
     return (y if out is not None else y.reshape(*Z.shape)), M.reshape(*r.shape[:-1], C)
 
 
-def chunk_ut(bt, u, w, l, t: Tuning):
+def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None):
     """The delta rule's UT transform per chunk for a scalar decay, by the fragment kernel: A[t, s] =
     (b̃_t · u_s) Γ(t, s) for s < t, Tm = (I − A)^{-1}, U = Tm w, W = Tm (b̃ ⊙ P). bt, u [.., n, C, K], w
-    [.., n, C, V], l (log-decays) [.., n, C, 1]. Returns (Tm [.., n, C, C], U [.., n, C, V], W [.., n, C, K])."""
-    (C, K), V = bt.shape[-2:], w.shape[-1]
-    N = _lead(bt, 2)
-    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw),
-                        [bt.reshape(N, C, K), u.reshape(N, C, K), w.reshape(N, C, V), l.reshape(N, C)])
-    return Tm.reshape(*bt.shape[:-1], C), U.reshape(w.shape), W.reshape(bt.shape)
+    [.., n, C, V], l (log-decays) [.., n, C, 1]. Returns (Tm [.., n, C, C], U [.., n, C, V], W [.., n, C, K]).
+    Factor reads: with ``uf`` [.., n, C, 1] (float32) and ``bf`` (a float), ``bt`` is None and ``u`` a key x; the
+    roles are uf ⊙ x and bf·x, formed as read."""
+    import mlx.core as mx
+
+    (C, K), V = u.shape[-2:], w.shape[-1]
+    N = _lead(u, 2)
+    roles = ([bt.reshape(N, C, K), u.reshape(N, C, K)] if uf is None
+             else [u.reshape(N, C, K), uf.reshape(N, C), mx.array([bf], dtype=mx.float32)])
+    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None),
+                     roles + [w.reshape(N, C, V), l.reshape(N, C)])
+    return Tm.reshape(*u.shape[:-1], C), U.reshape(w.shape), W.reshape(u.shape)
 
 
 def chunk_out_key(r, M, Z, states, P, t: Tuning, out=None, rs=None):
@@ -464,27 +474,29 @@ def chunk_ut_key(A, w, bt, P, t: Tuning, B=None):
     return Tm.reshape(A.shape), U.reshape(w.shape), W.reshape(bt.shape)
 
 
-def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None):
+def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=None, bf: float | None = None):
     """A scalar decay's backward after the reverse scan, per chunk, by the fragment kernel (``chunk_bwd_mma.j2``):
     from the pair cotangents dMR = dy Zᵀ and (delta rule) dMA = Δ Zᵀ [.., n, C, C], the roles r, u (b̃) [.., n, C, K]
     as the core got them (16-bit ones read so), DUQ = d(u ⊙ Q), DRP = d(r ⊙ P) (and DR = d(b̃ ⊙ P) before the pair
     term) [.., n, C, K], the log-decays l [.., n, C, 1] and DG = Σ_i dg [.., n] (the scan's decay gradient).
     ``rs``: the readout role is rs·r. Returns (dr, du, db̃ or None, dl [.., n, C, 1]); dr, du, db̃ in their roles'
-    types."""
+    types. Factor reads (``uf`` [.., n, C, 1] float32 and ``bf`` a float, ``bt`` None, ``u`` a key x: u = uf ⊙ x,
+    b̃ = bf·x): returns (dr, dx, duf [.., n, C, 1] float32, dl)."""
     import mlx.core as mx
 
     (C, K), N = r.shape[-2:], _lead(r, 2)
-    delta = bt is not None
+    delta = bt is not None or uf is not None
     flat = lambda x: x.reshape(N, C, K)  # noqa: E731
-    roles = (r, u, bt) if delta else (r, u)
+    roles = (r, u) if uf is not None else (r, u, bt) if delta else (r, u)
     types = tuple(_dtype_name(x.dtype) for x in roles)
-    user = (([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)] + [flat(x) for x in roles]
+    factors = [] if uf is None else [uf.reshape(N, C), mx.array([bf], dtype=mx.float32)]
+    user = (([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)] + [flat(x) for x in roles] + factors
             + [flat(DUQ), flat(DRP)] + ([flat(DR)] if delta else [])
             + [l.reshape(N, C), DG.reshape(N), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-    outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw), user)
+    outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw, uf=uf is not None), user)
     dr, du = outs[0].reshape(r.shape), outs[1].reshape(u.shape)
-    dbt = outs[2].reshape(bt.shape) if delta else None
-    return dr, du, dbt, outs[-1].reshape(l.shape)
+    third = outs[2].reshape(uf.shape) if uf is not None else outs[2].reshape(bt.shape) if delta else None
+    return dr, du, third, outs[-1].reshape(l.shape)
 
 
 def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=None):

@@ -233,6 +233,27 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     got = [*got, *ck.chunk_bwd(*(f32(x) for x in (dMA, dMR, R, U, Bt, DUQ, DRP, DR)),
                                                f32(np.full((n, C, 1), -0.1)), f32(DG), t)]
                     ref += [dr, du, dbt, np.cumsum(dG[:, ::-1], 1)[:, ::-1, None]]
+                    # and with factor reads: u = f ⊙ x, b̃ = ρ x read from one key x in bf16 (GDN's β k and −k, as
+                    # the model passes them: the readout in the model's layout and type)
+                    x16 = f32(U / np.sqrt(K)).astype(mx.bfloat16)
+                    x, fx, rho = np.array(x16.astype(mx.float32), np.float64), rng.uniform(size=(n, C, 1)), -1.0
+                    u_, b_ = fx * x, rho * x
+                    A = np.tril((b_ @ u_.swapaxes(-1, -2)) * gam, -1)
+                    T = np.linalg.inv(np.eye(C) - A)
+                    got = [*got, *ck.chunk_ut(None, x16, f32(X[0]), f32(np.full((n, C, 1), -0.1)), t, f32(fx), rho)]
+                    ref += [T, T @ X[0], T @ (b_ * np.exp(G)[:, None])]
+                    outs = [f32(R), x16, f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1))]
+                    got.append(ck.chunk_out(*(v[None, None] for v in outs), t, mx.bfloat16, uf=f32(fx)[None, None])[0])
+                    y_ = np.exp(G)[:, None] * (R @ np.stack(ref_c)) + ((R @ u_.swapaxes(-1, -2)) * gam) @ X[0]
+                    ref.append(y_.reshape(1, n * C, 1, V))
+                    dr, dbt = P * DRP + Er @ u_, P * DR + Ea @ u_
+                    du = Q * DUQ + Er.swapaxes(-1, -2) @ R + Ea.swapaxes(-1, -2) @ b_
+                    dG = (R * dr - u_ * du + b_ * dbt).sum(-1)
+                    dG[:, -1] += (u_ * Q * DUQ).sum((1, 2)) + P[-1, 0] * DG
+                    got = [*got, *ck.chunk_bwd(*(f32(v) for v in (dMA, dMR, R)), x16, None, *(f32(v) for v in (DUQ, DRP, DR)),
+                                               f32(np.full((n, C, 1), -0.1)), f32(DG), t, uf=f32(fx), bf=rho)]
+                    ref += [dr, fx * du + rho * dbt, (du * x).sum(-1, keepdims=True),
+                            np.cumsum(dG[:, ::-1], 1)[:, ::-1, None]]
         mx.eval(got)
     except Exception as e:  # noqa: BLE001 -- any build or launch failure means: do not use this frame
         if "transformation" in str(e):  # MLX: "[eval] Attempting to eval an array during function transformations"

@@ -47,6 +47,8 @@ class Analysis:
     r_scaled: tuple | None                # (input symbol x, c as an expression of scale) where the readout is r = c·x
     fuse_z: bool                          # z rides along S as an extra value column (same decay and update)
     feature_identity: "FeatureIdentity | None" = None  # the chunked form through φ(q)ᵀφ(k) = (qᵀk)^p
+    u_factor: tuple | None = None         # (key input symbol x, f) where the update key is u = f·x, f free of the key
+    #                                       and value indices (GDN's β k): kernels can read x and scale as they read
 
     @property
     def decay_kind(self) -> str:
@@ -100,7 +102,21 @@ def analyze(rec: ir.Recurrence) -> Analysis:
     sides = ir.KEY_ROLES + ir.VALUE_ROLES
     bare = tuple((role, e) for role, e in terms.items() if role in sides and isinstance(e, sp.Symbol) and e in rec.symbols)
     return Analysis(rec, decay_index, zindex, rho, rho_pow2, bare, _scaled(rec, terms.get("r")), fuse,
-                    _feature_identity(rec, terms, decay_index, fuse))
+                    _feature_identity(rec, terms, decay_index, fuse), _key_factor(rec, terms["u"]))
+
+
+def _key_factor(rec: ir.Recurrence, u) -> tuple | None:
+    """(x, f) where u = f·x for a key input x and a factor f free of x and of the key and value indices (a per-token
+    scalar, a parameter per head or a constant, but not 1: then u is x itself, a bare role), else None."""
+    u = sp.sympify(u)
+    for x in rec.inputs:
+        if x.kind != "key" or x.symbol not in u.free_symbols:
+            continue
+        f = sp.simplify(u / x.symbol)
+        if (x.symbol not in f.free_symbols and not rec.free_indices(f) and f != 1 and f.is_finite is not False
+                and not f.has(sp.zoo, sp.nan)):
+            return x.symbol, f
+    return None
 
 
 def _feature_identity(rec: ir.Recurrence, terms: dict, decay_index, fuse: bool) -> FeatureIdentity | None:
