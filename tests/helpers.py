@@ -172,9 +172,11 @@ def chunk_launches(target: str) -> list:
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, key=key) for key in (False, True)]
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, key=True, tb=True)]
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, uf=True)]
+                + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, key=True, uf=True)]
                 + [ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "float32", "bfloat16")),
                    ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16")),
                    ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"), uf=True)]
                 + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * n) for n in (2, 3)]
+                + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * 2, uf=True)]
                 + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * 4, before) for before in (False, True)])
     return launches

@@ -324,12 +324,15 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
                                            "recgen_chunk_bwd_mma_delta"}),
     ("simple_gla", 16, False, {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
                                "recgen_chunk_bwd_mma"}),
-    ("kda", 32, False, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key",
-                        "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev",
-                        "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"}),
-    ("kda", 32, True, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key",
-                       "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev",
-                       "recgen_chunk_pair_grad_dual_mma", "recgen_chunk_bwd_key_delta"}),
+    ("kda", 32, False, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key_uf",
+                        "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_aq_p_dg_rev",
+                        "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta_uf"}),
+    ("kda", 32, True, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key_uf",
+                       "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_aq_p_dg_rev",
+                       "recgen_chunk_pair_grad_dual_mma", "recgen_chunk_bwd_key_delta_uf"}),
+    ("kda/formed", 32, True, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key",
+                              "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev",
+                              "recgen_chunk_pair_grad_dual_mma", "recgen_chunk_bwd_key_delta"}),
     ("gla", 32, True, {"recgen_chunk_decays_q", "recgen_chunk_pair_mma", "recgen_chunk_scan_mma_noa",
                        "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_pair_grad_mma",
                        "recgen_chunk_bwd_key"})])
@@ -341,7 +344,8 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
     first); for a key-vector decay (kda, gla) the
     pair kernels form A and M_ru and the UT transform and readout take them formed with P per key element
     (``chunk_ut_key``, ``chunk_out_key``), with the pairs' earlier blocks on fragments where ``pairs``
-    (``Tuning.mma_pairs``). K = 16 (one group) or 32 (a slab of the pair kernels), V = 8 (one column tile), chunk 16,
+    (``Tuning.mma_pairs``); kda with factor reads pairs k with itself and with r, its pairs' columns scaled by β, and
+    the tail kernel writes dk and dβ's part. K = 16 (one group) or 32 (a slab of the pair kernels), V = 8 (one column tile), chunk 16,
     GQA, a partial last chunk, strong decays; forward, final state and every gradient against the float64
     reference."""
     pytest.importorskip("mlx.core")
@@ -830,6 +834,47 @@ def test_chunk_bwd_mma_reads_factors(frame, C, K, bw):
         assert g.shape == w.shape and _rel(g, w) < 1e-5, _rel(g, w)
 
 
+def _bwd_key_factor_ref(ins, rs, bf):
+    """float64 of the key-decay tail with factor reads (``uf``): u = f x and b̃ = bf x, DUX and DBX the pairs' gradients
+    of x (as second operand, as A's first), so dr = P DRP + DRX, dx = DBX + DUX + f Q DUQ + bf P DR, df's part
+    Σ_i x Q DUQ, dG = r dr − x DUX − u Q DUQ + x DBX + bf x P DR, dG_{C-1} += Σ_s u Q DUQ + g DG."""
+    f64 = lambda k: np.asarray(ins[k], np.float64)  # noqa: E731
+    R, X, L, f = f64("R"), f64("U"), f64("L"), f64("Uf")[..., None]
+    P = np.exp(np.cumsum(L, 1))
+    Q = np.exp(np.concatenate([np.cumsum(L[:, ::-1], 1)[:, ::-1][:, 1:], np.zeros_like(L[:, :1])], 1))
+    dr = P * f64("DRP") + f64("DRX")
+    uqd = f * X * Q * f64("DUQ")
+    dx = f64("DBX") + f64("DUX") + f * Q * f64("DUQ") + bf * P * f64("DR")
+    g = rs * R * dr - X * f64("DUX") - uqd + X * f64("DBX") + bf * X * P * f64("DR")
+    g[:, -1] += uqd.sum(1) + P[:, -1] * f64("DG")
+    return [rs * dr, dx, (X * Q * f64("DUQ")).sum(-1), np.cumsum(g[:, ::-1], 1)[:, ::-1]]
+
+
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
+def test_chunk_key_kernels_read_factors(frame):
+    """Factor reads for a key-vector decay (KDA): the UT transform reading b̃ = Bf x (A given) and the backward's tail
+    kernel (``uf``: dx, dr, the per-group parts of df summed, dl) against float64; two groups of 32 key columns."""
+    rng = np.random.default_rng(21)
+    N, C, K, V, bf = 2, 16, 64, 8, -1.0
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    x, uf = _factor_inputs(rng, N, C, K)
+    Pk = _key_decays(rng, N, C, K)
+    A = np.tril(f(N, C, C), -1) * 0.5 / np.sqrt(C)
+    outs = verify.run_launch(ck.ut_mma_launch(frame, N, C, K, V, key=True, uf=True),
+                             {"Ai": A, "W": f(N, C, V), "Bt": x, "Pk": Pk, "Bf": np.array([bf], np.float32)})
+    T = np.linalg.inv(np.eye(C) - A.astype(np.float64))
+    assert _rel(outs[2], T @ (bf * x.astype(np.float64) * Pk)) < 1e-5 and _rel(outs[0], T) < 1e-5
+    ins = {"R": f(N, C, K), "U": x, "Uf": uf, "Bf": np.array([bf], np.float32), "L": -f(N, C, K) ** 2,
+           "DRX": f(N, C, K), "DUX": f(N, C, K), "DBX": f(N, C, K), "DRP": f(N, C, K), "DUQ": f(N, C, K),
+           "DR": f(N, C, K), "DG": f(N, K), "Rs": np.array([0.3], np.float32)}
+    dr, dx, dfp, dl = verify.run_launch(ck.bwd_key_launch(frame, N, C, K, ("float32",) * 2, uf=True), ins)
+    assert dfp.shape == (N, K // 32, C)
+    for got, want in zip((dr, dx, dfp.sum(1), dl), _bwd_key_factor_ref(ins, 0.3, bf)):
+        assert got.shape == want.shape and _rel(got, want) < 1e-5, _rel(got, want)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ck.bwd_key_launch(frame, N, C, 40, ("float32",) * 2, uf=True)
+
+
 def _bwd_key_ref(ins, rs):
     """float64 of the key-decay tail (``chunk_bwd_key.j2``), written from ``parallel._backward``'s MLX form: P, Q from
     anchored sums per key column, dr = P DRP + DRX, du = Q DUQ + DUX, db̃ = P DR + DBX, dG = r dr − u du + b̃ db̃,
@@ -959,7 +1004,13 @@ def test_chunk_kernels_under_sanitizers(sanitizer):
     bw = {k: v for k, v in _bwd_inputs(rng, 2, 32, 16, True).items() if k not in ("U", "Bt")}
     for launch, given in ((ck.ut_mma_launch("metal", 2, 32, 16, 8, uf=True), fr | {"W": ut["W"], "logd": ut["logd"]}),
                           (ck.out_mma_launch("metal", 2, 32, 16, 8, uf=True), ro | {"U": x, "Uf": uf}),
-                          (ck.bwd_mma_launch("metal", 2, 32, 16, ("float32",) * 2, 8, uf=True), bw | fr)):
+                          (ck.bwd_mma_launch("metal", 2, 32, 16, ("float32",) * 2, 8, uf=True), bw | fr),
+                          (ck.ut_mma_launch("metal", 2, 32, 16, 8, key=True, uf=True),  # and a key-vector decay's
+                           {"Ai": A, "W": ut["W"], "Bt": x, "Pk": P, "Bf": fr["Bf"]}),
+                          (ck.bwd_key_launch("metal", 2, 8, 64, ("float32",) * 2, uf=True),
+                           {"R": f(2, 8, 64), "U": f(2, 8, 64), "Uf": f(2, 8), "Bf": fr["Bf"], "L": -f(2, 8, 64) ** 2}
+                           | {k: f(2, 8, 64) for k in ("DRX", "DUX", "DBX", "DRP", "DUQ", "DR")}
+                           | {"DG": f(2, 64), "Rs": np.ones(1, np.float32)})):
         plain = verify.run_launch(launch, given)
         for got, want in zip(verify.run_launch(launch, given, sanitizer=sanitizer), plain):
             assert np.array_equal(got, want)

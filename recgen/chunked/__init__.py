@@ -49,7 +49,7 @@ import mlx.core as mx
 from ..spec import ir
 from ..spec.analysis import analyze
 from ..spec.layouts import InputError, check_state, infer_sizes
-from ..codegen.chunk_sources import sympow_supported
+from ..codegen.chunk_sources import pair_supported, sympow_supported
 from ..runtime import chunk_kernels as ck
 from ..runtime.probe import checked
 from ..tuning import Tuning, current
@@ -227,18 +227,23 @@ def _readout_role(p, r, raw, pick, kern, scale):
 def _keyed_input(p, raw, kern, key: bool, C: int, K: int, V: int):
     """The key input x where the delta rule's roles can be read from it by the fused kernels (factor reads,
     ``Tuning.factor_reads``): u = f·x with a factor per token (``Analysis.u_factor``: GDN's β k) and b̃ = ρ x with
-    ρ constant (b = x verbatim), a scalar decay, and every kernel that reads u or b̃ fused (the UT transform, the
-    fragment scans, the readout, the backward's pass). Then neither role is formed in memory (u = β k in float32
-    and b̃ = −k were a cast, a strided product and a negation before the kernels, and their cotangents' products
-    after them). Else None."""
+    ρ constant (b = x verbatim), and every kernel that reads u or b̃ fused: the UT transform, the fragment scans, the
+    readout and, for a scalar decay, the backward's pass; for a key-vector decay (KDA) the pair kernels (which pair x
+    with itself and with r, their columns scaled by f after) and the backward's tail (K a multiple of 32). Then
+    neither role is formed in memory (u = β k in float32 and b̃ = −k were a cast, a strided product and a negation
+    before the kernels, and their cotangents' products after them). Else None."""
     a = p.analysis
-    if not (kern and kern.factor_reads and a.u_factor and not key and a.rho is not None and a.rho.is_Number):
+    if not (kern and kern.factor_reads and a.u_factor and a.rho is not None and a.rho.is_Number):
         return None
     x = a.u_factor[0]
     if dict(a.bare_roles).get("b") != x or x not in raw:
         return None
     fused = (ck.use_mma(kern, C, K, V) and ck.fuses_ut(kern, C, K, V) and ck.fuses_readout(kern, C, K, V)
-             and ck.fuses_bwd(kern, C, K, True) and ck.scan_supported(kern, C, K))
+             and ck.scan_supported(kern, C, K))
+    if key:
+        fused = fused and K % 32 == 0 and ck.fuses_key_tail(kern, C) and pair_supported(kern.dialect, C, K, dual=True)
+    else:
+        fused = fused and ck.fuses_bwd(kern, C, K, True)
     return x if fused else None
 
 

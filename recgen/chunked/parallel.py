@@ -494,15 +494,34 @@ def _forward_keyed(geo, S0, r, x, w, f, rho: float, kern, out=None, rfac=None):
     """``_forward`` of the delta rule with factor reads (``core_fn``'s ``rho``): u = f ⊙ x and b̃ = ρ x for a key x,
     a factor per token f [.., C, 1] and a constant ρ, read so by every fused kernel (the UT transform, both scans
     through their row scales, the readout) and never formed."""
+    if geo.key:
+        return _forward_keyed_key(geo, S0, r, x, w, f, rho, kern, out, rfac)
     Tm, U, W = ck.chunk_ut(None, x, w, geo.l, kern, uf=f, bf=rho)
     states, Z, S_end = ck.chunk_scan(S0, W, U, x, geo.g, None, kern, reverse=False, Bq=f * geo.Q)
     y, M = ck.chunk_out(r, x, Z, states, geo.l, kern, out, rfac, uf=f)
     return y, S_end, (states, M, Z, Tm, W)
 
 
+def _forward_keyed_key(geo, S0, r, x, w, f, rho: float, kern, out=None, rfac=None):
+    """``_forward_keyed`` for a key-vector decay (KDA): the pair kernels form Ax = pair(x, x) and Mx = pair(r, x), and
+    A = ρ Ax and M = Mx with their columns scaled by f (u's factor belongs to the column token s); the UT kernel reads
+    b̃ = ρ x, the decays' pass forms x ⊙ Q, the scan scales its rows by f. Residuals: (states, Mx, Z, Tm, W, Ax), the
+    unscaled pairs giving df without a division by f."""
+    (r_,) = _up(geo, _scaled(r, rfac))
+    Ax, Mx = geo.pair_dual(x, r_, x)
+    fT = f.swapaxes(-1, -2)
+    A, M = (rho * Ax) * fT, Mx * fT
+    Tm, U, W = ck.chunk_ut_key(A, w, x, geo.P, kern, bf=rho)
+    states, Z, S_end = ck.chunk_scan(S0, W, U, geo.role("uQ", x, "Q"), geo.g, None, kern, reverse=False, Bq=f)
+    y = ck.chunk_out_key(r, M, Z, states, geo.P, kern, out, rfac)
+    return y, S_end, (states, Mx, Z, Tm, W, Ax)
+
+
 def _backward_keyed(geo, r, x, f, rho: float, res, dy, dS_end, compose, matrix, kern, rfac):
     """``_backward_fused`` with factor reads (``_forward_keyed``): the gradients (dS0, dr, dx, dw, dl, df); the pass
     after the reverse scan writes dx = f du + ρ db̃ and df = Σ_i du ⊙ x itself."""
+    if geo.key:
+        return _backward_keyed_key(geo, r, x, f, rho, res, dy, dS_end, compose, matrix, kern, rfac)
     states, M, Z, Tm, W = res
     Pr = geo.P if rfac is None else geo.P * rfac
     F = M.swapaxes(-1, -2) @ dy
@@ -513,6 +532,29 @@ def _backward_keyed(geo, r, x, f, rho: float, res, dy, dS_end, compose, matrix, 
     dr, dx, df, dl = ck.chunk_bwd(Delta @ ZT, dy @ ZT, r, x, None, Z @ tr(dSn, cp), dy @ statesT, Delta @ statesT,
                                   geo.l, dg.sum(-1), kern, rfac, uf=f, bf=rho)
     return dS0, dr, dx, Delta, dl, df
+
+
+def _backward_keyed_key(geo, r, x, f, rho: float, res, dy, dS_end, compose, matrix, kern, rfac):
+    """``_backward_keyed`` for a key-vector decay (``_forward_keyed_key``): the pairs' cotangents scaled as the pairs
+    were (dAx = ρ dA f_s, dMx = dM f_s) go to the pair gradients for x and r, df_s takes Σ_t (ρ dA Ax + dM Mx)_ts
+    from them and Σ_i x Q DUQ from the tail kernel, which writes dx and dr."""
+    states, Mx, Z, Tm, W, Ax = res
+    fT = f.swapaxes(-1, -2)
+    (r_,) = _up(geo, _scaled(r, rfac))
+    F = (Mx * fT).swapaxes(-1, -2) @ dy
+    rP = geo.role("rP", r_, "P")  # formed with the decays unless the readout is scaled (``core_fn``'s ``scaled``)
+    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (geo.role("uQ", x, "Q"), f), W, F, (rP, dy), compose, matrix, kern,
+                                     states)
+    cp = geo.t.copy_transposes
+    statesT, ZT = tr(states, cp), tr(Z, cp)
+    Delta = Tm.swapaxes(-1, -2) @ dZ
+    dA, dM = Delta @ ZT, dy @ ZT
+    rdA = rho * dA
+    df = (rdA * Ax + dM * Mx).sum(-2)[..., None]  # the pairs' part of df, per column token s
+    dX1, dr_, dY = geo.pair_dual_grad(rdA * fT, dM * fT, x, r_, x)
+    dr, dx, df_tail, dl = ck.chunk_bwd_key(r, x, None, geo.l, dr_, dY, dX1, dy @ statesT, Z @ tr(dSn, cp),
+                                           Delta @ statesT, dg, kern, rfac, uf=f, bf=rho)
+    return dS0, dr, dx, Delta, dl, df + df_tail
 
 
 def _scaled(r, rfac):
@@ -628,7 +670,7 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
     matrix, compile, inv_base = t.gpu_forms, t.compile, t.inverse_base
     kern = t if t.chunk_kernels else None
     Geo = decay_geometry(key, kern)
-    nres = 5 if delta else 2
+    nres = (6 if key and rho is not None else 5) if delta else 2  # factor reads keep a key decay's unscaled A too
 
     def scaled(r, u, backward: bool):
         """A key-vector decay's roles scaled by its decays, formed with them (on the kernels: in the geometry's

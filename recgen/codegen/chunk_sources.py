@@ -169,14 +169,15 @@ def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool =
 @lru_cache(maxsize=None)
 def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = False) -> KernelSource:
     """``key``: a key-vector decay's UT transform, A given (from the pair kernels) and P per key element; ``tb``
-    (with ``key``): the general rank-1 core's, Uw = Tm (B w) from B given (``chunked.rank1``); ``uf`` (a scalar
-    decay's): both roles read from one key x, u = Uf ⊙ x with a factor per token and b̃ = Bf[0] x."""
+    (with ``key``): the general rank-1 core's, Uw = Tm (B w) from B given (``chunked.rank1``); ``uf``: both roles
+    read from one key x, u = Uf ⊙ x with a factor per token and b̃ = Bf[0] x (with ``key``, A given: Bt is x, read
+    with Bf[0])."""
     if tb and not key:
         raise ValueError("chunk_ut_mma: B given (tb) is the key-vector decay form's")
-    if uf and key:
-        raise ValueError("chunk_ut_mma: factor reads (uf) are the scalar decay form's")
+    if uf and tb:
+        raise ValueError("chunk_ut_mma: factor reads (uf) are the delta rule's form, not the general rank-1 core's")
     d = get(dialect)
-    ins = (("Ai", "Bm", "W", "Bt", "Pk") if tb else ("Ai", "W", "Bt", "Pk")) if key else \
+    ins = (("Ai", "Bm", "W", "Bt", "Pk") if tb else ("Ai", "W", "Bt", "Pk") + (("Bf",) if uf else ())) if key else \
         (("U", "Uf", "Bf", "W", "logd") if uf else ("Bt", "U", "W", "logd"))
     return _source(d, "chunk_ut_mma.j2", "ut_mma" + ("_key" if key else "") + ("_tb" if tb else "") + ("_uf" if uf else ""),
                    "UT transform of the chunked core's delta rule, fragment multiply-adds", ins, ("Tm", "Uw", "Wb"), (),
@@ -200,10 +201,17 @@ def bwd_mma_source(dialect: str, delta: bool, uf: bool = False) -> KernelSource:
 
 
 @lru_cache(maxsize=None)
-def bwd_key_source(dialect: str, delta: bool, rank1: bool = False, before: bool = False) -> KernelSource:
+def bwd_key_source(dialect: str, delta: bool, rank1: bool = False, before: bool = False, uf: bool = False) -> KernelSource:
     """A key-vector decay's backward tail (``chunk_bwd_key.j2``); ``delta``: with the delta rule's b̃ terms; ``rank1``:
-    the general rank-1 core's (a and b, ``before``: the transition before the decay)."""
-    if rank1:
+    the general rank-1 core's (a and b, ``before``: the transition before the decay); ``uf`` (with ``delta``): u =
+    Uf ⊙ x and b̃ = Bf[0] x read from one key x, the gradients of x and (a part of) Uf written."""
+    if uf and (rank1 or not delta):
+        raise ValueError("chunk_bwd_key: factor reads (uf) are the delta rule's form")
+    if uf:
+        ins = ("R", "U", "Uf", "Bf", "L", "DRX", "DUX", "DBX", "DRP", "DUQ", "DR", "DG", "Rs")
+        outs = ("dRo", "dXo", "dFp", "dl")
+        kind = "bwd_key_delta_uf"
+    elif rank1:
         ins = ("R", "U", "A", "B", "L", "DRX", "DUX", "DAX", "DBX", "DRP", "DUQ", "DAQ", "DBP", "DG", "Rs")
         outs = ("dRo", "dUo", "dAo", "dBo", "dl")
         kind = "bwd_key_rank1" + ("_before" if before else "")
@@ -213,7 +221,7 @@ def bwd_key_source(dialect: str, delta: bool, rank1: bool = False, before: bool 
         outs = ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
         kind = "bwd_key" + ("_delta" if delta else "")
     return _source(get(dialect), "chunk_bwd_key.j2", kind, "elementwise tail of the chunked core's backward, key-vector "
-                   "decay", ins, outs, (), delta=delta and not rank1, rank1=rank1, before=before)
+                   "decay", ins, outs, (), delta=delta and not rank1, rank1=rank1, before=before, uf=uf)
 
 
 def bwd_key_supported(dialect: str, C: int) -> bool:

@@ -179,17 +179,22 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
 
 
 @lru_cache(maxsize=256)
-def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: bool | None = None) -> Launch:
+def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: bool | None = None,
+                   uf: bool = False) -> Launch:
     """N chunks of C tokens, one threadgroup of 32 threads a block of 32 key columns; ``types`` as ``bwd_mma_launch``,
-    or with ``before`` given (True or False) the general rank-1 core's tail: ``types`` those of R, U, A, B."""
+    or with ``before`` given (True or False) the general rank-1 core's tail: ``types`` those of R, U, A, B; ``uf``
+    (factor reads, ``types`` those of R and the key x; K a multiple of 32): the outputs dR, dX, a part of dUf per
+    group of 32 columns [N, K / 32, C] and dl."""
     if not bwd_key_supported(dialect, C):
         raise ValueError(f"chunk_bwd_key: C={C} must be at most 64")
+    if uf and K % 32:
+        raise ValueError(f"chunk_bwd_key: factor reads sum over groups of 32 key columns, K={K} is not a multiple of 32")
     ng = -(-K // 32)
     rank1 = before is not None
     names = ("RT", "UT", "AT", "BT") if rank1 else ("RT", "UT", "BT")
     tmpl = (("C", C), ("K", K), ("NG", ng)) + tuple(zip(names, types))
-    outs = tuple(((N, C, K), dt) for dt in types) + (((N, C, K), "float32"),)
-    src = bwd_key_source(dialect, len(types) == 3 and not rank1, rank1, bool(before))
+    outs = tuple(((N, C, K), dt) for dt in types) + ((((N, ng, C), "float32"),) if uf else ()) + (((N, C, K), "float32"),)
+    src = bwd_key_source(dialect, len(types) == 3 and not rank1 or uf, rank1, bool(before), uf)
     return Launch(src, (), outs, (N * ng * 32, 1, 1), (32, 1, 1), tmpl)
 
 
@@ -462,15 +467,19 @@ def _out_key(r, M, Z, states, extra: tuple, t: Tuning, out, rs, m2: bool = False
     return y if out is not None else y.reshape(*Z.shape)
 
 
-def chunk_ut_key(A, w, bt, P, t: Tuning, B=None):
+def chunk_ut_key(A, w, bt, P, t: Tuning, B=None, bf: float | None = None):
     """``chunk_ut`` for a key-vector decay: A [.., n, C, C] formed (strictly lower, by the pair kernels), P [.., n, C,
     K] per key element. Returns (Tm = (I − A)^{-1}, U = Tm w, W = Tm (b̃ ⊙ P)); with B [.., n, C, C] (strictly
-    lower) U = Tm (B w), formed in the kernel as (Tm B) w."""
+    lower) U = Tm (B w), formed in the kernel as (Tm B) w. With ``bf`` (a float: factor reads) ``bt`` is a key x and
+    b̃ = bf·x, formed as read."""
+    import mlx.core as mx
+
     (C, K), V = bt.shape[-2:], w.shape[-1]
     N = _lead(bt, 2)
     given = [A.reshape(N, C, C)] + ([] if B is None else [B.reshape(N, C, C)])
-    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, key=True, tb=B is not None),
-                     given + [w.reshape(N, C, V), bt.reshape(N, C, K), P.reshape(N, C, K)])
+    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, key=True, tb=B is not None, uf=bf is not None),
+                     given + [w.reshape(N, C, V), bt.reshape(N, C, K), P.reshape(N, C, K)]
+                     + ([] if bf is None else [mx.array([bf], dtype=mx.float32)]))
     return Tm.reshape(A.shape), U.reshape(w.shape), W.reshape(bt.shape)
 
 
@@ -499,12 +508,26 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
     return dr, du, third, outs[-1].reshape(l.shape)
 
 
-def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=None):
+def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=None, uf=None, bf: float | None = None):
     """A key-vector decay's backward tail after the pair gradients, by the generated kernel (``chunk_bwd_key.j2``):
     the roles r, u (b̃) [.., n, C, K] as the core got them, the log-decays l [.., n, C, K], the pair gradients dRX,
     dUX (dBX) and the products DRP = d(r ⊙ P), DUQ = d(u ⊙ Q) (DR = d(b̃ ⊙ P) before its pair term) [.., n, C, K],
     the scan's decay gradient dg [.., n, K]. ``rs``: the readout role is rs·r (dRX then of rs·r). Returns (dr, du,
-    db̃ or None, dl [.., n, C, K]); dr, du, db̃ in their roles' types."""
+    db̃ or None, dl [.., n, C, K]); dr, du, db̃ in their roles' types. Factor reads (``uf`` [.., n, C, 1] float32,
+    ``bf`` a float, ``bt`` None, ``u`` a key x: u = uf ⊙ x, b̃ = bf·x; dUX and dBX of x as the second and first
+    operand of the pairs, which the caller scaled by uf and bf): returns (dr, dx, this pass's part of duf [.., n, C,
+    1], dl)."""
+    if uf is not None:
+        import mlx.core as mx
+
+        (C, K), N = r.shape[-2:], _lead(r, 2)
+        flat = lambda x: x.reshape(N, C, K)  # noqa: E731
+        user = ([flat(r), flat(u), uf.reshape(N, C), mx.array([bf], dtype=mx.float32), flat(l)]
+                + [flat(x) for x in (dRX, dUX, dBX, DRP, DUQ, DR)]
+                + [dg.reshape(N, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+        types = (_dtype_name(r.dtype), _dtype_name(u.dtype))
+        dr, dx, dfp, dl = _call(t, bwd_key_launch(t.dialect, N, C, K, types, uf=True), user)
+        return dr.reshape(r.shape), dx.reshape(u.shape), dfp.sum(1).reshape(uf.shape), dl.reshape(l.shape)
     delta = bt is not None
     roles = (r, u, bt) if delta else (r, u)
     grads = (dRX, dUX, dBX, DRP, DUQ, DR) if delta else (dRX, dUX, DRP, DUQ)

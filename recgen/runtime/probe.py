@@ -160,6 +160,14 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                 dG[:, -1] += (Yp * Q * D[4]).sum(1) + P[:, -1] * dgk
                 got += list(ck.chunk_bwd_key(f32(Xp), f32(Yp), f32(D[6]), f32(Lk), *(f32(x) for x in D[:6]), f32(dgk), t))
                 ref += [dr, du, db, np.cumsum(dG[:, ::-1], 1)[:, ::-1]]
+                if K % 32 == 0:  # and with factor reads (KDA's u = β k, b̃ = −k): the pairs' gradients are of x = Yp
+                    fx, rho = rng.uniform(size=(1, C, 1)), -1.0
+                    dx = D[2] + D[1] + fx * Q * D[4] + rho * P * D[5]
+                    dG = Xp * dr - Yp * D[1] - fx * Yp * Q * D[4] + Yp * D[2] + rho * Yp * P * D[5]
+                    dG[:, -1] += (fx * Yp * Q * D[4]).sum(1) + P[:, -1] * dgk
+                    got += list(ck.chunk_bwd_key(f32(Xp), f32(Yp), None, f32(Lk), *(f32(x) for x in D[:6]), f32(dgk), t,
+                                                 uf=f32(fx), bf=rho))
+                    ref += [dr, dx, (Yp * Q * D[4]).sum(-1, keepdims=True), np.cumsum(dG[:, ::-1], 1)[:, ::-1]]
                 # and the general rank-1 core's, the transition before the decay (RWKV-7): b's pairs one token earlier
                 A_, B_, DAX, DBX, DAQ, DBP = rng.normal(size=(6, 1, C, K))
                 da = Q * DAQ + DAX
@@ -216,6 +224,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     Pk = np.exp(np.cumsum(-0.2 * rng.uniform(size=(n, C, K)), 1))
                     got = [*got, *ck.chunk_ut_key(f32(A), f32(X[0]), f32(-R / K), f32(Pk), t)]
                     ref += [T, T @ X[0], T @ (-R / K * Pk)]
+                    got.append(ck.chunk_ut_key(f32(A), f32(X[0]), f32(R / K), f32(Pk), t, bf=-1.0)[2])  # b̃ = −x read so
+                    ref.append(T @ (-R / K * Pk))
                     # and its readout: M given, r ⊙ P per key element, the readout role 0.5 r
                     got.append(ck.chunk_out_key(f32(R), f32(M), f32(X[0]), f32(np.stack(ref_c)), f32(Pk), t, rs=0.5))
                     ref.append(0.5 * (R * Pk) @ np.stack(ref_c) + M @ X[0])
