@@ -356,7 +356,7 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     name, _, formed = name.partition("/")
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, mma_pairs=pairs,
-                       factor_reads=not formed)
+                       factor_reads=not formed, key_factor_reads=not formed)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=K, V=8, seed=9 if K == 16 else 4, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
     assert kinds == want, kinds

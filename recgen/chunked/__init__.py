@@ -228,8 +228,9 @@ def _keyed_input(p, raw, kern, key: bool, C: int, K: int, V: int):
     """The key input x where the delta rule's roles can be read from it by the fused kernels (factor reads,
     ``Tuning.factor_reads``): u = f·x with a factor per token (``Analysis.u_factor``: GDN's β k) and b̃ = ρ x with
     ρ constant (b = x verbatim), and every kernel that reads u or b̃ fused: the UT transform, the fragment scans, the
-    readout and, for a scalar decay, the backward's pass; for a key-vector decay (KDA) the pair kernels (which pair x
-    with itself and with r, their columns scaled by f after) and the backward's tail (K a multiple of 32). Then
+    readout and, for a scalar decay, the backward's pass; for a key-vector decay (KDA, with ``key_factor_reads``) the
+    pair kernels (which pair x with itself and with r, their columns scaled by f after) and the backward's tail (K a
+    multiple of 32). Then
     neither role is formed in memory (u = β k in float32 and b̃ = −k were a cast, a strided product and a negation
     before the kernels, and their cotangents' products after them). Else None."""
     a = p.analysis
@@ -240,8 +241,9 @@ def _keyed_input(p, raw, kern, key: bool, C: int, K: int, V: int):
         return None
     fused = (ck.use_mma(kern, C, K, V) and ck.fuses_ut(kern, C, K, V) and ck.fuses_readout(kern, C, K, V)
              and ck.scan_supported(kern, C, K))
-    if key:
-        fused = fused and K % 32 == 0 and ck.fuses_key_tail(kern, C) and pair_supported(kern.dialect, C, K, dual=True)
+    if key:  # ``Tuning.key_factor_reads``: measured slower for training, off by default
+        fused = (fused and kern.key_factor_reads and K % 32 == 0 and ck.fuses_key_tail(kern, C)
+                 and pair_supported(kern.dialect, C, K, dual=True))
     else:
         fused = fused and ck.fuses_bwd(kern, C, K, True)
     return x if fused else None
