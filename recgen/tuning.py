@@ -63,6 +63,8 @@ class Tuning:
     #                                 ``mma_scan``), a key-vector decay's elementwise tail
     factor_reads: bool = True       # the delta rule's u = f·k and b̃ = ρ k read from k by the fused kernels (scalar
     #                                 decays, all kernels fused), never formed
+    ut_16bit: bool = False          # ... the UT transform writing U = T w and W = T (b̃ e^G) in the keys' 16-bit type
+    #                                 (the scans convert on load; FLA keeps them so)
     key_factor_reads: bool = False  # ... for a key-vector decay (KDA) too: its pairs' scaling by β stays in MLX ops,
     #                                 measured slower for training (H100: 11.3 -> 11.9 ms) though faster forward
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
@@ -159,6 +161,7 @@ ENVIRONMENT = {
     "RECGEN_PAIR_FOLD": ("pair_fold", _flag),
     "RECGEN_FACTOR_READS": ("factor_reads", _flag),
     "RECGEN_KEY_FACTOR_READS": ("key_factor_reads", _flag),
+    "RECGEN_UT_16BIT": ("ut_16bit", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_16BIT_LOGDECAY": ("logdecay_16bit", _flag),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),

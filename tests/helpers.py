@@ -171,7 +171,8 @@ def chunk_launches(target: str) -> list:
                 + [ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), uf=True)]  # GDN's factor reads
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, key=key) for key in (False, True)]
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, key=True, tb=True)]
-                + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, uf=True)]
+                + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, uf=True, ot=ot)
+                   for ot in (None, "bfloat16")]
                 + [ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, key=True, uf=True)]
                 + [ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "float32", "bfloat16")),
                    ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16")),

@@ -796,6 +796,28 @@ def test_chunk_ut_mma_reads_factors(frame, C, K, V, bf):
         assert got.shape == want.shape and _rel(got, want) < 1e-5, _rel(got, want)
 
 
+@pytest.mark.parametrize("ot", ["bfloat16", "float16"])
+def test_chunk_ut_mma_writes_16_bit_products(ot):
+    """``o16`` (``Tuning.ut_16bit``): the factor-read UT transform writes U = T w and W = T (b̃ e^G) in a 16-bit type
+    (T stays float32), each within that type's rounding of the float64 products."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(3)
+    N, C, K, V = 2, 32, 16, 24
+    x, uf = _factor_inputs(rng, N, C, K)
+    l = (-5 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
+    ins = {"U": x, "Uf": uf, "Bf": np.array([-1.0], np.float32), "W": rng.normal(size=(N, C, V)).astype(np.float32),
+           "logd": l}
+    launch = ck.ut_mma_launch("metal", N, C, K, V, uf=True, ot=ot)
+    assert [dt for _, dt in launch.outputs] == ["float32", ot, ot]
+    x64 = x.astype(np.float64)
+    want = _ut_ref(-x64, uf[..., None] * x64, ins["W"], l)
+    for got, w, tol in zip(verify.run_launch(launch, ins), want, (1e-5, 4e-3, 4e-3)):
+        assert _rel(np.asarray(got, np.float64), w) < tol, _rel(np.asarray(got, np.float64), w)
+    with pytest.raises(ValueError, match="o16"):
+        cs.ut_mma_source("metal", uf=False, o16=True)
+    del mx
+
+
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("C,K,V", [(16, 16, 24), (32, 40, 32)])
 def test_chunk_out_mma_reads_factors(frame, C, K, V):
@@ -1399,6 +1421,10 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
                          "scan_mma_aq_p_pq_dg_rev": {"A", "Pa"}, "bwd_mma_delta_uf": {"R", "U"}},
      {"ut_mma_uf": {"U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_uf_yt": {"R", "U"},
       "scan_mma_aq_p_pq_dg_rev": {"A", "Pa"}, "bwd_mma_delta_uf": {"R", "U"}}),
+    ("gated_delta_net/ut16", {"ut_mma_uf_o16": {"U", "W"}, "scan_mma_q": {"A", "X", "Bm"}, "out_mma_uf_yt": {"R", "U"},
+                              "scan_mma_aq_p_pq_dg_rev": {"A", "Bm", "Pa"}, "bwd_mma_delta_uf": {"R", "U"}},
+     {"ut_mma_uf_o16": {"U", "W"}, "scan_mma_q": {"A", "X", "Bm"}, "out_mma_uf_yt": {"R", "U"},
+      "scan_mma_aq_p_pq_dg_rev": {"A", "Bm", "Pa"}, "bwd_mma_delta_uf": {"R", "U"}}),
     ("gated_delta_net/formed", {"ut_mma": {"Bt", "U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_yt": {"R", "U"},
                          "scan_mma_aq_p_pq_dg_rev": {"A", "Pa"}, "bwd_mma_delta": {"R", "U", "Bt"}},
      {"ut_mma": {"Bt", "W"}, "out_mma_yt": {"R"}, "scan_mma_aq_p_pq_dg_rev": {"Pa"}, "bwd_mma_delta": {"R", "Bt"}}),
@@ -1418,14 +1444,16 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare,
     against the float64 reference at the same bf16-rounded inputs: forward, final state and every gradient
     within 1e-2 (o and the input gradients are rounded to bf16, and with 16-bit roles r = q / sqrt(K) and
     b̃ = β k once; a wrong conversion or a product in bf16 gives O(1) or ~1e-1). GDN with factor reads (the
-    default) hands every kernel k itself, bf16 unless ``=0``; "/formed": with them off, the roles formed first."""
+    default) hands every kernel k itself, bf16 unless ``=0``; "/formed": with them off, the roles formed first;
+    "/ut16": the UT transform writes U and W in bf16 too (``Tuning.ut_16bit``), which both scans read."""
     mx = pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare
 
-    name, _, formed = name.partition("/")
+    name, _, variant = name.partition("/")
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True,
-                       roles_16bit={"1": "all", None: "bare", "0": "none"}[roles16], factor_reads=not formed)
+                       roles_16bit={"1": "all", None: "bare", "0": "none"}[roles16], factor_reads=variant != "formed",
+                       ut_16bit=variant == "ut16")
     seen = _emulate_noting_bf16(monkeypatch)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=4, in_dtype=mx.bfloat16, tuning=t),
                  1e-2, 1e-2)

@@ -496,7 +496,8 @@ def _forward_keyed(geo, S0, r, x, w, f, rho: float, kern, out=None, rfac=None):
     through their row scales, the readout) and never formed."""
     if geo.key:
         return _forward_keyed_key(geo, S0, r, x, w, f, rho, kern, out, rfac)
-    Tm, U, W = ck.chunk_ut(None, x, w, geo.l, kern, uf=f, bf=rho)
+    o16 = x.dtype if kern.ut_16bit and x.dtype in (mx.bfloat16, mx.float16) else None  # U, W in the keys' type
+    Tm, U, W = ck.chunk_ut(None, x, w, geo.l, kern, uf=f, bf=rho, out=o16)
     states, Z, S_end = ck.chunk_scan(S0, W, U, x, geo.g, None, kern, reverse=False, Bq=f * geo.Q)
     y, M = ck.chunk_out(r, x, Z, states, geo.l, kern, out, rfac, uf=f)
     return y, S_end, (states, M, Z, Tm, W)

@@ -167,11 +167,13 @@ def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool =
 
 
 @lru_cache(maxsize=None)
-def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = False) -> KernelSource:
+def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = False, o16: bool = False) -> KernelSource:
     """``key``: a key-vector decay's UT transform, A given (from the pair kernels) and P per key element; ``tb``
     (with ``key``): the general rank-1 core's, Uw = Tm (B w) from B given (``chunked.rank1``); ``uf``: both roles
     read from one key x, u = Uf ⊙ x with a factor per token and b̃ = Bf[0] x (with ``key``, A given: Bt is x, read
-    with Bf[0])."""
+    with Bf[0]); ``o16`` (with ``uf``, a scalar decay's): Uw and Wb written in type OT (template constant)."""
+    if o16 and (key or not uf):
+        raise ValueError("chunk_ut_mma: 16-bit outputs (o16) are the scalar decay's factor-read form's")
     if tb and not key:
         raise ValueError("chunk_ut_mma: B given (tb) is the key-vector decay form's")
     if uf and tb:
@@ -179,9 +181,9 @@ def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = 
     d = get(dialect)
     ins = (("Ai", "Bm", "W", "Bt", "Pk") if tb else ("Ai", "W", "Bt", "Pk") + (("Bf",) if uf else ())) if key else \
         (("U", "Uf", "Bf", "W", "logd") if uf else ("Bt", "U", "W", "logd"))
-    return _source(d, "chunk_ut_mma.j2", "ut_mma" + ("_key" if key else "") + ("_tb" if tb else "") + ("_uf" if uf else ""),
-                   "UT transform of the chunked core's delta rule, fragment multiply-adds", ins, ("Tm", "Uw", "Wb"), (),
-                   helpers=d.mma_prelude, key=key, tb=tb, uf=uf)
+    kind = "ut_mma" + ("_key" if key else "") + ("_tb" if tb else "") + ("_uf" if uf else "") + ("_o16" if o16 else "")
+    return _source(d, "chunk_ut_mma.j2", kind, "UT transform of the chunked core's delta rule, fragment multiply-adds",
+                   ins, ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude, key=key, tb=tb, uf=uf, o16=o16)
 
 
 @lru_cache(maxsize=None)

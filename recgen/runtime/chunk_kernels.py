@@ -149,18 +149,20 @@ def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | Non
 
 @lru_cache(maxsize=256)
 def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 128, key: bool = False,
-                  tb: bool = False, uf: bool = False) -> Launch:
+                  tb: bool = False, uf: bool = False, ot: str | None = None) -> Launch:
     """``key``: a key-vector decay's UT transform (A given); ``tb``: and B given, Uw = Tm (B w) (``chunk_ut_key``);
-    ``uf``: both roles read from one key with their factors (``chunk_ut``'s ``uf``)."""
+    ``uf``: both roles read from one key with their factors (``chunk_ut``'s ``uf``); ``ot`` (with ``uf``): the dtype
+    name Uw and Wb are written in (a 16-bit one), else float32."""
     lay = ut_mma_layout(dialect, C, K, V, most_bw)
     if lay is None:
         raise ValueError(f"chunk_ut_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8, "
                          f"and the tiles must fit {dialect}'s threadgroup memory")
     if tb:  # Tm B's columns a pass: a multiple of 8 dividing C, within the staging rows of BW columns
         lay = dict(lay, BC=8 * math.gcd(C // 8, lay["BW"] // 8))
-    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items())
-    outs = (((N, C, C), "float32"), ((N, C, V), "float32"), ((N, C, K), "float32"))
-    return Launch(ut_mma_source(dialect, key, tb, uf), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
+    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + ((("OT", ot),) if ot else ())
+    outs = (((N, C, C), "float32"), ((N, C, V), ot or "float32"), ((N, C, K), ot or "float32"))
+    return Launch(ut_mma_source(dialect, key, tb, uf, ot is not None), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1),
+                  tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -420,19 +422,20 @@ def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None):
     return (y if out is not None else y.reshape(*Z.shape)), M.reshape(*r.shape[:-1], C)
 
 
-def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None):
+def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None, out=None):
     """The delta rule's UT transform per chunk for a scalar decay, by the fragment kernel: A[t, s] =
     (b̃_t · u_s) Γ(t, s) for s < t, Tm = (I − A)^{-1}, U = Tm w, W = Tm (b̃ ⊙ P). bt, u [.., n, C, K], w
     [.., n, C, V], l (log-decays) [.., n, C, 1]. Returns (Tm [.., n, C, C], U [.., n, C, V], W [.., n, C, K]).
     Factor reads: with ``uf`` [.., n, C, 1] (float32) and ``bf`` (a float), ``bt`` is None and ``u`` a key x; the
-    roles are uf ⊙ x and bf·x, formed as read."""
+    roles are uf ⊙ x and bf·x, formed as read; ``out`` (a 16-bit mx dtype) then writes U and W in it."""
     import mlx.core as mx
 
     (C, K), V = u.shape[-2:], w.shape[-1]
     N = _lead(u, 2)
     roles = ([bt.reshape(N, C, K), u.reshape(N, C, K)] if uf is None
              else [u.reshape(N, C, K), uf.reshape(N, C), mx.array([bf], dtype=mx.float32)])
-    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None),
+    ot = None if out is None else _dtype_name(out)
+    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None, ot=ot),
                      roles + [w.reshape(N, C, V), l.reshape(N, C)])
     return Tm.reshape(*u.shape[:-1], C), U.reshape(w.shape), W.reshape(u.shape)
 

@@ -250,8 +250,11 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     u_, b_ = fx * x, rho * x
                     A = np.tril((b_ @ u_.swapaxes(-1, -2)) * gam, -1)
                     T = np.linalg.inv(np.eye(C) - A)
-                    got = [*got, *ck.chunk_ut(None, x16, f32(X[0]), f32(np.full((n, C, 1), -0.1)), t, f32(fx), rho)]
-                    ref += [T, T @ X[0], T @ (b_ * np.exp(G)[:, None])]
+                    w16 = f32(X[0]).astype(mx.bfloat16)  # v in bf16 too, as the model passes it
+                    w_ = np.array(w16.astype(mx.float32), np.float64)
+                    for o16 in (None, mx.bfloat16):  # U and W written in float32, and in bf16 (``Tuning.ut_16bit``)
+                        got = [*got, *ck.chunk_ut(None, x16, w16, f32(np.full((n, C, 1), -0.1)), t, f32(fx), rho, o16)]
+                        ref += [T, T @ w_, T @ (b_ * np.exp(G)[:, None])]
                     outs = [f32(R), x16, f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1))]
                     got.append(ck.chunk_out(*(v[None, None] for v in outs), t, mx.bfloat16, uf=f32(fx)[None, None])[0])
                     y_ = np.exp(G)[:, None] * (R @ np.stack(ref_c)) + ((R @ u_.swapaxes(-1, -2)) * gam) @ X[0]
