@@ -1532,6 +1532,66 @@ def test_readout_role_is_the_input_and_its_constant_where_kernels_run():
     assert prt.r_scaled is not None and chunked._readout_role(prt, r, {}, pick, cuda, 0.5) == (r, None)
 
 
+def _factor_specs():
+    """Delta rules for factor reads: u's factor an expression of a scalar input (σ(a)), a per-head parameter times
+    one (its gradient reaches the parameter), and b not the key u is read from (the roles are formed then)."""
+    import recgen as rg
+
+    @rg.recurrence
+    def sigmoid_beta(q: rg.Key, k: rg.Key, v: rg.Value, g: rg.Scalar, a: rg.Scalar):
+        return rg.Step(decay=rg.exp(g), transition=rg.rank1(-rg.sigmoid(a) * k, k),
+                       update=rg.outer(rg.sigmoid(a) * k, v), readout=rg.scale * q)
+
+    @rg.recurrence
+    def head_beta(q: rg.Key, k: rg.Key, v: rg.Value, g: rg.Scalar, a: rg.Scalar, c: rg.Param[()]):
+        return rg.Step(decay=rg.exp(g), transition=rg.rank1(-c * a * k, k), update=rg.outer(c * a * k, v),
+                       readout=rg.scale * q)
+
+    @rg.recurrence
+    def other_b(q: rg.Key, k: rg.Key, kk: rg.Key, v: rg.Value, g: rg.Scalar, a: rg.Scalar):
+        return rg.Step(decay=rg.exp(g), transition=rg.rank1(-a * k, kk), update=rg.outer(a * k, v),
+                       readout=rg.scale * q)
+
+    return sigmoid_beta, head_beta, other_b
+
+
+def test_analysis_finds_the_update_keys_factor():
+    """``Analysis.u_factor``: u = f·x for a key input x and a factor free of the key and value indices (β, σ(a), a
+    per-head parameter times a scalar input, mLSTM's e^{ig}), none where u is a key verbatim, a feature or a
+    product with another key."""
+    from recgen import specs
+    from recgen.spec.analysis import analyze
+
+    got = {n: analyze(r).u_factor for n, r in specs.BUILTINS.items()}
+    assert {n for n, f in got.items() if f} == {"gated_delta_net", "delta_net", "kda", "mlstm", "mlstm_sigmoid"}
+    assert all(str(got[n][0]) == "k" and str(got[n][1]) == "beta" for n in ("gated_delta_net", "delta_net", "kda"))
+    sigmoid_beta, head_beta, other_b = _factor_specs()
+    assert str(analyze(sigmoid_beta).u_factor[1]) == "sigmoid(a)"
+    assert str(analyze(head_beta).u_factor[1]) == "a*c"
+    assert analyze(other_b).u_factor is not None and dict(analyze(other_b).bare_roles).get("b") != analyze(other_b).u_factor[0]
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_factor_reads_serve_custom_delta_rules(which, monkeypatch):
+    """A researcher's delta rule through the fused kernels: σ(a) as u's factor (its gradient through the sigmoid by
+    MLX's autodiff of the factor), a per-head parameter times a scalar input (its gradient summed over tokens), both
+    read from k by the factor-read kernels; with b a second key the roles are formed and the plain kernels run. End
+    to end against the float64 reference: forward, final state and every gradient, GQA, a partial last chunk."""
+    pytest.importorskip("mlx.core")
+    from test_chunked import assert_close, compare
+
+    rec = _factor_specs()[which]
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True)
+    assert_close(compare(rec, 40, chunk=16, K=16, V=8, seed=11, tuning=t))
+    kinds = {c.split("_metal")[0] for c in calls}
+    reads = {"recgen_chunk_ut_mma_uf", "recgen_chunk_out_mma_uf_yt", "recgen_chunk_bwd_mma_delta_uf"}
+    assert (reads <= kinds) == (which != 2), kinds
+    if which == 2:
+        assert {"recgen_chunk_ut_mma", "recgen_chunk_out_mma_yt", "recgen_chunk_bwd_mma_delta"} <= kinds, kinds
+
+
 @pytest.mark.parametrize("roles16", [None, "0", "l"])
 def test_general_rank1_core_reads_16bit_roles(roles16, monkeypatch):
     """RWKV-7 with bf16 inputs on the kernels (mma frames, pairs on fragments): its roles that are inputs verbatim
