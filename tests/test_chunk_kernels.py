@@ -1328,7 +1328,7 @@ def fresh_probe():
     pr._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode", "features"])
+@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass."""
     monkeypatch.setattr(ck, "mlx_call", _emulated_call)
@@ -1377,6 +1377,8 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
 
 @pytest.mark.parametrize("frame,variable,flag,warning", [
     ("pairs", "RECGEN_MMA_PAIRS", "mma_pairs", "pair kernels on fragments"),
+    ("ut16", "RECGEN_UT_16BIT", "ut_16bit", "16-bit outputs"),
+    ("keyfactor", "RECGEN_KEY_FACTOR_READS", "key_factor_reads", "KDA's factor reads"),
     ("decode", "RECGEN_FEATURE_DECODE", "feature_decode", "feature decode"),
     ("features", "RECGEN_FEATURE_KERNELS", "feature_kernels", "feature product")])
 def test_an_opt_in_frame_that_fails_turns_only_itself_off(frame, variable, flag, warning, monkeypatch, fresh_probe):

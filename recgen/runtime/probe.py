@@ -42,6 +42,11 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
         if (changes.get("chunk_kernels", True) and changes.get("mma_scan", t.mma_scan) and t.mma_pairs
                 and not usable(t.dialect, "pairs", sizes)):
             changes.update(mma_pairs=False)  # the pair kernels' FMA form
+    if t.ut_16bit and not (t.dialect and changes.get("mma_scan", t.mma_scan) and usable(t.dialect, "ut16", sizes)):
+        changes.update(ut_16bit=False)  # U and W in float32
+    if t.key_factor_reads and not (t.dialect and changes.get("mma_scan", t.mma_scan)
+                                   and usable(t.dialect, "keyfactor", sizes)):
+        changes.update(key_factor_reads=False)  # KDA's roles formed
     if t.feature_decode and (t.dialect is None or not usable(t.dialect, "decode", sizes)):
         changes.update(feature_decode=False)  # a feature map's decode step in MLX ops
     if t.feature_kernels and (t.dialect is None or not usable(t.dialect, "features", sizes)):
@@ -80,15 +85,17 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     tail), "pairs" (the key-decay pair kernels on fragments, probed where the tuning asks for it), "scan"
     (the FMA scan) or "mma" (the fragment scan as the forward runs it, B in bf16 with its rows scaled as read; the
     readout in both output layouts, bf16 in the model's; the UT transform; a key-vector decay's UT transform and
-    readout; the backward's pass after the scan), "decode" (the feature decode kernel at d = V = 64) and "features"
-    (the feature product and gradient kernels at C = 64, d = 64, V = 65), each probed where the tuning asks for it. A GPU whose compiler rejects a frame (an old CUDA architecture
+    readout; the backward's pass after the scan; their factor-read forms, as GDN calls them), "decode" (the feature
+    decode kernel at d = V = 64), "features" (the feature product and gradient kernels at C = 64, d = 64, V = 65),
+    "ut16" (the factor-read UT transform writing bf16) and "keyfactor" (KDA's factor-read UT transform and tail), each
+    probed where the tuning asks for it. A GPU whose compiler rejects a frame (an old CUDA architecture
     without TF32 fragments, say) then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked
     call; a failing "tail" turns only the fused backward off, a failing "pairs" only the pairs' fragments."""
     import mlx.core as mx
     import numpy as np
 
     rng = np.random.default_rng(0)
-    t = resolve("gpu", dialect, environ={}, chunk_kernels=True, mma_scan=frame in ("mma", "pairs"),
+    t = resolve("gpu", dialect, environ={}, chunk_kernels=True, mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor"),
                 mma_pairs=frame == "pairs")
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
@@ -147,6 +154,39 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                    ck.feature_jac(f32(X), f32(S), f32(Y), t)]
             ref = [np.einsum("ncf,ncv->nfv", phi, Y), np.einsum("ncf,nfv->ncv", phi, S),
                    sympow_vjp(X, np.einsum("nfv,ncv->ncf", S, Y))]
+        elif frame == "ut16":  # the factor-read UT transform writing U and W in bf16 (``Tuning.ut_16bit``)
+            got, ref = [], []
+            if ck.fuses_ut(t, C, K, V):
+                G = -0.1 * np.arange(1, C + 1)
+                gam = np.tril(np.exp(G[:, None] - G[None, :]))
+                x16 = f32(rng.normal(size=(n, C, K)) / np.sqrt(K)).astype(mx.bfloat16)
+                w16 = f32(rng.normal(size=(n, C, V))).astype(mx.bfloat16)
+                x, w_ = (np.array(a.astype(mx.float32), np.float64) for a in (x16, w16))
+                fx = rng.uniform(size=(n, C, 1))
+                T = np.linalg.inv(np.eye(C) - np.tril((-x @ (fx * x).swapaxes(-1, -2)) * gam, -1))
+                got = list(ck.chunk_ut(None, x16, w16, f32(np.full((n, C, 1), -0.1)), t, f32(fx), -1.0, mx.bfloat16))
+                ref = [T, T @ w_, T @ (-x * np.exp(G)[:, None])]
+        elif frame == "keyfactor":  # KDA's factor reads (``Tuning.key_factor_reads``), decay e^-0.1 a token
+            Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
+            got, ref = [], []
+            if ck.fuses_key_tail(t, C) and K % 32 == 0:  # the tail: the pairs' gradients are of x = Yp
+                Lk = np.full((1, C, K), -0.1)
+                D = rng.normal(size=(6, 1, C, K))  # DRX, DUX, DBX, DRP, DUQ, DR
+                dgk, fx, rho = rng.normal(size=(1, K)), rng.uniform(size=(1, C, 1)), -1.0
+                P, Q = np.exp(np.cumsum(Lk, 1)), np.exp(-0.1 * np.arange(C - 1, -1, -1.0))[None, :, None]
+                dr = P * D[3] + D[0]
+                dx = D[2] + D[1] + fx * Q * D[4] + rho * P * D[5]
+                dG = Xp * dr - Yp * D[1] - fx * Yp * Q * D[4] + Yp * D[2] + rho * Yp * P * D[5]
+                dG[:, -1] += (fx * Yp * Q * D[4]).sum(1) + P[:, -1] * dgk
+                got += list(ck.chunk_bwd_key(f32(Xp), f32(Yp), None, f32(Lk), *(f32(x) for x in D), f32(dgk), t,
+                                             uf=f32(fx), bf=rho))
+                ref += [dr, dx, (Yp * Q * D[4]).sum(-1, keepdims=True), np.cumsum(dG[:, ::-1], 1)[:, ::-1]]
+            if ck.fuses_ut(t, C, K, V):  # the UT transform reading b̃ = −x, A given
+                A = np.tril(rng.normal(size=(1, C, C)), -1) * 0.5 / np.sqrt(C)
+                W, Pk = rng.normal(size=(1, C, V)), np.exp(np.cumsum(-0.2 * rng.uniform(size=(1, C, K)), 1))
+                T = np.linalg.inv(np.eye(C) - A)
+                got.append(ck.chunk_ut_key(f32(A), f32(W), f32(Xp / K), f32(Pk), t, bf=-1.0)[2])
+                ref.append(T @ (-Xp / K * Pk))
         elif frame == "tail":  # the key-decay backward tails (delta rule; rank-1), decay e^-0.1 a token
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             got, ref = [], []
@@ -160,14 +200,6 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                 dG[:, -1] += (Yp * Q * D[4]).sum(1) + P[:, -1] * dgk
                 got += list(ck.chunk_bwd_key(f32(Xp), f32(Yp), f32(D[6]), f32(Lk), *(f32(x) for x in D[:6]), f32(dgk), t))
                 ref += [dr, du, db, np.cumsum(dG[:, ::-1], 1)[:, ::-1]]
-                if K % 32 == 0:  # and with factor reads (KDA's u = β k, b̃ = −k): the pairs' gradients are of x = Yp
-                    fx, rho = rng.uniform(size=(1, C, 1)), -1.0
-                    dx = D[2] + D[1] + fx * Q * D[4] + rho * P * D[5]
-                    dG = Xp * dr - Yp * D[1] - fx * Yp * Q * D[4] + Yp * D[2] + rho * Yp * P * D[5]
-                    dG[:, -1] += (fx * Yp * Q * D[4]).sum(1) + P[:, -1] * dgk
-                    got += list(ck.chunk_bwd_key(f32(Xp), f32(Yp), None, f32(Lk), *(f32(x) for x in D[:6]), f32(dgk), t,
-                                                 uf=f32(fx), bf=rho))
-                    ref += [dr, dx, (Yp * Q * D[4]).sum(-1, keepdims=True), np.cumsum(dG[:, ::-1], 1)[:, ::-1]]
                 # and the general rank-1 core's, the transition before the decay (RWKV-7): b's pairs one token earlier
                 A_, B_, DAX, DBX, DAQ, DBP = rng.normal(size=(6, 1, C, K))
                 da = Q * DAQ + DAX
@@ -224,8 +256,6 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     Pk = np.exp(np.cumsum(-0.2 * rng.uniform(size=(n, C, K)), 1))
                     got = [*got, *ck.chunk_ut_key(f32(A), f32(X[0]), f32(-R / K), f32(Pk), t)]
                     ref += [T, T @ X[0], T @ (-R / K * Pk)]
-                    got.append(ck.chunk_ut_key(f32(A), f32(X[0]), f32(R / K), f32(Pk), t, bf=-1.0)[2])  # b̃ = −x read so
-                    ref.append(T @ (-R / K * Pk))
                     # and its readout: M given, r ⊙ P per key element, the readout role 0.5 r
                     got.append(ck.chunk_out_key(f32(R), f32(M), f32(X[0]), f32(np.stack(ref_c)), f32(Pk), t, rs=0.5))
                     ref.append(0.5 * (R * Pk) @ np.stack(ref_c) + M @ X[0])
@@ -252,9 +282,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     T = np.linalg.inv(np.eye(C) - A)
                     w16 = f32(X[0]).astype(mx.bfloat16)  # v in bf16 too, as the model passes it
                     w_ = np.array(w16.astype(mx.float32), np.float64)
-                    for o16 in (None, mx.bfloat16):  # U and W written in float32, and in bf16 (``Tuning.ut_16bit``)
-                        got = [*got, *ck.chunk_ut(None, x16, w16, f32(np.full((n, C, 1), -0.1)), t, f32(fx), rho, o16)]
-                        ref += [T, T @ w_, T @ (b_ * np.exp(G)[:, None])]
+                    got = [*got, *ck.chunk_ut(None, x16, w16, f32(np.full((n, C, 1), -0.1)), t, f32(fx), rho)]
+                    ref += [T, T @ w_, T @ (b_ * np.exp(G)[:, None])]
                     outs = [f32(R), x16, f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1))]
                     got.append(ck.chunk_out(*(v[None, None] for v in outs), t, mx.bfloat16, uf=f32(fx)[None, None])[0])
                     y_ = np.exp(G)[:, None] * (R @ np.stack(ref_c)) + ((R @ u_.swapaxes(-1, -2)) * gam) @ X[0]
@@ -292,6 +321,8 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
         what = {"mma": "the fragment scan (the FMA scan is used)",
                 "pairs": "the pair kernels on fragments (their FMA form is used)",
                 "tail": "the fused backward (MLX ops are used for it)",
+                "ut16": "the UT transform's 16-bit outputs (float32 is used)",
+                "keyfactor": "KDA's factor reads (its roles are formed)",
                 "decode": "the feature decode kernel (MLX ops are used for the step)",
                 "features": "the feature product kernels (φ is formed in memory)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
