@@ -521,16 +521,8 @@ def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=No
     operand of the pairs, which the caller scaled by uf and bf): returns (dr, dx, this pass's part of duf [.., n, C,
     1], dl)."""
     if uf is not None:
-        import mlx.core as mx
-
-        (C, K), N = r.shape[-2:], _lead(r, 2)
-        flat = lambda x: x.reshape(N, C, K)  # noqa: E731
-        user = ([flat(r), flat(u), uf.reshape(N, C), mx.array([bf], dtype=mx.float32), flat(l)]
-                + [flat(x) for x in (dRX, dUX, dBX, DRP, DUQ, DR)]
-                + [dg.reshape(N, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-        types = (_dtype_name(r.dtype), _dtype_name(u.dtype))
-        dr, dx, dfp, dl = _call(t, bwd_key_launch(t.dialect, N, C, K, types, uf=True), user)
-        return dr.reshape(r.shape), dx.reshape(u.shape), dfp.sum(1).reshape(uf.shape), dl.reshape(l.shape)
+        dr, dx, dfp, dl = _key_tail((r, u), l, (dRX, dUX, dBX, DRP, DUQ, DR), dg, t, rs, factors=(uf, bf))
+        return dr, dx, dfp.sum(-2).reshape(uf.shape), dl
     delta = bt is not None
     roles = (r, u, bt) if delta else (r, u)
     grads = (dRX, dUX, dBX, DRP, DUQ, DR) if delta else (dRX, dUX, DRP, DUQ)
@@ -538,18 +530,23 @@ def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=No
     return outs[0], outs[1], (outs[2] if delta else None), outs[-1]
 
 
-def _key_tail(roles, l, grads, dg, t: Tuning, rs=None, before: bool | None = None):
+def _key_tail(roles, l, grads, dg, t: Tuning, rs=None, before: bool | None = None, factors: tuple | None = None):
     """The key-decay backward tail kernel on flattened chunks: the roles, the log-decays, the gradients in the
-    kernel's input order, dg, the readout scale ``rs``; ``before`` selects the rank-1 form (``bwd_key_launch``).
-    Returns the roles' gradients in their shapes and types, then dl."""
+    kernel's input order, dg, the readout scale ``rs``; ``before`` selects the rank-1 form (``bwd_key_launch``);
+    ``factors`` = (uf, bf) the factor-read form (roles r and the key x). Returns the roles' gradients in their shapes
+    and types (with ``factors`` then the factor's parts per group of columns [.., n, NG, C]), then dl."""
     import mlx.core as mx
 
     (C, K), N = roles[0].shape[-2:], _lead(roles[0], 2)
     types = tuple(_dtype_name(x.dtype) for x in roles)
-    user = ([x.reshape(N, C, K) for x in (*roles, l, *grads)]
+    given = [x.reshape(N, C, K) for x in roles]
+    if factors is not None:
+        given += [factors[0].reshape(N, C), mx.array([factors[1]], dtype=mx.float32)]
+    user = (given + [x.reshape(N, C, K) for x in (l, *grads)]
             + [dg.reshape(N, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-    outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, before), user)
-    return tuple(o.reshape(x.shape) for o, x in zip(outs, (*roles, l)))
+    outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, before, uf=factors is not None), user)
+    shapes = [x.shape for x in roles] + ([(*l.shape[:-2], -1, C)] if factors is not None else []) + [l.shape]
+    return tuple(o.reshape(shape) for o, shape in zip(outs, shapes))
 
 
 def chunk_bwd_rank1(r, u, a, b, l, dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP, dg, t: Tuning, before: bool):
