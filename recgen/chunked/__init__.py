@@ -230,9 +230,8 @@ def _keyed_input(p, raw, kern, key: bool, C: int, K: int, V: int):
     ρ constant (b = x verbatim), and every kernel that reads u or b̃ fused: the UT transform, the fragment scans, the
     readout and, for a scalar decay, the backward's pass; for a key-vector decay (KDA, with ``key_factor_reads``) the
     pair kernels (which pair x with itself and with r, their columns scaled by f after) and the backward's tail (K a
-    multiple of 32). Then
-    neither role is formed in memory (u = β k in float32 and b̃ = −k were a cast, a strided product and a negation
-    before the kernels, and their cotangents' products after them). Else None."""
+    multiple of 32). Then neither role is formed in memory (u = β k in float32 and b̃ = −k were a cast, a strided
+    product and a negation before the kernels, and their cotangents' products after them). Else None."""
     a = p.analysis
     if not (kern and kern.factor_reads and a.u_factor and a.rho is not None and a.rho.is_Number):
         return None

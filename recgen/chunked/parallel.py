@@ -523,16 +523,7 @@ def _backward_keyed(geo, r, x, f, rho: float, res, dy, dS_end, compose, matrix, 
     after the reverse scan writes dx = f du + ρ db̃ and df = Σ_i du ⊙ x itself."""
     if geo.key:
         return _backward_keyed_key(geo, r, x, f, rho, res, dy, dS_end, compose, matrix, kern, rfac)
-    states, M, Z, Tm, W = res
-    Pr = geo.P if rfac is None else geo.P * rfac
-    F = M.swapaxes(-1, -2) @ dy
-    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (x, f * geo.Q), W, F, ((r, Pr), dy), compose, matrix, kern, states)
-    cp = geo.t.copy_transposes
-    statesT, ZT = tr(states, cp), tr(Z, cp)
-    Delta = Tm.swapaxes(-1, -2) @ dZ
-    dr, dx, df, dl = ck.chunk_bwd(Delta @ ZT, dy @ ZT, r, x, None, Z @ tr(dSn, cp), dy @ statesT, Delta @ statesT,
-                                  geo.l, dg.sum(-1), kern, rfac, uf=f, bf=rho)
-    return dS0, dr, dx, Delta, dl, df
+    return _backward_fused(geo, r, x, None, None, res, dy, dS_end, compose, matrix, kern, rfac, factors=(f, rho))
 
 
 def _backward_keyed_key(geo, r, x, f, rho: float, res, dy, dS_end, compose, matrix, kern, rfac):
@@ -617,23 +608,28 @@ def log_decay_grad(geo, dG, dG_end):
     return mx.cumsum(dG, axis=-2, reverse=True)
 
 
-def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac):
+def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac, factors=None):
     """``_backward`` for a scalar decay where the backward's fragment pass runs (``chunk_kernels.fuses_bwd``): the
     reverse scan reads u and r as the core got them (16-bit where ``role_dtype`` kept them so) with their row
     scales Q and rfac·P (u ⊙ Q and r ⊙ P never formed), and the pass after it (``chunk_kernels.chunk_bwd``) forms
-    the pair gradients through Γ and the elementwise tail; MLX keeps the products over V."""
+    the pair gradients through Γ and the elementwise tail; MLX keeps the products over V. ``factors`` = (f, ρ):
+    factor reads (``_backward_keyed``), u a key x read as f ⊙ x (the scan's row scales f ⊙ Q) and b̃ = ρ x, bt None;
+    the gradients of x and f come in place of du and db̃."""
+    delta = bt is not None or factors is not None
+    f, rho = factors or (None, None)
     states, M = res[:2]
-    Z, Tm, W = res[2:] if bt is not None else (w, None, None)
+    Z, Tm, W = res[2:] if delta else (w, None, None)
     (Z,) = _up(geo, Z)
     Pr = geo.P if rfac is None else geo.P * rfac
     F = M.swapaxes(-1, -2) @ dy
-    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (u, geo.Q), W, F, ((r, Pr), dy), compose, matrix, kern, states)
+    Aq = geo.Q if f is None else f * geo.Q
+    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (u, Aq), W, F, ((r, Pr), dy), compose, matrix, kern, states)
     cp = geo.t.copy_transposes
     statesT, ZT = tr(states, cp), tr(Z, cp)
-    Delta = Tm.swapaxes(-1, -2) @ dZ if bt is not None else dZ
-    dMA, dR = (Delta @ ZT, Delta @ statesT) if bt is not None else (None, None)
+    Delta = Tm.swapaxes(-1, -2) @ dZ if delta else dZ
+    dMA, dR = (Delta @ ZT, Delta @ statesT) if delta else (None, None)
     dr, du, dbt, dl = ck.chunk_bwd(dMA, dy @ ZT, r, u, bt, Z @ tr(dSn, cp), dy @ statesT, dR, geo.l, dg.sum(-1), kern,
-                                   rfac)
+                                   rfac, uf=f, bf=rho)
     return dS0, dr, du, Delta, dl, dbt
 
 

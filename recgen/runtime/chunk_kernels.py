@@ -499,7 +499,7 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
     (C, K), N = r.shape[-2:], _lead(r, 2)
     delta = bt is not None or uf is not None
     flat = lambda x: x.reshape(N, C, K)  # noqa: E731
-    roles = (r, u) if uf is not None else (r, u, bt) if delta else (r, u)
+    roles = (r, u, bt) if bt is not None else (r, u)
     types = tuple(_dtype_name(x.dtype) for x in roles)
     factors = [] if uf is None else [uf.reshape(N, C), mx.array([bf], dtype=mx.float32)]
     user = (([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)] + [flat(x) for x in roles] + factors
@@ -507,7 +507,7 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
             + [l.reshape(N, C), DG.reshape(N), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
     outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw, uf=uf is not None), user)
     dr, du = outs[0].reshape(r.shape), outs[1].reshape(u.shape)
-    third = outs[2].reshape(uf.shape) if uf is not None else outs[2].reshape(bt.shape) if delta else None
+    third = outs[2].reshape((bt if uf is None else uf).shape) if delta else None  # db̃, or duf with factor reads
     return dr, du, third, outs[-1].reshape(l.shape)
 
 

@@ -95,6 +95,13 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     import numpy as np
 
     rng = np.random.default_rng(0)
+
+    def ut_expected(b, u, w, G):
+        """The UT transform in float64 at cumulative log-decays G: A = (b uᵀ) ⊙ Γ below the diagonal, and [T, T w,
+        T (b e^G)] with T = (I − A)^{-1}."""
+        A = np.tril((b @ u.swapaxes(-1, -2)) * np.exp(G[:, None] - G[None, :]), -1)
+        T = np.linalg.inv(np.eye(len(G)) - A)
+        return A, [T, T @ w, T @ (b * np.exp(G)[:, None])]
     t = resolve("gpu", dialect, environ={}, chunk_kernels=True, mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor"),
                 mma_pairs=frame == "pairs")
     n, C, K, V = sizes
@@ -157,15 +164,12 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
         elif frame == "ut16":  # the factor-read UT transform writing U and W in bf16 (``Tuning.ut_16bit``)
             got, ref = [], []
             if ck.fuses_ut(t, C, K, V):
-                G = -0.1 * np.arange(1, C + 1)
-                gam = np.tril(np.exp(G[:, None] - G[None, :]))
                 x16 = f32(rng.normal(size=(n, C, K)) / np.sqrt(K)).astype(mx.bfloat16)
                 w16 = f32(rng.normal(size=(n, C, V))).astype(mx.bfloat16)
                 x, w_ = (np.array(a.astype(mx.float32), np.float64) for a in (x16, w16))
                 fx = rng.uniform(size=(n, C, 1))
-                T = np.linalg.inv(np.eye(C) - np.tril((-x @ (fx * x).swapaxes(-1, -2)) * gam, -1))
                 got = list(ck.chunk_ut(None, x16, w16, f32(np.full((n, C, 1), -0.1)), t, f32(fx), -1.0, mx.bfloat16))
-                ref = [T, T @ w_, T @ (-x * np.exp(G)[:, None])]
+                ref = ut_expected(-x, fx * x, w_, -0.1 * np.arange(1, C + 1))[1]
         elif frame == "keyfactor":  # KDA's factor reads (``Tuning.key_factor_reads``), decay e^-0.1 a token
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             got, ref = [], []
@@ -248,10 +252,10 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                 ref += [yref, M, yref.reshape(1, n * C, 1, V)]
                 # and the UT transform (A = (-R Uᵀ / K) ⊙ Γ strictly below the diagonal), where its tiles fit
                 if ck.fuses_ut(t, C, K, V):
-                    A = np.tril(-(R @ U.swapaxes(-1, -2)) / K * gam, -1)
-                    T = np.linalg.inv(np.eye(C) - A)
+                    A, expected = ut_expected(-R / K, U, X[0], G)
+                    T = expected[0]
                     got = [*got, *ck.chunk_ut(f32(-R / K), f32(U), f32(X[0]), f32(np.full((n, C, 1), -0.1)), t)]
-                    ref += [T, T @ X[0], T @ (-R / K * np.exp(G)[:, None])]
+                    ref += expected
                     # and a key-vector decay's: A given, its decays per key element
                     Pk = np.exp(np.cumsum(-0.2 * rng.uniform(size=(n, C, K)), 1))
                     got = [*got, *ck.chunk_ut_key(f32(A), f32(X[0]), f32(-R / K), f32(Pk), t)]
@@ -266,36 +270,34 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     Bt, DG = -U / K, rng.normal(size=n)
                     Ea, Er = dMA * np.tril(gam, -1), dMR * gam
                     P, Q = np.exp(G)[:, None], gam[-1][:, None]
-                    dr, dbt = P * DRP + Er @ U, P * DR + Ea @ U
-                    du = Q * DUQ + Er.swapaxes(-1, -2) @ R + Ea.swapaxes(-1, -2) @ Bt
-                    dG = (R * dr - U * du + Bt * dbt).sum(-1)
-                    dG[:, -1] += (U * Q * DUQ).sum((1, 2)) + P[-1, 0] * DG
+
+                    def bwd_expected(u, b):  # the pass in float64 for roles r = R, u and b̃ = b: (dr, du, db̃, dl)
+                        dr, db = P * DRP + Er @ u, P * DR + Ea @ u
+                        du = Q * DUQ + Er.swapaxes(-1, -2) @ R + Ea.swapaxes(-1, -2) @ b
+                        dG = (R * dr - u * du + b * db).sum(-1)
+                        dG[:, -1] += (u * Q * DUQ).sum((1, 2)) + P[-1, 0] * DG
+                        return [dr, du, db, np.cumsum(dG[:, ::-1], 1)[:, ::-1, None]]
+
                     got = [*got, *ck.chunk_bwd(*(f32(x) for x in (dMA, dMR, R, U, Bt, DUQ, DRP, DR)),
                                                f32(np.full((n, C, 1), -0.1)), f32(DG), t)]
-                    ref += [dr, du, dbt, np.cumsum(dG[:, ::-1], 1)[:, ::-1, None]]
+                    ref += bwd_expected(U, Bt)
                     # and with factor reads: u = f ⊙ x, b̃ = ρ x read from one key x in bf16 (GDN's β k and −k, as
                     # the model passes them: the readout in the model's layout and type)
                     x16 = f32(U / np.sqrt(K)).astype(mx.bfloat16)
                     x, fx, rho = np.array(x16.astype(mx.float32), np.float64), rng.uniform(size=(n, C, 1)), -1.0
                     u_, b_ = fx * x, rho * x
-                    A = np.tril((b_ @ u_.swapaxes(-1, -2)) * gam, -1)
-                    T = np.linalg.inv(np.eye(C) - A)
                     w16 = f32(X[0]).astype(mx.bfloat16)  # v in bf16 too, as the model passes it
                     w_ = np.array(w16.astype(mx.float32), np.float64)
                     got = [*got, *ck.chunk_ut(None, x16, w16, f32(np.full((n, C, 1), -0.1)), t, f32(fx), rho)]
-                    ref += [T, T @ w_, T @ (b_ * np.exp(G)[:, None])]
+                    ref += ut_expected(b_, u_, w_, G)[1]
                     outs = [f32(R), x16, f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1))]
                     got.append(ck.chunk_out(*(v[None, None] for v in outs), t, mx.bfloat16, uf=f32(fx)[None, None])[0])
                     y_ = np.exp(G)[:, None] * (R @ np.stack(ref_c)) + ((R @ u_.swapaxes(-1, -2)) * gam) @ X[0]
                     ref.append(y_.reshape(1, n * C, 1, V))
-                    dr, dbt = P * DRP + Er @ u_, P * DR + Ea @ u_
-                    du = Q * DUQ + Er.swapaxes(-1, -2) @ R + Ea.swapaxes(-1, -2) @ b_
-                    dG = (R * dr - u_ * du + b_ * dbt).sum(-1)
-                    dG[:, -1] += (u_ * Q * DUQ).sum((1, 2)) + P[-1, 0] * DG
+                    dr, du, dbt, dl = bwd_expected(u_, b_)
                     got = [*got, *ck.chunk_bwd(*(f32(v) for v in (dMA, dMR, R)), x16, None, *(f32(v) for v in (DUQ, DRP, DR)),
                                                f32(np.full((n, C, 1), -0.1)), f32(DG), t, uf=f32(fx), bf=rho)]
-                    ref += [dr, fx * du + rho * dbt, (du * x).sum(-1, keepdims=True),
-                            np.cumsum(dG[:, ::-1], 1)[:, ::-1, None]]
+                    ref += [dr, fx * du + rho * dbt, (du * x).sum(-1, keepdims=True), dl]
         mx.eval(got)
     except Exception as e:  # noqa: BLE001 -- any build or launch failure means: do not use this frame
         if "transformation" in str(e):  # MLX: "[eval] Attempting to eval an array during function transformations"
