@@ -63,6 +63,8 @@ class Tuning:
     #                                 ``mma_scan``), a key-vector decay's elementwise tail
     factor_reads: bool = True       # the delta rule's u = f·k and b̃ = ρ k read from k by the fused kernels (scalar
     #                                 decays, all kernels fused), never formed
+    model_rows: bool = False        # ... q, k, v read by those kernels in the model's layout [B, T, heads, D] (whole chunks,
+    #                                 GQA's key heads shared): no layout copies, gradients written so
     ut_16bit: bool = False          # ... the UT transform writing U = T w and W = T (b̃ e^G) in the keys' 16-bit type
     #                                 (the scans convert on load): 0.13 GiB less at GDN's peak, no faster (off)
     key_factor_reads: bool = False  # ... for a key-vector decay (KDA) too: its pairs' scaling by β stays in MLX ops,
@@ -161,6 +163,7 @@ ENVIRONMENT = {
     "RECGEN_PAIR_FOLD": ("pair_fold", _flag),
     "RECGEN_FACTOR_READS": ("factor_reads", _flag),
     "RECGEN_KEY_FACTOR_READS": ("key_factor_reads", _flag),
+    "RECGEN_MODEL_ROWS": ("model_rows", _flag),
     "RECGEN_UT_16BIT": ("ut_16bit", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_16BIT_LOGDECAY": ("logdecay_16bit", _flag),

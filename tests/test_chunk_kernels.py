@@ -362,6 +362,36 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
     assert kinds == want, kinds
 
 
+@pytest.mark.parametrize("name,gqa,in_dtype", [("gated_delta_net", "block", None), ("gated_delta_net", "tiled", "bf16"),
+                                           ("delta_net", "block", None)])
+def test_chunked_core_reads_the_model_layout(name, gqa, in_dtype, monkeypatch):
+    """``Tuning.model_rows``: GDN's and DeltaNet's five fused kernels read q, k, v in the model's layout [B, T, heads,
+    D] (GQA's key heads shared: block and tiled maps, H = 4 over Hk = 2) and the backward's pass writes dq, dk so per
+    value head, summed over groups after it. Whole chunks (T = 48, chunk 16) take that path and a partial last chunk
+    (T = 40) the chunks' layout; both end to end against the float64 reference (forward, final state, every gradient,
+    strong decays; bf16 inputs too)."""
+    pytest.importorskip("mlx.core")
+    import dataclasses
+
+    import mlx.core as mx
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, model_rows=True)
+    rec = dataclasses.replace(specs.BUILTINS[name], gqa=gqa)
+    dtype = mx.bfloat16 if in_dtype else None
+    for T, suffix in ((48, "_ml"), (40, "")):
+        calls.clear()
+        assert_close(compare(rec, T, chunk=16, K=16, V=8, seed=3, tuning=t, in_dtype=dtype),
+                     *((1e-2, 1e-2) if in_dtype else ()))
+        kinds = {c.split("_metal")[0] for c in calls}
+        assert kinds == {f"recgen_chunk_ut_mma_uf{suffix}", f"recgen_chunk_scan_mma_q{suffix}",
+                         f"recgen_chunk_scan_mma_aq_p_pq_dg{suffix}_rev", f"recgen_chunk_out_mma_uf{suffix}_yt",
+                         f"recgen_chunk_bwd_mma_delta_uf{suffix}"}, (T, kinds)
+
+
 @pytest.mark.parametrize("name,K,V,mma,want,extra", [
     ("rwkv7", 32, 6, False, {"recgen_chunk_decays_g_q_q_p", "recgen_chunk_decays_g_pe_q_q_p",
                              "recgen_chunk_pair_quad_nonstrict", "recgen_chunk_pair_grad_quad_nonstrict",

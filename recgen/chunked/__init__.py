@@ -158,18 +158,20 @@ def _as_f(x):
     return x if x.ndim == 4 else x[..., None]
 
 
-def _diag_scan(tun, S, r, u, w, l, C, key: bool, delta_bt=None, out=None, rfac=None, rho=None):
+def _diag_scan(tun, S, r, u, w, l, C, key: bool, delta_bt=None, out=None, rfac=None, rho=None, model_rows=None):
     """The parallel core over a whole stretch [B,H,T,·]: returns (y [B,H,T,V'], S_end), or with ``out`` (a
     dtype) y as [B,T,H,V'] of that type, the model's layout (``parallel.core_fn``). With ``rfac`` (a float) the
     readout role is rfac·r. With ``rho`` (a float: factor reads, ``_keyed_input``) u is a key x and ``delta_bt``
-    the factor f [B,H,T,1] of u = f ⊙ x, b̃ = ρ x."""
-    B, H, T = r.shape[:3]
+    the factor f [B,H,T,1] of u = f ⊙ x, b̃ = ρ x. With ``model_rows`` (GQA's head map: ``_model_inputs``) r, u and
+    w are the model's inputs [B,T,heads,·] as they are."""
+    B, H, T = l.shape[:3]
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
+    keep = (lambda x: x) if model_rows is not None else ch  # noqa: E731
     compose = 2 * C >= r.shape[-1]
-    fn = parallel.core_fn(key, delta_bt is not None, compose, tun, out, rfac, rho)
+    fn = parallel.core_fn(key, delta_bt is not None, compose, tun, out, rfac, rho, model_rows)
     extra = [ch(delta_bt)] if delta_bt is not None else []
-    y, S_end = fn(S, ch(r), ch(u), ch(w), ch(l), *extra)[:2]
+    y, S_end = fn(S, keep(r), keep(u), keep(w), ch(l), *extra)[:2]
     if out is not None:
         return y[:, :T], S_end
     return y.reshape(B, H, n * C, y.shape[-1])[:, :, :T], S_end
@@ -248,6 +250,21 @@ def _keyed_input(p, raw, kern, key: bool, C: int, K: int, V: int):
     return x if fused else None
 
 
+def _model_inputs(kern, p, chunk: dict, x, rfac, native: bool, T: int, C: int):
+    """(r's, x's and w's inputs) as the model passed them, [B, T, HK, K] twice and [B, T, H, V], where the fused
+    kernels read them so (``Tuning.model_rows``): factor reads of the key x, the readout role a constant times a key
+    input (``rfac``), w a value input verbatim, y written as o (``native``) and T a multiple of C (whole chunks:
+    the kernels read no padding). Then q, k and v are never copied to [B, H, T, D], nor GQA's key heads expanded,
+    and their gradients come back in that layout. Else None."""
+    if not (kern and kern.model_rows and x is not None and rfac is not None and native and T % C == 0):
+        return None
+    inputs = {i.symbol: i for i in p.rec.inputs}
+    syms = (p.r_scaled[0], x, dict(p.bare_roles).get("w"))
+    if tuple(inputs[s].kind if s in inputs else None for s in syms) != ("key", "key", "value"):
+        return None
+    return tuple(chunk[inputs[s].name] for s in syms)
+
+
 def _y_is_o(t, has_z: bool, y0) -> bool:
     """Whether the core's y is the output o itself (no normalizer, skip or bonus term, no pre-update shift), so a
     core whose readout kernel writes the model's layout and type may return o directly."""
@@ -259,7 +276,8 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     normalizer or skip term the core writes o in its layout and type (``out_dtype``) itself."""
     z = rest[0] if has_z else None
     raw = {}
-    T, t = _roles(tun, p, names, scale, sizes, S, rest[1:] if has_z else rest, raw)
+    arrays = rest[1:] if has_z else rest
+    T, t = _roles(tun, p, names, scale, sizes, S, arrays, raw)
     V, key = sizes.V, p.decay_class == "key"
     nz = None
     if p.fuse_z:  # z rides along as the extra value column of S (same decay and update)
@@ -284,7 +302,11 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
             bt = None if bt is None else _role_as(p, "b", bt, raw, pick, out_dtype, p.rho_pow2)
         r, rfac = _readout_role(p, r, raw, pick, kern if y0 is None else None, scale)  # shifted r: no raw input
         native = _y_is_o(t, has_z, y0)
-        y, S = _diag_scan(tun, S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None, rfac, rho)
+        model = _model_inputs(kern, p, dict(zip(names, arrays)), x, rfac, native, T, C)
+        if model is not None:  # the same types as the row-major roles above, in the model's layout
+            r, u, w = (a.astype(b.dtype) for a, b in zip(model, (r, u, w)))
+        y, S = _diag_scan(tun, S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None, rfac, rho,
+                          p.rec.gqa if model is not None else None)
         if native:
             return y, S
         y = _pre_unshift(y, y0)

@@ -352,7 +352,7 @@ def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None):
     return states, Z, S[..., 0, :, :]
 
 
-def scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=None, states=None):
+def scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=None, states=None, ml=None):
     """Reverse scan over chunks: dS_{c+1} for every chunk c [.., n, K, V], dZ [.., n, C, V] and
     dS_0, from dZ_c = F_c + (u ⊙ Q)_c dS_{c+1} and dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ dZ_c.
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after.
@@ -363,9 +363,10 @@ def scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=No
     With ``states`` (the forward's [.., n, K, V]) a fourth result: dg = Σ_j dS_{c+1} ⊙ S_c [.., n, K],
     formed inside the generated scan where it fuses products.
     ``uQ`` and E's first factor may come as (x, row scales) pairs (u, Q) and (r, P): the generated scan applies
-    the scales as it reads x, where it can; elsewhere they are multiplied out as the factors are."""
+    the scales as it reads x, where it can; elsewhere they are multiplied out as the factors are. ``ml``: those x
+    are the model's key inputs (``chunk_kernels.chunk_scan``)."""
     uQ, Aq = uQ if isinstance(uQ, tuple) else (uQ, None)
-    C, K = uQ.shape[-2:]
+    C, K = F.shape[-2], dS_end.shape[-2]
     generated = kern and ck.scan_supported(kern, C, K)  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
     P, Pq = None, None
     if isinstance(E, tuple):
@@ -375,7 +376,7 @@ def scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=No
         else:
             E, Pq = _rows(Pa, Pq).swapaxes(-1, -2) @ Pb, None
     if generated:
-        return ck.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True, P=P, St=states, Aq=Aq, Pq=Pq)
+        return ck.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True, P=P, St=states, Aq=Aq, Pq=Pq, ml=ml)
     out = _scan_backward_ops(geo, dS_end, _rows(uQ, Aq), W, F, E, compose, matrix)
     return out if states is None else out + ((out[0] * states).sum(-1),)
 
@@ -446,6 +447,17 @@ def model_layout(y, out):
     return y.transpose(0, 2, 3, 1, 4).reshape(B, n * C, H, V).astype(out)
 
 
+def group_heads(g, HK: int, gqa: str):
+    """A gradient per value head [B, T, H, K] summed over GQA's groups to HK key heads (``terms.expand_heads``'s
+    adjoint: value head h reads key head h // (H / HK) for "block", h % HK for "tile")."""
+    B, T, H, K = g.shape
+    if H == HK:
+        return g
+    if gqa == "block":
+        return g.reshape(B, T, HK, H // HK, K).sum(3)
+    return g.reshape(B, T, H // HK, HK, K).sum(2)
+
+
 def core_layout(y, n: int, C: int, dtype):
     """``model_layout``'s inverse: [B, n C, H, V] -> [B, H, n, C, V] of ``dtype``, row-major. MLX's cast of the
     transposed view would keep its strides, and then every product and kernel that reads it (three GEMMs and the
@@ -490,16 +502,17 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
     return y, S_end, (states, M) + ((Z, Tm, W) if bt is not None else ())
 
 
-def _forward_keyed(geo, S0, r, x, w, f, rho: float, kern, out=None, rfac=None):
+def _forward_keyed(geo, S0, r, x, w, f, rho: float, kern, out=None, rfac=None, ml=None):
     """``_forward`` of the delta rule with factor reads (``core_fn``'s ``rho``): u = f ⊙ x and b̃ = ρ x for a key x,
     a factor per token f [.., C, 1] and a constant ρ, read so by every fused kernel (the UT transform, both scans
-    through their row scales, the readout) and never formed."""
+    through their row scales, the readout) and never formed. ``ml``: r, x and w are the model's inputs as they are
+    (``core_fn``'s ``model_rows``)."""
     if geo.key:
         return _forward_keyed_key(geo, S0, r, x, w, f, rho, kern, out, rfac)
     o16 = x.dtype if kern.ut_16bit and x.dtype in (mx.bfloat16, mx.float16) else None  # U, W in the keys' type
-    Tm, U, W = ck.chunk_ut(None, x, w, geo.l, kern, uf=f, bf=rho, out=o16)
-    states, Z, S_end = ck.chunk_scan(S0, W, U, x, geo.g, None, kern, reverse=False, Bq=f * geo.Q)
-    y, M = ck.chunk_out(r, x, Z, states, geo.l, kern, out, rfac, uf=f)
+    Tm, U, W = ck.chunk_ut(None, x, w, geo.l, kern, uf=f, bf=rho, out=o16, ml=ml)
+    states, Z, S_end = ck.chunk_scan(S0, W, U, x, geo.g, None, kern, reverse=False, Bq=f * geo.Q, ml=ml)
+    y, M = ck.chunk_out(r, x, Z, states, geo.l, kern, out, rfac, uf=f, ml=ml)
     return y, S_end, (states, M, Z, Tm, W)
 
 
@@ -518,12 +531,13 @@ def _forward_keyed_key(geo, S0, r, x, w, f, rho: float, kern, out=None, rfac=Non
     return y, S_end, (states, Mx, Z, Tm, W, Ax)
 
 
-def _backward_keyed(geo, r, x, f, rho: float, res, dy, dS_end, compose, matrix, kern, rfac):
+def _backward_keyed(geo, r, x, f, rho: float, res, dy, dS_end, compose, matrix, kern, rfac, ml=None):
     """``_backward_fused`` with factor reads (``_forward_keyed``): the gradients (dS0, dr, dx, dw, dl, df); the pass
     after the reverse scan writes dx = f du + ρ db̃ and df = Σ_i du ⊙ x itself."""
     if geo.key:
         return _backward_keyed_key(geo, r, x, f, rho, res, dy, dS_end, compose, matrix, kern, rfac)
-    return _backward_fused(geo, r, x, None, None, res, dy, dS_end, compose, matrix, kern, rfac, factors=(f, rho))
+    return _backward_fused(geo, r, x, None, None, res, dy, dS_end, compose, matrix, kern, rfac, factors=(f, rho),
+                           ml=ml)
 
 
 def _backward_keyed_key(geo, r, x, f, rho: float, res, dy, dS_end, compose, matrix, kern, rfac):
@@ -608,13 +622,14 @@ def log_decay_grad(geo, dG, dG_end):
     return mx.cumsum(dG, axis=-2, reverse=True)
 
 
-def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac, factors=None):
+def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac, factors=None, ml=None):
     """``_backward`` for a scalar decay where the backward's fragment pass runs (``chunk_kernels.fuses_bwd``): the
     reverse scan reads u and r as the core got them (16-bit where ``role_dtype`` kept them so) with their row
     scales Q and rfac·P (u ⊙ Q and r ⊙ P never formed), and the pass after it (``chunk_kernels.chunk_bwd``) forms
     the pair gradients through Γ and the elementwise tail; MLX keeps the products over V. ``factors`` = (f, ρ):
     factor reads (``_backward_keyed``), u a key x read as f ⊙ x (the scan's row scales f ⊙ Q) and b̃ = ρ x, bt None;
-    the gradients of x and f come in place of du and db̃."""
+    the gradients of x and f come in place of du and db̃; ``ml``: r and x the model's key inputs, dr and dx per value
+    head in the model's layout (``chunk_kernels.chunk_bwd``)."""
     delta = bt is not None or factors is not None
     f, rho = factors or (None, None)
     states, M = res[:2]
@@ -623,13 +638,13 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
     Pr = geo.P if rfac is None else geo.P * rfac
     F = M.swapaxes(-1, -2) @ dy
     Aq = geo.Q if f is None else f * geo.Q
-    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (u, Aq), W, F, ((r, Pr), dy), compose, matrix, kern, states)
+    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (u, Aq), W, F, ((r, Pr), dy), compose, matrix, kern, states, ml)
     cp = geo.t.copy_transposes
     statesT, ZT = tr(states, cp), tr(Z, cp)
     Delta = Tm.swapaxes(-1, -2) @ dZ if delta else dZ
     dMA, dR = (Delta @ ZT, Delta @ statesT) if delta else (None, None)
     dr, du, dbt, dl = ck.chunk_bwd(dMA, dy @ ZT, r, u, bt, Z @ tr(dSn, cp), dy @ statesT, dR, geo.l, dg.sum(-1), kern,
-                                   rfac, uf=f, bf=rho)
+                                   rfac, uf=f, bf=rho, ml=ml)
     return dS0, dr, du, Delta, dl, dbt
 
 
@@ -652,7 +667,7 @@ def decay_geometry(key: bool, kern: Tuning | None, before: bool = False, pq: boo
 
 @lru_cache(maxsize=128)
 def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: float | None = None,
-            rho: float | None = None):
+            rho: float | None = None, model_rows: str | None = None):
     """The chunked core as an ``mx.custom_function`` with the hand-derived VJP above.
 
     Arguments (all chunked, [..., n, C, F]): S0 [..., K, V], r, u [.., C, K], w [.., C, V],
@@ -661,7 +676,10 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
     model's layout [B, n C, H, V] (leading axes then B, H; its cotangent arrives so too); ``rfac``: None, or a
     constant c for the readout role c·r (given r; ``chunked._readout_role``); ``rho``: None, or the delta rule's
     constant ρ with factor reads (a scalar decay on the fused kernels, ``chunked._keyed_input``): u is then a key x,
-    the last argument is the factor f [.., C, 1] of u = f ⊙ x, b̃ = ρ x, and the gradients are those of x and f.
+    the last argument is the factor f [.., C, 1] of u = f ⊙ x, b̃ = ρ x, and the gradients are those of x and f;
+    ``model_rows`` (with ``rho`` and ``out``): None, or GQA's head map ("block" or "tile") where r, x and w are the
+    model's inputs as they are, [B, n C, HK, K] (r, x) and [B, n C, H, V] (w), read so by the kernels (no layout
+    copies; the key heads shared, not expanded), their gradients returned so (dr, dx summed over GQA's groups).
     Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru, with b̃
     Z, T, W, and a key-vector decay's hierarchy) are for the VJP only and take no cotangent."""
     matrix, compile, inv_base = t.gpu_forms, t.compile, t.inverse_base
@@ -676,10 +694,14 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
             return None
         return {"uQ": (u, "Q")} | ({"rP": (r, "P")} if backward and rfac is None else {})
 
+    def ml(r, l):
+        """The kernels' model-layout constants (H, HK, NCH, GB) of r [B, n C, HK, K] and l [B, H, n, C, 1]."""
+        return None if model_rows is None else (l.shape[1], r.shape[2], l.shape[2], model_rows == "block")
+
     def fwd(S0, r, u, w, l, bt=None):
         geo = Geo(l, t, scaled=scaled(r, u, False))
         if rho is not None:
-            y, S_end, res = _forward_keyed(geo, S0, r, u, w, bt, rho, kern, out, rfac)
+            y, S_end, res = _forward_keyed(geo, S0, r, u, w, bt, rho, kern, out, rfac, ml(r, l))
         else:
             y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base, kern, out, rfac)
         return (y, S_end) + res + tuple(geo.saved())
@@ -690,12 +712,16 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         k = 6 if delta else 5
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
         if out is not None:
-            dy = core_layout(dy, *r.shape[-3:-1], l.dtype)
+            dy = core_layout(dy, *l.shape[-3:-1], l.dtype)
         geo = Geo(l, t, geo_saved, scaled(r, u, True))
         if rho is not None:
-            dS0, dr, du, dw, dl, dbt = _backward_keyed(geo, r, u, bt, rho, res, dy, dS_end, compose, matrix, kern, rfac)
+            dS0, dr, du, dw, dl, dbt = _backward_keyed(geo, r, u, bt, rho, res, dy, dS_end, compose, matrix, kern, rfac,
+                                                       ml(r, l))
         else:
             dS0, dr, du, dw, dl, dbt = _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac)
+        if model_rows is not None:  # dr, dx per value head [B, n C, H, K]; Δ (dw) [B, H, n, C, V] as w's layout
+            dr, du = (group_heads(g, r.shape[2], model_rows) for g in (dr, du))
+            dw = model_layout(dw, w.dtype)
         grads = (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
         return tuple(g.astype(x.dtype) for g, x in zip(grads, a))  # a 16-bit role (``role_dtype``) takes its own type
 

@@ -56,8 +56,9 @@ class ScanVariant:
     backward's decay gradient, never formed); ``q``: B's rows scaled as read (the forward's u ⊙ Q); ``aq``, ``pq``:
     A's and Pa's rows scaled as read (the backward's u ⊙ Q and r ⊙ P); ``pf``: each group's fragments of A and X
     loaded a chunk ahead (needs one item of Y a group: ``scan_prefetches``); ``reverse``: over the chunks in
-    reverse; ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0); ``mma``: the fragment frame. p, dg, q, aq,
-    pq and pf exist on the fragment frame only."""
+    reverse; ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0); ``mma``: the fragment frame; ``ml``: the
+    row-scaled operands (those of q, aq, pq: roles read from the model's key inputs) read in the model's layout
+    [B, n C, HK, K] (template constants H, HK, GB). p, dg, q, aq, pq, pf and ml exist on the fragment frame only."""
 
     a: bool = True
     b: bool = True
@@ -71,6 +72,7 @@ class ScanVariant:
     pf: bool = False
     vec: bool = False
     mma: bool = False
+    ml: bool = False
 
     def __post_init__(self):
         if not (self.a or self.b):
@@ -81,8 +83,12 @@ class ScanVariant:
             raise ValueError("chunk_scan: row scales Aq and prefetching need an A term")
         if self.pq and not self.p:
             raise ValueError("chunk_scan: row scales Pq need a P term")
-        if (self.p or self.dg or self.q or self.aq or self.pf) and not self.mma:
-            raise ValueError("chunk_scan: P, dg, Bq, Aq terms and prefetching need the fragment frame")
+        if (self.p or self.dg or self.q or self.aq or self.pf or self.ml) and not self.mma:
+            raise ValueError("chunk_scan: P, dg, Bq, Aq terms, prefetching and the model's layout need the fragment frame")
+        if self.ml and not (self.q or self.aq or self.pq):
+            raise ValueError("chunk_scan: the model's layout (ml) is the row-scaled operands': needs Bq, Aq or Pq")
+        if self.ml and self.pf:
+            raise ValueError("chunk_scan: prefetching reads A in the chunks' layout")
 
     @property
     def kind(self) -> str:
@@ -90,7 +96,8 @@ class ScanVariant:
         return (("scan_mma" if self.mma else "scan") + ("" if self.a else "_noa") + ("" if self.b else "_nob")
                 + ("_q" if self.q else "") + ("_aq" if self.aq else "") + ("_e" if self.e else "")
                 + ("_p" if self.p else "") + ("_pq" if self.pq else "") + ("_pf" if self.pf else "")
-                + ("_dg" if self.dg else "") + ("_rev" if self.reverse else "") + ("_v4" if self.vec else ""))
+                + ("_dg" if self.dg else "") + ("_ml" if self.ml else "") + ("_rev" if self.reverse else "")
+                + ("_v4" if self.vec else ""))
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -121,7 +128,7 @@ def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
     if v.mma:
         return _source(d, "chunk_scan_mma.j2", v.kind, "chunk scan of the chunked core, fragment multiply-adds",
                        v.inputs, v.outputs, (), helpers=d.mma_prelude, has_p=v.p, has_dg=v.dg, has_q=v.q,
-                       has_aq=v.aq, has_pq=v.pq, pf=v.pf, **flags)
+                       has_aq=v.aq, has_pq=v.pq, pf=v.pf, ml=v.ml, **flags)
     return _source(d, "chunk_scan.j2", v.kind, "chunk scan of the chunked core", v.inputs, v.outputs, (),
                    vec=v.vec, **flags)
 
@@ -149,11 +156,15 @@ def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bo
 
 
 @lru_cache(maxsize=None)
-def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool = False, uf: bool = False) -> KernelSource:
+def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool = False, uf: bool = False,
+                   ml: bool = False) -> KernelSource:
     """``yt``: y written in the model's layout [B, T, H, V] and its type (template constants H, NCH, OT); ``key``: a
     key-vector decay's readout, M given (from the pair kernels) and P per key element, y the only output; ``m2``
     (with ``key``): the general rank-1 core's, R given scaled by its decays and a second pair M2 with values Z2;
-    ``uf`` (a scalar decay's): U is a key x read with a factor per token Uf, u = Uf ⊙ x (never formed)."""
+    ``uf`` (a scalar decay's): U is a key x read with a factor per token Uf, u = Uf ⊙ x (never formed); ``ml`` (with
+    ``uf`` and ``yt``): R and U read in the model's layout [B, T, HK, K] (template constants HK, GB)."""
+    if ml and not (uf and yt):
+        raise ValueError("chunk_out_mma: the model's layout (ml) is the factor-read form's, writing y so (uf, yt)")
     if m2 and not key:
         raise ValueError("chunk_out_mma: a second pair (m2) is the key-vector decay form's")
     if uf and key:
@@ -161,17 +172,22 @@ def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool =
     d = get(dialect)
     ins = (("R", "Mi", "Z", "St", "M2", "Z2", "Rs") if m2 else ("R", "Mi", "Z", "St", "Pk", "Rs")) if key else \
         (("R", "U", "Uf") if uf else ("R", "U")) + ("Z", "St", "logd", "Rs")
-    kind = "out_mma" + ("_key" if key else "") + ("_m2" if m2 else "") + ("_uf" if uf else "") + ("_yt" if yt else "")
+    kind = ("out_mma" + ("_key" if key else "") + ("_m2" if m2 else "") + ("_uf" if uf else "") + ("_ml" if ml else "")
+            + ("_yt" if yt else ""))
     return _source(d, "chunk_out_mma.j2", kind, "chunk readout of the chunked core, fragment multiply-adds", ins,
-                   ("Y",) if key else ("Y", "M"), (), helpers=d.mma_prelude, yt=yt, key=key, m2=m2, uf=uf)
+                   ("Y",) if key else ("Y", "M"), (), helpers=d.mma_prelude, yt=yt, key=key, m2=m2, uf=uf, ml=ml)
 
 
 @lru_cache(maxsize=None)
-def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = False, o16: bool = False) -> KernelSource:
+def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = False, o16: bool = False,
+                  ml: bool = False) -> KernelSource:
     """``key``: a key-vector decay's UT transform, A given (from the pair kernels) and P per key element; ``tb``
     (with ``key``): the general rank-1 core's, Uw = Tm (B w) from B given (``chunked.rank1``); ``uf``: both roles
     read from one key x, u = Uf ⊙ x with a factor per token and b̃ = Bf[0] x (with ``key``, A given: Bt is x, read
-    with Bf[0]); ``o16`` (with ``uf``, a scalar decay's): Uw and Wb written in type OT (template constant)."""
+    with Bf[0]); ``o16`` (with ``uf``, a scalar decay's): Uw and Wb written in type OT (template constant); ``ml``
+    (with ``uf``, a scalar decay's): x and W read in the model's layout (template constants H, HK, NCH, GB)."""
+    if ml and (key or not uf):
+        raise ValueError("chunk_ut_mma: the model's layout (ml) is the scalar decay's factor-read form's")
     if o16 and (key or not uf):
         raise ValueError("chunk_ut_mma: 16-bit outputs (o16) are the scalar decay's factor-read form's")
     if tb and not key:
@@ -181,25 +197,30 @@ def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = 
     d = get(dialect)
     ins = (("Ai", "Bm", "W", "Bt", "Pk") if tb else ("Ai", "W", "Bt", "Pk") + (("Bf",) if uf else ())) if key else \
         (("U", "Uf", "Bf", "W", "logd") if uf else ("Bt", "U", "W", "logd"))
-    kind = "ut_mma" + ("_key" if key else "") + ("_tb" if tb else "") + ("_uf" if uf else "") + ("_o16" if o16 else "")
+    kind = ("ut_mma" + ("_key" if key else "") + ("_tb" if tb else "") + ("_uf" if uf else "") + ("_o16" if o16 else "")
+            + ("_ml" if ml else ""))
     return _source(d, "chunk_ut_mma.j2", kind, "UT transform of the chunked core's delta rule, fragment multiply-adds",
-                   ins, ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude, key=key, tb=tb, uf=uf, o16=o16)
+                   ins, ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude, key=key, tb=tb, uf=uf, o16=o16, ml=ml)
 
 
 @lru_cache(maxsize=None)
-def bwd_mma_source(dialect: str, delta: bool, uf: bool = False) -> KernelSource:
+def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False) -> KernelSource:
     """The backward pass after the reverse scan (``chunk_bwd_mma.j2``); ``delta``: with the delta rule's b̃ terms;
-    ``uf`` (with ``delta``): u = Uf ⊙ x and b̃ = Bf[0] x read from one key x, and the gradients of x and Uf written."""
+    ``uf`` (with ``delta``): u = Uf ⊙ x and b̃ = Bf[0] x read from one key x, and the gradients of x and Uf written;
+    ``ml`` (with ``uf``): R and x read in the model's layout [B, T, HK, K], dR and dX written in it per value head
+    [B, T, H, K] (template constants H, HK, NCH, GB)."""
     if uf and not delta:
         raise ValueError("chunk_bwd_mma: factor reads (uf) are the delta rule's form")
+    if ml and not uf:
+        raise ValueError("chunk_bwd_mma: the model's layout (ml) is the factor-read form's")
     d = get(dialect)
     roles = ("U", "Uf", "Bf") if uf else ("U", "Bt") if delta else ("U",)
     ins = (("dMA", "dMR") if delta else ("dMR",)) + ("R",) + roles + (("DUQ", "DRP", "DR") if delta else ("DUQ", "DRP")) \
         + ("logd", "DG", "Rs")
     outs = ("dRo", "dXo", "dFo", "dl") if uf else ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
-    return _source(d, "chunk_bwd_mma.j2", "bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else ""),
-                   "backward of the chunked core after its reverse scan, fragment multiply-adds", ins, outs, (),
-                   helpers=d.mma_prelude, delta=delta, uf=uf)
+    return _source(d, "chunk_bwd_mma.j2", "bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else "")
+                   + ("_ml" if ml else ""), "backward of the chunked core after its reverse scan, fragment multiply-adds",
+                   ins, outs, (), helpers=d.mma_prelude, delta=delta, uf=uf, ml=ml)
 
 
 @lru_cache(maxsize=None)

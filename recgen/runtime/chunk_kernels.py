@@ -105,11 +105,20 @@ def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, v: ScanVariant, dgp_c
     return outs + ((((BH, n, dgp_cols, K), "float32"),) if v.dg else ())
 
 
+def _model_consts(ml: tuple | None, names=("H", "HK", "NCH", "GB")) -> tuple:
+    """A kernel's template constants of the model's layout (``ml`` = (H, HK, NCH, GB): value heads, key heads, chunks
+    a sequence, GQA's block map), those named; () without it."""
+    return () if ml is None else tuple((k, v) for k, v in zip(("H", "HK", "NCH", "GB"), ml) if k in names)
+
+
 @lru_cache(maxsize=256)
 def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V: int, F: int,
-                most_bv: int = 32, most_nw: int = MMA_NW) -> Launch:
+                most_bv: int = 32, most_nw: int = MMA_NW, ml: tuple | None = None) -> Launch:
     """The scan of variant ``v`` over BH (batch, head) pairs of n chunks: the fragment frame where ``v.mma``
-    (``most_bv``: its widest column tile, ``most_nw``: its most SIMD groups), else the FMA frame."""
+    (``most_bv``: its widest column tile, ``most_nw``: its most SIMD groups), else the FMA frame; ``ml`` (with
+    ``v.ml``): (H, HK, NCH, GB), see ``_model_consts``."""
+    if v.ml != (ml is not None):
+        raise ValueError("chunk_scan_mma: the model's layout (ml) needs its constants (H, HK, NCH, GB), and only it")
     src = scan_source(dialect, v)
     if v.mma:
         lay = scan_mma_layout(C, K, V, most_bv, most_nw)
@@ -118,7 +127,7 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
         if v.pf and not scan_prefetches(C, K, V, most_bv, most_nw):
             raise ValueError(f"chunk_scan_mma: prefetching needs one item of Y a group, not so at C={C}, K={K}, V={V}")
         nt = 32 * lay["NW"]
-        tmpl = (("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items())
+        tmpl = (("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items()) + _model_consts(ml, ("H", "HK", "GB"))
         return Launch(src, (("rt", (n,), "int32"),), _scan_outputs(BH, n, C, K, V, v, V // lay["BV"]),
                       (V // lay["BV"] * nt, BH, 1), (nt, 1, 1), tmpl)
     lay = scan_layout(dialect, C, K)
@@ -129,10 +138,13 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
 
 @lru_cache(maxsize=256)
 def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | None = None, most_bv: int = 128,
-                   key: bool = False, m2: bool = False, uf: bool = False) -> Launch:
+                   key: bool = False, m2: bool = False, uf: bool = False, ml: tuple | None = None) -> Launch:
     """``yt`` = (H, n, dtype name): y as [N / (H n), n C, H, V] of that type (N = B H n chunks), else [N, C, V] float32;
     ``key``: a key-vector decay's readout (M given: y is the only output); ``m2``: the general rank-1 core's
-    (``chunk_out_rank1``); ``uf``: u read as a key times a factor per token."""
+    (``chunk_out_rank1``); ``uf``: u read as a key times a factor per token; ``ml`` (with ``uf`` and ``yt``, the same H
+    and n): r and the key read in the model's layout, (H, HK, NCH, GB) as ``_model_consts``."""
+    if ml is not None and (yt is None or (ml[0], ml[2]) != tuple(yt[:2])):
+        raise ValueError(f"chunk_out_mma: the model's layout {ml} needs y written in it, of the same H and n ({yt})")
     lay = out_mma_layout(dialect, C, K, V, most_bv)
     if lay is None:
         raise ValueError(f"chunk_out_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8")
@@ -140,44 +152,51 @@ def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | Non
     y = ((N, C, V), "float32")
     if yt is not None:
         H, n, dt = yt
-        tmpl += (("H", H), ("NCH", n), ("OT", dt))
+        tmpl += (("H", H), ("NCH", n), ("OT", dt)) + _model_consts(ml, ("HK", "GB"))
         y = ((N // (H * n), n * C, H, V), dt)
     nt = 2 * C  # C / 16 SIMD groups of 32
-    return Launch(out_mma_source(dialect, yt is not None, key, m2, uf), (), (y,) if key else (y, ((N, C, C), "float32")),
+    return Launch(out_mma_source(dialect, yt is not None, key, m2, uf, ml is not None), (),
+                  (y,) if key else (y, ((N, C, C), "float32")),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
 def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 128, key: bool = False,
-                  tb: bool = False, uf: bool = False, ot: str | None = None) -> Launch:
+                  tb: bool = False, uf: bool = False, ot: str | None = None, ml: tuple | None = None) -> Launch:
     """``key``: a key-vector decay's UT transform (A given); ``tb``: and B given, Uw = Tm (B w) (``chunk_ut_key``);
     ``uf``: both roles read from one key with their factors (``chunk_ut``'s ``uf``); ``ot`` (with ``uf``): the dtype
-    name Uw and Wb are written in (a 16-bit one), else float32."""
+    name Uw and Wb are written in (a 16-bit one), else float32; ``ml`` (with ``uf``): the key and w read in the model's
+    layout, (H, HK, NCH, GB) as ``_model_consts``."""
     lay = ut_mma_layout(dialect, C, K, V, most_bw)
     if lay is None:
         raise ValueError(f"chunk_ut_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8, "
                          f"and the tiles must fit {dialect}'s threadgroup memory")
     if tb:  # Tm B's columns a pass: a multiple of 8 dividing C, within the staging rows of BW columns
         lay = dict(lay, BC=8 * math.gcd(C // 8, lay["BW"] // 8))
-    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + ((("OT", ot),) if ot else ())
+    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + ((("OT", ot),) if ot else ()) + _model_consts(ml)
     outs = (((N, C, C), "float32"), ((N, C, V), ot or "float32"), ((N, C, K), ot or "float32"))
-    return Launch(ut_mma_source(dialect, key, tb, uf, ot is not None), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1),
-                  tmpl)
+    return Launch(ut_mma_source(dialect, key, tb, uf, ot is not None, ml is not None), (), outs, (N * 2 * C, 1, 1),
+                  (2 * C, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
-def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: int = 32, uf: bool = False) -> Launch:
+def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: int = 32, uf: bool = False,
+                   ml: tuple | None = None) -> Launch:
     """N chunks, one threadgroup each; ``types``: the dtype names of R, U (and b̃: the delta rule's form), which the
     gradients dR, dU (dBt) are written in; ``uf`` (the delta rule's, ``types`` those of R and the key x): u and b̃
-    read from x with their factors, the gradients written dR, dX and dF (of the factor, [N, C] float32)."""
+    read from x with their factors, the gradients written dR, dX and dF (of the factor, [N, C] float32); ``ml`` (with
+    ``uf``): r and x read in the model's layout and dR, dX written in it per value head [N / (H NCH), NCH C, H, K],
+    (H, HK, NCH, GB) as ``_model_consts``."""
     delta = len(types) == 3 or uf
     lay = bwd_mma_layout(dialect, C, K, delta, most_bw)
     if lay is None:
         raise ValueError(f"chunk_bwd_mma: C={C} must be 16, 32 or 64 and K={K} a multiple of 8, "
                          f"and the tiles must fit {dialect}'s threadgroup memory")
-    tmpl = (("C", C), ("K", K)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "BT"), types))
-    outs = tuple(((N, C, K), dt) for dt in types) + (((N, C), "float32"),) * (2 if uf else 1)
-    return Launch(bwd_mma_source(dialect, delta, uf), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
+    tmpl = (("C", C), ("K", K)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "BT"), types)) + _model_consts(ml)
+    rows = (N, C, K) if ml is None else (N // (ml[0] * ml[2]), ml[2] * C, ml[0], K)
+    outs = tuple((rows, dt) for dt in types) + (((N, C), "float32"),) * (2 if uf else 1)
+    return Launch(bwd_mma_source(dialect, delta, uf, ml is not None), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1),
+                  tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -352,7 +371,7 @@ def tril_inverse(L, t: Tuning):
     return T.reshape(L.shape)
 
 
-def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq=None, Aq=None, Pq=None):
+def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq=None, Aq=None, Pq=None, ml=None):
     """carried_c = S,  Y_c = X_c + A_c S,  S ← g_c ⊙ S + B_cᵀ Y_c (+ E_c) over [..., n, ·, ·] operands (leading
     axes flattened to one (b, h) axis), in order or in reverse.
     S0 [.., K, V], A (None: Y = X) and Bm (None: no B term) [.., n, C, K], X [.., n, C, V], g [.., n, F] (F = 1 or K),
@@ -363,13 +382,17 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     otherwise). ``Aq``, ``Pq``: None or row scales [.., n, C, 1] of A and of Pa, applied as read on the fragment
     frame (A and Pa may then be 16-bit), by MLX first otherwise.
     Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32, and with
-    ``St`` [.., n, K, V] also dg = Σ_j carried ⊙ St [.., n, K] (in the kernel where it fuses products)."""
+    ``St`` [.., n, K, V] also dg = Σ_j carried ⊙ St [.., n, K] (in the kernel where it fuses products).
+    ``ml`` = (H, HK, NCH, GB) (``_model_consts``): the row-scaled operands (A with Aq, Bm with Bq, Pa with Pq) are
+    the model's key inputs [B, n C, HK, K] as they are, read so by the fragment frame (which must run)."""
     lead = S0.shape[:-2]
     K, V = S0.shape[-2:]
     n, C = X.shape[-3], X.shape[-2]
     F = g.shape[-1]
     BH = _lead(S0, 2)
     fuse = scan_fuses_products(t, C, K, V, Bm is not None)
+    if ml is not None and not (fuse or (Bm is None and P is None and use_mma(t, C, K, V))):
+        raise ValueError("chunk_scan: the model's layout (ml) needs the fragment frame fusing its products")
     if Bq is not None and not fuse:
         Bm, Bq = Bq * Bm, None
     if Aq is not None and not use_mma(t, C, K, V):
@@ -381,10 +404,12 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
         E, P = (Pe if E is None else E + Pe), None
     dg_here = St is not None and fuse
     flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
-    user = ([flat(S0, K, V)] + ([flat(A, n, C, K)] if A is not None else []) + ([flat(Aq, n, C)] if Aq is not None else [])
-            + [flat(X, n, C, V)] + ([flat(Bm, n, C, K)] if Bm is not None else [])
+    rows = (lambda x, scaled: x if scaled else flat(x, n, C, K)) if ml is not None else (lambda x, _: flat(x, n, C, K))  # noqa: E731
+    user = ([flat(S0, K, V)] + ([rows(A, Aq is not None)] if A is not None else [])
+            + ([flat(Aq, n, C)] if Aq is not None else [])
+            + [flat(X, n, C, V)] + ([rows(Bm, Bq is not None)] if Bm is not None else [])
             + ([flat(Bq, n, C)] if Bq is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
-            + ([flat(P[0], n, C, K), flat(P[1], n, C, V)] if P is not None else [])
+            + ([rows(P[0], Pq is not None), flat(P[1], n, C, V)] if P is not None else [])
             + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
     mma = P is not None or dg_here or Bq is not None or Aq is not None or use_mma(t, C, K, V)
     # Twice the SIMD groups (one 16-row state block each) measured faster for the reverse scans and slower for the
@@ -392,9 +417,9 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     nw = t.reverse_scan_nw if reverse else t.scan_nw
     pf = mma and A is not None and t.scan_prefetch and scan_prefetches(C, K, V, t.scan_bv, nw)
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
-                    dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf,
-                    vec=not mma and V % 4 == 0, mma=mma)
-    outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv, nw), user)
+                    dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf and ml is None,
+                    vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None)
+    outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv, nw, ml), user)
     carried, Y, S_end = outs[0].reshape(*lead, n, K, V), outs[1], outs[2].reshape(*lead, K, V)
     Y = Y.reshape(*lead, n, C, V) if A is not None else X
     if St is None:
@@ -403,41 +428,44 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     return carried, Y, S_end, dg
 
 
-def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None):
+def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None, ml=None):
     """y = (r ⊙ P) S_c + M_ru Z per chunk for a scalar decay (P_t = e^{G_t}, M_ru[t, s] = (r_t · u_s) Γ(t, s),
     s ≤ t, 0 above), by the fragment kernel: r, u [.., n, C, K], Z [.., n, C, V], states [.., n, K, V], l
     (log-decays) [.., n, C, 1]. Returns (y [.., n, C, V] float32, M_ru [.., n, C, C]), or with ``out`` (an
     mx dtype; r then [B, H, n, C, K]) y in the model's layout [B, n C, H, V] and that type. With ``rs`` (a
     float) the readout role is rs·r, scaled by the kernel (y and M_ru are linear in r). With ``uf`` [.., n, C, 1]
-    (float32) ``u`` is a key x and the role uf ⊙ x, formed as read."""
+    (float32) ``u`` is a key x and the role uf ⊙ x, formed as read; with ``ml`` (``chunk_scan``'s, and ``out``) r and x
+    are the model's key inputs [B, n C, HK, K] as they are."""
     import mlx.core as mx
 
-    (n, C, K), V = r.shape[-3:], Z.shape[-1]
-    N = _lead(r, 2)
-    yt = None if out is None else (r.shape[-4], n, _dtype_name(out))
-    y, M = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, uf=uf is not None),
-                    [r.reshape(N, C, K), u.reshape(N, C, K)] + ([] if uf is None else [uf.reshape(N, C)])
+    (n, C, V), K = Z.shape[-3:], r.shape[-1]
+    N = _lead(Z, 2)
+    yt = None if out is None else (Z.shape[-4], n, _dtype_name(out))
+    keys = [r, u] if ml is not None else [r.reshape(N, C, K), u.reshape(N, C, K)]
+    y, M = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, uf=uf is not None, ml=ml),
+                    keys + ([] if uf is None else [uf.reshape(N, C)])
                     + [Z.reshape(N, C, V), states.reshape(N, K, V), l.reshape(N, C),
                        mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-    return (y if out is not None else y.reshape(*Z.shape)), M.reshape(*r.shape[:-1], C)
+    return (y if out is not None else y.reshape(*Z.shape)), M.reshape(*Z.shape[:-1], C)
 
 
-def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None, out=None):
+def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None, out=None, ml=None):
     """The delta rule's UT transform per chunk for a scalar decay, by the fragment kernel: A[t, s] =
     (b̃_t · u_s) Γ(t, s) for s < t, Tm = (I − A)^{-1}, U = Tm w, W = Tm (b̃ ⊙ P). bt, u [.., n, C, K], w
     [.., n, C, V], l (log-decays) [.., n, C, 1]. Returns (Tm [.., n, C, C], U [.., n, C, V], W [.., n, C, K]).
     Factor reads: with ``uf`` [.., n, C, 1] (float32) and ``bf`` (a float), ``bt`` is None and ``u`` a key x; the
-    roles are uf ⊙ x and bf·x, formed as read; ``out`` (a 16-bit mx dtype) then writes U and W in it."""
+    roles are uf ⊙ x and bf·x, formed as read; ``out`` (a 16-bit mx dtype) then writes U and W in it. With ``ml``
+    (``chunk_scan``'s) x and w are the model's inputs [B, n C, HK, K] and [B, n C, H, V] as they are."""
     import mlx.core as mx
 
-    (C, K), V = u.shape[-2:], w.shape[-1]
-    N = _lead(u, 2)
-    roles = ([bt.reshape(N, C, K), u.reshape(N, C, K)] if uf is None
-             else [u.reshape(N, C, K), uf.reshape(N, C), mx.array([bf], dtype=mx.float32)])
+    C, K, V = l.shape[-2], u.shape[-1], w.shape[-1]
+    N, lead = _lead(l, 2), l.shape[:-1]
+    x = u if ml is not None else u.reshape(N, C, K)
+    roles = ([bt.reshape(N, C, K), x] if uf is None else [x, uf.reshape(N, C), mx.array([bf], dtype=mx.float32)])
     ot = None if out is None else _dtype_name(out)
-    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None, ot=ot),
-                     roles + [w.reshape(N, C, V), l.reshape(N, C)])
-    return Tm.reshape(*u.shape[:-1], C), U.reshape(w.shape), W.reshape(u.shape)
+    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None, ot=ot, ml=ml),
+                     roles + [w if ml is not None else w.reshape(N, C, V), l.reshape(N, C)])
+    return Tm.reshape(*lead, C), U.reshape(*lead, V), W.reshape(*lead, K)
 
 
 def chunk_out_key(r, M, Z, states, P, t: Tuning, out=None, rs=None):
@@ -486,27 +514,29 @@ def chunk_ut_key(A, w, bt, P, t: Tuning, B=None, bf: float | None = None):
     return Tm.reshape(A.shape), U.reshape(w.shape), W.reshape(bt.shape)
 
 
-def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=None, bf: float | None = None):
+def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=None, bf: float | None = None, ml=None):
     """A scalar decay's backward after the reverse scan, per chunk, by the fragment kernel (``chunk_bwd_mma.j2``):
     from the pair cotangents dMR = dy Zᵀ and (delta rule) dMA = Δ Zᵀ [.., n, C, C], the roles r, u (b̃) [.., n, C, K]
     as the core got them (16-bit ones read so), DUQ = d(u ⊙ Q), DRP = d(r ⊙ P) (and DR = d(b̃ ⊙ P) before the pair
     term) [.., n, C, K], the log-decays l [.., n, C, 1] and DG = Σ_i dg [.., n] (the scan's decay gradient).
     ``rs``: the readout role is rs·r. Returns (dr, du, db̃ or None, dl [.., n, C, 1]); dr, du, db̃ in their roles'
     types. Factor reads (``uf`` [.., n, C, 1] float32 and ``bf`` a float, ``bt`` None, ``u`` a key x: u = uf ⊙ x,
-    b̃ = bf·x): returns (dr, dx, duf [.., n, C, 1] float32, dl)."""
+    b̃ = bf·x): returns (dr, dx, duf [.., n, C, 1] float32, dl). With ``ml`` (``chunk_scan``'s) r and x are the model's
+    key inputs [B, n C, HK, K] as they are, and dr, dx come in the model's layout per value head [B, n C, H, K]."""
     import mlx.core as mx
 
-    (C, K), N = r.shape[-2:], _lead(r, 2)
+    C, K, N = l.shape[-2], r.shape[-1], _lead(l, 2)
     delta = bt is not None or uf is not None
     flat = lambda x: x.reshape(N, C, K)  # noqa: E731
     roles = (r, u, bt) if bt is not None else (r, u)
     types = tuple(_dtype_name(x.dtype) for x in roles)
     factors = [] if uf is None else [uf.reshape(N, C), mx.array([bf], dtype=mx.float32)]
-    user = (([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)] + [flat(x) for x in roles] + factors
+    user = (([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)]
+            + [x if ml is not None else flat(x) for x in roles] + factors
             + [flat(DUQ), flat(DRP)] + ([flat(DR)] if delta else [])
             + [l.reshape(N, C), DG.reshape(N), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-    outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw, uf=uf is not None), user)
-    dr, du = outs[0].reshape(r.shape), outs[1].reshape(u.shape)
+    outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw, uf=uf is not None, ml=ml), user)
+    dr, du = (outs[0], outs[1]) if ml is not None else (outs[0].reshape(r.shape), outs[1].reshape(u.shape))
     third = outs[2].reshape((bt if uf is None else uf).shape) if delta else None  # db̃, or duf with factor reads
     return dr, du, third, outs[-1].reshape(l.shape)
 
