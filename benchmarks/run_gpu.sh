@@ -77,7 +77,7 @@ for stage in "$@"; do
     ab:*) var=${stage#ab:}; shape=${var#*:}; var=${var%%:*}               # VAR=0 then VAR=1, every spec of $SPECS;
           for sp in $SPECS; do for v in ${AB_VALUES:-0 1}; do              # VAR1,VAR2,...: each set to the value
             env $(for x in ${var//,/ }; do echo "$x=$v"; done) timeout ${BENCH_TIMEOUT:-150} python -m recgen.cli \
-              bench $sp --shape $shape --passes ${PASSES:-fwdbwd,peak} \
+              bench $sp --shape $shape --passes ${PASSES:-fwdbwd,peak} $BENCH_ARGS \
               --json "$OUT/ab_${var//,/_}${v}_${sp}_${shape//,/x}.json" 2>&1 \
               | grep -E " ms | GiB " | sed "s/^/$sp $var=$v /" | tee -a "$OUT/ab.log"
           done; done ;;

@@ -97,12 +97,13 @@ METHOD = {
 @dataclass(frozen=True)
 class Shape:
     """B, T, H and the head sizes: K the width of the key inputs (the feature map's input width for specs with
-    one), V the value width."""
+    one), V the value width; Hk the key heads (GQA: H value heads share them; None: H)."""
     B: int
     T: int
     H: int
     K: int
     V: int
+    Hk: int | None = None
 
     @staticmethod
     def parse(text: str) -> "Shape":
@@ -115,14 +116,22 @@ class Shape:
 
     def text(self) -> str:
         head = f"{self.K}" if self.K == self.V else f"{self.K},{self.V}"
-        return f"{self.B},{self.T},{self.H},{head}"
+        return f"{self.B},{self.T},{self.H},{head}" + (f" ({self.Hk} key heads)" if self.Hk not in (None, self.H) else "")
 
     def sizes(self, rec: ir.Recurrence) -> Sizes:
         K = rec.features[0].width(self.K) if rec.features else self.K
-        return Sizes(self.B, self.T, self.H, self.H, self.K, K, self.V)
+        return Sizes(self.B, self.T, self.H, self.Hk or self.H, self.K, K, self.V)
 
     def with_t(self, T: int) -> "Shape":
-        return Shape(self.B, T, self.H, self.K, self.V)
+        return Shape(self.B, T, self.H, self.K, self.V, self.Hk)
+
+    def with_key_heads(self, Hk: int | None) -> "Shape":
+        """The shape with Hk key heads (dividing H), or as it is for None."""
+        if Hk is None:
+            return self
+        if Hk <= 0 or self.H % Hk:
+            raise InputError(f"--key-heads {Hk}: expected a positive divisor of H = {self.H}")
+        return Shape(self.B, self.T, self.H, self.K, self.V, Hk)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ def _csv(text: str) -> tuple:
 def add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", help="a built-in name or path/to/file.py:function")
     p.add_argument("--shape", help=f"B,T,H,D or B,T,H,K,V (default: {GPU_SHAPE} on a GPU, {CPU_SHAPE} on the CPU)")
+    p.add_argument("--key-heads", type=int, help="key heads shared by the H value heads (GQA; default: H)")
     p.add_argument("--dtype", default="bfloat16", help="input dtype: float32, float16 or bfloat16 (default bfloat16)")
     p.add_argument("--backend", default="auto", help="auto (the op's own choice), metal, cuda or mlx")
     p.add_argument("--passes", default="fwd,fwdbwd,peak", help="comma list of fwd, fwdbwd, peak, decode (T = 1 "
@@ -41,6 +42,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
 
     rec = resolve_spec(args.spec)
     shape = bench.Shape.parse(args.shape or (GPU_SHAPE if mx.default_device() == mx.gpu else CPU_SHAPE))
+    shape = shape.with_key_heads(args.key_heads)
     passes, baselines = _csv(args.passes), _csv(args.baseline)
     bench.check_args(passes, baselines, args.dtype, args.backend)
     labels = bench.plan(passes, baselines)

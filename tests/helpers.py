@@ -139,8 +139,10 @@ def chunk_launches(target: str) -> list:
         return [ck.scan_launch(target, ScanVariant(vec=True, **terms), 8, 4, 64, 128, 128, F),
                 ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, F)]
 
-    def mma(**terms):
-        return ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, 1)
+    def mma(ml=None, **terms):
+        return ck.scan_launch(target, ScanVariant(mma=True, ml=ml is not None, **terms), 8, 4, 64, 128, 128, 1, ml=ml)
+
+    ml = (2, 1, 2, True)  # the model's layout: H = 2 value heads over one key head, two chunks a sequence
 
     launches = ([ck.inverse_launch(target, 8, 64)] + [ck.decays_launch(target, 8, 64, 128, pe) for pe in (False, True)]
                 + [ck.decays_launch(target, 8, 64, 128, False, ("Q",))]  # kda's and gla's, with u ⊙ Q
@@ -179,5 +181,11 @@ def chunk_launches(target: str) -> list:
                    ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"), uf=True)]
                 + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * n) for n in (2, 3)]
                 + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * 2, uf=True)]
+                # GDN's factor reads in the model's layout (``Tuning.model_rows``)
+                + [mma(q=True, ml=(2, 1, 4, True)), mma(reverse=True, p=True, dg=True, aq=True, pq=True, ml=(2, 1, 4, True)),
+                   ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), uf=True, ml=ml),
+                   ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, uf=True, ml=ml),
+                   ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"), uf=True,
+                                     ml=ml)]
                 + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * 4, before) for before in (False, True)])
     return launches

@@ -983,6 +983,56 @@ def test_chunk_bwd_mma_layouts():
         ck.bwd_mma_launch("metal", 1, 64, 128, ("float32",) * 3)
 
 
+@pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
+def test_model_layout_kernels_match_the_chunk_layout(sanitizer):
+    """The five kernels' model-layout variants (``ml``: q, k, v as [B, T, heads, D], GQA's key head shared by H = 2
+    value heads, two chunks a sequence, B = 2) give exactly what their chunk-layout forms give on the same values laid
+    out as [B, H, T, D] with the key heads expanded (dq, dk per value head); plain, under ASan+UBSan and TSan."""
+    rng = np.random.default_rng(11)
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    B, H, HK, n, C, K, V = 2, 2, 1, 2, 16, 16, 8
+    N, T, ml = B * H * n, n * C, (H, HK, n, True)
+    q, k, v = f(B, T, HK, K), f(B, T, HK, K) / 4, f(B, T, H, V)
+
+    def chunks(x):  # [B, T, HK|H, F] -> [B H n, C, F], key heads expanded
+        return np.ascontiguousarray(np.repeat(x, H // x.shape[2], 2).transpose(0, 2, 1, 3)).reshape(N, C, -1)
+
+    def model(x):  # [B H n, C, F] per value head -> [B, T, H, F]
+        return x.reshape(B, H, T, -1).transpose(0, 2, 1, 3)
+
+    uf, logd = rng.uniform(size=(N, C)).astype(np.float32), -f(N, C) ** 2
+    fr = {"Uf": uf, "Bf": np.array([-1.0], np.float32), "logd": logd}
+    ut = ({"U": chunks(k), "W": chunks(v)}, {"U": k, "W": v})
+    ro = {"Uf": uf, "Z": f(N, C, V), "St": f(N, K, V), "logd": logd, "Rs": np.array([0.5], np.float32)}
+    out = ({"R": chunks(q), "U": chunks(k)}, {"R": q, "U": k})
+    bw = {k_: v_ for k_, v_ in _bwd_inputs(rng, N, C, K, True).items() if k_ not in ("R", "U", "Bt", "logd")}
+    sc = {"S0": f(B * H, K, 32), "A": f(B * H, n, C, K), "X": f(B * H, n, C, 32), "g": np.full((B * H, n, 1), 0.5, np.float32),
+          "Bq": rng.uniform(size=(B * H, n, C)).astype(np.float32)}
+    rev = {"S0": sc["S0"], "Aq": sc["Bq"], "X": sc["X"], "Bm": f(B * H, n, C, K), "g": sc["g"], "Pb": f(B * H, n, C, 32),
+           "Pq": sc["Bq"] * 0.7, "St": f(B * H, n, K, 32)}
+
+    def scan(ml_, **terms):
+        return ck.scan_launch("metal", ScanVariant(mma=True, ml=ml_ is not None, **terms), B * H, n, C, K, 32, 1, ml=ml_)
+
+    cases = [(ck.ut_mma_launch("metal", N, C, K, V, uf=True), ck.ut_mma_launch("metal", N, C, K, V, uf=True, ml=ml),
+              fr, ut, ()),
+             (ck.out_mma_launch("metal", N, C, K, V, (H, n, "float32"), uf=True),
+              ck.out_mma_launch("metal", N, C, K, V, (H, n, "float32"), uf=True, ml=ml), ro, out, ()),
+             (ck.bwd_mma_launch("metal", N, C, K, ("float32",) * 2, 8, uf=True),
+              ck.bwd_mma_launch("metal", N, C, K, ("float32",) * 2, 8, uf=True, ml=ml), bw | fr, out, (0, 1)),
+             (scan(None, q=True), scan((H, HK, n, True), q=True), sc, ({"Bm": chunks(k)}, {"Bm": k}), ()),
+             (scan(None, reverse=True, p=True, dg=True, aq=True, pq=True),
+              scan((H, HK, n, True), reverse=True, p=True, dg=True, aq=True, pq=True), rev,
+              ({"A": chunks(k), "Pa": chunks(q)}, {"A": k, "Pa": q}), ())]
+    for plain, launch, common, (chunked, given), per_head in cases:
+        want = verify.run_launch(plain, common | {k_: v_.reshape(B * H, n, C, K) if plain.source.name.startswith(
+            "recgen_chunk_scan") else v_ for k_, v_ in chunked.items()})
+        got = verify.run_launch(launch, common | given, sanitizer=sanitizer)
+        for i, (a, b) in enumerate(zip(got, want)):
+            b = model(b) if i in per_head else b
+            assert np.array_equal(np.asarray(a).reshape(np.shape(b)), b), (launch.source.name, i)
+
+
 @pytest.mark.parametrize("sanitizer", ["address", "thread"])
 def test_chunk_kernels_under_sanitizers(sanitizer):
     """ASan+UBSan (bounds) and TSan (threadgroup-memory races across the staging barriers)."""
@@ -1358,7 +1408,7 @@ def fresh_probe():
     pr._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor"])
+@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor", "rows"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass."""
     monkeypatch.setattr(ck, "mlx_call", _emulated_call)
@@ -1409,6 +1459,7 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
     ("pairs", "RECGEN_MMA_PAIRS", "mma_pairs", "pair kernels on fragments"),
     ("ut16", "RECGEN_UT_16BIT", "ut_16bit", "16-bit outputs"),
     ("keyfactor", "RECGEN_KEY_FACTOR_READS", "key_factor_reads", "KDA's factor reads"),
+    ("rows", "RECGEN_MODEL_ROWS", "model_rows", "model-layout reads"),
     ("decode", "RECGEN_FEATURE_DECODE", "feature_decode", "feature decode"),
     ("features", "RECGEN_FEATURE_KERNELS", "feature_kernels", "feature product")])
 def test_an_opt_in_frame_that_fails_turns_only_itself_off(frame, variable, flag, warning, monkeypatch, fresh_probe):

@@ -44,6 +44,8 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
             changes.update(mma_pairs=False)  # the pair kernels' FMA form
     if t.ut_16bit and not (t.dialect and changes.get("mma_scan", t.mma_scan) and usable(t.dialect, "ut16", sizes)):
         changes.update(ut_16bit=False)  # U and W in float32
+    if t.model_rows and not (t.dialect and changes.get("mma_scan", t.mma_scan) and usable(t.dialect, "rows", sizes)):
+        changes.update(model_rows=False)  # q, k, v copied to the chunks' layout
     if t.key_factor_reads and not (t.dialect and changes.get("mma_scan", t.mma_scan)
                                    and usable(t.dialect, "keyfactor", sizes)):
         changes.update(key_factor_reads=False)  # KDA's roles formed
@@ -87,7 +89,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     readout in both output layouts, bf16 in the model's; the UT transform; a key-vector decay's UT transform and
     readout; the backward's pass after the scan; their factor-read forms, as GDN calls them), "decode" (the feature
     decode kernel at d = V = 64), "features" (the feature product and gradient kernels at C = 64, d = 64, V = 65),
-    "ut16" (the factor-read UT transform writing bf16) and "keyfactor" (KDA's factor-read UT transform and tail), each
+    "ut16" (the factor-read UT transform writing bf16), "keyfactor" (KDA's factor-read UT transform and tail) and
+    "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
+    chunk-layout forms, which "mma" checks against float64), each
     probed where the tuning asks for it. A GPU whose compiler rejects a frame (an old CUDA architecture
     without TF32 fragments, say) then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked
     call; a failing "tail" turns only the fused backward off, a failing "pairs" only the pairs' fragments."""
@@ -102,7 +106,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
         A = np.tril((b @ u.swapaxes(-1, -2)) * np.exp(G[:, None] - G[None, :]), -1)
         T = np.linalg.inv(np.eye(len(G)) - A)
         return A, [T, T @ w, T @ (b * np.exp(G)[:, None])]
-    t = resolve("gpu", dialect, environ={}, chunk_kernels=True, mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor"),
+    t = resolve("gpu", dialect, environ={}, chunk_kernels=True,
+                mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows"),
                 mma_pairs=frame == "pairs")
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
@@ -170,6 +175,33 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                 fx = rng.uniform(size=(n, C, 1))
                 got = list(ck.chunk_ut(None, x16, w16, f32(np.full((n, C, 1), -0.1)), t, f32(fx), -1.0, mx.bfloat16))
                 ref = ut_expected(-x, fx * x, w_, -0.1 * np.arange(1, C + 1))[1]
+        elif frame == "rows":  # GDN's five kernels in the model's layout: B = 1, H = 2 over one key head, bf16 inputs
+            got, ref = [], []
+            if ck.fuses_ut(t, C, K, V) and ck.fuses_bwd(t, C, K, True):
+                H, T = 2, n * C
+                q, k, v = (f32(rng.normal(size=(1, T, h, d)) / np.sqrt(d)).astype(mx.bfloat16)
+                           for h, d in ((1, K), (1, K), (H, V)))
+                chunks = lambda x: mx.contiguous(mx.repeat(x, H // x.shape[2], 2).transpose(0, 2, 1, 3)).reshape(  # noqa: E731
+                    1, H, n, C, x.shape[-1])
+                l, fx = f32(np.full((1, H, n, C, 1), -0.1)), f32(rng.uniform(size=(1, H, n, C, 1)))
+                S0, Fs, Pb, St = (f32(rng.normal(size=s)) for s in ((1, H, K, V), (1, H, n, C, V), (1, H, n, C, V),
+                                                                     (1, H, n, K, V)))
+                dMA, dMR = (f32(rng.normal(size=(1, H, n, C, C))) for _ in range(2))
+                DUQ, DRP, DR = (f32(rng.normal(size=(1, H, n, C, K))) for _ in range(3))
+                DG, g = f32(rng.normal(size=(1, H, n))), f32(np.full((1, H, n, 1), 0.5))
+
+                def run(qx, kx, vx, ml):
+                    Tm, U, W = ck.chunk_ut(None, kx, vx, l, t, uf=fx, bf=-1.0, ml=ml)
+                    carried, Z, _ = ck.chunk_scan(S0, W, U, kx, g, None, t, reverse=False, Bq=fx, ml=ml)
+                    y, M = ck.chunk_out(qx, kx, Z, carried, l, t, mx.bfloat16, 0.5, uf=fx, ml=ml)
+                    rev = ck.chunk_scan(S0, kx, Fs, W, g, None, t, reverse=True, P=(qx, Pb), St=St, Aq=fx, Pq=fx, ml=ml)
+                    dr, dx, df, dl = ck.chunk_bwd(dMA, dMR, qx, kx, None, DUQ, DRP, DR, l, DG, t, 0.5, uf=fx, bf=-1.0,
+                                                  ml=ml)
+                    if ml is None:  # per value head in the model's layout, as the model-layout pass writes them
+                        dr, dx = (a.reshape(1, H, T, K).transpose(0, 2, 1, 3) for a in (dr, dx))
+                    return [Tm, U, W, carried, Z, y, M, *rev, dr, dx, df, dl]
+                got = run(q, k, v, (H, 1, n, True))
+                ref = [np.array(a.astype(mx.float32), np.float64) for a in run(*(chunks(x) for x in (q, k, v)), None)]
         elif frame == "keyfactor":  # KDA's factor reads (``Tuning.key_factor_reads``), decay e^-0.1 a token
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             got, ref = [], []
@@ -325,6 +357,7 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
                 "tail": "the fused backward (MLX ops are used for it)",
                 "ut16": "the UT transform's 16-bit outputs (float32 is used)",
                 "keyfactor": "KDA's factor reads (its roles are formed)",
+                "rows": "the model-layout reads of q, k, v (they are copied to the chunks' layout)",
                 "decode": "the feature decode kernel (MLX ops are used for the step)",
                 "features": "the feature product kernels (φ is formed in memory)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)

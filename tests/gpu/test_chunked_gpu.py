@@ -71,3 +71,24 @@ def dplr_after_key_decay(q: Key, k: Key, kk: Key, v: Value, gk: KeyGate, beta: S
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_general_rank1_after_a_key_decay(dtype, rng):
     assert_close(op_errors(dplr_after_key_decay, FRAGMENT_CASE, dtype, rng, backend="mlx"), dtype)
+
+
+# Whole chunks (T = 128: two of 64) and GQA (4 value heads over 2 key heads): the shape model-layout reads need
+MODEL_ROWS_CASE = Case(2, 128, 4, 2, 64, 40)
+
+
+@pytest.mark.parametrize("name,case,dtype", params(("gated_delta_net", "delta_net"), dtypes=("float32", "bfloat16"),
+                                                   cases=(MODEL_ROWS_CASE,)))
+def test_chunked_form_reads_the_model_layout(name, case, dtype, rng, monkeypatch):
+    """``Tuning.model_rows``: the five fused kernels read q, k, v as the model passes them (and the backward's pass
+    writes dq, dk so), against the float64 reference; the kernels that ran are the model-layout ones."""
+    from recgen import tuning
+    from recgen.runtime import chunk_kernels as ck
+
+    names, call = [], ck.mlx_call
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: names.append(launch.source.name) or call(launch, *a))
+    with tuning.override(mma_scan=True, model_rows=True):
+        assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
+    ran = {n.split("_cuda")[0] for n in names}
+    assert {"recgen_chunk_ut_mma_uf_ml", "recgen_chunk_scan_mma_q_ml", "recgen_chunk_out_mma_uf_ml_yt",
+            "recgen_chunk_scan_mma_aq_p_pq_dg_ml_rev", "recgen_chunk_bwd_mma_delta_uf_ml"} <= ran, ran
