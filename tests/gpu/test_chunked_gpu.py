@@ -77,11 +77,12 @@ def test_general_rank1_after_a_key_decay(dtype, rng):
 MODEL_ROWS_CASE = Case(2, 128, 4, 2, 64, 40)
 
 
-@pytest.mark.parametrize("name,case,dtype", params(("gated_delta_net", "delta_net"), dtypes=("float32", "bfloat16"),
+@pytest.mark.parametrize("name,case,dtype", params(("gated_delta_net", "delta_net"), dtypes=("bfloat16",),
                                                    cases=(MODEL_ROWS_CASE,)))
 def test_chunked_form_reads_the_model_layout(name, case, dtype, rng, monkeypatch):
     """``Tuning.model_rows``: the five fused kernels read q, k, v as the model passes them (and the backward's pass
-    writes dq, dk so), against the float64 reference; the kernels that ran are the model-layout ones."""
+    writes dq, dk so), against the float64 reference; the kernels that ran are the model-layout ones. bf16 only, as
+    the other fragment tests: the fragments' TF32 operands are outside float32's tolerance."""
     from recgen import tuning
     from recgen.runtime import chunk_kernels as ck
 
