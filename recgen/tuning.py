@@ -63,8 +63,10 @@ class Tuning:
     #                                 ``mma_scan``), a key-vector decay's elementwise tail
     factor_reads: bool = True       # the delta rule's u = f·k and b̃ = ρ k read from k by the fused kernels (scalar
     #                                 decays, all kernels fused), never formed
-    model_rows: bool = False        # ... q, k, v read by those kernels in the model's layout [B, T, heads, D] (whole chunks,
-    #                                 GQA's key heads shared): no layout copies, gradients written so
+    model_rows: bool = False        # ... q, k, v read by those kernels in the model's layout [B, T, heads, D] (whole chunks)
+    #                                 where GQA shares key heads: no layout copies or expanded heads, gradients so
+    model_rows_dense: bool = False  # ... and where every value head has its own key head: less memory, but the scans'
+    #                                 strided reads measured slower for training (H100: 5.91 -> 6.00 ms)
     ut_16bit: bool = False          # ... the UT transform writing U = T w and W = T (b̃ e^G) in the keys' 16-bit type
     #                                 (the scans convert on load): 0.13 GiB less at GDN's peak, no faster (off)
     key_factor_reads: bool = False  # ... for a key-vector decay (KDA) too: its pairs' scaling by β stays in MLX ops,
@@ -105,7 +107,7 @@ DEVICE_DEFAULTS = {
 MEASURED = {
     "cuda": dict(chunk_kernels=True, mma_scan=True, chunked_backward_min_t=1024,
                  chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True, reverse_scan_nw=8,
-                 pair_fold=True, ut_products=True, rank1_readout=True, logdecay_16bit=True),
+                 pair_fold=True, ut_products=True, rank1_readout=True, logdecay_16bit=True, model_rows=True),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 
@@ -164,6 +166,7 @@ ENVIRONMENT = {
     "RECGEN_FACTOR_READS": ("factor_reads", _flag),
     "RECGEN_KEY_FACTOR_READS": ("key_factor_reads", _flag),
     "RECGEN_MODEL_ROWS": ("model_rows", _flag),
+    "RECGEN_MODEL_ROWS_DENSE": ("model_rows_dense", _flag),
     "RECGEN_UT_16BIT": ("ut_16bit", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_16BIT_LOGDECAY": ("logdecay_16bit", _flag),

@@ -381,6 +381,7 @@ def test_chunked_core_reads_the_model_layout(name, gqa, in_dtype, monkeypatch):
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, model_rows=True)
     rec = dataclasses.replace(specs.BUILTINS[name], gqa=gqa)
+    assert not t.model_rows_dense  # H = 4 over Hk = 2: GQA, which the default reads so
     dtype = mx.bfloat16 if in_dtype else None
     for T, suffix in ((48, "_ml"), (40, "")):
         calls.clear()
@@ -981,6 +982,22 @@ def test_chunk_bwd_mma_layouts():
     assert cs.bwd_mma_layout("cuda", 128, 128, False) is None and cs.bwd_mma_layout("cuda", 64, 12, False) is None
     with pytest.raises(ValueError, match="threadgroup memory"):
         ck.bwd_mma_launch("metal", 1, 64, 128, ("float32",) * 3)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_model_layout_without_gqa_only_where_asked(dense, monkeypatch):
+    """Without GQA (H = Hk) q, k, v are read in the model's layout only with ``Tuning.model_rows_dense`` (measured
+    slower for training without it); both ways end to end against the float64 reference."""
+    pytest.importorskip("mlx.core")
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, model_rows=True,
+                       model_rows_dense=dense)
+    assert_close(compare(specs.BUILTINS["gated_delta_net"], 32, chunk=16, H=2, Hk=2, K=16, V=8, seed=2, tuning=t))
+    assert any("_ml" in c for c in calls) == dense, calls
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])

@@ -253,16 +253,19 @@ def _keyed_input(p, raw, kern, key: bool, C: int, K: int, V: int):
 def _model_inputs(kern, p, chunk: dict, x, rfac, native: bool, T: int, C: int):
     """(r's, x's and w's inputs) as the model passed them, [B, T, HK, K] twice and [B, T, H, V], where the fused
     kernels read them so (``Tuning.model_rows``): factor reads of the key x, the readout role a constant times a key
-    input (``rfac``), w a value input verbatim, y written as o (``native``) and T a multiple of C (whole chunks:
-    the kernels read no padding). Then q, k and v are never copied to [B, H, T, D], nor GQA's key heads expanded,
-    and their gradients come back in that layout. Else None."""
+    input (``rfac``), w a value input verbatim, y written as o (``native``), T a multiple of C (whole chunks:
+    the kernels read no padding) and GQA's key heads shared (``Tuning.model_rows_dense``: also without GQA). Then
+    q, k and v are never copied to [B, H, T, D], nor the key heads expanded, and their gradients come back in that
+    layout. Without GQA only the copies go, and the scans' strided reads of the rows cost about what they saved
+    (docs/design.md). Else None."""
     if not (kern and kern.model_rows and x is not None and rfac is not None and native and T % C == 0):
         return None
     inputs = {i.symbol: i for i in p.rec.inputs}
     syms = (p.r_scaled[0], x, dict(p.bare_roles).get("w"))
     if tuple(inputs[s].kind if s in inputs else None for s in syms) != ("key", "key", "value"):
         return None
-    return tuple(chunk[inputs[s].name] for s in syms)
+    arrays = tuple(chunk[inputs[s].name] for s in syms)
+    return arrays if kern.model_rows_dense or arrays[1].shape[2] < arrays[2].shape[2] else None
 
 
 def _y_is_o(t, has_z: bool, y0) -> bool:
