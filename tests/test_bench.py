@@ -96,7 +96,7 @@ def test_json_has_the_fields(result, tmp_path):
     for key in ("spec", "spec_hash", "shape", "dtype", "backend", "backend_used", "device", "mlx_version",
                 "recgen_version", "date", "method", "tuning", "results", "ratios"):
         assert key in d, key
-    assert d["shape"] == {"B": 1, "T": 12, "H": 2, "K": 8, "V": 8} and d["dtype"] == "float32"
+    assert d["shape"] == {"B": 1, "T": 12, "H": 2, "K": 8, "V": 8, "Hk": None} and d["dtype"] == "float32"
     assert d["mlx_version"] == mx.__version__ and d["device"]["default_device"] == str(mx.default_device())
     assert d["backend"] == "auto" and d["backend_used"] in ("metal", "cuda", "mlx")
     assert {"fwd", "fwdbwd", "peak", "naive", "fla"} <= set(d["method"])
@@ -262,3 +262,16 @@ def test_steps_reported_are_the_plan(passes):
     assert seen == bench.plan(passes, ("naive",))
     assert {m.kind for m in r.measures if m.impl == "recgen"} == (
         {"decode"} if passes == ("decode",) else {"fwd", "peak_fwd", "decode"})
+
+
+def test_key_heads_shape_the_inputs():
+    """``--key-heads``: GQA's key heads (a divisor of H) shape the key inputs; anything else is refused by name."""
+    from recgen import specs
+
+    shape = bench.Shape.parse("1,8,4,16").with_key_heads(2)
+    assert shape.sizes(specs.gated_delta_net).Hk == 2 and "2 key heads" in shape.text()
+    assert shape.with_t(4).Hk == 2 and bench.Shape.parse("1,8,4,16").with_key_heads(None).Hk is None
+    xs, _ = bench.make_inputs(specs.gated_delta_net, shape, "float32")
+    assert xs["q"].shape == (1, 8, 2, 16) and xs["v"].shape == (1, 8, 4, 16)
+    with pytest.raises(InputError, match="--key-heads 3"):
+        bench.Shape.parse("1,8,4,16").with_key_heads(3)
