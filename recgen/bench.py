@@ -116,7 +116,8 @@ class Shape:
 
     def text(self) -> str:
         head = f"{self.K}" if self.K == self.V else f"{self.K},{self.V}"
-        return f"{self.B},{self.T},{self.H},{head}" + (f" ({self.Hk} key heads)" if self.Hk not in (None, self.H) else "")
+        gqa = f" ({self.Hk} key heads)" if self.Hk not in (None, self.H) else ""
+        return f"{self.B},{self.T},{self.H},{head}{gqa}"
 
     def sizes(self, rec: ir.Recurrence) -> Sizes:
         K = rec.features[0].width(self.K) if rec.features else self.K

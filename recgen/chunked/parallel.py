@@ -449,7 +449,7 @@ def model_layout(y, out):
 
 def group_heads(g, HK: int, gqa: str):
     """A gradient per value head [B, T, H, K] summed over GQA's groups to HK key heads (``terms.expand_heads``'s
-    adjoint: value head h reads key head h // (H / HK) for "block", h % HK for "tile")."""
+    adjoint: value head h reads key head h // (H / HK) for "block", h % HK for "tiled")."""
     B, T, H, K = g.shape
     if H == HK:
         return g

@@ -84,7 +84,8 @@ class ScanVariant:
         if self.pq and not self.p:
             raise ValueError("chunk_scan: row scales Pq need a P term")
         if (self.p or self.dg or self.q or self.aq or self.pf or self.ml) and not self.mma:
-            raise ValueError("chunk_scan: P, dg, Bq, Aq terms, prefetching and the model's layout need the fragment frame")
+            raise ValueError("chunk_scan: P, dg, Bq, Aq terms, prefetching and the model's layout need the fragment "
+                             "frame")
         if self.ml and not (self.q or self.aq or self.pq):
             raise ValueError("chunk_scan: the model's layout (ml) is the row-scaled operands': needs Bq, Aq or Pq")
         if self.ml and self.pf:
@@ -218,9 +219,9 @@ def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False
     ins = (("dMA", "dMR") if delta else ("dMR",)) + ("R",) + roles + (("DUQ", "DRP", "DR") if delta else ("DUQ", "DRP")) \
         + ("logd", "DG", "Rs")
     outs = ("dRo", "dXo", "dFo", "dl") if uf else ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
-    return _source(d, "chunk_bwd_mma.j2", "bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else "")
-                   + ("_ml" if ml else ""), "backward of the chunked core after its reverse scan, fragment multiply-adds",
-                   ins, outs, (), helpers=d.mma_prelude, delta=delta, uf=uf, ml=ml)
+    kind = "bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else "") + ("_ml" if ml else "")
+    return _source(d, "chunk_bwd_mma.j2", kind, "backward of the chunked core after its reverse scan, fragment "
+                   "multiply-adds", ins, outs, (), helpers=d.mma_prelude, delta=delta, uf=uf, ml=ml)
 
 
 @lru_cache(maxsize=None)

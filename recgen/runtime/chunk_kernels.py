@@ -404,7 +404,8 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
         E, P = (Pe if E is None else E + Pe), None
     dg_here = St is not None and fuse
     flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
-    rows = (lambda x, scaled: x if scaled else flat(x, n, C, K)) if ml is not None else (lambda x, _: flat(x, n, C, K))  # noqa: E731
+    # a row-scaled operand in the model's layout goes as it is
+    rows = lambda x, scaled: x if scaled and ml is not None else flat(x, n, C, K)  # noqa: E731
     user = ([flat(S0, K, V)] + ([rows(A, Aq is not None)] if A is not None else [])
             + ([flat(Aq, n, C)] if Aq is not None else [])
             + [flat(X, n, C, V)] + ([rows(Bm, Bq is not None)] if Bm is not None else [])
