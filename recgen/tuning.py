@@ -78,6 +78,8 @@ class Tuning:
     scan_nw: int = 4                # SIMD groups per threadgroup of the forward fragment scan (most)
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (measured no clear gain: off)
+    scan_hoist: bool = False        # the forward fragment scan loads a chunk's state-free operands at its step's start
+    reverse_scan_hoist: bool = False  # ... the reverse (backward) one
     scan_products: bool = True      # the fragment scan takes a product term E = Paᵀ Pb as its factors
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
     pair_fold: bool = False         # ... their own block's rows t and BS − 1 − t on one thread
@@ -160,6 +162,8 @@ ENVIRONMENT = {
     "RECGEN_SCAN_NW": ("scan_nw", int),
     "RECGEN_REVERSE_SCAN_NW": ("reverse_scan_nw", int),
     "RECGEN_SCAN_PREFETCH": ("scan_prefetch", _flag),
+    "RECGEN_SCAN_HOIST": ("scan_hoist", _flag),
+    "RECGEN_REVERSE_SCAN_HOIST": ("reverse_scan_hoist", _flag),
     "RECGEN_SCAN_PRODUCTS": ("scan_products", _flag),
     "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
     "RECGEN_PAIR_FOLD": ("pair_fold", _flag),

@@ -468,13 +468,21 @@ def test_fused_backward_pass_beside_the_fma_scans(monkeypatch):
     assert "recgen_chunk_bwd_mma_delta" in kinds and "recgen_chunk_scan_e_rev_v4" in kinds, kinds
 
 
+@pytest.mark.parametrize("how", ["pf", "hoist", "pf+hoist"])
 @pytest.mark.parametrize("C,K,V,F,has_e,reverse,has_b", [(16, 32, 16, 1, False, False, True), (32, 32, 32, 32, True, True, True),
                                                      (16, 16, 8, 1, True, True, False), (64, 64, 64, 1, False, False, True)])
-def test_chunk_scan_prefetching_matches_numpy(C, K, V, F, has_e, reverse, has_b):
-    """The fragment scan with each group's A and X fragments loaded a chunk ahead (``ScanVariant.pf``), in both
+def test_chunk_scan_prefetching_matches_numpy(C, K, V, F, has_e, reverse, has_b, how):
+    """The fragment scan with each group's A and X fragments loaded a chunk ahead (``ScanVariant.pf``) or its
+    state-free operands at each step's start (``hoist``: A's and X's fragments, B's transposed rows), in both
     directions, scalar and key decays, with and without B and E, against ``_scan_ref``; three chunks so the
-    prefetched fragments of chunks 1 and 2 are the ones used. Layouts without one item of Y a group refuse it."""
-    v = ScanVariant(a=True, b=has_b, e=has_e, reverse=reverse, mma=True, pf=True)
+    prefetched fragments of chunks 1 and 2 are the ones used. Layouts without one item of Y a group refuse both;
+    hoisting without a product refuses too."""
+    flags = {x: True for x in how.split("+")}
+    if "hoist" in flags and not has_b:
+        with pytest.raises(ValueError, match="hoisting"):
+            ScanVariant(a=True, b=False, e=has_e, reverse=reverse, mma=True, **flags)
+        return
+    v = ScanVariant(a=True, b=has_b, e=has_e, reverse=reverse, mma=True, **flags)
     assert cs.scan_prefetches(C, K, V)
     BH = 1 if C == 64 else 2  # the GPU's chunk: one (batch, head) keeps the emulator quick
     _check_scan(ck.scan_launch("metal", v, BH, 3, C, K, V, F), np.random.default_rng(C + K + V), BH, 3, C, K, V, F,
@@ -484,11 +492,21 @@ def test_chunk_scan_prefetching_matches_numpy(C, K, V, F, has_e, reverse, has_b)
         ck.scan_launch("metal", v, 2, 3, 32, 16, 32, F)
 
 
-@pytest.mark.parametrize("name", ["gated_delta_net"])
-def test_chunked_core_with_prefetching_scans_matches_reference(name, monkeypatch):
-    """``Tuning.scan_prefetch`` end to end: GDN's fragment scans (the forward one, and the reverse one with its row
-    scales and factors) load their A and X fragments a chunk ahead; forward, final state and every gradient against
-    the float64 reference (K = 16, V = 8: one group, one item of Y). The diagonal reverse form is in
+@pytest.mark.parametrize("reverse", [False, True])
+def test_chunk_scan_hoisting_without_a_matches_numpy(reverse):
+    """Hoisting where the scan has no A term (Y = X: simple GLA's forward): only B's transposed rows are loaded at
+    each step's start, and any layout takes it (two items of Y a group here)."""
+    v = ScanVariant(a=False, b=True, e=reverse, reverse=reverse, mma=True, hoist=True)
+    _check_scan(ck.scan_launch("metal", v, 2, 3, 32, 16, 32, 1), np.random.default_rng(5), 2, 3, 32, 16, 32, 1,
+                reverse, reverse, False, True)
+
+
+@pytest.mark.parametrize("how", ["scan_prefetch", "scan_hoist"])
+def test_chunked_core_with_prefetching_scans_matches_reference(how, monkeypatch):
+    """``Tuning.scan_prefetch`` and ``scan_hoist`` (with ``reverse_scan_hoist``) end to end: GDN's fragment scans
+    (the forward one, and the reverse one with its row scales and factors) load their A and X fragments a chunk
+    ahead, or every state-free operand at each step's start; forward, final state and every gradient against the
+    float64 reference (K = 16, V = 8: one group, one item of Y). The diagonal reverse form is in
     ``test_chunk_scan_prefetching_matches_numpy``."""
     pytest.importorskip("mlx.core")
     from recgen import specs
@@ -496,12 +514,13 @@ def test_chunked_core_with_prefetching_scans_matches_reference(name, monkeypatch
 
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, scan_prefetch=True)
-    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=2, tuning=t))
+    flags = {"scan_prefetch": True} if how == "scan_prefetch" else {"scan_hoist": True, "reverse_scan_hoist": True}
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, **flags)
+    assert_close(compare(specs.BUILTINS["gated_delta_net"], 40, chunk=16, K=16, V=8, seed=2, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
-    want = ({"recgen_chunk_scan_mma_q_pf", "recgen_chunk_scan_mma_aq_p_pq_pf_dg_rev"} if name == "gated_delta_net"
-            else {"recgen_chunk_scan_mma_nob_aq_e_pf_rev"})  # simple GLA's forward scan has no A term
-    assert {k for k in kinds if "_pf" in k} == want, kinds
+    tag = "_pf" if how == "scan_prefetch" else "_ho"
+    want = {"recgen_chunk_scan_mma_q" + tag, "recgen_chunk_scan_mma_aq_p_pq" + tag + "_dg_rev"}
+    assert {k for k in kinds if tag in k} == want, kinds
 
 
 def _out_ref(r, u, Z, St, l):
@@ -1043,6 +1062,11 @@ def test_model_layout_kernels_match_the_chunk_layout(sanitizer):
              (scan(None, q=True), scan((H, HK, n, True), q=True), sc, ({"Bm": by_head(k)}, {"Bm": k}), ()),
              (scan(None, reverse=True, p=True, dg=True, aq=True, pq=True),
               scan((H, HK, n, True), reverse=True, p=True, dg=True, aq=True, pq=True), rev,
+              ({"A": by_head(k), "Pa": by_head(q)}, {"A": k, "Pa": q}), ()),
+             # hoisted (``ScanVariant.hoist``, the operands loaded at each step's start): the same sums exactly
+             (scan(None, q=True), scan((H, HK, n, True), q=True, hoist=True), sc, ({"Bm": by_head(k)}, {"Bm": k}), ()),
+             (scan(None, reverse=True, p=True, dg=True, aq=True, pq=True),
+              scan((H, HK, n, True), reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True), rev,
               ({"A": by_head(k), "Pa": by_head(q)}, {"A": k, "Pa": q}), ())]
     for plain, launch, common, (chunked, given), per_head in cases:
         want = verify.run_launch(plain, common | chunked)

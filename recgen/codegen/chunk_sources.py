@@ -55,10 +55,14 @@ class ScanVariant:
     ``p``: one more term Pa_cᵀ Pb_c given as its factors; ``dg``: also the row sums of carried ⊙ St (the
     backward's decay gradient, never formed); ``q``: B's rows scaled as read (the forward's u ⊙ Q); ``aq``, ``pq``:
     A's and Pa's rows scaled as read (the backward's u ⊙ Q and r ⊙ P); ``pf``: each group's fragments of A and X
-    loaded a chunk ahead (needs one item of Y a group: ``scan_prefetches``); ``reverse``: over the chunks in
+    loaded a chunk ahead (needs one item of Y a group: ``scan_prefetches``); ``hoist``: every operand that does
+    not depend on the state (A's and X's fragments where there is an A term, as ``pf`` needs them; the products'
+    transposed rows) loaded into registers at the start of a chunk's step, so their latency overlaps the state
+    copy and Y's product instead of stalling the loops that use them; ``reverse``: over the chunks in
     reverse; ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0); ``mma``: the fragment frame; ``ml``: the
     row-scaled operands (those of q, aq, pq: roles read from the model's key inputs) read in the model's layout
-    [B, n C, HK, K] (template constants H, HK, GB). p, dg, q, aq, pq, pf and ml exist on the fragment frame only."""
+    [B, n C, HK, K] (template constants H, HK, GB). p, dg, q, aq, pq, pf, hoist and ml exist on the fragment frame
+    only."""
 
     a: bool = True
     b: bool = True
@@ -70,6 +74,7 @@ class ScanVariant:
     aq: bool = False
     pq: bool = False
     pf: bool = False
+    hoist: bool = False
     vec: bool = False
     mma: bool = False
     ml: bool = False
@@ -81,11 +86,13 @@ class ScanVariant:
             raise ValueError("chunk_scan: row scales Bq need a B term")
         if (self.aq or self.pf) and not self.a:
             raise ValueError("chunk_scan: row scales Aq and prefetching need an A term")
+        if self.hoist and not (self.b or self.p):
+            raise ValueError("chunk_scan: hoisting loads a product's rows: needs a B or P term")
         if self.pq and not self.p:
             raise ValueError("chunk_scan: row scales Pq need a P term")
-        if (self.p or self.dg or self.q or self.aq or self.pf or self.ml) and not self.mma:
-            raise ValueError("chunk_scan: P, dg, Bq, Aq terms, prefetching and the model's layout need the fragment "
-                             "frame")
+        if (self.p or self.dg or self.q or self.aq or self.pf or self.hoist or self.ml) and not self.mma:
+            raise ValueError("chunk_scan: P, dg, Bq, Aq terms, prefetching, hoisting and the model's layout need the "
+                             "fragment frame")
         if self.ml and not (self.q or self.aq or self.pq):
             raise ValueError("chunk_scan: the model's layout (ml) is the row-scaled operands': needs Bq, Aq or Pq")
         if self.ml and self.pf:
@@ -96,7 +103,7 @@ class ScanVariant:
         """The kernel name's variant part."""
         return (("scan_mma" if self.mma else "scan") + ("" if self.a else "_noa") + ("" if self.b else "_nob")
                 + ("_q" if self.q else "") + ("_aq" if self.aq else "") + ("_e" if self.e else "")
-                + ("_p" if self.p else "") + ("_pq" if self.pq else "") + ("_pf" if self.pf else "")
+                + ("_p" if self.p else "") + ("_pq" if self.pq else "") + ("_pf" if self.pf else "") + ("_ho" if self.hoist else "")
                 + ("_dg" if self.dg else "") + ("_ml" if self.ml else "") + ("_rev" if self.reverse else "")
                 + ("_v4" if self.vec else ""))
 
@@ -129,7 +136,7 @@ def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
     if v.mma:
         return _source(d, "chunk_scan_mma.j2", v.kind, "chunk scan of the chunked core, fragment multiply-adds",
                        v.inputs, v.outputs, (), helpers=d.mma_prelude, has_p=v.p, has_dg=v.dg, has_q=v.q,
-                       has_aq=v.aq, has_pq=v.pq, pf=v.pf, ml=v.ml, **flags)
+                       has_aq=v.aq, has_pq=v.pq, pf=v.pf, hoist=v.hoist, ml=v.ml, **flags)
     return _source(d, "chunk_scan.j2", v.kind, "chunk scan of the chunked core", v.inputs, v.outputs, (),
                    vec=v.vec, **flags)
 

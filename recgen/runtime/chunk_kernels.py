@@ -124,8 +124,9 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
         lay = scan_mma_layout(C, K, V, most_bv, most_nw)
         if lay is None:
             raise ValueError(f"chunk_scan_mma: C={C}, K={K} must be multiples of 16 and V={V} of 8")
-        if v.pf and not scan_prefetches(C, K, V, most_bv, most_nw):
-            raise ValueError(f"chunk_scan_mma: prefetching needs one item of Y a group, not so at C={C}, K={K}, V={V}")
+        if (v.pf or (v.hoist and v.a)) and not scan_prefetches(C, K, V, most_bv, most_nw):
+            raise ValueError(f"chunk_scan_mma: prefetching and hoisting need one item of Y a group, not so at C={C}, "
+                             f"K={K}, V={V}")
         nt = 32 * lay["NW"]
         tmpl = (("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items()) + _model_consts(ml, ("H", "HK", "GB"))
         return Launch(src, (("rt", (n,), "int32"),), _scan_outputs(BH, n, C, K, V, v, V // lay["BV"]),
@@ -416,10 +417,13 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     # Twice the SIMD groups (one 16-row state block each) measured faster for the reverse scans and slower for the
     # forward one on the H100 (docs/design.md): a choice per direction
     nw = t.reverse_scan_nw if reverse else t.scan_nw
-    pf = mma and A is not None and t.scan_prefetch and scan_prefetches(C, K, V, t.scan_bv, nw)
+    one_item = scan_prefetches(C, K, V, t.scan_bv, nw)
+    pf = mma and A is not None and t.scan_prefetch and one_item
+    hoist = (mma and (Bm is not None or P is not None) and (A is None or one_item)
+             and (t.reverse_scan_hoist if reverse else t.scan_hoist))
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf and ml is None,
-                    vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None)
+                    hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None)
     outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv, nw, ml), user)
     carried, Y, S_end = outs[0].reshape(*lead, n, K, V), outs[1], outs[2].reshape(*lead, K, V)
     Y = Y.reshape(*lead, n, C, V) if A is not None else X

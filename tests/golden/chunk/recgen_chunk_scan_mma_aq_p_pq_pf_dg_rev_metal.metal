@@ -51,8 +51,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       S_[rb][ct][2] = static_cast<float>(S0[(bh * K + r + 8) * V + c]); S_[rb][ct][3] = static_cast<float>(S0[(bh * K + r + 8) * V + c + 1]);
     }
   }
-  // pf: each group has one item of Y_c; its fragments of A and X for the next chunk load while this chunk's update
-  // runs (they do not depend on the state), so the product waits on no memory
+  // each group has one item of Y_c (pf, hoist), its fragments of A and X in registers: loaded a chunk ahead while
+  // this chunk's update runs (pf), or at the step's start (hoist); they do not depend on the state
   const int pr_ = 16 * (warp / (CT / YCT)) + gq;
   const int pct0 = YCT * (warp % (CT / YCT));
   float an_[K / 8][4], xn_[YCT][4];
