@@ -79,7 +79,8 @@ class Tuning:
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (measured no clear gain: off)
     scan_hoist: bool = False        # the forward fragment scan loads a chunk's state-free operands at its step's start
-    reverse_scan_hoist: bool = False  # ... the reverse (backward) one
+    #                                 (their latency overlaps the state copy and Y's product; H100: GDN fwd -6%)
+    reverse_scan_hoist: bool = False  # ... the reverse (backward) one (H100: GDN fwd+bwd -3.5%)
     scan_products: bool = True      # the fragment scan takes a product term E = Paᵀ Pb as its factors
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
     pair_fold: bool = False         # ... their own block's rows t and BS − 1 − t on one thread
@@ -109,7 +110,8 @@ DEVICE_DEFAULTS = {
 MEASURED = {
     "cuda": dict(chunk_kernels=True, mma_scan=True, chunked_backward_min_t=1024,
                  chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True, reverse_scan_nw=8,
-                 pair_fold=True, ut_products=True, rank1_readout=True, logdecay_16bit=True, model_rows=True),
+                 pair_fold=True, ut_products=True, rank1_readout=True, logdecay_16bit=True, model_rows=True,
+                 scan_hoist=True, reverse_scan_hoist=True),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 

@@ -1451,12 +1451,17 @@ def fresh_probe():
     pr._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor", "rows"])
+@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor", "rows",
+                                   "hoist"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
-    """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass."""
-    monkeypatch.setattr(ck, "mlx_call", _emulated_call)
+    """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass
+    ("hoist" runs the hoisted scans in both directions)."""
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     assert pr._probe("metal", frame, SMALL) is None
     assert pr.usable("metal", frame, SMALL)
+    hoisted = {c.split("_metal")[0] for c in calls if "_ho" in c}
+    assert hoisted == ({"recgen_chunk_scan_mma_q_ho", "recgen_chunk_scan_mma_q_ho_rev"} if frame == "hoist" else set())
 
 
 def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):
@@ -1504,7 +1509,8 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
     ("keyfactor", "RECGEN_KEY_FACTOR_READS", "key_factor_reads", "KDA's factor reads"),
     ("rows", "RECGEN_MODEL_ROWS", "model_rows", "model-layout reads"),
     ("decode", "RECGEN_FEATURE_DECODE", "feature_decode", "feature decode"),
-    ("features", "RECGEN_FEATURE_KERNELS", "feature_kernels", "feature product")])
+    ("features", "RECGEN_FEATURE_KERNELS", "feature_kernels", "feature product"),
+    ("hoist", "RECGEN_SCAN_HOIST,RECGEN_REVERSE_SCAN_HOIST", "scan_hoist", "hoisted loads")])
 def test_an_opt_in_frame_that_fails_turns_only_itself_off(frame, variable, flag, warning, monkeypatch, fresh_probe):
     """A frame probed only where the tuning asks for it (CUDA's measured defaults or the environment): not asked, it
     stays off unprobed; asked and failing, only its own choice falls back (with a warning), the chunk kernels and
@@ -1512,10 +1518,11 @@ def test_an_opt_in_frame_that_fails_turns_only_itself_off(frame, variable, flag,
     probed = []
     monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: probed.append(f) or
                         ("RuntimeError: no" if f == frame else None))
-    assert getattr(pr.checked(tuning.resolve("gpu", "cuda", environ={variable: "0"})), flag) is False
+    assert getattr(pr.checked(tuning.resolve("gpu", "cuda", environ=dict.fromkeys(variable.split(","), "0"))),
+                   flag) is False
     assert frame not in probed
     with pytest.warns(RuntimeWarning, match=warning):
-        c = pr.checked(tuning.resolve("gpu", "cuda", environ={variable: "1"}))
+        c = pr.checked(tuning.resolve("gpu", "cuda", environ=dict.fromkeys(variable.split(","), "1")))
     assert c.chunk_kernels and c.mma_scan and not getattr(c, flag)
 
 

@@ -46,6 +46,9 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
         changes.update(ut_16bit=False)  # U and W in float32
     if t.model_rows and not (t.dialect and changes.get("mma_scan", t.mma_scan) and usable(t.dialect, "rows", sizes)):
         changes.update(model_rows=False)  # q, k, v copied to the chunks' layout
+    if (t.scan_hoist or t.reverse_scan_hoist) and not (t.dialect and changes.get("mma_scan", t.mma_scan)
+                                                       and usable(t.dialect, "hoist", sizes)):
+        changes.update(scan_hoist=False, reverse_scan_hoist=False)  # the scans load each operand where used
     if t.key_factor_reads and not (t.dialect and changes.get("mma_scan", t.mma_scan)
                                    and usable(t.dialect, "keyfactor", sizes)):
         changes.update(key_factor_reads=False)  # KDA's roles formed
@@ -91,8 +94,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     decode kernel at d = V = 64), "features" (the feature product and gradient kernels at C = 64, d = 64, V = 65),
     "ut16" (the factor-read UT transform writing bf16), "keyfactor" (KDA's factor-read UT transform and tail) and
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
-    chunk-layout forms, which "mma" checks against float64), each
-    probed where the tuning asks for it. A GPU whose compiler rejects a frame (an old CUDA architecture
+    chunk-layout forms, which "mma" checks against float64) and "hoist" (the fragment scans of "mma", forward and
+    reverse, with their state-free operands loaded at each step's start), each probed where the tuning asks for it. A GPU whose compiler rejects a frame (an old CUDA architecture
     without TF32 fragments, say) then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked
     call; a failing "tail" turns only the fused backward off, a failing "pairs" only the pairs' fragments."""
     import mlx.core as mx
@@ -107,8 +110,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
         T = np.linalg.inv(np.eye(len(G)) - A)
         return A, [T, T @ w, T @ (b * np.exp(G)[:, None])]
     t = resolve("gpu", dialect, environ={}, chunk_kernels=True,
-                mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows"),
-                mma_pairs=frame == "pairs")
+                mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist"),
+                mma_pairs=frame == "pairs", scan_hoist=frame == "hoist", reverse_scan_hoist=frame == "hoist")
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
     try:
@@ -252,7 +255,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             # the fragment frame as the forward runs it: B (u) in bf16, its rows scaled by Bq (Q) as read
             Bq = np.exp(-0.1 * np.arange(C - 1, -1, -1.0))[None, None].repeat(n, 1)
             Bm16 = f32(Bm).astype(mx.bfloat16)
-            Bs = np.array(Bm16.astype(mx.float32), np.float64) * Bq[..., None] if frame == "mma" else Bm
+            frag = frame in ("mma", "hoist")  # "hoist": the same scans, their state-free operands loaded first
+            Bs = np.array(Bm16.astype(mx.float32), np.float64) * Bq[..., None] if frag else Bm
             S, ref_c, ref_y = S0[0], [], []
             for c in range(n):                   # the scan in float64
                 Y = X[0, c] + A[0, c] @ S
@@ -260,10 +264,10 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                 ref_y.append(Y)
                 S = 0.5 * S + Bs[0, c].T @ Y
             g = f32(np.full((1, n, 1), 0.5))
-            got = list(ck.chunk_scan(f32(S0), f32(A), f32(X), Bm16 if frame == "mma" else f32(Bm), g, None,
-                                     t, reverse=False, Bq=f32(Bq)[..., None] if frame == "mma" else None))
+            got = list(ck.chunk_scan(f32(S0), f32(A), f32(X), Bm16 if frag else f32(Bm), g, None,
+                                     t, reverse=False, Bq=f32(Bq)[..., None] if frag else None))
             ref = [np.stack(ref_c)[None], np.stack(ref_y)[None], S[None]]
-            if frame == "mma":  # and in reverse, as the backward runs it (its own group count: ``reverse_scan_nw``)
+            if frag:  # and in reverse, as the backward runs it (its own group count: ``reverse_scan_nw``)
                 S, rev_c = S0[0], [None] * n
                 for c in reversed(range(n)):
                     rev_c[c] = S
@@ -358,6 +362,7 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
                 "ut16": "the UT transform's 16-bit outputs (float32 is used)",
                 "keyfactor": "KDA's factor reads (its roles are formed)",
                 "rows": "the model-layout reads of q, k, v (they are copied to the chunks' layout)",
+                "hoist": "the scans' hoisted loads (each operand is loaded where it is used)",
                 "decode": "the feature decode kernel (MLX ops are used for the step)",
                 "features": "the feature product kernels (φ is formed in memory)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
