@@ -99,6 +99,17 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
         pp_[t0 / 8][rb][3] = static_cast<float>(Pa[(bc * C + t0 + tq + 4) * K + r + 8]) * q4;
       }
     }
+    float st_[RBS][CT][4];  // St_c's elements where this lane holds carried_c's
+#pragma unroll
+    for (int rb = 0; rb < RBS; ++rb) {
+      const int r = 16 * (warp * RBS + rb) + gq;
+#pragma unroll
+      for (int ct = 0; ct < CT; ++ct) {
+        const int c = col0 + 8 * ct + 2 * tq;
+        st_[rb][ct][0] = static_cast<float>(St[(bc * K + r) * V + c]); st_[rb][ct][1] = static_cast<float>(St[(bc * K + r) * V + c + 1]);
+        st_[rb][ct][2] = static_cast<float>(St[(bc * K + r + 8) * V + c]); st_[rb][ct][3] = static_cast<float>(St[(bc * K + r + 8) * V + c + 1]);
+      }
+    }
     // carried_c = S (and the threadgroup copy A_c S reads)
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
@@ -116,8 +127,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         const int c = col0 + 8 * ct + 2 * tq;
-        p0 += S_[rb][ct][0] * St[(bc * K + r) * V + c] + S_[rb][ct][1] * St[(bc * K + r) * V + c + 1];
-        p8 += S_[rb][ct][2] * St[(bc * K + r + 8) * V + c] + S_[rb][ct][3] * St[(bc * K + r + 8) * V + c + 1];
+        p0 += S_[rb][ct][0] * st_[rb][ct][0] + S_[rb][ct][1] * st_[rb][ct][1];
+        p8 += S_[rb][ct][2] * st_[rb][ct][2] + S_[rb][ct][3] * st_[rb][ct][3];
       }
       p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
       p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
