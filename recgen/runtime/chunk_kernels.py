@@ -414,13 +414,14 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
             + ([rows(P[0], Pq is not None), flat(P[1], n, C, V)] if P is not None else [])
             + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
     mma = P is not None or dg_here or Bq is not None or Aq is not None or use_mma(t, C, K, V)
+    hoists = mma and (Bm is not None or P is not None) and (t.reverse_scan_hoist if reverse else t.scan_hoist)
     # Twice the SIMD groups (one 16-row state block each) measured faster for the reverse scans and slower for the
-    # forward one on the H100 (docs/design.md): a choice per direction
-    nw = t.reverse_scan_nw if reverse else t.scan_nw
+    # forward one on the H100 (docs/design.md): a choice per direction. A hoisted scan holds a chunk's operands in
+    # registers (214 a lane at eight groups: one threadgroup an SM), so it keeps the forward's count in reverse too.
+    nw = t.reverse_scan_nw if reverse and not hoists else t.scan_nw
     one_item = scan_prefetches(C, K, V, t.scan_bv, nw)
     pf = mma and A is not None and t.scan_prefetch and one_item
-    hoist = (mma and (Bm is not None or P is not None) and (A is None or one_item)
-             and (t.reverse_scan_hoist if reverse else t.scan_hoist))
+    hoist = hoists and (A is None or one_item)
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf and ml is None,
                     hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None)
