@@ -523,6 +523,27 @@ def test_chunked_core_with_prefetching_scans_matches_reference(how, monkeypatch)
     assert {k for k in kinds if tag in k} == want, kinds
 
 
+def test_hoisted_reverse_scan_at_the_gpu_layout_matches_unhoisted():
+    """The GPU's hoisted reverse scan (GDN's backward: P, dg, Aq, Pq terms) at K = 128 over four groups, two 16-row
+    state blocks a group (the layout a hoisted reverse scan takes on CUDA), gives bit for bit what the unhoisted scan
+    of the same layout gives; under ASan+UBSan too."""
+    rng = np.random.default_rng(17)
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    BH, n, C, K, V = 1, 2, 64, 128, 32
+    ins = {"S0": f(BH, K, V), "A": f(BH, n, C, K) / 8, "Aq": rng.uniform(size=(BH, n, C)).astype(np.float32),
+           "X": f(BH, n, C, V), "Bm": f(BH, n, C, K) / 8, "g": np.full((BH, n, 1), 0.5, np.float32),
+           "Pa": f(BH, n, C, K) / 8, "Pb": f(BH, n, C, V), "Pq": rng.uniform(size=(BH, n, C)).astype(np.float32),
+           "St": f(BH, n, K, V)}
+    terms = dict(reverse=True, p=True, dg=True, aq=True, pq=True, mma=True)
+    assert cs.scan_mma_layout(C, K, V, 32, 4)["NW"] == 4
+    want = verify.run_launch(ck.scan_launch("metal", ScanVariant(**terms), BH, n, C, K, V, 1, 32, 4), ins)
+    for sanitizer in (None, "address"):
+        got = verify.run_launch(ck.scan_launch("metal", ScanVariant(hoist=True, **terms), BH, n, C, K, V, 1, 32, 4), ins,
+                                sanitizer=sanitizer)
+        for a, b in zip(got, want):
+            assert np.array_equal(a, b)
+
+
 def _out_ref(r, u, Z, St, l):
     """float64 M[t, s] = (r_t . u_s) prod_{s<tau<=t} e^{l_tau} (s <= t, else 0) and
     y_t = e^{G_t} r_t S + sum_{s<=t} M[t, s] z_s, per chunk."""
