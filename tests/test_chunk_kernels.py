@@ -1506,10 +1506,12 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
     monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: None)
     assert pr.checked(t) == t and t.chunk_kernels and t.mma_scan
     pr.checked.cache_clear()
-    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "mma" else None)
+    failing = ("hoist", "mma")  # the fragment kernels, with hoisted scans (as CUDA's table runs them) and without
+    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame in failing
+                        else None)
     with pytest.warns(RuntimeWarning, match="fragment scan"):
         c = pr.checked(t)
-    assert c.chunk_kernels and not c.mma_scan  # the FMA scan passed
+    assert c.chunk_kernels and not c.mma_scan and not c.scan_hoist  # the FMA scan passed
     pr.checked.cache_clear()
     monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "tail" else None)
     with pytest.warns(RuntimeWarning, match="fused backward"):
@@ -1535,16 +1537,30 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
 def test_an_opt_in_frame_that_fails_turns_only_itself_off(frame, variable, flag, warning, monkeypatch, fresh_probe):
     """A frame probed only where the tuning asks for it (CUDA's measured defaults or the environment): not asked, it
     stays off unprobed; asked and failing, only its own choice falls back (with a warning), the chunk kernels and
-    the fragment scan stay."""
+    the fragment scan stay ("hoist" stands for "mma" where hoisting is asked for: "mma" is then probed only after it
+    fails)."""
     probed = []
     monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: probed.append(f) or
                         ("RuntimeError: no" if f == frame else None))
     assert getattr(pr.checked(tuning.resolve("gpu", "cuda", environ=dict.fromkeys(variable.split(","), "0"))),
                    flag) is False
     assert frame not in probed
+    probed.clear()
     with pytest.warns(RuntimeWarning, match=warning):
         c = pr.checked(tuning.resolve("gpu", "cuda", environ=dict.fromkeys(variable.split(","), "1")))
     assert c.chunk_kernels and c.mma_scan and not getattr(c, flag)
+    if frame == "hoist":
+        assert probed.index("hoist") < probed.index("mma")
+
+
+def test_hoisted_kernels_are_the_ones_probed(monkeypatch, fresh_probe):
+    """Where the tuning hoists the scans (CUDA's table), the self-test runs the fragment kernels as the model then
+    runs them ("hoist") and no unhoisted scan ("mma"), so a first call compiles nothing it will not use."""
+    probed = []
+    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: probed.append(f) or None)
+    c = pr.checked(tuning.resolve("gpu", "cuda", environ={}))
+    assert c.scan_hoist and c.reverse_scan_hoist and c.mma_scan
+    assert "hoist" in probed and "mma" not in probed, probed
 
 
 def test_probe_inside_a_transformation(monkeypatch, fresh_probe):

@@ -31,8 +31,10 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
     if t.chunk_kernels:
         if t.dialect is None or not usable(t.dialect, "base", sizes):
             changes.update(chunk_kernels=False)
+        elif t.mma_scan and (t.scan_hoist or t.reverse_scan_hoist) and usable(t.dialect, "hoist", sizes):
+            pass  # the fragment kernels as this tuning runs them, hoisted scans included
         elif t.mma_scan and usable(t.dialect, "mma", sizes):
-            pass
+            pass  # hoisting, if asked for, failed: turned off below
         elif usable(t.dialect, "scan", sizes):
             changes.update(mma_scan=False)
         else:
@@ -46,7 +48,8 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
         changes.update(ut_16bit=False)  # U and W in float32
     if t.model_rows and not (t.dialect and changes.get("mma_scan", t.mma_scan) and usable(t.dialect, "rows", sizes)):
         changes.update(model_rows=False)  # q, k, v copied to the chunks' layout
-    if (t.scan_hoist or t.reverse_scan_hoist) and not (t.dialect and changes.get("mma_scan", t.mma_scan)
+    if (t.scan_hoist or t.reverse_scan_hoist) and not (t.chunk_kernels and changes.get("chunk_kernels", True)
+                                                       and changes.get("mma_scan", t.mma_scan)
                                                        and usable(t.dialect, "hoist", sizes)):
         changes.update(scan_hoist=False, reverse_scan_hoist=False)  # the scans load each operand where used
     if t.key_factor_reads and not (t.dialect and changes.get("mma_scan", t.mma_scan)
@@ -94,8 +97,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     decode kernel at d = V = 64), "features" (the feature product and gradient kernels at C = 64, d = 64, V = 65),
     "ut16" (the factor-read UT transform writing bf16), "keyfactor" (KDA's factor-read UT transform and tail) and
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
-    chunk-layout forms, which "mma" checks against float64) and "hoist" (the fragment scans of "mma", forward and
-    reverse, with their state-free operands loaded at each step's start), each probed where the tuning asks for it. A GPU whose compiler rejects a frame (an old CUDA architecture
+    chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
+    state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
+    frame stands for "mma", which is probed only if it fails), each probed where the tuning asks for it. A GPU whose compiler rejects a frame (an old CUDA architecture
     without TF32 fragments, say) then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked
     call; a failing "tail" turns only the fused backward off, a failing "pairs" only the pairs' fragments."""
     import mlx.core as mx
@@ -255,7 +259,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             # the fragment frame as the forward runs it: B (u) in bf16, its rows scaled by Bq (Q) as read
             Bq = np.exp(-0.1 * np.arange(C - 1, -1, -1.0))[None, None].repeat(n, 1)
             Bm16 = f32(Bm).astype(mx.bfloat16)
-            frag = frame in ("mma", "hoist")  # "hoist": the same scans, their state-free operands loaded first
+            frag = frame in ("mma", "hoist")  # "hoist": the same kernels, the scans' state-free operands loaded first
             Bs = np.array(Bm16.astype(mx.float32), np.float64) * Bq[..., None] if frag else Bm
             S, ref_c, ref_y = S0[0], [], []
             for c in range(n):                   # the scan in float64
@@ -275,7 +279,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                 got += list(ck.chunk_scan(f32(S0), f32(A), f32(X), Bm16, g, None, t, reverse=True,
                                           Bq=f32(Bq)[..., None]))[0::2]
                 ref += [np.stack(rev_c)[None], S[None]]
-            if frame == "mma":  # and the readout, at decay e^-0.1 a token: y = e^{G} R S_c + ((R Uᵀ) ⊙ Γ) X_c
+            if frag:  # and the readout, at decay e^-0.1 a token: y = e^{G} R S_c + ((R Uᵀ) ⊙ Γ) X_c
                 R, U = rng.normal(size=(n, C, K)) / K, rng.normal(size=(n, C, K))
                 G = -0.1 * np.arange(1, C + 1)
                 gam = np.tril(np.exp(G[:, None] - G[None, :]))
