@@ -81,6 +81,9 @@ class Tuning:
     scan_hoist: bool = False        # the forward fragment scan loads a chunk's state-free operands at its step's start
     #                                 (their latency overlaps the state copy and Y's product; H100: GDN fwd -6%)
     reverse_scan_hoist: bool = False  # ... the reverse (backward) one (H100: GDN fwd+bwd -3.5%)
+    scan_hoist_most: int = 264      # ... where the scan has at most this many threadgroups: a hoisted one holds ~250
+    #                                 registers a lane, two threadgroups an SM (the H100's 132 take 264 at once);
+    #                                 past that, unhoisted ones fit more an SM; hoisting was timed up to 256 only
     scan_products: bool = True      # the fragment scan takes a product term E = Paᵀ Pb as its factors
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
     pair_fold: bool = False         # ... their own block's rows t and BS − 1 − t on one thread
@@ -166,6 +169,7 @@ ENVIRONMENT = {
     "RECGEN_SCAN_PREFETCH": ("scan_prefetch", _flag),
     "RECGEN_SCAN_HOIST": ("scan_hoist", _flag),
     "RECGEN_REVERSE_SCAN_HOIST": ("reverse_scan_hoist", _flag),
+    "RECGEN_SCAN_HOIST_MOST": ("scan_hoist_most", int),
     "RECGEN_SCAN_PRODUCTS": ("scan_products", _flag),
     "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
     "RECGEN_PAIR_FOLD": ("pair_fold", _flag),

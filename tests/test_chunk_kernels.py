@@ -523,6 +523,33 @@ def test_chunked_core_with_prefetching_scans_matches_reference(how, monkeypatch)
     assert {k for k in kinds if tag in k} == want, kinds
 
 
+@pytest.mark.parametrize("most,hoisted", [(264, True), (1, False)])
+def test_scans_hoist_only_up_to_their_threadgroup_bound(most, hoisted, monkeypatch):
+    """``Tuning.scan_hoist_most``: a scan of more threadgroups than that (here B·H · V / BV = 2 · 1) is not
+    hoisted, so large grids keep the unhoisted scans' occupancy; the result is the same either way."""
+    pytest.importorskip("mlx.core")
+    import mlx.core as mx
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, scan_hoist=True,
+                       scan_hoist_most=most)
+    rng = np.random.default_rng(3)
+    f = lambda *s: mx.array(rng.normal(size=s).astype(np.float32))  # noqa: E731
+    S0, A, X, Bm = f(2, 16, 16), f(2, 2, 16, 16) / 4, f(2, 2, 16, 16), f(2, 2, 16, 16) / 4
+    g = mx.full((2, 2, 1), 0.5)
+    carried, Y, S_end = ck.chunk_scan(S0, A, X, Bm, g, None, t, reverse=False)
+    assert any("_ho" in c for c in calls) == hoisted, calls
+    S, want_c, want_y = np.array(S0, np.float64), [], []
+    for c in range(2):
+        want_c.append(S)
+        Yc = np.array(X[:, c]) + np.array(A[:, c]) @ S
+        want_y.append(Yc)
+        S = 0.5 * S + np.array(Bm[:, c]).swapaxes(-1, -2) @ Yc
+    assert _rel(np.array(carried), np.stack(want_c, 1)) < 1e-3 and _rel(np.array(Y), np.stack(want_y, 1)) < 1e-3
+    assert _rel(np.array(S_end), S) < 1e-3
+
+
 def test_hoisted_reverse_scan_at_the_gpu_layout_matches_unhoisted():
     """The GPU's hoisted reverse scan (GDN's backward: P, dg, Aq, Pq terms) at K = 128 over four groups, two 16-row
     state blocks a group (the layout a hoisted reverse scan takes on CUDA), gives bit for bit what the unhoisted scan

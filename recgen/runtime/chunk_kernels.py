@@ -414,7 +414,9 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
             + ([rows(P[0], Pq is not None), flat(P[1], n, C, V)] if P is not None else [])
             + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
     mma = P is not None or dg_here or Bq is not None or Aq is not None or use_mma(t, C, K, V)
-    hoists = mma and (Bm is not None or P is not None) and (t.reverse_scan_hoist if reverse else t.scan_hoist)
+    lay = scan_mma_layout(C, K, V, t.scan_bv, t.scan_nw) if mma else None
+    hoists = (lay is not None and (Bm is not None or P is not None) and BH * (V // lay["BV"]) <= t.scan_hoist_most
+              and (t.reverse_scan_hoist if reverse else t.scan_hoist))
     # Twice the SIMD groups (one 16-row state block each) measured faster for the reverse scans and slower for the
     # forward one on the H100 (docs/design.md): a choice per direction. A hoisted scan holds a chunk's operands in
     # registers (214 a lane at eight groups: one threadgroup an SM), so it keeps the forward's count in reverse too.
