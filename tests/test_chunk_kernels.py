@@ -565,8 +565,8 @@ def test_hoisted_reverse_scan_at_the_gpu_layout_matches_unhoisted():
     assert cs.scan_mma_layout(C, K, V, 32, 4)["NW"] == 4
     want = verify.run_launch(ck.scan_launch("metal", ScanVariant(**terms), BH, n, C, K, V, 1, 32, 4), ins)
     for sanitizer in (None, "address"):
-        got = verify.run_launch(ck.scan_launch("metal", ScanVariant(hoist=True, **terms), BH, n, C, K, V, 1, 32, 4), ins,
-                                sanitizer=sanitizer)
+        hoisted = ck.scan_launch("metal", ScanVariant(hoist=True, **terms), BH, n, C, K, V, 1, 32, 4)
+        got = verify.run_launch(hoisted, ins, sanitizer=sanitizer)
         for a, b in zip(got, want):
             assert np.array_equal(a, b)
 
@@ -1499,8 +1499,8 @@ def fresh_probe():
     pr._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor", "rows",
-                                   "hoist"])
+@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor",
+                                   "rows", "hoist"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass
     ("hoist" runs the hoisted scans in both directions)."""

@@ -103,7 +103,8 @@ class ScanVariant:
         """The kernel name's variant part."""
         return (("scan_mma" if self.mma else "scan") + ("" if self.a else "_noa") + ("" if self.b else "_nob")
                 + ("_q" if self.q else "") + ("_aq" if self.aq else "") + ("_e" if self.e else "")
-                + ("_p" if self.p else "") + ("_pq" if self.pq else "") + ("_pf" if self.pf else "") + ("_ho" if self.hoist else "")
+                + ("_p" if self.p else "") + ("_pq" if self.pq else "") + ("_pf" if self.pf else "")
+                + ("_ho" if self.hoist else "")
                 + ("_dg" if self.dg else "") + ("_ml" if self.ml else "") + ("_rev" if self.reverse else "")
                 + ("_v4" if self.vec else ""))
 

@@ -372,6 +372,21 @@ def tril_inverse(L, t: Tuning):
     return T.reshape(L.shape)
 
 
+def _scan_schedule(t: Tuning, BH: int, C: int, K: int, V: int, reverse: bool, mma: bool, has_a: bool,
+                   has_products: bool) -> tuple[int, bool, bool]:
+    """How a scan of BH (batch, head) pairs runs: (SIMD groups, ``pf``, ``hoist``). Twice the groups (one 16-row
+    state block each) measured faster for the reverse scans and slower for the forward one on the H100 (docs/design.md):
+    a choice per direction. A hoisted scan (a product to hoist, at most ``scan_hoist_most`` threadgroups) holds a
+    chunk's operands in registers (214 a lane at eight groups: one threadgroup an SM), so it keeps the forward's
+    count in reverse too. Loading A's and X's fragments early (``pf``, ``hoist``) needs one item of Y a group."""
+    lay = scan_mma_layout(C, K, V, t.scan_bv, t.scan_nw) if mma else None
+    hoists = (lay is not None and has_products and BH * (V // lay["BV"]) <= t.scan_hoist_most
+              and (t.reverse_scan_hoist if reverse else t.scan_hoist))
+    nw = t.reverse_scan_nw if reverse and not hoists else t.scan_nw
+    one_item = scan_prefetches(C, K, V, t.scan_bv, nw)
+    return nw, mma and has_a and t.scan_prefetch and one_item, hoists and (not has_a or one_item)
+
+
 def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq=None, Aq=None, Pq=None, ml=None):
     """carried_c = S,  Y_c = X_c + A_c S,  S ← g_c ⊙ S + B_cᵀ Y_c (+ E_c) over [..., n, ·, ·] operands (leading
     axes flattened to one (b, h) axis), in order or in reverse.
@@ -414,16 +429,7 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
             + ([rows(P[0], Pq is not None), flat(P[1], n, C, V)] if P is not None else [])
             + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
     mma = P is not None or dg_here or Bq is not None or Aq is not None or use_mma(t, C, K, V)
-    lay = scan_mma_layout(C, K, V, t.scan_bv, t.scan_nw) if mma else None
-    hoists = (lay is not None and (Bm is not None or P is not None) and BH * (V // lay["BV"]) <= t.scan_hoist_most
-              and (t.reverse_scan_hoist if reverse else t.scan_hoist))
-    # Twice the SIMD groups (one 16-row state block each) measured faster for the reverse scans and slower for the
-    # forward one on the H100 (docs/design.md): a choice per direction. A hoisted scan holds a chunk's operands in
-    # registers (214 a lane at eight groups: one threadgroup an SM), so it keeps the forward's count in reverse too.
-    nw = t.reverse_scan_nw if reverse and not hoists else t.scan_nw
-    one_item = scan_prefetches(C, K, V, t.scan_bv, nw)
-    pf = mma and A is not None and t.scan_prefetch and one_item
-    hoist = hoists and (A is None or one_item)
+    nw, pf, hoist = _scan_schedule(t, BH, C, K, V, reverse, mma, A is not None, Bm is not None or P is not None)
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf and ml is None,
                     hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None)

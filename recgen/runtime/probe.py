@@ -99,9 +99,10 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
     state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
-    frame stands for "mma", which is probed only if it fails), each probed where the tuning asks for it. A GPU whose compiler rejects a frame (an old CUDA architecture
-    without TF32 fragments, say) then keeps MLX ops, or the FMA scan, instead of raising from inside every chunked
-    call; a failing "tail" turns only the fused backward off, a failing "pairs" only the pairs' fragments."""
+    frame stands for "mma", which is probed only if it fails), each probed where the tuning asks for it. A GPU
+    whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say) then keeps MLX ops, or
+    the FMA scan, instead of raising from inside every chunked call; a failing "tail" turns only the fused backward
+    off, a failing "pairs" only the pairs' fragments, a failing "hoist" only the hoisting."""
     import mlx.core as mx
     import numpy as np
 
