@@ -78,9 +78,11 @@ class Tuning:
     scan_nw: int = 4                # SIMD groups per threadgroup of the forward fragment scan (most)
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (measured no clear gain: off)
-    scan_hoist: bool = False        # the forward fragment scan loads a chunk's state-free operands at its step's start
-    #                                 (their latency overlaps the state copy and Y's product; H100: GDN fwd -6%)
-    reverse_scan_hoist: bool = False  # ... the reverse (backward) one (H100: GDN fwd+bwd -3.5%)
+    scan_hoist: bool = False        # the forward fragment scan (a product term: B or P) loads a chunk's state-free
+    #                                 operands at its step's start: their latency overlaps the state copy and Y's product
+    reverse_scan_hoist: bool = False  # ... the reverse (backward) one
+    scan_hoist_e: bool = False      # ... scans without a product term too (the E-term scans of KDA's, GLA's and simple
+    #                                 GLA's backward: A's and X's fragments and E's elements): untimed, so off
     scan_hoist_most: int = 264      # ... where the scan has at most this many threadgroups: a hoisted one holds ~250
     #                                 registers a lane, two threadgroups an SM (the H100's 132 take 264 at once);
     #                                 past that, unhoisted ones fit more an SM; hoisting was timed up to 256 only
@@ -170,6 +172,7 @@ ENVIRONMENT = {
     "RECGEN_SCAN_HOIST": ("scan_hoist", _flag),
     "RECGEN_REVERSE_SCAN_HOIST": ("reverse_scan_hoist", _flag),
     "RECGEN_SCAN_HOIST_MOST": ("scan_hoist_most", int),
+    "RECGEN_SCAN_HOIST_E": ("scan_hoist_e", _flag),
     "RECGEN_SCAN_PRODUCTS": ("scan_products", _flag),
     "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
     "RECGEN_PAIR_FOLD": ("pair_fold", _flag),

@@ -153,7 +153,8 @@ def chunk_launches(target: str) -> list:
                 + [mma(reverse=True, p=True, dg=True), mma(reverse=True, p=True, dg=True, aq=True, pq=True),
                    mma(reverse=True, e=True, b=False, aq=True), mma(q=True, pf=True),
                    mma(reverse=True, p=True, dg=True, aq=True, pq=True, pf=True), mma(p=True),
-                   mma(q=True, hoist=True, ml=ml), mma(reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True)]
+                   mma(q=True, hoist=True, ml=ml), mma(reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True),
+                   mma(reverse=True, e=True, b=False, aq=True, hoist=True)]
                 + [mma(a=a, q=True) for a in (True, False)]
                 + [ck.pair_launch(target, 8, 64, 128, strict, grad) for strict in (False, True) for grad in (False, True)]
                 + [ck.pair_launch(target, 8, 64, 128, strict, grad, dual=True) for strict in (False, True)

@@ -475,13 +475,9 @@ def test_chunk_scan_prefetching_matches_numpy(C, K, V, F, has_e, reverse, has_b,
     """The fragment scan with each group's A and X fragments loaded a chunk ahead (``ScanVariant.pf``) or its
     state-free operands at each step's start (``hoist``: A's and X's fragments, B's transposed rows), in both
     directions, scalar and key decays, with and without B and E, against ``_scan_ref``; three chunks so the
-    prefetched fragments of chunks 1 and 2 are the ones used. Layouts without one item of Y a group refuse both;
-    hoisting without a product refuses too."""
+    prefetched fragments of chunks 1 and 2 are the ones used (without B: the product-free scan, E's elements hoisted
+    too). Layouts without one item of Y a group refuse both."""
     flags = {x: True for x in how.split("+")}
-    if "hoist" in flags and not has_b:
-        with pytest.raises(ValueError, match="hoisting"):
-            ScanVariant(a=True, b=False, e=has_e, reverse=reverse, mma=True, **flags)
-        return
     v = ScanVariant(a=True, b=has_b, e=has_e, reverse=reverse, mma=True, **flags)
     assert cs.scan_prefetches(C, K, V)
     BH = 1 if C == 64 else 2  # the GPU's chunk: one (batch, head) keeps the emulator quick
@@ -499,6 +495,23 @@ def test_chunk_scan_hoisting_without_a_matches_numpy(reverse):
     v = ScanVariant(a=False, b=True, e=reverse, reverse=reverse, mma=True, hoist=True)
     _check_scan(ck.scan_launch("metal", v, 2, 3, 32, 16, 32, 1), np.random.default_rng(5), 2, 3, 32, 16, 32, 1,
                 reverse, reverse, False, True)
+
+
+@pytest.mark.parametrize("name", ["simple_gla", "gla"])
+def test_chunked_core_with_hoisted_product_free_scans_matches_reference(name, monkeypatch):
+    """``Tuning.scan_hoist_e`` end to end: the backward's product-free reverse scan (A with its row scales, E) of a
+    scalar decay (simple GLA) and a key decay (GLA) hoisted; forward, final state and every gradient against the
+    float64 reference."""
+    pytest.importorskip("mlx.core")
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, scan_hoist_e=True)
+    assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=4, tuning=t))
+    hoisted = {c.split("_metal")[0] for c in calls if "_ho" in c}
+    assert hoisted and all("_e_" in c and c.endswith("_rev") for c in hoisted), {c.split("_metal")[0] for c in calls}
 
 
 @pytest.mark.parametrize("how", ["scan_prefetch", "scan_hoist"])
@@ -550,10 +563,11 @@ def test_scans_hoist_only_up_to_their_threadgroup_bound(most, hoisted, monkeypat
     assert _rel(np.array(S_end), S) < 1e-3
 
 
-def test_hoisted_reverse_scan_at_the_gpu_layout_matches_unhoisted():
-    """The GPU's hoisted reverse scan (GDN's backward: P, dg, Aq, Pq terms) at K = 128 over four groups, two 16-row
-    state blocks a group (the layout a hoisted reverse scan takes on CUDA), gives bit for bit what the unhoisted scan
-    of the same layout gives; under ASan+UBSan too."""
+@pytest.mark.parametrize("form", ["products", "product-free"])
+def test_hoisted_reverse_scan_at_the_gpu_layout_matches_unhoisted(form):
+    """The GPU's hoisted reverse scans (GDN's backward: P, dg, Aq, Pq terms; simple GLA's: Aq and E, no B) at K = 128
+    over four groups, two 16-row state blocks a group (the layout a hoisted reverse scan takes on CUDA), give bit for
+    bit what the unhoisted scan of the same layout gives; under ASan+UBSan too."""
     rng = np.random.default_rng(17)
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     BH, n, C, K, V = 1, 2, 64, 128, 32
@@ -561,7 +575,10 @@ def test_hoisted_reverse_scan_at_the_gpu_layout_matches_unhoisted():
            "X": f(BH, n, C, V), "Bm": f(BH, n, C, K) / 8, "g": np.full((BH, n, 1), 0.5, np.float32),
            "Pa": f(BH, n, C, K) / 8, "Pb": f(BH, n, C, V), "Pq": rng.uniform(size=(BH, n, C)).astype(np.float32),
            "St": f(BH, n, K, V)}
-    terms = dict(reverse=True, p=True, dg=True, aq=True, pq=True, mma=True)
+    terms = (dict(reverse=True, p=True, dg=True, aq=True, pq=True, mma=True) if form == "products"
+             else dict(reverse=True, b=False, e=True, aq=True, mma=True))
+    if form != "products":
+        ins = {k: v for k, v in ins.items() if k in ("S0", "A", "Aq", "X", "g")} | {"E": f(BH, n, K, V)}
     assert cs.scan_mma_layout(C, K, V, 32, 4)["NW"] == 4
     want = verify.run_launch(ck.scan_launch("metal", ScanVariant(**terms), BH, n, C, K, V, 1, 32, 4), ins)
     for sanitizer in (None, "address"):
@@ -1500,7 +1517,7 @@ def fresh_probe():
 
 
 @pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor",
-                                   "rows", "hoist"])
+                                   "rows", "hoist", "hoist_e"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass
     ("hoist" runs the hoisted scans in both directions)."""
@@ -1509,7 +1526,8 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     assert pr._probe("metal", frame, SMALL) is None
     assert pr.usable("metal", frame, SMALL)
     hoisted = {c.split("_metal")[0] for c in calls if "_ho" in c}
-    assert hoisted == ({"recgen_chunk_scan_mma_q_ho", "recgen_chunk_scan_mma_q_ho_rev"} if frame == "hoist" else set())
+    assert hoisted == {"hoist": {"recgen_chunk_scan_mma_q_ho", "recgen_chunk_scan_mma_q_ho_rev"},
+                       "hoist_e": {"recgen_chunk_scan_mma_nob_aq_e_ho_rev"}}.get(frame, set())
 
 
 def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):
@@ -1560,7 +1578,8 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
     ("rows", "RECGEN_MODEL_ROWS", "model_rows", "model-layout reads"),
     ("decode", "RECGEN_FEATURE_DECODE", "feature_decode", "feature decode"),
     ("features", "RECGEN_FEATURE_KERNELS", "feature_kernels", "feature product"),
-    ("hoist", "RECGEN_SCAN_HOIST,RECGEN_REVERSE_SCAN_HOIST", "scan_hoist", "hoisted loads")])
+    ("hoist", "RECGEN_SCAN_HOIST,RECGEN_REVERSE_SCAN_HOIST", "scan_hoist", "hoisted loads"),
+    ("hoist_e", "RECGEN_SCAN_HOIST_E", "scan_hoist_e", "product-free scans' hoisted")])
 def test_an_opt_in_frame_that_fails_turns_only_itself_off(frame, variable, flag, warning, monkeypatch, fresh_probe):
     """A frame probed only where the tuning asks for it (CUDA's measured defaults or the environment): not asked, it
     stays off unprobed; asked and failing, only its own choice falls back (with a warning), the chunk kernels and

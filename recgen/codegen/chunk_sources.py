@@ -57,7 +57,7 @@ class ScanVariant:
     A's and Pa's rows scaled as read (the backward's u ⊙ Q and r ⊙ P); ``pf``: each group's fragments of A and X
     loaded a chunk ahead (needs one item of Y a group: ``scan_prefetches``); ``hoist``: every operand that does
     not depend on the state (A's and X's fragments where there is an A term, as ``pf`` needs them; the products'
-    transposed rows) loaded into registers at the start of a chunk's step, so their latency overlaps the state
+    transposed rows; E's and St's elements) loaded into registers at the start of a chunk's step, so their latency overlaps the state
     copy and Y's product instead of stalling the loops that use them; ``reverse``: over the chunks in
     reverse; ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0); ``mma``: the fragment frame; ``ml``: the
     row-scaled operands (those of q, aq, pq: roles read from the model's key inputs) read in the model's layout
@@ -86,8 +86,6 @@ class ScanVariant:
             raise ValueError("chunk_scan: row scales Bq need a B term")
         if (self.aq or self.pf) and not self.a:
             raise ValueError("chunk_scan: row scales Aq and prefetching need an A term")
-        if self.hoist and not (self.b or self.p):
-            raise ValueError("chunk_scan: hoisting loads a product's rows: needs a B or P term")
         if self.pq and not self.p:
             raise ValueError("chunk_scan: row scales Pq need a P term")
         if (self.p or self.dg or self.q or self.aq or self.pf or self.hoist or self.ml) and not self.mma:

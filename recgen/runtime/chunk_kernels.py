@@ -376,12 +376,13 @@ def _scan_schedule(t: Tuning, BH: int, C: int, K: int, V: int, reverse: bool, mm
                    has_products: bool) -> tuple[int, bool, bool]:
     """How a scan of BH (batch, head) pairs runs: (SIMD groups, ``pf``, ``hoist``). Twice the groups (one 16-row
     state block each) measured faster for the reverse scans and slower for the forward one on the H100 (docs/design.md):
-    a choice per direction. A hoisted scan (a product to hoist, at most ``scan_hoist_most`` threadgroups) holds a
-    chunk's operands in registers (214 a lane at eight groups: one threadgroup an SM), so it keeps the forward's
-    count in reverse too. Loading A's and X's fragments early (``pf``, ``hoist``) needs one item of Y a group."""
+    a choice per direction. A hoisted scan (at most ``scan_hoist_most`` threadgroups; ``scan_hoist`` and
+    ``reverse_scan_hoist`` for scans with a product term, ``scan_hoist_e`` for those without) holds a chunk's
+    operands in registers (214 a lane at eight groups: one threadgroup an SM), so it keeps the forward's count in
+    reverse too. Loading A's and X's fragments early (``pf``, ``hoist``) needs one item of Y a group."""
     lay = scan_mma_layout(C, K, V, t.scan_bv, t.scan_nw) if mma else None
-    hoists = (lay is not None and has_products and BH * (V // lay["BV"]) <= t.scan_hoist_most
-              and (t.reverse_scan_hoist if reverse else t.scan_hoist))
+    wants = (t.reverse_scan_hoist if reverse else t.scan_hoist) if has_products else t.scan_hoist_e
+    hoists = lay is not None and wants and BH * (V // lay["BV"]) <= t.scan_hoist_most
     nw = t.reverse_scan_nw if reverse and not hoists else t.scan_nw
     one_item = scan_prefetches(C, K, V, t.scan_bv, nw)
     return nw, mma and has_a and t.scan_prefetch and one_item, hoists and (not has_a or one_item)

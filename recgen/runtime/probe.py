@@ -52,6 +52,9 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
                                                        and changes.get("mma_scan", t.mma_scan)
                                                        and usable(t.dialect, "hoist", sizes)):
         changes.update(scan_hoist=False, reverse_scan_hoist=False)  # the scans load each operand where used
+    if t.scan_hoist_e and not (t.chunk_kernels and changes.get("chunk_kernels", True)
+                               and changes.get("mma_scan", t.mma_scan) and usable(t.dialect, "hoist_e", sizes)):
+        changes.update(scan_hoist_e=False)
     if t.key_factor_reads and not (t.dialect and changes.get("mma_scan", t.mma_scan)
                                    and usable(t.dialect, "keyfactor", sizes)):
         changes.update(key_factor_reads=False)  # KDA's roles formed
@@ -99,10 +102,11 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
     state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
-    frame stands for "mma", which is probed only if it fails), each probed where the tuning asks for it. A GPU
+    frame stands for "mma", which is probed only if it fails), "hoist_e" (a product-free reverse scan hoisted: A
+    with Aq, E), each probed where the tuning asks for it. A GPU
     whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say) then keeps MLX ops, or
     the FMA scan, instead of raising from inside every chunked call; a failing "tail" turns only the fused backward
-    off, a failing "pairs" only the pairs' fragments, a failing "hoist" only the hoisting."""
+    off, a failing "pairs" only the pairs' fragments, a failing "hoist" or "hoist_e" only that hoisting."""
     import mlx.core as mx
     import numpy as np
 
@@ -115,8 +119,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
         T = np.linalg.inv(np.eye(len(G)) - A)
         return A, [T, T @ w, T @ (b * np.exp(G)[:, None])]
     t = resolve("gpu", dialect, environ={}, chunk_kernels=True,
-                mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist"),
-                mma_pairs=frame == "pairs", scan_hoist=frame == "hoist", reverse_scan_hoist=frame == "hoist")
+                mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e"),
+                mma_pairs=frame == "pairs", scan_hoist=frame == "hoist", reverse_scan_hoist=frame == "hoist",
+                scan_hoist_e=frame == "hoist_e")
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
     try:
@@ -210,6 +215,16 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     return [Tm, U, W, carried, Z, y, M, *rev, dr, dx, df, dl]
                 got = run(q, k, v, (H, 1, n, True))
                 ref = [np.array(a.astype(mx.float32), np.float64) for a in run(*(chunks(x) for x in (q, k, v)), None)]
+        elif frame == "hoist_e":  # a product-free reverse scan hoisted (KDA's and simple GLA's backward: A with Aq, E)
+            S0, X, A = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V)), rng.normal(size=(1, n, C, K)) / K
+            E, Aq = rng.normal(size=(1, n, K, V)), np.exp(-0.1 * np.arange(C - 1, -1, -1.0))[None, None].repeat(n, 1)
+            S, rev_c, rev_y = S0[0], [None] * n, [None] * n
+            for c in reversed(range(n)):
+                rev_c[c], rev_y[c] = S, X[0, c] + (Aq[0, c][:, None] * A[0, c]) @ S
+                S = 0.5 * S + E[0, c]
+            got = list(ck.chunk_scan(f32(S0), f32(A), f32(X), None, f32(np.full((1, n, 1), 0.5)), f32(E), t,
+                                     reverse=True, Aq=f32(Aq)[..., None]))
+            ref = [np.stack(rev_c)[None], np.stack(rev_y)[None], S[None]]
         elif frame == "keyfactor":  # KDA's factor reads (``Tuning.key_factor_reads``), decay e^-0.1 a token
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             got, ref = [], []
@@ -368,6 +383,7 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
                 "keyfactor": "KDA's factor reads (its roles are formed)",
                 "rows": "the model-layout reads of q, k, v (they are copied to the chunks' layout)",
                 "hoist": "the scans' hoisted loads (each operand is loaded where it is used)",
+                "hoist_e": "the product-free scans' hoisted loads (each operand is loaded where it is used)",
                 "decode": "the feature decode kernel (MLX ops are used for the step)",
                 "features": "the feature product kernels (φ is formed in memory)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)

@@ -99,7 +99,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
         pp_[t0 / 8][rb][3] = static_cast<float>(Pa[(bc * C + t0 + tq + 4) * K + r + 8]) * q4;
       }
     }
-    float st_[RBS][CT][4];  // St_c's elements where this lane holds carried_c's
+    float st_[RBS][CT][4];  // St_c's elements where this lane holds the state's
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
       const int r = 16 * (warp * RBS + rb) + gq;

@@ -100,7 +100,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
         pp_[t0 / 8][rb][3] = static_cast<float>(Pa[(bc * C + t0 + 2 * tq + 1) * K + r + 8]) * q4;
       }
     }
-    float st_[RBS][CT][4];  // St_c's elements where this lane holds carried_c's
+    float st_[RBS][CT][4];  // St_c's elements where this lane holds the state's
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
       const int r = 16 * (warp * RBS + rb) + gq;
