@@ -1,7 +1,10 @@
 """Every CUDA chunk kernel compiles with nvcc for sm_90, where nvcc is installed (the GPU tests run them; this
-catches a CUDA spelling error on a machine without a GPU)."""
+catches a CUDA spelling error on a machine without a GPU). nvcc is found on PATH or in NVIDIA's pip wheels
+(``nvidia-cuda-nvcc`` and its companions, which CI installs: ``.ci/run``)."""
+import importlib.util
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -25,8 +28,17 @@ def _as_kernel(i: int, launch) -> str:
             f"template __global__ void k<{args}>({sig});\n}}\n")
 
 
+def _nvcc() -> str | None:
+    """nvcc on PATH, else the one NVIDIA's pip wheels install (site-packages/nvidia/cu*/bin/nvcc)."""
+    found = shutil.which("nvcc")
+    spec = importlib.util.find_spec("nvidia") if found is None else None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        found = found or next((str(p) for p in sorted(Path(root).glob("cu*/bin/nvcc"), reverse=True)), None)
+    return found
+
+
 def test_every_cuda_chunk_kernel_compiles(tmp_path):
-    nvcc = shutil.which("nvcc")
+    nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc is not installed")
     launches = chunk_launches("cuda")

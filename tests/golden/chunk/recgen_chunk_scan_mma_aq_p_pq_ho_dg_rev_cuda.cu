@@ -126,7 +126,6 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       float p0 = 0.0f, p8 = 0.0f;
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
-        const int c = col0 + 8 * ct + 2 * tq;
         p0 += S_[rb][ct][0] * st_[rb][ct][0] + S_[rb][ct][1] * st_[rb][ct][1];
         p8 += S_[rb][ct][2] * st_[rb][ct][2] + S_[rb][ct][3] * st_[rb][ct][3];
       }
