@@ -44,20 +44,16 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
         if (changes.get("chunk_kernels", True) and changes.get("mma_scan", t.mma_scan) and t.mma_pairs
                 and not usable(t.dialect, "pairs", sizes)):
             changes.update(mma_pairs=False)  # the pair kernels' FMA form
-    if t.ut_16bit and not (t.dialect and changes.get("mma_scan", t.mma_scan) and usable(t.dialect, "ut16", sizes)):
-        changes.update(ut_16bit=False)  # U and W in float32
-    if t.model_rows and not (t.dialect and changes.get("mma_scan", t.mma_scan) and usable(t.dialect, "rows", sizes)):
-        changes.update(model_rows=False)  # q, k, v copied to the chunks' layout
-    if (t.scan_hoist or t.reverse_scan_hoist) and not (t.chunk_kernels and changes.get("chunk_kernels", True)
-                                                       and changes.get("mma_scan", t.mma_scan)
-                                                       and usable(t.dialect, "hoist", sizes)):
-        changes.update(scan_hoist=False, reverse_scan_hoist=False)  # the scans load each operand where used
-    if t.scan_hoist_e and not (t.chunk_kernels and changes.get("chunk_kernels", True)
-                               and changes.get("mma_scan", t.mma_scan) and usable(t.dialect, "hoist_e", sizes)):
-        changes.update(scan_hoist_e=False)
-    if t.key_factor_reads and not (t.dialect and changes.get("mma_scan", t.mma_scan)
-                                   and usable(t.dialect, "keyfactor", sizes)):
-        changes.update(key_factor_reads=False)  # KDA's roles formed
+    # Choices that exist only on the fragment kernels, each with its own frame: without those kernels they do nothing
+    # (so they go off unprobed); with them a failing frame turns off only its own choice
+    fragments = t.chunk_kernels and changes.get("chunk_kernels", True) and changes.get("mma_scan", t.mma_scan)
+    for frame, flags in (("ut16", ("ut_16bit",)),                             # U and W in float32
+                         ("rows", ("model_rows",)),                           # q, k, v copied to the chunks' layout
+                         ("hoist", ("scan_hoist", "reverse_scan_hoist")),     # each operand loaded where used
+                         ("hoist_e", ("scan_hoist_e",)),
+                         ("keyfactor", ("key_factor_reads",))):               # KDA's roles formed
+        if any(getattr(t, f) for f in flags) and not (fragments and usable(t.dialect, frame, sizes)):
+            changes.update(dict.fromkeys(flags, False))
     if t.feature_decode and (t.dialect is None or not usable(t.dialect, "decode", sizes)):
         changes.update(feature_decode=False)  # a feature map's decode step in MLX ops
     if t.feature_kernels and (t.dialect is None or not usable(t.dialect, "features", sizes)):
@@ -118,6 +114,15 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
         A = np.tril((b @ u.swapaxes(-1, -2)) * np.exp(G[:, None] - G[None, :]), -1)
         T = np.linalg.inv(np.eye(len(G)) - A)
         return A, [T, T @ w, T @ (b * np.exp(G)[:, None])]
+
+    def scan_expected(S, A, X, B=None, E=None, reverse=False):
+        """The chunk scan in float64 at decay 0.5 a chunk over chunks [n, ..]: carried_c = S, Y_c = X_c + A_c S,
+        S <- 0.5 S + B_cᵀ Y_c (+ E_c). Returns (carried [n, K, V], Y [n, C, V], S_end)."""
+        carried, Y = [None] * len(X), [None] * len(X)
+        for c in (reversed(range(len(X))) if reverse else range(len(X))):
+            carried[c], Y[c] = S, X[c] + A[c] @ S
+            S = 0.5 * S + (0 if B is None else B[c].T @ Y[c]) + (0 if E is None else E[c])
+        return np.stack(carried), np.stack(Y), S
     t = resolve("gpu", dialect, environ={}, chunk_kernels=True,
                 mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e"),
                 mma_pairs=frame == "pairs", scan_hoist=frame == "hoist", reverse_scan_hoist=frame == "hoist",
@@ -218,13 +223,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
         elif frame == "hoist_e":  # a product-free reverse scan hoisted (KDA's and simple GLA's backward: A with Aq, E)
             S0, X, A = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V)), rng.normal(size=(1, n, C, K)) / K
             E, Aq = rng.normal(size=(1, n, K, V)), np.exp(-0.1 * np.arange(C - 1, -1, -1.0))[None, None].repeat(n, 1)
-            S, rev_c, rev_y = S0[0], [None] * n, [None] * n
-            for c in reversed(range(n)):
-                rev_c[c], rev_y[c] = S, X[0, c] + (Aq[0, c][:, None] * A[0, c]) @ S
-                S = 0.5 * S + E[0, c]
             got = list(ck.chunk_scan(f32(S0), f32(A), f32(X), None, f32(np.full((1, n, 1), 0.5)), f32(E), t,
                                      reverse=True, Aq=f32(Aq)[..., None]))
-            ref = [np.stack(rev_c)[None], np.stack(rev_y)[None], S[None]]
+            ref = [a[None] for a in scan_expected(S0[0], Aq[0][..., None] * A[0], X[0], E=E[0], reverse=True)]
         elif frame == "keyfactor":  # KDA's factor reads (``Tuning.key_factor_reads``), decay e^-0.1 a token
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             got, ref = [], []
@@ -277,31 +278,23 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             Bm16 = f32(Bm).astype(mx.bfloat16)
             frag = frame in ("mma", "hoist")  # "hoist": the same kernels, the scans' state-free operands loaded first
             Bs = np.array(Bm16.astype(mx.float32), np.float64) * Bq[..., None] if frag else Bm
-            S, ref_c, ref_y = S0[0], [], []
-            for c in range(n):                   # the scan in float64
-                Y = X[0, c] + A[0, c] @ S
-                ref_c.append(S)
-                ref_y.append(Y)
-                S = 0.5 * S + Bs[0, c].T @ Y
+            carried, Y, S = scan_expected(S0[0], A[0], X[0], Bs[0])
             g = f32(np.full((1, n, 1), 0.5))
             got = list(ck.chunk_scan(f32(S0), f32(A), f32(X), Bm16 if frag else f32(Bm), g, None,
                                      t, reverse=False, Bq=f32(Bq)[..., None] if frag else None))
-            ref = [np.stack(ref_c)[None], np.stack(ref_y)[None], S[None]]
+            ref = [carried[None], Y[None], S[None]]
             if frag:  # and in reverse, as the backward runs it (its own group count: ``reverse_scan_nw``)
-                S, rev_c = S0[0], [None] * n
-                for c in reversed(range(n)):
-                    rev_c[c] = S
-                    S = 0.5 * S + Bs[0, c].T @ (X[0, c] + A[0, c] @ S)
+                rev_c, _, S = scan_expected(S0[0], A[0], X[0], Bs[0], reverse=True)
                 got += list(ck.chunk_scan(f32(S0), f32(A), f32(X), Bm16, g, None, t, reverse=True,
                                           Bq=f32(Bq)[..., None]))[0::2]
-                ref += [np.stack(rev_c)[None], S[None]]
+                ref += [rev_c[None], S[None]]
             if frag:  # and the readout, at decay e^-0.1 a token: y = e^{G} R S_c + ((R Uᵀ) ⊙ Γ) X_c
                 R, U = rng.normal(size=(n, C, K)) / K, rng.normal(size=(n, C, K))
                 G = -0.1 * np.arange(1, C + 1)
                 gam = np.tril(np.exp(G[:, None] - G[None, :]))
                 M = (R @ U.swapaxes(-1, -2)) * gam
-                outs = [f32(R), f32(U), f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1))]
-                yref = np.exp(G)[:, None] * (R @ np.stack(ref_c)) + M @ X[0]
+                outs = [f32(R), f32(U), f32(X[0]), f32(carried), f32(np.full((n, C, 1), -0.1))]
+                yref = np.exp(G)[:, None] * (R @ carried) + M @ X[0]
                 got = [*got, *ck.chunk_out(*outs, t)]
                 # and in the model's layout and type (B = H = 1: [1, n C, 1, V] bf16)
                 got.append(ck.chunk_out(*(x[None, None] for x in outs), t, mx.bfloat16)[0])
@@ -317,8 +310,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     got = [*got, *ck.chunk_ut_key(f32(A), f32(X[0]), f32(-R / K), f32(Pk), t)]
                     ref += [T, T @ X[0], T @ (-R / K * Pk)]
                     # and its readout: M given, r ⊙ P per key element, the readout role 0.5 r
-                    got.append(ck.chunk_out_key(f32(R), f32(M), f32(X[0]), f32(np.stack(ref_c)), f32(Pk), t, rs=0.5))
-                    ref.append(0.5 * (R * Pk) @ np.stack(ref_c) + M @ X[0])
+                    got.append(ck.chunk_out_key(f32(R), f32(M), f32(X[0]), f32(carried), f32(Pk), t, rs=0.5))
+                    ref.append(0.5 * (R * Pk) @ carried + M @ X[0])
                 # and the backward's pass after the scan (the delta rule's form), where its tiles fit
                 if ck.fuses_bwd(t, C, K, True):
                     dMA, dMR = rng.normal(size=(2, n, C, C))
@@ -346,9 +339,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     w_ = np.array(w16.astype(mx.float32), np.float64)
                     got = [*got, *ck.chunk_ut(None, x16, w16, f32(np.full((n, C, 1), -0.1)), t, f32(fx), rho)]
                     ref += ut_expected(b_, u_, w_, G)[1]
-                    outs = [f32(R), x16, f32(X[0]), f32(np.stack(ref_c)), f32(np.full((n, C, 1), -0.1))]
+                    outs = [f32(R), x16, f32(X[0]), f32(carried), f32(np.full((n, C, 1), -0.1))]
                     got.append(ck.chunk_out(*(v[None, None] for v in outs), t, mx.bfloat16, uf=f32(fx)[None, None])[0])
-                    y_ = np.exp(G)[:, None] * (R @ np.stack(ref_c)) + ((R @ u_.swapaxes(-1, -2)) * gam) @ X[0]
+                    y_ = np.exp(G)[:, None] * (R @ carried) + ((R @ u_.swapaxes(-1, -2)) * gam) @ X[0]
                     ref.append(y_.reshape(1, n * C, 1, V))
                     dr, du, dbt, dl = bwd_expected(u_, b_)
                     got = [*got, *ck.chunk_bwd(*(f32(v) for v in (dMA, dMR, R)), x16, None, *(f32(v) for v in (DUQ, DRP, DR)),
