@@ -90,6 +90,8 @@ class Tuning:
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
     pair_fold: bool = False         # ... their own block's rows t and BS − 1 − t on one thread
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
+    l2_prefetch: bool = False       # a scalar decay's fragment readout and UT transform hint each staging step's next
+    #                                 block into L2 (where the dialect has a prefetch) while they multiply the current one
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
     # -- the recurrent kernels ----------------------------------------------------------------------
@@ -116,7 +118,7 @@ MEASURED = {
     "cuda": dict(chunk_kernels=True, mma_scan=True, chunked_backward_min_t=1024,
                  chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True, reverse_scan_nw=8,
                  pair_fold=True, ut_products=True, rank1_readout=True, logdecay_16bit=True, model_rows=True,
-                 scan_hoist=True, reverse_scan_hoist=True),
+                 scan_hoist=True, reverse_scan_hoist=True, l2_prefetch=True),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 
@@ -164,6 +166,7 @@ ENVIRONMENT = {
     "RECGEN_FUSED_BWD": ("fused_bwd", _flag),
     "RECGEN_BWD_BW": ("bwd_bw", int),
     "RECGEN_OUT_BV": ("out_bv", int),
+    "RECGEN_L2_PREFETCH": ("l2_prefetch", _flag),
     "RECGEN_UT_BW": ("ut_bw", int),
     "RECGEN_SCAN_BV": ("scan_bv", int),
     "RECGEN_SCAN_NW": ("scan_nw", int),

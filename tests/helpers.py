@@ -189,5 +189,10 @@ def chunk_launches(target: str) -> list:
                    ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, uf=True, ml=ml),
                    ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"), uf=True,
                                      ml=ml)]
-                + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * 4, before) for before in (False, True)])
+                + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * 4, before) for before in (False, True)]
+                # with L2 hints (``Tuning.l2_prefetch``; the same kernels where the dialect has no prefetch)
+                + ([ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), uf=True, ml=ml, l2=True),
+                    ck.out_mma_launch(target, 8, 64, 128, 64, most_bv=16, l2=True),  # narrow column blocks
+                    ck.ut_mma_launch(target, 8, 64, 128, 128, uf=True, ml=ml, ot="bfloat16", l2=True),
+                    ck.ut_mma_launch(target, 8, 64, 128, 128, most_bw=16, l2=True)] if target == "cuda" else []))
     return launches

@@ -164,12 +164,13 @@ def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bo
 
 @lru_cache(maxsize=None)
 def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool = False, uf: bool = False,
-                   ml: bool = False) -> KernelSource:
+                   ml: bool = False, l2: bool = False) -> KernelSource:
     """``yt``: y written in the model's layout [B, T, H, V] and its type (template constants H, NCH, OT); ``key``: a
     key-vector decay's readout, M given (from the pair kernels) and P per key element, y the only output; ``m2``
     (with ``key``): the general rank-1 core's, R given scaled by its decays and a second pair M2 with values Z2;
     ``uf`` (a scalar decay's): U is a key x read with a factor per token Uf, u = Uf ⊙ x (never formed); ``ml`` (with
-    ``uf`` and ``yt``): R and U read in the model's layout [B, T, HK, K] (template constants HK, GB)."""
+    ``uf`` and ``yt``): R and U read in the model's layout [B, T, HK, K] (template constants HK, GB); ``l2``: each
+    staging step hints the next one's lines into L2 (``Dialect.prefetch``)."""
     if ml and not (uf and yt):
         raise ValueError("chunk_out_mma: the model's layout (ml) is the factor-read form's, writing y so (uf, yt)")
     if m2 and not key:
@@ -180,19 +181,21 @@ def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool =
     ins = (("R", "Mi", "Z", "St", "M2", "Z2", "Rs") if m2 else ("R", "Mi", "Z", "St", "Pk", "Rs")) if key else \
         (("R", "U", "Uf") if uf else ("R", "U")) + ("Z", "St", "logd", "Rs")
     kind = ("out_mma" + ("_key" if key else "") + ("_m2" if m2 else "") + ("_uf" if uf else "") + ("_ml" if ml else "")
-            + ("_yt" if yt else ""))
+            + ("_yt" if yt else "") + ("_l2" if l2 and d.prefetch else ""))
     return _source(d, "chunk_out_mma.j2", kind, "chunk readout of the chunked core, fragment multiply-adds", ins,
-                   ("Y",) if key else ("Y", "M"), (), helpers=d.mma_prelude, yt=yt, key=key, m2=m2, uf=uf, ml=ml)
+                   ("Y",) if key else ("Y", "M"), (), helpers=d.mma_prelude, yt=yt, key=key, m2=m2, uf=uf, ml=ml,
+                   l2=l2 and bool(d.prefetch))
 
 
 @lru_cache(maxsize=None)
 def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = False, o16: bool = False,
-                  ml: bool = False) -> KernelSource:
+                  ml: bool = False, l2: bool = False) -> KernelSource:
     """``key``: a key-vector decay's UT transform, A given (from the pair kernels) and P per key element; ``tb``
     (with ``key``): the general rank-1 core's, Uw = Tm (B w) from B given (``chunked.rank1``); ``uf``: both roles
     read from one key x, u = Uf ⊙ x with a factor per token and b̃ = Bf[0] x (with ``key``, A given: Bt is x, read
     with Bf[0]); ``o16`` (with ``uf``, a scalar decay's): Uw and Wb written in type OT (template constant); ``ml``
-    (with ``uf``, a scalar decay's): x and W read in the model's layout (template constants H, HK, NCH, GB)."""
+    (with ``uf``, a scalar decay's): x and W read in the model's layout (template constants H, HK, NCH, GB); ``l2``:
+    each staging step hints the next one's lines into L2 (``Dialect.prefetch``)."""
     if ml and (key or not uf):
         raise ValueError("chunk_ut_mma: the model's layout (ml) is the scalar decay's factor-read form's")
     if o16 and (key or not uf):
@@ -205,9 +208,10 @@ def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = 
     ins = (("Ai", "Bm", "W", "Bt", "Pk") if tb else ("Ai", "W", "Bt", "Pk") + (("Bf",) if uf else ())) if key else \
         (("U", "Uf", "Bf", "W", "logd") if uf else ("Bt", "U", "W", "logd"))
     kind = ("ut_mma" + ("_key" if key else "") + ("_tb" if tb else "") + ("_uf" if uf else "") + ("_o16" if o16 else "")
-            + ("_ml" if ml else ""))
+            + ("_ml" if ml else "") + ("_l2" if l2 and d.prefetch else ""))
     return _source(d, "chunk_ut_mma.j2", kind, "UT transform of the chunked core's delta rule, fragment multiply-adds",
-                   ins, ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude, key=key, tb=tb, uf=uf, o16=o16, ml=ml)
+                   ins, ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude, key=key, tb=tb, uf=uf, o16=o16, ml=ml,
+                   l2=l2 and bool(d.prefetch))
 
 
 @lru_cache(maxsize=None)

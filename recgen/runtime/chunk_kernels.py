@@ -139,11 +139,13 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
 
 @lru_cache(maxsize=256)
 def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | None = None, most_bv: int = 128,
-                   key: bool = False, m2: bool = False, uf: bool = False, ml: tuple | None = None) -> Launch:
+                   key: bool = False, m2: bool = False, uf: bool = False, ml: tuple | None = None,
+                   l2: bool = False) -> Launch:
     """``yt`` = (H, n, dtype name): y as [N / (H n), n C, H, V] of that type (N = B H n chunks), else [N, C, V] float32;
     ``key``: a key-vector decay's readout (M given: y is the only output); ``m2``: the general rank-1 core's
     (``chunk_out_rank1``); ``uf``: u read as a key times a factor per token; ``ml`` (with ``uf`` and ``yt``, the same H
-    and n): r and the key read in the model's layout, (H, HK, NCH, GB) as ``_model_consts``."""
+    and n): r and the key read in the model's layout, (H, HK, NCH, GB) as ``_model_consts``; ``l2``: the staging
+    steps hint their next blocks into L2 (``Tuning.l2_prefetch``)."""
     if ml is not None and (yt is None or (ml[0], ml[2]) != tuple(yt[:2])):
         raise ValueError(f"chunk_out_mma: the model's layout {ml} needs y written in it, of the same H and n ({yt})")
     lay = out_mma_layout(dialect, C, K, V, most_bv)
@@ -156,18 +158,20 @@ def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | Non
         tmpl += (("H", H), ("NCH", n), ("OT", dt)) + _model_consts(ml, ("HK", "GB"))
         y = ((N // (H * n), n * C, H, V), dt)
     nt = 2 * C  # C / 16 SIMD groups of 32
-    return Launch(out_mma_source(dialect, yt is not None, key, m2, uf, ml is not None), (),
+    return Launch(out_mma_source(dialect, yt is not None, key, m2, uf, ml is not None, l2), (),
                   (y,) if key else (y, ((N, C, C), "float32")),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
 def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 128, key: bool = False,
-                  tb: bool = False, uf: bool = False, ot: str | None = None, ml: tuple | None = None) -> Launch:
+                  tb: bool = False, uf: bool = False, ot: str | None = None, ml: tuple | None = None,
+                  l2: bool = False) -> Launch:
     """``key``: a key-vector decay's UT transform (A given); ``tb``: and B given, Uw = Tm (B w) (``chunk_ut_key``);
     ``uf``: both roles read from one key with their factors (``chunk_ut``'s ``uf``); ``ot`` (with ``uf``): the dtype
     name Uw and Wb are written in (a 16-bit one), else float32; ``ml`` (with ``uf``): the key and w read in the model's
-    layout, (H, HK, NCH, GB) as ``_model_consts``."""
+    layout, (H, HK, NCH, GB) as ``_model_consts``; ``l2``: the staging steps hint their next blocks into L2
+    (``Tuning.l2_prefetch``)."""
     lay = ut_mma_layout(dialect, C, K, V, most_bw)
     if lay is None:
         raise ValueError(f"chunk_ut_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8, "
@@ -176,7 +180,8 @@ def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 1
         lay = dict(lay, BC=8 * math.gcd(C // 8, lay["BW"] // 8))
     tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + ((("OT", ot),) if ot else ()) + _model_consts(ml)
     outs = (((N, C, C), "float32"), ((N, C, V), ot or "float32"), ((N, C, K), ot or "float32"))
-    return Launch(ut_mma_source(dialect, key, tb, uf, ot is not None, ml is not None), (), outs, (N * 2 * C, 1, 1),
+    return Launch(ut_mma_source(dialect, key, tb, uf, ot is not None, ml is not None, l2), (), outs,
+                  (N * 2 * C, 1, 1),
                   (2 * C, 1, 1), tmpl)
 
 
@@ -457,7 +462,8 @@ def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None, ml=None
     N = _lead(Z, 2)
     yt = None if out is None else (Z.shape[-4], n, _dtype_name(out))
     keys = [r, u] if ml is not None else [r.reshape(N, C, K), u.reshape(N, C, K)]
-    y, M = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, uf=uf is not None, ml=ml),
+    y, M = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, uf=uf is not None, ml=ml,
+                                   l2=t.l2_prefetch),
                     keys + ([] if uf is None else [uf.reshape(N, C)])
                     + [Z.reshape(N, C, V), states.reshape(N, K, V), l.reshape(N, C),
                        mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
@@ -478,7 +484,8 @@ def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None, out=None,
     x = u if ml is not None else u.reshape(N, C, K)
     roles = ([bt.reshape(N, C, K), x] if uf is None else [x, uf.reshape(N, C), mx.array([bf], dtype=mx.float32)])
     ot = None if out is None else _dtype_name(out)
-    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None, ot=ot, ml=ml),
+    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None, ot=ot, ml=ml,
+                                      l2=t.l2_prefetch),
                      roles + [w if ml is not None else w.reshape(N, C, V), l.reshape(N, C)])
     return Tm.reshape(*lead, C), U.reshape(*lead, V), W.reshape(*lead, K)
 
