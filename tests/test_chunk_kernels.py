@@ -1840,3 +1840,19 @@ def test_general_rank1_core_after_the_decay_reads_16bit_roles(monkeypatch):
     assert_close(compare(dplr_key, 40, chunk=16, B=1, H=2, Hk=1, K=32, V=8, seed=3, in_dtype=mx.bfloat16, tuning=t),
                  1e-2, 1e-2)
     assert seen["pair_quad_mma"] == {"X", "X2"} and seen["bwd_key_rank1"] == {"R", "B"}, seen
+
+
+def test_l2_hints_render_only_where_the_dialect_has_a_prefetch():
+    """``Tuning.l2_prefetch``: CUDA's readout and UT transform hint their next blocks (one hint per staging step, in
+    guarded branches); Metal, which has no prefetch, renders the very kernels it renders without the switch."""
+    for dialect in ("metal", "cuda"):
+        out = [cs.out_mma_source(dialect, True, uf=True, ml=True, l2=l2) for l2 in (False, True)]
+        ut = [cs.ut_mma_source(dialect, uf=True, ml=True, l2=l2) for l2 in (False, True)]
+        for plain, hinted in (out, ut):
+            if dialect == "metal":
+                assert hinted == plain
+            else:
+                assert hinted.name != plain.name and "prefetch" not in plain.source
+                assert hinted.source.count("prefetch.global.L2") >= 3
+    t = tuning.resolve("gpu", "cuda", environ={})
+    assert t.l2_prefetch and not tuning.resolve("gpu", "metal", environ={}).l2_prefetch
