@@ -90,8 +90,8 @@ class Tuning:
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
     pair_fold: bool = False         # ... their own block's rows t and BS − 1 − t on one thread
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
-    l2_prefetch: bool = False       # a scalar decay's fragment readout and UT transform hint each staging step's next
-    #                                 block into L2 (where the dialect has a prefetch) while they multiply the current one
+    l2_prefetch: bool = False       # a scalar decay's fragment readout and UT transform hint each staging step's
+    #                                 next block into L2 (where the dialect has a prefetch) while they multiply this one
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
     # -- the recurrent kernels ----------------------------------------------------------------------
