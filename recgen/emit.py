@@ -69,7 +69,7 @@ def buffer(d: Dialect, index: int, name: str, ctype: str, shape: str, is_in: boo
     space = d.constant_space if small and d.constant_space else d.global_space
     const = "const " if is_in else ""
     return {"index": index, "name": name, "dtype": ctype, "shape": shape, "input": is_in,
-            "decl": f"{const}{space}{ctype}*{d.restrict} {name}"}
+            "decl": f"{const}{space}{ctype}* {name}"}
 
 
 def _kind(v) -> str:

@@ -4,8 +4,8 @@ spilled bytes, static shared memory) with the threadgroups an SM those leave on 
 
 Why: the fused chunk kernels are latency-bound at four or fewer threadgroups an SM, and a change that adds a few
 registers can cost a threadgroup; ptxas says so in seconds, before any device time. The kernels are built as MLX
-builds them (no ``__restrict__``, no launch bounds), not as ``recgen emit`` writes them: with ``__restrict__`` the
-compiler may sink loads back to their uses (a hoisted scan read 102 registers so, 236 as MLX runs it).
+builds them: no ``__restrict__`` (with it the compiler may sink loads back to their uses: a hoisted scan read 102
+registers so, 236 as MLX runs it), as ``recgen emit`` writes them too.
 nvcc is found on PATH or in NVIDIA's pip wheels (``nvidia-cuda-nvcc`` and its companions, which CI installs:
 ``.ci/run``).
 """

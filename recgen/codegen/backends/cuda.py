@@ -40,5 +40,5 @@ CUDA = Dialect(
     prelude=PRELUDE,
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE, frag=PTX_FRAGMENTS,
     prefetch='asm volatile("prefetch.global.L2 [%0];" :: "l"({p}))',
-    standalone_dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}, restrict=" __restrict__",
+    standalone_dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"},
 )

@@ -72,7 +72,6 @@ class Dialect:
     frag: Fragments
     standalone_dtypes: dict       # dtype name -> buffer element type in a standalone source (``recgen emit``)
     constant_space: str = ""      # address space of small read-only buffers in a standalone signature
-    restrict: str = ""            # pointer qualifier of buffers in a standalone signature
     float_suffix: str = "f"       # float literal suffix
     # A hint that the cache line holding {p} (a pointer to a kernel buffer) will be read soon, so that a staging
     # loop's next block is on its way while the current one is multiplied; "" where the dialect has none.

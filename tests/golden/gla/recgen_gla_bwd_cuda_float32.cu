@@ -10,20 +10,20 @@ __device__ __forceinline__ float rg_sign(float x) { return x > 0.0f ? 1.0f : (x 
 __device__ __forceinline__ float rg_heaviside(float x, float at0) { return x > 0.0f ? 1.0f : (x < 0.0f ? 0.0f : at0); }
 
 extern "C" __global__ void __launch_bounds__(256) recgen_gla_bwd_cuda_float32(
-    const float* __restrict__ q_in,
-    const float* __restrict__ k_in,
-    const float* __restrict__ v_in,
-    const float* __restrict__ gk_in,
-    const int* __restrict__ rt,
-    const float* __restrict__ scale_in,
-    const float* __restrict__ ckpt,
-    const float* __restrict__ do_in,
-    const float* __restrict__ dht,
-    float* __restrict__ d_q,
-    float* __restrict__ d_k,
-    float* __restrict__ d_v,
-    float* __restrict__ d_gk,
-    float* __restrict__ dh0) {
+    const float* q_in,
+    const float* k_in,
+    const float* v_in,
+    const float* gk_in,
+    const int* rt,
+    const float* scale_in,
+    const float* ckpt,
+    const float* do_in,
+    const float* dht,
+    float* d_q,
+    float* d_k,
+    float* d_v,
+    float* d_gk,
+    float* dh0) {
   constexpr int K = 64;
   constexpr int KIN = 64;
   constexpr int V = 64;

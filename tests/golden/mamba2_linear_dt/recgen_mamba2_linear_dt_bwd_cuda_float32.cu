@@ -10,24 +10,24 @@ __device__ __forceinline__ float rg_sign(float x) { return x > 0.0f ? 1.0f : (x 
 __device__ __forceinline__ float rg_heaviside(float x, float at0) { return x > 0.0f ? 1.0f : (x < 0.0f ? 0.0f : at0); }
 
 extern "C" __global__ void __launch_bounds__(256) recgen_mamba2_linear_dt_bwd_cuda_float32(
-    const float* __restrict__ x_in,
-    const float* __restrict__ dt_in,
-    const float* __restrict__ A_in,
-    const float* __restrict__ B_in,
-    const float* __restrict__ C_in,
-    const float* __restrict__ D_in,
-    const int* __restrict__ rt,
-    const float* __restrict__ scale_in,
-    const float* __restrict__ ckpt,
-    const float* __restrict__ do_in,
-    const float* __restrict__ dht,
-    float* __restrict__ d_x,
-    float* __restrict__ d_dt,
-    float* __restrict__ d_A,
-    float* __restrict__ d_B,
-    float* __restrict__ d_C,
-    float* __restrict__ d_D,
-    float* __restrict__ dh0) {
+    const float* x_in,
+    const float* dt_in,
+    const float* A_in,
+    const float* B_in,
+    const float* C_in,
+    const float* D_in,
+    const int* rt,
+    const float* scale_in,
+    const float* ckpt,
+    const float* do_in,
+    const float* dht,
+    float* d_x,
+    float* d_dt,
+    float* d_A,
+    float* d_B,
+    float* d_C,
+    float* d_D,
+    float* dh0) {
   constexpr int K = 64;
   constexpr int KIN = 64;
   constexpr int V = 64;

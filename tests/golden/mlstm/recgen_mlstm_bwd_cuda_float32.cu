@@ -10,26 +10,26 @@ __device__ __forceinline__ float rg_sign(float x) { return x > 0.0f ? 1.0f : (x 
 __device__ __forceinline__ float rg_heaviside(float x, float at0) { return x > 0.0f ? 1.0f : (x < 0.0f ? 0.0f : at0); }
 
 extern "C" __global__ void __launch_bounds__(256) recgen_mlstm_bwd_cuda_float32(
-    const float* __restrict__ q_in,
-    const float* __restrict__ k_in,
-    const float* __restrict__ v_in,
-    const float* __restrict__ ig_in,
-    const float* __restrict__ fg_in,
-    const int* __restrict__ rt,
-    const float* __restrict__ scale_in,
-    const float* __restrict__ ckpt,
-    const float* __restrict__ do_in,
-    const float* __restrict__ dht,
-    const float* __restrict__ ckptz,
-    const float* __restrict__ dhtz,
-    const float* __restrict__ ydo_in,
-    float* __restrict__ d_q,
-    float* __restrict__ d_k,
-    float* __restrict__ d_v,
-    float* __restrict__ d_ig,
-    float* __restrict__ d_fg,
-    float* __restrict__ dh0,
-    float* __restrict__ dz0) {
+    const float* q_in,
+    const float* k_in,
+    const float* v_in,
+    const float* ig_in,
+    const float* fg_in,
+    const int* rt,
+    const float* scale_in,
+    const float* ckpt,
+    const float* do_in,
+    const float* dht,
+    const float* ckptz,
+    const float* dhtz,
+    const float* ydo_in,
+    float* d_q,
+    float* d_k,
+    float* d_v,
+    float* d_ig,
+    float* d_fg,
+    float* dh0,
+    float* dz0) {
   constexpr int K = 64;
   constexpr int KIN = 64;
   constexpr int V = 64;

@@ -10,20 +10,20 @@ __device__ __forceinline__ float rg_sign(float x) { return x > 0.0f ? 1.0f : (x 
 __device__ __forceinline__ float rg_heaviside(float x, float at0) { return x > 0.0f ? 1.0f : (x < 0.0f ? 0.0f : at0); }
 
 extern "C" __global__ void __launch_bounds__(128) recgen_mlstm_fwd_cuda_float32(
-    const float* __restrict__ q_in,
-    const float* __restrict__ k_in,
-    const float* __restrict__ v_in,
-    const float* __restrict__ ig_in,
-    const float* __restrict__ fg_in,
-    const int* __restrict__ rt,
-    const float* __restrict__ scale_in,
-    const float* __restrict__ h0,
-    const float* __restrict__ z0,
-    float* __restrict__ o,
-    float* __restrict__ ht,
-    float* __restrict__ ckpt,
-    float* __restrict__ zt,
-    float* __restrict__ ckptz) {
+    const float* q_in,
+    const float* k_in,
+    const float* v_in,
+    const float* ig_in,
+    const float* fg_in,
+    const int* rt,
+    const float* scale_in,
+    const float* h0,
+    const float* z0,
+    float* o,
+    float* ht,
+    float* ckpt,
+    float* zt,
+    float* ckptz) {
   constexpr int K = 64;
   constexpr int KIN = 64;
   constexpr int V = 64;

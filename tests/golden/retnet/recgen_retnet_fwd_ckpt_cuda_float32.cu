@@ -10,16 +10,16 @@ __device__ __forceinline__ float rg_sign(float x) { return x > 0.0f ? 1.0f : (x 
 __device__ __forceinline__ float rg_heaviside(float x, float at0) { return x > 0.0f ? 1.0f : (x < 0.0f ? 0.0f : at0); }
 
 extern "C" __global__ void __launch_bounds__(128) recgen_retnet_fwd_ckpt_cuda_float32(
-    const float* __restrict__ q_in,
-    const float* __restrict__ k_in,
-    const float* __restrict__ v_in,
-    const float* __restrict__ log_gamma_in,
-    const int* __restrict__ rt,
-    const float* __restrict__ scale_in,
-    const float* __restrict__ h0,
-    float* __restrict__ o,
-    float* __restrict__ ht,
-    float* __restrict__ ckpt) {
+    const float* q_in,
+    const float* k_in,
+    const float* v_in,
+    const float* log_gamma_in,
+    const int* rt,
+    const float* scale_in,
+    const float* h0,
+    float* o,
+    float* ht,
+    float* ckpt) {
   constexpr int K = 64;
   constexpr int KIN = 64;
   constexpr int V = 64;

@@ -10,22 +10,22 @@ __device__ __forceinline__ float rg_sign(float x) { return x > 0.0f ? 1.0f : (x 
 __device__ __forceinline__ float rg_heaviside(float x, float at0) { return x > 0.0f ? 1.0f : (x < 0.0f ? 0.0f : at0); }
 
 extern "C" __global__ void __launch_bounds__(256) recgen_rwkv6_bwd_cuda_float32(
-    const float* __restrict__ r_in,
-    const float* __restrict__ k_in,
-    const float* __restrict__ v_in,
-    const float* __restrict__ w_in,
-    const float* __restrict__ u_in,
-    const int* __restrict__ rt,
-    const float* __restrict__ scale_in,
-    const float* __restrict__ ckpt,
-    const float* __restrict__ do_in,
-    const float* __restrict__ dht,
-    float* __restrict__ d_r,
-    float* __restrict__ d_k,
-    float* __restrict__ d_v,
-    float* __restrict__ d_w,
-    float* __restrict__ d_u,
-    float* __restrict__ dh0) {
+    const float* r_in,
+    const float* k_in,
+    const float* v_in,
+    const float* w_in,
+    const float* u_in,
+    const int* rt,
+    const float* scale_in,
+    const float* ckpt,
+    const float* do_in,
+    const float* dht,
+    float* d_r,
+    float* d_k,
+    float* d_v,
+    float* d_w,
+    float* d_u,
+    float* dh0) {
   constexpr int K = 64;
   constexpr int KIN = 64;
   constexpr int V = 64;
