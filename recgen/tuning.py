@@ -82,7 +82,7 @@ class Tuning:
     #                                 operands at its step's start: their latency overlaps the state copy and Y's product
     reverse_scan_hoist: bool = False  # ... the reverse (backward) one
     scan_hoist_e: bool = False      # ... scans without a product term too (the E-term scans of KDA's, GLA's and simple
-    #                                 GLA's backward: A's and X's fragments and E's elements): untimed, so off
+    #                                 GLA's backward: A's and X's fragments and E's elements): no gain timed, so off
     scan_hoist_most: int = 264      # ... where the scan has at most this many threadgroups: a hoisted one holds ~250
     #                                 registers a lane, two threadgroups an SM (the H100's 132 take 264 at once);
     #                                 past that, unhoisted ones fit more an SM; hoisting was timed up to 256 only

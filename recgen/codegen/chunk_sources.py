@@ -178,13 +178,13 @@ def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool =
     if uf and key:
         raise ValueError("chunk_out_mma: factor reads (uf) are the scalar decay form's")
     d = get(dialect)
+    l2 = l2 and bool(d.prefetch)  # no hints where the dialect has none: the same kernel
     ins = (("R", "Mi", "Z", "St", "M2", "Z2", "Rs") if m2 else ("R", "Mi", "Z", "St", "Pk", "Rs")) if key else \
         (("R", "U", "Uf") if uf else ("R", "U")) + ("Z", "St", "logd", "Rs")
     kind = ("out_mma" + ("_key" if key else "") + ("_m2" if m2 else "") + ("_uf" if uf else "") + ("_ml" if ml else "")
-            + ("_yt" if yt else "") + ("_l2" if l2 and d.prefetch else ""))
+            + ("_yt" if yt else "") + ("_l2" if l2 else ""))
     return _source(d, "chunk_out_mma.j2", kind, "chunk readout of the chunked core, fragment multiply-adds", ins,
-                   ("Y",) if key else ("Y", "M"), (), helpers=d.mma_prelude, yt=yt, key=key, m2=m2, uf=uf, ml=ml,
-                   l2=l2 and bool(d.prefetch))
+                   ("Y",) if key else ("Y", "M"), (), helpers=d.mma_prelude, yt=yt, key=key, m2=m2, uf=uf, ml=ml, l2=l2)
 
 
 @lru_cache(maxsize=None)
@@ -205,13 +205,13 @@ def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = 
     if uf and tb:
         raise ValueError("chunk_ut_mma: factor reads (uf) are the delta rule's form, not the general rank-1 core's")
     d = get(dialect)
+    l2 = l2 and bool(d.prefetch)  # no hints where the dialect has none: the same kernel
     ins = (("Ai", "Bm", "W", "Bt", "Pk") if tb else ("Ai", "W", "Bt", "Pk") + (("Bf",) if uf else ())) if key else \
         (("U", "Uf", "Bf", "W", "logd") if uf else ("Bt", "U", "W", "logd"))
     kind = ("ut_mma" + ("_key" if key else "") + ("_tb" if tb else "") + ("_uf" if uf else "") + ("_o16" if o16 else "")
-            + ("_ml" if ml else "") + ("_l2" if l2 and d.prefetch else ""))
+            + ("_ml" if ml else "") + ("_l2" if l2 else ""))
     return _source(d, "chunk_ut_mma.j2", kind, "UT transform of the chunked core's delta rule, fragment multiply-adds",
-                   ins, ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude, key=key, tb=tb, uf=uf, o16=o16, ml=ml,
-                   l2=l2 and bool(d.prefetch))
+                   ins, ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude, key=key, tb=tb, uf=uf, o16=o16, ml=ml, l2=l2)
 
 
 @lru_cache(maxsize=None)

@@ -33,7 +33,6 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   constexpr int CT = BV / 8;   // 8-column tiles of y
   constexpr int NVB = V / BV;  // threadgroups of columns per chunk
   constexpr int NT = 2 * C;    // threads: C / 16 SIMD groups
-  constexpr int PFS = BV < 32 ? BV : 32;  // elements of a row block that one hint covers (a line of floats)
   __shared__ float Ms_[C * LD];  // Gamma, then M (lower triangle; 0 above)
   __shared__ float Ps_[C];       // e^{G_t}
   __shared__ float Ra_[C * LDA]; // KB key columns of R
@@ -77,7 +76,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     for (int i = tid * KB; i < C * KB; i += NT * KB) asm volatile("prefetch.global.L2 [%0];" :: "l"(&R[(bc * C + i / KB) * K + kb + KB]));
     for (int i = tid * KB; i < C * KB; i += NT * KB) asm volatile("prefetch.global.L2 [%0];" :: "l"(&U[(bc * C + i / KB) * K + kb + KB]));
       } else {
-    for (int i = tid * PFS; i < KB * BV; i += NT * PFS) asm volatile("prefetch.global.L2 [%0];" :: "l"(&St[(bc * K + i / BV) * V + col0 + i % BV]));
+    for (int i = tid * (BV < 32 ? BV : 32); i < KB * BV; i += NT * (BV < 32 ? BV : 32)) asm volatile("prefetch.global.L2 [%0];" :: "l"(&St[(bc * K + i / BV) * V + col0 + i % BV]));
       }
 #pragma unroll
       for (int kk = 0; kk < KB; kk += 8) {
@@ -116,9 +115,9 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = St[(bc * K + kb + i / BV) * V + col0 + i % BV];
     __syncthreads();
     if (kb + KB < K) {  // the next rows of S_c, else the first block of Z
-    for (int i = tid * PFS; i < KB * BV; i += NT * PFS) asm volatile("prefetch.global.L2 [%0];" :: "l"(&St[(bc * K + kb + KB + i / BV) * V + col0 + i % BV]));
+    for (int i = tid * (BV < 32 ? BV : 32); i < KB * BV; i += NT * (BV < 32 ? BV : 32)) asm volatile("prefetch.global.L2 [%0];" :: "l"(&St[(bc * K + kb + KB + i / BV) * V + col0 + i % BV]));
     } else {
-    for (int i = tid * PFS; i < KB * BV; i += NT * PFS) asm volatile("prefetch.global.L2 [%0];" :: "l"(&Z[(bc * C + i / BV) * V + col0 + i % BV]));
+    for (int i = tid * (BV < 32 ? BV : 32); i < KB * BV; i += NT * (BV < 32 ? BV : 32)) asm volatile("prefetch.global.L2 [%0];" :: "l"(&Z[(bc * C + i / BV) * V + col0 + i % BV]));
     }
 #pragma unroll
     for (int kk = 0; kk < KB; kk += 8) {
@@ -140,7 +139,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = static_cast<float>(Z[(bc * C + sb + i / BV) * V + col0 + i % BV]);
     __syncthreads();
     if (sb + KB < C) {
-    for (int i = tid * PFS; i < KB * BV; i += NT * PFS) asm volatile("prefetch.global.L2 [%0];" :: "l"(&Z[(bc * C + sb + KB + i / BV) * V + col0 + i % BV]));
+    for (int i = tid * (BV < 32 ? BV : 32); i < KB * BV; i += NT * (BV < 32 ? BV : 32)) asm volatile("prefetch.global.L2 [%0];" :: "l"(&Z[(bc * C + sb + KB + i / BV) * V + col0 + i % BV]));
     }
 #pragma unroll
     for (int kk = 0; kk < KB; kk += 8) {
