@@ -92,6 +92,8 @@ class Tuning:
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     l2_prefetch: bool = False       # a scalar decay's fragment readout and UT transform hint each staging step's
     #                                 next block into L2 (where the dialect has a prefetch) while they multiply this one
+    async_staging: bool = False     # a scalar decay's fragment readout stages its blocks two deep by the dialect's
+    #                                 asynchronous copies (CUDA's cp.async): a block's load overlaps the last's products
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
     # -- the recurrent kernels ----------------------------------------------------------------------
@@ -167,6 +169,7 @@ ENVIRONMENT = {
     "RECGEN_BWD_BW": ("bwd_bw", int),
     "RECGEN_OUT_BV": ("out_bv", int),
     "RECGEN_L2_PREFETCH": ("l2_prefetch", _flag),
+    "RECGEN_ASYNC_STAGING": ("async_staging", _flag),
     "RECGEN_UT_BW": ("ut_bw", int),
     "RECGEN_SCAN_BV": ("scan_bv", int),
     "RECGEN_SCAN_NW": ("scan_nw", int),

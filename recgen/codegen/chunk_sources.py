@@ -21,7 +21,8 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
 - ``ut_mma_source`` and ``out_mma_source`` (fragment frames): the delta rule's UT transform
   (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout y = (r ⊙ P) S_c + M_ru Z, each one kernel per
   chunk; for a scalar decay A or M_ru is formed in threadgroup memory (shared helpers in ``_fragments.j2``), for a
-  key-vector decay (``key``) it comes from the pair kernels and P is per key element.
+  key-vector decay (``key``) it comes from the pair kernels and P is per key element. ``out_async_source``: the
+  scalar decay's readout with its blocks staged two deep by asynchronous copies (``Dialect.copy16``).
 - ``bwd_mma_source`` (scalar decays, fragment frame): the backward's pass after its reverse scan, per chunk: the
   pair gradients through Γ and the elementwise tail (dr, du, db̃ and the log-decays' reverse cumulative sum).
 - ``bwd_key_source`` (key-vector decays): the backward's elementwise tail after the pair kernels' gradients, one
@@ -185,6 +186,22 @@ def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool =
             + ("_yt" if yt else "") + ("_l2" if l2 else ""))
     return _source(d, "chunk_out_mma.j2", kind, "chunk readout of the chunked core, fragment multiply-adds", ins,
                    ("Y",) if key else ("Y", "M"), (), helpers=d.mma_prelude, yt=yt, key=key, m2=m2, uf=uf, ml=ml, l2=l2)
+
+
+@lru_cache(maxsize=None)
+def out_async_source(dialect: str, yt: bool = False, uf: bool = False, ml: bool = False) -> KernelSource:
+    """The scalar-decay readout of ``out_mma_source`` with its operands staged two buffers deep by the dialect's
+    16-byte copies (``chunk_out_async.j2``; on CUDA cp.async): each block's load overlaps the previous block's
+    products. ``yt``, ``uf``, ``ml`` as there; the types RT, UT, ZT of R, U and Z are template constants
+    (``out_async_layout``)."""
+    if ml and not (uf and yt):
+        raise ValueError("chunk_out_async: the model's layout (ml) is the factor-read form's, writing y so (uf, yt)")
+    d = get(dialect)
+    ins = (("R", "U", "Uf") if uf else ("R", "U")) + ("Z", "St", "logd", "Rs")
+    kind = "out_async" + ("_uf" if uf else "") + ("_ml" if ml else "") + ("_yt" if yt else "")
+    return _source(d, "chunk_out_async.j2", kind, "chunk readout of the chunked core, fragment multiply-adds, "
+                   "operands staged by asynchronous copies", ins, ("Y", "M"), (),
+                   helpers=d.mma_prelude + d.copy_prelude, yt=yt, uf=uf, ml=ml)
 
 
 @lru_cache(maxsize=None)
@@ -513,6 +530,38 @@ def out_mma_layout(dialect: str, C: int, K: int, V: int, most_bv: int = 128) -> 
             lda, ldb = kb + 4, b_stride(bv)
             if C * ld + C + C * lda + max(C * lda, kb * ldb) <= room:
                 return {"BV": bv, "KB": kb, "LD": ld, "LDA": lda, "LDB": ldb, "XB": max(C * lda, kb * ldb)}
+    return None
+
+
+def copy_stride(n: int, esize: int, rows: int) -> int:
+    """The row stride (≥ n elements of esize bytes) of a threadgroup tile filled by 16-byte copies: whole 16-byte
+    words a row, and bank-conflict free where ``rows`` = 8 (A fragments, or B fragments read transposed: 8 rows ×
+    4 columns a read, rows 4 words mod 8 apart) or 4 (B fragments: 4 rows × 8 columns, rows 8 or 24 words mod 32
+    apart). For floats these are ``a_stride``'s and ``b_stride``'s conditions, relaxed for the A rows to 4 mod 8."""
+    ok = (lambda b: b % 32 == 16) if rows == 8 else (lambda b: b % 128 in (32, 96))
+    return next(x for x in range(n, n + 64) if ok(x * esize))
+
+
+@lru_cache(maxsize=None)
+def out_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple = (4, 4, 4), most_bv: int = 128) -> dict | None:
+    """Template constants of the two-buffer readout (``out_async_source``), or None where it has none: C one of 16, 32,
+    64, K and V multiples of 8; ``sizes`` the bytes an element of R, U and Z (their blocks are copied verbatim). The
+    first (BV, KB) as ``out_mma_layout`` whose buffers fit the dialect's threadgroup memory: M (C × LD floats) and
+    e^G, then a staging area SQ 16-byte words large for the largest of the three products' two buffers each: R's
+    and U's blocks (C × LDR, C × LDU), R's and S_c's (C × LDR, KB × LDB floats), Z's (KB × LDZ). At C = 64, K = V = 128
+    with 16-bit keys that is 40.25 KiB on CUDA (KB 16, BV 128)."""
+    if C not in (16, 32, 64) or K % 8 or V % 8:
+        return None
+    er, eu, ez = sizes
+    ld = a_stride(C)
+    for bv in (b for b in dict.fromkeys((most_bv, 64, 32, 16, 8)) if V % b == 0):
+        for kb in (b for b in (32, 16, 8) if C % b == 0 and K % b == 0):
+            ldr, ldu = copy_stride(kb, er, 8), copy_stride(kb, eu, 8)
+            ldb, ldz = copy_stride(bv, 4, 4), copy_stride(bv, ez, 4)
+            stage = max(2 * C * (ldr * er + ldu * eu), 2 * (C * ldr * er + kb * ldb * 4), 2 * kb * ldz * ez)
+            sq = -(-stage // 16)
+            if 4 * (C * ld + C) + 16 * sq <= get(dialect).smem_bytes:
+                return {"BV": bv, "KB": kb, "LD": ld, "LDR": ldr, "LDU": ldu, "LDB": ldb, "LDZ": ldz, "SQ": sq}
     return None
 
 

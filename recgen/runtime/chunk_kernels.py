@@ -17,7 +17,7 @@ from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, decays_source, feature_decode_layout, feature_decode_source,
                                      feature_jac_source, feature_mma_layout, feature_out_source, feature_states_source,
-                                     inverse_source, out_mma_layout, out_mma_source, pair_folds, pair_fragments,
+                                     inverse_source, out_async_layout, out_async_source, out_mma_layout, out_mma_source, pair_folds, pair_fragments,
                                      pair_grad_source, pair_layout, pair_source, scan_layout, scan_mma_layout,
                                      scan_prefetches, scan_source, sympow_layout, sympow_source, ut_mma_layout,
                                      ut_mma_source)
@@ -160,6 +160,32 @@ def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | Non
     nt = 2 * C  # C / 16 SIMD groups of 32
     return Launch(out_mma_source(dialect, yt is not None, key, m2, uf, ml is not None, l2), (),
                   (y,) if key else (y, ((N, C, C), "float32")),
+                  (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
+
+
+def _itemsize(dtype_name: str) -> int:
+    return 4 if dtype_name == "float32" else 2
+
+
+@lru_cache(maxsize=256)
+def out_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, yt: tuple | None = None,
+                     most_bv: int = 128, uf: bool = False, ml: tuple | None = None) -> Launch | None:
+    """The two-buffer readout (``out_async_source``) with ``out_mma_launch``'s arguments; ``types``: the dtype names
+    of R, U and Z, whose blocks it copies verbatim. None where its buffers have no layout (then the synchronous
+    frame runs)."""
+    if ml is not None and (yt is None or (ml[0], ml[2]) != tuple(yt[:2])):
+        raise ValueError(f"chunk_out_async: the model's layout {ml} needs y written in it, of the same H and n ({yt})")
+    lay = out_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bv)
+    if lay is None:
+        return None
+    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "ZT"), types))
+    y = ((N, C, V), "float32")
+    if yt is not None:
+        H, n, dt = yt
+        tmpl += (("H", H), ("NCH", n), ("OT", dt)) + _model_consts(ml, ("HK", "GB"))
+        y = ((N // (H * n), n * C, H, V), dt)
+    nt = 2 * C
+    return Launch(out_async_source(dialect, yt is not None, uf, ml is not None), (), (y, ((N, C, C), "float32")),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
@@ -462,8 +488,13 @@ def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None, ml=None
     N = _lead(Z, 2)
     yt = None if out is None else (Z.shape[-4], n, _dtype_name(out))
     keys = [r, u] if ml is not None else [r.reshape(N, C, K), u.reshape(N, C, K)]
-    y, M = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, uf=uf is not None, ml=ml,
-                                   l2=t.l2_prefetch),
+    launch = None
+    if t.async_staging:
+        types = tuple(_dtype_name(x.dtype) for x in (r, u, Z))
+        launch = out_async_launch(t.dialect, N, C, K, V, types, yt, t.out_bv, uf=uf is not None, ml=ml)
+    if launch is None:
+        launch = out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, uf=uf is not None, ml=ml, l2=t.l2_prefetch)
+    y, M = _call(t, launch,
                     keys + ([] if uf is None else [uf.reshape(N, C)])
                     + [Z.reshape(N, C, V), states.reshape(N, K, V), l.reshape(N, C),
                        mx.array([1.0 if rs is None else rs], dtype=mx.float32)])

@@ -25,6 +25,16 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 }
 """
 
+# cp.async (sm_80 and later) copies 16 bytes from global to shared memory without passing through registers; the
+# shared address is the 32-bit window address (cvta.to.shared), the global one generic (as CUTLASS passes it).
+COPY_PRELUDE = """\
+__device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
+  unsigned s;
+  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(src) : "memory");
+}
+"""
+
 CUDA = Dialect(
     name="cuda", ext="cu", mlx_factory="cuda_kernel",
     lane="(threadIdx.x & 31)", thread_in_tg="threadIdx.x",
@@ -40,5 +50,8 @@ CUDA = Dialect(
     prelude=PRELUDE,
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE, frag=PTX_FRAGMENTS,
     prefetch='asm volatile("prefetch.global.L2 [%0];" :: "l"({p}))',
+    copy16="rg_cp16({dst}, {src})", copy_prelude=COPY_PRELUDE,
+    copy_commit='asm volatile("cp.async.commit_group;" ::: "memory")',
+    copy_wait='asm volatile("cp.async.wait_group {n};" ::: "memory")',
     standalone_dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"},
 )

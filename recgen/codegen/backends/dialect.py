@@ -76,3 +76,12 @@ class Dialect:
     # A hint that the cache line holding {p} (a pointer to a kernel buffer) will be read soon, so that a staging
     # loop's next block is on its way while the current one is multiplied; "" where the dialect has none.
     prefetch: str = ""
+    # Staging through two buffers: {dst} (threadgroup memory) = the 16 bytes at {src} (a kernel buffer), both
+    # 16-byte aligned, started asynchronously where the dialect can (CUDA's cp.async: no registers, the copy lands
+    # while the previous block is multiplied); ``copy_commit`` closes the group of copies a thread has started and
+    # ``copy_wait`` waits until at most {n} of its groups are still in flight ("" where copies are synchronous).
+    # ``copy_prelude`` defines them.
+    copy16: str = ""
+    copy_prelude: str = ""
+    copy_commit: str = ""
+    copy_wait: str = ""

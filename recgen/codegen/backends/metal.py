@@ -45,6 +45,12 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 }
 """
 
+# Metal has no asynchronous copy a kernel can spell portably: the staging copies are plain 16-byte moves, so the
+# two-buffer frames run in step (their barriers order each block's copy before its use).
+COPY_PRELUDE = """\
+inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgroup uint4*)dst) = *((const device uint4*)src); }
+"""
+
 METAL = Dialect(
     name="metal", ext="metal", mlx_factory="metal_kernel",
     lane="thread_index_in_simdgroup", thread_in_tg="thread_position_in_threadgroup.x",
@@ -60,6 +66,7 @@ METAL = Dialect(
     dtypes={"float32": "float", "float16": "half", "bfloat16": "bfloat16_t"},
     prelude=PRELUDE,
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE, frag=SIMDGROUP_FRAGMENTS,
+    copy16="rg_cp16({dst}, {src})", copy_prelude=COPY_PRELUDE,
     standalone_dtypes={"float32": "float", "float16": "half", "bfloat16": "bfloat"}, constant_space="constant ",
 )
 

@@ -1,0 +1,127 @@
+"""The scalar decay's readout staged two buffers deep by 16-byte copies (``chunk_out_async.j2``, ``Tuning.async_staging``):
+against float64 on the Metal CPU emulator in both fragment lane layouts (the copies are synchronous there, so the
+buffers' indexing and barriers are what is checked; CUDA's cp.async waits run on the GPU tests), its layouts'
+bank-conflict conditions, and the chunked core end to end with it."""
+import numpy as np
+import pytest
+
+from recgen import tuning
+from recgen.codegen import chunk_sources as cs
+from recgen.codegen.backends.dialect import PTX_FRAGMENTS
+from recgen.runtime import chunk_kernels as ck
+
+verify = pytest.importorskip("recgen.verify.kernels")
+from recgen.verify.typecheck import clang_problem  # noqa: E402
+
+from test_chunk_kernels import FRAGMENT_LAYOUTS, _emulated_call, _out_ref, _rel  # noqa: E402
+
+pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
+
+
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
+@pytest.mark.parametrize("C,K,V,bv", [(16, 16, 24, 64), (32, 40, 32, 16), (64, 16, 16, 64), (32, 32, 128, 128)])
+def test_chunk_out_async_matches_numpy(frame, C, K, V, bv):
+    """float32 operands: one block (K = 16 at KB 16), five (K = 40 at KB 8), V split over threadgroups (V = 32 at
+    BV 16), decays down to e^-20 a token, a run of weak ones after strong ones."""
+    rng = np.random.default_rng(C + K + V)
+    N = 2
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
+    l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
+    ins = {"R": f(N, C, K), "U": f(N, C, K), "Z": f(N, C, V), "St": f(N, K, V), "logd": l, "Rs": np.array([0.3], np.float32)}
+    launch = ck.out_async_launch(frame, N, C, K, V, ("float32",) * 3, None, bv)
+    y, M = verify.run_launch(launch, ins)
+    want_y, want_M = _out_ref(0.3 * ins["R"], *(ins[k] for k in ("U", "Z", "St", "logd")))
+    assert _rel(y, want_y) < 1e-5 and _rel(M, want_M) < 1e-5
+
+
+@pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
+@pytest.mark.parametrize("zt", ["float32", "bfloat16"])
+def test_chunk_out_async_reads_16bit_keys_in_the_model_layout(zt, sanitizer):
+    """GDN's call: r and the key x in bf16, read in the model's layout [B, T, HK, K] (two value heads over one key
+    head, two chunks a sequence), u = Uf ⊙ x applied to M's columns after the product, Z in float32 or bf16, y
+    written [B, T, H, V]; against float64 on the bf16 values (the products are float32 on the emulator), plain,
+    under ASan+UBSan and under TSan (the two buffers' barriers)."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(5)
+    B, H, HK, n, C, K, V = 2, 2, 1, 2, 16, 32, 24
+    N, T = B * H * n, n * C
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
+    q, k, Z = bf(f(B, T, HK, K)), bf(f(B, T, HK, K)), f(N, C, V)
+    Zin = bf(Z) if zt == "bfloat16" else Z
+    uf, logd = rng.uniform(size=(N, C)).astype(np.float32), (-6 * rng.uniform(size=(N, C))).astype(np.float32)
+    ins = {"R": q, "U": k, "Uf": uf, "Z": Zin, "St": f(N, K, V), "logd": logd, "Rs": np.array([0.5], np.float32)}
+    launch = ck.out_async_launch("metal", N, C, K, V, ("bfloat16", "bfloat16", zt), (H, n, "float32"), uf=True,
+                                 ml=(H, HK, n, True))
+    assert dict(launch.template)["LDR"] * 2 % 16 == 0
+    y, M = verify.run_launch(launch, ins, sanitizer=sanitizer)
+
+    def chunks(x):  # [B, T, HK, K] -> [B H n, C, K], the key head shared by the value heads
+        x = np.array(x.astype(mx.float32), np.float64)
+        return np.repeat(x, H, 2).transpose(0, 2, 1, 3).reshape(N, C, K)
+
+    z = np.array(Zin.astype(mx.float32)) if zt == "bfloat16" else Z
+    want_y, want_M = _out_ref(0.5 * chunks(q), chunks(k) * uf[..., None], z, ins["St"], logd)
+    want_y = want_y.reshape(B, H, T, V).transpose(0, 2, 1, 3)
+    assert _rel(y, want_y) < 1e-5 and _rel(M, want_M) < 1e-5
+
+
+def _banks(x: int, esize: int, rows: int) -> bool:
+    """Whether a warp's fragment read of a tile of row stride x (elements of esize bytes) in CUDA's lane layout
+    touches each bank through one word only: A fragments (8 rows gq x 4 columns tq) where rows = 8, B fragments (4
+    rows tq x 8 columns gq) where 4."""
+    words = set()
+    for lane in range(32):
+        gq, tq = lane >> 2, lane & 3
+        r, c = (gq, tq) if rows == 8 else (tq, gq)
+        words.add((r * x + c) * esize // 4)
+    return len({w % 32 for w in words}) == len(words)
+
+
+@pytest.mark.parametrize("esize", [2, 4])
+@pytest.mark.parametrize("n", [8, 16, 32, 64, 128])
+def test_copy_strides_are_whole_words_and_conflict_free(esize, n):
+    for rows in (8, 4):
+        x = cs.copy_stride(n, esize, rows)
+        assert x >= n and x * esize % 16 == 0 and _banks(x, esize, rows), (n, esize, rows, x)
+    assert PTX_FRAGMENTS.gq == "lane >> 2" and PTX_FRAGMENTS.tq == "lane & 3"  # the layout _banks models
+
+
+def test_chunk_out_async_layouts():
+    """CUDA's 48 KiB: GDN's bf16 keys take BV 128 at KB 16 (M 17.4 KB, two blocks of R and S_c 23 KB); float32 keys
+    the same depth; Metal's 32 KiB a shallower one; sizes outside the layouts have none."""
+    bf = cs.out_async_layout("cuda", 64, 128, 128, (2, 2, 4))
+    assert bf == {"BV": 128, "KB": 16, "LD": 68, "LDR": 24, "LDU": 24, "LDB": 136, "LDZ": 136, "SQ": 1472}
+    assert 4 * (64 * 68 + 64) + 16 * bf["SQ"] == 41216  # what ptxas reports for the kernel
+    assert cs.out_async_layout("cuda", 64, 128, 128, (4, 4, 4))["KB"] == 16
+    metal = cs.out_async_layout("metal", 64, 128, 128, (2, 2, 4))
+    assert metal["KB"] == 8 and 4 * (64 * 68 + 64) + 16 * metal["SQ"] <= 32 * 1024
+    assert cs.out_async_layout("cuda", 48, 128, 128) is None and cs.out_async_layout("cuda", 64, 12, 128) is None
+
+
+@pytest.mark.parametrize("name,T,dtype", [("gated_delta_net", 48, None), ("gated_delta_net", 40, "bf16"),
+                                          ("simple_gla", 40, None)])
+def test_chunked_core_with_async_readout_matches_reference(name, T, dtype, monkeypatch):
+    """The chunked core end to end with ``async_staging``: GDN (factor reads; whole chunks in the model's layout at T =
+    48, a partial last chunk at 40, bf16 inputs) and simple GLA (u = k, no factors); forward, final state and every
+    gradient against the float64 reference, the readout run by the two-buffer kernel."""
+    pytest.importorskip("mlx.core")
+    import dataclasses
+
+    import mlx.core as mx
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, model_rows=True,
+                       async_staging=True)
+    rec = specs.BUILTINS[name]
+    rec = dataclasses.replace(rec, gqa="block") if name == "gated_delta_net" else rec
+    assert_close(compare(rec, T, chunk=16, K=16, V=8, seed=3, tuning=t, in_dtype=mx.bfloat16 if dtype else None),
+                 *((1e-2, 1e-2) if dtype else ()))
+    readouts = {c.split("_metal")[0] for c in calls if "_out_" in c}
+    ml = "_ml" if T % 16 == 0 and name == "gated_delta_net" else ""
+    assert readouts == {("recgen_chunk_out_async_uf" + ml + "_yt") if name == "gated_delta_net"
+                        else "recgen_chunk_out_async_yt"}, readouts
