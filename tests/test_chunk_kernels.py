@@ -1511,7 +1511,7 @@ def fresh_probe():
 
 
 @pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor",
-                                   "rows", "hoist", "hoist_e"])
+                                   "rows", "hoist", "hoist_e", "async"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass
     ("hoist" runs the hoisted scans in both directions)."""
@@ -1522,6 +1522,8 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     hoisted = {c.split("_metal")[0] for c in calls if "_ho" in c}
     assert hoisted == {"hoist": {"recgen_chunk_scan_mma_q_ho", "recgen_chunk_scan_mma_q_ho_rev"},
                        "hoist_e": {"recgen_chunk_scan_mma_nob_aq_e_ho_rev"}}.get(frame, set())
+    staged = {c.split("_metal")[0] for c in calls if "_async" in c}
+    assert staged == ({"recgen_chunk_out_async", "recgen_chunk_out_async_uf_ml_yt"} if frame == "async" else set())
 
 
 def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):

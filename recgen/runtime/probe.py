@@ -51,7 +51,8 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
                          ("rows", ("model_rows",)),                           # q, k, v copied to the chunks' layout
                          ("hoist", ("scan_hoist", "reverse_scan_hoist")),     # each operand loaded where used
                          ("hoist_e", ("scan_hoist_e",)),
-                         ("keyfactor", ("key_factor_reads",))):               # KDA's roles formed
+                         ("keyfactor", ("key_factor_reads",)),                # KDA's roles formed
+                         ("async", ("async_staging",))):                      # the readout's synchronous staging
         if any(getattr(t, f) for f in flags) and not (fragments and usable(t.dialect, frame, sizes)):
             changes.update(dict.fromkeys(flags, False))
     if t.feature_decode and (t.dialect is None or not usable(t.dialect, "decode", sizes)):
@@ -99,7 +100,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
     state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
     frame stands for "mma", which is probed only if it fails), "hoist_e" (a product-free reverse scan hoisted: A
-    with Aq, E), each probed where the tuning asks for it. A GPU
+    with Aq, E), "async" (the scalar decay's readout staged by asynchronous copies, float32 and as GDN calls it), each probed where the tuning asks for it. A GPU
     whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say) then keeps MLX ops, or
     the FMA scan, instead of raising from inside every chunked call; a failing "tail" turns only the fused backward
     off, a failing "pairs" only the pairs' fragments, a failing "hoist" or "hoist_e" only that hoisting."""
@@ -124,9 +125,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             S = 0.5 * S + (0 if B is None else B[c].T @ Y[c]) + (0 if E is None else E[c])
         return np.stack(carried), np.stack(Y), S
     t = resolve("gpu", dialect, environ={}, chunk_kernels=True,
-                mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e"),
+                mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e", "async"),
                 mma_pairs=frame == "pairs", scan_hoist=frame == "hoist", reverse_scan_hoist=frame == "hoist",
-                scan_hoist_e=frame == "hoist_e")
+                scan_hoist_e=frame == "hoist_e", async_staging=frame == "async")
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
     try:
@@ -220,6 +221,25 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     return [Tm, U, W, carried, Z, y, M, *rev, dr, dx, df, dl]
                 got = run(q, k, v, (H, 1, n, True))
                 ref = [np.array(a.astype(mx.float32), np.float64) for a in run(*(chunks(x) for x in (q, k, v)), None)]
+        elif frame == "async":  # the readout staged by asynchronous copies: float32 operands in the chunks' layout, and
+            got, ref = [], []     # GDN's call (bf16 q and k in the model's layout, u = f ⊙ k read so, bf16 y)
+            if ck.fuses_readout(t, C, K, V):
+                R, U = rng.normal(size=(n, C, K)) / K, rng.normal(size=(n, C, K))
+                Z, St = rng.normal(size=(n, C, V)), rng.normal(size=(n, K, V))
+                G = -0.1 * np.arange(1, C + 1)
+                gam = np.tril(np.exp(G[:, None] - G[None, :]))
+                l = f32(np.full((n, C, 1), -0.1))
+                M = (R @ U.swapaxes(-1, -2)) * gam
+                got += list(ck.chunk_out(f32(R), f32(U), f32(Z), f32(St), l, t))
+                ref += [np.exp(G)[:, None] * (R @ St) + M @ Z, M]
+                q16, x16 = (f32(a.reshape(1, n * C, 1, K)).astype(mx.bfloat16) for a in (R, U / np.sqrt(K)))
+                q, x = (np.array(a.astype(mx.float32), np.float64).reshape(n, C, K) for a in (q16, x16))
+                fx = rng.uniform(size=(n, C, 1))
+                y = ck.chunk_out(q16, x16, f32(Z)[None, None], f32(St)[None, None], l[None, None], t, mx.bfloat16, 0.5,
+                                 uf=f32(fx)[None, None], ml=(1, 1, n, True))[0]
+                got.append(y)
+                y_ = 0.5 * (np.exp(G)[:, None] * (q @ St) + ((q @ (fx * x).swapaxes(-1, -2)) * gam) @ Z)
+                ref.append(y_.reshape(1, n * C, 1, V))
         elif frame == "hoist_e":  # a product-free reverse scan hoisted (KDA's and simple GLA's backward: A with Aq, E)
             S0, X, A = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V)), rng.normal(size=(1, n, C, K)) / K
             E, Aq = rng.normal(size=(1, n, K, V)), np.exp(-0.1 * np.arange(C - 1, -1, -1.0))[None, None].repeat(n, 1)
@@ -377,6 +397,7 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
                 "rows": "the model-layout reads of q, k, v (they are copied to the chunks' layout)",
                 "hoist": "the scans' hoisted loads (each operand is loaded where it is used)",
                 "hoist_e": "the product-free scans' hoisted loads (each operand is loaded where it is used)",
+                "async": "the readout's asynchronous staging (its synchronous frame is used)",
                 "decode": "the feature decode kernel (MLX ops are used for the step)",
                 "features": "the feature product kernels (φ is formed in memory)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
