@@ -193,6 +193,9 @@ def chunk_launches(target: str) -> list:
                 # the readout staged two deep by 16-byte copies (``Tuning.async_staging``): GDN's call, and float32
                 + [ck.out_async_launch(target, 8, 64, 128, 128, ("bfloat16", "bfloat16", "float32"), (2, 2, "bfloat16"),
                                        uf=True, ml=ml), ck.out_async_launch(target, 8, 64, 128, 128, ("float32",) * 3)]
+                + [ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("bfloat16", "bfloat16"),
+                                      uf=True, ot="bfloat16", ml=ml),
+                   ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("float32",) * 3)]
                 # with L2 hints (``Tuning.l2_prefetch``; the same kernels where the dialect has no prefetch)
                 + ([ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), uf=True, ml=ml, l2=True),
                     ck.out_mma_launch(target, 8, 64, 128, 64, most_bv=16, l2=True),  # narrow column blocks

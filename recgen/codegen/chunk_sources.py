@@ -21,8 +21,9 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
 - ``ut_mma_source`` and ``out_mma_source`` (fragment frames): the delta rule's UT transform
   (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout y = (r ⊙ P) S_c + M_ru Z, each one kernel per
   chunk; for a scalar decay A or M_ru is formed in threadgroup memory (shared helpers in ``_fragments.j2``), for a
-  key-vector decay (``key``) it comes from the pair kernels and P is per key element. ``out_async_source``: the
-  scalar decay's readout with its blocks staged two deep by asynchronous copies (``Dialect.copy16``).
+  key-vector decay (``key``) it comes from the pair kernels and P is per key element. ``out_async_source`` and
+  ``ut_async_source``: the scalar decay's readout and UT transform with their blocks staged two deep by
+  asynchronous copies (``Dialect.copy16``).
 - ``bwd_mma_source`` (scalar decays, fragment frame): the backward's pass after its reverse scan, per chunk: the
   pair gradients through Γ and the elementwise tail (dr, du, db̃ and the log-decays' reverse cumulative sum).
 - ``bwd_key_source`` (key-vector decays): the backward's elementwise tail after the pair kernels' gradients, one
@@ -229,6 +230,23 @@ def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = 
             + ("_ml" if ml else "") + ("_l2" if l2 else ""))
     return _source(d, "chunk_ut_mma.j2", kind, "UT transform of the chunked core's delta rule, fragment multiply-adds",
                    ins, ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude, key=key, tb=tb, uf=uf, o16=o16, ml=ml, l2=l2)
+
+
+@lru_cache(maxsize=None)
+def ut_async_source(dialect: str, uf: bool = False, o16: bool = False, ml: bool = False) -> KernelSource:
+    """The scalar-decay UT transform of ``ut_mma_source`` with its operands staged two buffers deep by the dialect's
+    16-byte copies (``chunk_ut_async.j2``; on CUDA cp.async). ``uf``, ``o16``, ``ml`` as there; the types UT, WT
+    (and BT without ``uf``) of the inputs are template constants (``ut_async_layout``)."""
+    if ml and not uf:
+        raise ValueError("chunk_ut_async: the model's layout (ml) is the factor-read form's")
+    if o16 and not uf:
+        raise ValueError("chunk_ut_async: 16-bit outputs (o16) are the factor-read form's")
+    d = get(dialect)
+    ins = ("U", "Uf", "Bf", "W", "logd") if uf else ("Bt", "U", "W", "logd")
+    kind = "ut_async" + ("_uf" if uf else "") + ("_o16" if o16 else "") + ("_ml" if ml else "")
+    return _source(d, "chunk_ut_async.j2", kind, "UT transform of the chunked core's delta rule, fragment multiply-adds, "
+                   "operands staged by asynchronous copies", ins, ("Tm", "Uw", "Wb"), (),
+                   helpers=d.mma_prelude + d.copy_prelude, uf=uf, o16=o16, ml=ml)
 
 
 @lru_cache(maxsize=None)
@@ -582,6 +600,32 @@ def ut_mma_layout(dialect: str, C: int, K: int, V: int, most_bw: int = 128) -> d
         xs = max(2 * C * (kb + 4), kb * ldb, 20 * C)  # 20 C: the inverse's X blocks (C / 2m of m × (m + 8), m ≤ 32)
         if 2 * C * ld + C + xs <= room:
             return {"BW": bw, "KB": kb, "LD": ld, "LDA": kb + 4, "LDB": ldb, "XS": xs}
+    return None
+
+
+@lru_cache(maxsize=None)
+def ut_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple, most_bw: int = 128) -> dict | None:
+    """Template constants of the two-buffer UT transform (``ut_async_source``), or None where it has none: C one of
+    16, 32, 64, K and V multiples of 8; ``sizes`` the bytes an element of U, W and Bt (or of x, W with factor
+    reads: two sizes). The first (BW, KB), BW from ``most_bw``, 64, 32, 16, 8 dividing K and V, KB from 32, 16, 8,
+    whose buffers fit the dialect's threadgroup memory: A and Tm (C × LD floats each) and e^G, then a staging area
+    SQ 16-byte words large for the largest of: two blocks of the keys (C × LDU, and C × LDU2 of Bt), the inverse's
+    products (20 C floats), two blocks of W (KB × LDW), two of the key (KB × LDX). At C = 64, K = V = 128 with
+    16-bit inputs that is 44.2 KiB on CUDA (BW 128, KB 16)."""
+    if C not in (16, 32, 64) or K % 8 or V % 8:
+        return None
+    eu, ew = sizes[:2]
+    eb = sizes[2] if len(sizes) > 2 else None
+    ld = a_stride(C)
+    for bw in (b for b in dict.fromkeys((most_bw, 64, 32, 16, 8)) if K % b == 0 and V % b == 0):
+        for kb in (b for b in (32, 16, 8) if C % b == 0 and K % b == 0):
+            ldu, ldu2 = copy_stride(kb, eu, 8), copy_stride(kb, eb or eu, 8)
+            ldw, ldx = copy_stride(bw, ew, 4), copy_stride(bw, eb or eu, 4)
+            keys = 2 * C * (ldu * eu + (ldu2 * eb if eb else 0))
+            stage = max(keys, 20 * C * 4, 2 * kb * ldw * ew, 2 * kb * ldx * (eb or eu))
+            sq = -(-stage // 16)
+            if 4 * (2 * C * ld + C) + 16 * sq <= get(dialect).smem_bytes:
+                return {"BW": bw, "KB": kb, "LD": ld, "LDU": ldu, "LDU2": ldu2, "LDW": ldw, "LDX": ldx, "SQ": sq}
     return None
 
 

@@ -17,7 +17,7 @@ from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, decays_source, feature_decode_layout, feature_decode_source,
                                      feature_jac_source, feature_mma_layout, feature_out_source, feature_states_source,
-                                     inverse_source, out_async_layout, out_async_source, out_mma_layout, out_mma_source, pair_folds, pair_fragments,
+                                     inverse_source, out_async_layout, out_async_source, ut_async_layout, ut_async_source, out_mma_layout, out_mma_source, pair_folds, pair_fragments,
                                      pair_grad_source, pair_layout, pair_source, scan_layout, scan_mma_layout,
                                      scan_prefetches, scan_source, sympow_layout, sympow_source, ut_mma_layout,
                                      ut_mma_source)
@@ -187,6 +187,24 @@ def out_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple,
     nt = 2 * C
     return Launch(out_async_source(dialect, yt is not None, uf, ml is not None), (), (y, ((N, C, C), "float32")),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
+
+
+@lru_cache(maxsize=256)
+def ut_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, most_bw: int = 128, uf: bool = False,
+                    ot: str | None = None, ml: tuple | None = None) -> Launch | None:
+    """The two-buffer UT transform (``ut_async_source``) with ``ut_mma_launch``'s arguments; ``types``: the dtype
+    names of U (the key x where ``uf``), W and, without ``uf``, Bt, whose blocks it copies verbatim. None where its
+    buffers have no layout (then the synchronous frame runs)."""
+    if len(types) != (2 if uf else 3):
+        raise ValueError(f"chunk_ut_async: types {types} must name U, W{'' if uf else ' and Bt'}")
+    lay = ut_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bw)
+    if lay is None:
+        return None
+    tmpl = ((("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + tuple(zip(("UT", "WT", "BT"), types))
+            + ((("OT", ot),) if ot else ()) + _model_consts(ml))
+    outs = (((N, C, C), "float32"), ((N, C, V), ot or "float32"), ((N, C, K), ot or "float32"))
+    return Launch(ut_async_source(dialect, uf, ot is not None, ml is not None), (), outs, (N * 2 * C, 1, 1),
+                  (2 * C, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -515,8 +533,13 @@ def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None, out=None,
     x = u if ml is not None else u.reshape(N, C, K)
     roles = ([bt.reshape(N, C, K), x] if uf is None else [x, uf.reshape(N, C), mx.array([bf], dtype=mx.float32)])
     ot = None if out is None else _dtype_name(out)
-    Tm, U, W = _call(t, ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None, ot=ot, ml=ml,
-                                      l2=t.l2_prefetch),
+    launch = None
+    if t.async_staging:
+        types = tuple(_dtype_name(a.dtype) for a in ((u, w) if uf is not None else (u, w, bt)))
+        launch = ut_async_launch(t.dialect, N, C, K, V, types, t.ut_bw, uf=uf is not None, ot=ot, ml=ml)
+    if launch is None:
+        launch = ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None, ot=ot, ml=ml, l2=t.l2_prefetch)
+    Tm, U, W = _call(t, launch,
                      roles + [w if ml is not None else w.reshape(N, C, V), l.reshape(N, C)])
     return Tm.reshape(*lead, C), U.reshape(*lead, V), W.reshape(*lead, K)
 

@@ -52,7 +52,7 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
                          ("hoist", ("scan_hoist", "reverse_scan_hoist")),     # each operand loaded where used
                          ("hoist_e", ("scan_hoist_e",)),
                          ("keyfactor", ("key_factor_reads",)),                # KDA's roles formed
-                         ("async", ("async_staging",))):                      # the readout's synchronous staging
+                         ("async", ("async_staging",))):                      # synchronous staging
         if any(getattr(t, f) for f in flags) and not (fragments and usable(t.dialect, frame, sizes)):
             changes.update(dict.fromkeys(flags, False))
     if t.feature_decode and (t.dialect is None or not usable(t.dialect, "decode", sizes)):
@@ -100,7 +100,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
     state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
     frame stands for "mma", which is probed only if it fails), "hoist_e" (a product-free reverse scan hoisted: A
-    with Aq, E), "async" (the scalar decay's readout staged by asynchronous copies, float32 and as GDN calls it), each probed where the tuning asks for it. A GPU
+    with Aq, E), "async" (the scalar decay's readout and UT transform staged by asynchronous copies, float32 and as GDN calls
+    them), each probed where the tuning asks for it. A GPU
     whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say) then keeps MLX ops, or
     the FMA scan, instead of raising from inside every chunked call; a failing "tail" turns only the fused backward
     off, a failing "pairs" only the pairs' fragments, a failing "hoist" or "hoist_e" only that hoisting."""
@@ -240,6 +241,14 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                 got.append(y)
                 y_ = 0.5 * (np.exp(G)[:, None] * (q @ St) + ((q @ (fx * x).swapaxes(-1, -2)) * gam) @ Z)
                 ref.append(y_.reshape(1, n * C, 1, V))
+                if ck.fuses_ut(t, C, K, V):  # and the UT transform: float32 roles, and GDN's call (b̃ = −k, bf16 out)
+                    got += list(ck.chunk_ut(f32(-R), f32(U / K), f32(Z), l, t))
+                    ref += ut_expected(-R, U / K, Z, G)[1]
+                    w16 = f32(Z.reshape(1, n * C, 1, V)).astype(mx.bfloat16)
+                    w = np.array(w16.astype(mx.float32), np.float64).reshape(n, C, V)
+                    got += list(ck.chunk_ut(None, x16, w16, l[None, None], t, f32(fx)[None, None], -1.0, mx.bfloat16,
+                                            ml=(1, 1, n, True)))
+                    ref += [a[None, None] for a in ut_expected(-x, fx * x, w, G)[1]]
         elif frame == "hoist_e":  # a product-free reverse scan hoisted (KDA's and simple GLA's backward: A with Aq, E)
             S0, X, A = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V)), rng.normal(size=(1, n, C, K)) / K
             E, Aq = rng.normal(size=(1, n, K, V)), np.exp(-0.1 * np.arange(C - 1, -1, -1.0))[None, None].repeat(n, 1)
@@ -397,7 +406,7 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
                 "rows": "the model-layout reads of q, k, v (they are copied to the chunks' layout)",
                 "hoist": "the scans' hoisted loads (each operand is loaded where it is used)",
                 "hoist_e": "the product-free scans' hoisted loads (each operand is loaded where it is used)",
-                "async": "the readout's asynchronous staging (its synchronous frame is used)",
+                "async": "the readout's and UT transform's asynchronous staging (their synchronous frames are used)",
                 "decode": "the feature decode kernel (MLX ops are used for the step)",
                 "features": "the feature product kernels (φ is formed in memory)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)

@@ -98,10 +98,10 @@ def test_chunked_form_reads_the_model_layout(name, case, dtype, rng, monkeypatch
 
 @pytest.mark.parametrize("name,case,dtype", params(("gated_delta_net", "delta_net", "simple_gla"), dtypes=("bfloat16",),
                                                    cases=(MODEL_ROWS_CASE, FRAGMENT_CASE)))
-def test_chunked_form_with_async_readout(name, case, dtype, rng, monkeypatch):
-    """``Tuning.async_staging``: the scalar decay's readout with its blocks copied two deep by cp.async (whole chunks in
-    the model's layout, and a partial last chunk in the chunks' layout), against the float64 reference; the readout that
-    ran is the two-buffer kernel."""
+def test_chunked_form_with_async_staging(name, case, dtype, rng, monkeypatch):
+    """``Tuning.async_staging``: the scalar decay's readout and the delta rule's UT transform with their blocks copied two
+    deep by cp.async (whole chunks in the model's layout, and a partial last chunk in the chunks' layout), against the
+    float64 reference; the kernels that ran are the two-buffer ones."""
     from recgen import tuning
     from recgen.runtime import chunk_kernels as ck
 
@@ -109,7 +109,8 @@ def test_chunked_form_with_async_readout(name, case, dtype, rng, monkeypatch):
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: names.append(launch.source.name) or call(launch, *a))
     with tuning.override(mma_scan=True, model_rows=True, async_staging=True):
         assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
-    ran = {n.split("_cuda")[0] for n in names if "_out_" in n}  # the self-tests' readouts run once a process too
+    ran = {n.split("_cuda")[0] for n in names}  # the self-tests' kernels run once a process too
     delta = name != "simple_gla"  # factor reads (u = β k), and the model's layout where chunks are whole
-    want = "recgen_chunk_out_async" + ("_uf" if delta else "") + ("_ml" if delta and case.T % 64 == 0 else "") + "_yt"
-    assert want in ran, ran
+    uf, ml = ("_uf" if delta else ""), ("_ml" if delta and case.T % 64 == 0 else "")
+    assert f"recgen_chunk_out_async{uf}{ml}_yt" in ran, ran
+    assert not delta or any(n.startswith(f"recgen_chunk_ut_async{uf}") and n.endswith(ml) for n in ran), ran

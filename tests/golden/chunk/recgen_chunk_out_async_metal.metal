@@ -50,12 +50,12 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   const int r0 = 16 * (tid / 32);
   const int64_t bc = (int64_t)threadgroup_position_in_grid.x / NVB;
   const int col0 = (int)(threadgroup_position_in_grid.x % NVB) * BV;
-    for (int i = tid; i < (C) * (KB / VR); i += NT) {
-      const int row_ = i / (KB / VR), c_ = (i % (KB / VR)) * VR;
+    for (int e_ = tid; e_ < (C) * (KB / VR); e_ += NT) {
+      const int row_ = e_ / (KB / VR), c_ = (e_ % (KB / VR)) * VR;
       rg_cp16(Rb_ + (0) * (C * LDR) + row_ * LDR + c_, R + bc * C * K + (0) * KB + row_ * K + c_);
     }
-    for (int i = tid; i < (C) * (KB / VU); i += NT) {
-      const int row_ = i / (KB / VU), c_ = (i % (KB / VU)) * VU;
+    for (int e_ = tid; e_ < (C) * (KB / VU); e_ += NT) {
+      const int row_ = e_ / (KB / VU), c_ = (e_ % (KB / VU)) * VU;
       rg_cp16(Ub_ + (0) * (C * LDU) + row_ * LDU + c_, U + bc * C * K + (0) * KB + row_ * K + c_);
     }
 
@@ -81,12 +81,12 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
     for (int j = 0; j < C / 8; ++j) { m_[j][0] = 0.0f; m_[j][1] = 0.0f; m_[j][2] = 0.0f; m_[j][3] = 0.0f; }
     for (int b = 0; b < NKB; ++b) {
       if (b + 1 < NKB) {
-        for (int i = tid; i < (C) * (KB / VR); i += NT) {
-          const int row_ = i / (KB / VR), c_ = (i % (KB / VR)) * VR;
+        for (int e_ = tid; e_ < (C) * (KB / VR); e_ += NT) {
+          const int row_ = e_ / (KB / VR), c_ = (e_ % (KB / VR)) * VR;
           rg_cp16(Rb_ + ((b + 1) & 1) * (C * LDR) + row_ * LDR + c_, R + bc * C * K + (b + 1) * KB + row_ * K + c_);
         }
-        for (int i = tid; i < (C) * (KB / VU); i += NT) {
-          const int row_ = i / (KB / VU), c_ = (i % (KB / VU)) * VU;
+        for (int e_ = tid; e_ < (C) * (KB / VU); e_ += NT) {
+          const int row_ = e_ / (KB / VU), c_ = (e_ % (KB / VU)) * VU;
           rg_cp16(Ub_ + ((b + 1) & 1) * (C * LDU) + row_ * LDU + c_, U + bc * C * K + (b + 1) * KB + row_ * K + c_);
         }
       }
@@ -107,12 +107,12 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
       }
       threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // block b's buffer is free for block b + 2
     }
-    for (int i = tid; i < (C) * (KB / VR); i += NT) {
-      const int row_ = i / (KB / VR), c_ = (i % (KB / VR)) * VR;
+    for (int e_ = tid; e_ < (C) * (KB / VR); e_ += NT) {
+      const int row_ = e_ / (KB / VR), c_ = (e_ % (KB / VR)) * VR;
       rg_cp16(Rb_ + (0) * (C * LDR) + row_ * LDR + c_, R + bc * C * K + (0) * KB + row_ * K + c_);
     }
-    for (int i = tid; i < (KB) * (BV / 4); i += NT) {
-      const int row_ = i / (BV / 4), c_ = (i % (BV / 4)) * 4;
+    for (int e_ = tid; e_ < (KB) * (BV / 4); e_ += NT) {
+      const int row_ = e_ / (BV / 4), c_ = (e_ % (BV / 4)) * 4;
       rg_cp16(Sb_ + (0) * (KB * LDB) + row_ * LDB + c_, St + (bc * K + (0) * KB) * V + col0 + row_ * V + c_);
     }
 
@@ -133,12 +133,12 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   for (int ct = 0; ct < CT; ++ct) { y_[ct][0] = 0.0f; y_[ct][1] = 0.0f; y_[ct][2] = 0.0f; y_[ct][3] = 0.0f; }
   for (int b = 0; b < NKB; ++b) {
     if (b + 1 < NKB) {
-      for (int i = tid; i < (C) * (KB / VR); i += NT) {
-        const int row_ = i / (KB / VR), c_ = (i % (KB / VR)) * VR;
+      for (int e_ = tid; e_ < (C) * (KB / VR); e_ += NT) {
+        const int row_ = e_ / (KB / VR), c_ = (e_ % (KB / VR)) * VR;
         rg_cp16(Rb_ + ((b + 1) & 1) * (C * LDR) + row_ * LDR + c_, R + bc * C * K + (b + 1) * KB + row_ * K + c_);
       }
-      for (int i = tid; i < (KB) * (BV / 4); i += NT) {
-        const int row_ = i / (BV / 4), c_ = (i % (BV / 4)) * 4;
+      for (int e_ = tid; e_ < (KB) * (BV / 4); e_ += NT) {
+        const int row_ = e_ / (BV / 4), c_ = (e_ % (BV / 4)) * 4;
         rg_cp16(Sb_ + ((b + 1) & 1) * (KB * LDB) + row_ * LDB + c_, St + (bc * K + (b + 1) * KB) * V + col0 + row_ * V + c_);
       }
     }
@@ -160,8 +160,8 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
     }
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // block b's buffer is free
   }
-    for (int i = tid; i < (KB) * (BV / VZ); i += NT) {
-      const int row_ = i / (BV / VZ), c_ = (i % (BV / VZ)) * VZ;
+    for (int e_ = tid; e_ < (KB) * (BV / VZ); e_ += NT) {
+      const int row_ = e_ / (BV / VZ), c_ = (e_ % (BV / VZ)) * VZ;
       rg_cp16(Zb_ + (0) * (KB * LDZ) + row_ * LDZ + c_, Z + (bc * C + (0) * KB) * V + col0 + row_ * V + c_);
     }
 
@@ -172,8 +172,8 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   // loop 3: y += M Z, Z's rows KB at a time (M[t, s] = 0 for s > t: a group stops at its last row)
   for (int b = 0; b < C / KB; ++b) {
     if (b + 1 < C / KB) {
-      for (int i = tid; i < (KB) * (BV / VZ); i += NT) {
-        const int row_ = i / (BV / VZ), c_ = (i % (BV / VZ)) * VZ;
+      for (int e_ = tid; e_ < (KB) * (BV / VZ); e_ += NT) {
+        const int row_ = e_ / (BV / VZ), c_ = (e_ % (BV / VZ)) * VZ;
         rg_cp16(Zb_ + ((b + 1) & 1) * (KB * LDZ) + row_ * LDZ + c_, Z + (bc * C + (b + 1) * KB) * V + col0 + row_ * V + c_);
       }
     }

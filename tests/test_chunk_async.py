@@ -1,7 +1,7 @@
-"""The scalar decay's readout staged two buffers deep by 16-byte copies (``chunk_out_async.j2``, ``Tuning.async_staging``):
-against float64 on the Metal CPU emulator in both fragment lane layouts (the copies are synchronous there, so the
-buffers' indexing and barriers are what is checked; CUDA's cp.async waits run on the GPU tests), its layouts'
-bank-conflict conditions, and the chunked core end to end with it."""
+"""The scalar decay's readout and UT transform staged two buffers deep by 16-byte copies (``chunk_out_async.j2``,
+``chunk_ut_async.j2``, ``Tuning.async_staging``): against float64 on the Metal CPU emulator in both fragment lane
+layouts (the copies are synchronous there, so the buffers' indexing and barriers are what is checked; CUDA's cp.async
+waits run on the GPU tests), their layouts' bank-conflict conditions, and the chunked core end to end with them."""
 import numpy as np
 import pytest
 
@@ -13,7 +13,7 @@ from recgen.runtime import chunk_kernels as ck
 verify = pytest.importorskip("recgen.verify.kernels")
 from recgen.verify.typecheck import clang_problem  # noqa: E402
 
-from test_chunk_kernels import FRAGMENT_LAYOUTS, _emulated_call, _out_ref, _rel  # noqa: E402
+from test_chunk_kernels import FRAGMENT_LAYOUTS, _emulated_call, _out_ref, _rel, _ut_ref  # noqa: E402
 
 pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
 
@@ -67,6 +67,54 @@ def test_chunk_out_async_reads_16bit_keys_in_the_model_layout(zt, sanitizer):
     assert _rel(y, want_y) < 1e-5 and _rel(M, want_M) < 1e-5
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
+@pytest.mark.parametrize("C,K,V,bw", [(16, 16, 24, 128), (32, 40, 16, 128), (32, 64, 128, 64), (16, 16, 16, 8)])
+def test_chunk_ut_async_matches_numpy(frame, C, K, V, bw):
+    """float32 roles Bt and U: A formed over blocks of KB key columns, inverted, applied to W and Bt ⊙ e^G (as Tm's
+    scaled columns) in passes of BW columns whose blocks run as one sequence (K = 40: BW 8, five passes; BW 8 at K
+    = V = 16: two passes each); decays down to e^-20 a token, a run of weak ones after strong ones."""
+    rng = np.random.default_rng(C + K + V)
+    N = 2
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
+    l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
+    ins = {"Bt": -f(N, C, K) / np.sqrt(K), "U": f(N, C, K) / np.sqrt(K), "W": f(N, C, V), "logd": l}
+    launch = ck.ut_async_launch(frame, N, C, K, V, ("float32",) * 3, bw)
+    assert dict(launch.template)["BW"] == next(b for b in (bw, 64, 32, 16, 8) if K % b == 0 and V % b == 0)
+    outs = verify.run_launch(launch, ins)
+    for got, want in zip(outs, _ut_ref(*(ins[k] for k in ("Bt", "U", "W", "logd")))):
+        assert got.shape == want.shape
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+
+
+@pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
+@pytest.mark.parametrize("ot", [None, "bfloat16"])
+def test_chunk_ut_async_reads_16bit_keys_in_the_model_layout(ot, sanitizer):
+    """GDN's call: the key x and v in bf16 in the model's layout (two value heads over one key head, two chunks a
+    sequence), u = Uf ⊙ x and b̃ = Bf x applied to A's elements and columns and to Tm's columns; Uw and Wb in float32
+    or bf16 (``o16``); against float64 on the bf16 values, plain, under ASan+UBSan and under TSan."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(6)
+    B, H, HK, n, C, K, V = 2, 2, 1, 2, 16, 32, 24
+    N, T = B * H * n, n * C
+    bf16 = lambda a: mx.array(a.astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    x, w = bf16(rng.normal(size=(B, T, HK, K)) / np.sqrt(K)), bf16(rng.normal(size=(B, T, H, V)))
+    uf, logd = rng.uniform(size=(N, C)).astype(np.float32), (-6 * rng.uniform(size=(N, C))).astype(np.float32)
+    ins = {"U": x, "Uf": uf, "Bf": np.array([-1.0], np.float32), "W": w, "logd": logd}
+    launch = ck.ut_async_launch("metal", N, C, K, V, ("bfloat16", "bfloat16"), uf=True, ot=ot, ml=(H, HK, n, True))
+    outs = verify.run_launch(launch, ins, sanitizer=sanitizer)
+
+    def chunks(a, heads):  # [B, T, heads, F] -> [B H n, C, F], key heads shared by the value heads
+        a = np.array(a.astype(mx.float32), np.float64)
+        return np.repeat(a, H // heads, 2).transpose(0, 2, 1, 3).reshape(N, C, -1)
+
+    xc = chunks(x, HK)
+    want = _ut_ref(-xc, uf[..., None] * xc, chunks(w, H), logd)
+    for got, ref in zip(outs, want):
+        tol = 1e-5 if ot is None or got.shape[-1] == C else 1e-2  # bf16 outputs: within bf16's rounding
+        assert _rel(got, ref) < tol, (got.shape, _rel(got, ref))
+
+
 def _banks(x: int, esize: int, rows: int) -> bool:
     """Whether a warp's fragment read of a tile of row stride x (elements of esize bytes) in CUDA's lane layout
     touches each bank through one word only: A fragments (8 rows gq x 4 columns tq) where rows = 8, B fragments (4
@@ -100,12 +148,23 @@ def test_chunk_out_async_layouts():
     assert cs.out_async_layout("cuda", 48, 128, 128) is None and cs.out_async_layout("cuda", 64, 12, 128) is None
 
 
+def test_chunk_ut_async_layouts():
+    """CUDA's 48 KiB: GDN's bf16 x and v take BW 128 at KB 16 (A and Tm 34.8 KB, two blocks of 16 rows of W 9.2 KB);
+    float32 roles a shallower depth; Metal's 32 KiB C = 32 only; sizes outside the layouts have none."""
+    assert cs.ut_async_layout("cuda", 64, 128, 128, (2, 2)) == {"BW": 128, "KB": 16, "LD": 68, "LDU": 24, "LDU2": 24,
+                                                                 "LDW": 144, "LDX": 144, "SQ": 576}
+    assert cs.ut_async_layout("cuda", 64, 128, 128, (4, 4, 4))["KB"] == 8
+    assert cs.ut_async_layout("metal", 64, 128, 128, (2, 2)) is None and cs.ut_async_layout("metal", 32, 128, 128, (2, 2))
+    assert cs.ut_async_layout("cuda", 48, 128, 128, (2, 2)) is None
+
+
 @pytest.mark.parametrize("name,T,dtype", [("gated_delta_net", 48, None), ("gated_delta_net", 40, "bf16"),
-                                          ("simple_gla", 40, None)])
-def test_chunked_core_with_async_readout_matches_reference(name, T, dtype, monkeypatch):
+                                          ("gated_delta_net/formed", 40, None), ("simple_gla", 40, None)])
+def test_chunked_core_with_async_kernels_matches_reference(name, T, dtype, monkeypatch):
     """The chunked core end to end with ``async_staging``: GDN (factor reads; whole chunks in the model's layout at T =
-    48, a partial last chunk at 40, bf16 inputs) and simple GLA (u = k, no factors); forward, final state and every
-    gradient against the float64 reference, the readout run by the two-buffer kernel."""
+    48, a partial last chunk at 40, bf16 inputs; "/formed": the roles formed by MLX, Bt and u read as given) and simple
+    GLA (u = k, no factors, no UT transform); forward, final state and every gradient against the float64 reference,
+    the readout and UT transform run by the two-buffer kernels."""
     pytest.importorskip("mlx.core")
     import dataclasses
 
@@ -115,13 +174,15 @@ def test_chunked_core_with_async_readout_matches_reference(name, T, dtype, monke
 
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    name, _, formed = name.partition("/")
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, model_rows=True,
-                       async_staging=True)
+                       async_staging=True, factor_reads=not formed)
     rec = specs.BUILTINS[name]
     rec = dataclasses.replace(rec, gqa="block") if name == "gated_delta_net" else rec
     assert_close(compare(rec, T, chunk=16, K=16, V=8, seed=3, tuning=t, in_dtype=mx.bfloat16 if dtype else None),
                  *((1e-2, 1e-2) if dtype else ()))
-    readouts = {c.split("_metal")[0] for c in calls if "_out_" in c}
-    ml = "_ml" if T % 16 == 0 and name == "gated_delta_net" else ""
-    assert readouts == {("recgen_chunk_out_async_uf" + ml + "_yt") if name == "gated_delta_net"
-                        else "recgen_chunk_out_async_yt"}, readouts
+    staged = {c.split("_metal")[0] for c in calls if "_out_" in c or "_ut_" in c}
+    delta = name == "gated_delta_net"
+    uf, ml = ("" if formed else "_uf"), ("_ml" if T % 16 == 0 else "")
+    assert staged == ({f"recgen_chunk_out_async{uf}{ml}_yt", f"recgen_chunk_ut_async{uf}{ml}"} if delta
+                      else {"recgen_chunk_out_async_yt"}), staged
