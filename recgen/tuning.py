@@ -92,8 +92,9 @@ class Tuning:
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     l2_prefetch: bool = False       # a scalar decay's fragment readout and UT transform hint each staging step's
     #                                 next block into L2 (where the dialect has a prefetch) while they multiply this one
-    async_staging: bool = False     # a scalar decay's fragment readout stages its blocks two deep by the dialect's
-    #                                 asynchronous copies (CUDA's cp.async): a block's load overlaps the last's products
+    async_staging: bool = False     # a scalar decay's fragment readout and UT transform stage their blocks two deep by
+    #                                 the dialect's asynchronous copies (CUDA's cp.async): a block's load overlaps the
+    #                                 last one's products (then ``l2_prefetch`` does not apply to them)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
     # -- the recurrent kernels ----------------------------------------------------------------------
@@ -120,7 +121,7 @@ MEASURED = {
     "cuda": dict(chunk_kernels=True, mma_scan=True, chunked_backward_min_t=1024,
                  chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True, reverse_scan_nw=8,
                  pair_fold=True, ut_products=True, rank1_readout=True, logdecay_16bit=True, model_rows=True,
-                 scan_hoist=True, reverse_scan_hoist=True, l2_prefetch=True),
+                 scan_hoist=True, reverse_scan_hoist=True, l2_prefetch=True, async_staging=True),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 
