@@ -65,8 +65,8 @@ class Tuning:
     #                                 decays, all kernels fused), never formed
     model_rows: bool = False        # ... q, k, v read by those kernels in the model's layout [B, T, heads, D] (whole chunks)
     #                                 where GQA shares key heads: no layout copies or expanded heads, gradients so
-    model_rows_dense: bool = False  # ... and where every value head has its own key head: less memory, but the scans'
-    #                                 strided reads measured slower for training (H100: 5.91 -> 6.00 ms)
+    model_rows_dense: bool = False  # ... and where every value head has its own key head: no layout copies of q, k, v
+    #                                 (on CUDA: with asynchronous staging faster at every shape measured, and less memory)
     ut_16bit: bool = False          # ... the UT transform writing U = T w and W = T (b̃ e^G) in the keys' 16-bit type
     #                                 (the scans convert on load): 0.13 GiB less at GDN's peak, no faster (off)
     key_factor_reads: bool = False  # ... for a key-vector decay (KDA) too: its pairs' scaling by β stays in MLX ops,
@@ -121,7 +121,8 @@ MEASURED = {
     "cuda": dict(chunk_kernels=True, mma_scan=True, chunked_backward_min_t=1024,
                  chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True, reverse_scan_nw=8,
                  pair_fold=True, ut_products=True, rank1_readout=True, logdecay_16bit=True, model_rows=True,
-                 scan_hoist=True, reverse_scan_hoist=True, l2_prefetch=True, async_staging=True),
+                 scan_hoist=True, reverse_scan_hoist=True, l2_prefetch=True, async_staging=True,
+                 model_rows_dense=True),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 

@@ -1062,10 +1062,11 @@ def test_chunk_bwd_mma_layouts():
         ck.bwd_mma_launch("metal", 1, 64, 128, ("float32",) * 3)
 
 
-@pytest.mark.parametrize("dense", [False, True])
-def test_model_layout_without_gqa_only_where_asked(dense, monkeypatch):
-    """Without GQA (H = Hk) q, k, v are read in the model's layout only with ``Tuning.model_rows_dense`` (measured
-    slower for training without it); both ways end to end against the float64 reference."""
+@pytest.mark.parametrize("dense,staging", [(False, False), (True, False), (True, True)])
+def test_model_layout_without_gqa_only_where_asked(dense, staging, monkeypatch):
+    """Without GQA (H = Hk) q, k, v are read in the model's layout only with ``Tuning.model_rows_dense`` (on in CUDA's
+    measured table, off elsewhere); both ways end to end against the float64 reference, and as CUDA runs it, with the
+    readout and UT transform staged by asynchronous copies."""
     pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare
@@ -1073,9 +1074,10 @@ def test_model_layout_without_gqa_only_where_asked(dense, monkeypatch):
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, model_rows=True,
-                       model_rows_dense=dense)
+                       model_rows_dense=dense, async_staging=staging)
     assert_close(compare(specs.BUILTINS["gated_delta_net"], 32, chunk=16, H=2, Hk=2, K=16, V=8, seed=2, tuning=t))
     assert any("_ml" in c for c in calls) == dense, calls
+    assert any("_async" in c for c in calls) == staging, calls  # and with asynchronous staging (CUDA's defaults)
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])

@@ -75,6 +75,7 @@ def test_general_rank1_after_a_key_decay(dtype, rng):
 
 # Whole chunks (T = 128: two of 64) and GQA (4 value heads over 2 key heads): the shape model-layout reads need
 MODEL_ROWS_CASE = Case(2, 128, 4, 2, 64, 40)
+DENSE_CASE = Case(2, 128, 4, 4, 64, 40)  # whole chunks without GQA: the model's layout where ``model_rows_dense``
 
 
 @pytest.mark.parametrize("name,case,dtype", params(("gated_delta_net", "delta_net"), dtypes=("bfloat16",),
@@ -98,7 +99,7 @@ def test_chunked_form_reads_the_model_layout(name, case, dtype, rng, monkeypatch
 
 
 @pytest.mark.parametrize("name,case,dtype", params(("gated_delta_net", "delta_net", "simple_gla"), dtypes=("bfloat16",),
-                                                   cases=(MODEL_ROWS_CASE, FRAGMENT_CASE)))
+                                                   cases=(MODEL_ROWS_CASE, FRAGMENT_CASE, DENSE_CASE)))
 def test_chunked_form_with_async_staging(name, case, dtype, rng, monkeypatch):
     """``Tuning.async_staging``: the scalar decay's readout and the delta rule's UT transform with their blocks copied two
     deep by cp.async (whole chunks in the model's layout, and a partial last chunk in the chunks' layout), against the
@@ -108,7 +109,7 @@ def test_chunked_form_with_async_staging(name, case, dtype, rng, monkeypatch):
 
     names, call = [], ck.mlx_call
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: names.append(launch.source.name) or call(launch, *a))
-    with tuning.override(mma_scan=True, model_rows=True, async_staging=True):
+    with tuning.override(mma_scan=True, model_rows=True, model_rows_dense=True, async_staging=True):
         assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
     ran = {n.split("_cuda")[0] for n in names}  # the self-tests' kernels run once a process too
     delta = name != "simple_gla"  # factor reads (u = β k), and the model's layout where chunks are whole
