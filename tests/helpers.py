@@ -196,7 +196,6 @@ def chunk_launches(target: str) -> list:
                 + [ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("bfloat16", "bfloat16"),
                                       uf=True, ot="bfloat16", ml=ml),
                    ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("float32",) * 3)]
-                + [ck.bwd_async_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"), ml=ml)]
                 # with L2 hints (``Tuning.l2_prefetch``; the same kernels where the dialect has no prefetch)
                 + ([ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), uf=True, ml=ml, l2=True),
                     ck.out_mma_launch(target, 8, 64, 128, 64, most_bv=16, l2=True),  # narrow column blocks

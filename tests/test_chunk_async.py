@@ -1,5 +1,5 @@
-"""The scalar decay's readout, UT transform and backward pass (factor reads) staged two buffers deep by 16-byte copies
-(``chunk_out_async.j2``, ``chunk_ut_async.j2``, ``chunk_bwd_async.j2``, ``Tuning.async_staging``): against float64 on the Metal CPU emulator in both fragment lane
+"""The scalar decay's readout and UT transform staged two buffers deep by 16-byte copies (``chunk_out_async.j2``,
+``chunk_ut_async.j2``, ``Tuning.async_staging``): against float64 on the Metal CPU emulator in both fragment lane
 layouts (the copies are synchronous there, so the buffers' indexing and barriers are what is checked; CUDA's cp.async
 waits run on the GPU tests), their layouts' bank-conflict conditions, and the chunked core end to end with them."""
 import numpy as np
@@ -13,8 +13,7 @@ from recgen.runtime import chunk_kernels as ck
 verify = pytest.importorskip("recgen.verify.kernels")
 from recgen.verify.typecheck import clang_problem  # noqa: E402
 
-from test_chunk_kernels import (FRAGMENT_LAYOUTS, _bwd_inputs, _bwd_ref, _emulated_call, _factor_inputs,  # noqa: E402
-                                _out_ref, _rel, _ut_ref)
+from test_chunk_kernels import FRAGMENT_LAYOUTS, _emulated_call, _out_ref, _rel, _ut_ref  # noqa: E402
 
 pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
 
@@ -116,50 +115,6 @@ def test_chunk_ut_async_reads_16bit_keys_in_the_model_layout(ot, sanitizer):
         assert _rel(got, ref) < tol, (got.shape, _rel(got, ref))
 
 
-@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
-@pytest.mark.parametrize("C,K,bw", [(16, 16, 32), (32, 40, 32), (64, 64, 32), (16, 32, 8)])
-def test_chunk_bwd_async_matches_numpy(frame, C, K, bw):
-    """The backward's pass with factor reads (u = Uf ⊙ x, b̃ = Bf x): dR, dx = Uf du + Bf db̃, dUf = Σ_i du ⊙ x and dl
-    against the float64 pass on the formed roles, float32 operands; one pass (K = 16 at BW 16), five (K = 40: BW 8), two
-    of 32 (K = 64), four of 8; strong decays and a token that writes nothing (Uf = 0)."""
-    rng = np.random.default_rng(C + K + 11)
-    N, bf = 2, -1.0
-    ins = _bwd_inputs(rng, N, C, K, True)
-    x, uf = _factor_inputs(rng, N, C, K)
-    x64, uf64 = x.astype(np.float64), uf.astype(np.float64)[..., None]
-    dr, du, dbt, dl = _bwd_ref(ins | {"U": uf64 * x64, "Bt": bf * x64}, 0.3)
-    given = {k: v for k, v in ins.items() if k != "Bt"} | {"U": x, "Uf": uf, "Bf": np.array([bf], np.float32)}
-    launch = ck.bwd_async_launch(frame, N, C, K, ("float32", "float32"), bw)
-    got = verify.run_launch(launch, given)
-    want = [dr, uf64 * du + bf * dbt, (du * x64).sum(-1), dl]
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and _rel(g, w) < 1e-5, _rel(g, w)
-
-
-@pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
-def test_chunk_bwd_async_in_the_model_layout_matches_the_synchronous_pass(sanitizer):
-    """GDN's call: R and x in bf16 in the model's layout (two value heads over one key head), dR and dx written per
-    value head in bf16: the same values as the synchronous pass (``chunk_bwd_mma.j2``) gives within float32's
-    rounding of the reordered factors (the factors now scale the staged elements where read), plain, under ASan+UBSan
-    and TSan."""
-    mx = pytest.importorskip("mlx.core")
-    rng = np.random.default_rng(12)
-    B, H, HK, n, C, K = 2, 2, 1, 2, 16, 32
-    N, T, ml = B * H * n, n * C, (H, HK, n, True)
-    bf16 = lambda a: mx.array(a.astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
-    ins = {k: v for k, v in _bwd_inputs(rng, N, C, K, True).items() if k not in ("R", "U", "Bt")}
-    _, uf = _factor_inputs(rng, N, C, K)
-    ins |= {"R": bf16(rng.normal(size=(B, T, HK, K))), "U": bf16(rng.normal(size=(B, T, HK, K)) / np.sqrt(K)),
-            "Uf": uf, "Bf": np.array([-1.0], np.float32)}
-    want = verify.run_launch(ck.bwd_mma_launch("metal", N, C, K, ("bfloat16", "bfloat16"), 32, uf=True, ml=ml), ins)
-    got = verify.run_launch(ck.bwd_async_launch("metal", N, C, K, ("bfloat16", "bfloat16"), 32, ml), ins,
-                            sanitizer=sanitizer)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert g.shape == w.shape
-        assert _rel(g, w) < (1e-2 if i < 2 else 1e-5), (i, _rel(g, w))  # dR, dx in bf16
-
-
 def _banks(x: int, esize: int, rows: int) -> bool:
     """Whether a warp's fragment read of a tile of row stride x (elements of esize bytes) in CUDA's lane layout
     touches each bank through one word only: A fragments (8 rows gq x 4 columns tq) where rows = 8, B fragments (4
@@ -231,6 +186,3 @@ def test_chunked_core_with_async_kernels_matches_reference(name, T, dtype, monke
     uf, ml = ("" if formed else "_uf"), ("_ml" if T % 16 == 0 else "")
     assert staged == ({f"recgen_chunk_out_async{uf}{ml}_yt", f"recgen_chunk_ut_async{uf}{ml}"} if delta
                       else {"recgen_chunk_out_async_yt"}), staged
-    passes = {c.split("_metal")[0] for c in calls if "_bwd_" in c}  # the backward's pass: two buffers with factor reads
-    assert passes == ({f"recgen_chunk_bwd_async_delta_uf{ml}"} if delta and not formed
-                      else {"recgen_chunk_bwd_mma_delta" if delta else "recgen_chunk_bwd_mma"}), passes

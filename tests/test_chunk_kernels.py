@@ -1526,8 +1526,7 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                        "hoist_e": {"recgen_chunk_scan_mma_nob_aq_e_ho_rev"}}.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
     assert staged == ({"recgen_chunk_out_async", "recgen_chunk_out_async_uf_ml_yt", "recgen_chunk_ut_async",
-                       "recgen_chunk_ut_async_uf_o16_ml", "recgen_chunk_bwd_async_delta_uf_ml"} if frame == "async"
-                      else set())
+                       "recgen_chunk_ut_async_uf_o16_ml"} if frame == "async" else set())
 
 
 def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):

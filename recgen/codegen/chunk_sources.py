@@ -23,8 +23,7 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
   chunk; for a scalar decay A or M_ru is formed in threadgroup memory (shared helpers in ``_fragments.j2``), for a
   key-vector decay (``key``) it comes from the pair kernels and P is per key element. ``out_async_source`` and
   ``ut_async_source``: the scalar decay's readout and UT transform with their blocks staged two deep by
-  asynchronous copies (``Dialect.copy16``); ``bwd_async_source`` the same for the backward's pass below (factor
-  reads).
+  asynchronous copies (``Dialect.copy16``).
 - ``bwd_mma_source`` (scalar decays, fragment frame): the backward's pass after its reverse scan, per chunk: the
   pair gradients through Γ and the elementwise tail (dr, du, db̃ and the log-decays' reverse cumulative sum).
 - ``bwd_key_source`` (key-vector decays): the backward's elementwise tail after the pair kernels' gradients, one
@@ -268,18 +267,6 @@ def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False
     kind = "bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else "") + ("_ml" if ml else "")
     return _source(d, "chunk_bwd_mma.j2", kind, "backward of the chunked core after its reverse scan, fragment "
                    "multiply-adds", ins, outs, (), helpers=d.mma_prelude, delta=delta, uf=uf, ml=ml)
-
-
-@lru_cache(maxsize=None)
-def bwd_async_source(dialect: str, ml: bool = False) -> KernelSource:
-    """The delta rule's backward pass with factor reads (``bwd_mma_source``'s ``uf``) with its key columns' passes
-    staged two buffers deep by the dialect's 16-byte copies (``chunk_bwd_async.j2``); ``ml`` as there; the types RT,
-    UT of R and x are template constants (``bwd_async_layout``)."""
-    d = get(dialect)
-    ins = ("dMA", "dMR", "R", "U", "Uf", "Bf", "DUQ", "DRP", "DR", "logd", "DG", "Rs")
-    return _source(d, "chunk_bwd_async.j2", "bwd_async_delta_uf" + ("_ml" if ml else ""), "backward of the chunked "
-                   "core after its reverse scan, fragment multiply-adds, operands staged by asynchronous copies", ins,
-                   ("dRo", "dXo", "dFo", "dl"), (), helpers=d.mma_prelude + d.copy_prelude, ml=ml)
 
 
 @lru_cache(maxsize=None)
@@ -658,25 +645,6 @@ def bwd_mma_layout(dialect: str, C: int, K: int, delta: bool, most_bw: int = 32)
         xs = max(nx * C * ldb, C * ld)
         if C * ld + xs + 3 * C + C // 16 <= room:
             return {"BW": bw, "LD": ld, "LDB": ldb, "XS": xs}
-    return None
-
-
-@lru_cache(maxsize=None)
-def bwd_async_layout(dialect: str, C: int, K: int, sizes: tuple, most_bw: int = 32) -> dict | None:
-    """Template constants of the two-buffer backward pass (``bwd_async_source``), or None where it has none: C one of
-    16, 32, 64, K a multiple of 8; ``sizes`` the bytes an element of R and x. BW the widest of ``most_bw``, 16, 8
-    dividing K whose buffers fit the dialect's threadgroup memory: the E tile (C × LD floats), five rows of C floats,
-    and a staging area SQ 16-byte words large for two passes' blocks of x and R (C × LDX, C × LDR). At C = 64, K = 128
-    with 16-bit keys that is 42 KiB on CUDA (BW 32)."""
-    if C not in (16, 32, 64) or K % 8:
-        return None
-    er, ex = sizes
-    ld = a_stride(C)
-    for bw in (b for b in dict.fromkeys((most_bw, 16, 8)) if b <= most_bw and K % b == 0):
-        ldx, ldr = copy_stride(bw, ex, 4), copy_stride(bw, er, 4)
-        sq = -(-2 * C * (ldx * ex + ldr * er) // 16)
-        if 4 * (C * ld + 4 * C + C // 16) + 16 * sq <= get(dialect).smem_bytes:
-            return {"BW": bw, "LD": ld, "LDX": ldx, "LDR": ldr, "SQ": sq}
     return None
 
 

@@ -17,7 +17,7 @@ from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, decays_source, feature_decode_layout, feature_decode_source,
                                      feature_jac_source, feature_mma_layout, feature_out_source, feature_states_source,
-                                     bwd_async_layout, bwd_async_source, inverse_source, out_async_layout, out_async_source, ut_async_layout, ut_async_source, out_mma_layout, out_mma_source, pair_folds, pair_fragments,
+                                     inverse_source, out_async_layout, out_async_source, ut_async_layout, ut_async_source, out_mma_layout, out_mma_source, pair_folds, pair_fragments,
                                      pair_grad_source, pair_layout, pair_source, scan_layout, scan_mma_layout,
                                      scan_prefetches, scan_source, sympow_layout, sympow_source, ut_mma_layout,
                                      ut_mma_source)
@@ -247,20 +247,6 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
     outs = tuple((rows, dt) for dt in types) + (((N, C), "float32"),) * (2 if uf else 1)
     return Launch(bwd_mma_source(dialect, delta, uf, ml is not None), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1),
                   tmpl)
-
-
-@lru_cache(maxsize=256)
-def bwd_async_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: int = 32,
-                     ml: tuple | None = None) -> Launch | None:
-    """The two-buffer backward pass (``bwd_async_source``: the delta rule with factor reads) with ``bwd_mma_launch``'s
-    arguments (``types``: the dtype names of R and x); None where its buffers have no layout."""
-    lay = bwd_async_layout(dialect, C, K, tuple(_itemsize(t) for t in types), most_bw)
-    if lay is None:
-        return None
-    tmpl = (("C", C), ("K", K)) + tuple(lay.items()) + tuple(zip(("RT", "UT"), types)) + _model_consts(ml)
-    rows = (N, C, K) if ml is None else (N // (ml[0] * ml[2]), ml[2] * C, ml[0], K)
-    outs = tuple((rows, dt) for dt in types) + (((N, C), "float32"),) * 2
-    return Launch(bwd_async_source(dialect, ml is not None), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -625,10 +611,7 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
             + [x if ml is not None else flat(x) for x in roles] + factors
             + [flat(DUQ), flat(DRP)] + ([flat(DR)] if delta else [])
             + [l.reshape(N, C), DG.reshape(N), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-    launch = bwd_async_launch(t.dialect, N, C, K, types, t.bwd_bw, ml) if t.async_staging and uf is not None else None
-    if launch is None:
-        launch = bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw, uf=uf is not None, ml=ml)
-    outs = _call(t, launch, user)
+    outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw, uf=uf is not None, ml=ml), user)
     dr, du = (outs[0], outs[1]) if ml is not None else (outs[0].reshape(r.shape), outs[1].reshape(u.shape))
     third = outs[2].reshape((bt if uf is None else uf).shape) if delta else None  # db̃, or duf with factor reads
     return dr, du, third, outs[-1].reshape(l.shape)

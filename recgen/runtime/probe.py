@@ -101,7 +101,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
     frame stands for "mma", which is probed only if it fails), "hoist_e" (a product-free reverse scan hoisted: A
     with Aq, E), "async" (the scalar decay's readout and UT transform staged by asynchronous copies, float32 and as GDN calls
-    them, and the backward's pass with factor reads against its synchronous frame), each probed where the tuning asks for it. A GPU
+    them), each probed where the tuning asks for it. A GPU
     whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say) then keeps MLX ops, or
     the FMA scan, instead of raising from inside every chunked call; a failing "tail" turns only the fused backward
     off, a failing "pairs" only the pairs' fragments, a failing "hoist" or "hoist_e" only that hoisting."""
@@ -249,16 +249,6 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
                     got += list(ck.chunk_ut(None, x16, w16, l[None, None], t, f32(fx)[None, None], -1.0, mx.bfloat16,
                                             ml=(1, 1, n, True)))
                     ref += [a[None, None] for a in ut_expected(-x, fx * x, w, G)[1]]
-                if ck.fuses_bwd(t, C, K, True):  # and the backward's pass with factor reads, GDN's call, against the
-                    # synchronous pass (which the "mma" frame checks against float64)
-                    dMA, dMR = (f32(rng.normal(size=(1, 1, n, C, C))) for _ in range(2))
-                    DUQ, DRP, DR = (f32(rng.normal(size=(1, 1, n, C, K))) for _ in range(3))
-                    DG = f32(rng.normal(size=(1, 1, n)))
-                    args = (dMA, dMR, q16, x16, None, DUQ, DRP, DR, l[None, None], DG)
-                    kw = dict(rs=0.5, uf=f32(fx)[None, None], bf=-1.0, ml=(1, 1, n, True))
-                    got += list(ck.chunk_bwd(*args, t, **kw))
-                    ref += [np.array(a.astype(mx.float32), np.float64)
-                            for a in ck.chunk_bwd(*args, replace(t, async_staging=False), **kw)]
         elif frame == "hoist_e":  # a product-free reverse scan hoisted (KDA's and simple GLA's backward: A with Aq, E)
             S0, X, A = rng.normal(size=(1, K, V)), rng.normal(size=(1, n, C, V)), rng.normal(size=(1, n, C, K)) / K
             E, Aq = rng.normal(size=(1, n, K, V)), np.exp(-0.1 * np.arange(C - 1, -1, -1.0))[None, None].repeat(n, 1)
@@ -416,7 +406,7 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
                 "rows": "the model-layout reads of q, k, v (they are copied to the chunks' layout)",
                 "hoist": "the scans' hoisted loads (each operand is loaded where it is used)",
                 "hoist_e": "the product-free scans' hoisted loads (each operand is loaded where it is used)",
-                "async": "the chunk kernels' asynchronous staging (their synchronous frames are used)",
+                "async": "the readout's and UT transform's asynchronous staging (their synchronous frames are used)",
                 "decode": "the feature decode kernel (MLX ops are used for the step)",
                 "features": "the feature product kernels (φ is formed in memory)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
