@@ -1,7 +1,8 @@
 """The scalar decay's readout and UT transform staged two buffers deep by 16-byte copies (``chunk_out_async.j2``,
-``chunk_ut_async.j2``, ``Tuning.async_staging``): against float64 on the Metal CPU emulator in both fragment lane
-layouts (the copies are synchronous there, so the buffers' indexing and barriers are what is checked; CUDA's cp.async
-waits run on the GPU tests), their layouts' bank-conflict conditions, and the chunked core end to end with them."""
+``chunk_ut_async.j2``, ``Tuning.async_staging``) on the Metal CPU emulator (the copies are synchronous there, so the
+buffers' indexing and barriers are what is checked; CUDA's cp.async waits run on the GPU tests): GDN's 16-bit calls in
+the model's layout against float64, under ASan and TSan too, their layouts' bank-conflict conditions, and the chunked
+core end to end with them. Their float32 forms in both lane layouts: ``test_chunk_kernels``' readout and UT tests."""
 import numpy as np
 import pytest
 
@@ -13,26 +14,9 @@ from recgen.runtime import chunk_kernels as ck
 verify = pytest.importorskip("recgen.verify.kernels")
 from recgen.verify.typecheck import clang_problem  # noqa: E402
 
-from test_chunk_kernels import FRAGMENT_LAYOUTS, _emulated_call, _out_ref, _rel, _ut_ref  # noqa: E402
+from test_chunk_kernels import _emulated_call, _out_ref, _rel, _ut_ref  # noqa: E402
 
 pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
-
-
-@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
-@pytest.mark.parametrize("C,K,V,bv", [(16, 16, 24, 64), (32, 40, 32, 16), (64, 16, 16, 64), (32, 32, 128, 128)])
-def test_chunk_out_async_matches_numpy(frame, C, K, V, bv):
-    """float32 operands: one block (K = 16 at KB 16), five (K = 40 at KB 8), V split over threadgroups (V = 32 at
-    BV 16), decays down to e^-20 a token, a run of weak ones after strong ones."""
-    rng = np.random.default_rng(C + K + V)
-    N = 2
-    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
-    l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
-    l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
-    ins = {"R": f(N, C, K), "U": f(N, C, K), "Z": f(N, C, V), "St": f(N, K, V), "logd": l, "Rs": np.array([0.3], np.float32)}
-    launch = ck.out_async_launch(frame, N, C, K, V, ("float32",) * 3, None, bv)
-    y, M = verify.run_launch(launch, ins)
-    want_y, want_M = _out_ref(0.3 * ins["R"], *(ins[k] for k in ("U", "Z", "St", "logd")))
-    assert _rel(y, want_y) < 1e-5 and _rel(M, want_M) < 1e-5
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
@@ -65,26 +49,6 @@ def test_chunk_out_async_reads_16bit_keys_in_the_model_layout(zt, sanitizer):
     want_y, want_M = _out_ref(0.5 * chunks(q), chunks(k) * uf[..., None], z, ins["St"], logd)
     want_y = want_y.reshape(B, H, T, V).transpose(0, 2, 1, 3)
     assert _rel(y, want_y) < 1e-5 and _rel(M, want_M) < 1e-5
-
-
-@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
-@pytest.mark.parametrize("C,K,V,bw", [(16, 16, 24, 128), (32, 40, 16, 128), (32, 64, 128, 64), (16, 16, 16, 8)])
-def test_chunk_ut_async_matches_numpy(frame, C, K, V, bw):
-    """float32 roles Bt and U: A formed over blocks of KB key columns, inverted, applied to W and Bt ⊙ e^G (as Tm's
-    scaled columns) in passes of BW columns whose blocks run as one sequence (K = 40: BW 8, five passes; BW 8 at K
-    = V = 16: two passes each); decays down to e^-20 a token, a run of weak ones after strong ones."""
-    rng = np.random.default_rng(C + K + V)
-    N = 2
-    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
-    l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
-    l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
-    ins = {"Bt": -f(N, C, K) / np.sqrt(K), "U": f(N, C, K) / np.sqrt(K), "W": f(N, C, V), "logd": l}
-    launch = ck.ut_async_launch(frame, N, C, K, V, ("float32",) * 3, bw)
-    assert dict(launch.template)["BW"] == next(b for b in (bw, 64, 32, 16, 8) if K % b == 0 and V % b == 0)
-    outs = verify.run_launch(launch, ins)
-    for got, want in zip(outs, _ut_ref(*(ins[k] for k in ("Bt", "U", "W", "logd")))):
-        assert got.shape == want.shape
-        assert _rel(got, want) < 1e-5, _rel(got, want)
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])

@@ -596,20 +596,23 @@ def _out_ref(r, u, Z, St, l):
     return y, M
 
 
+@pytest.mark.parametrize("staging", ["sync", "async"])
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("C,K,V,bv", [(16, 16, 24, 64), (32, 40, 32, 16), (64, 16, 16, 64), (32, 32, 128, 128)])
-def test_chunk_out_mma_matches_numpy(frame, C, K, V, bv):
+def test_chunk_out_mma_matches_numpy(frame, C, K, V, bv, staging):
     """The fragment readout (chunk_out_mma.j2): one chunk per threadgroup row, C / 16 groups each forming
     its rows of M = (R U^T) * Gamma; V split over threadgroups of BV columns (V = 32 at BV 16: two), R, U,
     S_c, Z staged KB at a time (K = 40: five blocks of 8; the last case CUDA's BV 128, KB 32); decays down to
-    e^-20 a token, a run of weak ones after strong ones (anchored sums)."""
+    e^-20 a token, a run of weak ones after strong ones (anchored sums). "async": the same readout with its blocks
+    copied two deep (chunk_out_async.j2, float32 operands)."""
     rng = np.random.default_rng(C + K + V)
     N = 2
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
     l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
     ins = {"R": f(N, C, K), "U": f(N, C, K), "Z": f(N, C, V), "St": f(N, K, V), "logd": l, "Rs": np.array([0.3], np.float32)}
-    launch = ck.out_mma_launch(frame, N, C, K, V, None, bv)
+    launch = (ck.out_mma_launch(frame, N, C, K, V, None, bv) if staging == "sync"
+              else ck.out_async_launch(frame, N, C, K, V, ("float32",) * 3, None, bv))
     assert dict(launch.template)["BV"] == next(b for b in (bv, 64, 32, 16, 8) if V % b == 0)
     y, M = verify.run_launch(launch, ins)
     want_y, want_M = _out_ref(0.3 * ins["R"], *(ins[k] for k in ("U", "Z", "St", "logd")))  # the readout role is Rs R
@@ -717,21 +720,24 @@ def _ut_ref(bt, u, w, l):
     return T, T @ w, T @ (bt * np.exp(np.cumsum(l, 1))[..., None])
 
 
+@pytest.mark.parametrize("staging", ["sync", "async"])
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("C,K,V,bw", [(16, 16, 24, 128), (32, 40, 16, 128), (32, 64, 128, 64), (16, 128, 128, 128)])
-def test_chunk_ut_mma_matches_numpy(frame, C, K, V, bw):
+def test_chunk_ut_mma_matches_numpy(frame, C, K, V, bw, staging):
     """The fragment UT transform (chunk_ut_mma.j2): A formed on fragments, inverted in threadgroup memory,
     applied to W and Bt * e^G in passes of BW columns (K = 40: BW 8, five passes; K = 64, V = 128: BW 64, KB 32;
     BW 128: one pass each);
     keys scaled like unit-norm ones times beta (A's entries below 1), decays down to e^-20 a token, a run of
-    weak ones after strong ones."""
+    weak ones after strong ones. "async": the same transform with its blocks copied two deep (chunk_ut_async.j2,
+    float32 operands: the products' row blocks as one sequence over the passes)."""
     rng = np.random.default_rng(C + K + V)
     N = 2
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
     l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
     ins = {"Bt": -f(N, C, K) / np.sqrt(K), "U": f(N, C, K) / np.sqrt(K), "W": f(N, C, V), "logd": l}
-    launch = ck.ut_mma_launch(frame, N, C, K, V, bw)
+    launch = (ck.ut_mma_launch(frame, N, C, K, V, bw) if staging == "sync"
+              else ck.ut_async_launch(frame, N, C, K, V, ("float32",) * 3, bw))
     assert dict(launch.template)["BW"] == next(b for b in (bw, 64, 32, 16, 8) if K % b == 0 and V % b == 0)
     outs = verify.run_launch(launch, ins)
     for got, want in zip(outs, _ut_ref(*(ins[k] for k in ("Bt", "U", "W", "logd")))):
