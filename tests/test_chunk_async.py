@@ -150,3 +150,20 @@ def test_chunked_core_with_async_kernels_matches_reference(name, T, dtype, monke
     uf, ml = ("" if formed else "_uf"), ("_ml" if T % 16 == 0 else "")
     assert staged == ({f"recgen_chunk_out_async{uf}{ml}_yt", f"recgen_chunk_ut_async{uf}{ml}"} if delta
                       else {"recgen_chunk_out_async_yt"}), staged
+
+
+def test_copies_render_by_the_dialects_table():
+    """The same frames, spelled by each dialect's table: CUDA starts cp.async copies, commits a group a block and waits
+    for all but the newest; Metal moves the 16 bytes itself and neither commits nor waits (its barriers order the
+    copies). CUDA's measured table turns the frames on; Metal's does not."""
+    for src in (cs.out_async_source("cuda", True, True, True), cs.ut_async_source("cuda", True, False, True)):
+        assert "cp.async.cg.shared.global" in src.header and "rg_cp16(" in src.source
+        # three pipelined loops each (the readout's three products; the UT transform's A and its two products with
+        # Tm), each with one wait a block and a commit before its loop as well as in it
+        assert src.source.count("cp.async.wait_group 1") == 3
+        assert src.source.count("cp.async.commit_group") == 6
+    for src in (cs.out_async_source("metal", True, True, True), cs.ut_async_source("metal", True, False, True)):
+        assert not any(w in src.text for w in ("cp.async.cg", "commit_group", "wait_group"))
+        assert "threadgroup uint4*" in src.header and "rg_cp16(" in src.source
+    assert tuning.resolve("gpu", "cuda", environ={}).async_staging
+    assert not tuning.resolve("gpu", "metal", environ={}).async_staging
