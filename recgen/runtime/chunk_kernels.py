@@ -17,10 +17,10 @@ from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, decays_source, feature_decode_layout, feature_decode_source,
                                      feature_jac_source, feature_mma_layout, feature_out_source, feature_states_source,
-                                     inverse_source, out_async_layout, out_async_source, ut_async_layout, ut_async_source, out_mma_layout, out_mma_source, pair_folds, pair_fragments,
-                                     pair_grad_source, pair_layout, pair_source, scan_layout, scan_mma_layout,
-                                     scan_prefetches, scan_source, sympow_layout, sympow_source, ut_mma_layout,
-                                     ut_mma_source)
+                                     inverse_source, out_async_layout, out_async_source, out_mma_layout, out_mma_source,
+                                     pair_folds, pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
+                                     scan_mma_layout, scan_prefetches, scan_source, sympow_layout, sympow_source,
+                                     ut_async_layout, ut_async_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..spec.features import sympow_pairs
 from ..tuning import Tuning
@@ -146,21 +146,31 @@ def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | Non
     (``chunk_out_rank1``); ``uf``: u read as a key times a factor per token; ``ml`` (with ``uf`` and ``yt``, the same H
     and n): r and the key read in the model's layout, (H, HK, NCH, GB) as ``_model_consts``; ``l2``: the staging
     steps hint their next blocks into L2 (``Tuning.l2_prefetch``)."""
-    if ml is not None and (yt is None or (ml[0], ml[2]) != tuple(yt[:2])):
-        raise ValueError(f"chunk_out_mma: the model's layout {ml} needs y written in it, of the same H and n ({yt})")
+    y, consts = _readout_y("chunk_out_mma", N, C, V, yt, ml)
     lay = out_mma_layout(dialect, C, K, V, most_bv)
     if lay is None:
         raise ValueError(f"chunk_out_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8")
-    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items())
-    y = ((N, C, V), "float32")
-    if yt is not None:
-        H, n, dt = yt
-        tmpl += (("H", H), ("NCH", n), ("OT", dt)) + _model_consts(ml, ("HK", "GB"))
-        y = ((N // (H * n), n * C, H, V), dt)
+    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + consts
     nt = 2 * C  # C / 16 SIMD groups of 32
     return Launch(out_mma_source(dialect, yt is not None, key, m2, uf, ml is not None, l2), (),
                   (y,) if key else (y, ((N, C, C), "float32")),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
+
+
+def _readout_y(kernel: str, N: int, C: int, V: int, yt: tuple | None, ml: tuple | None) -> tuple:
+    """A readout's y ((shape, dtype name): [N, C, V] float32, or with ``yt`` the model's layout and type) and the
+    template constants that layout adds; ``ml`` must read the same H and n as y is written in."""
+    if ml is not None and (yt is None or (ml[0], ml[2]) != tuple(yt[:2])):
+        raise ValueError(f"{kernel}: the model's layout {ml} needs y written in it, of the same H and n ({yt})")
+    if yt is None:
+        return ((N, C, V), "float32"), ()
+    H, n, dt = yt
+    return ((N // (H * n), n * C, H, V), dt), (("H", H), ("NCH", n), ("OT", dt)) + _model_consts(ml, ("HK", "GB"))
+
+
+def _ut_outputs(N: int, C: int, K: int, V: int, ot: str | None) -> tuple:
+    """The UT transform's Tm [N, C, C] float32, U [N, C, V] and W [N, C, K] (in type ``ot`` where given)."""
+    return ((N, C, C), "float32"), ((N, C, V), ot or "float32"), ((N, C, K), ot or "float32")
 
 
 def _itemsize(dtype_name: str) -> int:
@@ -173,17 +183,11 @@ def out_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple,
     """The two-buffer readout (``out_async_source``) with ``out_mma_launch``'s arguments; ``types``: the dtype names
     of R, U and Z, whose blocks it copies verbatim. None where its buffers have no layout (then the synchronous
     frame runs)."""
-    if ml is not None and (yt is None or (ml[0], ml[2]) != tuple(yt[:2])):
-        raise ValueError(f"chunk_out_async: the model's layout {ml} needs y written in it, of the same H and n ({yt})")
+    y, consts = _readout_y("chunk_out_async", N, C, V, yt, ml)
     lay = out_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bv)
     if lay is None:
         return None
-    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "ZT"), types))
-    y = ((N, C, V), "float32")
-    if yt is not None:
-        H, n, dt = yt
-        tmpl += (("H", H), ("NCH", n), ("OT", dt)) + _model_consts(ml, ("HK", "GB"))
-        y = ((N // (H * n), n * C, H, V), dt)
+    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "ZT"), types)) + consts
     nt = 2 * C
     return Launch(out_async_source(dialect, yt is not None, uf, ml is not None), (), (y, ((N, C, C), "float32")),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
@@ -202,9 +206,8 @@ def ut_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, 
         return None
     tmpl = ((("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + tuple(zip(("UT", "WT", "BT"), types))
             + ((("OT", ot),) if ot else ()) + _model_consts(ml))
-    outs = (((N, C, C), "float32"), ((N, C, V), ot or "float32"), ((N, C, K), ot or "float32"))
-    return Launch(ut_async_source(dialect, uf, ot is not None, ml is not None), (), outs, (N * 2 * C, 1, 1),
-                  (2 * C, 1, 1), tmpl)
+    return Launch(ut_async_source(dialect, uf, ot is not None, ml is not None), (), _ut_outputs(N, C, K, V, ot),
+                  (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -223,10 +226,8 @@ def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 1
     if tb:  # Tm B's columns a pass: a multiple of 8 dividing C, within the staging rows of BW columns
         lay = dict(lay, BC=8 * math.gcd(C // 8, lay["BW"] // 8))
     tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + ((("OT", ot),) if ot else ()) + _model_consts(ml)
-    outs = (((N, C, C), "float32"), ((N, C, V), ot or "float32"), ((N, C, K), ot or "float32"))
-    return Launch(ut_mma_source(dialect, key, tb, uf, ot is not None, ml is not None, l2), (), outs,
-                  (N * 2 * C, 1, 1),
-                  (2 * C, 1, 1), tmpl)
+    return Launch(ut_mma_source(dialect, key, tb, uf, ot is not None, ml is not None, l2), (),
+                  _ut_outputs(N, C, K, V, ot), (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)

@@ -53,13 +53,16 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   const int r0 = 16 * (tid / 32);
   const long long bc = (long long)blockIdx.x / NVB;
   const int col0 = (int)(blockIdx.x % NVB) * BV;
+  constexpr int KLD = K;  // a key input's row stride in the chunks' layout [N, C, K]
+  const auto Rc = R + bc * C * K;
+  const auto Uc = U + bc * C * K;
     for (int e_ = tid; e_ < (C) * (KB / VR); e_ += NT) {
       const int row_ = e_ / (KB / VR), c_ = (e_ % (KB / VR)) * VR;
-      rg_cp16(Rb_ + (0) * (C * LDR) + row_ * LDR + c_, R + bc * C * K + (0) * KB + row_ * K + c_);
+      rg_cp16(Rb_ + (0) * (C * LDR) + row_ * LDR + c_, Rc + (0) * KB + row_ * KLD + c_);
     }
     for (int e_ = tid; e_ < (C) * (KB / VU); e_ += NT) {
       const int row_ = e_ / (KB / VU), c_ = (e_ % (KB / VU)) * VU;
-      rg_cp16(Ub_ + (0) * (C * LDU) + row_ * LDU + c_, U + bc * C * K + (0) * KB + row_ * K + c_);
+      rg_cp16(Ub_ + (0) * (C * LDU) + row_ * LDU + c_, Uc + (0) * KB + row_ * KLD + c_);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 
@@ -87,11 +90,11 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
       if (b + 1 < NKB) {
         for (int e_ = tid; e_ < (C) * (KB / VR); e_ += NT) {
           const int row_ = e_ / (KB / VR), c_ = (e_ % (KB / VR)) * VR;
-          rg_cp16(Rb_ + ((b + 1) & 1) * (C * LDR) + row_ * LDR + c_, R + bc * C * K + (b + 1) * KB + row_ * K + c_);
+          rg_cp16(Rb_ + ((b + 1) & 1) * (C * LDR) + row_ * LDR + c_, Rc + (b + 1) * KB + row_ * KLD + c_);
         }
         for (int e_ = tid; e_ < (C) * (KB / VU); e_ += NT) {
           const int row_ = e_ / (KB / VU), c_ = (e_ % (KB / VU)) * VU;
-          rg_cp16(Ub_ + ((b + 1) & 1) * (C * LDU) + row_ * LDU + c_, U + bc * C * K + (b + 1) * KB + row_ * K + c_);
+          rg_cp16(Ub_ + ((b + 1) & 1) * (C * LDU) + row_ * LDU + c_, Uc + (b + 1) * KB + row_ * KLD + c_);
         }
       }
       asm volatile("cp.async.commit_group;" ::: "memory");
@@ -115,7 +118,7 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
     }
     for (int e_ = tid; e_ < (C) * (KB / VR); e_ += NT) {
       const int row_ = e_ / (KB / VR), c_ = (e_ % (KB / VR)) * VR;
-      rg_cp16(Rb_ + (0) * (C * LDR) + row_ * LDR + c_, R + bc * C * K + (0) * KB + row_ * K + c_);
+      rg_cp16(Rb_ + (0) * (C * LDR) + row_ * LDR + c_, Rc + (0) * KB + row_ * KLD + c_);
     }
     for (int e_ = tid; e_ < (KB) * (BV / 4); e_ += NT) {
       const int row_ = e_ / (BV / 4), c_ = (e_ % (BV / 4)) * 4;
@@ -142,7 +145,7 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
     if (b + 1 < NKB) {
       for (int e_ = tid; e_ < (C) * (KB / VR); e_ += NT) {
         const int row_ = e_ / (KB / VR), c_ = (e_ % (KB / VR)) * VR;
-        rg_cp16(Rb_ + ((b + 1) & 1) * (C * LDR) + row_ * LDR + c_, R + bc * C * K + (b + 1) * KB + row_ * K + c_);
+        rg_cp16(Rb_ + ((b + 1) & 1) * (C * LDR) + row_ * LDR + c_, Rc + (b + 1) * KB + row_ * KLD + c_);
       }
       for (int e_ = tid; e_ < (KB) * (BV / 4); e_ += NT) {
         const int row_ = e_ / (BV / 4), c_ = (e_ % (BV / 4)) * 4;

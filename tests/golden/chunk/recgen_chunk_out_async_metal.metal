@@ -50,13 +50,16 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   const int r0 = 16 * (tid / 32);
   const int64_t bc = (int64_t)threadgroup_position_in_grid.x / NVB;
   const int col0 = (int)(threadgroup_position_in_grid.x % NVB) * BV;
+  constexpr int KLD = K;  // a key input's row stride in the chunks' layout [N, C, K]
+  const auto Rc = R + bc * C * K;
+  const auto Uc = U + bc * C * K;
     for (int e_ = tid; e_ < (C) * (KB / VR); e_ += NT) {
       const int row_ = e_ / (KB / VR), c_ = (e_ % (KB / VR)) * VR;
-      rg_cp16(Rb_ + (0) * (C * LDR) + row_ * LDR + c_, R + bc * C * K + (0) * KB + row_ * K + c_);
+      rg_cp16(Rb_ + (0) * (C * LDR) + row_ * LDR + c_, Rc + (0) * KB + row_ * KLD + c_);
     }
     for (int e_ = tid; e_ < (C) * (KB / VU); e_ += NT) {
       const int row_ = e_ / (KB / VU), c_ = (e_ % (KB / VU)) * VU;
-      rg_cp16(Ub_ + (0) * (C * LDU) + row_ * LDU + c_, U + bc * C * K + (0) * KB + row_ * K + c_);
+      rg_cp16(Ub_ + (0) * (C * LDU) + row_ * LDU + c_, Uc + (0) * KB + row_ * KLD + c_);
     }
 
   // Decay products from sums anchored at their first token (as the MLX form's ScalarDecay): thread s < C
@@ -83,11 +86,11 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
       if (b + 1 < NKB) {
         for (int e_ = tid; e_ < (C) * (KB / VR); e_ += NT) {
           const int row_ = e_ / (KB / VR), c_ = (e_ % (KB / VR)) * VR;
-          rg_cp16(Rb_ + ((b + 1) & 1) * (C * LDR) + row_ * LDR + c_, R + bc * C * K + (b + 1) * KB + row_ * K + c_);
+          rg_cp16(Rb_ + ((b + 1) & 1) * (C * LDR) + row_ * LDR + c_, Rc + (b + 1) * KB + row_ * KLD + c_);
         }
         for (int e_ = tid; e_ < (C) * (KB / VU); e_ += NT) {
           const int row_ = e_ / (KB / VU), c_ = (e_ % (KB / VU)) * VU;
-          rg_cp16(Ub_ + ((b + 1) & 1) * (C * LDU) + row_ * LDU + c_, U + bc * C * K + (b + 1) * KB + row_ * K + c_);
+          rg_cp16(Ub_ + ((b + 1) & 1) * (C * LDU) + row_ * LDU + c_, Uc + (b + 1) * KB + row_ * KLD + c_);
         }
       }
       threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // block b has landed (every thread's copies)
@@ -109,7 +112,7 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
     }
     for (int e_ = tid; e_ < (C) * (KB / VR); e_ += NT) {
       const int row_ = e_ / (KB / VR), c_ = (e_ % (KB / VR)) * VR;
-      rg_cp16(Rb_ + (0) * (C * LDR) + row_ * LDR + c_, R + bc * C * K + (0) * KB + row_ * K + c_);
+      rg_cp16(Rb_ + (0) * (C * LDR) + row_ * LDR + c_, Rc + (0) * KB + row_ * KLD + c_);
     }
     for (int e_ = tid; e_ < (KB) * (BV / 4); e_ += NT) {
       const int row_ = e_ / (BV / 4), c_ = (e_ % (BV / 4)) * 4;
@@ -135,7 +138,7 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
     if (b + 1 < NKB) {
       for (int e_ = tid; e_ < (C) * (KB / VR); e_ += NT) {
         const int row_ = e_ / (KB / VR), c_ = (e_ % (KB / VR)) * VR;
-        rg_cp16(Rb_ + ((b + 1) & 1) * (C * LDR) + row_ * LDR + c_, R + bc * C * K + (b + 1) * KB + row_ * K + c_);
+        rg_cp16(Rb_ + ((b + 1) & 1) * (C * LDR) + row_ * LDR + c_, Rc + (b + 1) * KB + row_ * KLD + c_);
       }
       for (int e_ = tid; e_ < (KB) * (BV / 4); e_ += NT) {
         const int row_ = e_ / (BV / 4), c_ = (e_ % (BV / 4)) * 4;

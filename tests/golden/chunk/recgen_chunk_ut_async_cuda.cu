@@ -52,13 +52,17 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   const int tq = lane & 3;
   const int r0 = 16 * (tid / 32);
   const long long bc = blockIdx.x;
+  constexpr int KLD = K, WLD = V;  // row strides in the chunks' layout [N, C, F]
+  const auto Uc = U + bc * C * K;
+  const auto Wc = W + bc * C * V;
+  const auto Btc = Bt + bc * C * K;
     for (int e_ = tid; e_ < (C) * (KB / VU); e_ += NT) {
       const int row_ = e_ / (KB / VU), c_ = (e_ % (KB / VU)) * VU;
-      rg_cp16(Ub_ + (0) * (C * LDU) + row_ * LDU + c_, U + bc * C * K + (0) * KB + row_ * K + c_);
+      rg_cp16(Ub_ + (0) * (C * LDU) + row_ * LDU + c_, Uc + (0) * KB + row_ * KLD + c_);
     }
     for (int e_ = tid; e_ < (C) * (KB / VB); e_ += NT) {
       const int row_ = e_ / (KB / VB), c_ = (e_ % (KB / VB)) * VB;
-      rg_cp16(Bb_ + (0) * (C * LDU2) + row_ * LDU2 + c_, Bt + bc * C * K + (0) * KB + row_ * K + c_);
+      rg_cp16(Bb_ + (0) * (C * LDU2) + row_ * LDU2 + c_, Btc + (0) * KB + row_ * KLD + c_);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 
@@ -86,11 +90,11 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
       if (b + 1 < NKB) {
         for (int e_ = tid; e_ < (C) * (KB / VU); e_ += NT) {
           const int row_ = e_ / (KB / VU), c_ = (e_ % (KB / VU)) * VU;
-          rg_cp16(Ub_ + ((b + 1) & 1) * (C * LDU) + row_ * LDU + c_, U + bc * C * K + (b + 1) * KB + row_ * K + c_);
+          rg_cp16(Ub_ + ((b + 1) & 1) * (C * LDU) + row_ * LDU + c_, Uc + (b + 1) * KB + row_ * KLD + c_);
         }
         for (int e_ = tid; e_ < (C) * (KB / VB); e_ += NT) {
           const int row_ = e_ / (KB / VB), c_ = (e_ % (KB / VB)) * VB;
-          rg_cp16(Bb_ + ((b + 1) & 1) * (C * LDU2) + row_ * LDU2 + c_, Bt + bc * C * K + (b + 1) * KB + row_ * K + c_);
+          rg_cp16(Bb_ + ((b + 1) & 1) * (C * LDU2) + row_ * LDU2 + c_, Btc + (b + 1) * KB + row_ * KLD + c_);
         }
       }
       asm volatile("cp.async.commit_group;" ::: "memory");
@@ -175,7 +179,7 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
     constexpr int NB = C / KB, NS = (V / BW) * NB;  // row blocks a pass; steps
     for (int e_ = tid; e_ < (KB) * (BW / VW); e_ += NT) {
       const int row_ = e_ / (BW / VW), c_ = (e_ % (BW / VW)) * VW;
-      rg_cp16(Wb_ + row_ * LDW + c_, W + bc * C * V + row_ * V + c_);
+      rg_cp16(Wb_ + row_ * LDW + c_, Wc + row_ * WLD + c_);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     float y_[BW / 8][4];
@@ -189,7 +193,7 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
         const int c1 = ((i + 1) / NB) * BW, s1 = ((i + 1) % NB) * KB;
         for (int e_ = tid; e_ < (KB) * (BW / VW); e_ += NT) {
           const int row_ = e_ / (BW / VW), c_ = (e_ % (BW / VW)) * VW;
-          rg_cp16(Wb_ + ((i + 1) & 1) * (KB * LDW) + row_ * LDW + c_, W + bc * C * V + s1 * V + c1 + row_ * V + c_);
+          rg_cp16(Wb_ + ((i + 1) & 1) * (KB * LDW) + row_ * LDW + c_, Wc + s1 * WLD + c1 + row_ * WLD + c_);
         }
       }
       asm volatile("cp.async.commit_group;" ::: "memory");
@@ -227,7 +231,7 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
     constexpr int NB = C / KB, NS = (K / BW) * NB;  // row blocks a pass; steps
     for (int e_ = tid; e_ < (KB) * (BW / VB); e_ += NT) {
       const int row_ = e_ / (BW / VB), c_ = (e_ % (BW / VB)) * VB;
-      rg_cp16(Kb_ + row_ * LDX + c_, Bt + bc * C * K + row_ * K + c_);
+      rg_cp16(Kb_ + row_ * LDX + c_, Btc + row_ * KLD + c_);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     float y_[BW / 8][4];
@@ -241,7 +245,7 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
         const int c1 = ((i + 1) / NB) * BW, s1 = ((i + 1) % NB) * KB;
         for (int e_ = tid; e_ < (KB) * (BW / VB); e_ += NT) {
           const int row_ = e_ / (BW / VB), c_ = (e_ % (BW / VB)) * VB;
-          rg_cp16(Kb_ + ((i + 1) & 1) * (KB * LDX) + row_ * LDX + c_, Bt + bc * C * K + s1 * K + c1 + row_ * K + c_);
+          rg_cp16(Kb_ + ((i + 1) & 1) * (KB * LDX) + row_ * LDX + c_, Btc + s1 * KLD + c1 + row_ * KLD + c_);
         }
       }
       asm volatile("cp.async.commit_group;" ::: "memory");

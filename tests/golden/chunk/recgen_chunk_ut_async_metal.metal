@@ -49,13 +49,17 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   const int tq = ((lane >> 2) & 2) + (lane & 1);
   const int r0 = 16 * (tid / 32);
   const int64_t bc = threadgroup_position_in_grid.x;
+  constexpr int KLD = K, WLD = V;  // row strides in the chunks' layout [N, C, F]
+  const auto Uc = U + bc * C * K;
+  const auto Wc = W + bc * C * V;
+  const auto Btc = Bt + bc * C * K;
     for (int e_ = tid; e_ < (C) * (KB / VU); e_ += NT) {
       const int row_ = e_ / (KB / VU), c_ = (e_ % (KB / VU)) * VU;
-      rg_cp16(Ub_ + (0) * (C * LDU) + row_ * LDU + c_, U + bc * C * K + (0) * KB + row_ * K + c_);
+      rg_cp16(Ub_ + (0) * (C * LDU) + row_ * LDU + c_, Uc + (0) * KB + row_ * KLD + c_);
     }
     for (int e_ = tid; e_ < (C) * (KB / VB); e_ += NT) {
       const int row_ = e_ / (KB / VB), c_ = (e_ % (KB / VB)) * VB;
-      rg_cp16(Bb_ + (0) * (C * LDU2) + row_ * LDU2 + c_, Bt + bc * C * K + (0) * KB + row_ * K + c_);
+      rg_cp16(Bb_ + (0) * (C * LDU2) + row_ * LDU2 + c_, Btc + (0) * KB + row_ * KLD + c_);
     }
 
   // Decay products from sums anchored at their first token (as the MLX form's ScalarDecay): thread s < C
@@ -82,11 +86,11 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
       if (b + 1 < NKB) {
         for (int e_ = tid; e_ < (C) * (KB / VU); e_ += NT) {
           const int row_ = e_ / (KB / VU), c_ = (e_ % (KB / VU)) * VU;
-          rg_cp16(Ub_ + ((b + 1) & 1) * (C * LDU) + row_ * LDU + c_, U + bc * C * K + (b + 1) * KB + row_ * K + c_);
+          rg_cp16(Ub_ + ((b + 1) & 1) * (C * LDU) + row_ * LDU + c_, Uc + (b + 1) * KB + row_ * KLD + c_);
         }
         for (int e_ = tid; e_ < (C) * (KB / VB); e_ += NT) {
           const int row_ = e_ / (KB / VB), c_ = (e_ % (KB / VB)) * VB;
-          rg_cp16(Bb_ + ((b + 1) & 1) * (C * LDU2) + row_ * LDU2 + c_, Bt + bc * C * K + (b + 1) * KB + row_ * K + c_);
+          rg_cp16(Bb_ + ((b + 1) & 1) * (C * LDU2) + row_ * LDU2 + c_, Btc + (b + 1) * KB + row_ * KLD + c_);
         }
       }
       threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // block b has landed (every thread's copies)
@@ -169,7 +173,7 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
     constexpr int NB = C / KB, NS = (V / BW) * NB;  // row blocks a pass; steps
     for (int e_ = tid; e_ < (KB) * (BW / VW); e_ += NT) {
       const int row_ = e_ / (BW / VW), c_ = (e_ % (BW / VW)) * VW;
-      rg_cp16(Wb_ + row_ * LDW + c_, W + bc * C * V + row_ * V + c_);
+      rg_cp16(Wb_ + row_ * LDW + c_, Wc + row_ * WLD + c_);
     }
     float y_[BW / 8][4];
     for (int i = 0; i < NS; ++i) {
@@ -182,7 +186,7 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
         const int c1 = ((i + 1) / NB) * BW, s1 = ((i + 1) % NB) * KB;
         for (int e_ = tid; e_ < (KB) * (BW / VW); e_ += NT) {
           const int row_ = e_ / (BW / VW), c_ = (e_ % (BW / VW)) * VW;
-          rg_cp16(Wb_ + ((i + 1) & 1) * (KB * LDW) + row_ * LDW + c_, W + bc * C * V + s1 * V + c1 + row_ * V + c_);
+          rg_cp16(Wb_ + ((i + 1) & 1) * (KB * LDW) + row_ * LDW + c_, Wc + s1 * WLD + c1 + row_ * WLD + c_);
         }
       }
       threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // block i has landed
@@ -218,7 +222,7 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
     constexpr int NB = C / KB, NS = (K / BW) * NB;  // row blocks a pass; steps
     for (int e_ = tid; e_ < (KB) * (BW / VB); e_ += NT) {
       const int row_ = e_ / (BW / VB), c_ = (e_ % (BW / VB)) * VB;
-      rg_cp16(Kb_ + row_ * LDX + c_, Bt + bc * C * K + row_ * K + c_);
+      rg_cp16(Kb_ + row_ * LDX + c_, Btc + row_ * KLD + c_);
     }
     float y_[BW / 8][4];
     for (int i = 0; i < NS; ++i) {
@@ -231,7 +235,7 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
         const int c1 = ((i + 1) / NB) * BW, s1 = ((i + 1) % NB) * KB;
         for (int e_ = tid; e_ < (KB) * (BW / VB); e_ += NT) {
           const int row_ = e_ / (BW / VB), c_ = (e_ % (BW / VB)) * VB;
-          rg_cp16(Kb_ + ((i + 1) & 1) * (KB * LDX) + row_ * LDX + c_, Bt + bc * C * K + s1 * K + c1 + row_ * K + c_);
+          rg_cp16(Kb_ + ((i + 1) & 1) * (KB * LDX) + row_ * LDX + c_, Btc + s1 * KLD + c1 + row_ * KLD + c_);
         }
       }
       threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // block i has landed

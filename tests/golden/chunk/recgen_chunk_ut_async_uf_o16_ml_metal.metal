@@ -59,6 +59,7 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   constexpr int KLD = HK * K;  // a key input's row stride
   const auto Uc = U + (tok0 * HK + kh) * K;
   const auto Wc = W + (tok0 * H + vh) * V;
+  constexpr int WLD = H * V;  // w's row stride
     for (int e_ = tid; e_ < (C) * (KB / VU); e_ += NT) {
       const int row_ = e_ / (KB / VU), c_ = (e_ % (KB / VU)) * VU;
       rg_cp16(Ub_ + (0) * (C * LDU) + row_ * LDU + c_, Uc + (0) * KB + row_ * KLD + c_);
@@ -172,7 +173,7 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
     constexpr int NB = C / KB, NS = (V / BW) * NB;  // row blocks a pass; steps
     for (int e_ = tid; e_ < (KB) * (BW / VW); e_ += NT) {
       const int row_ = e_ / (BW / VW), c_ = (e_ % (BW / VW)) * VW;
-      rg_cp16(Wb_ + row_ * LDW + c_, Wc + row_ * (H * V) + c_);
+      rg_cp16(Wb_ + row_ * LDW + c_, Wc + row_ * WLD + c_);
     }
     float y_[BW / 8][4];
     for (int i = 0; i < NS; ++i) {
@@ -185,7 +186,7 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
         const int c1 = ((i + 1) / NB) * BW, s1 = ((i + 1) % NB) * KB;
         for (int e_ = tid; e_ < (KB) * (BW / VW); e_ += NT) {
           const int row_ = e_ / (BW / VW), c_ = (e_ % (BW / VW)) * VW;
-          rg_cp16(Wb_ + ((i + 1) & 1) * (KB * LDW) + row_ * LDW + c_, Wc + s1 * (H * V) + c1 + row_ * (H * V) + c_);
+          rg_cp16(Wb_ + ((i + 1) & 1) * (KB * LDW) + row_ * LDW + c_, Wc + s1 * WLD + c1 + row_ * WLD + c_);
         }
       }
       threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // block i has landed
