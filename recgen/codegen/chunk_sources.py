@@ -13,6 +13,9 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
 - ``sympow_source``: the degree-2 symmetric power feature map φ(x) (``recgen.spec.features.sympow``) and its
   gradient, elementwise, for the chunked form of feature-map specs (MLX forms φ by gathers, and its gradient by a
   scatter-add with D + 1 writers an entry).
+- ``segment_decays_source``: a scalar decay's factors between each chunk's tokens, e^{Σ_{s<τ≤t} l_τ}, as sums of the
+  spanned log-decays (the feature-map form's in-chunk scores; MLX builds them by a broadcast, a scan down the rows
+  and two selects over [C, C] a chunk).
 - ``feature_decode_source``: one decode step of a feature map's state in φ's packed rows, split over K (blocks of
   rows a threadgroup, each block's partial readout summed by the caller), for specs through the kernel identity.
 - ``feature_states_source`` / ``feature_out_source`` / ``feature_jac_source`` (fragment frames): a chunk's products
@@ -146,6 +149,14 @@ def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
 def inverse_source(dialect: str) -> KernelSource:
     return _source(get(dialect), "chunk_inverse.j2", "tril_inverse",
                    "(I - L)^{-1} of strictly lower chunk blocks", ("L",), ("Tm",), ())
+
+
+@lru_cache(maxsize=None)
+def segment_decays_source(dialect: str) -> KernelSource:
+    """A scalar decay's factors between each chunk's tokens, e^{Σ_{s<τ≤t} l_τ} for s ≤ t (0 above), from the
+    log-decays l [N, C] (template constants C, NT) -> Gam [N, C, C]."""
+    return _source(get(dialect), "chunk_segment_decays.j2", "segment_decays", "decay factors between a chunk's tokens",
+                   ("l",), ("Gam",), ())
 
 
 @lru_cache(maxsize=None)

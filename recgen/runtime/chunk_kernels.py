@@ -19,7 +19,8 @@ from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bw
                                      feature_jac_source, feature_mma_layout, feature_out_source, feature_states_source,
                                      inverse_source, out_async_layout, out_async_source, out_mma_layout, out_mma_source,
                                      pair_folds, pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
-                                     scan_mma_layout, scan_prefetches, scan_source, sympow_layout, sympow_source,
+                                     scan_mma_layout, scan_prefetches, scan_source, segment_decays_source,
+                                     sympow_layout, sympow_source,
                                      ut_async_layout, ut_async_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..spec.features import sympow_pairs
@@ -98,6 +99,17 @@ def decays_launch(dialect: str, N: int, C: int, F: int, before: bool = False, sc
     outs = ((full, full, full) if pq else (full, ((N, F), "float32"))) + (full,) * (before + len(scaled))
     return Launch(decays_source(dialect, before, scaled, pq), (("rt", (N,), "int32"),), outs,
                   (groups * DECAYS_NT, 1, 1), (DECAYS_NT, 1, 1), (("C", C), ("F", F), ("NT", DECAYS_NT)))
+
+
+SEGMENT_DECAYS_NT = 256  # threads a threadgroup of the segment-decays kernel: one a column of the chunk
+
+
+@lru_cache(maxsize=64)
+def segment_decays_launch(dialect: str, N: int, C: int) -> Launch:
+    """Gam [N, C, C] of a scalar decay's log-decays l [N, C] (``segment_decays_source``), one threadgroup a chunk."""
+    nt = min(SEGMENT_DECAYS_NT, -(-C // 32) * 32)
+    return Launch(segment_decays_source(dialect), (), (((N, C, C), "float32"),), (N * nt, 1, 1), (nt, 1, 1),
+                  (("C", C), ("NT", nt)))
 
 
 def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, v: ScanVariant, dgp_cols: int = 0) -> tuple:
@@ -746,6 +758,28 @@ def feature_decode(q, k, w, decay, S, z, t: Tuning):
     outs = _call(t, feature_decode_launch(t.dialect, BH, D, V, has_z), [q, k, w, decay, S] + ([z] if has_z else []))
     part = outs[-1].sum(1)
     return outs[0], outs[1] if has_z else None, part[:, :V], part[:, V] if has_z else None
+
+
+@lru_cache(maxsize=16)
+def segment_decays_fn(t: Tuning):
+    """l [..., C] -> Γ [..., C, C] in float32, Γ[t, s] = e^{Σ_{s<τ≤t} l_τ} for s ≤ t, 0 above, by the generated kernel
+    (``segment_decays_launch``), with its VJP in MLX ops: for G = Γ ⊙ dΓ, dl_τ = Σ_{t≥τ} Σ_{s<τ} G[t, s], a
+    cumulative sum along each row (exclusive), masked to the rows t ≥ τ and summed down the columns (a fixed order:
+    deterministic)."""
+    import mlx.core as mx
+
+    @mx.custom_function
+    def segment_decays(l):
+        C = l.shape[-1]
+        (gam,) = _call(t, segment_decays_launch(t.dialect, _lead(l, 1), C), [l.reshape(-1, C)])
+        return gam.reshape(*l.shape, C)
+
+    @segment_decays.vjp
+    def segment_decays_vjp(l, dgam, gam):  # one argument, one output: MLX passes the arrays themselves
+        rows = mx.cumsum(gam * dgam, axis=-1, inclusive=False)  # [t, τ]: Σ_{s<τ} G[t, s]
+        return mx.where(mx.tri(l.shape[-1], dtype=mx.bool_), rows, 0.0).sum(-2).astype(l.dtype)
+
+    return segment_decays
 
 
 @lru_cache(maxsize=16)
