@@ -45,8 +45,8 @@ class Tuning:
     feature_decode: bool = False    # ... its decode step (T = 1) on the generated kernel split over K
     feature_kernels: bool = False   # ... its products over φ's rows as fragment kernels forming φ as read (half the
     #                                 memory, but training slower than MLX's products over formed rows)
-    segment_decays: bool = False    # ... its in-chunk decay factors by the generated kernel (with ``chunk_kernels``),
-    #                                 not MLX's broadcast, scan and selects over [C, C] a chunk
+    decayed_scores: bool = False    # ... its in-chunk scores (qᵀk)^p e^{Γ_t−Γ_s} and their gradients by generated
+    #                                 kernels (with ``chunk_kernels``), not MLX ops over [C, C] a chunk
     gpu_forms: bool = False         # few large ops (the scan over chunks as one matmul, full-block inverses)
     compile: bool = False           # mx.compile the chunked stretch and core (fuses elementwise work)
     inverse_base: int = 1           # block size from which the triangular inverse climbs by block levels
@@ -124,7 +124,7 @@ MEASURED = {
                  chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True, reverse_scan_nw=8,
                  pair_fold=True, ut_products=True, rank1_readout=True, logdecay_16bit=True, model_rows=True,
                  scan_hoist=True, reverse_scan_hoist=True, l2_prefetch=True, async_staging=True,
-                 model_rows_dense=True, segment_decays=True),
+                 model_rows_dense=True, decayed_scores=True),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 
@@ -198,7 +198,7 @@ ENVIRONMENT = {
     "RECGEN_FEATURE_CHUNK": ("feature_chunk_size", int),
     "RECGEN_FEATURE_DECODE": ("feature_decode", _flag),
     "RECGEN_FEATURE_KERNELS": ("feature_kernels", _flag),
-    "RECGEN_SEGMENT_DECAYS": ("segment_decays", _flag),
+    "RECGEN_DECAYED_SCORES": ("decayed_scores", _flag),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
     "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),
     "RECGEN_FWD_LAYOUT": ("fwd_layout", _layout),

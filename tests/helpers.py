@@ -166,7 +166,7 @@ def chunk_launches(target: str) -> list:
                 + [ck.pair_launch(target, 8, 64 if target == "cuda" else 32, 128, not q, grad, True, mma=True, quad=q,
                                   fold=True) for grad in (False, True) for q in (False, True)]  # rows folded
                 + [ck.sympow_launch(target, 2, 4096, 8, 8, 64, True, grad) for grad in (False, True)]
-                + [ck.segment_decays_launch(target, 256, 256)]
+                + [ck.decayed_scores_launch(target, 256, 256, 2, grad) for grad in (False, True)]
                 + [ck.feature_decode_launch(target, 16, 64, 64, has_z) for has_z in (True, False)]
                 + [ck.feature_states_launch(target, 256, 256, 64, 65), ck.feature_out_launch(target, 256, 256, 64, 65),
                    ck.feature_jac_launch(target, 256, 256, 64, 65)]

@@ -65,7 +65,7 @@ def test_key_decays_match_numpy(N, C, F, before, scaled, pq):
         assert np.all(np.abs(got - w) <= rtol * np.abs(w) + 1e-38), float((np.abs(got - w) / np.abs(w)).max())
 
 
-def _segment_decays64(l):
+def _decays64(l):
     """Γ[n, t, s] = Π_{s<τ≤t} e^{l_τ} for s <= t (0 above) in float64, a product (a reset, l = -inf, is a 0)."""
     C = l.shape[-1]
     i = np.arange(C)
@@ -73,50 +73,65 @@ def _segment_decays64(l):
     return np.prod(np.where(spans, np.exp(l.astype(np.float64))[:, None, None, :], 1.0), -1) * np.tri(C)
 
 
-@pytest.mark.parametrize("N,C,bf16,sanitizer", [(3, 7, False, None), (2, 64, True, None), (2, 300, False, None),
-                                                 (2, 40, False, "address"), (2, 40, False, "thread")])
-def test_segment_decays_match_numpy(N, C, bf16, sanitizer):
-    """The segment-decays kernel (chunk_segment_decays.j2): Γ[t, s] = e^{sum_{s<tau<=t} l_tau} below and on the
-    diagonal, 0 above, against float64 products: log-decays down to -20 a token, a reset (-inf), C not a multiple of
-    a SIMD group and past one threadgroup's threads (300 > 256), l in bf16; the summed exponent carries float32
-    rounding, so where e^x is not negligible (x > -87) its relative error is at most 2^-24 C |x|."""
+def _strong_decays(rng, shape):
+    """Log-decays down to -20 a token, a reset (-inf) in the second row."""
+    l = (-20 * rng.uniform(size=shape) ** 3).astype(np.float32)
+    l.reshape(-1, shape[-1])[1, shape[-1] // 2] = -np.inf
+    return l
+
+
+@pytest.mark.parametrize("N,C,power,bf16,sanitizer", [(3, 7, 2, False, None), (2, 64, 1, True, None),
+                                                       (2, 300, 3, False, None), (2, 40, 2, False, "address"),
+                                                       (2, 40, 2, False, "thread")])
+def test_decayed_scores_match_numpy(N, C, power, bf16, sanitizer):
+    """The decayed-scores kernels (chunk_decayed_scores.j2): A = P^p ⊙ Γ, Γ[t, s] = e^{sum_{s<tau<=t} l_tau} on and
+    below the diagonal, 0 above; and the gradients dP = p P^(p-1) Γ dA and U (U[τ, s] = Σ_{t>=τ} G[t, s] for s < τ,
+    G = A ⊙ dA, so that its row sums are dl) against float64: strong decays and a reset, powers 1 to 3, C not a
+    multiple of a SIMD group and past one threadgroup's threads (300 > 256), l in bf16. Γ's summed exponent carries
+    float32 rounding: where e^x is not negligible (x > -87) its relative error is at most 2^-24 C |x|."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(N + C)
-    l = (-20 * rng.uniform(size=(N, C)) ** 3).astype(np.float32)
-    l[1, C // 2] = -np.inf
-    ins = {"l": mx.array(l).astype(mx.bfloat16) if bf16 else l}
+    l = _strong_decays(rng, (N, C))
+    P, dA = rng.normal(size=(2, N, C, C)).astype(np.float32)
+    ins = {"P": P, "l": mx.array(l).astype(mx.bfloat16) if bf16 else l}
     if bf16:
         l = np.array(ins["l"].astype(mx.float32))
-    (got,) = verify.run_launch(ck.segment_decays_launch("metal", N, C), ins, sanitizer=sanitizer)
-    want = _segment_decays64(l)
-    assert np.all(np.triu(got, 1) == 0)
-    tol = 2.0 ** -24 * C * 87 + 1e-7
-    assert np.all(np.abs(got - want) <= tol * want + 1e-37), float(np.abs(got - want).max())
+    gam = _decays64(l)
+    tol = 2.0 ** -24 * C * 87 + 1e-6
+    (A,) = verify.run_launch(ck.decayed_scores_launch("metal", N, C, power), ins, sanitizer=sanitizer)
+    want = P.astype(np.float64) ** power * gam
+    assert np.all(np.triu(A, 1) == 0)
+    assert np.all(np.abs(A - want) <= tol * np.abs(want) + 1e-37), float(np.abs(A - want).max())
+    dP, U = verify.run_launch(ck.decayed_scores_launch("metal", N, C, power, grad=True), ins | {"dA": dA},
+                              sanitizer=sanitizer)
+    G = want * dA
+    assert _rel(dP, power * P.astype(np.float64) ** (power - 1) * gam * dA) < 1e-5
+    i = np.arange(C)
+    suffix = np.cumsum(G[:, ::-1], 1)[:, ::-1] * (i[:, None] > i[None, :])  # [τ, s]: Σ_{t>=τ} G[t, s] for s < τ
+    assert _rel(U, suffix) < 1e-5
 
 
-def test_segment_decays_gradient_matches_numpy(monkeypatch):
-    """The segment decays as the feature-map form calls them (``segment_decays_fn``, the kernel on the emulator) and
-    their VJP: dl_τ = Σ_{t>=τ>s} Γ[t, s] dΓ[t, s] in float64, strong decays and a reset included; a
+def test_decayed_scores_gradient_matches_numpy(monkeypatch):
+    """The decayed scores as the feature-map form calls them (``decayed_scores_fn``, the kernels on the emulator) and
+    their VJP: dP = 2 P Γ dA, dl_τ = Σ_{t>=τ>s} G[t, s] (G = A ⊙ dA) in float64, strong decays and a reset; a
     cotangent above the diagonal changes nothing."""
     mx = pytest.importorskip("mlx.core")
     monkeypatch.setattr(ck, "mlx_call", _emulated_call)
     rng = np.random.default_rng(9)
     C = 24
-    l = (-20 * rng.uniform(size=(2, 3, C)) ** 3).astype(np.float32)
-    l[0, 1, 5] = -np.inf
-    dgam = rng.normal(size=(2, 3, C, C)).astype(np.float32)
-    fn = ck.segment_decays_fn(tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True))
-    gam, (dl,) = mx.vjp(fn, [mx.array(l)], [mx.array(dgam)])
-    want = _segment_decays64(l.reshape(-1, C)).reshape(2, 3, C, C)
-    assert _rel(gam[0], want) < 1e-5
-    G = want * dgam
-    ref = np.zeros((2, 3, C))
-    for tau in range(C):
-        ref[..., tau] = G[..., tau:, :tau].sum((-2, -1))
+    l = _strong_decays(rng, (2, 3, C))
+    P, dA = rng.normal(size=(2, 2, 3, C, C)).astype(np.float32)
+    fn = ck.decayed_scores_fn(tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True), 2)
+    (A,), (dP, dl) = mx.vjp(fn, [mx.array(P), mx.array(l)], [mx.array(dA)])
+    gam = _decays64(l.reshape(-1, C)).reshape(2, 3, C, C)
+    assert _rel(A, P.astype(np.float64) ** 2 * gam) < 1e-5
+    assert _rel(dP, 2 * P.astype(np.float64) * gam * dA) < 1e-5
+    G = P.astype(np.float64) ** 2 * gam * dA
+    ref = np.stack([G[..., tau:, :tau].sum((-2, -1)) for tau in range(C)], -1)
     assert _rel(dl, ref) < 1e-5
     # on by default where it was measured faster (CUDA), not on Metal (not measured on Apple hardware)
-    assert tuning.resolve("gpu", "cuda", environ={}).segment_decays
-    assert not tuning.resolve("gpu", "metal", environ={}).segment_decays
+    assert tuning.resolve("gpu", "cuda", environ={}).decayed_scores
+    assert not tuning.resolve("gpu", "metal", environ={}).decayed_scores
 
 
 @pytest.mark.parametrize("C", [1, 4, 16])
@@ -338,14 +353,14 @@ def _sympow_skip():
 
 @pytest.mark.parametrize("name,T", [("gated_delta_net", 40), ("delta_net", 16), ("gated_delta_net", 1),
                                     ("simple_gla", 40), ("gla", 40), ("kda", 40), ("power_retention", 40),
-                                    ("power_retention/segments", 40), ("sympow_skip", 40)])
+                                    ("power_retention/scores", 40), ("sympow_skip", 40)])
 def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     """The chunked core with the generated kernels wired in (inverse, forward and backward scans, the
     key-vector decay's pair kernels and backward tail, a feature map's φ), end to end against the float64
     reference: forward, final state, every gradient; strong decays, K != V, GQA, a partial last chunk (T = 40 with
     chunk 16), T = 1 (C = 1: one row group). Power retention's kernel-identity form takes φ's rows from the sympow
-    kernels (``feature_rows.PackedRows``), with "/segments" its in-chunk decay factors from the segment-decays
-    kernel; the skip spec's general form its roles."""
+    kernels (``feature_rows.PackedRows``), with "/scores" its in-chunk scores from the decayed-scores kernels; the
+    skip spec's general form its roles."""
     pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare
@@ -354,7 +369,7 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     name, _, form = name.partition("/")
     key = name in ("gla", "kda")  # K = 32: a slab of the pair kernels
-    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, segment_decays=form == "segments")
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, decayed_scores=form == "scores")
     rec = _sympow_skip() if name == "sympow_skip" else specs.BUILTINS[name]
     assert_close(compare(rec, T, chunk=16, K=32 if key else 16, V=6, seed=5, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
@@ -366,7 +381,7 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
                  else {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})
         want |= {"recgen_chunk_decays_q"}  # with u ⊙ Q
     if rec.features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
-        want = {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"} | ({"recgen_chunk_segment_decays"} if form else set())
+        want = {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"} | ({"recgen_chunk_decayed_scores", "recgen_chunk_decayed_scores_grad"} if form else set())
     assert kinds == want, kinds
 
 

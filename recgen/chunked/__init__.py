@@ -335,9 +335,9 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         state = mx.concatenate([S, z[..., None]], axis=-1)
     c = fi.constant(scale)
     rows = feature_rows.rows_for(tun, d, S.dtype, C, W.shape[-1], fi.degree)  # as ``forward`` chose them
-    decays = ck.segment_decays_fn(tun) if tun.chunk_kernels and tun.segment_decays else None
+    scores = ck.decayed_scores_fn(tun, fi.degree) if tun.chunk_kernels and tun.decayed_scores else None
     Y, S_end = features.chunk_form(q, k, W, t["logdecay"], rows.to_rows(state), c, C, tun.pow2_exp, rows, fi.degree,
-                                   decays)
+                                   scores)
     S_end = rows.from_rows(S_end)
     o = _readout(p, p.rec, t, Y[..., :V], Y[..., V] if has_z else None)
     return (o, S_end[..., :V], S_end[..., V]) if has_z else (o, S_end)

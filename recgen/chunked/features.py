@@ -60,15 +60,17 @@ def segment_sums(x):
     return mx.where(mx.array(np.tril(np.ones((C, C), dtype=bool))), seg, -mx.inf)
 
 
-def chunk_scores(q, k, gam, pow2: bool = False, degree: int = 2, decays=None):
+def chunk_scores(q, k, gam, pow2: bool = False, degree: int = 2, scores=None):
     """(q_tᵀk_s)^degree e^{Γ_t−Γ_s} for s <= t, 0 above: [B,H,n,C,d] x2, [B,H,n,C] -> [B,H,n,C,C] (``pow2``:
-    ``core.exp``'s); ``decays``: a function of gam giving the factors e^{Γ_t−Γ_s} (the generated kernel,
-    ``chunk_kernels.segment_decays_fn``), else MLX's segment sums."""
+    ``core.exp``'s); ``scores``: a function of (qᵀk, gam) that gives them (the generated kernel,
+    ``chunk_kernels.decayed_scores_fn``), else MLX ops over the segment sums."""
     p = q @ k.swapaxes(-1, -2)
+    if scores:
+        return scores(p, gam)
     s = p
     for _ in range(degree - 1):  # products, not a power function: exact signs and derivatives at p = 0
         s = s * p
-    return s * (decays(gam) if decays else exp(segment_sums(gam), pow2))
+    return s * exp(segment_sums(gam), pow2)
 
 
 def chunk_decays(gam, pow2: bool = False):
@@ -150,12 +152,12 @@ def inter_fn(rows):
     return inter
 
 
-def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None, degree: int = 2, decays=None):
+def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None, degree: int = 2, scores=None):
     """Y [B,H,T,V'] and the final state [B,H,R,V'] of the module docstring's form; q, k [B,H,T,d], W [B,H,T,V'],
     gam the log-decays [B,H,T], S0 [B,H,R,V'], both states in ``rows``' layout (default: MLX's tiles, degree 2);
     ``degree`` the feature map's (the scores' power; ``rows`` must be of it); chunks of C
     tokens (T padded with tokens that change nothing: zero keys and values, log-decay 0); ``pow2``: ``core.exp``'s;
-    ``decays``: ``chunk_scores``'."""
+    ``scores``: ``chunk_scores``'."""
     B, H, T, d = q.shape
     n = -(-T // C)
 
@@ -167,7 +169,7 @@ def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None
     qc, kc, Wc, gc = (chunks(x) for x in (q, k, W, gam))
     to_t, to_end, L, l0 = chunk_decays(gc, pow2)
     Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)))(qc, kc, Wc * to_end[..., None], L, l0, S0)
-    Y = chunk_scores(qc, kc, gc, pow2, degree, decays) @ Wc + to_t[..., None] * Z
+    Y = chunk_scores(qc, kc, gc, pow2, degree, scores) @ Wc + to_t[..., None] * Z
     return (c * Y).reshape(B, H, n * C, -1)[:, :, :T], S_end
 
 

@@ -13,9 +13,9 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
 - ``sympow_source``: the degree-2 symmetric power feature map φ(x) (``recgen.spec.features.sympow``) and its
   gradient, elementwise, for the chunked form of feature-map specs (MLX forms φ by gathers, and its gradient by a
   scatter-add with D + 1 writers an entry).
-- ``segment_decays_source``: a scalar decay's factors between each chunk's tokens, e^{Σ_{s<τ≤t} l_τ}, as sums of the
-  spanned log-decays (the feature-map form's in-chunk scores; MLX builds them by a broadcast, a scan down the rows
-  and two selects over [C, C] a chunk).
+- ``decayed_scores_source``: a scalar decay's scores between each chunk's tokens, P^p ⊙ e^{Σ_{s<τ≤t} l_τ}, the
+  exponent a sum of the spanned log-decays, and their gradients (the feature-map form's in-chunk scores, (qᵀk)^p
+  decayed; in MLX ops a broadcast, a scan down the rows, selects and products over [C, C] a chunk, each way).
 - ``feature_decode_source``: one decode step of a feature map's state in φ's packed rows, split over K (blocks of
   rows a threadgroup, each block's partial readout summed by the caller), for specs through the kernel identity.
 - ``feature_states_source`` / ``feature_out_source`` / ``feature_jac_source`` (fragment frames): a chunk's products
@@ -152,11 +152,16 @@ def inverse_source(dialect: str) -> KernelSource:
 
 
 @lru_cache(maxsize=None)
-def segment_decays_source(dialect: str) -> KernelSource:
-    """A scalar decay's factors between each chunk's tokens, e^{Σ_{s<τ≤t} l_τ} for s ≤ t (0 above), from the
-    log-decays l [N, C] (template constants C, NT) -> Gam [N, C, C]."""
-    return _source(get(dialect), "chunk_segment_decays.j2", "segment_decays", "decay factors between a chunk's tokens",
-                   ("l",), ("Gam",), ())
+def decayed_scores_source(dialect: str, grad: bool = False) -> KernelSource:
+    """A scalar decay's scores between each chunk's tokens, A = P^PW ⊙ Γ with Γ[t, s] = e^{Σ_{s<τ≤t} l_τ} for s ≤ t
+    (0 above), from P [N, C, C] and the log-decays l [N, C] (template constants C, PW, NT); or its gradients
+    (P, dA, l -> dP and U [N, C, C], U's row sums the log-decays' gradient)."""
+    if grad:
+        return _source(get(dialect), "chunk_decayed_scores.j2", "decayed_scores_grad",
+                       "gradients of the decayed scores between a chunk's tokens", ("P", "dA", "l"), ("dP", "U"), (),
+                       grad=True)
+    return _source(get(dialect), "chunk_decayed_scores.j2", "decayed_scores", "decayed scores between a chunk's tokens",
+                   ("P", "l"), ("A",), (), grad=False)
 
 
 @lru_cache(maxsize=None)

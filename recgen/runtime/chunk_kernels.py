@@ -15,11 +15,11 @@ from functools import lru_cache
 
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
-                                     bwd_mma_source, decays_source, feature_decode_layout, feature_decode_source,
+                                     bwd_mma_source, decayed_scores_source, decays_source, feature_decode_layout, feature_decode_source,
                                      feature_jac_source, feature_mma_layout, feature_out_source, feature_states_source,
                                      inverse_source, out_async_layout, out_async_source, out_mma_layout, out_mma_source,
                                      pair_folds, pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
-                                     scan_mma_layout, scan_prefetches, scan_source, segment_decays_source,
+                                     scan_mma_layout, scan_prefetches, scan_source,
                                      sympow_layout, sympow_source,
                                      ut_async_layout, ut_async_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
@@ -101,15 +101,17 @@ def decays_launch(dialect: str, N: int, C: int, F: int, before: bool = False, sc
                   (groups * DECAYS_NT, 1, 1), (DECAYS_NT, 1, 1), (("C", C), ("F", F), ("NT", DECAYS_NT)))
 
 
-SEGMENT_DECAYS_NT = 256  # threads a threadgroup of the segment-decays kernel: one a column of the chunk
+SCORES_NT = 256  # threads a threadgroup of the decayed-scores kernels: one a column of the chunk
 
 
 @lru_cache(maxsize=64)
-def segment_decays_launch(dialect: str, N: int, C: int) -> Launch:
-    """Gam [N, C, C] of a scalar decay's log-decays l [N, C] (``segment_decays_source``), one threadgroup a chunk."""
-    nt = min(SEGMENT_DECAYS_NT, -(-C // 32) * 32)
-    return Launch(segment_decays_source(dialect), (), (((N, C, C), "float32"),), (N * nt, 1, 1), (nt, 1, 1),
-                  (("C", C), ("NT", nt)))
+def decayed_scores_launch(dialect: str, N: int, C: int, power: int, grad: bool = False) -> Launch:
+    """A [N, C, C] = P^power ⊙ Γ of P [N, C, C] and a scalar decay's log-decays l [N, C] (``decayed_scores_source``),
+    one threadgroup a chunk; or its gradients dP and U [N, C, C]."""
+    nt = min(SCORES_NT, -(-C // 32) * 32)
+    full = ((N, C, C), "float32")
+    return Launch(decayed_scores_source(dialect, grad), (), (full, full) if grad else (full,), (N * nt, 1, 1),
+                  (nt, 1, 1), (("C", C), ("PW", power), ("NT", nt)))
 
 
 def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, v: ScanVariant, dgp_cols: int = 0) -> tuple:
@@ -761,25 +763,32 @@ def feature_decode(q, k, w, decay, S, z, t: Tuning):
 
 
 @lru_cache(maxsize=16)
-def segment_decays_fn(t: Tuning):
-    """l [..., C] -> Γ [..., C, C] in float32, Γ[t, s] = e^{Σ_{s<τ≤t} l_τ} for s ≤ t, 0 above, by the generated kernel
-    (``segment_decays_launch``), with its VJP in MLX ops: for G = Γ ⊙ dΓ, dl_τ = Σ_{t≥τ} Σ_{s<τ} G[t, s], a
-    cumulative sum along each row (exclusive), masked to the rows t ≥ τ and summed down the columns (a fixed order:
-    deterministic)."""
+def decayed_scores_fn(t: Tuning, power: int):
+    """(P [..., C, C], l [..., C]) -> A = P^power ⊙ Γ in float32, Γ[t, s] = e^{Σ_{s<τ≤t} l_τ} for s ≤ t, 0 above, by
+    the generated kernel (``decayed_scores_launch``), with its VJP by the gradient kernel: dP, and dl_τ as the row
+    sums of U (Σ_{s<τ} Σ_{t≥τ} G[t, s], G = A ⊙ dA; a fixed order: deterministic)."""
     import mlx.core as mx
 
-    @mx.custom_function
-    def segment_decays(l):
+    def flat(P, l):
         C = l.shape[-1]
-        (gam,) = _call(t, segment_decays_launch(t.dialect, _lead(l, 1), C), [l.reshape(-1, C)])
-        return gam.reshape(*l.shape, C)
+        return _lead(l, 1), C, [P.reshape(-1, C, C).astype(mx.float32), l.reshape(-1, C)]
 
-    @segment_decays.vjp
-    def segment_decays_vjp(l, dgam, gam):  # one argument, one output: MLX passes the arrays themselves
-        rows = mx.cumsum(gam * dgam, axis=-1, inclusive=False)  # [t, τ]: Σ_{s<τ} G[t, s]
-        return mx.where(mx.tri(l.shape[-1], dtype=mx.bool_), rows, 0.0).sum(-2).astype(l.dtype)
+    @mx.custom_function
+    def scores(P, l):
+        N, C, user = flat(P, l)
+        (A,) = _call(t, decayed_scores_launch(t.dialect, N, C, power), user)
+        return A.reshape(P.shape)
 
-    return segment_decays
+    @scores.vjp
+    def scores_vjp(primals, cotangents, outputs):
+        P, l = primals
+        dA = cotangents[0] if isinstance(cotangents, (list, tuple)) else cotangents
+        N, C, user = flat(P, l)
+        dP, U = _call(t, decayed_scores_launch(t.dialect, N, C, power, grad=True),
+                      [user[0], dA.reshape(-1, C, C).astype(mx.float32), user[1]])
+        return dP.reshape(P.shape).astype(P.dtype), U.sum(-1).reshape(l.shape).astype(l.dtype)
+
+    return scores
 
 
 @lru_cache(maxsize=16)

@@ -59,9 +59,9 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
         changes.update(feature_decode=False)  # a feature map's decode step in MLX ops
     if t.feature_kernels and (t.dialect is None or not usable(t.dialect, "features", sizes)):
         changes.update(feature_kernels=False)  # φ formed in memory, its products MLX matmuls
-    if t.segment_decays and not (t.chunk_kernels and changes.get("chunk_kernels", True)
-                                 and usable(t.dialect, "segments", sizes)):
-        changes.update(segment_decays=False)  # a feature map's in-chunk decay factors by MLX's segment sums
+    if t.decayed_scores and not (t.chunk_kernels and changes.get("chunk_kernels", True)
+                                 and usable(t.dialect, "scores", sizes)):
+        changes.update(decayed_scores=False)  # a feature map's in-chunk scores in MLX ops
     return replace(t, **changes) if changes else t
 
 
@@ -98,7 +98,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     readout in both output layouts, bf16 in the model's; the UT transform; a key-vector decay's UT transform and
     readout; the backward's pass after the scan; their factor-read forms, as GDN calls them), "decode" (the feature
     decode kernel at d = V = 64), "features" (the feature product and gradient kernels at C = 64, d = 64, V = 65),
-    "segments" (a scalar decay's factors between a chunk's tokens, a reset among them),
+    "scores" (a scalar decay's decayed scores between a chunk's tokens and their gradients, a reset among them),
     "ut16" (the factor-read UT transform writing bf16), "keyfactor" (KDA's factor-read UT transform and tail) and
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
@@ -150,13 +150,17 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             # and the form that writes the chunk's decay g in place of P and Q (RWKV-7's)
             got += list(ck.key_decays(f32(lk), t, False, ((f32(Yp), "P"),), pq=False))
             ref += [np.exp(lk), Pk[:, -1], Yp * Pk]
-        elif frame == "segments":  # a scalar decay's factors between a chunk's tokens (the feature-map form's), a reset
-            ls = np.log(rng.uniform(0.05, 1.0, size=(2, C)))
+        elif frame == "scores":  # a scalar decay's scores between a chunk's tokens and their gradients (the feature-map
+            ls = np.log(rng.uniform(0.05, 1.0, size=(2, C)))  # form's at degree 2), a reset among the decays
             ls[1, C // 2] = -np.inf
+            P, dA = rng.normal(size=(2, 2, C, C))
             i = np.arange(C)
             spans = (i[None, :, None] < i[None, None, :]) & (i[None, None, :] <= i[:, None, None])  # [t, s, τ]: s < τ ≤ t
-            got = [ck.segment_decays_fn(t)(f32(ls))]
-            ref = [np.prod(np.where(spans, np.exp(ls)[:, None, None, :], 1.0), -1) * np.tri(C)]
+            gam = np.prod(np.where(spans, np.exp(ls)[:, None, None, :], 1.0), -1) * np.tri(C)
+            (A,), (dP, dl) = mx.vjp(ck.decayed_scores_fn(t, 2), [f32(P), f32(ls)], [f32(dA)])
+            G = P ** 2 * gam * dA
+            got, ref = [A, dP, dl], [P ** 2 * gam, 2 * P * gam * dA,
+                                     np.stack([G[:, tau:, :tau].sum((-2, -1)) for tau in range(C)], -1)]
         elif frame == "pairs":  # the key-decay pair kernels on fragments (dual: A strict, M_ru) and their gradients
             X, X2, Y = rng.normal(size=(3, 1, C, K))
             dk = np.exp(-0.5 * rng.uniform(size=(1, C, K)))
@@ -420,7 +424,7 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
                 "async": "the readout's and UT transform's asynchronous staging (their synchronous frames are used)",
                 "decode": "the feature decode kernel (MLX ops are used for the step)",
                 "features": "the feature product kernels (φ is formed in memory)",
-                "segments": "the segment-decays kernel (MLX's segment sums are used)"}.get(frame, "the chunk kernels (MLX ops are used)")
+                "scores": "the decayed-scores kernels (MLX ops are used for them)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
     return err is None
 

@@ -18,19 +18,19 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.xdist_group("power_retention_d64")
-@pytest.mark.parametrize("form", ["phi_formed", "phi_in_kernels", "segment_decays"])
+@pytest.mark.parametrize("form", ["phi_formed", "phi_in_kernels", "decayed_scores"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_power_retention_at_d64_matches_the_reference(dtype, form):
     """φ's rows formed by the sympow kernels (the default), or read by the feature product kernels
     (``Tuning.feature_kernels``, on fragments: TF32 operands, so float32 takes bfloat16's tolerances there), or
-    the in-chunk decay factors from the segment-decays kernel (``Tuning.segment_decays``)."""
+    the in-chunk scores and their gradients from the decayed-scores kernels (``Tuning.decayed_scores``)."""
     import contextlib
 
     from recgen import tuning
 
     fused = form == "phi_in_kernels"
     switch = {"phi_formed": contextlib.nullcontext(), "phi_in_kernels": tuning.override(feature_kernels=True, mma_scan=True),
-              "segment_decays": tuning.override(segment_decays=True)}[form]
+              "decayed_scores": tuning.override(decayed_scores=True)}[form]
     with switch:
         _check_at_d64(dtype, TOL["bfloat16"] if fused else None)
 
