@@ -47,6 +47,8 @@ class Tuning:
     #                                 memory, but training slower than MLX's products over formed rows)
     decayed_scores: bool = False    # ... its in-chunk scores (qᵀk)^p e^{Γ_t−Γ_s} and their gradients by generated
     #                                 kernels (with ``chunk_kernels``), not MLX ops over [C, C] a chunk
+    scores_rows: int = 16           # ... rows of a chunk a threadgroup of those kernels (the gradient's registers
+    #                                 grow with it: 63 a thread at 16, 108 at 32, ptxas for sm_90)
     gpu_forms: bool = False         # few large ops (the scan over chunks as one matmul, full-block inverses)
     compile: bool = False           # mx.compile the chunked stretch and core (fuses elementwise work)
     inverse_base: int = 1           # block size from which the triangular inverse climbs by block levels
@@ -199,6 +201,7 @@ ENVIRONMENT = {
     "RECGEN_FEATURE_DECODE": ("feature_decode", _flag),
     "RECGEN_FEATURE_KERNELS": ("feature_kernels", _flag),
     "RECGEN_DECAYED_SCORES": ("decayed_scores", _flag),
+    "RECGEN_SCORES_ROWS": ("scores_rows", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
     "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),
     "RECGEN_FWD_LAYOUT": ("fwd_layout", _layout),

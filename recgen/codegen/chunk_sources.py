@@ -154,11 +154,11 @@ def inverse_source(dialect: str) -> KernelSource:
 @lru_cache(maxsize=None)
 def decayed_scores_source(dialect: str, grad: bool = False) -> KernelSource:
     """A scalar decay's scores between each chunk's tokens, A = P^PW ⊙ Γ with Γ[t, s] = e^{Σ_{s<τ≤t} l_τ} for s ≤ t
-    (0 above), from P [N, C, C] and the log-decays l [N, C] (template constants C, PW, NT); or its gradients
-    (P, dA, l -> dP and U [N, C, C], U's row sums the log-decays' gradient)."""
+    (0 above), from P [N, C, C] and the log-decays l [N, C] (template constants C, PW, RB, NB, NT); or its gradients
+    (P, dA, l -> dP [N, C, C] and Dl [N, NB, C], each row block's part of the log-decays' gradient)."""
     if grad:
         return _source(get(dialect), "chunk_decayed_scores.j2", "decayed_scores_grad",
-                       "gradients of the decayed scores between a chunk's tokens", ("P", "dA", "l"), ("dP", "U"), (),
+                       "gradients of the decayed scores between a chunk's tokens", ("P", "dA", "l"), ("dP", "Dl"), (),
                        grad=True)
     return _source(get(dialect), "chunk_decayed_scores.j2", "decayed_scores", "decayed scores between a chunk's tokens",
                    ("P", "l"), ("A",), (), grad=False)

@@ -105,13 +105,16 @@ SCORES_NT = 256  # threads a threadgroup of the decayed-scores kernels: one a co
 
 
 @lru_cache(maxsize=64)
-def decayed_scores_launch(dialect: str, N: int, C: int, power: int, grad: bool = False) -> Launch:
+def decayed_scores_launch(dialect: str, N: int, C: int, power: int, grad: bool = False, rows: int = 16) -> Launch:
     """A [N, C, C] = P^power ⊙ Γ of P [N, C, C] and a scalar decay's log-decays l [N, C] (``decayed_scores_source``),
-    one threadgroup a chunk; or its gradients dP and U [N, C, C]."""
-    nt = min(SCORES_NT, -(-C // 32) * 32)
+    a threadgroup a block of ``rows`` rows of a chunk (``Tuning.scores_rows``); or its gradients dP [N, C, C] and
+    each block's part of dl, [N, NB, C]."""
+    nt, rb = min(SCORES_NT, -(-C // 32) * 32), min(rows, C)
+    nb = -(-C // rb)
     full = ((N, C, C), "float32")
-    return Launch(decayed_scores_source(dialect, grad), (), (full, full) if grad else (full,), (N * nt, 1, 1),
-                  (nt, 1, 1), (("C", C), ("PW", power), ("NT", nt)))
+    outs = (full, ((N, nb, C), "float32")) if grad else (full,)
+    return Launch(decayed_scores_source(dialect, grad), (), outs, (N * nb * nt, 1, 1), (nt, 1, 1),
+                  (("C", C), ("PW", power), ("RB", rb), ("NB", nb), ("NT", nt)))
 
 
 def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, v: ScanVariant, dgp_cols: int = 0) -> tuple:
@@ -765,8 +768,8 @@ def feature_decode(q, k, w, decay, S, z, t: Tuning):
 @lru_cache(maxsize=16)
 def decayed_scores_fn(t: Tuning, power: int):
     """(P [..., C, C], l [..., C]) -> A = P^power ⊙ Γ in float32, Γ[t, s] = e^{Σ_{s<τ≤t} l_τ} for s ≤ t, 0 above, by
-    the generated kernel (``decayed_scores_launch``), with its VJP by the gradient kernel: dP, and dl_τ as the row
-    sums of U (Σ_{s<τ} Σ_{t≥τ} G[t, s], G = A ⊙ dA; a fixed order: deterministic)."""
+    the generated kernel (``decayed_scores_launch``), with its VJP by the gradient kernel: dP, and dl_τ =
+    Σ_{t≥τ>s} G[t, s] (G = A ⊙ dA) as the sum of its row blocks' parts (fixed orders: deterministic)."""
     import mlx.core as mx
 
     def flat(P, l):
@@ -776,7 +779,7 @@ def decayed_scores_fn(t: Tuning, power: int):
     @mx.custom_function
     def scores(P, l):
         N, C, user = flat(P, l)
-        (A,) = _call(t, decayed_scores_launch(t.dialect, N, C, power), user)
+        (A,) = _call(t, decayed_scores_launch(t.dialect, N, C, power, rows=t.scores_rows), user)
         return A.reshape(P.shape)
 
     @scores.vjp
@@ -784,9 +787,9 @@ def decayed_scores_fn(t: Tuning, power: int):
         P, l = primals
         dA = cotangents[0] if isinstance(cotangents, (list, tuple)) else cotangents
         N, C, user = flat(P, l)
-        dP, U = _call(t, decayed_scores_launch(t.dialect, N, C, power, grad=True),
-                      [user[0], dA.reshape(-1, C, C).astype(mx.float32), user[1]])
-        return dP.reshape(P.shape).astype(P.dtype), U.sum(-1).reshape(l.shape).astype(l.dtype)
+        dP, parts = _call(t, decayed_scores_launch(t.dialect, N, C, power, grad=True, rows=t.scores_rows),
+                          [user[0], dA.reshape(-1, C, C).astype(mx.float32), user[1]])
+        return dP.reshape(P.shape).astype(P.dtype), parts.sum(1).reshape(l.shape).astype(l.dtype)
 
     return scores
 
