@@ -131,6 +131,9 @@ def test_decayed_scores_gradient_matches_numpy(monkeypatch):
     G = P.astype(np.float64) ** 2 * gam * dA
     ref = np.stack([G[..., tau:, :tau].sum((-2, -1)) for tau in range(C)], -1)
     assert _rel(dl, ref) < 1e-5
+    # a layout where the chunk's log-decays and column sums fit threadgroup memory (Metal's 32 KB: not 8192 tokens)
+    assert cs.decayed_scores_layout("metal", 256, 16) == {"C": 256, "RB": 16, "NB": 16, "NT": 256}
+    assert cs.decayed_scores_layout("metal", 8192, 16) is None
     # on by default where it was measured faster (CUDA), not on Metal (not measured on Apple hardware)
     assert tuning.resolve("gpu", "cuda", environ={}).decayed_scores
     assert not tuning.resolve("gpu", "metal", environ={}).decayed_scores

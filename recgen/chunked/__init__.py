@@ -49,7 +49,7 @@ import mlx.core as mx
 from ..spec import ir
 from ..spec.analysis import analyze
 from ..spec.layouts import InputError, check_state, infer_sizes
-from ..codegen.chunk_sources import pair_supported, sympow_supported
+from ..codegen.chunk_sources import decayed_scores_layout, pair_supported, sympow_supported
 from ..runtime import chunk_kernels as ck
 from ..runtime.probe import checked
 from ..tuning import Tuning, current
@@ -335,7 +335,8 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         state = mx.concatenate([S, z[..., None]], axis=-1)
     c = fi.constant(scale)
     rows = feature_rows.rows_for(tun, d, S.dtype, C, W.shape[-1], fi.degree)  # as ``forward`` chose them
-    scores = ck.decayed_scores_fn(tun, fi.degree) if tun.chunk_kernels and tun.decayed_scores else None
+    scores = (ck.decayed_scores_fn(tun, fi.degree) if tun.chunk_kernels and tun.decayed_scores
+              and decayed_scores_layout(tun.dialect, C, tun.scores_rows) else None)
     Y, S_end = features.chunk_form(q, k, W, t["logdecay"], rows.to_rows(state), c, C, tun.pow2_exp, rows, fi.degree,
                                    scores)
     S_end = rows.from_rows(S_end)

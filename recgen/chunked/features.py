@@ -20,7 +20,9 @@ kernels run, MLX's tiles of broadcast products elsewhere.
 ``inter`` (entry states and their readout over the tiles) has a written VJP that recomputes each tile's features
 and states rather than keep them from the forward, tile after tile (``mx.depends`` orders them; on GPUs MLX
 allocates for all the work it has queued, so there the order bounds memory only loosely, and φ of every token is
-formed once a pass). The in-chunk scores and the decay factors are MLX autodiff.
+formed once a pass). The in-chunk scores are the generated decayed-scores kernels where the tuning runs them
+(``chunk_kernels.decayed_scores_fn``, their VJP written), else MLX autodiff; the decay factors between chunks are
+MLX autodiff.
 
 A decode step (T = 1) can run the generated feature decode kernel instead (``decode_fn``, ``Tuning.feature_decode``):
 each state row read and written once, split over blocks of rows.

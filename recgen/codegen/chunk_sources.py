@@ -480,6 +480,16 @@ def sympow_supported(dialect: str, D: int) -> bool:
     return True
 
 
+def decayed_scores_layout(dialect: str, C: int, rows: int) -> dict | None:
+    """Template constants of the decayed-scores kernels at chunks of C, blocks of ``rows`` rows a threadgroup (RB, NB
+    blocks a chunk, NT threads: one a column, at most 256), or None where the chunk's log-decays and the gradient's
+    column sums (C floats each) and its SIMD groups' sums pass the dialect's threadgroup memory."""
+    nt, rb = min(256, -(-C // 32) * 32), min(rows, C)
+    if 4 * (2 * C + rb * nt // 32) > get(dialect).smem_bytes:
+        return None
+    return {"C": C, "RB": rb, "NB": -(-C // rb), "NT": nt}
+
+
 def inverse_supported(C: int) -> bool:
     """One thread per column: C threads a threadgroup, C² floats of threadgroup memory."""
     return 1 <= C <= 64

@@ -15,12 +15,12 @@ from functools import lru_cache
 
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
-                                     bwd_mma_source, decayed_scores_source, decays_source, feature_decode_layout, feature_decode_source,
-                                     feature_jac_source, feature_mma_layout, feature_out_source, feature_states_source,
-                                     inverse_source, out_async_layout, out_async_source, out_mma_layout, out_mma_source,
-                                     pair_folds, pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
-                                     scan_mma_layout, scan_prefetches, scan_source,
-                                     sympow_layout, sympow_source,
+                                     bwd_mma_source, decayed_scores_layout, decayed_scores_source, decays_source,
+                                     feature_decode_layout, feature_decode_source, feature_jac_source,
+                                     feature_mma_layout, feature_out_source, feature_states_source, inverse_source,
+                                     out_async_layout, out_async_source, out_mma_layout, out_mma_source, pair_folds,
+                                     pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
+                                     scan_mma_layout, scan_prefetches, scan_source, sympow_layout, sympow_source,
                                      ut_async_layout, ut_async_source, ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..spec.features import sympow_pairs
@@ -101,20 +101,18 @@ def decays_launch(dialect: str, N: int, C: int, F: int, before: bool = False, sc
                   (groups * DECAYS_NT, 1, 1), (DECAYS_NT, 1, 1), (("C", C), ("F", F), ("NT", DECAYS_NT)))
 
 
-SCORES_NT = 256  # threads a threadgroup of the decayed-scores kernels: one a column of the chunk
-
-
 @lru_cache(maxsize=64)
 def decayed_scores_launch(dialect: str, N: int, C: int, power: int, grad: bool = False, rows: int = 16) -> Launch:
     """A [N, C, C] = P^power ⊙ Γ of P [N, C, C] and a scalar decay's log-decays l [N, C] (``decayed_scores_source``),
-    a threadgroup a block of ``rows`` rows of a chunk (``Tuning.scores_rows``); or its gradients dP [N, C, C] and
-    each block's part of dl, [N, NB, C]."""
-    nt, rb = min(SCORES_NT, -(-C // 32) * 32), min(rows, C)
-    nb = -(-C // rb)
+    a threadgroup a block of ``rows`` rows of a chunk (``Tuning.scores_rows``; ``decayed_scores_layout``); or its
+    gradients dP [N, C, C] and each block's part of dl, [N, NB, C]."""
+    lay = decayed_scores_layout(dialect, C, rows)
+    if lay is None:
+        raise ValueError(f"decayed scores: chunks of {C} pass {dialect}'s threadgroup memory")
     full = ((N, C, C), "float32")
-    outs = (full, ((N, nb, C), "float32")) if grad else (full,)
-    return Launch(decayed_scores_source(dialect, grad), (), outs, (N * nb * nt, 1, 1), (nt, 1, 1),
-                  (("C", C), ("PW", power), ("RB", rb), ("NB", nb), ("NT", nt)))
+    outs = (full, ((N, lay["NB"], C), "float32")) if grad else (full,)
+    return Launch(decayed_scores_source(dialect, grad), (), outs, (N * lay["NB"] * lay["NT"], 1, 1), (lay["NT"], 1, 1),
+                  (("C", C), ("PW", power), ("RB", lay["RB"]), ("NB", lay["NB"]), ("NT", lay["NT"])))
 
 
 def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, v: ScanVariant, dgp_cols: int = 0) -> tuple:
