@@ -42,15 +42,18 @@ def test_emit_a_spec_without_kernels_says_so(tmp_path, capsys):
 
 def test_check_power_retention_by_key_blocks(capsys):
     """Power retention checks as simple_gla's Metal kernels over its key blocks (``recgen.key_blocks``), and its
-    feature kernels (decode, the products over φ's rows, the gradient through them) against float64 numpy."""
+    feature kernels (decode, the products over φ's rows, the gradient through them, the in-chunk decayed scores and
+    their gradient) against float64 numpy."""
     if clang_problem():
         pytest.skip(clang_problem())
     assert main(["check", "power_retention", "--T", "3"]) == 0
     out = capsys.readouterr().out
     assert "over key blocks" in out and "all layers passed" in out and "dinitial_state.z" in out
-    for row in ("feature decode: state", "feature decode: readout", "phi(X)^T Y", "phi(X) S", "gradient through phi"):
+    for row in ("feature decode: state", "feature decode: readout", "phi(X)^T Y", "phi(X) S", "gradient through phi",
+                "decayed scores", "decayed scores: gradients"):
         assert row in out, row
     assert out.count("recgen_chunk_feature") >= 12  # four kernels, three layers each
+    assert out.count("recgen_chunk_decayed_scores") >= 6  # the in-chunk scores and their gradient
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
-"""Power retention's other Metal kernels through every verification layer: the feature decode step and the three
-fragment kernels over φ's packed rows (φ(X)ᵀY, φ(X)S and the gradient through them), each on fresh random data
-against float64 numpy (``recgen check power_retention`` adds them to its table)."""
+"""Power retention's other Metal kernels through every verification layer: the feature decode step, the three
+fragment kernels over φ's packed rows (φ(X)ᵀY, φ(X)S and the gradient through them) and the in-chunk decayed
+scores with their gradient, each on fresh random data against float64 numpy (``recgen check power_retention``
+adds them to its table)."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,4 +36,23 @@ def check_feature_kernels(d: int, V: int, *, sanitizer=None, report: Report | No
     errs["phi(X)^T Y"] = rel(dS, np.einsum("ncf,ncv->nfv", phi, Y))
     errs["phi(X) S"] = rel(Z, np.einsum("ncf,nfv->ncv", phi, St))
     errs["gradient through phi"] = rel(dX, sympow_vjp(X.astype(np.float64), np.einsum("nfv,ncv->ncf", St, Y)))
+    errs |= _decayed_scores(rng, C, sanitizer, report)
     return errs
+
+
+def _decayed_scores(rng, C: int, sanitizer, report) -> dict[str, float]:
+    """A = (qᵀk)² ⊙ Γ over two chunks of C tokens (log-decays down to -5 a token) and its gradients: dP, and dl_τ =
+    Σ_{t>=τ>s} G[t, s] (G = A ⊙ dA) summed over the row blocks' parts."""
+    P, dA = rng.standard_normal((2, 2, C, C)).astype(np.float32)
+    l = (-5 * rng.uniform(size=(2, C))).astype(np.float32)
+    i = np.arange(C)
+    spans = (i[None, :, None] < i[None, None, :]) & (i[None, None, :] <= i[:, None, None])  # [t, s, τ]: s < τ <= t
+    gam = np.prod(np.where(spans, np.exp(l.astype(np.float64))[:, None, None, :], 1.0), -1) * np.tri(C)
+    A_r = P.astype(np.float64) ** 2 * gam
+    G = A_r * dA
+    (A,) = run_launch(ck.decayed_scores_launch("metal", 2, C, 2), {"P": P, "l": l}, sanitizer, report)
+    dP, parts = run_launch(ck.decayed_scores_launch("metal", 2, C, 2, grad=True), {"P": P, "dA": dA, "l": l},
+                           sanitizer, report)
+    return {"decayed scores": rel(A, A_r),
+            "decayed scores: gradients": max(rel(dP, 2 * P * gam * dA),
+                                             rel(parts.sum(1), np.stack([G[:, t:, :t].sum((-2, -1)) for t in i], -1)))}
