@@ -10,6 +10,7 @@ from recgen.codegen.chunk_sources import ScanVariant
 from recgen.chunked import rank1
 from recgen.runtime import chunk_kernels as ck
 from recgen.runtime import probe as pr
+from recgen.spec.features import decayed_scores, decayed_scores_vjp, span_decays
 
 verify = pytest.importorskip("recgen.verify.kernels")
 from recgen.verify.typecheck import clang_problem  # noqa: E402
@@ -65,14 +66,6 @@ def test_key_decays_match_numpy(N, C, F, before, scaled, pq):
         assert np.all(np.abs(got - w) <= rtol * np.abs(w) + 1e-38), float((np.abs(got - w) / np.abs(w)).max())
 
 
-def _decays64(l):
-    """Γ[n, t, s] = Π_{s<τ≤t} e^{l_τ} for s <= t (0 above) in float64, a product (a reset, l = -inf, is a 0)."""
-    C = l.shape[-1]
-    i = np.arange(C)
-    spans = (i[None, :, None] < i[None, None, :]) & (i[None, None, :] <= i[:, None, None])  # [t, s, τ]: s < τ <= t
-    return np.prod(np.where(spans, np.exp(l.astype(np.float64))[:, None, None, :], 1.0), -1) * np.tri(C)
-
-
 def _strong_decays(rng, shape):
     """Log-decays down to -20 a token, a reset (-inf) in the second row."""
     l = (-20 * rng.uniform(size=shape) ** 3).astype(np.float32)
@@ -96,21 +89,19 @@ def test_decayed_scores_match_numpy(N, C, power, bf16, sanitizer):
     ins = {"P": P, "l": mx.array(l).astype(mx.bfloat16) if bf16 else l}
     if bf16:
         l = np.array(ins["l"].astype(mx.float32))
-    gam = _decays64(l)
     tol = 2.0 ** -24 * C * 87 + 1e-6
     (A,) = verify.run_launch(ck.decayed_scores_launch("metal", N, C, power), ins, sanitizer=sanitizer)
-    want = P.astype(np.float64) ** power * gam
+    want = decayed_scores(P, l, power)
     assert np.all(np.triu(A, 1) == 0)
     assert np.all(np.abs(A - want) <= tol * np.abs(want) + 1e-37), float(np.abs(A - want).max())
     dP, parts = verify.run_launch(ck.decayed_scores_launch("metal", N, C, power, grad=True), ins | {"dA": dA},
                                   sanitizer=sanitizer)
-    G = want * dA
-    assert _rel(dP, power * P.astype(np.float64) ** (power - 1) * gam * dA) < 1e-5
-    rb = min(16, C)  # each block of rows' part of dl_τ = Σ_{t>=τ>s} G[t, s]
+    assert _rel(dP, decayed_scores_vjp(P, l, dA, power)[0]) < 1e-5
+    rb = min(16, C)  # each block of rows' part of dl: dl of the cotangent on that block's rows alone
     for b in range(-(-C // rb)):
-        Gb = np.zeros_like(G)
-        Gb[:, b * rb:(b + 1) * rb] = G[:, b * rb:(b + 1) * rb]
-        assert _rel(parts[:, b], np.stack([Gb[:, tau:, :tau].sum((-2, -1)) for tau in range(C)], -1)) < 1e-5
+        dA_b = np.zeros_like(dA)
+        dA_b[:, b * rb:(b + 1) * rb] = dA[:, b * rb:(b + 1) * rb]
+        assert _rel(parts[:, b], decayed_scores_vjp(P, l, dA_b, power)[1]) < 1e-5
 
 
 def test_decayed_scores_gradient_matches_numpy(monkeypatch):
@@ -125,12 +116,13 @@ def test_decayed_scores_gradient_matches_numpy(monkeypatch):
     P, dA = rng.normal(size=(2, 2, 3, C, C)).astype(np.float32)
     fn = ck.decayed_scores_fn(tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True), 2)
     (A,), (dP, dl) = mx.vjp(fn, [mx.array(P), mx.array(l)], [mx.array(dA)])
-    gam = _decays64(l.reshape(-1, C)).reshape(2, 3, C, C)
-    assert _rel(A, P.astype(np.float64) ** 2 * gam) < 1e-5
-    assert _rel(dP, 2 * P.astype(np.float64) * gam * dA) < 1e-5
-    G = P.astype(np.float64) ** 2 * gam * dA
-    ref = np.stack([G[..., tau:, :tau].sum((-2, -1)) for tau in range(C)], -1)
-    assert _rel(dl, ref) < 1e-5
+    dP_r, dl_r = decayed_scores_vjp(P, l, dA)
+    assert _rel(A, decayed_scores(P, l)) < 1e-5
+    assert _rel(dP, dP_r) < 1e-5
+    assert _rel(dl, dl_r) < 1e-5
+    # the float64 reference itself, where no decay resets: e^{G_t - G_s} from the cumulative sums, below the diagonal
+    G = np.cumsum(l[0, 0].astype(np.float64))
+    assert np.allclose(span_decays(l[0, 0]), np.tril(np.exp(G[:, None] - G[None, :])), rtol=1e-12, atol=0)
     # a layout where the chunk's log-decays and column sums fit threadgroup memory (Metal's 32 KB: not 8192 tokens)
     assert cs.decayed_scores_layout("metal", 256, 16) == {"C": 256, "RB": 16, "NB": 16, "NT": 256}
     assert cs.decayed_scores_layout("metal", 8192, 16) is None

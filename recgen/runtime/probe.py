@@ -10,7 +10,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from ..codegen.chunk_sources import pair_supported
-from ..spec.features import sympow, sympow_vjp
+from ..spec.features import decayed_scores, decayed_scores_vjp, sympow, sympow_vjp
 from ..tuning import Tuning, resolve
 from . import chunk_kernels as ck
 
@@ -154,13 +154,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             ls = np.log(rng.uniform(0.05, 1.0, size=(2, C)))  # form's at degree 2), a reset among the decays
             ls[1, C // 2] = -np.inf
             P, dA = rng.normal(size=(2, 2, C, C))
-            i = np.arange(C)
-            spans = (i[None, :, None] < i[None, None, :]) & (i[None, None, :] <= i[:, None, None])  # [t, s, τ]: s < τ ≤ t
-            gam = np.prod(np.where(spans, np.exp(ls)[:, None, None, :], 1.0), -1) * np.tri(C)
             (A,), (dP, dl) = mx.vjp(ck.decayed_scores_fn(t, 2), [f32(P), f32(ls)], [f32(dA)])
-            G = P ** 2 * gam * dA
-            got, ref = [A, dP, dl], [P ** 2 * gam, 2 * P * gam * dA,
-                                     np.stack([G[:, tau:, :tau].sum((-2, -1)) for tau in range(C)], -1)]
+            got, ref = [A, dP, dl], [decayed_scores(P, ls), *decayed_scores_vjp(P, ls, dA)]
         elif frame == "pairs":  # the key-decay pair kernels on fragments (dual: A strict, M_ru) and their gradients
             X, X2, Y = rng.normal(size=(3, 1, C, K))
             dk = np.exp(-0.5 * rng.uniform(size=(1, C, K)))

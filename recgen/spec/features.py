@@ -50,3 +50,25 @@ def sympow_vjp(x: np.ndarray, dphi: np.ndarray, degree: int = 2) -> np.ndarray:
         others = np.prod(np.delete(xs, i, axis=-1), axis=-1) if degree > 1 else 1.0
         dx = dx + (c * dphi * others) @ np.eye(d)[idx[:, i]]
     return dx
+
+
+def span_decays(l: np.ndarray) -> np.ndarray:
+    """Γ[..., t, s] = Π_{s<τ≤t} e^{l_τ} for s <= t, 0 above: the decays between a chunk's tokens from its log-decays
+    l [..., C], as a product (a reset, l = -inf, is a 0)."""
+    C = l.shape[-1]
+    i = np.arange(C)
+    spans = (i[None, :, None] < i[None, None, :]) & (i[None, None, :] <= i[:, None, None])  # [t, s, τ]: s < τ <= t
+    return np.prod(np.where(spans, np.exp(l.astype(np.float64))[..., None, None, :], 1.0), -1) * np.tri(C)
+
+
+def decayed_scores(P: np.ndarray, l: np.ndarray, power: int = 2) -> np.ndarray:
+    """A = P^power ⊙ Γ (``span_decays``): the kernel identity's in-chunk scores from P = qkᵀ [..., C, C]."""
+    return P.astype(np.float64) ** power * span_decays(l)
+
+
+def decayed_scores_vjp(P: np.ndarray, l: np.ndarray, dA: np.ndarray, power: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """(dP, dl) of ``decayed_scores``: dP = power P^(power-1) Γ dA, dl_τ = Σ_{t>=τ>s} G[t, s] with G = A ⊙ dA."""
+    P64, gam = P.astype(np.float64), span_decays(l)
+    G = P64 ** power * gam * dA
+    dl = np.stack([G[..., tau:, :tau].sum((-2, -1)) for tau in range(l.shape[-1])], -1)
+    return power * P64 ** (power - 1) * gam * dA, dl

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime import chunk_kernels as ck
-from ..spec.features import sympow, sympow_vjp
+from ..spec.features import decayed_scores, decayed_scores_vjp, sympow, sympow_vjp
 from ..testing import rel_err as rel
 from .kernels import Report, run_launch
 
@@ -45,14 +45,9 @@ def _decayed_scores(rng, C: int, sanitizer, report) -> dict[str, float]:
     Σ_{t>=τ>s} G[t, s] (G = A ⊙ dA) summed over the row blocks' parts."""
     P, dA = rng.standard_normal((2, 2, C, C)).astype(np.float32)
     l = (-5 * rng.uniform(size=(2, C))).astype(np.float32)
-    i = np.arange(C)
-    spans = (i[None, :, None] < i[None, None, :]) & (i[None, None, :] <= i[:, None, None])  # [t, s, τ]: s < τ <= t
-    gam = np.prod(np.where(spans, np.exp(l.astype(np.float64))[:, None, None, :], 1.0), -1) * np.tri(C)
-    A_r = P.astype(np.float64) ** 2 * gam
-    G = A_r * dA
     (A,) = run_launch(ck.decayed_scores_launch("metal", 2, C, 2), {"P": P, "l": l}, sanitizer, report)
     dP, parts = run_launch(ck.decayed_scores_launch("metal", 2, C, 2, grad=True), {"P": P, "dA": dA, "l": l},
                            sanitizer, report)
-    return {"decayed scores": rel(A, A_r),
-            "decayed scores: gradients": max(rel(dP, 2 * P * gam * dA),
-                                             rel(parts.sum(1), np.stack([G[:, t:, :t].sum((-2, -1)) for t in i], -1)))}
+    dP_r, dl_r = decayed_scores_vjp(P, l, dA)
+    return {"decayed scores": rel(A, decayed_scores(P, l)),
+            "decayed scores: gradients": max(rel(dP, dP_r), rel(parts.sum(1), dl_r))}
