@@ -5,6 +5,7 @@ pip wheels. Check a kernel change here before timing it: a few registers more ca
 
     python benchmarks/kernel_registers.py gated_delta_net
     python benchmarks/kernel_registers.py kda --sizes K=64,V=64,H=8,HK=8 --dtype float32
+    python benchmarks/kernel_registers.py power_retention --sizes K=64,V=64,H=8,HK=8 --chunk 256 --tune feature_kernels=1
 """
 from __future__ import annotations
 
@@ -30,14 +31,23 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--arch", default="sm_90")
+    p.add_argument("--tune", action="append", default=[], metavar="FIELD=INT",
+                   help="a Tuning field over CUDA's measured table (repeatable), e.g. feature_kernels=1")
     a = p.parse_args(argv)
+    tune = {}
+    for item in a.tune:
+        name, _, value = item.partition("=")
+        if not value.lstrip("-").isdigit():
+            sys.exit(f"kernel_registers: --tune {item!r}: expected FIELD=INT")
+        tune[name] = int(value)
     nvcc = find_nvcc()
     if nvcc is None:
         sys.exit("kernel_registers: nvcc not found (PATH, or pip install nvidia-cuda-nvcc and its companions: .ci/run)")
     rec, sz = resolve_spec(a.spec), parse_sizes(a.sizes)
     kf = rec.features[0].width(sz["K"]) if rec.features else sz["K"]
     kernels: dict = {}  # the distinct kernels (source and template constants), as first called
-    for launch, buffers in record(rec, "cuda", Sizes(1, 1, sz["H"], sz["HK"], sz["K"], kf, sz["V"]), a.chunk, a.dtype):
+    for launch, buffers in record(rec, "cuda", Sizes(1, 1, sz["H"], sz["HK"], sz["K"], kf, sz["V"]), a.chunk, a.dtype,
+                                **tune):
         dtypes = {n: dt for n, (_, dt) in zip(launch.source.inputs, buffers)}
         kernels.setdefault((launch.source.name, launch.template), (launch, dtypes))
     listed = list(kernels.values())

@@ -23,9 +23,10 @@ from .spec.layouts import Sizes, input_dims
 from .version import __version__
 
 
-def record(rec: ir.Recurrence, target: str, sizes: Sizes, C: int, dtype: str = "float32") -> list:
+def record(rec: ir.Recurrence, target: str, sizes: Sizes, C: int, dtype: str = "float32", **tuning) -> list:
     """The chunk-kernel calls of ``rec``'s chunked form, forward then backward, at ``sizes`` (T is set here) with
-    per-token inputs of ``dtype`` (16-bit inputs keep some roles 16-bit: other kernel variants):
+    per-token inputs of ``dtype`` (16-bit inputs keep some roles 16-bit: other kernel variants), under the target's
+    measured tuning with the fields ``tuning`` changes (kernels a choice turns on):
     [(launch, ((shape, dtype) of each user buffer))] in call order."""
     import mlx.core as mx
     import numpy as np
@@ -35,7 +36,7 @@ def record(rec: ir.Recurrence, target: str, sizes: Sizes, C: int, dtype: str = "
     from .testing import kernel_inputs, reachable_state
     from .tuning import resolve
 
-    t = resolve("gpu", target, environ={}, chunk_kernels=True, mma_scan=True, compile=False)
+    t = resolve("gpu", target, environ={}, **({"chunk_kernels": True, "mma_scan": True, "compile": False} | tuning))
     sizes = Sizes(1, 2 * C + 3, sizes.H, sizes.Hk, sizes.Kin, sizes.K, sizes.V)
     rng = np.random.default_rng(0)
     xs, h0, do, dht, scale = kernel_inputs(rec, sizes, rng)

@@ -69,6 +69,11 @@ class Dialect:
     # lane index. ``mma_prelude`` defines it.
     mma: str
     mma_prelude: str
+    # The same multiply-add on operands already in its input precision, each element rounded once by
+    # ``mma_round`` ({x} a float; the result a float again) where the operand is reused by several multiply-adds or
+    # staged once for several SIMD groups: the conversions ``mma`` makes on every call are then made once.
+    mma_rounded: str
+    mma_round: str
     frag: Fragments
     standalone_dtypes: dict       # dtype name -> buffer element type in a standalone source (``recgen emit``)
     constant_space: str = ""      # address space of small read-only buffers in a standalone signature

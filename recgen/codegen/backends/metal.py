@@ -66,6 +66,7 @@ METAL = Dialect(
     dtypes={"float32": "float", "float16": "half", "bfloat16": "bfloat16_t"},
     prelude=PRELUDE,
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE, frag=SIMDGROUP_FRAGMENTS,
+    mma_rounded="rg_mma({acc}, {a}, {b}, {lane})", mma_round="{x}",  # float operands: nothing to round
     copy16="rg_cp16({dst}, {src})", copy_prelude=COPY_PRELUDE,
     standalone_dtypes={"float32": "float", "float16": "half", "bfloat16": "bfloat"}, constant_space="constant ",
 )

@@ -11,6 +11,13 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
                : "r"(rg_tf32(a[0])), "r"(rg_tf32(a[1])), "r"(rg_tf32(a[2])), "r"(rg_tf32(a[3])),
                  "r"(rg_tf32(b[0])), "r"(rg_tf32(b[1])));
 }
+__device__ __forceinline__ float rg_tf32f(float x) { return __uint_as_float(rg_tf32(x)); }
+__device__ __forceinline__ void rg_mma_r(float* d, const float* a, const float* b, int) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])),
+                 "r"(__float_as_uint(a[3])), "r"(__float_as_uint(b[0])), "r"(__float_as_uint(b[1])));
+}
 
   // a chunk's gradient through phi's rows
   // dX[g][t] = the gradient of sum_r (S[g][r] . Y[g][t]) phi_r(x_t) over the F packed rows, phi_r(x) = c_r x[a_r]
@@ -23,16 +30,21 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   // once per threadgroup, so a threadgroup takes as many tokens as registers allow (16 NG, 8 SIMD groups at most):
   // each lane's A fragments of x and its elements of y are read once into registers, and the state's block is the
   // only operand in threadgroup memory. SIMD group w: tokens 16 w .. 16 w + 15 of the threadgroup's; every column
-  // (VP = V rounded up to 8, the pad zero).
+  // (VP = V rounded up to 8, the pad zero). SIMD group w stages rows w + NG j of a block (a row's packed index
+  // computed once, its lanes reading consecutive columns), loaded together before the barrier that frees the
+  // previous block, so their latencies overlap each other and the other SIMD groups' products; operands are
+  // rounded to the multiply-add's precision once, as loaded or staged (``mma_round``).
   // Template constants: C, D, DP (D rounded up to 8, the pad zero), F, V, VP, NG (16 NG divides C), LDB (row stride
   // of the staged block).
   constexpr int CT = VP / 8;
   constexpr int TT = 16 * NG;
   constexpr int NT = 32 * NG;
   constexpr int KT = DP / 8;
+  constexpr int RW = DP / NG, CW = (VP + 31) / 32;  // staged rows and columns a lane
   __shared__ float bs_[DP * LDB];
   const int tid = threadIdx.x;
   const int lane = (threadIdx.x & 31);
+  const int wid = tid / 32;
   const int gq = lane >> 2;
   const int tq = lane & 3;
   const long long g = (long long)blockIdx.x / (C / TT);
@@ -43,19 +55,19 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   for (int kt = 0; kt < KT; ++kt) {
     {
       const int k = 8 * kt + tq;
-      xa_[kt][0] = k < D ? static_cast<float>(X[(t0) * D + k]) : 0.0f;
+      xa_[kt][0] = k < D ? rg_tf32f(static_cast<float>(X[(t0) * D + k])) : 0.0f;
     }
     {
       const int k = 8 * kt + tq;
-      xa_[kt][1] = k < D ? static_cast<float>(X[(t0 + 8) * D + k]) : 0.0f;
+      xa_[kt][1] = k < D ? rg_tf32f(static_cast<float>(X[(t0 + 8) * D + k])) : 0.0f;
     }
     {
       const int k = 8 * kt + tq + 4;
-      xa_[kt][2] = k < D ? static_cast<float>(X[(t0) * D + k]) : 0.0f;
+      xa_[kt][2] = k < D ? rg_tf32f(static_cast<float>(X[(t0) * D + k])) : 0.0f;
     }
     {
       const int k = 8 * kt + tq + 4;
-      xa_[kt][3] = k < D ? static_cast<float>(X[(t0 + 8) * D + k]) : 0.0f;
+      xa_[kt][3] = k < D ? rg_tf32f(static_cast<float>(X[(t0 + 8) * D + k])) : 0.0f;
     }
   }
   float yv_[CT][4];  // y at the accumulator's places: rows t0, t0 + 8, columns c, c + 1
@@ -68,12 +80,27 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     yv_[ct][3] = c + 1 < V ? static_cast<float>(Y[(t0 + 8) * V + c + 1]) : 0.0f;
   }
   for (int e = 0; e < D; ++e) {
-    __syncthreads();  // the previous block of Sh is free
-    for (int i = tid; i < DP * VP; i += NT) {
-      const int b = i / VP, v = i % VP;
+    float st_[RW][CW];  // this thread's elements of the block Sh[., e, .]: rows wid + NG j, columns lane + 32 u
+#pragma unroll
+    for (int j = 0; j < RW; ++j) {
+      const int b = wid + NG * j;
       const int lo = b < e ? b : e, hi = b < e ? e : b;
-      const int r = lo * D - lo * (lo - 1) / 2 + hi - lo;  // the packed row of the pair lo <= hi
-      bs_[b * LDB + v] = v < V && b < D ? (b == e ? 1.0f : 0.70710678f) * S[(g * F + r) * V + v] : 0.0f;
+      const long long row = (g * F + lo * D - lo * (lo - 1) / 2 + hi - lo) * V;  // the packed row of lo <= hi
+      const float c = b == e ? 1.0f : 0.70710678f;
+#pragma unroll
+      for (int u = 0; u < CW; ++u) {
+        const int v = lane + 32 * u;
+        st_[j][u] = b < D && v < V ? c * S[row + v] : 0.0f;
+      }
+    }
+    __syncthreads();  // the previous block of Sh is free
+#pragma unroll
+    for (int j = 0; j < RW; ++j) {
+#pragma unroll
+      for (int u = 0; u < CW; ++u) {
+        const int v = lane + 32 * u;
+        if (v < VP) bs_[(wid + NG * j) * LDB + v] = rg_tf32f(st_[j][u]);
+      }
     }
     __syncthreads();
     float p_[CT][4];
@@ -84,7 +111,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         const float b_[2] = {bs_[(8 * kt + tq) * LDB + 8 * ct + gq], bs_[(8 * kt + tq + 4) * LDB + 8 * ct + gq]};
-        rg_mma(p_[ct], xa_[kt], b_, lane);
+        rg_mma_r(p_[ct], xa_[kt], b_, lane);
       }
     }
     float s0 = 0.0f, s8 = 0.0f;  // sum_v y_t[v] P[t][v] for this lane's tokens t0, t0 + 8

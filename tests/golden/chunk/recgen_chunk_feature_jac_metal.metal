@@ -24,16 +24,21 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // once per threadgroup, so a threadgroup takes as many tokens as registers allow (16 NG, 8 SIMD groups at most):
   // each lane's A fragments of x and its elements of y are read once into registers, and the state's block is the
   // only operand in threadgroup memory. SIMD group w: tokens 16 w .. 16 w + 15 of the threadgroup's; every column
-  // (VP = V rounded up to 8, the pad zero).
+  // (VP = V rounded up to 8, the pad zero). SIMD group w stages rows w + NG j of a block (a row's packed index
+  // computed once, its lanes reading consecutive columns), loaded together before the barrier that frees the
+  // previous block, so their latencies overlap each other and the other SIMD groups' products; operands are
+  // rounded to the multiply-add's precision once, as loaded or staged (``mma_round``).
   // Template constants: C, D, DP (D rounded up to 8, the pad zero), F, V, VP, NG (16 NG divides C), LDB (row stride
   // of the staged block).
   constexpr int CT = VP / 8;
   constexpr int TT = 16 * NG;
   constexpr int NT = 32 * NG;
   constexpr int KT = DP / 8;
+  constexpr int RW = DP / NG, CW = (VP + 31) / 32;  // staged rows and columns a lane
   threadgroup float bs_[DP * LDB];
   const int tid = thread_position_in_threadgroup.x;
   const int lane = thread_index_in_simdgroup;
+  const int wid = tid / 32;
   const int gq = ((lane >> 2) & 4) + ((lane >> 1) & 3);
   const int tq = ((lane >> 2) & 2) + (lane & 1);
   const int64_t g = (int64_t)threadgroup_position_in_grid.x / (C / TT);
@@ -69,12 +74,27 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     yv_[ct][3] = c + 1 < V ? static_cast<float>(Y[(t0 + 8) * V + c + 1]) : 0.0f;
   }
   for (int e = 0; e < D; ++e) {
-    threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // the previous block of Sh is free
-    for (int i = tid; i < DP * VP; i += NT) {
-      const int b = i / VP, v = i % VP;
+    float st_[RW][CW];  // this thread's elements of the block Sh[., e, .]: rows wid + NG j, columns lane + 32 u
+#pragma unroll
+    for (int j = 0; j < RW; ++j) {
+      const int b = wid + NG * j;
       const int lo = b < e ? b : e, hi = b < e ? e : b;
-      const int r = lo * D - lo * (lo - 1) / 2 + hi - lo;  // the packed row of the pair lo <= hi
-      bs_[b * LDB + v] = v < V && b < D ? (b == e ? 1.0f : 0.70710678f) * S[(g * F + r) * V + v] : 0.0f;
+      const int64_t row = (g * F + lo * D - lo * (lo - 1) / 2 + hi - lo) * V;  // the packed row of lo <= hi
+      const float c = b == e ? 1.0f : 0.70710678f;
+#pragma unroll
+      for (int u = 0; u < CW; ++u) {
+        const int v = lane + 32 * u;
+        st_[j][u] = b < D && v < V ? c * S[row + v] : 0.0f;
+      }
+    }
+    threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // the previous block of Sh is free
+#pragma unroll
+    for (int j = 0; j < RW; ++j) {
+#pragma unroll
+      for (int u = 0; u < CW; ++u) {
+        const int v = lane + 32 * u;
+        if (v < VP) bs_[(wid + NG * j) * LDB + v] = st_[j][u];
+      }
     }
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
     float p_[CT][4];

@@ -11,17 +11,27 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
                : "r"(rg_tf32(a[0])), "r"(rg_tf32(a[1])), "r"(rg_tf32(a[2])), "r"(rg_tf32(a[3])),
                  "r"(rg_tf32(b[0])), "r"(rg_tf32(b[1])));
 }
+__device__ __forceinline__ float rg_tf32f(float x) { return __uint_as_float(rg_tf32(x)); }
+__device__ __forceinline__ void rg_mma_r(float* d, const float* a, const float* b, int) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])),
+                 "r"(__float_as_uint(a[3])), "r"(__float_as_uint(b[0])), "r"(__float_as_uint(b[1])));
+}
 
   // a chunk's phi(X) S, phi formed as read
   // Z[g] = phi(X_g) S_g for chunk g: Z[g][t][v] = sum_r phi_r(x_t) S[g][r][v] over the F packed rows, phi_r(x) =
   // c_r x[a_r] x[b_r] (a_r <= b_r; c = 1 on the diagonal, sqrt 2 off it), formed as the A fragments are read: phi is
   // never written. One threadgroup: 16 NG tokens of one chunk (SIMD group w tokens 16 w .. 16 w + 15), every column
-  // (VP = V rounded up to 8, the pad zero); their x staged once, S and the row pairs RB rows at a time.
+  // (VP = V rounded up to 8, the pad zero); their x staged once, S and the row pairs RB rows at a time (SIMD group w
+  // the rows w + NG j, its lanes consecutive columns, loaded together before the barrier that frees the previous
+  // block; S staged rounded to the multiply-add's precision and each A element rounded once: ``mma_round``).
   // Template constants: C, D, F, V, VP, NG (SIMD groups; 16 NG divides C), RB (multiple of 8), LDX (row stride of
   // staged x), LDB (of staged S).
   constexpr int CT = VP / 8;
   constexpr int TT = 16 * NG;
   constexpr int NT = 32 * NG;
+  constexpr int RS = RB / NG, CX = (D + 31) / 32, CS = (VP + 31) / 32;  // staged rows (of S) and columns a lane
   __shared__ float xs_[16 * NG * LDX];
   __shared__ float ss_[RB * LDB];
   __shared__ float rc_[RB];
@@ -29,20 +39,37 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   __shared__ int rb_[RB];
   const int tid = threadIdx.x;
   const int lane = (threadIdx.x & 31);
+  const int wid = tid / 32;
   const int gq = lane >> 2;
   const int tq = lane & 3;
   const long long g = (long long)blockIdx.x / (C / TT);
   const int tok0 = (int)(blockIdx.x % (C / TT)) * TT;
   const int t0 = 16 * (tid / 32) + gq;  // this lane's tokens t0, t0 + 8 of the threadgroup's
-  for (int i = tid; i < TT * D; i += NT) xs_[(i / D) * LDX + i % D] = static_cast<float>(X[(g * C + tok0 + i / D) * D + i % D]);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {  // x: SIMD group w the tokens w + NG j
+    const int t = wid + NG * j;
+    float sx_[CX];
+#pragma unroll
+    for (int u = 0; u < CX; ++u) sx_[u] = lane + 32 * u < D ? static_cast<float>(X[(g * C + tok0 + t) * D + lane + 32 * u]) : 0.0f;
+#pragma unroll
+    for (int u = 0; u < CX; ++u) if (lane + 32 * u < D) xs_[t * LDX + lane + 32 * u] = sx_[u];
+  }
   float y_[CT][4];
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) { y_[ct][0] = 0.0f; y_[ct][1] = 0.0f; y_[ct][2] = 0.0f; y_[ct][3] = 0.0f; }
   for (int r0 = 0; r0 < F; r0 += RB) {
+    float st_[RS][CS];
+#pragma unroll
+    for (int j = 0; j < RS; ++j) {
+      const int r = r0 + wid + NG * j;
+#pragma unroll
+      for (int u = 0; u < CS; ++u) st_[j][u] = r < F && lane + 32 * u < V ? S[(g * F + r) * V + lane + 32 * u] : 0.0f;
+    }
     __syncthreads();  // the staged block is free (and x is staged)
-    for (int i = tid; i < RB * VP; i += NT) {
-      const int r = r0 + i / VP, v = i % VP;
-      ss_[(i / VP) * LDB + v] = r < F && v < V ? S[(g * F + r) * V + v] : 0.0f;
+#pragma unroll
+    for (int j = 0; j < RS; ++j) {
+#pragma unroll
+      for (int u = 0; u < CS; ++u) if (lane + 32 * u < VP) ss_[(wid + NG * j) * LDB + lane + 32 * u] = rg_tf32f(st_[j][u]);
     }
     for (int i = tid; i < RB; i += NT) {
       const int r = r0 + i;
@@ -53,11 +80,11 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < RB; kk += 8) {
-      const float a_[4] = {rc_[kk + tq] * xs_[(t0) * LDX + ra_[kk + tq]] * xs_[(t0) * LDX + rb_[kk + tq]], rc_[kk + tq] * xs_[(t0 + 8) * LDX + ra_[kk + tq]] * xs_[(t0 + 8) * LDX + rb_[kk + tq]], rc_[kk + tq + 4] * xs_[(t0) * LDX + ra_[kk + tq + 4]] * xs_[(t0) * LDX + rb_[kk + tq + 4]], rc_[kk + tq + 4] * xs_[(t0 + 8) * LDX + ra_[kk + tq + 4]] * xs_[(t0 + 8) * LDX + rb_[kk + tq + 4]]};  // A[t][r] = phi_r(x_t)
+      const float a_[4] = {rg_tf32f(rc_[kk + tq] * xs_[(t0) * LDX + ra_[kk + tq]] * xs_[(t0) * LDX + rb_[kk + tq]]), rg_tf32f(rc_[kk + tq] * xs_[(t0 + 8) * LDX + ra_[kk + tq]] * xs_[(t0 + 8) * LDX + rb_[kk + tq]]), rg_tf32f(rc_[kk + tq + 4] * xs_[(t0) * LDX + ra_[kk + tq + 4]] * xs_[(t0) * LDX + rb_[kk + tq + 4]]), rg_tf32f(rc_[kk + tq + 4] * xs_[(t0 + 8) * LDX + ra_[kk + tq + 4]] * xs_[(t0 + 8) * LDX + rb_[kk + tq + 4]])};  // A[t][r] = phi_r(x_t)
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         const float b_[2] = {ss_[(kk + tq) * LDB + 8 * ct + gq], ss_[(kk + tq + 4) * LDB + 8 * ct + gq]};
-        rg_mma(y_[ct], a_, b_, lane);
+        rg_mma_r(y_[ct], a_, b_, lane);
       }
     }
   }

@@ -11,20 +11,32 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
                : "r"(rg_tf32(a[0])), "r"(rg_tf32(a[1])), "r"(rg_tf32(a[2])), "r"(rg_tf32(a[3])),
                  "r"(rg_tf32(b[0])), "r"(rg_tf32(b[1])));
 }
+__device__ __forceinline__ float rg_tf32f(float x) { return __uint_as_float(rg_tf32(x)); }
+__device__ __forceinline__ void rg_mma_r(float* d, const float* a, const float* b, int) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])),
+                 "r"(__float_as_uint(a[3])), "r"(__float_as_uint(b[0])), "r"(__float_as_uint(b[1])));
+}
 
   // a chunk's phi(X)^T Y, phi formed as read
   // dS[g] = phi(X_g)^T Y_g for chunk g: dS[g][r][v] = sum_t phi_r(x_t) y_t[v] over the chunk's C tokens, phi_r(x) =
   // c_r x[a_r] x[b_r] the packed rows (a_r <= b_r; c = 1 on the diagonal, sqrt 2 off it), formed as the A fragments
   // are read: phi is never written. One threadgroup: 64 rows of one chunk (SIMD group w rows 16 w .. 16 w + 15),
   // every column (VP = V rounded up to 8, the pad zero); a lane's two rows of A (gq, gq + 8) fixed, so their pairs
-  // are read once. Tokens staged TB at a time: x [TB, D] and y [TB, VP] in threadgroup memory.
+  // are read once. Tokens staged TB at a time: x [TB, D] and y [TB, VP] in threadgroup memory, SIMD group w the rows
+  // w + 4 j, its lanes consecutive columns, loaded together before the barrier that frees the previous block (their
+  // latencies overlap); y, the B operand, staged rounded to the multiply-add's precision and each A element rounded
+  // once (``mma_round``).
   // Template constants: C, D, F, V, VP, TB (dividing C, multiple of 8), LDX (row stride of staged x), LDB (of y).
   constexpr int CT = VP / 8;
   constexpr int NRB = (F + 63) / 64;
+  constexpr int RS = TB / 4, CX = (D + 31) / 32, CY = (VP + 31) / 32;  // staged rows and columns a lane
   __shared__ float xs_[TB * LDX];
   __shared__ float ys_[TB * LDB];
   const int tid = threadIdx.x;
   const int lane = (threadIdx.x & 31);
+  const int wid = tid / 32;
   const int gq = lane >> 2;
   const int tq = lane & 3;
   const long long g = (long long)blockIdx.x / NRB;
@@ -38,20 +50,32 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) { y_[ct][0] = 0.0f; y_[ct][1] = 0.0f; y_[ct][2] = 0.0f; y_[ct][3] = 0.0f; }
   for (int t0 = 0; t0 < C; t0 += TB) {
+    float sx_[RS][CX], sy_[RS][CY];
+#pragma unroll
+    for (int j = 0; j < RS; ++j) {
+      const long long t = g * C + t0 + wid + 4 * j;
+#pragma unroll
+      for (int u = 0; u < CX; ++u) sx_[j][u] = lane + 32 * u < D ? static_cast<float>(X[t * D + lane + 32 * u]) : 0.0f;
+#pragma unroll
+      for (int u = 0; u < CY; ++u) sy_[j][u] = lane + 32 * u < V ? static_cast<float>(Y[t * V + lane + 32 * u]) : 0.0f;
+    }
     __syncthreads();  // the staged blocks are free
-    for (int i = tid; i < TB * D; i += 128) xs_[(i / D) * LDX + i % D] = static_cast<float>(X[(g * C + t0 + i / D) * D + i % D]);
-    for (int i = tid; i < TB * VP; i += 128) {
-      const int v = i % VP;
-      ys_[(i / VP) * LDB + v] = v < V ? static_cast<float>(Y[(g * C + t0 + i / VP) * V + v]) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < RS; ++j) {
+      const int t = wid + 4 * j;
+#pragma unroll
+      for (int u = 0; u < CX; ++u) if (lane + 32 * u < D) xs_[t * LDX + lane + 32 * u] = sx_[j][u];
+#pragma unroll
+      for (int u = 0; u < CY; ++u) if (lane + 32 * u < VP) ys_[t * LDB + lane + 32 * u] = rg_tf32f(sy_[j][u]);
     }
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < TB; kk += 8) {
-      const float a_[4] = {c0 * xs_[(kk + tq) * LDX + a0] * xs_[(kk + tq) * LDX + b0], c8 * xs_[(kk + tq) * LDX + a8] * xs_[(kk + tq) * LDX + b8], c0 * xs_[(kk + tq + 4) * LDX + a0] * xs_[(kk + tq + 4) * LDX + b0], c8 * xs_[(kk + tq + 4) * LDX + a8] * xs_[(kk + tq + 4) * LDX + b8]};  // A[row][t] = phi_row(x_t)
+      const float a_[4] = {rg_tf32f(c0 * xs_[(kk + tq) * LDX + a0] * xs_[(kk + tq) * LDX + b0]), rg_tf32f(c8 * xs_[(kk + tq) * LDX + a8] * xs_[(kk + tq) * LDX + b8]), rg_tf32f(c0 * xs_[(kk + tq + 4) * LDX + a0] * xs_[(kk + tq + 4) * LDX + b0]), rg_tf32f(c8 * xs_[(kk + tq + 4) * LDX + a8] * xs_[(kk + tq + 4) * LDX + b8])};  // A[row][t] = phi_row(x_t)
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         const float b_[2] = {ys_[(kk + tq) * LDB + 8 * ct + gq], ys_[(kk + tq + 4) * LDB + 8 * ct + gq]};
-        rg_mma(y_[ct], a_, b_, lane);
+        rg_mma_r(y_[ct], a_, b_, lane);
       }
     }
   }

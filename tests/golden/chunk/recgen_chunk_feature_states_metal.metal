@@ -18,14 +18,19 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // c_r x[a_r] x[b_r] the packed rows (a_r <= b_r; c = 1 on the diagonal, sqrt 2 off it), formed as the A fragments
   // are read: phi is never written. One threadgroup: 64 rows of one chunk (SIMD group w rows 16 w .. 16 w + 15),
   // every column (VP = V rounded up to 8, the pad zero); a lane's two rows of A (gq, gq + 8) fixed, so their pairs
-  // are read once. Tokens staged TB at a time: x [TB, D] and y [TB, VP] in threadgroup memory.
+  // are read once. Tokens staged TB at a time: x [TB, D] and y [TB, VP] in threadgroup memory, SIMD group w the rows
+  // w + 4 j, its lanes consecutive columns, loaded together before the barrier that frees the previous block (their
+  // latencies overlap); y, the B operand, staged rounded to the multiply-add's precision and each A element rounded
+  // once (``mma_round``).
   // Template constants: C, D, F, V, VP, TB (dividing C, multiple of 8), LDX (row stride of staged x), LDB (of y).
   constexpr int CT = VP / 8;
   constexpr int NRB = (F + 63) / 64;
+  constexpr int RS = TB / 4, CX = (D + 31) / 32, CY = (VP + 31) / 32;  // staged rows and columns a lane
   threadgroup float xs_[TB * LDX];
   threadgroup float ys_[TB * LDB];
   const int tid = thread_position_in_threadgroup.x;
   const int lane = thread_index_in_simdgroup;
+  const int wid = tid / 32;
   const int gq = ((lane >> 2) & 4) + ((lane >> 1) & 3);
   const int tq = ((lane >> 2) & 2) + (lane & 1);
   const int64_t g = (int64_t)threadgroup_position_in_grid.x / NRB;
@@ -39,11 +44,23 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) { y_[ct][0] = 0.0f; y_[ct][1] = 0.0f; y_[ct][2] = 0.0f; y_[ct][3] = 0.0f; }
   for (int t0 = 0; t0 < C; t0 += TB) {
+    float sx_[RS][CX], sy_[RS][CY];
+#pragma unroll
+    for (int j = 0; j < RS; ++j) {
+      const int64_t t = g * C + t0 + wid + 4 * j;
+#pragma unroll
+      for (int u = 0; u < CX; ++u) sx_[j][u] = lane + 32 * u < D ? static_cast<float>(X[t * D + lane + 32 * u]) : 0.0f;
+#pragma unroll
+      for (int u = 0; u < CY; ++u) sy_[j][u] = lane + 32 * u < V ? static_cast<float>(Y[t * V + lane + 32 * u]) : 0.0f;
+    }
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // the staged blocks are free
-    for (int i = tid; i < TB * D; i += 128) xs_[(i / D) * LDX + i % D] = static_cast<float>(X[(g * C + t0 + i / D) * D + i % D]);
-    for (int i = tid; i < TB * VP; i += 128) {
-      const int v = i % VP;
-      ys_[(i / VP) * LDB + v] = v < V ? static_cast<float>(Y[(g * C + t0 + i / VP) * V + v]) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < RS; ++j) {
+      const int t = wid + 4 * j;
+#pragma unroll
+      for (int u = 0; u < CX; ++u) if (lane + 32 * u < D) xs_[t * LDX + lane + 32 * u] = sx_[j][u];
+#pragma unroll
+      for (int u = 0; u < CY; ++u) if (lane + 32 * u < VP) ys_[t * LDB + lane + 32 * u] = sy_[j][u];
     }
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
 #pragma unroll
