@@ -407,7 +407,7 @@ def feature_jac_source(dialect: str) -> KernelSource:
     the symmetric matrix of the quadratic form: no [T, F] cotangent formed."""
     d = get(dialect)
     return _source(d, "features_jac_mma.j2", "feature_jac", "a chunk's gradient through phi's rows",
-                   ("X", "S", "Y"), ("dX",), (), helpers=d.mma_prelude + d.copy_prelude)
+                   ("X", "S", "Y"), ("dX",), (), helpers=d.mma_prelude)
 
 
 # -- which sizes have a kernel, and their layouts --------------------------------------------------
@@ -418,8 +418,7 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
     staging TB (32, 16 or 8 dividing C), the readout's SIMD groups NG (4, 2 or 1, 16 NG dividing C) and row staging
     RB (32, 16 or 8), the first that fit the dialect's threadgroup memory (x staged at row stride LDX, y or S at
     LDB); the gradient's NG, the first of 8, 4, 2, 1 with 16 NG dividing C (x and y in registers, its one staged
-    operand a DP x VP block of the state at LDB, DP = D rounded up to 8, in NBUF = 2 buffers where they fit (the
-    next block's copies land while one is multiplied), else 1)."""
+    operand a DP x VP block of the state at LDB, DP = D rounded up to 8, which must fit)."""
     if C % 16:
         return None
     room, VP, F = get(dialect).smem_bytes // 4, -(-V // 8) * 8, D * (D + 1) // 2
@@ -429,13 +428,12 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
     out = next(((ng, rb) for ng in (4, 2, 1) if C % (16 * ng) == 0 for rb in (32, 16, 8)
                 if 16 * ng * ldx + rb * (ldb + 3) <= room), None)
     dp = -(-D // 8) * 8
-    jac = next((ng for ng in (8, 4, 2, 1) if C % (16 * ng) == 0), None)
-    nbuf = next((nb for nb in (2, 1) if nb * dp * ldb <= room), None)
-    if tb is None or out is None or jac is None or nbuf is None:
+    jac = next((ng for ng in (8, 4, 2, 1) if C % (16 * ng) == 0), None) if dp * ldb <= room else None
+    if tb is None or out is None or jac is None:
         return None
     jac_base = {k: v for k, v in base.items() if k != "LDX"}
     return {"states": base | {"TB": tb}, "out": base | {"NG": out[0], "RB": out[1]},
-            "jac": jac_base | {"DP": dp, "NG": jac, "NBUF": nbuf}}
+            "jac": jac_base | {"DP": dp, "NG": jac}}
 
 
 def feature_decode_layout(dialect: str, D: int, V: int, has_z: bool) -> dict:

@@ -40,11 +40,6 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(src) : "memory");
 }
-__device__ __forceinline__ void rg_cp4(void* dst, const void* src) {
-  unsigned s;
-  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(s), "l"(src) : "memory");
-}
 """
 
 CUDA = Dialect(
@@ -63,7 +58,7 @@ CUDA = Dialect(
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE, frag=PTX_FRAGMENTS,
     mma_rounded="rg_mma_r({acc}, {a}, {b}, {lane})", mma_round="rg_tf32f({x})",
     prefetch='asm volatile("prefetch.global.L2 [%0];" :: "l"({p}))',
-    copy16="rg_cp16({dst}, {src})", copy4="rg_cp4({dst}, {src})", copy_prelude=COPY_PRELUDE,
+    copy16="rg_cp16({dst}, {src})", copy_prelude=COPY_PRELUDE,
     copy_commit='asm volatile("cp.async.commit_group;" ::: "memory")',
     copy_wait='asm volatile("cp.async.wait_group {n};" ::: "memory")',
     standalone_dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"},

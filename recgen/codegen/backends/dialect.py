@@ -87,8 +87,6 @@ class Dialect:
     # ``copy_wait`` waits until at most {n} of its groups are still in flight ("" where copies are synchronous).
     # ``copy_prelude`` defines them.
     copy16: str = ""
-    # The same for one 4-byte element, 4-byte aligned (rows whose length is no multiple of 4 floats).
-    copy4: str = ""
     copy_prelude: str = ""
     copy_commit: str = ""
     copy_wait: str = ""

@@ -49,7 +49,6 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 # two-buffer frames run in step (their barriers order each block's copy before its use).
 COPY_PRELUDE = """\
 inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgroup uint4*)dst) = *((const device uint4*)src); }
-inline void rg_cp4(threadgroup void* dst, const device void* src) { *((threadgroup uint*)dst) = *((const device uint*)src); }
 """
 
 METAL = Dialect(
@@ -68,7 +67,7 @@ METAL = Dialect(
     prelude=PRELUDE,
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE, frag=SIMDGROUP_FRAGMENTS,
     mma_rounded="rg_mma({acc}, {a}, {b}, {lane})", mma_round="{x}",  # float operands: nothing to round
-    copy16="rg_cp16({dst}, {src})", copy4="rg_cp4({dst}, {src})", copy_prelude=COPY_PRELUDE,
+    copy16="rg_cp16({dst}, {src})", copy_prelude=COPY_PRELUDE,
     standalone_dtypes={"float32": "float", "float16": "half", "bfloat16": "bfloat"}, constant_space="constant ",
 )
 

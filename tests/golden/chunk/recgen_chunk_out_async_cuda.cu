@@ -23,11 +23,6 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(s), "l"(src) : "memory");
 }
-__device__ __forceinline__ void rg_cp4(void* dst, const void* src) {
-  unsigned s;
-  asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(s), "l"(src) : "memory");
-}
 
   // chunk readout of the chunked core, fragment multiply-adds, operands staged by asynchronous copies
   // The chunked core's readout for a scalar decay, on the SIMD groups' fragment multiply-adds, its operands staged

@@ -13,7 +13,6 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   d[2] = d1.thread_elements()[0]; d[3] = d1.thread_elements()[1];
 }
 inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgroup uint4*)dst) = *((const device uint4*)src); }
-inline void rg_cp4(threadgroup void* dst, const device void* src) { *((threadgroup uint*)dst) = *((const device uint*)src); }
 
   // chunk readout of the chunked core, fragment multiply-adds, operands staged by asynchronous copies
   // The chunked core's readout for a scalar decay, on the SIMD groups' fragment multiply-adds, its operands staged
