@@ -44,7 +44,7 @@ class Tuning:
     feature_chunk_size: int = 64    # ... its chunk length (entry states are the expanded space: fewer, longer chunks)
     feature_decode: bool = False    # ... its decode step (T = 1) on the generated kernel split over K
     feature_kernels: bool = False   # ... its products over φ's rows as fragment kernels forming φ as read (half the
-    #                                 memory, but training slower than MLX's products over formed rows)
+    #                                 memory of MLX's products over formed rows, a faster forward, training alike)
     decayed_scores: bool = False    # ... its in-chunk scores (qᵀk)^p e^{Γ_t−Γ_s} and their gradients by generated
     #                                 kernels (with ``chunk_kernels``), not MLX ops over [C, C] a chunk
     scores_rows: int = 16           # ... rows of a chunk a threadgroup of those kernels (the gradient's registers
@@ -126,7 +126,7 @@ MEASURED = {
                  chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True, reverse_scan_nw=8,
                  pair_fold=True, ut_products=True, rank1_readout=True, logdecay_16bit=True, model_rows=True,
                  scan_hoist=True, reverse_scan_hoist=True, l2_prefetch=True, async_staging=True,
-                 model_rows_dense=True, decayed_scores=True),
+                 model_rows_dense=True, decayed_scores=True, feature_kernels=True),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 

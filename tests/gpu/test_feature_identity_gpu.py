@@ -21,16 +21,15 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("form", ["phi_formed", "phi_in_kernels", "decayed_scores"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_power_retention_at_d64_matches_the_reference(dtype, form):
-    """φ's rows formed by the sympow kernels (the default), or read by the feature product kernels
-    (``Tuning.feature_kernels``, on fragments: TF32 operands, so float32 takes bfloat16's tolerances there), or
-    the in-chunk scores and their gradients from the decayed-scores kernels (``Tuning.decayed_scores``)."""
-    import contextlib
-
+    """φ's rows formed by the sympow kernels, or read by the feature product kernels (``Tuning.feature_kernels``, the
+    default on CUDA; on fragments: TF32 operands, so float32 takes bfloat16's tolerances there), or the in-chunk
+    scores and their gradients from the decayed-scores kernels (``Tuning.decayed_scores``) on formed rows."""
     from recgen import tuning
 
     fused = form == "phi_in_kernels"
-    switch = {"phi_formed": contextlib.nullcontext(), "phi_in_kernels": tuning.override(feature_kernels=True, mma_scan=True),
-              "decayed_scores": tuning.override(decayed_scores=True)}[form]
+    switch = {"phi_formed": tuning.override(feature_kernels=False),
+              "phi_in_kernels": tuning.override(feature_kernels=True, mma_scan=True),
+              "decayed_scores": tuning.override(decayed_scores=True, feature_kernels=False)}[form]
     with switch:
         _check_at_d64(dtype, TOL["bfloat16"] if fused else None)
 
