@@ -5,18 +5,17 @@ __device__ __forceinline__ unsigned rg_tf32(float x) {
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(u) : "f"(x));
   return u;
 }
-__device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b, int) {
-  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(rg_tf32(a[0])), "r"(rg_tf32(a[1])), "r"(rg_tf32(a[2])), "r"(rg_tf32(a[3])),
-                 "r"(rg_tf32(b[0])), "r"(rg_tf32(b[1])));
-}
 __device__ __forceinline__ float rg_tf32f(float x) { return __uint_as_float(rg_tf32(x)); }
 __device__ __forceinline__ void rg_mma_r(float* d, const float* a, const float* b, int) {
   asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])),
                  "r"(__float_as_uint(a[3])), "r"(__float_as_uint(b[0])), "r"(__float_as_uint(b[1])));
+}
+__device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b, int lane) {
+  const float ar[4] = {rg_tf32f(a[0]), rg_tf32f(a[1]), rg_tf32f(a[2]), rg_tf32f(a[3])};
+  const float br[2] = {rg_tf32f(b[0]), rg_tf32f(b[1])};
+  rg_mma_r(d, ar, br, lane);
 }
 
   // chunk scan of the chunked core, fragment multiply-adds
