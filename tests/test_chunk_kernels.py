@@ -1515,7 +1515,8 @@ def test_pair_kernels_on_fragments_match_numpy(frame, C, K, strict, dual):
                                                (1, 64, 12, 16, None),   # two blocks, four SIMD groups of tokens
                                                (3, 16, 5, 9, "address"),  # one group of tokens, V past a tile
                                                (1, 16, 4, 3, "thread"),
-                                               (1, 128, 6, 7, None)])   # the gradient's eight SIMD groups
+                                               (1, 128, 6, 7, None),    # the gradient's eight SIMD groups
+                                               (1, 16, 64, 65, None)])  # Metal: one buffer of the state's block
 def test_feature_product_kernels_match_numpy(frame, N, C, D, V, sanitizer):
     """φ(X)ᵀY and φ(X)S with φ formed as the fragments read it (features_states_mma.j2, features_out_mma.j2), and the
     gradient through them (features_jac_mma.j2), in each lane layout, against float64 numpy."""

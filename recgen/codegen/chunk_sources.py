@@ -418,7 +418,8 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
     staging TB (32, 16 or 8 dividing C), the readout's SIMD groups NG (4, 2 or 1, 16 NG dividing C) and row staging
     RB (32, 16 or 8), the first that fit the dialect's threadgroup memory (x staged at row stride LDX, y or S at
     LDB); the gradient's NG, the first of 8, 4, 2, 1 with 16 NG dividing C (x and y in registers, its one staged
-    operand a DP x VP block of the state at LDB, DP = D rounded up to 8, which must fit)."""
+    operand a DP x VP block of the state at LDB, DP = D rounded up to 8, which must fit; NB = 2 buffers of it
+    where they fit, else 1)."""
     if C % 16:
         return None
     room, VP, F = get(dialect).smem_bytes // 4, -(-V // 8) * 8, D * (D + 1) // 2
@@ -433,7 +434,7 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
         return None
     jac_base = {k: v for k, v in base.items() if k != "LDX"}
     return {"states": base | {"TB": tb}, "out": base | {"NG": out[0], "RB": out[1]},
-            "jac": jac_base | {"DP": dp, "NG": jac}}
+            "jac": jac_base | {"DP": dp, "NG": jac, "NB": 2 if 2 * dp * ldb <= room else 1}}
 
 
 def feature_decode_layout(dialect: str, D: int, V: int, has_z: bool) -> dict:
