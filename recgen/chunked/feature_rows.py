@@ -112,13 +112,14 @@ class FormedRows:
         return ph.swapaxes(-1, -2) @ Y
 
     def out(self, ph, S, i: int):
-        """φ(x) S per chunk: [B,H,n,C,V'] from ``phi``'s value and S [B,H,n,R_i,V']."""
-        return ph @ S
+        """φ(x) S per chunk: [B,H,n,C,V'] from ``phi``'s value and S [B,H,m,R_i,V'], m >= n states a sequence (the
+        entry states, then the final one: chunk j reads state j)."""
+        return ph @ S[:, :, :ph.shape[2]]
 
     def jac(self, x, S, Y, i: int):
-        """dx [B,H,n,C,d] of Σ_t Σ_r (S_r · Y_t) φ_r(x_t) per chunk (S [B,H,n,R_i,V'], Y [B,H,n,C,V']): the rows'
-        cotangents Y Sᵀ formed, then ``features_vjp``."""
-        return self.features_vjp(x, Y @ S.swapaxes(-1, -2), i)
+        """dx [B,H,n,C,d] of Σ_t Σ_r (S_r · Y_t) φ_r(x_t) per chunk (S [B,H,m,R_i,V'] as ``out``'s, Y [B,H,n,C,V']):
+        the rows' cotangents Y Sᵀ formed, then ``features_vjp``."""
+        return self.features_vjp(x, Y @ S[:, :, :x.shape[2]].swapaxes(-1, -2), i)
 
 
 @dataclass(frozen=True)

@@ -395,19 +395,21 @@ def feature_states_source(dialect: str) -> KernelSource:
 
 @lru_cache(maxsize=None)
 def feature_out_source(dialect: str) -> KernelSource:
-    """Z = φ(X) S of each chunk (X [N, C, D], S [N, F, V], pair tables pa, pb -> Z [N, C, V])."""
+    """Z = φ(X) S of each chunk (X [N, C, D], S [N', F, V] with ns = (chunks, states) a sequence, pair tables pa,
+    pb -> Z [N, C, V])."""
     d = get(dialect)
     return _source(d, "features_out_mma.j2", "feature_out", "a chunk's phi(X) S, phi formed as read",
-                   ("X", "S", "pa", "pb"), ("Z",), (), helpers=d.mma_prelude)
+                   ("X", "S", "pa", "pb", "ns"), ("Z",), (), helpers=d.mma_prelude)
 
 
 @lru_cache(maxsize=None)
 def feature_jac_source(dialect: str) -> KernelSource:
-    """dX of Σ_t Σ_r (S_r · Y_t) φ_r(x_t) per chunk (X [N, C, D], S [N, F, V], Y [N, C, V] -> dX [N, C, D]), through
-    the symmetric matrix of the quadratic form: no [T, F] cotangent formed."""
+    """dX of Σ_t Σ_r (S_r · Y_t) φ_r(x_t) per chunk (X [N, C, D], S [N', F, V] with ns = (chunks, states) a
+    sequence, Y [N, C, V] -> dX [N, C, D]), through the symmetric matrix of the quadratic form: no [T, F] cotangent
+    formed."""
     d = get(dialect)
     return _source(d, "features_jac_mma.j2", "feature_jac", "a chunk's gradient through phi's rows",
-                   ("X", "S", "Y"), ("dX",), (), helpers=d.mma_prelude)
+                   ("X", "S", "Y", "ns"), ("dX",), (), helpers=d.mma_prelude)
 
 
 # -- which sizes have a kernel, and their layouts --------------------------------------------------

@@ -360,17 +360,19 @@ def _by_tokens(src, runtime: tuple, out: tuple, N: int, C: int, lay: dict) -> La
 
 
 @lru_cache(maxsize=64)
-def feature_out_launch(dialect: str, N: int, C: int, D: int, V: int) -> Launch:
-    """Z = φ(X) S of N chunks (``feature_out_source``): a threadgroup 16 NG tokens of a chunk."""
+def feature_out_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple = (1, 1)) -> Launch:
+    """Z = φ(X) S of N chunks (``feature_out_source``): a threadgroup 16 NG tokens of a chunk; ``seq`` = (chunks,
+    states) a sequence, where its states run past its chunks (chunk g reads state g // c * s + g % c)."""
     lay = feature_mma_layout(dialect, C, D, V)["out"]
-    return _by_tokens(feature_out_source(dialect), _pair_tables(D), (N, C, V), N, C, lay)
+    return _by_tokens(feature_out_source(dialect), _pair_tables(D) + (("ns", seq, "int32"),), (N, C, V), N, C, lay)
 
 
 @lru_cache(maxsize=64)
-def feature_jac_launch(dialect: str, N: int, C: int, D: int, V: int) -> Launch:
-    """dX through φ's rows of N chunks (``feature_jac_source``): a threadgroup 16 NG tokens of a chunk."""
+def feature_jac_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple = (1, 1)) -> Launch:
+    """dX through φ's rows of N chunks (``feature_jac_source``): a threadgroup 16 NG tokens of a chunk; ``seq`` as
+    ``feature_out_launch``'s."""
     lay = feature_mma_layout(dialect, C, D, V)["jac"]
-    return _by_tokens(feature_jac_source(dialect), (), (N, C, D), N, C, lay)
+    return _by_tokens(feature_jac_source(dialect), (("ns", seq, "int32"),), (N, C, D), N, C, lay)
 
 
 def features_on_kernels(t: Tuning, C: int, D: int, V: int) -> bool:
@@ -735,19 +737,30 @@ def feature_states(X, Y, t: Tuning):
     return dS.reshape(*X.shape[:-2], dS.shape[-2], V)
 
 
+def _states_per_sequence(X, S) -> tuple[int, int]:
+    """(chunks, states) a sequence of X [..., n, C, D] and S [..., m, F, V] (m >= n, the same leading axes): a
+    sequence's chunks read the first n of its m states in place, so a slice of them is never copied."""
+    if X.ndim < 3 or X.shape[:-3] != S.shape[:-3] or S.shape[-3] < X.shape[-3]:
+        raise ValueError(f"feature kernels: states {S.shape} do not cover the chunks {X.shape}")
+    return X.shape[-3], S.shape[-3]
+
+
 def feature_out(X, S, t: Tuning):
-    """φ(X) S for each chunk: X [..., C, D], S [..., F, V] (float32) -> [..., C, V], φ formed as read."""
+    """φ(X) S for each chunk: X [..., n, C, D], S [..., m, F, V] (float32, m >= n: a chunk reads its sequence's
+    state of its index) -> [..., n, C, V], φ formed as read."""
     N, (C, D), (F, V) = _lead(X, 2), X.shape[-2:], S.shape[-2:]
-    (Z,) = _call(t, feature_out_launch(t.dialect, N, C, D, V), [X.reshape(N, C, D), S.reshape(N, F, V)])
+    seq = _states_per_sequence(X, S)
+    (Z,) = _call(t, feature_out_launch(t.dialect, N, C, D, V, seq), [X.reshape(N, C, D), S.reshape(-1, F, V)])
     return Z.reshape(*X.shape[:-2], C, V)
 
 
 def feature_jac(X, S, Y, t: Tuning):
-    """The gradient dX of Σ_t Σ_r (S_r · Y_t) φ_r(x_t) for each chunk: X [..., C, D], S [..., F, V], Y [..., C, V]
-    (float32) -> [..., C, D], no [C, F] cotangent formed."""
+    """The gradient dX of Σ_t Σ_r (S_r · Y_t) φ_r(x_t) for each chunk: X [..., n, C, D], S [..., m, F, V] (m >= n,
+    as ``feature_out``'s), Y [..., n, C, V] (float32) -> [..., n, C, D], no [C, F] cotangent formed."""
     N, (C, D), (F, V) = _lead(X, 2), X.shape[-2:], S.shape[-2:]
-    (dX,) = _call(t, feature_jac_launch(t.dialect, N, C, D, V),
-                  [X.reshape(N, C, D), S.reshape(N, F, V), Y.reshape(N, C, V)])
+    seq = _states_per_sequence(X, S)
+    (dX,) = _call(t, feature_jac_launch(t.dialect, N, C, D, V, seq),
+                  [X.reshape(N, C, D), S.reshape(-1, F, V), Y.reshape(N, C, V)])
     return dX.reshape(X.shape)
 
 

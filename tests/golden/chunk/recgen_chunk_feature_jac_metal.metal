@@ -30,7 +30,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // the kernel is register-bound); with two buffers (NB = 2, where they fit) one barrier a block suffices. Operands
   // are rounded to the multiply-add's precision once, as loaded or staged (``mma_round``).
   // Template constants: C, D, DP (D rounded up to 8, the pad zero), F, V, VP, NG (16 NG divides C), LDB (row stride
-  // of the staged block), NB (buffers of it: 1 or 2).
+  // of the staged block), NB (buffers of it: 1 or 2). Runtime ns = (chunks, states) a sequence: chunk g reads state
+  // gs (a sequence's states may run past its chunks: the entry states and the final one, read in place).
   constexpr int CT = VP / 8;
   constexpr int TT = 16 * NG;
   constexpr int NT = 32 * NG;
@@ -44,6 +45,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   const int tq = ((lane >> 2) & 2) + (lane & 1);
   const int64_t g = (int64_t)threadgroup_position_in_grid.x / (C / TT);
   const int tok0 = (int)(threadgroup_position_in_grid.x % (C / TT)) * TT;
+  const int64_t gs = g / ns[0] * ns[1] + g % ns[0];
   const int64_t t0 = g * C + tok0 + 16 * (tid / 32) + gq;  // this lane's rows: tokens t0 and t0 + 8
   float xa_[KT][4];
 #pragma unroll
@@ -81,7 +83,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     for (int j = 0; j < RW; ++j) {
       const int b = wid + NG * j;
       const int lo = b < e ? b : e, hi = b < e ? e : b;
-      const int64_t row = (g * F + lo * D - lo * (lo - 1) / 2 + hi - lo) * V;  // the packed row of lo <= hi
+      const int64_t row = (gs * F + lo * D - lo * (lo - 1) / 2 + hi - lo) * V;  // the packed row of lo <= hi
       const float c = b == e ? 1.0f : 0.70710678f;
 #pragma unroll
       for (int u = 0; u < CW; ++u) {
@@ -109,7 +111,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     for (int j = 0; j < RW; ++j) {
       const int b = wid + NG * j;
       const int lo = b < en ? b : en, hi = b < en ? en : b;
-      const int64_t row = (g * F + lo * D - lo * (lo - 1) / 2 + hi - lo) * V;  // the packed row of lo <= hi
+      const int64_t row = (gs * F + lo * D - lo * (lo - 1) / 2 + hi - lo) * V;  // the packed row of lo <= hi
       const float c = b == en ? 1.0f : 0.70710678f;
 #pragma unroll
       for (int u = 0; u < CW; ++u) {

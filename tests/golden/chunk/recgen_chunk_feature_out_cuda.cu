@@ -26,7 +26,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   // the rows w + NG j, its lanes consecutive columns, loaded together before the barrier that frees the previous
   // block; S staged rounded to the multiply-add's precision and each A element rounded once: ``mma_round``).
   // Template constants: C, D, F, V, VP, NG (SIMD groups; 16 NG divides C), RB (multiple of 8), LDX (row stride of
-  // staged x), LDB (of staged S).
+  // staged x), LDB (of staged S). Runtime ns = (chunks, states) a sequence: chunk g reads state gs (a sequence's
+  // states may run past its chunks: the entry states and the final one, read in place).
   constexpr int CT = VP / 8;
   constexpr int TT = 16 * NG;
   constexpr int NT = 32 * NG;
@@ -43,6 +44,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   const int tq = lane & 3;
   const long long g = (long long)blockIdx.x / (C / TT);
   const int tok0 = (int)(blockIdx.x % (C / TT)) * TT;
+  const long long gs = g / ns[0] * ns[1] + g % ns[0];
   const int t0 = 16 * (tid / 32) + gq;  // this lane's tokens t0, t0 + 8 of the threadgroup's
 #pragma unroll
   for (int j = 0; j < 16; ++j) {  // x: SIMD group w the tokens w + NG j
@@ -62,7 +64,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     for (int j = 0; j < RS; ++j) {
       const int r = r0 + wid + NG * j;
 #pragma unroll
-      for (int u = 0; u < CS; ++u) st_[j][u] = r < F && lane + 32 * u < V ? S[(g * F + r) * V + lane + 32 * u] : 0.0f;
+      for (int u = 0; u < CS; ++u) st_[j][u] = r < F && lane + 32 * u < V ? S[(gs * F + r) * V + lane + 32 * u] : 0.0f;
     }
     __syncthreads();  // the staged block is free (and x is staged)
 #pragma unroll

@@ -21,7 +21,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // the rows w + NG j, its lanes consecutive columns, loaded together before the barrier that frees the previous
   // block; S staged rounded to the multiply-add's precision and each A element rounded once: ``mma_round``).
   // Template constants: C, D, F, V, VP, NG (SIMD groups; 16 NG divides C), RB (multiple of 8), LDX (row stride of
-  // staged x), LDB (of staged S).
+  // staged x), LDB (of staged S). Runtime ns = (chunks, states) a sequence: chunk g reads state gs (a sequence's
+  // states may run past its chunks: the entry states and the final one, read in place).
   constexpr int CT = VP / 8;
   constexpr int TT = 16 * NG;
   constexpr int NT = 32 * NG;
@@ -38,6 +39,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   const int tq = ((lane >> 2) & 2) + (lane & 1);
   const int64_t g = (int64_t)threadgroup_position_in_grid.x / (C / TT);
   const int tok0 = (int)(threadgroup_position_in_grid.x % (C / TT)) * TT;
+  const int64_t gs = g / ns[0] * ns[1] + g % ns[0];
   const int t0 = 16 * (tid / 32) + gq;  // this lane's tokens t0, t0 + 8 of the threadgroup's
 #pragma unroll
   for (int j = 0; j < 16; ++j) {  // x: SIMD group w the tokens w + NG j
@@ -57,7 +59,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     for (int j = 0; j < RS; ++j) {
       const int r = r0 + wid + NG * j;
 #pragma unroll
-      for (int u = 0; u < CS; ++u) st_[j][u] = r < F && lane + 32 * u < V ? S[(g * F + r) * V + lane + 32 * u] : 0.0f;
+      for (int u = 0; u < CS; ++u) st_[j][u] = r < F && lane + 32 * u < V ? S[(gs * F + r) * V + lane + 32 * u] : 0.0f;
     }
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // the staged block is free (and x is staged)
 #pragma unroll
