@@ -45,6 +45,9 @@ class Tuning:
     feature_decode: bool = False    # ... its decode step (T = 1) on the generated kernel split over K
     feature_kernels: bool = False   # ... its products over φ's rows as fragment kernels forming φ as read (half the
     #                                 memory of MLX's products over formed rows, a faster forward, training alike)
+    gram_slices: int = 1            # ... the gradient of its decays between chunks, a product over the expanded
+    #                                 state's entries, cut in this many slices read as rows (``features._gram``):
+    #                                 more multiply-adds, far more parallel (cuBLAS ran the one product serially)
     decayed_scores: bool = False    # ... its in-chunk scores (qᵀk)^p e^{Γ_t−Γ_s} and their gradients by generated
     #                                 kernels (with ``chunk_kernels``), not MLX ops over [C, C] a chunk
     scores_rows: int = 16           # ... rows of a chunk a threadgroup of those kernels (the gradient's registers
@@ -126,7 +129,7 @@ MEASURED = {
                  chunked_forward_min_t=1024, mma_pairs=True, feature_decode=True, reverse_scan_nw=8,
                  pair_fold=True, ut_products=True, rank1_readout=True, logdecay_16bit=True, model_rows=True,
                  scan_hoist=True, reverse_scan_hoist=True, l2_prefetch=True, async_staging=True,
-                 model_rows_dense=True, decayed_scores=True, feature_kernels=True),
+                 model_rows_dense=True, decayed_scores=True, feature_kernels=True, gram_slices=16),
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 
@@ -201,6 +204,7 @@ ENVIRONMENT = {
     "RECGEN_FEATURE_DECODE": ("feature_decode", _flag),
     "RECGEN_FEATURE_KERNELS": ("feature_kernels", _flag),
     "RECGEN_DECAYED_SCORES": ("decayed_scores", _flag),
+    "RECGEN_GRAM_SLICES": ("gram_slices", int),
     "RECGEN_SCORES_ROWS": ("scores_rows", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
     "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),

@@ -105,12 +105,13 @@ def _stacked(dS, S0_i):
     return mx.concatenate([dS.reshape(B, H, n, R * V1), S0_i.reshape(B, H, 1, R * V1)], axis=2)
 
 
-def _gram(a, b, parts: int = 16):
-    """a bᵀ per (b, h): [B,H,M,K] x [B,H,N,K] -> [B,H,M,N] over a long K (R·V'). As one product cuBLAS ran the long
-    sum on one threadgroup a (b, h) (0.59 ms on the H100 at B=2, H=8); slices of K as batches made MLX copy both
-    operands. Here each row is cut in P slices (P = ``parts`` where it divides K) read as P rows of their own, a
-    free reshape: one product [M·P, K/P] x [K/P, N·P] with parallelism to spare, of which the blocks of equal slices
-    (its diagonal over the P pairs) sum to a bᵀ; P times the multiply-adds of a bᵀ, still few (M, N = n + 1)."""
+def _gram(a, b, parts: int):
+    """a bᵀ per (b, h): [B,H,M,K] x [B,H,N,K] -> [B,H,M,N] over a long K (R·V'), each row cut in P slices (P the
+    largest divisor of K up to ``parts``, ``Tuning.gram_slices``) read as P rows of their own, a free reshape: one
+    product [M·P, K/P] x [K/P, N·P], of which the blocks of equal slices (its diagonal over the P pairs) sum to a bᵀ.
+    P times a bᵀ's multiply-adds (few: M, N = n + 1), for parallelism: as one product cuBLAS ran the long sum on one
+    threadgroup a (b, h) (1.09 ms on the H100 at B=2, H=8, n = 16, against 0.07 in 16 slices); slices of K as
+    batches instead made MLX copy both operands."""
     *lead, M, K = a.shape
     N, P = b.shape[-2], math.gcd(K, parts)
     blocks = a.reshape(*lead, M * P, K // P) @ b.reshape(*lead, N * P, K // P).swapaxes(-1, -2)
@@ -129,11 +130,11 @@ def _weighted(rows, i, S):
 
 
 @lru_cache(maxsize=None)
-def inter_fn(rows):
+def inter_fn(rows, gram_slices: int = 1):
     """inter(q, k, Wb, LL, S0) -> (Z [B,H,n,C,V'] = Σ_rows ω φ(q_t) Ŝ_{n(t)}, Ŝ_end [B,H,R,V'] in ``rows``);
     q, k [B,H,n,C,d], Wb = e^{Γ_C−Γ_s} W [B,H,n,C,V'], LL = [L | l0] [B,H,n+1,n+1] (``chunk_decays``), S0
     [B,H,R,V'] in ``rows``. The products over the rows are ``rows``' (``phi``, ``states``, ``out``, ``jac``), so the
-    same algebra runs on formed rows or on kernels that form them."""
+    same algebra runs on formed rows or on kernels that form them; ``gram_slices``: ``_gram``'s."""
     bounds = np.cumsum([0] + [rows.size(i) for i in range(rows.count)]) if rows.count > 1 else None
 
     def tile(S, i):
@@ -166,7 +167,7 @@ def inter_fn(rows):
             read = _weighted(rows, i, rows.states(pq, dZ, i))                                     # [B,H,n,R,V']
             flat = mx.concatenate([read.reshape(B, H, n, R * V1), tile(dS_end, i).reshape(B, H, 1, R * V1)], axis=2)
             dq = _plus(dq, rows.jac(qi, _weighted(rows, i, Sh), dZ, i))
-            dLL = _plus(dLL, _gram(flat, X))
+            dLL = _plus(dLL, _gram(flat, X, gram_slices))
             ddS = (LL.swapaxes(-1, -2) @ flat).reshape(B, H, n + 1, R, V1)      # dΔS (the first n), then dS0
             dS0.append(ddS[:, :, n])
             dWb = _plus(dWb, rows.out(pk, ddS, i))
@@ -177,12 +178,13 @@ def inter_fn(rows):
     return inter
 
 
-def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None, degree: int = 2, scores=None):
+def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None, degree: int = 2, scores=None,
+               gram_slices: int = 1):
     """Y [B,H,T,V'] and the final state [B,H,R,V'] of the module docstring's form; q, k [B,H,T,d], W [B,H,T,V'],
     gam the log-decays [B,H,T], S0 [B,H,R,V'], both states in ``rows``' layout (default: MLX's tiles, degree 2);
     ``degree`` the feature map's (the scores' power; ``rows`` must be of it); chunks of C
     tokens (T padded with tokens that change nothing: zero keys and values, log-decay 0); ``pow2``: ``core.exp``'s;
-    ``scores``: ``chunk_scores``'."""
+    ``scores``: ``chunk_scores``'; ``gram_slices``: ``inter_fn``'s."""
     B, H, T, d = q.shape
     n = -(-T // C)
 
@@ -194,7 +196,7 @@ def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None
     qc, kc, Wc, gc = (chunks(x) for x in (q, k, W, gam))
     to_t, to_end, L, l0 = chunk_decays(gc, pow2)
     LL = mx.concatenate([L, l0[..., None]], axis=-1)
-    Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)))(qc, kc, Wc * to_end[..., None], LL, S0)
+    Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)), gram_slices)(qc, kc, Wc * to_end[..., None], LL, S0)
     Y = chunk_scores(qc, kc, gc, pow2, degree, scores) @ Wc + to_t[..., None] * Z
     return (c * Y).reshape(B, H, n * C, -1)[:, :, :T], S_end
 
