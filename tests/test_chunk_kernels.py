@@ -1533,6 +1533,12 @@ def test_feature_product_kernels_match_numpy(frame, N, C, D, V, sanitizer):
     (dX,) = verify.run_launch(ck.feature_jac_launch(frame, N, C, D, V, seq), {"X": X, "S": S_all, "Y": Y},
                               sanitizer=sanitizer)
     assert _rel(dS, np.einsum("ncf,ncv->nfv", phi, Y)) < 1e-5
+    seqs = N if N > 1 else 1  # with a tail: sequences of one chunk (N > 1) or one of N, each its chunks then its T0
+    T0 = rng.standard_normal((seqs, D * (D + 1) // 2, V)).astype(np.float32)
+    (dS_t,) = verify.run_launch(ck.feature_states_launch(frame, N, C, D, V, seqs), {"X": X, "Y": Y, "T0": T0},
+                                sanitizer=sanitizer)
+    want = np.concatenate([dS.reshape(seqs, N // seqs, *dS.shape[1:]), T0[:, None]], axis=1).reshape(dS_t.shape)
+    assert dS_t.shape == (N + seqs,) + dS.shape[1:] and _rel(dS_t, want) < 1e-6
     assert _rel(Z, np.einsum("ncf,nfv->ncv", phi, S)) < 1e-5
     assert _rel(dX, sympow_vjp(X.astype(np.float64), np.einsum("nfv,ncv->ncf", S.astype(np.float64), Y))) < 1e-5
 
@@ -1549,7 +1555,7 @@ def test_power_retention_on_the_feature_product_kernels(monkeypatch):
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, feature_kernels=True)
     assert_close(compare(specs.power_retention, 40, chunk=16, V=6, seed=5, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
-    assert kinds == {"recgen_chunk_feature_states", "recgen_chunk_feature_out", "recgen_chunk_feature_jac"}, kinds
+    assert kinds == {"recgen_chunk_feature_states_tail", "recgen_chunk_feature_out", "recgen_chunk_feature_jac"}, kinds
 
 
 @pytest.mark.parametrize("D,gqa", [(4, "block"), (64, "block"), (16, "tile")])

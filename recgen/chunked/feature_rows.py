@@ -111,6 +111,14 @@ class FormedRows:
         """φ(x)ᵀ Y per chunk: [B,H,n,R_i,V'] from ``phi``'s value and Y [B,H,n,C,V']."""
         return ph.swapaxes(-1, -2) @ Y
 
+    def stacked(self, ph, Y, tail, i: int, weighted: bool = False):
+        """[B,H,n+1,R_i,V']: ``states`` of each chunk (ω ⊙ them where ``weighted``), then ``tail`` [B,H,R_i,V'] (an
+        initial state, or the final state's cotangent), as the entry states' one product over chunks reads them."""
+        S, w = self.states(ph, Y, i), self.weight(i)
+        if weighted and w is not None:
+            S = S * mx.array(w, dtype=S.dtype)[:, None]
+        return mx.concatenate([S, tail[:, :, None]], axis=2)
+
     def out(self, ph, S, i: int):
         """φ(x) S per chunk: [B,H,n,C,V'] from ``phi``'s value and S [B,H,m,R_i,V'], m >= n states a sequence (the
         entry states, then the final one: chunk j reads state j)."""
@@ -203,6 +211,9 @@ class FusedRows(PackedRows):
 
     def states(self, ph, Y, i: int):
         return ck.feature_states(ph, Y, self.t)
+
+    def stacked(self, ph, Y, tail, i: int, weighted: bool = False):
+        return ck.feature_states(ph, Y, self.t, tail)  # ω = 1: one kernel writes the chunks' states and the tail
 
     def out(self, ph, S, i: int):
         return ck.feature_out(ph, S, self.t)

@@ -92,17 +92,11 @@ def chunk_decays(gam, pow2: bool = False):
 
 # -- the expanded states, tile by tile (written VJP) ---------------------------------------------------------
 
-def _entry_states(dS, LL, S0_i):
-    """Ŝ [B,H,n+1,R,V'] (every chunk's entry state, then the final one) from the chunks' ΔS [B,H,n,R,V'] and the
-    initial state: one matmul of [L | l0] with [ΔS; S0] (``_stacked``), no product and sum of their own."""
-    B, H, n, R, V1 = dS.shape
-    return (LL @ _stacked(dS, S0_i)).reshape(B, H, n + 1, R, V1)
-
-
-def _stacked(dS, S0_i):
-    """[ΔS; S0] as [B,H,n+1,R·V']: the chunks' states, then the initial one."""
-    B, H, n, R, V1 = dS.shape
-    return mx.concatenate([dS.reshape(B, H, n, R * V1), S0_i.reshape(B, H, 1, R * V1)], axis=2)
+def _entry_states(X, LL):
+    """Ŝ [B,H,n+1,R,V'] (every chunk's entry state, then the final one) from X = [ΔS; S0] [B,H,n+1,R,V'] (the
+    chunks' states, then the initial one: ``stacked``): one matmul of [L | l0] with it."""
+    B, H, n1, R, V1 = X.shape
+    return (LL @ X.reshape(B, H, n1, R * V1)).reshape(X.shape)
 
 
 def _gram(a, b, parts: int):
@@ -145,7 +139,7 @@ def inter_fn(rows, gram_slices: int = 1):
         Z, ends, after = None, [], []
         for i in range(rows.count):
             qi, ki = mx.depends([q, k], after) if after else (q, k)  # tile after tile
-            Sh = _entry_states(rows.states(rows.phi(ki, i), Wb, i), LL, tile(S0, i))
+            Sh = _entry_states(rows.stacked(rows.phi(ki, i), Wb, tile(S0, i), i), LL)
             Z = _plus(Z, rows.out(rows.phi(qi, i), _weighted(rows, i, Sh), i))  # the first n of Sh's n + 1
             ends.append(Sh[:, :, -1])
             after = [Z]
@@ -160,12 +154,11 @@ def inter_fn(rows, gram_slices: int = 1):
         for i in range(rows.count):
             qi, ki = mx.depends([q, k], after) if after else (q, k)
             pk, pq = rows.phi(ki, i), rows.phi(qi, i)
-            dS = rows.states(pk, Wb, i)
-            R, V1 = dS.shape[-2:]
-            X = _stacked(dS, tile(S0, i))                                                          # [B,H,n+1,R·V']
-            Sh = (LL @ X).reshape(B, H, n + 1, R, V1)
-            read = _weighted(rows, i, rows.states(pq, dZ, i))                                     # [B,H,n,R,V']
-            flat = mx.concatenate([read.reshape(B, H, n, R * V1), tile(dS_end, i).reshape(B, H, 1, R * V1)], axis=2)
+            X = rows.stacked(pk, Wb, tile(S0, i), i)                                    # [ΔS; S0] [B,H,n+1,R,V']
+            R, V1 = X.shape[-2:]
+            Sh = _entry_states(X, LL)
+            X = X.reshape(B, H, n + 1, R * V1)
+            flat = rows.stacked(pq, dZ, tile(dS_end, i), i, weighted=True).reshape(B, H, n + 1, R * V1)  # [read; dŜ_end]
             dq = _plus(dq, rows.jac(qi, _weighted(rows, i, Sh), dZ, i))
             dLL = _plus(dLL, _gram(flat, X, gram_slices))
             ddS = (LL.swapaxes(-1, -2) @ flat).reshape(B, H, n + 1, R, V1)      # dΔS (the first n), then dS0

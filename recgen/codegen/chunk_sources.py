@@ -386,11 +386,14 @@ def feature_decode_source(dialect: str, has_z: bool) -> KernelSource:
 
 
 @lru_cache(maxsize=None)
-def feature_states_source(dialect: str) -> KernelSource:
-    """dS = φ(X)ᵀ Y of each chunk (X [N, C, D], Y [N, C, V], pair tables pa, pb -> dS [N, F, V])."""
+def feature_states_source(dialect: str, tail: bool = False) -> KernelSource:
+    """dS = φ(X)ᵀ Y of each chunk (X [N, C, D], Y [N, C, V], pair tables pa, pb -> dS [N, F, V]); with ``tail``
+    (T0 [sequences, F, V], ns = (chunks, chunks + 1, N)) each sequence's chunks then its T0: dS [N + sequences, F, V]."""
     d = get(dialect)
-    return _source(d, "features_states_mma.j2", "feature_states", "a chunk's phi(X)^T Y, phi formed as read",
-                   ("X", "Y", "pa", "pb"), ("dS",), (), helpers=d.mma_prelude)
+    ins = ("X", "Y", "T0", "pa", "pb", "ns") if tail else ("X", "Y", "pa", "pb")
+    return _source(d, "features_states_mma.j2", "feature_states_tail" if tail else "feature_states",
+                   "a chunk's phi(X)^T Y, phi formed as read" + (", then a sequence's tail" if tail else ""),
+                   ins, ("dS",), (), helpers=d.mma_prelude, tail=tail)
 
 
 @lru_cache(maxsize=None)

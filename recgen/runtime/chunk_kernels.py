@@ -344,12 +344,14 @@ def feature_decode_launch(dialect: str, BH: int, D: int, V: int, has_z: bool) ->
 
 
 @lru_cache(maxsize=64)
-def feature_states_launch(dialect: str, N: int, C: int, D: int, V: int) -> Launch:
-    """dS = φ(X)ᵀ Y of N chunks (``feature_states_source``): a threadgroup 64 of the F packed rows of a chunk."""
+def feature_states_launch(dialect: str, N: int, C: int, D: int, V: int, seqs: int = 0) -> Launch:
+    """dS = φ(X)ᵀ Y of N chunks (``feature_states_source``): a threadgroup 64 of the F packed rows of a chunk; with
+    ``seqs`` sequences (of N / seqs chunks each) a tail T0 [seqs, F, V] after each one's chunks."""
     lay = feature_mma_layout(dialect, C, D, V)["states"]
-    groups = N * -(-lay["F"] // 64)
-    return Launch(feature_states_source(dialect), _pair_tables(D), (((N, lay["F"], V), "float32"),),
-                  (groups * 128, 1, 1), (128, 1, 1), tuple(lay.items()))
+    blocks = -(-lay["F"] // 64)
+    runtime = _pair_tables(D) + ((("ns", (N // seqs, N // seqs + 1, N), "int32"),) if seqs else ())
+    return Launch(feature_states_source(dialect, bool(seqs)), runtime, (((N + seqs, lay["F"], V), "float32"),),
+                  ((N + seqs) * blocks * 128, 1, 1), (128, 1, 1), tuple(lay.items()))
 
 
 def _by_tokens(src, runtime: tuple, out: tuple, N: int, C: int, lay: dict) -> Launch:
@@ -730,11 +732,19 @@ def pair_quad_grad(dM, dM2, dMb, dM2b, X, X2, Y, Yb, dk, t: Tuning, strict: bool
     return _pair_call(t, strict, (X, X2, Y, Yb), dk, (dM, dM2, dMb, dM2b), dual=True, quad=True)
 
 
-def feature_states(X, Y, t: Tuning):
-    """φ(X)ᵀ Y for each chunk: X [..., C, D], Y [..., C, V] (float32) -> [..., F, V], φ formed as read."""
+def feature_states(X, Y, t: Tuning, tail=None):
+    """φ(X)ᵀ Y for each chunk: X [..., n, C, D], Y [..., n, C, V] (float32) -> [..., n, F, V], φ formed as read;
+    with ``tail`` [..., F, V] (the same leading axes): [..., n + 1, F, V], each sequence's chunks then its tail."""
     N, (C, D), V = _lead(X, 2), X.shape[-2:], Y.shape[-1]
-    (dS,) = _call(t, feature_states_launch(t.dialect, N, C, D, V), [X.reshape(N, C, D), Y.reshape(N, C, V)])
-    return dS.reshape(*X.shape[:-2], dS.shape[-2], V)
+    user = [X.reshape(N, C, D), Y.reshape(N, C, V)]
+    if tail is None:
+        (dS,) = _call(t, feature_states_launch(t.dialect, N, C, D, V), user)
+        return dS.reshape(*X.shape[:-2], dS.shape[-2], V)
+    if X.ndim < 3 or tail.shape[:-2] != X.shape[:-3] or tail.shape[-1] != V:
+        raise ValueError(f"feature_states: a tail {tail.shape} for chunks {X.shape} and values {Y.shape}")
+    seqs = _lead(tail, 2)
+    (dS,) = _call(t, feature_states_launch(t.dialect, N, C, D, V, seqs), user + [tail.reshape(seqs, -1, V)])
+    return dS.reshape(*X.shape[:-3], X.shape[-3] + 1, dS.shape[-2], V)
 
 
 def _states_per_sequence(X, S) -> tuple[int, int]:

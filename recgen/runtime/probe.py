@@ -188,14 +188,15 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             S1, z1 = dec[:, None, None] * S + pk[:, :, None] * w[:, None, :], dec[:, None] * z + pk
             got = list(ck.feature_decode(*(f32(x) for x in (q, k, w, dec, S, z)), t))
             ref = [S1, z1, np.einsum("bf,bfv->bv", pq, S1), (pq * z1).sum(-1)]
-        elif frame == "features":  # φ(X)ᵀY and φ(X)S with φ formed as read, power retention's d = 64 and V + 1
-            X, Y = rng.normal(size=(2, 64, 64)) / 8, rng.normal(size=(2, 64, 65))
-            S = rng.normal(size=(2, 2080, 65))
+        elif frame == "features":  # φ(X)ᵀY and φ(X)S with φ formed as read, power retention's d = 64 and V + 1:
+            X, Y = rng.normal(size=(2, 64, 64)) / 8, rng.normal(size=(2, 64, 65))  # a sequence of two chunks,
+            S = rng.normal(size=(3, 2080, 65))  # its three states (the products read the first two in place)
             phi = sympow(X)
-            got = [ck.feature_states(f32(X), f32(Y), t), ck.feature_out(f32(X), f32(S), t),
-                   ck.feature_jac(f32(X), f32(S), f32(Y), t)]
-            ref = [np.einsum("ncf,ncv->nfv", phi, Y), np.einsum("ncf,nfv->ncv", phi, S),
-                   sympow_vjp(X, np.einsum("nfv,ncv->ncf", S, Y))]
+            got = [ck.feature_states(f32(X), f32(Y), t), ck.feature_states(f32(X), f32(Y), t, f32(S[0])),
+                   ck.feature_out(f32(X), f32(S), t), ck.feature_jac(f32(X), f32(S), f32(Y), t)]
+            dS = np.einsum("ncf,ncv->nfv", phi, Y)
+            ref = [dS, np.concatenate([dS, S[:1]]), np.einsum("ncf,nfv->ncv", phi, S[:2]),
+                   sympow_vjp(X, np.einsum("nfv,ncv->ncf", S[:2], Y))]
         elif frame == "ut16":  # the factor-read UT transform writing U and W in bf16 (``Tuning.ut_16bit``)
             got, ref = [], []
             if ck.fuses_ut(t, C, K, V):

@@ -31,9 +31,12 @@ def check_feature_kernels(d: int, V: int, *, sanitizer=None, report: Report | No
     X, Y, St = f(2, C, d), f(2, C, V1), f(2, F, V1)
     phi = sympow(X.astype(np.float64))
     (dS,) = run_launch(ck.feature_states_launch("metal", 2, C, d, V1), {"X": X, "Y": Y}, sanitizer, report)
+    (dS_t,) = run_launch(ck.feature_states_launch("metal", 2, C, d, V1, 1), {"X": X, "Y": Y, "T0": St[:1]}, sanitizer,
+                         report)  # one sequence of the two chunks, then its tail
     (Z,) = run_launch(ck.feature_out_launch("metal", 2, C, d, V1), {"X": X, "S": St}, sanitizer, report)
     (dX,) = run_launch(ck.feature_jac_launch("metal", 2, C, d, V1), {"X": X, "S": St, "Y": Y}, sanitizer, report)
     errs["phi(X)^T Y"] = rel(dS, np.einsum("ncf,ncv->nfv", phi, Y))
+    errs["phi(X)^T Y, then a tail"] = rel(dS_t, np.concatenate([np.einsum("ncf,ncv->nfv", phi, Y), St[:1]]))
     errs["phi(X) S"] = rel(Z, np.einsum("ncf,nfv->ncv", phi, St))
     errs["gradient through phi"] = rel(dX, sympow_vjp(X.astype(np.float64), np.einsum("nfv,ncv->ncf", St, Y)))
     errs |= _decayed_scores(rng, C, sanitizer, report)

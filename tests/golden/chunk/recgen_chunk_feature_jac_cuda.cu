@@ -50,7 +50,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   const int tq = lane & 3;
   const long long g = (long long)blockIdx.x / (C / TT);
   const int tok0 = (int)(blockIdx.x % (C / TT)) * TT;
-  const long long gs = g / ns[0] * ns[1] + g % ns[0];
+  const long long gs = (int)g / ns[0] * ns[1] + (int)g % ns[0];  // 32-bit division: chunks fit an int
   const long long t0 = g * C + tok0 + 16 * (tid / 32) + gq;  // this lane's rows: tokens t0 and t0 + 8
   float xa_[KT][4];
 #pragma unroll

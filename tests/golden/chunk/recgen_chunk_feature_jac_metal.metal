@@ -45,7 +45,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   const int tq = ((lane >> 2) & 2) + (lane & 1);
   const int64_t g = (int64_t)threadgroup_position_in_grid.x / (C / TT);
   const int tok0 = (int)(threadgroup_position_in_grid.x % (C / TT)) * TT;
-  const int64_t gs = g / ns[0] * ns[1] + g % ns[0];
+  const int64_t gs = (int)g / ns[0] * ns[1] + (int)g % ns[0];  // 32-bit division: chunks fit an int
   const int64_t t0 = g * C + tok0 + 16 * (tid / 32) + gq;  // this lane's rows: tokens t0 and t0 + 8
   float xa_[KT][4];
 #pragma unroll

@@ -44,7 +44,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   const int tq = lane & 3;
   const long long g = (long long)blockIdx.x / (C / TT);
   const int tok0 = (int)(blockIdx.x % (C / TT)) * TT;
-  const long long gs = g / ns[0] * ns[1] + g % ns[0];
+  const long long gs = (int)g / ns[0] * ns[1] + (int)g % ns[0];  // 32-bit division: chunks fit an int
   const int t0 = 16 * (tid / 32) + gq;  // this lane's tokens t0, t0 + 8 of the threadgroup's
 #pragma unroll
   for (int j = 0; j < 16; ++j) {  // x: SIMD group w the tokens w + NG j

@@ -39,6 +39,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   const int gq = lane >> 2;
   const int tq = lane & 3;
   const long long g = (long long)blockIdx.x / NRB;
+  const long long gs = g;
   const int row0 = (int)(blockIdx.x % NRB) * 64 + 16 * (tid / 32) + gq;
   const int row8 = row0 + 8;
   const int a0 = row0 < F ? pa[row0] : 0, b0 = row0 < F ? pb[row0] : 0;
@@ -82,11 +83,11 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   for (int ct = 0; ct < CT; ++ct) {
     const int c = 8 * ct + 2 * tq;
     if (row0 < F) {
-      if (c < V) dS[(g * F + row0) * V + c] = y_[ct][0];
-      if (c + 1 < V) dS[(g * F + row0) * V + c + 1] = y_[ct][1];
+      if (c < V) dS[(gs * F + row0) * V + c] = y_[ct][0];
+      if (c + 1 < V) dS[(gs * F + row0) * V + c + 1] = y_[ct][1];
     }
     if (row8 < F) {
-      if (c < V) dS[(g * F + row8) * V + c] = y_[ct][2];
-      if (c + 1 < V) dS[(g * F + row8) * V + c + 1] = y_[ct][3];
+      if (c < V) dS[(gs * F + row8) * V + c] = y_[ct][2];
+      if (c + 1 < V) dS[(gs * F + row8) * V + c + 1] = y_[ct][3];
     }
   }

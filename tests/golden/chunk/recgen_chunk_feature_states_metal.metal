@@ -34,6 +34,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   const int gq = ((lane >> 2) & 4) + ((lane >> 1) & 3);
   const int tq = ((lane >> 2) & 2) + (lane & 1);
   const int64_t g = (int64_t)threadgroup_position_in_grid.x / NRB;
+  const int64_t gs = g;
   const int row0 = (int)(threadgroup_position_in_grid.x % NRB) * 64 + 16 * (tid / 32) + gq;
   const int row8 = row0 + 8;
   const int a0 = row0 < F ? pa[row0] : 0, b0 = row0 < F ? pb[row0] : 0;
@@ -77,11 +78,11 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   for (int ct = 0; ct < CT; ++ct) {
     const int c = 8 * ct + 2 * tq;
     if (row0 < F) {
-      if (c < V) dS[(g * F + row0) * V + c] = y_[ct][0];
-      if (c + 1 < V) dS[(g * F + row0) * V + c + 1] = y_[ct][1];
+      if (c < V) dS[(gs * F + row0) * V + c] = y_[ct][0];
+      if (c + 1 < V) dS[(gs * F + row0) * V + c + 1] = y_[ct][1];
     }
     if (row8 < F) {
-      if (c < V) dS[(g * F + row8) * V + c] = y_[ct][2];
-      if (c + 1 < V) dS[(g * F + row8) * V + c + 1] = y_[ct][3];
+      if (c < V) dS[(gs * F + row8) * V + c] = y_[ct][2];
+      if (c + 1 < V) dS[(gs * F + row8) * V + c + 1] = y_[ct][3];
     }
   }
