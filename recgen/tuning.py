@@ -45,6 +45,8 @@ class Tuning:
     feature_decode: bool = False    # ... its decode step (T = 1) on the generated kernel split over K
     feature_kernels: bool = False   # ... its products over φ's rows as fragment kernels forming φ as read (half the
     #                                 memory of MLX's products over formed rows, a faster forward, training alike)
+    feature_jac_rows: bool = False  # ... their gradient by the rows of φ's pairs (the packed count of multiply-adds,
+    #                                 half the quadratic form's D² a token); built and emulator-checked, not yet timed
     gram_slices: int = 1            # ... the gradient of its decays between chunks, a product over the expanded
     #                                 state's entries, cut in this many slices read as rows (``features._gram``):
     #                                 more multiply-adds, far more parallel (cuBLAS ran the one product serially)
@@ -205,6 +207,7 @@ ENVIRONMENT = {
     "RECGEN_FEATURE_KERNELS": ("feature_kernels", _flag),
     "RECGEN_DECAYED_SCORES": ("decayed_scores", _flag),
     "RECGEN_GRAM_SLICES": ("gram_slices", int),
+    "RECGEN_FEATURE_JAC_ROWS": ("feature_jac_rows", _flag),
     "RECGEN_SCORES_ROWS": ("scores_rows", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
     "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),

@@ -1540,10 +1540,15 @@ def test_feature_product_kernels_match_numpy(frame, N, C, D, V, sanitizer):
     want = np.concatenate([dS.reshape(seqs, N // seqs, *dS.shape[1:]), T0[:, None]], axis=1).reshape(dS_t.shape)
     assert dS_t.shape == (N + seqs,) + dS.shape[1:] and _rel(dS_t, want) < 1e-6
     assert _rel(Z, np.einsum("ncf,nfv->ncv", phi, S)) < 1e-5
-    assert _rel(dX, sympow_vjp(X.astype(np.float64), np.einsum("nfv,ncv->ncf", S.astype(np.float64), Y))) < 1e-5
+    want_dX = sympow_vjp(X.astype(np.float64), np.einsum("nfv,ncv->ncf", S.astype(np.float64), Y))
+    assert _rel(dX, want_dX) < 1e-5
+    (dX_rows,) = verify.run_launch(ck.feature_jac_rows_launch(frame, N, C, D, V, seq), {"X": X, "S": S_all, "Y": Y},
+                                   sanitizer=sanitizer)  # the same gradient by the rows of φ's pairs
+    assert _rel(dX_rows, want_dX) < 1e-5
 
 
-def test_power_retention_on_the_feature_product_kernels(monkeypatch):
+@pytest.mark.parametrize("jac_rows", [False, True])  # the gradient through φ by the quadratic form or by rows
+def test_power_retention_on_the_feature_product_kernels(monkeypatch, jac_rows):
     """The kernel-identity form with φ's products on the fragment kernels (``Tuning.feature_kernels``), end to end
     against the float64 reference: forward, final state, every gradient; GQA, a partial last chunk of 16."""
     pytest.importorskip("mlx.core")
@@ -1552,10 +1557,12 @@ def test_power_retention_on_the_feature_product_kernels(monkeypatch):
 
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, feature_kernels=True)
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, feature_kernels=True,
+                       feature_jac_rows=jac_rows)
     assert_close(compare(specs.power_retention, 40, chunk=16, V=6, seed=5, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
-    assert kinds == {"recgen_chunk_feature_states_tail", "recgen_chunk_feature_out", "recgen_chunk_feature_jac"}, kinds
+    jac = "recgen_chunk_feature_jac_rows" if jac_rows else "recgen_chunk_feature_jac"
+    assert kinds == {"recgen_chunk_feature_states_tail", "recgen_chunk_feature_out", jac}, kinds
 
 
 @pytest.mark.parametrize("D,gqa", [(4, "block"), (64, "block"), (16, "tile")])

@@ -415,6 +415,15 @@ def feature_jac_source(dialect: str) -> KernelSource:
                    ("X", "S", "Y", "ns"), ("dX",), (), helpers=d.mma_prelude)
 
 
+@lru_cache(maxsize=None)
+def feature_jac_rows_source(dialect: str) -> KernelSource:
+    """``feature_jac_source``'s gradient by the rows of φ's pairs (features_jac_rows_mma.j2): the packed count of
+    multiply-adds, where the quadratic form's takes D² a token."""
+    d = get(dialect)
+    return _source(d, "features_jac_rows_mma.j2", "feature_jac_rows", "a chunk's gradient through phi's rows, by rows",
+                   ("X", "S", "Y", "ns"), ("dX",), (), helpers=d.mma_prelude)
+
+
 # -- which sizes have a kernel, and their layouts --------------------------------------------------
 @lru_cache(maxsize=None)
 def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
@@ -424,7 +433,8 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
     RB (32, 16 or 8), the first that fit the dialect's threadgroup memory (x staged at row stride LDX, y or S at
     LDB); the gradient's NG, the first of 8, 4, 2, 1 with 16 NG dividing C (x and y in registers, its one staged
     operand a DP x VP block of the state at LDB, DP = D rounded up to 8, which must fit; NB = 2 buffers of it
-    where they fit, else 1)."""
+    where they fit, else 1); the row-wise gradient's ("jac_rows", None where its block at LDT does not fit) the same
+    with the block's rows read transposed (LDT)."""
     if C % 16:
         return None
     room, VP, F = get(dialect).smem_bytes // 4, -(-V // 8) * 8, D * (D + 1) // 2
@@ -437,9 +447,14 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
     jac = next((ng for ng in (8, 4, 2, 1) if C % (16 * ng) == 0), None) if dp * ldb <= room else None
     if tb is None or out is None or jac is None:
         return None
-    jac_base = {k: v for k, v in base.items() if k != "LDX"}
+    jac_base = {k: v for k, v in base.items() if k not in ("LDX", "LDB")}
+    # the row-wise gradient reads its staged rows of S transposed (8 rows by 4 columns a fragment in either lane
+    # layout): a stride of 4 mod 8 puts them on 32 distinct banks, as a_stride's 4 mod 32 does, in less room
+    ldt = next(x for x in range(VP, VP + 8) if x % 8 == 4)
+    rows = ({"DP": dp, "NG": jac, "LDT": ldt, "NB": 2 if 2 * dp * ldt <= room else 1} if dp * ldt <= room else None)
     return {"states": base | {"TB": tb}, "out": base | {"NG": out[0], "RB": out[1]},
-            "jac": jac_base | {"DP": dp, "NG": jac, "NB": 2 if 2 * dp * ldb <= room else 1}}
+            "jac": jac_base | {"LDB": ldb, "DP": dp, "NG": jac, "NB": 2 if 2 * dp * ldb <= room else 1},
+            "jac_rows": jac_base | rows if rows else None}
 
 
 def feature_decode_layout(dialect: str, D: int, V: int, has_z: bool) -> dict:
