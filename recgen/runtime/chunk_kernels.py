@@ -18,11 +18,11 @@ from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bw
                                      bwd_mma_source, decayed_scores_layout, decayed_scores_source, decays_source,
                                      feature_decode_layout, feature_decode_source, feature_jac_rows_source,
                                      feature_jac_source, feature_mma_layout, feature_out_source, feature_states_source,
-                                     inverse_source,
-                                     out_async_layout, out_async_source, out_mma_layout, out_mma_source, pair_folds,
-                                     pair_fragments, pair_grad_source, pair_layout, pair_source, scan_layout,
-                                     scan_mma_layout, scan_prefetches, scan_source, sympow_layout, sympow_source,
-                                     ut_async_layout, ut_async_source, ut_mma_layout, ut_mma_source)
+                                     inverse_source, out_async_layout, out_async_source, out_mma_layout,
+                                     out_mma_source, pair_folds, pair_fragments, pair_grad_source, pair_layout,
+                                     pair_source, scan_layout, scan_mma_layout, scan_prefetches, scan_source,
+                                     sympow_layout, sympow_source, ut_async_layout, ut_async_source, ut_mma_layout,
+                                     ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..spec.features import sympow_pairs
 from ..tuning import Tuning
