@@ -12,7 +12,7 @@
 #   SPECS=rwkv7 AB_VALUES="cuda mlx" bash benchmarks/run_gpu.sh ab:RECGEN_BACKEND:4,4096,16,128  # kernels / chunked
 #   SPECS=power_retention bash benchmarks/run_gpu.sh ab-tree:.ab_base:2,4096,8,64  # an earlier commit, then this tree:
 #     stage it first (git archive REV recgen | tar -x -C .ab_base, after mkdir .ab_base; git-ignored), and name
-#     .ab_base in the call's carry beside .gpu-bundle
+#     .ab_base in the call's carry beside .gpu-bundle; AB_ROUNDS=2 alternates base and this tree twice
 #   SPECS="kda gla rwkv7" bash benchmarks/run_gpu.sh ab:RECGEN_MMA_PAIRS:4,4096,16,128  # pair kernels on fragments
 #   bash benchmarks/run_gpu.sh retention   # the retention package's power_retention (its autotuning: minutes)
 #   bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # every kernel of one call, the table in $OUT
@@ -85,14 +85,15 @@ for stage in "$@"; do
               | grep -E " ms | GiB " | sed "s/^/$sp $var=$v /" | tee -a "$OUT/ab.log"
           done; done ;;
     ab-tree:*) p=${stage#ab-tree:}; base=${p%%:*}; shape=${p#*:}   # ab-tree:DIR:SHAPE: the code in DIR, then this
-          for sp in $SPECS; do for tree in "$base" .; do             # tree's, every spec of $SPECS; each in its own
-            tag=$([ "$tree" = . ] && echo this || basename "$tree")  # process from its tree (its recgen first on the
-            log="$OUT/ab_tree_${sp}_$tag.log"
+          for sp in $SPECS; do for round in $(seq ${AB_ROUNDS:-1}); do  # tree's, every spec of $SPECS, AB_ROUNDS
+          for tree in "$base" .; do                                  # times in turn (processes spread about ±5%);
+            tag=$([ "$tree" = . ] && echo this || basename "$tree")  # each in its own process from its tree (its
+            log="$OUT/ab_tree_${sp}_${tag}_$round.log"                # recgen first on the
             (cd "$tree" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout ${BENCH_TIMEOUT:-300} python -m recgen.cli \
               bench $sp --shape $shape --passes ${PASSES:-fwd,fwdbwd,peak} $BENCH_ARGS) > "$log" 2>&1 \
               || { echo "$sp $tree: exit $?"; tail -5 "$log"; }       # path); a failure shows its log's tail
-            grep -E " ms | GiB " "$log" | sed "s|^|$sp $tag |" | tee -a "$OUT/ab_tree.log"
-          done; done ;;
+            grep -E " ms | GiB " "$log" | sed "s|^|$sp $tag $round |" | tee -a "$OUT/ab_tree.log"
+          done; done; done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
