@@ -170,7 +170,7 @@ def chunk_launches(target: str) -> list:
                 + [ck.feature_decode_launch(target, 16, 64, 64, has_z) for has_z in (True, False)]
                 + [ck.feature_states_launch(target, 256, 256, 64, 65), ck.feature_out_launch(target, 256, 256, 64, 65),
                    ck.feature_jac_launch(target, 256, 256, 64, 65), ck.feature_states_launch(target, 256, 256, 64, 65, 16),
-                   ck.feature_jac_rows_launch(target, 256, 256, 64, 65)]
+                   ck.feature_jac_launch(target, 256, 256, 64, 65, rows=True)]
                 + [ck.out_mma_launch(target, 8, 64, 128, 128), ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"))]
                 + [ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), key=True)]
                 + [ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), key=True, m2=True)]  # RWKV-7's

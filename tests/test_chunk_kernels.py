@@ -1542,8 +1542,8 @@ def test_feature_product_kernels_match_numpy(frame, N, C, D, V, sanitizer):
     assert _rel(Z, np.einsum("ncf,nfv->ncv", phi, S)) < 1e-5
     want_dX = sympow_vjp(X.astype(np.float64), np.einsum("nfv,ncv->ncf", S.astype(np.float64), Y))
     assert _rel(dX, want_dX) < 1e-5
-    (dX_rows,) = verify.run_launch(ck.feature_jac_rows_launch(frame, N, C, D, V, seq), {"X": X, "S": S_all, "Y": Y},
-                                   sanitizer=sanitizer)  # the same gradient by the rows of φ's pairs
+    (dX_rows,) = verify.run_launch(ck.feature_jac_launch(frame, N, C, D, V, seq, rows=True),
+                                   {"X": X, "S": S_all, "Y": Y}, sanitizer=sanitizer)  # the same gradient by the rows of φ's pairs
     assert _rel(dX_rows, want_dX) < 1e-5
 
 

@@ -406,21 +406,17 @@ def feature_out_source(dialect: str) -> KernelSource:
 
 
 @lru_cache(maxsize=None)
-def feature_jac_source(dialect: str) -> KernelSource:
+def feature_jac_source(dialect: str, rows: bool = False) -> KernelSource:
     """dX of Σ_t Σ_r (S_r · Y_t) φ_r(x_t) per chunk (X [N, C, D], S [N', F, V] with ns = (chunks, states) a
-    sequence, Y [N, C, V] -> dX [N, C, D]), through the symmetric matrix of the quadratic form: no [T, F] cotangent
-    formed."""
+    sequence, Y [N, C, V] -> dX [N, C, D]), no [T, F] cotangent formed: through the symmetric matrix of the quadratic
+    form (D² multiply-adds a token, features_jac_mma.j2), or with ``rows`` by the rows of φ's pairs (the packed count,
+    features_jac_rows_mma.j2)."""
     d = get(dialect)
+    if rows:
+        return _source(d, "features_jac_rows_mma.j2", "feature_jac_rows",
+                       "a chunk's gradient through phi's rows, by rows", ("X", "S", "Y", "ns"), ("dX",), (),
+                       helpers=d.mma_prelude)
     return _source(d, "features_jac_mma.j2", "feature_jac", "a chunk's gradient through phi's rows",
-                   ("X", "S", "Y", "ns"), ("dX",), (), helpers=d.mma_prelude)
-
-
-@lru_cache(maxsize=None)
-def feature_jac_rows_source(dialect: str) -> KernelSource:
-    """``feature_jac_source``'s gradient by the rows of φ's pairs (features_jac_rows_mma.j2): the packed count of
-    multiply-adds, where the quadratic form's takes D² a token."""
-    d = get(dialect)
-    return _source(d, "features_jac_rows_mma.j2", "feature_jac_rows", "a chunk's gradient through phi's rows, by rows",
                    ("X", "S", "Y", "ns"), ("dX",), (), helpers=d.mma_prelude)
 
 

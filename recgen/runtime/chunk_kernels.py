@@ -16,8 +16,8 @@ from functools import lru_cache
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, decayed_scores_layout, decayed_scores_source, decays_source,
-                                     feature_decode_layout, feature_decode_source, feature_jac_rows_source,
-                                     feature_jac_source, feature_mma_layout, feature_out_source, feature_states_source,
+                                     feature_decode_layout, feature_decode_source, feature_jac_source,
+                                     feature_mma_layout, feature_out_source, feature_states_source,
                                      inverse_source, out_async_layout, out_async_source, out_mma_layout,
                                      out_mma_source, pair_folds, pair_fragments, pair_grad_source, pair_layout,
                                      pair_source, scan_layout, scan_mma_layout, scan_prefetches, scan_source,
@@ -371,19 +371,13 @@ def feature_out_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple 
 
 
 @lru_cache(maxsize=64)
-def feature_jac_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple = (1, 1)) -> Launch:
-    """dX through φ's rows of N chunks (``feature_jac_source``): a threadgroup 16 NG tokens of a chunk; ``seq`` as
+def feature_jac_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple = (1, 1),
+                       rows: bool = False) -> Launch:
+    """dX through φ's rows of N chunks (``feature_jac_source``; ``rows``: by the rows of φ's pairs, where
+    ``feature_mma_layout`` has a "jac_rows" layout): a threadgroup 16 NG tokens of a chunk; ``seq`` as
     ``feature_out_launch``'s."""
-    lay = feature_mma_layout(dialect, C, D, V)["jac"]
-    return _by_tokens(feature_jac_source(dialect), (("ns", seq, "int32"),), (N, C, D), N, C, lay)
-
-
-@lru_cache(maxsize=64)
-def feature_jac_rows_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple = (1, 1)) -> Launch:
-    """``feature_jac_launch``'s gradient by the rows of φ's pairs (``feature_jac_rows_source``), where
-    ``feature_mma_layout`` has a "jac_rows" layout."""
-    lay = feature_mma_layout(dialect, C, D, V)["jac_rows"]
-    return _by_tokens(feature_jac_rows_source(dialect), (("ns", seq, "int32"),), (N, C, D), N, C, lay)
+    lay = feature_mma_layout(dialect, C, D, V)["jac_rows" if rows else "jac"]
+    return _by_tokens(feature_jac_source(dialect, rows), (("ns", seq, "int32"),), (N, C, D), N, C, lay)
 
 
 def features_on_kernels(t: Tuning, C: int, D: int, V: int) -> bool:
@@ -779,7 +773,7 @@ def feature_jac(X, S, Y, t: Tuning):
     N, (C, D), (F, V) = _lead(X, 2), X.shape[-2:], S.shape[-2:]
     seq = _states_per_sequence(X, S)
     by_rows = t.feature_jac_rows and feature_mma_layout(t.dialect, C, D, V)["jac_rows"] is not None
-    (dX,) = _call(t, (feature_jac_rows_launch if by_rows else feature_jac_launch)(t.dialect, N, C, D, V, seq),
+    (dX,) = _call(t, feature_jac_launch(t.dialect, N, C, D, V, seq, by_rows),
                   [X.reshape(N, C, D), S.reshape(-1, F, V), Y.reshape(N, C, V)])
     return dX.reshape(X.shape)
 

@@ -35,7 +35,8 @@ def check_feature_kernels(d: int, V: int, *, sanitizer=None, report: Report | No
                          report)  # one sequence of the two chunks, then its tail
     (Z,) = run_launch(ck.feature_out_launch("metal", 2, C, d, V1), {"X": X, "S": St}, sanitizer, report)
     (dX,) = run_launch(ck.feature_jac_launch("metal", 2, C, d, V1), {"X": X, "S": St, "Y": Y}, sanitizer, report)
-    (dX_r,) = run_launch(ck.feature_jac_rows_launch("metal", 2, C, d, V1), {"X": X, "S": St, "Y": Y}, sanitizer, report)
+    (dX_r,) = run_launch(ck.feature_jac_launch("metal", 2, C, d, V1, rows=True), {"X": X, "S": St, "Y": Y}, sanitizer,
+                         report)
     errs["phi(X)^T Y"] = rel(dS, np.einsum("ncf,ncv->nfv", phi, Y))
     errs["phi(X)^T Y, then a tail"] = rel(dS_t, np.concatenate([np.einsum("ncf,ncv->nfv", phi, Y), St[:1]]))
     errs["phi(X) S"] = rel(Z, np.einsum("ncf,nfv->ncv", phi, St))

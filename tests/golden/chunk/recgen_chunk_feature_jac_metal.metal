@@ -76,7 +76,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     yv_[ct][2] = c < V ? static_cast<float>(Y[(t0 + 8) * V + c]) : 0.0f;
     yv_[ct][3] = c + 1 < V ? static_cast<float>(Y[(t0 + 8) * V + c + 1]) : 0.0f;
   }
-  float st_[RW][CW];  // this thread's elements of the next block Sh[., e, .]: rows wid + NG j, columns lane + 32 u
+  float st_[RW][CW];  // this thread's elements of the next block: rows wid + NG j, columns lane + 32 u
   {
     const int e = 0;
 #pragma unroll

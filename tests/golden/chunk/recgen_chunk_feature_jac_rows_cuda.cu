@@ -30,8 +30,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   // + 1), so each lane keeps x and its dx at those places in registers across every a; x_t[a] comes from memory
   // (the same element for a row's four lanes), and the sum for dx_t[a], added over a row's four lanes, lands in
   // the registers of the lane that holds column a. SIMD group w: tokens 16 w .. 16 w + 15 of the threadgroup's
-  // 16 NG. Staging as in the quadratic form's kernel: SIMD group w rows w + NG j of a block, lanes consecutive
-  // columns, the next block loaded before this block's products and stored after them (NB buffers).
+  // 16 NG. The blocks are staged as the quadratic form's kernel stages its own (``staged_blocks``,
+  // _feature_blocks.j2): the next one loaded before this one's products and stored after them (NB buffers).
   // Template constants: C, D, DP (D rounded up to 8, the pad zero), F, V, VP, NG, LDT (row stride of a staged row of
   // S, read transposed), NB (buffers: 1 or 2). Runtime ns = (chunks, states) a sequence, as the other kernels'.
   constexpr int KV = VP / 8;  // k-steps over the value columns
