@@ -111,13 +111,16 @@ class FormedRows:
         """φ(x)ᵀ Y per chunk: [B,H,n,R_i,V'] from ``phi``'s value and Y [B,H,n,C,V']."""
         return ph.swapaxes(-1, -2) @ Y
 
+    def weighted(self, S, i: int):
+        """ω ⊙ S over tile i's rows (S [..., R_i, V']): the weights ride on the state, never on a token's features."""
+        w = self.weight(i)
+        return S if w is None else S * mx.array(w, dtype=S.dtype)[:, None]
+
     def stacked(self, ph, Y, tail, i: int, weighted: bool = False):
         """[B,H,n+1,R_i,V']: ``states`` of each chunk (ω ⊙ them where ``weighted``), then ``tail`` [B,H,R_i,V'] (an
         initial state, or the final state's cotangent), as the entry states' one product over chunks reads them."""
-        S, w = self.states(ph, Y, i), self.weight(i)
-        if weighted and w is not None:
-            S = S * mx.array(w, dtype=S.dtype)[:, None]
-        return mx.concatenate([S, tail[:, :, None]], axis=2)
+        S = self.states(ph, Y, i)
+        return mx.concatenate([self.weighted(S, i) if weighted else S, tail[:, :, None]], axis=2)
 
     def out(self, ph, S, i: int):
         """φ(x) S per chunk: [B,H,n,C,V'] from ``phi``'s value and S [B,H,m,R_i,V'], m >= n states a sequence (the

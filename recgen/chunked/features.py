@@ -117,12 +117,6 @@ def _plus(total, x):
     return x if total is None else total + x
 
 
-def _weighted(rows, i, S):
-    """ω ⊙ S over tile i's rows (S [..., R_i, V']): the weights ride on the state, never on a token's features."""
-    w = rows.weight(i)
-    return S if w is None else S * mx.array(w, dtype=S.dtype)[:, None]
-
-
 @lru_cache(maxsize=None)
 def inter_fn(rows, gram_slices: int = 1):
     """inter(q, k, Wb, LL, S0) -> (Z [B,H,n,C,V'] = Σ_rows ω φ(q_t) Ŝ_{n(t)}, Ŝ_end [B,H,R,V'] in ``rows``);
@@ -140,7 +134,7 @@ def inter_fn(rows, gram_slices: int = 1):
         for i in range(rows.count):
             qi, ki = mx.depends([q, k], after) if after else (q, k)  # tile after tile
             Sh = _entry_states(rows.stacked(rows.phi(ki, i), Wb, tile(S0, i), i), LL)
-            Z = _plus(Z, rows.out(rows.phi(qi, i), _weighted(rows, i, Sh), i))  # the first n of Sh's n + 1
+            Z = _plus(Z, rows.out(rows.phi(qi, i), rows.weighted(Sh, i), i))  # the first n of Sh's n + 1
             ends.append(Sh[:, :, -1])
             after = [Z]
         return Z, ends[0] if len(ends) == 1 else mx.concatenate(ends, axis=-2)
@@ -159,7 +153,7 @@ def inter_fn(rows, gram_slices: int = 1):
             Sh = _entry_states(X, LL)
             X = X.reshape(B, H, n + 1, R * V1)
             flat = rows.stacked(pq, dZ, tile(dS_end, i), i, weighted=True).reshape(B, H, n + 1, R * V1)  # [read; dŜ_end]
-            dq = _plus(dq, rows.jac(qi, _weighted(rows, i, Sh), dZ, i))
+            dq = _plus(dq, rows.jac(qi, rows.weighted(Sh, i), dZ, i))
             dLL = _plus(dLL, _gram(flat, X, gram_slices))
             ddS = (LL.swapaxes(-1, -2) @ flat).reshape(B, H, n + 1, R, V1)      # dΔS (the first n), then dS0
             dS0.append(ddS[:, :, n])
