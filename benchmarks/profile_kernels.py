@@ -67,10 +67,13 @@ def main() -> None:
         kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA") and e.name
                    and not e.name.startswith("cuda")]
         kernels.sort(key=lambda e: e.time_range.start)
-        print("timeline of the last call:")
-        for e in kernels[-launches:]:
-            dur = (getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) / 1e3
-            print(f"{dur:8.3f} ms  {e.name.replace('mlx::core::cu::', '')[:120]}")
+        last = kernels[-launches:]
+        t0 = last[0].time_range.start
+        print("timeline of the last call (start, end from its first kernel's start; kernels of a CUDA graph may "
+              "overlap, so the end of the last is the call's span):")
+        for e in last:
+            print(f"{(e.time_range.start - t0) / 1e3:8.3f} {(e.time_range.end - t0) / 1e3:8.3f} ms  "
+                  f"{e.name.replace('mlx::core::cu::', '')[:110]}")
 
 
 if __name__ == "__main__":

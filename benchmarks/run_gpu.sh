@@ -14,6 +14,8 @@
 #     stage it first (git archive REV recgen | tar -x -C .ab_base, after mkdir .ab_base; git-ignored), and name
 #     .ab_base in the call's carry beside .gpu-bundle; AB_ROUNDS=2 alternates base and this tree twice
 #   SPECS="kda gla rwkv7" bash benchmarks/run_gpu.sh ab:RECGEN_MMA_PAIRS:4,4096,16,128  # pair kernels on fragments
+#   SPECS=power_retention AB_VALUES="8 4 2" bash benchmarks/run_gpu.sh ab-in:feature_jac_groups:2,4096,8,64
+#                                # a Tuning field's values in one process, rounds interleaved (benchmarks/ab_tuning.py)
 #   bash benchmarks/run_gpu.sh retention   # the retention package's power_retention (its autotuning: minutes)
 #   bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # every kernel of one call, the table in $OUT
 #   PROFILE_ARGS=--timeline bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # and in launch order
@@ -84,6 +86,12 @@ for stage in "$@"; do
               --json "$OUT/ab_${var//,/_}${v}_${sp}_${shape//,/x}.json" 2>&1 \
               | grep -E " ms | GiB " | sed "s/^/$sp $var=$v /" | tee -a "$OUT/ab.log"
           done; done ;;
+    ab-in:*) p=${stage#ab-in:}; field=${p%%:*}; shape=${p#*:}         # ab-in:FIELD:SHAPE: a Tuning field's AB_VALUES
+          for sp in $SPECS; do                                      # in one process, rounds interleaved (AB_ROUNDS)
+            timeout ${BENCH_TIMEOUT:-300} python benchmarks/ab_tuning.py $sp --shape $shape --field $field \
+              --values ${AB_VALUES:-0 1} --rounds ${AB_ROUNDS:-6} --pass ${PASS:-fwdbwd} \
+              --json "$OUT/ab_in_${field}_${sp}_${shape//,/x}.json" 2>&1 | grep -v Warn | tee -a "$OUT/ab_in.log"
+          done ;;
     ab-tree:*) p=${stage#ab-tree:}; base=${p%%:*}; shape=${p#*:}   # ab-tree:DIR:SHAPE: the code in DIR, then this
           for sp in $SPECS; do for round in $(seq ${AB_ROUNDS:-1}); do  # tree's, every spec of $SPECS, AB_ROUNDS
           for tree in "$base" .; do                                  # times in turn (processes spread about ±5%);

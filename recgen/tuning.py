@@ -47,6 +47,8 @@ class Tuning:
     #                                 memory of MLX's products over formed rows, a faster forward, training alike)
     feature_jac_rows: bool = False  # ... their gradient by the rows of φ's pairs (the packed count of multiply-adds,
     #                                 half the quadratic form's D² a token); built and emulator-checked, not yet timed
+    feature_jac_groups: int = 8     # ... SIMD groups a threadgroup of their gradient at most (8, 4, 2 or 1): fewer
+    #                                 let more threadgroups share an SM (it is register-bound), each staging the state
     gram_slices: int = 1            # ... the gradient of its decays between chunks, a product over the expanded
     #                                 state's entries, cut in this many slices read as rows (``features._gram``):
     #                                 more multiply-adds, far more parallel (cuBLAS ran the one product serially)
@@ -208,6 +210,8 @@ ENVIRONMENT = {
     "RECGEN_DECAYED_SCORES": ("decayed_scores", _flag),
     "RECGEN_GRAM_SLICES": ("gram_slices", int),
     "RECGEN_FEATURE_JAC_ROWS": ("feature_jac_rows", _flag),
+    "RECGEN_FEATURE_JAC_GROUPS": ("feature_jac_groups", lambda text: int(_choice("RECGEN_FEATURE_JAC_GROUPS",
+                                                                                   ("8", "4", "2", "1"))(text))),
     "RECGEN_SCORES_ROWS": ("scores_rows", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
     "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),

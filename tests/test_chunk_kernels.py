@@ -1510,6 +1510,16 @@ def test_pair_kernels_on_fragments_match_numpy(frame, C, K, strict, dual):
         ck.pair_launch(frame, N, 8, K, strict, mma=True)
 
 
+def test_the_feature_gradient_takes_at_most_the_tunings_simd_groups():
+    """``Tuning.feature_jac_groups`` caps the gradient kernel's NG (the emulator cases above run NG = 1, 2, 4, 8)."""
+    from recgen.codegen.chunk_sources import feature_mma_layout
+
+    assert [feature_mma_layout("cuda", 256, 64, 65, g)["jac"]["NG"] for g in (8, 4, 2, 1)] == [8, 4, 2, 1]
+    assert feature_mma_layout("cuda", 32, 64, 65, 8)["jac"]["NG"] == 2  # 16 NG divides C
+    with tuning.override(feature_jac_groups=4):
+        assert tuning.current().feature_jac_groups == 4
+
+
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("N,C,D,V,sanitizer", [(2, 32, 8, 5, None),     # 36 rows: one partial block of 64
                                                (1, 64, 12, 16, None),   # two blocks, four SIMD groups of tokens

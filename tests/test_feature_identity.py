@@ -99,6 +99,16 @@ def test_power_retention_through_the_identity_matches_the_reference(sizes, dtype
         assert rel_err(np.array(a), b) <= grad_tol, (name, rel_err(np.array(a), b))
 
 
+@pytest.mark.parametrize("K,parts,want", [(2080 * 65, 16, 13), (2080 * 65, 20, 20), (2080 * 65, 8, 8),
+                                           (8256 * 129, 16, 16),
+                                           (7, 16, 7), (2 * 3, 16, 6), (1, 16, 1), (2080 * 65, 1, 1)])
+def test_the_gram_slices_keep_rows_16_byte_aligned_where_a_divisor_allows(K, parts, want):
+    """``features.gram_parts``: the largest divisor up to ``parts`` leaving slices of a multiple of 4 elements (2080·65 / 16
+    would be 8450), else the largest divisor (K = 7, 6: no such slices)."""
+    assert F.gram_parts(K, parts) == want
+    assert K % want == 0
+
+
 def test_the_switch_keeps_the_general_form(monkeypatch):
     """``Tuning.feature_identity`` off: the spec's general chunked form, the same numbers."""
     sizes = CASES[0]

@@ -37,6 +37,9 @@ def test_bad_environment_and_fields_name_themselves():
         tuning.resolve("cpu", environ={"RECGEN_BACKWARD": "sideways"})
     with pytest.raises(InputError, match="RECGEN_FWD_LAYOUT"):
         tuning.resolve("cpu", environ={"RECGEN_FWD_LAYOUT": "8,4"})
+    with pytest.raises(InputError, match="RECGEN_FEATURE_JAC_GROUPS"):
+        tuning.resolve("cpu", environ={"RECGEN_FEATURE_JAC_GROUPS": "3"})
+    assert tuning.resolve("cpu", environ={"RECGEN_FEATURE_JAC_GROUPS": "4"}).feature_jac_groups == 4
     with pytest.raises(InputError, match="chunk_sise"):
         tuning.resolve("cpu", environ={}, chunk_sise=4)
     with pytest.raises(InputError, match="chunk_sise"):

@@ -422,12 +422,13 @@ def feature_jac_source(dialect: str, rows: bool = False) -> KernelSource:
 
 # -- which sizes have a kernel, and their layouts --------------------------------------------------
 @lru_cache(maxsize=None)
-def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
+def feature_mma_layout(dialect: str, C: int, D: int, V: int, jac_groups: int = 8) -> dict | None:
     """Template constants of the feature product kernels, {"states": ..., "out": ..., "jac": ...}, or None where they
     have no layout: C a multiple of 16; VP = V rounded up to 8 columns in fragments; the states kernel's token
     staging TB (32, 16 or 8 dividing C), the readout's SIMD groups NG (4, 2 or 1, 16 NG dividing C) and row staging
     RB (32, 16 or 8), the first that fit the dialect's threadgroup memory (x staged at row stride LDX, y or S at
-    LDB); the gradient's NG, the first of 8, 4, 2, 1 with 16 NG dividing C (x and y in registers, its one staged
+    LDB); the gradient's NG, the first of 8, 4, 2, 1 up to ``jac_groups`` with 16 NG dividing C (fewer SIMD groups
+    a threadgroup let more threadgroups share an SM, each staging the state itself; x and y in registers, its one staged
     operand a DP x VP block of the state at LDB, DP = D rounded up to 8, which must fit; NB = 2 buffers of it
     where they fit, else 1); the row-wise gradient's ("jac_rows", None where its block at LDT does not fit) the same
     with the block's rows read transposed (LDT)."""
@@ -440,7 +441,8 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int) -> dict | None:
     out = next(((ng, rb) for ng in (4, 2, 1) if C % (16 * ng) == 0 for rb in (32, 16, 8)
                 if 16 * ng * ldx + rb * (ldb + 3) <= room), None)
     dp = -(-D // 8) * 8
-    jac = next((ng for ng in (8, 4, 2, 1) if C % (16 * ng) == 0), None) if dp * ldb <= room else None
+    jac = (next((ng for ng in (8, 4, 2, 1) if ng <= jac_groups and C % (16 * ng) == 0), None)
+           if dp * ldb <= room else None)
     if tb is None or out is None or jac is None:
         return None
     jac_base = {k: v for k, v in base.items() if k not in ("LDX", "LDB")}

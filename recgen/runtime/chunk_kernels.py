@@ -372,11 +372,11 @@ def feature_out_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple 
 
 @lru_cache(maxsize=64)
 def feature_jac_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple = (1, 1),
-                       rows: bool = False) -> Launch:
+                       rows: bool = False, groups: int = 8) -> Launch:
     """dX through φ's rows of N chunks (``feature_jac_source``; ``rows``: by the rows of φ's pairs, where
-    ``feature_mma_layout`` has a "jac_rows" layout): a threadgroup 16 NG tokens of a chunk; ``seq`` as
-    ``feature_out_launch``'s."""
-    lay = feature_mma_layout(dialect, C, D, V)["jac_rows" if rows else "jac"]
+    ``feature_mma_layout`` has a "jac_rows" layout): a threadgroup 16 NG tokens of a chunk (NG at most ``groups``,
+    ``Tuning.feature_jac_groups``); ``seq`` as ``feature_out_launch``'s."""
+    lay = feature_mma_layout(dialect, C, D, V, groups)["jac_rows" if rows else "jac"]
     return _by_tokens(feature_jac_source(dialect, rows), (("ns", seq, "int32"),), (N, C, D), N, C, lay)
 
 
@@ -773,7 +773,7 @@ def feature_jac(X, S, Y, t: Tuning):
     N, (C, D), (F, V) = _lead(X, 2), X.shape[-2:], S.shape[-2:]
     seq = _states_per_sequence(X, S)
     by_rows = t.feature_jac_rows and feature_mma_layout(t.dialect, C, D, V)["jac_rows"] is not None
-    (dX,) = _call(t, feature_jac_launch(t.dialect, N, C, D, V, seq, by_rows),
+    (dX,) = _call(t, feature_jac_launch(t.dialect, N, C, D, V, seq, by_rows, t.feature_jac_groups),
                   [X.reshape(N, C, D), S.reshape(-1, F, V), Y.reshape(N, C, V)])
     return dX.reshape(X.shape)
 
