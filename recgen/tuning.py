@@ -46,9 +46,11 @@ class Tuning:
     feature_kernels: bool = False   # ... its products over φ's rows as fragment kernels forming φ as read (half the
     #                                 memory of MLX's products over formed rows, a faster forward, training alike)
     feature_jac_rows: bool = False  # ... their gradient by the rows of φ's pairs (the packed count of multiply-adds,
-    #                                 half the quadratic form's D² a token); built and emulator-checked, not yet timed
+    #                                 half the quadratic form's D² a token); even with it on the H100 (7.14 against
+    #                                 7.23 ms a training step, within the spread): both are latency-bound
     feature_jac_groups: int = 8     # ... SIMD groups a threadgroup of their gradient at most (8, 4, 2 or 1): fewer
-    #                                 let more threadgroups share an SM (it is register-bound), each staging the state
+    #                                 let more threadgroups share an SM, but each stages the whole state (H100:
+    #                                 6.95 ms a training step at 8, 7.88 at 4, 9.61 at 2)
     gram_slices: int = 1            # ... the gradient of its decays between chunks, a product over the expanded
     #                                 state's entries, cut in this many slices read as rows (``features._gram``):
     #                                 more multiply-adds, far more parallel (cuBLAS ran the one product serially)
@@ -150,6 +152,11 @@ def _choice(name: str, allowed: tuple):
     return parse
 
 
+def _int_choice(name: str, allowed: tuple):
+    choose = _choice(name, tuple(str(a) for a in allowed))
+    return lambda text: int(choose(text))
+
+
 def _layout(text: str) -> tuple[int, int, int]:
     parts = tuple(int(x) for x in text.split(","))
     if len(parts) != 3:
@@ -210,8 +217,7 @@ ENVIRONMENT = {
     "RECGEN_DECAYED_SCORES": ("decayed_scores", _flag),
     "RECGEN_GRAM_SLICES": ("gram_slices", int),
     "RECGEN_FEATURE_JAC_ROWS": ("feature_jac_rows", _flag),
-    "RECGEN_FEATURE_JAC_GROUPS": ("feature_jac_groups", lambda text: int(_choice("RECGEN_FEATURE_JAC_GROUPS",
-                                                                                   ("8", "4", "2", "1"))(text))),
+    "RECGEN_FEATURE_JAC_GROUPS": ("feature_jac_groups", _int_choice("RECGEN_FEATURE_JAC_GROUPS", (8, 4, 2, 1))),
     "RECGEN_SCORES_ROWS": ("scores_rows", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
     "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),

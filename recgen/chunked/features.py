@@ -29,7 +29,6 @@ each state row read and written once, split over blocks of rows.
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 import mlx.core as mx
