@@ -52,14 +52,19 @@ def workset_per_token(rows, BH: int, d: int, V1: int, C: int) -> int:
 
 # -- decay factors (MLX autodiff) ----------------------------------------------------------------------------
 
+@lru_cache(maxsize=16)
+def _lower(C: int, k: int):
+    """The [C, C] mask of s <= t + k, made once per size: every call would otherwise upload it from the host."""
+    return mx.array(np.tril(np.ones((C, C), dtype=bool), k))
+
+
 def segment_sums(x):
     """seg[..., t, s] = Σ_{s<l≤t} x_l for s <= t, −∞ above the diagonal: x [..., C] -> [..., C, C]. A sum of the
     spanned log-decays only (no difference of cumulative sums), so it loses nothing to strong decays."""
     C = x.shape[-1]
-    below = mx.array(np.tril(np.ones((C, C), dtype=bool), -1))
-    rep = mx.where(below, mx.broadcast_to(x[..., :, None], x.shape + (C,)), 0.0)
+    rep = mx.where(_lower(C, -1), mx.broadcast_to(x[..., :, None], x.shape + (C,)), 0.0)
     seg = mx.cumsum(rep, axis=-2)
-    return mx.where(mx.array(np.tril(np.ones((C, C), dtype=bool))), seg, -mx.inf)
+    return mx.where(_lower(C, 0), seg, -mx.inf)
 
 
 def chunk_scores(q, k, gam, pow2: bool = False, degree: int = 2, scores=None):

@@ -39,14 +39,20 @@ def mlx_kernel(src: KernelSource, factory: str, debug: bool = False):
 
 def mlx_call(launch: Launch, dialect: Dialect, user: list, extra: list, debug: bool = False):
     """Buffers in source order: the user's arrays, the runtime values, then ``extra``."""
+    ins = list(user) + list(runtime_arrays(launch.runtime)) + list(extra)
+    return mlx_kernel(launch.source, dialect.mlx_factory, debug)(inputs=ins, **launch_arguments(launch))
+
+
+@lru_cache(maxsize=256)
+def launch_arguments(launch: Launch) -> dict:
+    """The kernel call's arguments but its inputs, as MLX takes them, made once per launch (a step calls each
+    of its kernels every time, and its graph is built on the host before the GPU can start)."""
     import mlx.core as mx
 
-    ins = list(user) + list(runtime_arrays(launch.runtime)) + list(extra)
-    return mlx_kernel(launch.source, dialect.mlx_factory, debug)(
-        inputs=ins, output_shapes=[s for s, _ in launch.outputs],
-        output_dtypes=[getattr(mx, dt) for _, dt in launch.outputs], grid=launch.grid,
-        threadgroup=launch.threadgroup,
-        template=[(n, getattr(mx, v) if isinstance(v, str) else v) for n, v in launch.template])
+    return dict(output_shapes=[s for s, _ in launch.outputs],
+                output_dtypes=[getattr(mx, dt) for _, dt in launch.outputs], grid=launch.grid,
+                threadgroup=launch.threadgroup,
+                template=[(n, getattr(mx, v) if isinstance(v, str) else v) for n, v in launch.template])
 
 
 @lru_cache(maxsize=256)

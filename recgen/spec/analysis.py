@@ -31,8 +31,13 @@ class FeatureIdentity:
     degree: int = 2  # the feature map's: φ(q)ᵀφ(k) = (qᵀk)^degree
 
     def constant(self, scale: float) -> float:
-        """c at the call's ``scale``."""
-        return float(self.c.subs(ir.SCALE, scale))
+        """c at the call's ``scale`` (a substitution once per value: every call asks)."""
+        return _at_scale(self.c, float(scale))
+
+
+@lru_cache(maxsize=64)
+def _at_scale(c: sp.Expr, scale: float) -> float:
+    return float(c.subs(ir.SCALE, scale))
 
 
 @dataclass(frozen=True)

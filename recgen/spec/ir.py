@@ -31,6 +31,7 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import sympy as sp
 
@@ -82,7 +83,7 @@ class Input:
     kind: str
     index: tuple[str, ...]
 
-    @property
+    @cached_property  # made once: every op call binds its inputs by symbol (sympy's constructor is not free)
     def symbol(self) -> sp.Symbol:
         return sp.Symbol(self.name, real=True)
 
@@ -111,7 +112,7 @@ class Feature:
     source: str
     degree: int = 2
 
-    @property
+    @cached_property  # made once: every op call binds its inputs by symbol (sympy's constructor is not free)
     def symbol(self) -> sp.Symbol:
         return sp.Symbol(self.name, real=True)
 
