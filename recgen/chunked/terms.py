@@ -186,8 +186,7 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
         if x.kind == "scalar":                       # [B,C,H]
             vals[x.symbol] = cast(a.transpose(0, 2, 1)[..., None, None])
         elif x.kind == "key":                        # [B,C,Hk,Kin]
-            used_raw = any(x.symbol in e.free_symbols for e in rec.terms().values())
-            if used_raw:
+            if x.symbol in p.analysis.raw_keys:
                 vals[x.symbol] = cast(row_major(expand_heads(a, H, rec.gqa, 2).transpose(0, 2, 1, 3)[..., None], x))
             for f in rec.features if features else ():
                 if f.source == x.name:

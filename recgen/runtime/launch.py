@@ -25,6 +25,13 @@ class Launch:
     threadgroup: tuple
     template: tuple        # ((name, int | bool | dtype name), ...)
 
+    def __hash__(self) -> int:  # computed once: each kernel call looks its launch up in caches
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.source, self.runtime, self.outputs, self.grid, self.threadgroup, self.template))
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 @lru_cache(maxsize=256)
 def mlx_kernel(src: KernelSource, factory: str, debug: bool = False):

@@ -54,6 +54,7 @@ class Analysis:
     feature_identity: "FeatureIdentity | None" = None  # the chunked form through φ(q)ᵀφ(k) = (qᵀk)^p
     u_factor: tuple | None = None         # (key input symbol x, f) where the update key is u = f·x, f free of the key
     #                                       and value indices (GDN's β k): kernels can read x and scale as they read
+    raw_keys: frozenset = frozenset()     # key inputs some term reads as they are (not only through a feature map)
 
     @property
     def decay_kind(self) -> str:
@@ -106,8 +107,10 @@ def analyze(rec: ir.Recurrence) -> Analysis:
                 rho_pow2 = float(r)
     sides = ir.KEY_ROLES + ir.VALUE_ROLES
     bare = tuple((role, e) for role, e in terms.items() if role in sides and isinstance(e, sp.Symbol) and e in rec.symbols)
+    raw = frozenset(x.symbol for x in rec.inputs
+                    if x.kind == "key" and any(x.symbol in e.free_symbols for e in terms.values()))
     return Analysis(rec, decay_index, zindex, rho, rho_pow2, bare, _scaled(rec, terms.get("r")), fuse,
-                    _feature_identity(rec, terms, decay_index, fuse), _key_factor(rec, terms["u"]))
+                    _feature_identity(rec, terms, decay_index, fuse), _key_factor(rec, terms["u"]), raw)
 
 
 def _key_factor(rec: ir.Recurrence, u) -> tuple | None:
