@@ -1,6 +1,7 @@
 """Where an op's GPU time goes: every kernel MLX launches for one call, by total time, on an NVIDIA GPU.
 
     python benchmarks/profile_kernels.py gated_delta_net --shape 4,4096,16,128 --pass fwdbwd [--compiled]
+    python benchmarks/profile_kernels.py power_retention --shape 2,4096,8,64 --pass fwdbwd --host   # host's share
 
 MLX's CUDA kernels are recorded through CUPTI by ``torch.profiler`` in the same process (torch only records;
 nothing runs in torch). The call is the one ``recgen bench`` times (``recgen.bench.steps``: the op's defaults,
@@ -22,14 +23,15 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--timeline", action="store_true", help="also every kernel of the last call, in launch order")
+    p.add_argument("--host", action="store_true",
+                   help="instead: the host's share of a call, the graph's build alone (then dropped unevaluated) "
+                        "against a synchronized call (build, launch and GPU), medians of --reps; no torch")
     p.add_argument("--cuda-profiler-range", action="store_true",
                    help="only one call between cudaProfilerStart and Stop, for `ncu --profile-from-start off` "
                         "(the warm-up and the once-a-process self-tests outside it); no table")
     args = p.parse_args()
 
     import mlx.core as mx
-    import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from recgen import bench, load
 
@@ -40,6 +42,12 @@ def main() -> None:
     for _ in range(2):
         mx.eval(call())
     mx.synchronize()
+    if args.host:
+        host_share(call, args)
+        return
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
     torch.cuda.init()
     if args.cuda_profiler_range:
         torch.cuda.cudart().cudaProfilerStart()
@@ -74,6 +82,29 @@ def main() -> None:
         for e in last:
             print(f"{(e.time_range.start - t0) / 1e3:8.3f} {(e.time_range.end - t0) / 1e3:8.3f} ms  "
                   f"{e.name.replace('mlx::core::cu::', '')[:110]}")
+
+
+def host_share(call, args) -> None:
+    """Medians of ``args.reps`` (at least 5): building a call's graph (dropped unevaluated), and one synchronized
+    call. Under ``mx.vjp`` nothing is compiled, so a training call re-runs the op's Python every time, and the GPU
+    waits for the graph."""
+    import statistics
+    import time
+
+    import mlx.core as mx
+
+    build, whole = [], []
+    for _ in range(max(5, args.reps)):
+        t0 = time.perf_counter()
+        graph = call()
+        build.append((time.perf_counter() - t0) * 1e3)
+        del graph
+        t0 = time.perf_counter()
+        mx.eval(call())
+        mx.synchronize()
+        whole.append((time.perf_counter() - t0) * 1e3)
+    print(f"{args.spec} {args.shape} {args.dtype} {args.kind}{' compiled' if args.compiled else ''}: "
+          f"graph build {statistics.median(build):.3f} ms, synchronized call {statistics.median(whole):.3f} ms")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@
 #   bash benchmarks/run_gpu.sh retention   # the retention package's power_retention (its autotuning: minutes)
 #   bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # every kernel of one call, the table in $OUT
 #   PROFILE_ARGS=--timeline bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # and in launch order
+#   PROFILE_ARGS=--host bash benchmarks/run_gpu.sh profile:power_retention:2,4096,8,64:fwdbwd  # the host's share
 #   NCU_KERNELS="pair|dg_rev" bash benchmarks/run_gpu.sh ncu:rwkv7:4,4096,16,128:fwdbwd   # Nsight Compute, one call
 # Timings are `recgen bench` (chained calls, the op's defaults; recgen/bench.py says how) and FLA in the same call.
 # `check` is the GPU test suite (python -m pytest -m gpu, in shards). Expects the offline bundle (.gpu-bundle,
