@@ -86,26 +86,22 @@ def main() -> None:
 
 def host_share(call, args) -> None:
     """Medians of ``args.reps`` (at least 5): building a call's graph (dropped unevaluated), and one synchronized
-    call. Under ``mx.vjp`` nothing is compiled, so a training call re-runs the op's Python every time, and the GPU
-    waits for the graph."""
+    call (``bench.time_sync``). Under ``mx.vjp`` nothing is compiled, so a training call re-runs the op's Python
+    every time, and the GPU waits for the graph."""
     import statistics
     import time
 
-    import mlx.core as mx
+    from recgen import bench
 
-    build, whole = [], []
-    for _ in range(max(5, args.reps)):
+    reps, build = max(5, args.reps), []
+    for _ in range(reps):
         t0 = time.perf_counter()
         graph = call()
         build.append((time.perf_counter() - t0) * 1e3)
         del graph
-        t0 = time.perf_counter()
-        mx.eval(call())
-        mx.synchronize()
-        whole.append((time.perf_counter() - t0) * 1e3)
+    whole = bench.time_sync(call, reps)
     print(f"{args.spec} {args.shape} {args.dtype} {args.kind}{' compiled' if args.compiled else ''}: "
           f"graph build {statistics.median(build):.3f} ms, synchronized call {statistics.median(whole):.3f} ms")
-
 
 if __name__ == "__main__":
     main()

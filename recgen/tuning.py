@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
 from .errors import InputError
+from .hashing import hash_once
 
 BACKENDS = ("metal", "cuda", "mlx")
 BACKWARDS = ("recurrent", "chunked")
@@ -113,12 +114,7 @@ class Tuning:
     # -- the recurrent kernels ----------------------------------------------------------------------
     fwd_layout: tuple[int, int, int] | None = None  # force the forward lane mapping (LK, CPL, WV): sweeps
 
-    def __hash__(self) -> int:  # computed once: every op call's caches key on the tuning
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", h)
-        return h
+    __hash__ = hash_once  # every op call's caches key on the tuning
 
 
 DEVICE_DEFAULTS = {

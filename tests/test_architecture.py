@@ -111,10 +111,10 @@ def test_no_private_name_crosses_modules():
     assert bad == []
 
 
-LAYERS = ["recgen.version", "recgen.errors", "recgen.tuning", "recgen.spec", "recgen.specs", "recgen.math",
-          "recgen.codegen", "recgen.key_blocks", "recgen.runtime", "recgen.chunked", "recgen.op_args", "recgen.ops",
-          "recgen.integrations", "recgen.adapters", "recgen.testing", "recgen.emit", "recgen.verify", "recgen.bench",
-          "recgen.cli"]
+LAYERS = ["recgen.version", "recgen.errors", "recgen.hashing", "recgen.tuning", "recgen.spec", "recgen.specs",
+          "recgen.math", "recgen.codegen", "recgen.key_blocks", "recgen.runtime", "recgen.chunked", "recgen.op_args",
+          "recgen.ops", "recgen.integrations", "recgen.adapters", "recgen.testing", "recgen.emit", "recgen.verify",
+          "recgen.bench", "recgen.cli"]
 
 
 def layer(m: str) -> int:

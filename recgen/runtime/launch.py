@@ -12,6 +12,7 @@ from functools import lru_cache
 
 from ..codegen.backends.dialect import Dialect
 from ..codegen.render import KernelSource
+from ..hashing import hash_once
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,7 @@ class Launch:
     threadgroup: tuple
     template: tuple        # ((name, int | bool | dtype name), ...)
 
-    def __hash__(self) -> int:  # computed once: each kernel call looks its launch up in caches
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash((self.source, self.runtime, self.outputs, self.grid, self.threadgroup, self.template))
-            object.__setattr__(self, "_hash", h)
-        return h
+    __hash__ = hash_once  # each kernel call looks its launch up in caches
 
 
 @lru_cache(maxsize=256)
