@@ -43,9 +43,10 @@ from .op_args import (CheckedSignatures, check_array, check_backend, check_cu_se
                       check_mamba2, check_names, check_scale, signature, warn_head_first)
 from .op_args import check_finite as check_finite_values
 from .op_args import check_delta_product
-from .runtime.probe import checked
+from .runtime.probe import checked_for
 from .runtime.recurrent import kernel_op
 from .spec import ir
+from .spec.analysis import analyze
 from .spec.layouts import Sizes, infer_sizes
 from .tuning import BACKENDS, BACKWARDS, Tuning, current
 
@@ -151,7 +152,7 @@ class Op:
         rec = self.rec
         states = [] if initial_state is None else check_initial_state(rec, sizes, initial_state)
         scale = op_scale(rec, sizes, scale)
-        t = checked(current())
+        t = checked_for(analyze(rec), current())
         defaulted = backend is None and self.backend is None and t.backend is None
         backend = choose_backend(t, backend, self.backend)
         if defaulted and backend != "mlx" and not has_kernel(rec, sizes, t):
@@ -274,7 +275,7 @@ class PowerRetention(Op):
         self._blocks_op = Op(specs.simple_gla, backend=backend, chunk_size=chunk_size, backward=backward)
 
     def _run(self, arrays: dict, sizes: Sizes, initial_state, output_final_state, scale, backend, check_finite):
-        t = checked(current())
+        t = checked_for(analyze(self.rec), current())
         from .chunked.features import decodes
 
         if (choose_backend(t, backend, self.backend) == "mlx" or sizes.B == 0 or sizes.T == 0
@@ -291,7 +292,7 @@ class PowerRetention(Op):
         """The composition (see the class docstring) on ``backend`` (None: the default); ``states`` the checked
         (S, z) or None."""
         q, k, v, g = (arrays[n] for n in ("q", "k", "v", "g"))
-        kb = key_blocks(sizes, checked(current()).fwd_layout)
+        kb = key_blocks(sizes, current().fwd_layout)
         into, out_of = key_block_maps(self.rec.gqa, sizes, kb, v.dtype, states is not None, output_final_state,
                                       compiled=sizes.T == 1)
         parts = into(q, k, v, g, *(states or ()))

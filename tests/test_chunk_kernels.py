@@ -1,10 +1,12 @@
 """The generated chunk kernels (``recgen.runtime.chunk_kernels``) on the Metal CPU emulator, against
 float64 numpy: the triangular inverse and the chunk scan in both directions, scalar and key decays,
 strong decays, V not a multiple of the column tile. (The CUDA form is checked on a GPU: ``tests/gpu``.)"""
+import dataclasses
+
 import numpy as np
 import pytest
 
-from recgen import tuning
+from recgen import specs, tuning
 from recgen.codegen import chunk_sources as cs
 from recgen.codegen.chunk_sources import ScanVariant
 from recgen.chunked import rank1
@@ -1707,6 +1709,33 @@ def test_hoisted_kernels_are_the_ones_probed(monkeypatch, fresh_probe):
     c = pr.checked(tuning.resolve("gpu", "cuda", environ={}))
     assert c.scan_hoist and c.reverse_scan_hoist and c.mma_scan
     assert "hoist" in probed and "mma" not in probed, probed
+
+
+def test_a_spec_probes_only_the_frames_its_path_runs(monkeypatch, fresh_probe):
+    """MLX keeps no compiled custom kernel across processes, so every frame probed costs its compile in each new
+    process: power retention (kernel identity) probes φ's frames and no chunk scan; GDN the chunk algebra's and none
+    of φ's. A frame left unprobed leaves its choice as the tuning has it; the dispatcher passes the spec's frames."""
+    from recgen.spec.analysis import analyze
+
+    probed = []
+    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: probed.append(f) or None)
+    t = tuning.resolve("gpu", "cuda", environ={})
+    assert t.feature_identity and t.feature_kernels and t.chunk_kernels
+    power, gdn = analyze(specs.power_retention), analyze(specs.gated_delta_net)
+    assert pr.frames_for(power, t) == pr.FEATURE_FRAMES and pr.frames_for(gdn, t) == pr.CHUNK_FRAMES
+    # without the kernel identity power retention's φ is formed in memory and runs the chunk algebra
+    assert pr.frames_for(power, dataclasses.replace(t, feature_identity=False)) == pr.CHUNK_FRAMES
+    assert pr.checked_for(power, t) == t
+    assert set(probed) <= pr.FEATURE_FRAMES and {"base", "features", "scores"} <= set(probed), probed
+    probed.clear()
+    assert pr.checked_for(gdn, t) == t
+    assert set(probed) <= pr.CHUNK_FRAMES and {"base", "hoist"} <= set(probed), probed
+    # a failing feature frame turns off only φ's choice, and only where power retention asked
+    pr.checked.cache_clear()
+    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: "RuntimeError: no" if f == "features" else None)
+    assert pr.checked_for(gdn, t).feature_kernels
+    with pytest.warns(RuntimeWarning, match="feature product"):
+        assert not pr.checked_for(power, t).feature_kernels
 
 
 def test_probe_inside_a_transformation(monkeypatch, fresh_probe):

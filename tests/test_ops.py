@@ -188,7 +188,7 @@ def test_default_backend_runs_the_chunked_form_where_the_spec_has_no_kernel(monk
     from recgen.spec.layouts import Sizes
 
     t = tuning.resolve("gpu", "cuda", environ={}, chunk_kernels=False, mma_scan=False)
-    monkeypatch.setattr(ops, "checked", lambda _t: t)
+    monkeypatch.setattr(ops, "checked_for", lambda _p, _t: t)
     rng = np.random.default_rng(5)
     a = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
     q, k, v = a(1, 6, 2, 4), a(1, 6, 2, 4), a(1, 6, 2, 3)

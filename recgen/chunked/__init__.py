@@ -51,8 +51,8 @@ from ..spec.analysis import analyze
 from ..spec.layouts import InputError, check_state, infer_sizes
 from ..codegen.chunk_sources import decayed_scores_layout, pair_supported, sympow_supported
 from ..runtime import chunk_kernels as ck
-from ..runtime.probe import checked
-from ..tuning import Tuning, current
+from ..runtime.probe import checked_for
+from ..tuning import Tuning
 from . import core, feature_rows, features, parallel, rank1
 from .core import pow2_ceil
 from .terms import KEY_ROLES, bind, evaluate, expand_heads, plan
@@ -516,12 +516,12 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     precision, so tests can separate the algorithm's exactness from float32 rounding amplified by
     an ill-conditioned spec (a ratio readout with a tiny floor). ``o`` and the state then stay float64.
     ``tuning``: the dispatcher's (``recgen.ops``); by default that of MLX's default device, checked once."""
-    tun = tuning or checked(current())
+    p = analyze(rec)
+    tun = tuning or checked_for(p)
     dtype = compute_dtype or mx.float32
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
         raise InputError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
     supported(rec)
-    p = analyze(rec)
     sizes, S, z = _prepare(rec, inputs, initial_state, dtype)
     out_dtype = dtype if compute_dtype is not None else _out_dtype(rec, inputs)
     T = sizes.T
@@ -605,7 +605,7 @@ def _finish(rec, ys, S, z, out_dtype, sizes, dtype=mx.float32):
 
 def naive_loop(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=None, tuning: Tuning | None = None):
     """The per-token MLX loop of the same spec (the benchmark baseline; memory grows with T)."""
-    tun = tuning or checked(current())
+    tun = tuning or checked_for(analyze(rec))
     p = plan(rec, tun.pow2_exp)
     sizes, S, z = _prepare(rec, inputs, initial_state)
     xs = {k: v.astype(S.dtype) for k, v in inputs.items()}

@@ -26,7 +26,7 @@ from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bw
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..spec.features import sympow_pairs
 from ..tuning import Tuning
-from .launch import Launch, mlx_call
+from .launch import Launch, dtype_name, mlx_call
 
 
 # -- which kernels run ----------------------------------------------------------------------------
@@ -393,11 +393,6 @@ def _lead(x, tail: int) -> int:
     return math.prod(x.shape[:-tail])
 
 
-def _dtype_name(dtype) -> str:
-    """An mx dtype's name as launches carry it ("bfloat16")."""
-    return str(dtype).split(".")[-1]
-
-
 _recording: contextvars.ContextVar = contextvars.ContextVar("recgen_chunk_recording", default=None)
 
 
@@ -419,7 +414,7 @@ def _call(t: Tuning, launch: Launch, user: list):
     if calls is not None:
         import mlx.core as mx
 
-        calls.append((launch, tuple((tuple(a.shape), _dtype_name(a.dtype)) for a in user)))
+        calls.append((launch, tuple((tuple(a.shape), dtype_name(a.dtype)) for a in user)))
         return [mx.zeros(shape, getattr(mx, dt)) for shape, dt in launch.outputs]
     return mlx_call(launch, get(t.dialect), user, [], t.debug)
 
@@ -527,11 +522,11 @@ def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None, ml=None
 
     (n, C, V), K = Z.shape[-3:], r.shape[-1]
     N = _lead(Z, 2)
-    yt = None if out is None else (Z.shape[-4], n, _dtype_name(out))
+    yt = None if out is None else (Z.shape[-4], n, dtype_name(out))
     keys = [r, u] if ml is not None else [r.reshape(N, C, K), u.reshape(N, C, K)]
     launch = None
     if t.async_staging:
-        types = tuple(_dtype_name(x.dtype) for x in (r, u, Z))
+        types = tuple(dtype_name(x.dtype) for x in (r, u, Z))
         launch = out_async_launch(t.dialect, N, C, K, V, types, yt, t.out_bv, uf=uf is not None, ml=ml)
     if launch is None:
         launch = out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, uf=uf is not None, ml=ml, l2=t.l2_prefetch)
@@ -555,10 +550,10 @@ def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None, out=None,
     N, lead = _lead(l, 2), l.shape[:-1]
     x = u if ml is not None else u.reshape(N, C, K)
     roles = ([bt.reshape(N, C, K), x] if uf is None else [x, uf.reshape(N, C), mx.array([bf], dtype=mx.float32)])
-    ot = None if out is None else _dtype_name(out)
+    ot = None if out is None else dtype_name(out)
     launch = None
     if t.async_staging:
-        types = tuple(_dtype_name(a.dtype) for a in ((u, w) if uf is not None else (u, w, bt)))
+        types = tuple(dtype_name(a.dtype) for a in ((u, w) if uf is not None else (u, w, bt)))
         launch = ut_async_launch(t.dialect, N, C, K, V, types, t.ut_bw, uf=uf is not None, ot=ot, ml=ml)
     if launch is None:
         launch = ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None, ot=ot, ml=ml, l2=t.l2_prefetch)
@@ -589,7 +584,7 @@ def _out_key(r, M, Z, states, extra: tuple, t: Tuning, out, rs, m2: bool = False
 
     (n, C, K), V = r.shape[-3:], Z.shape[-1]
     N = _lead(r, 2)
-    yt = None if out is None else (r.shape[-4], n, _dtype_name(out))
+    yt = None if out is None else (r.shape[-4], n, dtype_name(out))
     flat = lambda x: x.reshape(N, C, x.shape[-1])  # noqa: E731
     (y,) = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, key=True, m2=m2),
                  [flat(r), flat(M), flat(Z), states.reshape(N, K, V), *(flat(x) for x in extra),
@@ -628,7 +623,7 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
     delta = bt is not None or uf is not None
     flat = lambda x: x.reshape(N, C, K)  # noqa: E731
     roles = (r, u, bt) if bt is not None else (r, u)
-    types = tuple(_dtype_name(x.dtype) for x in roles)
+    types = tuple(dtype_name(x.dtype) for x in roles)
     factors = [] if uf is None else [uf.reshape(N, C), mx.array([bf], dtype=mx.float32)]
     user = (([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)]
             + [x if ml is not None else flat(x) for x in roles] + factors
@@ -667,7 +662,7 @@ def _key_tail(roles, l, grads, dg, t: Tuning, rs=None, before: bool | None = Non
     import mlx.core as mx
 
     (C, K), N = roles[0].shape[-2:], _lead(roles[0], 2)
-    types = tuple(_dtype_name(x.dtype) for x in roles)
+    types = tuple(dtype_name(x.dtype) for x in roles)
     given = [x.reshape(N, C, K) for x in roles]
     if factors is not None:
         given += [factors[0].reshape(N, C), mx.array([factors[1]], dtype=mx.float32)]

@@ -13,6 +13,8 @@ from functools import lru_cache
 from ..codegen.backends.dialect import Dialect
 from ..codegen.render import KernelSource
 from ..hashing import hash_once
+from ..tuning import current
+from . import kernel_binary
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,34 @@ def mlx_kernel(src: KernelSource, factory: str, debug: bool = False):
 
 
 def mlx_call(launch: Launch, dialect: Dialect, user: list, extra: list, debug: bool = False):
-    """Buffers in source order: the user's arrays, the runtime values, then ``extra``."""
+    """Buffers in source order: the user's arrays, the runtime values, then ``extra``. Where the dialect runs
+    binaries and the tuning keeps them (``Tuning.kernel_cache``), the kernel compiled once and kept
+    (``kernel_binary``); else MLX compiles the body (once a process)."""
     ins = list(user) + list(runtime_arrays(launch.runtime)) + list(extra)
+    directory = current().kernel_cache if dialect.binary_factory else ""
+    kept = directory and kernel_binary.binary(launch.source, tuple(dtype_name(a.dtype) for a in ins),
+                                              tuple(dt for _, dt in launch.outputs), launch.template, directory)
+    if kept:
+        return binary_call(dialect, kept, ins, launch_arguments(launch), debug)
     return mlx_kernel(launch.source, dialect.mlx_factory, debug)(inputs=ins, **launch_arguments(launch))
+
+
+def binary_call(dialect: Dialect, kept: tuple, ins: list, args: dict, debug: bool = False):
+    """A kept binary (symbol, bytes) run as MLX's ``cuda_kernel`` would run its body: inputs made row-contiguous
+    (its default), outputs uninitialised, no template (the values are compiled in)."""
+    import mlx.core as mx
+
+    if debug:
+        print(f"// ---- {kept[0]} (kept binary, {len(kept[1])} bytes)", file=sys.stderr)
+    return getattr(mx.fast, dialect.binary_factory)(
+        name=kept[0], compiled_source=kept[1], inputs=ins, output_shapes=args["output_shapes"],
+        output_dtypes=args["output_dtypes"], scalars=[], grid=args["grid"], threadgroup=args["threadgroup"],
+        ensure_row_contiguous=True)
+
+
+def dtype_name(dtype) -> str:
+    """An mx dtype's name as launches carry it ("bfloat16")."""
+    return str(dtype).split(".")[-1]
 
 
 @lru_cache(maxsize=256)

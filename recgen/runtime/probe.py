@@ -1,7 +1,10 @@
 """Checks of this machine, once per process: whether the generated chunk kernels build and compute right on
 this GPU, and whether MLX's CPU matmuls run on a fast BLAS. ``checked(t)`` applies them to a ``Tuning``: a
 choice that fails here is turned off (with a warning for the kernels), so a GPU whose compiler rejects a frame
-still gets the chunked form."""
+still gets the chunked form. Only the frames a spec's path can run are probed (``frames_for``): each frame
+compiles its kernels on first use, and MLX keeps no compiled custom kernel across processes (a process probing every
+frame spent 142 s compiling on an H100), so power retention does not pay for the delta rule's kernels, nor GDN for
+the feature map's."""
 from __future__ import annotations
 
 import time
@@ -10,19 +13,39 @@ from dataclasses import replace
 from functools import lru_cache
 
 from ..codegen.chunk_sources import pair_supported
+from ..spec.analysis import Analysis
 from ..spec.features import decayed_scores, decayed_scores_vjp, sympow, sympow_vjp
-from ..tuning import Tuning, resolve
+from ..tuning import Tuning, current, resolve
 from . import chunk_kernels as ck
 
 PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test: the common case's template constants (compiled once)
+# The frames of the chunk algebra's kernels, and of a feature map's kernel identity (φ's products, its decode step,
+# the decayed scores); "base" holds the inverse and the pair (the algebra's) and the sympow map (φ formed in memory)
+CHUNK_FRAMES = frozenset({"base", "scan", "mma", "hoist", "tail", "pairs", "ut16", "rows", "hoist_e", "keyfactor",
+                          "async"})
+FEATURE_FRAMES = frozenset({"base", "features", "decode", "scores"})
+EVERY_FRAME = CHUNK_FRAMES | FEATURE_FRAMES
 FAST_BLAS_GFLOPS = 30.0  # between the reference BLAS's 6 GFLOP/s and OpenBLAS's 77-95 (2 cores), measured
 
 
+def frames_for(p: Analysis, t: Tuning) -> frozenset:
+    """The self-test frames whose kernels ``p``'s spec can run under ``t``: a feature map with a kernel identity
+    (where the tuning takes it) runs φ's own kernels and no chunk scan; every other spec the chunk algebra's."""
+    return FEATURE_FRAMES if p.feature_identity is not None and t.feature_identity else CHUNK_FRAMES
+
+
+def checked_for(p: Analysis, t: Tuning | None = None) -> Tuning:
+    """``checked(t)`` (default: the current tuning) over the frames ``p``'s spec can run."""
+    t = current() if t is None else t
+    return checked(t, PROBE, frames_for(p, t))
+
+
 @lru_cache(maxsize=64)
-def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
+def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) -> Tuning:
     """``t`` with the choices this machine cannot honour turned off: chunk kernels whose self-test fails (the
     fragment scan falls back to the FMA scan, a failing FMA scan or base frame to MLX ops), and on the CPU
-    the BLAS-dependent choices set from ``cpu_blas`` (measured when the tuning does not say)."""
+    the BLAS-dependent choices set from ``cpu_blas`` (measured when the tuning does not say). ``frames``: those
+    probed; a choice whose frame is not among them is left as it is (the caller's spec runs none of its kernels)."""
     changes: dict = {}
     if t.device == "cpu" and (t.cpu_blas == "fast" or (t.cpu_blas is None and cpu_blas_fast())):
         # OpenBLAS takes transposed views as they are; there the elementwise passes over the chunk-entry
@@ -31,6 +54,8 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
     if t.chunk_kernels:
         if t.dialect is None or not usable(t.dialect, "base", sizes):
             changes.update(chunk_kernels=False)
+        elif "scan" not in frames:
+            pass  # a path with no chunk scan: the scans' frames are not probed
         elif t.mma_scan and (t.scan_hoist or t.reverse_scan_hoist) and usable(t.dialect, "hoist", sizes):
             pass  # the fragment kernels as this tuning runs them, hoisted scans included
         elif t.mma_scan and usable(t.dialect, "mma", sizes):
@@ -39,10 +64,10 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
             changes.update(mma_scan=False)
         else:
             changes.update(chunk_kernels=False)
-        if changes.get("chunk_kernels", True) and t.fused_bwd and not usable(t.dialect, "tail", sizes):
+        if changes.get("chunk_kernels", True) and t.fused_bwd and "tail" in frames and not usable(t.dialect, "tail", sizes):
             changes.update(fused_bwd=False)  # the backward's tail in MLX ops; the rest of the kernels stay
         if (changes.get("chunk_kernels", True) and changes.get("mma_scan", t.mma_scan) and t.mma_pairs
-                and not usable(t.dialect, "pairs", sizes)):
+                and "pairs" in frames and not usable(t.dialect, "pairs", sizes)):
             changes.update(mma_pairs=False)  # the pair kernels' FMA form
     # Choices that exist only on the fragment kernels, each with its own frame: without those kernels they do nothing
     # (so they go off unprobed); with them a failing frame turns off only its own choice
@@ -53,14 +78,14 @@ def checked(t: Tuning, sizes: tuple = PROBE) -> Tuning:
                          ("hoist_e", ("scan_hoist_e",)),
                          ("keyfactor", ("key_factor_reads",)),                # KDA's roles formed
                          ("async", ("async_staging",))):                      # synchronous staging
-        if any(getattr(t, f) for f in flags) and not (fragments and usable(t.dialect, frame, sizes)):
+        if frame in frames and any(getattr(t, f) for f in flags) and not (fragments and usable(t.dialect, frame, sizes)):
             changes.update(dict.fromkeys(flags, False))
-    if t.feature_decode and (t.dialect is None or not usable(t.dialect, "decode", sizes)):
+    if t.feature_decode and "decode" in frames and (t.dialect is None or not usable(t.dialect, "decode", sizes)):
         changes.update(feature_decode=False)  # a feature map's decode step in MLX ops
-    if t.feature_kernels and (t.dialect is None or not usable(t.dialect, "features", sizes)):
+    if t.feature_kernels and "features" in frames and (t.dialect is None or not usable(t.dialect, "features", sizes)):
         changes.update(feature_kernels=False)  # φ formed in memory, its products MLX matmuls
-    if t.decayed_scores and not (t.chunk_kernels and changes.get("chunk_kernels", True)
-                                 and usable(t.dialect, "scores", sizes)):
+    if t.decayed_scores and "scores" in frames and not (t.chunk_kernels and changes.get("chunk_kernels", True)
+                                                        and usable(t.dialect, "scores", sizes)):
         changes.update(decayed_scores=False)  # a feature map's in-chunk scores in MLX ops
     return replace(t, **changes) if changes else t
 

@@ -61,4 +61,5 @@ CUDA = Dialect(
     copy_commit='asm volatile("cp.async.commit_group;" ::: "memory")',
     copy_wait='asm volatile("cp.async.wait_group {n};" ::: "memory")',
     standalone_dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"},
+    binary_factory="precompiled_cuda_kernel",
 )

@@ -90,3 +90,6 @@ class Dialect:
     copy_prelude: str = ""
     copy_commit: str = ""
     copy_wait: str = ""
+    # mx.fast.<factory> that runs a kernel compiled outside MLX (``recgen.runtime.kernel_binary`` compiles it once and
+    # keeps it on disk), "" where the dialect's kernels are compiled by MLX only
+    binary_factory: str = ""

@@ -1,0 +1,158 @@
+"""Compiled kernels kept across processes (``recgen.runtime.kernel_binary``, CUDA): the translation unit, NVRTC
+(where NVIDIA's ``nvidia-cuda-nvrtc`` wheel or a toolkit is installed: CI installs the wheel), the cache on disk, and
+the call through MLX's ``precompiled_cuda_kernel`` (a recorder stands in for it here; the GPU tests run it)."""
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import pytest
+
+from helpers import chunk_launches
+
+from recgen import specs, tuning
+from recgen.codegen.backends import get
+from recgen.codegen.cuda_unit import global_function
+from recgen.codegen.lower import plan
+from recgen.runtime import chunk_kernels as ck
+from recgen.runtime import kernel_binary as kb
+from recgen.runtime import launch as L
+from recgen.runtime import nvrtc
+from recgen.runtime.recurrent import backward_launch, forward_launch
+from recgen.spec.layouts import Sizes
+
+JAC = ck.feature_jac_launch("cuda", 4, 64, 64, 65, (2, 3))  # a runtime input (ns), a template
+JAC_IN = ("float32", "float32", "float32", "int32")
+
+
+def dtypes_of(launch, user="float32"):
+    runtime = {n: dt for n, _, dt in launch.runtime}
+    return tuple(runtime.get(n, user) for n in launch.source.inputs), tuple(dt for _, dt in launch.outputs)
+
+
+def test_the_unit_is_the_function_mlx_builds_around_the_body():
+    unit = global_function(JAC.source, "sym", JAC_IN, ("float32",), JAC.template)
+    assert unit.startswith("#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n")
+    assert 'extern "C" __global__ void sym(\n    const float* X,\n    const float* S,\n    const float* Y,\n' \
+           '    const int* ns,\n    float* dX) {\n' in unit
+    assert "  constexpr int C = 64;\n" in unit and "  constexpr int F = 2080;\n" in unit
+    assert JAC.source.source in unit and JAC.source.header in unit
+    bf = global_function(JAC.source, "sym", ("bfloat16",) + JAC_IN[1:], ("float32",), (("T", "bfloat16"),))
+    assert "const __nv_bfloat16* X" in bf and "  using T = __nv_bfloat16;\n" in bf
+    with pytest.raises(ValueError):  # a dtype per buffer, no fewer
+        global_function(JAC.source, "sym", JAC_IN[:2], ("float32",), ())
+
+
+def test_every_cuda_chunk_kernel_and_a_recurrent_pair_compile_with_nvrtc():
+    """Each launch's unit on its own, as the cache compiles it (two at a time: NVRTC runs outside the GIL)."""
+    if nvrtc.compiler() is None:
+        pytest.skip("NVRTC is not installed")
+    sizes = Sizes(B=1, T=9, H=2, Hk=2, Kin=64, K=64, V=64)
+    gdn, cuda = plan(specs.gated_delta_net, sizes), get("cuda")
+    launches = [*chunk_launches("cuda"), forward_launch(gdn, cuda, sizes, 0.125, "bfloat16", True),
+                backward_launch(gdn, cuda, sizes, 0.125)]
+
+    def compiled(item):
+        i, launch = item
+        ins, outs = dtypes_of(launch)
+        return nvrtc.compile_cubin(global_function(launch.source, f"k{i}", ins, outs, launch.template), f"k{i}",
+                                   "sm_90a")
+
+    with ThreadPoolExecutor(2) as pool:
+        cubins = list(pool.map(compiled, enumerate(launches)))
+    assert all(c.startswith(kb.ELF) and len(c) > 1000 for c in cubins)
+    with pytest.raises(nvrtc.NvrtcError, match="undefined|identifier"):
+        nvrtc.compile_cubin('extern "C" __global__ void k(float* y) { y[0] = not_declared; }', "k", "sm_90a")
+
+
+@pytest.fixture
+def binaries(monkeypatch, tmp_path):
+    """kernel_binary on a pretend sm_90a with a counting compiler; yields (compiles, directory)."""
+    compiles = []
+    monkeypatch.setattr(kb, "architecture", lambda: "sm_90a")
+    monkeypatch.setattr(nvrtc, "compiler", lambda: nvrtc.Compiler(None, "libnvrtc.so", ("/inc",), "13.0"))
+    monkeypatch.setattr(nvrtc, "compile_cubin",
+                        lambda source, name, arch: compiles.append((name, source)) or kb.ELF + name.encode())
+    kb.binary.cache_clear()
+    yield compiles, str(tmp_path)
+    kb.binary.cache_clear()
+
+
+def test_a_binary_is_compiled_once_and_read_by_later_processes(binaries, tmp_path):
+    compiles, directory = binaries
+    symbol, data = kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, directory)
+    assert len(compiles) == 1 and compiles[0][0] == symbol and symbol.startswith(JAC.source.name + "_")
+    assert f'void {symbol}(' in compiles[0][1]
+    kept = tmp_path / "sm_90a" / f"{symbol}.cubin"
+    assert kept.read_bytes() == data and not list(kept.parent.glob(".tmp-*"))
+    kb.binary.cache_clear()  # a new process: read, not compiled
+    assert kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, directory) == (symbol, data)
+    assert len(compiles) == 1
+    # another dtype, template value or architecture is another binary
+    other = kb.binary(JAC.source, ("bfloat16",) + JAC_IN[1:], ("float32",), JAC.template, directory)
+    assert other[0] != symbol and len(compiles) == 2
+    # a file that is not a cubin (cut short by a crash of another writer's disk) is compiled again
+    kb.binary.cache_clear()
+    kept.write_bytes(b"\x00garbage")
+    assert kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, directory) == (symbol, data)
+    assert len(compiles) == 3 and kept.read_bytes() == data
+
+
+def test_no_binary_where_it_cannot_be_made(binaries, monkeypatch):
+    compiles, directory = binaries
+    assert kb.binary(JAC.source, ("complex64",) + JAC_IN[1:], ("float32",), JAC.template, directory) is None
+
+    def broken(source, name, arch):
+        raise nvrtc.NvrtcError("k failed to compile for sm_90a: error: identifier undefined")
+
+    monkeypatch.setattr(nvrtc, "compile_cubin", broken)
+    with pytest.warns(RuntimeWarning, match="could not be compiled for the kernel cache .*identifier undefined"):
+        assert kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, directory) is None
+    monkeypatch.setattr(kb, "architecture", lambda: None)
+    kb.binary.cache_clear()
+    assert kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, directory) is None
+
+
+def test_mlx_call_runs_the_kept_binary_where_the_tuning_keeps_them(monkeypatch):
+    seen = []
+    monkeypatch.setattr(kb, "binary", lambda src, ins, outs, template, directory:
+                        seen.append((ins, outs, directory)) or ("sym", kb.ELF + b"bytes"))
+
+    def precompiled(**kw):
+        seen.append(kw)
+        return [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled, raising=False)
+    X, S, Y = mx.ones((4, 64, 64)), mx.ones((6, 2080, 65)), mx.ones((4, 64, 65), mx.bfloat16)
+    with tuning.override(kernel_cache="/kept"):
+        (out,) = L.mlx_call(JAC, get("cuda"), [X, S, Y], [])
+    assert out.shape == (4, 64, 64)
+    (ins, outs, directory), kw = seen
+    assert ins == ("float32", "float32", "bfloat16", "int32") and outs == ("float32",) and directory == "/kept"
+    assert kw["name"] == "sym" and kw["compiled_source"] == kb.ELF + b"bytes" and kw["scalars"] == []
+    assert kw["inputs"][:3] == [X, S, Y] and kw["inputs"][3].tolist() == [2, 3]
+    assert kw["grid"] == JAC.grid and kw["threadgroup"] == JAC.threadgroup and kw["ensure_row_contiguous"]
+    # no cache (or a dialect MLX alone compiles): MLX's factory compiles the body
+    seen.clear()
+    monkeypatch.setattr(L, "mlx_kernel", lambda src, factory, debug=False: lambda **kw: seen.append(factory) or
+                        [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
+    with tuning.override(kernel_cache=""):
+        L.mlx_call(JAC, get("cuda"), [X, S, Y], [])
+    assert seen == ["cuda_kernel"]
+
+
+def test_the_cache_follows_the_environment():
+    assert tuning.resolve("gpu", "cuda", environ={}).kernel_cache == "~/.cache/recgen/kernels"
+    assert tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/scratch/k"}).kernel_cache == "/scratch/k"
+    for off in ("0", "off", "false"):
+        assert tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": off}).kernel_cache == ""
+
+
+def test_nvrtc_is_found_beside_its_headers():
+    nv = nvrtc.compiler()
+    if nv is None:
+        pytest.skip("NVRTC is not installed")
+    assert len(nv.includes) == 1 and nv.version.split(".")[0].isdigit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        source = '#include <cuda_bf16.h>\nextern "C" __global__ void k(__nv_bfloat16* y) { y[0] = __float2bfloat16(1.f); }'
+        assert nvrtc.compile_cubin(source, "k", "sm_80").startswith(kb.ELF)  # the header found beside the library
