@@ -25,6 +25,7 @@ from .hashing import hash_once
 
 BACKENDS = ("metal", "cuda", "mlx")
 BACKWARDS = ("recurrent", "chunked")
+KERNEL_CACHE_DIR = "~/.cache/recgen/kernels"  # RECGEN_KERNEL_CACHE=1
 
 
 @dataclass(frozen=True)
@@ -38,9 +39,10 @@ class Tuning:
     key_blocks_max_t: int = 256     # power retention runs as simple_gla heads over key blocks below this T (one
     #                                 chunk of the identity form; at T = 512 that form trained 3.3x faster)
     debug: bool = False             # finite checks on every call (they sync the host); print kernels when built
-    kernel_cache: str = "~/.cache/recgen/kernels"  # compiled kernels kept here across processes, where the dialect
-    #                                 runs binaries (CUDA: MLX keeps no custom kernel, each process compiled them all
-    #                                 again); "" keeps none (MLX compiles each kernel once a process)
+    kernel_cache: str = ""          # compiled kernels kept in this directory across processes, where the dialect runs
+    #                                 binaries (CUDA: MLX keeps no custom kernel, so each process compiles every kernel
+    #                                 again); "" keeps none (MLX compiles each kernel once a process). Off until it has
+    #                                 run on a GPU: RECGEN_KERNEL_CACHE=1 keeps them in KERNEL_CACHE_DIR
     # -- the chunked form ---------------------------------------------------------------------------
     chunk_size: int = 16            # default chunk length
     key_chunk_size: int = 16        # ... for key-vector decays
@@ -177,7 +179,8 @@ ENVIRONMENT = {
     "RECGEN_CHUNK": ("chunk_size", int),
     "RECGEN_KEY_CHUNK": ("key_chunk_size", int),
     "RECGEN_DEBUG": ("debug", _flag),
-    "RECGEN_KERNEL_CACHE": ("kernel_cache", lambda text: text if _flag(text) and text != "off" else ""),
+    "RECGEN_KERNEL_CACHE": ("kernel_cache", lambda text: KERNEL_CACHE_DIR if text in ("1", "on", "true")
+                            else text if _flag(text) and text != "off" else ""),
     "RECGEN_CHUNK_KERNELS": ("chunk_kernels", _flag),
     "RECGEN_MMA_SCAN": ("mma_scan", _flag),
     "MLX_ENABLE_TF32": ("mma_scan", lambda text: None if _flag(text) else False),
