@@ -16,6 +16,8 @@
 #   SPECS="kda gla rwkv7" bash benchmarks/run_gpu.sh ab:RECGEN_MMA_PAIRS:4,4096,16,128  # pair kernels on fragments
 #   SPECS=power_retention AB_VALUES="8 4 2" bash benchmarks/run_gpu.sh ab-in:feature_jac_groups:2,4096,8,64
 #                                # a Tuning field's values in one process, rounds interleaved (benchmarks/ab_tuning.py)
+#   bash benchmarks/run_gpu.sh first-call:power_retention:1,300,2,64   # a process's first call: cold kernel cache,
+#                                # warm, none (benchmarks/first_call.py; each checked against the CPU)
 #   bash benchmarks/run_gpu.sh retention   # the retention package's power_retention (its autotuning: minutes)
 #   bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # every kernel of one call, the table in $OUT
 #   PROFILE_ARGS=--timeline bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # and in launch order
@@ -72,6 +74,11 @@ for stage in "$@"; do
              --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio \
              python benchmarks/profile_kernels.py $sp --shape $shape --pass $pass --cuda-profiler-range > "$f" 2>&1
            grep -E "^  [a-z_]+custom_kernel|^  [a-z_].*\(|Duration|Throughput  |Achieved Occupancy|Registers Per" "$f" ;;
+    first-call:*) p=${stage#first-call:}; sp=${p%%:*}; shape=${p#*:}; kc=$(mktemp -d)  # a cold process, then a
+          for n in cold warm off; do                              # warm one (the kernel cache filled), then none
+            RECGEN_KERNEL_CACHE=$([ $n = off ] && echo off || echo $kc) timeout ${BENCH_TIMEOUT:-300} python \
+              benchmarks/first_call.py $sp --shape $shape 2>&1 | grep -v Warn | sed "s/^/$n: /" | tee -a "$OUT/first_call.log"
+          done; echo "kept: $(find $kc -name '*.cubin' | wc -l) binaries, $(du -sh $kc | cut -f1)" ;;
     decode) timeout 120 python benchmarks/bench_decode.py --json "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log" ;;
     threshold:*) for T in ${THRESHOLD_TS:-256 512 1024}; do                 # where the chunked form starts (per T):
            for f in 1 1000000; do for c in "" --compiled; do              # the chunked form from T=1 / never,
