@@ -1714,7 +1714,8 @@ def test_hoisted_kernels_are_the_ones_probed(monkeypatch, fresh_probe):
 def test_a_spec_probes_only_the_frames_its_path_runs(monkeypatch, fresh_probe):
     """MLX keeps no compiled custom kernel across processes, so every frame probed costs its compile in each new
     process: power retention (kernel identity) probes φ's frames and no chunk scan; GDN the chunk algebra's and none
-    of φ's. A frame left unprobed leaves its choice as the tuning has it; the dispatcher passes the spec's frames."""
+    of φ's nor a key-vector decay's (KDA's are probed for KDA). A frame left unprobed leaves its choice as the tuning
+    has it; the dispatcher passes the spec's frames."""
     from recgen.spec.analysis import analyze
 
     probed = []
@@ -1722,14 +1723,20 @@ def test_a_spec_probes_only_the_frames_its_path_runs(monkeypatch, fresh_probe):
     t = tuning.resolve("gpu", "cuda", environ={})
     assert t.feature_identity and t.feature_kernels and t.chunk_kernels
     power, gdn = analyze(specs.power_retention), analyze(specs.gated_delta_net)
-    assert pr.frames_for(power, t) == pr.FEATURE_FRAMES and pr.frames_for(gdn, t) == pr.CHUNK_FRAMES
+    assert pr.frames_for(power, t) == pr.FEATURE_FRAMES
+    # a scalar decay runs none of a key-vector decay's pair kernels, factor reads or backward tails
+    assert pr.frames_for(gdn, t) == pr.CHUNK_FRAMES - {"pairs", "keyfactor", "tail"}
+    for key in (specs.kda, specs.gla, specs.rwkv7):
+        assert pr.frames_for(analyze(key), t) == pr.CHUNK_FRAMES, key.name
     # without the kernel identity power retention's φ is formed in memory and runs the chunk algebra
-    assert pr.frames_for(power, dataclasses.replace(t, feature_identity=False)) == pr.CHUNK_FRAMES
+    assert pr.frames_for(power, dataclasses.replace(t, feature_identity=False)) == pr.CHUNK_FRAMES - pr.KEY_DECAY_FRAMES
     assert pr.checked_for(power, t) == t
     assert set(probed) <= pr.FEATURE_FRAMES and {"base", "features", "scores"} <= set(probed), probed
     probed.clear()
     assert pr.checked_for(gdn, t) == t
-    assert set(probed) <= pr.CHUNK_FRAMES and {"base", "hoist"} <= set(probed), probed
+    assert set(probed) <= pr.CHUNK_FRAMES - pr.KEY_DECAY_FRAMES and {"base", "hoist"} <= set(probed), probed
+    probed.clear()
+    assert pr.checked_for(analyze(specs.kda), t) == t and "pairs" in probed, probed
     # a failing feature frame turns off only φ's choice, and only where power retention asked
     pr.checked.cache_clear()
     monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: "RuntimeError: no" if f == "features" else None)

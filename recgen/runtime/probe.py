@@ -24,14 +24,21 @@ PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test: the common case's temp
 CHUNK_FRAMES = frozenset({"base", "scan", "mma", "hoist", "tail", "pairs", "ut16", "rows", "hoist_e", "keyfactor",
                           "async"})
 FEATURE_FRAMES = frozenset({"base", "features", "decode", "scores"})
+# ... and those of a key-vector decay only: its pair kernels on fragments, KDA's factor reads, its backward tails
+KEY_DECAY_FRAMES = frozenset({"pairs", "keyfactor", "tail"})
 EVERY_FRAME = CHUNK_FRAMES | FEATURE_FRAMES
 FAST_BLAS_GFLOPS = 30.0  # between the reference BLAS's 6 GFLOP/s and OpenBLAS's 77-95 (2 cores), measured
 
 
 def frames_for(p: Analysis, t: Tuning) -> frozenset:
     """The self-test frames whose kernels ``p``'s spec can run under ``t``: a feature map with a kernel identity
-    (where the tuning takes it) runs φ's own kernels and no chunk scan; every other spec the chunk algebra's."""
-    return FEATURE_FRAMES if p.feature_identity is not None and t.feature_identity else CHUNK_FRAMES
+    (where the tuning takes it) runs φ's own kernels and no chunk scan; every other spec the chunk algebra's, those
+    of a key-vector decay (of the state or of the normalizer) only where it has one."""
+    if p.feature_identity is not None and t.feature_identity:
+        return FEATURE_FRAMES
+    if p.decay_class == "scalar" and p.zdecay_class in (None, "scalar"):
+        return CHUNK_FRAMES - KEY_DECAY_FRAMES
+    return CHUNK_FRAMES
 
 
 def checked_for(p: Analysis, t: Tuning | None = None) -> Tuning:
