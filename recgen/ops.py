@@ -210,7 +210,7 @@ class Op:
         out_dtype = str(values[0] if values else mx.float32).split(".")[-1]
         backward = choose_backward(self.rec, t, sizes.T, self.backward)
         vjp = chunked_vjp(self.rec, scale, self.chunk_size, t) if backward == "chunked" else None
-        outs = kernel_op(p, dialect_named(backend), sizes, scale, out_dtype, vjp, t.debug)(*xs, *states)
+        outs = kernel_op(p, dialect_named(backend), sizes, scale, out_dtype, vjp, t.debug, t.kernel_cache)(*xs, *states)
         return (outs[0], (outs[1], outs[2])) if self.rec.has_normalizer else outs
 
 

@@ -113,6 +113,8 @@ def test_no_binary_where_it_cannot_be_made(binaries, monkeypatch):
 
 
 def test_mlx_call_runs_the_kept_binary_where_the_tuning_keeps_them(monkeypatch):
+    """The tuning's directory reaches ``mlx_call`` from the chunk kernels' and the recurrent op's callers (an
+    argument: reading the tuning there cost 2 us a kernel call)."""
     seen = []
     monkeypatch.setattr(kb, "binary", lambda src, ins, outs, template, directory:
                         seen.append((ins, outs, directory)) or ("sym", kb.ELF + b"bytes"))
@@ -123,8 +125,7 @@ def test_mlx_call_runs_the_kept_binary_where_the_tuning_keeps_them(monkeypatch):
 
     monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", precompiled, raising=False)
     X, S, Y = mx.ones((4, 64, 64)), mx.ones((6, 2080, 65)), mx.ones((4, 64, 65), mx.bfloat16)
-    with tuning.override(kernel_cache="/kept"):
-        (out,) = L.mlx_call(JAC, get("cuda"), [X, S, Y], [])
+    (out,) = L.mlx_call(JAC, get("cuda"), [X, S, Y], [], kernel_cache="/kept")
     assert out.shape == (4, 64, 64)
     (ins, outs, directory), kw = seen
     assert ins == ("float32", "float32", "bfloat16", "int32") and outs == ("float32",) and directory == "/kept"
@@ -135,9 +136,9 @@ def test_mlx_call_runs_the_kept_binary_where_the_tuning_keeps_them(monkeypatch):
     seen.clear()
     monkeypatch.setattr(L, "mlx_kernel", lambda src, factory, debug=False: lambda **kw: seen.append(factory) or
                         [mx.zeros(s, d) for s, d in zip(kw["output_shapes"], kw["output_dtypes"])])
-    with tuning.override(kernel_cache=""):
-        L.mlx_call(JAC, get("cuda"), [X, S, Y], [])
-    assert seen == ["cuda_kernel"]
+    L.mlx_call(JAC, get("cuda"), [X, S, Y], [])
+    L.mlx_call(JAC, get("metal"), [X, S, Y], [], kernel_cache="/kept")
+    assert seen == ["cuda_kernel", "metal_kernel"]
 
 
 def test_the_cache_follows_the_environment():
@@ -158,3 +159,21 @@ def test_nvrtc_is_found_beside_its_headers():
         warnings.simplefilter("error")
         source = '#include <cuda_bf16.h>\nextern "C" __global__ void k(__nv_bfloat16* y) { y[0] = __float2bfloat16(1.f); }'
         assert nvrtc.compile_cubin(source, "k", "sm_80").startswith(kb.ELF)  # the header found beside the library
+
+
+def test_the_tunings_directory_reaches_every_kernel_call(monkeypatch):
+    """The chunk kernels pass their tuning's ``kernel_cache``; so does the recurrent op (through ``kernel_op``)."""
+    from recgen.runtime import recurrent
+
+    seen = []
+    record = lambda launch, dialect, user, extra, debug=False, kernel_cache="": seen.append(kernel_cache) or [  # noqa: E731
+        mx.zeros(s, getattr(mx, dt)) for s, dt in launch.outputs]
+    monkeypatch.setattr(ck, "mlx_call", record)
+    monkeypatch.setattr(recurrent, "mlx_call", record)
+    t = tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/kept"})
+    ck.tril_inverse(mx.zeros((1, 64, 64)), t)
+    sizes = Sizes(B=1, T=3, H=2, Hk=2, Kin=8, K=8, V=8)
+    op = recurrent.kernel_op(plan(specs.gated_delta_net, sizes), get("cuda"), sizes, 0.5, "float32",
+                             kernel_cache=t.kernel_cache)
+    op(*[mx.zeros(s) for s in ((1, 3, 2, 8), (1, 3, 2, 8), (1, 3, 2, 8), (1, 3, 2), (1, 3, 2))], mx.zeros((1, 2, 8, 8)))
+    assert seen == ["/kept", "/kept"]

@@ -416,7 +416,7 @@ def _call(t: Tuning, launch: Launch, user: list):
 
         calls.append((launch, tuple((tuple(a.shape), dtype_name(a.dtype)) for a in user)))
         return [mx.zeros(shape, getattr(mx, dt)) for shape, dt in launch.outputs]
-    return mlx_call(launch, get(t.dialect), user, [], t.debug)
+    return mlx_call(launch, get(t.dialect), user, [], t.debug, t.kernel_cache)
 
 
 def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = (), pq: bool = True):

@@ -13,7 +13,6 @@ from functools import lru_cache
 from ..codegen.backends.dialect import Dialect
 from ..codegen.render import KernelSource
 from ..hashing import hash_once
-from ..tuning import current
 from . import kernel_binary
 
 
@@ -42,12 +41,12 @@ def mlx_kernel(src: KernelSource, factory: str, debug: bool = False):
                                      source=src.source, header=src.header)
 
 
-def mlx_call(launch: Launch, dialect: Dialect, user: list, extra: list, debug: bool = False):
+def mlx_call(launch: Launch, dialect: Dialect, user: list, extra: list, debug: bool = False, kernel_cache: str = ""):
     """Buffers in source order: the user's arrays, the runtime values, then ``extra``. Where the dialect runs
-    binaries and the tuning keeps them (``Tuning.kernel_cache``), the kernel compiled once and kept
+    binaries and ``kernel_cache`` (the tuning's) names a directory, the kernel compiled once and kept there
     (``kernel_binary``); else MLX compiles the body (once a process)."""
     ins = list(user) + list(runtime_arrays(launch.runtime)) + list(extra)
-    directory = current().kernel_cache if dialect.binary_factory else ""
+    directory = kernel_cache if dialect.binary_factory else ""
     kept = directory and kernel_binary.binary(launch.source, tuple(dtype_name(a.dtype) for a in ins),
                                               tuple(dt for _, dt in launch.outputs), launch.template, directory)
     if kept:

@@ -92,13 +92,13 @@ def finish_grads(plan: KernelPlan, sizes: Sizes, outs):
 
 @lru_cache(maxsize=256)
 def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, out_dtype: str, backward_vjp=None,
-              debug: bool = False):
+              debug: bool = False, kernel_cache: str = ""):
     """An mx.custom_function (xs..., h0[, z0]) -> (o, ht[, zt]) running the generated forward kernel, made once
     per argument tuple (decode calls it per token: building the custom function each time is host time).
 
     Its VJP runs the generated backward kernel, or ``backward_vjp(primals, cotangents, outputs)`` when given
     (the dispatcher passes the chunked form's backward where it is faster); both give the same gradients up to
-    rounding. ``debug``: print each kernel's source when it is built."""
+    rounding. ``debug``: print each kernel's source when it is built; ``kernel_cache``: the tuning's (``mlx_call``)."""
     import mlx.core as mx
 
     n = len(plan.rec.inputs)
@@ -107,7 +107,7 @@ def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, ou
     @mx.custom_function
     def op(*args):
         outs = mlx_call(forward_launch(plan, dialect, sizes, scale, out_dtype, save=False), dialect, args[:n],
-                        list(args[n:]), debug)
+                        list(args[n:]), debug, kernel_cache)
         return (outs[0], outs[1], outs[3]) if norm else (outs[0], outs[1])
 
     @op.vjp
@@ -115,13 +115,14 @@ def kernel_op(plan: KernelPlan, dialect: Dialect, sizes: Sizes, scale: float, ou
         if backward_vjp is not None:
             return backward_vjp(primals, cotangents, outputs)
         xs, states = list(primals[:n]), list(primals[n:])
-        f = mlx_call(forward_launch(plan, dialect, sizes, scale, out_dtype, save=True), dialect, xs, states, debug)
+        f = mlx_call(forward_launch(plan, dialect, sizes, scale, out_dtype, save=True), dialect, xs, states, debug,
+                     kernel_cache)
         extra = [f[2], cotangents[0], cotangents[1].astype(mx.float32)]
         if norm:  # sum_j do_j y_j / N (o_j without a skip term), for dn: the one quantity that needs every column
             yn = normalized_readout(plan, f, outputs[0]).astype(mx.float32)
             ydo = (cotangents[0].astype(mx.float32) * yn).sum(axis=-1)
             extra += [f[4], cotangents[2].astype(mx.float32), ydo]
-        outs = mlx_call(backward_launch(plan, dialect, sizes, scale), dialect, xs, extra, debug)
+        outs = mlx_call(backward_launch(plan, dialect, sizes, scale), dialect, xs, extra, debug, kernel_cache)
         grads, dstate = finish_grads(plan, sizes, outs)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, xs)) + (tuple(dstate) if norm else (dstate,))
 
