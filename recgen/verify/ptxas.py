@@ -18,7 +18,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-CTYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int32": "int"}
+from ..codegen.cuda_unit import CTYPES, INCLUDES
+
 # sm_90 (H100, H200): what one SM holds
 SM90 = dict(registers=65536, shared_bytes=228 * 1024, shared_reserved=1024, threads=2048, blocks=32)
 
@@ -50,7 +51,7 @@ def as_kernel(i: int, launch, dtypes: dict | None = None) -> str:
 
 def translation_unit(kernels: list[str]) -> str:
     """``as_kernel`` sources as one .cu file."""
-    return "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n" + "".join(kernels)
+    return INCLUDES + "".join(kernels)
 
 
 @dataclasses.dataclass(frozen=True)
