@@ -310,7 +310,7 @@ def test_chunk_scan_layout_fits_each_dialect():
     assert cs.scan_layout("metal", 64, 128) == {"NR": 16, "NT": 128, "KB": 16, "TB": 8, "SLAB": 1088}
 
 
-def _emulated_call(launch, dialect, user, extra, debug=False):
+def _emulated_call(launch, dialect, user, extra, debug=False, kernel_cache=""):
     """``launch.mlx_call`` with the Metal CPU emulator underneath: the same launch recipe, the
     buffers through numpy (fine outside mx.compile, which the CPU path does not use); outputs in the types the launch
     declares (numpy has no bf16: the emulator's bf16 values come back widened)."""
@@ -327,7 +327,7 @@ def _emulate_noting_bf16(monkeypatch) -> dict:
     mx = pytest.importorskip("mlx.core")
     seen = {}
 
-    def call(launch, dialect, user, extra, debug=False):
+    def call(launch, dialect, user, extra, debug=False, kernel_cache=""):
         kind = launch.source.name.split("_metal")[0].removeprefix("recgen_chunk_")
         names = [n for n in launch.source.inputs if n not in {r[0] for r in launch.runtime}]
         bf = {n for n, a in zip(names, user) if a.dtype == mx.bfloat16}
@@ -1615,7 +1615,7 @@ def fresh_probe():
     pr._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor",
+@pytest.mark.parametrize("frame", ["base", "sympow", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor",
                                    "rows", "hoist", "hoist_e", "async"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass
@@ -1731,7 +1731,7 @@ def test_a_spec_probes_only_the_frames_its_path_runs(monkeypatch, fresh_probe):
     # without the kernel identity power retention's φ is formed in memory and runs the chunk algebra
     assert pr.frames_for(power, dataclasses.replace(t, feature_identity=False)) == pr.CHUNK_FRAMES - pr.KEY_DECAY_FRAMES
     assert pr.checked_for(power, t) == t
-    assert set(probed) <= pr.FEATURE_FRAMES and {"base", "features", "scores"} <= set(probed), probed
+    assert set(probed) <= pr.FEATURE_FRAMES and {"sympow", "features", "scores"} <= set(probed), probed
     probed.clear()
     assert pr.checked_for(gdn, t) == t
     assert set(probed) <= pr.CHUNK_FRAMES - pr.KEY_DECAY_FRAMES and {"base", "hoist"} <= set(probed), probed

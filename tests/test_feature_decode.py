@@ -48,7 +48,7 @@ def test_feature_decode_layouts():
     assert cs.feature_decode_supported("metal", 128, 128) and not cs.feature_decode_supported("metal", 1024, 2048)
 
 
-def _emulated_call(launch, dialect, user, extra, debug=False):
+def _emulated_call(launch, dialect, user, extra, debug=False, kernel_cache=""):
     names = [n for n in launch.source.inputs if n not in {r[0] for r in launch.runtime}]
     ins = {n: np.array(a.astype(mx.float32)) for n, a in zip(names, list(user) + list(extra))}
     return [mx.array(o) for o in verify.run_launch(launch, ins)]

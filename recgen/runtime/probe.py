@@ -20,10 +20,11 @@ from . import chunk_kernels as ck
 
 PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test: the common case's template constants (compiled once)
 # The frames of the chunk algebra's kernels, and of a feature map's kernel identity (φ's products, its decode step,
-# the decayed scores); "base" holds the inverse and the pair (the algebra's) and the sympow map (φ formed in memory)
+# the decayed scores); "base" holds the inverse, the pairs and the sympow map, "sympow" the sympow map alone (φ formed
+# in memory where the products' kernels are off): the frame that turns the chunk kernels off where it fails
 CHUNK_FRAMES = frozenset({"base", "scan", "mma", "hoist", "tail", "pairs", "ut16", "rows", "hoist_e", "keyfactor",
                           "async"})
-FEATURE_FRAMES = frozenset({"base", "features", "decode", "scores"})
+FEATURE_FRAMES = frozenset({"sympow", "features", "decode", "scores"})
 # ... and those of a key-vector decay only: its pair kernels on fragments, KDA's factor reads, its backward tails
 KEY_DECAY_FRAMES = frozenset({"pairs", "keyfactor", "tail"})
 EVERY_FRAME = CHUNK_FRAMES | FEATURE_FRAMES
@@ -59,7 +60,7 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
         # states cost more than flops, so key-vector decays take chunks of 32
         changes.update(copy_transposes=False, key_chunk_size=32)
     if t.chunk_kernels:
-        if t.dialect is None or not usable(t.dialect, "base", sizes):
+        if t.dialect is None or not usable(t.dialect, "base" if "base" in frames else "sympow", sizes):
             changes.update(chunk_kernels=False)
         elif "scan" not in frames:
             pass  # a path with no chunk scan: the scans' frames are not probed
@@ -124,7 +125,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     """Build and run one small instance of a frame's kernels on this machine's GPU, at the template
     constants of the common case (C = 64, K = V = 128: the very kernels a model then uses, so nothing is
     compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
-    ``frame``: "base" (the inverse, the key-decay pair, the sympow feature map), "tail" (the key-decay backward
+    ``frame``: "base" (the inverse, the key-decay pair, the sympow feature map), "sympow" (the feature map alone,
+    a feature map's kernel identity's base frame), "tail" (the key-decay backward
     tail), "pairs" (the key-decay pair kernels on fragments, probed where the tuning asks for it), "scan"
     (the FMA scan) or "mma" (the fragment scan as the forward runs it, B in bf16 with its rows scaled as read; the
     readout in both output layouts, bf16 in the model's; the UT transform; a key-vector decay's UT transform and
@@ -168,7 +170,10 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
     try:
-        if frame == "base":
+        if frame == "sympow":  # the feature map alone, degree 2 at d = 16
+            Xp = rng.normal(size=(1, 2, 16))
+            got, ref = [ck.sympow_fn(t, 1, "block")(f32(Xp[:, :, None, :]))[0, 0]], [sympow(Xp[0])]
+        elif frame == "base":
             L = np.tril(0.3 * rng.normal(size=(1, C, C)) / np.sqrt(C), -1)
             Xp, Yp = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, K))
             lk = -rng.uniform(size=(1, C, K))  # and the key-vector decay geometry
