@@ -1646,27 +1646,43 @@ def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):
     assert "off by" in pr._probe("cuda", "base", SMALL)
 
 
+def test_the_probe_keeps_its_kernels_where_the_tuning_keeps_them(monkeypatch, fresh_probe):
+    """A frame's kernels are the model's (the common case's constants), so the self-test compiles them into the
+    tuning's kernel cache too: ``checked`` hands its directory to each probe, and the probe to each kernel call."""
+    caches, probes = [], []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, dialect, user, extra, debug=False, kernel_cache="":
+                        caches.append(kernel_cache) or _emulated_call(launch, dialect, user, extra, debug))
+    assert pr._probe("metal", "sympow", SMALL, "/kept") is None and caches == ["/kept"]
+    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE, kernel_cache="": probes.append(kernel_cache))
+    pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/kept"}))
+    assert probes and set(probes) == {"/kept"}
+
+
+def failing_probe(*frames):
+    """A stand-in for ``probe._probe`` under which ``frames`` fail their self-test and the others pass."""
+    return lambda dialect, frame, sizes=pr.PROBE, kernel_cache="": "RuntimeError: no" if frame in frames else None
+
+
 def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
     """On a GPU the dispatcher's tuning keeps the measured table's choices unless their self-test fails there:
     a failing fragment frame falls back to the FMA scan, a failing base frame to MLX ops, each with a warning."""
     t = tuning.resolve("gpu", "cuda", environ={})
-    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: None)
+    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE, kernel_cache="": None)
     assert pr.checked(t) == t and t.chunk_kernels and t.mma_scan
     pr.checked.cache_clear()
     failing = ("hoist", "mma")  # the fragment kernels, with hoisted scans (as CUDA's table runs them) and without
-    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame in failing
-                        else None)
+    monkeypatch.setattr(pr, "_probe", failing_probe(*failing))
     with pytest.warns(RuntimeWarning, match="fragment scan"):
         c = pr.checked(t)
     assert c.chunk_kernels and not c.mma_scan and not c.scan_hoist  # the FMA scan passed
     pr.checked.cache_clear()
-    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "tail" else None)
+    monkeypatch.setattr(pr, "_probe", failing_probe("tail"))
     with pytest.warns(RuntimeWarning, match="fused backward"):
         c = pr.checked(t)
     assert c.chunk_kernels and c.mma_scan and not c.fused_bwd  # only the backward's tail falls back
     pr.checked.cache_clear()
     pr._failed.clear()
-    monkeypatch.setattr(pr, "_probe", lambda dialect, frame, sizes=pr.PROBE: "RuntimeError: no" if frame == "base" else None)
+    monkeypatch.setattr(pr, "_probe", failing_probe("base"))
     with pytest.warns(RuntimeWarning, match="chunk kernels"):
         assert not pr.checked(t).chunk_kernels
     # the environment states an intention (Metal has no measurement); the self-test still applies to it
@@ -1688,7 +1704,7 @@ def test_an_opt_in_frame_that_fails_turns_only_itself_off(frame, variable, flag,
     the fragment scan stay ("hoist" stands for "mma" where hoisting is asked for: "mma" is then probed only after it
     fails)."""
     probed = []
-    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: probed.append(f) or
+    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE, kernel_cache="": probed.append(f) or
                         ("RuntimeError: no" if f == frame else None))
     assert getattr(pr.checked(tuning.resolve("gpu", "cuda", environ=dict.fromkeys(variable.split(","), "0"))),
                    flag) is False
@@ -1705,7 +1721,7 @@ def test_hoisted_kernels_are_the_ones_probed(monkeypatch, fresh_probe):
     """Where the tuning hoists the scans (CUDA's table), the self-test runs the fragment kernels as the model then
     runs them ("hoist") and no unhoisted scan ("mma"), so a first call compiles nothing it will not use."""
     probed = []
-    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: probed.append(f) or None)
+    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE, kernel_cache="": probed.append(f) or None)
     c = pr.checked(tuning.resolve("gpu", "cuda", environ={}))
     assert c.scan_hoist and c.reverse_scan_hoist and c.mma_scan
     assert "hoist" in probed and "mma" not in probed, probed
@@ -1719,7 +1735,7 @@ def test_a_spec_probes_only_the_frames_its_path_runs(monkeypatch, fresh_probe):
     from recgen.spec.analysis import analyze
 
     probed = []
-    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: probed.append(f) or None)
+    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE, kernel_cache="": probed.append(f) or None)
     t = tuning.resolve("gpu", "cuda", environ={})
     assert t.feature_identity and t.feature_kernels and t.chunk_kernels
     power, gdn = analyze(specs.power_retention), analyze(specs.gated_delta_net)
@@ -1739,7 +1755,7 @@ def test_a_spec_probes_only_the_frames_its_path_runs(monkeypatch, fresh_probe):
     assert pr.checked_for(analyze(specs.kda), t) == t and "pairs" in probed, probed
     # a failing feature frame turns off only φ's choice, and only where power retention asked
     pr.checked.cache_clear()
-    monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE: "RuntimeError: no" if f == "features" else None)
+    monkeypatch.setattr(pr, "_probe", failing_probe("features"))
     assert pr.checked_for(gdn, t).feature_kernels
     with pytest.warns(RuntimeWarning, match="feature product"):
         assert not pr.checked_for(power, t).feature_kernels

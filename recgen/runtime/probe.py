@@ -55,27 +55,28 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
     the BLAS-dependent choices set from ``cpu_blas`` (measured when the tuning does not say). ``frames``: those
     probed; a choice whose frame is not among them is left as it is (the caller's spec runs none of its kernels)."""
     changes: dict = {}
+    ok = lambda frame: usable(t.dialect, frame, sizes, t.kernel_cache)  # noqa: E731
     if t.device == "cpu" and (t.cpu_blas == "fast" or (t.cpu_blas is None and cpu_blas_fast())):
         # OpenBLAS takes transposed views as they are; there the elementwise passes over the chunk-entry
         # states cost more than flops, so key-vector decays take chunks of 32
         changes.update(copy_transposes=False, key_chunk_size=32)
     if t.chunk_kernels:
-        if t.dialect is None or not usable(t.dialect, "base" if "base" in frames else "sympow", sizes):
+        if t.dialect is None or not ok("base" if "base" in frames else "sympow"):
             changes.update(chunk_kernels=False)
         elif "scan" not in frames:
             pass  # a path with no chunk scan: the scans' frames are not probed
-        elif t.mma_scan and (t.scan_hoist or t.reverse_scan_hoist) and usable(t.dialect, "hoist", sizes):
+        elif t.mma_scan and (t.scan_hoist or t.reverse_scan_hoist) and ok("hoist"):
             pass  # the fragment kernels as this tuning runs them, hoisted scans included
-        elif t.mma_scan and usable(t.dialect, "mma", sizes):
+        elif t.mma_scan and ok("mma"):
             pass  # hoisting, if asked for, failed: turned off below
-        elif usable(t.dialect, "scan", sizes):
+        elif ok("scan"):
             changes.update(mma_scan=False)
         else:
             changes.update(chunk_kernels=False)
-        if changes.get("chunk_kernels", True) and t.fused_bwd and "tail" in frames and not usable(t.dialect, "tail", sizes):
+        if changes.get("chunk_kernels", True) and t.fused_bwd and "tail" in frames and not ok("tail"):
             changes.update(fused_bwd=False)  # the backward's tail in MLX ops; the rest of the kernels stay
         if (changes.get("chunk_kernels", True) and changes.get("mma_scan", t.mma_scan) and t.mma_pairs
-                and "pairs" in frames and not usable(t.dialect, "pairs", sizes)):
+                and "pairs" in frames and not ok("pairs")):
             changes.update(mma_pairs=False)  # the pair kernels' FMA form
     # Choices that exist only on the fragment kernels, each with its own frame: without those kernels they do nothing
     # (so they go off unprobed); with them a failing frame turns off only its own choice
@@ -86,14 +87,14 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
                          ("hoist_e", ("scan_hoist_e",)),
                          ("keyfactor", ("key_factor_reads",)),                # KDA's roles formed
                          ("async", ("async_staging",))):                      # synchronous staging
-        if frame in frames and any(getattr(t, f) for f in flags) and not (fragments and usable(t.dialect, frame, sizes)):
+        if frame in frames and any(getattr(t, f) for f in flags) and not (fragments and ok(frame)):
             changes.update(dict.fromkeys(flags, False))
-    if t.feature_decode and "decode" in frames and (t.dialect is None or not usable(t.dialect, "decode", sizes)):
+    if t.feature_decode and "decode" in frames and (t.dialect is None or not ok("decode")):
         changes.update(feature_decode=False)  # a feature map's decode step in MLX ops
-    if t.feature_kernels and "features" in frames and (t.dialect is None or not usable(t.dialect, "features", sizes)):
+    if t.feature_kernels and "features" in frames and (t.dialect is None or not ok("features")):
         changes.update(feature_kernels=False)  # φ formed in memory, its products MLX matmuls
     if t.decayed_scores and "scores" in frames and not (t.chunk_kernels and changes.get("chunk_kernels", True)
-                                                        and usable(t.dialect, "scores", sizes)):
+                                                        and ok("scores")):
         changes.update(decayed_scores=False)  # a feature map's in-chunk scores in MLX ops
     return replace(t, **changes) if changes else t
 
@@ -121,7 +122,7 @@ class _InTransform(Exception):
 
 
 @lru_cache(maxsize=None)
-def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
+def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "") -> str | None:
     """Build and run one small instance of a frame's kernels on this machine's GPU, at the template
     constants of the common case (C = 64, K = V = 128: the very kernels a model then uses, so nothing is
     compiled twice) and check it against float64 numpy: None where it passes, else what went wrong.
@@ -163,7 +164,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
             carried[c], Y[c] = S, X[c] + A[c] @ S
             S = 0.5 * S + (0 if B is None else B[c].T @ Y[c]) + (0 if E is None else E[c])
         return np.stack(carried), np.stack(Y), S
-    t = resolve("gpu", dialect, environ={}, chunk_kernels=True,
+    t = resolve("gpu", dialect, environ={}, chunk_kernels=True, kernel_cache=kernel_cache,
                 mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e", "async"),
                 mma_pairs=frame == "pairs", scan_hoist=frame == "hoist", reverse_scan_hoist=frame == "hoist",
                 scan_hoist_e=frame == "hoist_e", async_staging=frame == "async")
@@ -436,12 +437,13 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE) -> str | None:
     return None
 
 
-def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE) -> bool:
+def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE, kernel_cache: str = "") -> bool:
     """Whether ``frame``'s kernels pass their self-test (``_probe``) on this machine's GPU, whose dialect
     ``dialect`` must be; a failure warns once and is remembered (``_failed``: the fragment frame's then
-    keeps the scan on FMAs). Where MLX refuses to evaluate it (inside a transformation) it is assumed to pass."""
+    keeps the scan on FMAs). Where MLX refuses to evaluate it (inside a transformation) it is assumed to pass.
+    ``kernel_cache``: the tuning's (the frame's kernels are the ones its model then runs: kept with them)."""
     try:
-        err = _probe(dialect, frame, sizes)
+        err = _probe(dialect, frame, sizes, kernel_cache)
     except _InTransform:
         return True
     if err is not None and (dialect, frame) not in _failed:
