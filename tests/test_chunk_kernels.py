@@ -1654,8 +1654,16 @@ def test_the_probe_keeps_its_kernels_where_the_tuning_keeps_them(monkeypatch, fr
                         caches.append(kernel_cache) or _emulated_call(launch, dialect, user, extra, debug))
     assert pr._probe("metal", "sympow", SMALL, "/kept") is None and caches == ["/kept"]
     monkeypatch.setattr(pr, "_probe", lambda dialect, f, sizes=pr.PROBE, kernel_cache="": probes.append(kernel_cache))
-    pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/kept"}))
+    prefetched = []
+    monkeypatch.setattr(pr, "prefetch_frames", lambda *a: prefetched.append(a))
+    pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/kept"}), pr.PROBE, pr.FEATURE_FRAMES)
     assert probes and set(probes) == {"/kept"}
+    # first, the frames' kernels made side by side (test_kernel_binary), those the probes then run
+    assert prefetched == [("cuda", pr.FEATURE_FRAMES, pr.PROBE, "/kept")]
+    pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/kept"}), pr.PROBE, pr.CHUNK_FRAMES)
+    assert prefetched[1][1] == pr.CHUNK_FRAMES - {"scan", "mma"}  # CUDA hoists: "mma" only where "hoist" fails
+    pr.checked(tuning.resolve("gpu", "cuda", environ={}))
+    assert len(prefetched) == 2  # no cache, nothing made ahead
 
 
 def failing_probe(*frames):

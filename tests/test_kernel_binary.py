@@ -177,3 +177,28 @@ def test_the_tunings_directory_reaches_every_kernel_call(monkeypatch):
                              kernel_cache=t.kernel_cache)
     op(*[mx.zeros(s) for s in ((1, 3, 2, 8), (1, 3, 2, 8), (1, 3, 2, 8), (1, 3, 2), (1, 3, 2))], mx.zeros((1, 2, 8, 8)))
     assert seen == ["/kept", "/kept"]
+
+
+def test_a_first_process_compiles_the_self_tests_kernels_side_by_side(monkeypatch, tmp_path):
+    """Where the tuning keeps binaries, ``checked`` first records the frames' kernel calls (nothing runs) and
+    compiles them on every core; the probes then find each one made. Real NVRTC (skipped where it is missing), on
+    power retention's frames."""
+    from recgen.runtime import probe
+
+    if nvrtc.compiler() is None:
+        pytest.skip("NVRTC is not installed")
+    monkeypatch.setattr(kb, "architecture", lambda: "sm_90a")
+    kb.binary.cache_clear()
+    try:
+        made = probe.prefetch_frames("cuda", probe.FEATURE_FRAMES, probe.PROBE, str(tmp_path))
+        kept = list(tmp_path.glob("sm_90a/*.cubin"))
+        assert made >= 4 and len(kept) == made and kb.binary.cache_info().currsize == made
+        # the recorded calls are the probes' own: probing the "features" frame now compiles nothing
+        monkeypatch.setattr(nvrtc, "compile_cubin", lambda *a: pytest.fail("compiled again"))
+        with ck.recording() as calls:
+            probe._probe.__wrapped__("cuda", "features", probe.PROBE, str(tmp_path))
+        assert calls and all(kb.binary(launch.source, tuple(dt for _, dt in user) + tuple(
+            dt for _, _, dt in launch.runtime), tuple(dt for _, dt in launch.outputs), launch.template, str(tmp_path))
+            for launch, user in calls)
+    finally:
+        kb.binary.cache_clear()

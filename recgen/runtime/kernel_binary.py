@@ -13,6 +13,7 @@ import hashlib
 import os
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
@@ -80,3 +81,14 @@ def keep(path: Path, data: bytes) -> None:
         os.replace(f.name, path)
     except OSError:
         pass
+
+
+def prefetch(calls: list, directory: str, workers: int | None = None) -> int:
+    """The binaries of recorded kernel calls (``chunk_kernels.recording``: (launch, ((shape, dtype name) of each
+    user buffer)), ...) made side by side, read or compiled: NVRTC runs outside the GIL, so a first process on a
+    machine compiles on every core what its calls would compile one at a time. Returns how many distinct kernels."""
+    keys = list(dict.fromkeys((launch.source, tuple(dt for _, dt in user) + tuple(dt for _, _, dt in launch.runtime),
+                               tuple(dt for _, dt in launch.outputs), launch.template) for launch, user in calls))
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        list(pool.map(lambda key: binary(*key, directory), keys))
+    return len(keys)

@@ -12,11 +12,13 @@ import warnings
 from dataclasses import replace
 from functools import lru_cache
 
+from ..codegen.backends import get
 from ..codegen.chunk_sources import pair_supported
 from ..spec.analysis import Analysis
 from ..spec.features import decayed_scores, decayed_scores_vjp, sympow, sympow_vjp
 from ..tuning import Tuning, current, resolve
 from . import chunk_kernels as ck
+from . import kernel_binary
 
 PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test: the common case's template constants (compiled once)
 # The frames of the chunk algebra's kernels, and of a feature map's kernel identity (φ's products, its decode step,
@@ -56,6 +58,9 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
     probed; a choice whose frame is not among them is left as it is (the caller's spec runs none of its kernels)."""
     changes: dict = {}
     ok = lambda frame: usable(t.dialect, frame, sizes, t.kernel_cache)  # noqa: E731
+    if t.chunk_kernels and t.kernel_cache and t.dialect and get(t.dialect).binary_factory:
+        hoisting = t.mma_scan and (t.scan_hoist or t.reverse_scan_hoist)  # "mma" is probed only if "hoist" fails
+        prefetch_frames(t.dialect, frames - {"scan"} - ({"mma"} if hoisting else set()), sizes, t.kernel_cache)
     if t.device == "cpu" and (t.cpu_blas == "fast" or (t.cpu_blas is None and cpu_blas_fast())):
         # OpenBLAS takes transposed views as they are; there the elementwise passes over the chunk-entry
         # states cost more than flops, so key-vector decays take chunks of 32
@@ -435,6 +440,20 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
         if not err < 1e-2:  # TF32 fragments: ~1e-3; a bf16 output: ~4e-3
             return f"{frame} kernel output off by {err:.1e} relative"
     return None
+
+
+def prefetch_frames(dialect: str, frames, sizes: tuple, kernel_cache: str) -> int:
+    """The kernels of ``frames``' self-tests made side by side in the kernel cache before they are probed one by one
+    (``kernel_binary.prefetch``): each frame built once with its kernel calls recorded, not run. Returns how many."""
+    calls: list = []
+    for frame in sorted(frames):
+        with ck.recording() as recorded:
+            try:
+                _probe.__wrapped__(dialect, frame, sizes, kernel_cache)  # outputs are zeros: its verdict is dropped
+            except Exception:  # noqa: BLE001 -- a frame that fails to build fails again when probed, and says why
+                pass
+        calls += recorded
+    return kernel_binary.prefetch(calls, kernel_cache)
 
 
 def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE, kernel_cache: str = "") -> bool:
