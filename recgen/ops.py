@@ -152,7 +152,7 @@ class Op:
         rec = self.rec
         states = [] if initial_state is None else check_initial_state(rec, sizes, initial_state)
         scale = op_scale(rec, sizes, scale)
-        t = checked_for(analyze(rec), current())
+        t = current()  # checked (the chunk kernels' self-test) only where the chunked form runs: below
         defaulted = backend is None and self.backend is None and t.backend is None
         backend = choose_backend(t, backend, self.backend)
         if defaulted and backend != "mlx" and not has_kernel(rec, sizes, t):
@@ -165,7 +165,8 @@ class Op:
             from . import chunked
 
             o, ht = chunked.forward(rec, dict(zip([x.name for x in rec.inputs], xs)), scale=scale,
-                                    initial_state=initial_state, chunk_size=self.chunk_size, tuning=t)
+                                    initial_state=initial_state, chunk_size=self.chunk_size,
+                                    tuning=checked_for(analyze(rec), t))
         else:
             o, ht = self._kernel_call(backend, xs, sizes, scale, initial_state, t)
         return o, (ht if output_final_state else None)
@@ -209,7 +210,9 @@ class Op:
         values = [a.dtype for x, a in zip(self.rec.inputs, xs) if x.kind == "value"]
         out_dtype = str(values[0] if values else mx.float32).split(".")[-1]
         backward = choose_backward(self.rec, t, sizes.T, self.backward)
-        vjp = chunked_vjp(self.rec, scale, self.chunk_size, t) if backward == "chunked" else None
+        vjp = None  # the recurrent kernels alone need no self-test: a decode step compiles no chunk kernel
+        if backward == "chunked":
+            vjp = chunked_vjp(self.rec, scale, self.chunk_size, checked_for(analyze(self.rec), t))
         outs = kernel_op(p, dialect_named(backend), sizes, scale, out_dtype, vjp, t.debug, t.kernel_cache)(*xs, *states)
         return (outs[0], (outs[1], outs[2])) if self.rec.has_normalizer else outs
 
@@ -275,11 +278,12 @@ class PowerRetention(Op):
         self._blocks_op = Op(specs.simple_gla, backend=backend, chunk_size=chunk_size, backward=backward)
 
     def _run(self, arrays: dict, sizes: Sizes, initial_state, output_final_state, scale, backend, check_finite):
-        t = checked_for(analyze(self.rec), current())
+        t = current()
         from .chunked.features import decodes
 
         if (choose_backend(t, backend, self.backend) == "mlx" or sizes.B == 0 or sizes.T == 0
-                or sizes.T >= t.key_blocks_max_t or (sizes.T == 1 and decodes(t, sizes.Kin, sizes.V))):
+                or sizes.T >= t.key_blocks_max_t
+                or (sizes.T == 1 and decodes(checked_for(analyze(self.rec), t), sizes.Kin, sizes.V))):
             # the spec's own chunked form, which runs this device's chunk kernels where the tuning has them (the
             # kernel identity's, the feature decode kernel), whichever backend was asked for: a feature map has no
             # recurrent kernel, so passing a GPU backend on would raise UnsupportedKernel

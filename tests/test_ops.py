@@ -199,3 +199,33 @@ def test_default_backend_runs_the_chunked_form_where_the_spec_has_no_kernel(monk
     assert isinstance(rg.load("power_retention"), ops.PowerRetention)
     o_ref = chunked.forward(specs.power_retention, dict(q=q, k=k, v=v, g=g), scale=0.5, tuning=t)[0]
     np.testing.assert_allclose(np.array(o), np.array(o_ref), rtol=1e-6, atol=1e-7)
+
+
+def test_the_self_test_runs_only_where_the_chunked_form_does(monkeypatch):
+    """The chunk kernels' self-test compiles their frames (minutes on a GPU, each new process): a call on the
+    recurrent kernels alone (decode, short prefill, their backward) does not run it; one whose backward is the
+    chunked form's does, over the spec's frames. (CUDA's tuning here; the kernel op and the chunked VJP are stubs.)"""
+    t = tuning.resolve("gpu", "cuda", environ={}, chunked_forward_min_t=None)
+    monkeypatch.setattr(ops, "current", lambda: t)
+    monkeypatch.setattr(ops, "check_backend", lambda *a: None)
+    checks, vjps = [], []
+    monkeypatch.setattr(ops, "checked_for", lambda p, tt: checks.append(p.rec.name) or tt)
+    monkeypatch.setattr(ops, "chunked_vjp", lambda *a: "the chunked backward")
+
+    def kernel_op(p, dialect, sizes, scale, out_dtype, vjp, debug, cache):
+        vjps.append(vjp)
+        return lambda *a: (mx.zeros((sizes.B, sizes.T, sizes.H, sizes.V)), mx.zeros(sizes.state_shape))
+
+    monkeypatch.setattr(ops, "kernel_op", kernel_op)
+    op = ops.Op(specs.gated_delta_net, backend="cuda")
+
+    def call(T):
+        rng = np.random.default_rng(T)
+        a = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+        return op(a(1, T, 2, 8), a(1, T, 2, 8), a(1, T, 2, 8), -mx.abs(a(1, T, 2)), mx.sigmoid(a(1, T, 2)))
+
+    for T in (1, 7):  # decode and a short prefill: the recurrent kernels, forward and backward
+        call(T)
+    assert checks == [] and vjps == [None, None]
+    call(t.chunked_backward_min_t)  # a long one: its backward is the chunked form's, checked first
+    assert checks == ["gated_delta_net"] and vjps[-1] == "the chunked backward"
