@@ -1661,7 +1661,9 @@ def test_the_probe_keeps_its_kernels_where_the_tuning_keeps_them(monkeypatch, fr
     # first, the frames' kernels made side by side (test_kernel_binary), those the probes then run
     assert prefetched == [("cuda", pr.FEATURE_FRAMES, pr.PROBE, "/kept")]
     pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/kept"}), pr.PROBE, pr.CHUNK_FRAMES)
-    assert prefetched[1][1] == pr.CHUNK_FRAMES - {"scan", "mma"}  # CUDA hoists: "mma" only where "hoist" fails
+    # what CUDA's table asks for: "mma" only where "hoist" fails, "scan" never, KDA's factor reads and the product-free
+    # scans' hoisting not (off), the UT transform's 16-bit outputs not (off)
+    assert prefetched[1][1] == pr.CHUNK_FRAMES - {"scan", "mma", "keyfactor", "hoist_e", "ut16"}, prefetched[1][1]
     pr.checked(tuning.resolve("gpu", "cuda", environ={}))
     assert len(prefetched) == 2  # no cache, nothing made ahead
 

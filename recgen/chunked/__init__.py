@@ -516,12 +516,12 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     precision, so tests can separate the algorithm's exactness from float32 rounding amplified by
     an ill-conditioned spec (a ratio readout with a tiny floor). ``o`` and the state then stay float64.
     ``tuning``: the dispatcher's (``recgen.ops``); by default that of MLX's default device, checked once."""
-    p = analyze(rec)
-    tun = tuning or checked_for(p)
     dtype = compute_dtype or mx.float32
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
         raise InputError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
     supported(rec)
+    p = analyze(rec)
+    tun = tuning or checked_for(p)
     sizes, S, z = _prepare(rec, inputs, initial_state, dtype)
     out_dtype = dtype if compute_dtype is not None else _out_dtype(rec, inputs)
     T = sizes.T

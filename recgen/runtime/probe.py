@@ -30,6 +30,14 @@ FEATURE_FRAMES = frozenset({"sympow", "features", "decode", "scores"})
 # ... and those of a key-vector decay only: its pair kernels on fragments, KDA's factor reads, its backward tails
 KEY_DECAY_FRAMES = frozenset({"pairs", "keyfactor", "tail"})
 EVERY_FRAME = CHUNK_FRAMES | FEATURE_FRAMES
+# The choices each opt-in frame stands for: probed only where the tuning asks for one of them, and turned off where
+# it fails (then: the backward's tail in MLX ops; the pairs' FMA form; U and W in float32; q, k, v copied to the
+# chunks' layout; each operand loaded where used; KDA's roles formed; synchronous staging; the decode step, φ's
+# products and the in-chunk scores in MLX ops)
+FRAME_FLAGS = {"tail": ("fused_bwd",), "pairs": ("mma_pairs",), "ut16": ("ut_16bit",), "rows": ("model_rows",),
+               "hoist": ("scan_hoist", "reverse_scan_hoist"), "hoist_e": ("scan_hoist_e",),
+               "keyfactor": ("key_factor_reads",), "async": ("async_staging",), "decode": ("feature_decode",),
+               "features": ("feature_kernels",), "scores": ("decayed_scores",)}
 FAST_BLAS_GFLOPS = 30.0  # between the reference BLAS's 6 GFLOP/s and OpenBLAS's 77-95 (2 cores), measured
 
 
@@ -59,8 +67,7 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
     changes: dict = {}
     ok = lambda frame: usable(t.dialect, frame, sizes, t.kernel_cache)  # noqa: E731
     if t.chunk_kernels and t.kernel_cache and t.dialect and get(t.dialect).binary_factory:
-        hoisting = t.mma_scan and (t.scan_hoist or t.reverse_scan_hoist)  # "mma" is probed only if "hoist" fails
-        prefetch_frames(t.dialect, frames - {"scan"} - ({"mma"} if hoisting else set()), sizes, t.kernel_cache)
+        prefetch_frames(t.dialect, first_probed(t, frames), sizes, t.kernel_cache)
     if t.device == "cpu" and (t.cpu_blas == "fast" or (t.cpu_blas is None and cpu_blas_fast())):
         # OpenBLAS takes transposed views as they are; there the elementwise passes over the chunk-entry
         # states cost more than flops, so key-vector decays take chunks of 32
@@ -86,12 +93,8 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
     # Choices that exist only on the fragment kernels, each with its own frame: without those kernels they do nothing
     # (so they go off unprobed); with them a failing frame turns off only its own choice
     fragments = t.chunk_kernels and changes.get("chunk_kernels", True) and changes.get("mma_scan", t.mma_scan)
-    for frame, flags in (("ut16", ("ut_16bit",)),                             # U and W in float32
-                         ("rows", ("model_rows",)),                           # q, k, v copied to the chunks' layout
-                         ("hoist", ("scan_hoist", "reverse_scan_hoist")),     # each operand loaded where used
-                         ("hoist_e", ("scan_hoist_e",)),
-                         ("keyfactor", ("key_factor_reads",)),                # KDA's roles formed
-                         ("async", ("async_staging",))):                      # synchronous staging
+    for frame in ("ut16", "rows", "hoist", "hoist_e", "keyfactor", "async"):
+        flags = FRAME_FLAGS[frame]
         if frame in frames and any(getattr(t, f) for f in flags) and not (fragments and ok(frame)):
             changes.update(dict.fromkeys(flags, False))
     if t.feature_decode and "decode" in frames and (t.dialect is None or not ok("decode")):
@@ -440,6 +443,14 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
         if not err < 1e-2:  # TF32 fragments: ~1e-3; a bf16 output: ~4e-3
             return f"{frame} kernel output off by {err:.1e} relative"
     return None
+
+
+def first_probed(t: Tuning, frames: frozenset) -> frozenset:
+    """The frames of ``frames`` that ``checked`` probes for ``t`` where every one passes: the base frames, and each
+    opt-in frame where the tuning asks for its choice ("mma" only where no hoisting is asked for, "scan" never)."""
+    hoisting = t.mma_scan and (t.scan_hoist or t.reverse_scan_hoist)
+    asked = {f for f, flags in FRAME_FLAGS.items() if any(getattr(t, x) for x in flags)}
+    return frozenset(f for f in frames if f in asked or f in ("base", "sympow") or (f == "mma" and not hoisting))
 
 
 def prefetch_frames(dialect: str, frames, sizes: tuple, kernel_cache: str) -> int:
