@@ -3,8 +3,9 @@
 MLX compiles a ``cuda_kernel`` with NVRTC on its first call in each process and keeps nothing on disk for custom
 kernels, so every new process compiles every kernel again (142 s for the chunk kernels' self-tests alone on an
 H100). Compiling here gives the binary to ``recgen.runtime.kernel_binary``, which keeps it. The library is the one
-MLX's CUDA backend loaded where it is loaded (the same compiler MLX would use), else one on the loader's path or in
-NVIDIA's pip wheels; the CUDA headers are those beside it (``cuda_bf16.h``, ``cuda_fp16.h``)."""
+MLX's CUDA backend loaded where it is loaded (the same compiler MLX would use), else one on the loader's path, in a
+CUDA toolkit under /usr/local or in NVIDIA's pip wheels; the CUDA headers are those beside it (``cuda_bf16.h``,
+``cuda_fp16.h``)."""
 from __future__ import annotations
 
 import ctypes
@@ -36,12 +37,14 @@ def _loaded_paths() -> list[str]:
     return sorted({ln.split()[-1] for ln in lines if "/libnvrtc.so" in ln and "builtins" not in ln})
 
 
-def _wheel_paths() -> list[str]:
-    """libnvrtc in NVIDIA's pip wheels (nvidia-cuda-nvrtc: site-packages/nvidia/cu*/lib or nvidia/cuda_nvrtc/lib)."""
+def _installed_paths() -> list[str]:
+    """libnvrtc in a CUDA toolkit's usual places, then in NVIDIA's pip wheels (nvidia-cuda-nvrtc:
+    site-packages/nvidia/cu*/lib or nvidia/cuda_nvrtc/lib)."""
     spec = importlib.util.find_spec("nvidia")
     roots = [Path(r) for r in (spec.submodule_search_locations or [])] if spec else []
-    return [str(p) for r in roots for p in sorted(r.glob("*/lib/libnvrtc.so*"), reverse=True)
-            if "builtins" not in p.name and ".alt." not in p.name]
+    found = [*sorted(Path("/usr/local").glob("cuda*/lib64/libnvrtc.so*"), reverse=True),
+             *(p for r in roots for p in sorted(r.glob("*/lib/libnvrtc.so*"), reverse=True))]
+    return [str(p) for p in found if "builtins" not in p.name and ".alt." not in p.name]
 
 
 def _includes(lib_path: str) -> tuple:
@@ -55,7 +58,7 @@ def _includes(lib_path: str) -> tuple:
 @lru_cache(maxsize=1)
 def compiler() -> Compiler | None:
     """The NVRTC to use, or None where there is none (or none with the CUDA headers)."""
-    for path in [*_loaded_paths(), ctypes.util.find_library("nvrtc"), *_wheel_paths()]:
+    for path in [*_loaded_paths(), ctypes.util.find_library("nvrtc"), *_installed_paths()]:
         if not path:
             continue
         try:
