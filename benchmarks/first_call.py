@@ -23,7 +23,8 @@ def main() -> None:
 
     from recgen import load, tuning
     from recgen.bench import Shape, make_inputs
-    from recgen.runtime import kernel_binary, nvrtc
+    from recgen.runtime import kernel_binary, nvrtc, probe
+    from recgen.spec.analysis import analyze
 
     op = load(args.spec)
     inputs, do = make_inputs(op.rec, Shape.parse(args.shape), "float32", seed=1)
@@ -36,6 +37,10 @@ def main() -> None:
         mx.eval(o, grads)
         return [np.array(a, np.float64) for a in (o, *grads)]
 
+    mx.set_default_device(mx.gpu)
+    t0 = time.perf_counter()
+    probe.checked_for(analyze(op.rec))  # the chunk kernels' self-test alone (cached: the call below reuses it)
+    selftest = time.perf_counter() - t0
     t0 = time.perf_counter()
     gpu = step(mx.gpu)
     first = time.perf_counter() - t0
@@ -44,7 +49,8 @@ def main() -> None:
     second = time.perf_counter() - t0
     errors = [float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30)) for a, b in zip(gpu, step(mx.cpu))]
     nv = nvrtc.compiler()
-    print(f"{args.spec} {args.shape}: first call {first:.2f} s, second {second * 1e3:.1f} ms; kernel cache "
+    print(f"{args.spec} {args.shape}: self-test {selftest:.2f} s, then first call {first:.2f} s, second "
+          f"{second * 1e3:.1f} ms; kernel cache "
           f"{tuning.current().kernel_cache!r}, NVRTC {nv and (nv.path, nv.version)}, "
           f"architecture {kernel_binary.architecture()}, binaries {kernel_binary.binary.cache_info()}")
     print("relative error against the CPU: " + " ".join(f"{n}={e:.1e}" for n, e in zip(["o", *names], errors)))
