@@ -166,7 +166,7 @@ class Op:
 
             o, ht = chunked.forward(rec, dict(zip([x.name for x in rec.inputs], xs)), scale=scale,
                                     initial_state=initial_state, chunk_size=self.chunk_size,
-                                    tuning=checked_for(analyze(rec), t))
+                                    tuning=self.checked(t))
         else:
             o, ht = self._kernel_call(backend, xs, sizes, scale, initial_state, t)
         return o, (ht if output_final_state else None)
@@ -192,6 +192,11 @@ class Op:
         ht = tuple(mx.concatenate([f[j] for f in finals], axis=0) for j in range(len(finals[0])))
         return o, (ht if rec.has_normalizer else ht[0])
 
+    def checked(self, t: Tuning) -> Tuning:
+        """``t`` after the chunk kernels' self-test over this spec's frames: asked for only where the chunked form
+        runs (the recurrent kernels alone compile none of its kernels)."""
+        return checked_for(analyze(self.rec), t)
+
     def runs_chunked(self, t: Tuning, T: int) -> bool:
         """A kernel op whose forward is the chunked form too (its backward then MLX's autodiff of it, the chunked
         backward without the recompute): see ``chunked_forward``."""
@@ -212,7 +217,7 @@ class Op:
         backward = choose_backward(self.rec, t, sizes.T, self.backward)
         vjp = None  # the recurrent kernels alone need no self-test: a decode step compiles no chunk kernel
         if backward == "chunked":
-            vjp = chunked_vjp(self.rec, scale, self.chunk_size, checked_for(analyze(self.rec), t))
+            vjp = chunked_vjp(self.rec, scale, self.chunk_size, self.checked(t))
         outs = kernel_op(p, dialect_named(backend), sizes, scale, out_dtype, vjp, t.debug, t.kernel_cache)(*xs, *states)
         return (outs[0], (outs[1], outs[2])) if self.rec.has_normalizer else outs
 
@@ -283,7 +288,7 @@ class PowerRetention(Op):
 
         if (choose_backend(t, backend, self.backend) == "mlx" or sizes.B == 0 or sizes.T == 0
                 or sizes.T >= t.key_blocks_max_t
-                or (sizes.T == 1 and decodes(checked_for(analyze(self.rec), t), sizes.Kin, sizes.V))):
+                or (sizes.T == 1 and decodes(self.checked(t), sizes.Kin, sizes.V))):
             # the spec's own chunked form, which runs this device's chunk kernels where the tuning has them (the
             # kernel identity's, the feature decode kernel), whichever backend was asked for: a feature map has no
             # recurrent kernel, so passing a GPU backend on would raise UnsupportedKernel

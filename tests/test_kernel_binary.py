@@ -209,8 +209,6 @@ def test_a_first_process_compiles_the_self_tests_kernels_side_by_side(monkeypatc
         monkeypatch.setattr(nvrtc, "compile_cubin", lambda *a: pytest.fail("compiled again"))
         with ck.recording() as calls:
             probe._probe.__wrapped__("cuda", "features", probe.PROBE, str(tmp_path))
-        assert calls and all(kb.binary(launch.source, tuple(dt for _, dt in user) + tuple(
-            dt for _, _, dt in launch.runtime), tuple(dt for _, dt in launch.outputs), launch.template, str(tmp_path))
-            for launch, user in calls)
+        assert calls and all(kb.binary(*kb.recorded_key(launch, user), str(tmp_path)) for launch, user in calls)
     finally:
         kb.binary.cache_clear()

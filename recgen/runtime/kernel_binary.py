@@ -2,11 +2,10 @@
 CUDA's ``precompiled_cuda_kernel``).
 
 MLX compiles a ``cuda_kernel`` on its first call in each process and keeps nothing for the next: every new process
-compiled every kernel again (on an H100, 142 s for the chunk kernels' self-tests, and power retention's first
-training step past two minutes). Here a launch's translation unit (``codegen.cuda_unit``: the function MLX would
-build, with the call's dtypes and template values) is compiled by NVRTC once for this GPU's architecture and kept
-under ``Tuning.kernel_cache``, named by a hash of the unit, the architecture and the compiler's version; later
-processes read it. A write goes to a temporary file first and is renamed, so a reader never sees half a binary."""
+compiles every kernel again (minutes for the chunk kernels' self-tests on an H100). Here a launch's translation unit
+(``codegen.cuda_unit``: the function MLX would build, with the call's dtypes and template values) is compiled by
+NVRTC once for this GPU's architecture and kept under ``Tuning.kernel_cache``, named by a hash of the unit, the
+architecture and the compiler's version; later processes read it. A write goes to a temporary file first and is renamed, so a reader never sees half a binary."""
 from __future__ import annotations
 
 import hashlib
@@ -83,12 +82,18 @@ def keep(path: Path, data: bytes) -> None:
         pass
 
 
+def recorded_key(launch, user: tuple) -> tuple:
+    """``binary``'s arguments but the directory for a recorded kernel call (``chunk_kernels.recording``: the launch
+    and the (shape, dtype name) of each user buffer; the runtime values follow them, as ``launch.mlx_call`` passes)."""
+    return (launch.source, tuple(dt for _, dt in user) + tuple(dt for _, _, dt in launch.runtime),
+            tuple(dt for _, dt in launch.outputs), launch.template)
+
+
 def prefetch(calls: list, directory: str, workers: int | None = None) -> int:
-    """The binaries of recorded kernel calls (``chunk_kernels.recording``: (launch, ((shape, dtype name) of each
-    user buffer)), ...) made side by side, read or compiled: NVRTC runs outside the GIL, so a first process on a
-    machine compiles on every core what its calls would compile one at a time. Returns how many distinct kernels."""
-    keys = list(dict.fromkeys((launch.source, tuple(dt for _, dt in user) + tuple(dt for _, _, dt in launch.runtime),
-                               tuple(dt for _, dt in launch.outputs), launch.template) for launch, user in calls))
+    """The binaries of recorded kernel calls ((launch, user buffers), ...: ``recorded_key``) made side by side, read
+    or compiled: NVRTC runs outside the GIL, so a first process on a machine compiles on every core what its calls
+    would compile one at a time. Returns how many distinct kernels."""
+    keys = list(dict.fromkeys(recorded_key(launch, user) for launch, user in calls))
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         list(pool.map(lambda key: binary(*key, directory), keys))
     return len(keys)

@@ -1,8 +1,8 @@
 """NVRTC through ctypes: a CUDA translation unit to a cubin for one GPU architecture.
 
 MLX compiles a ``cuda_kernel`` with NVRTC on its first call in each process and keeps nothing on disk for custom
-kernels, so every new process compiles every kernel again (142 s for the chunk kernels' self-tests alone on an
-H100). Compiling here gives the binary to ``recgen.runtime.kernel_binary``, which keeps it. The library is the one
+kernels, so every new process compiles every kernel again (minutes for the chunk kernels' self-tests alone on
+an H100). Compiling here gives the binary to ``recgen.runtime.kernel_binary``, which keeps it. The library is the one
 MLX's CUDA backend loaded where it is loaded (the same compiler MLX would use), else one on the loader's path, in a
 CUDA toolkit under /usr/local or in NVIDIA's pip wheels; the CUDA headers are those beside it (``cuda_bf16.h``,
 ``cuda_fp16.h``)."""
