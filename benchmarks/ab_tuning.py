@@ -16,8 +16,12 @@ import statistics
 from dataclasses import fields
 
 
-def parse_value(field_type, text: str):
-    """A command-line value in the field's type (bools as 0/1)."""
+def parse_value(field: str, field_type, text: str, environment: dict):
+    """A command-line value as the field's environment variable spells it (``RECGEN_KERNEL_CACHE=off``), else in
+    the field's type (bools as 0/1)."""
+    parsers = [parse for name, parse in environment.values() if name == field]
+    if parsers:
+        return parsers[0](text)
     kind = str(field_type)
     if "bool" in kind:
         return text not in ("0", "false", "False")
@@ -45,7 +49,7 @@ def main() -> None:
     types = {f.name: f.type for f in fields(tuning.Tuning)}
     if args.field not in types:
         p.error(f"--field {args.field!r}: not a Tuning field")
-    values = [parse_value(types[args.field], v) for v in args.values]
+    values = [parse_value(args.field, types[args.field], v, tuning.ENVIRONMENT) for v in args.values]
     rec = load(args.spec).rec
     xs, do = bench.make_inputs(rec, bench.Shape.parse(args.shape), args.dtype)
     s = bench.steps(bench.recgen_forward(rec, "auto"), xs, do)

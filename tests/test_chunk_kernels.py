@@ -1664,7 +1664,7 @@ def test_the_probe_keeps_its_kernels_where_the_tuning_keeps_them(monkeypatch, fr
     # what CUDA's table asks for: "mma" only where "hoist" fails, "scan" never, KDA's factor reads and the product-free
     # scans' hoisting not (off), the UT transform's 16-bit outputs not (off)
     assert prefetched[1][1] == pr.CHUNK_FRAMES - {"scan", "mma", "keyfactor", "hoist_e", "ut16"}, prefetched[1][1]
-    pr.checked(tuning.resolve("gpu", "cuda", environ={}))
+    pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "off"}))
     assert len(prefetched) == 2  # no cache, nothing made ahead
 
 

@@ -154,7 +154,8 @@ def test_mlx_call_runs_the_kept_binary_where_the_tuning_keeps_them(monkeypatch):
 
 
 def test_the_cache_follows_the_environment():
-    assert tuning.resolve("gpu", "cuda", environ={}).kernel_cache == ""  # off until it has run on a GPU
+    assert tuning.resolve("gpu", "cuda", environ={}).kernel_cache == "~/.cache/recgen/kernels"  # CUDA keeps them
+    assert tuning.resolve("gpu", "metal", environ={}).kernel_cache == ""  # MLX's Metal factory takes no binary
     for on in ("1", "on", "true"):
         assert tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": on}).kernel_cache == "~/.cache/recgen/kernels"
     assert tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/scratch/k"}).kernel_cache == "/scratch/k"
