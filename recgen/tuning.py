@@ -57,6 +57,8 @@ class Tuning:
     feature_jac_groups: int = 8     # ... SIMD groups a threadgroup of their gradient at most (8, 4, 2 or 1): fewer
     #                                 let more threadgroups share an SM, but each stages the whole state (H100:
     #                                 6.95 ms a training step at 8, 7.88 at 4, 9.61 at 2)
+    feature_jac_min_blocks: int = 1  # ... threadgroups an SM their registers must allow (CUDA's launch bounds, where
+    #                                 recgen compiles them: the kernel cache); 1 leaves the compiler's choice
     gram_slices: int = 1            # ... the gradient of its decays between chunks, a product over the expanded
     #                                 state's entries, cut in this many slices read as rows (``features._gram``):
     #                                 more multiply-adds, far more parallel (cuBLAS ran the one product serially)
@@ -116,6 +118,7 @@ class Tuning:
     #                                 last one's products (then ``l2_prefetch`` does not apply to them)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
+    bwd_min_blocks: int = 1         # ... threadgroups an SM its registers must allow (as feature_jac_min_blocks)
     # -- the recurrent kernels ----------------------------------------------------------------------
     fwd_layout: tuple[int, int, int] | None = None  # force the forward lane mapping (LK, CPL, WV): sweeps
 
@@ -191,6 +194,7 @@ ENVIRONMENT = {
     "RECGEN_RANK1_READOUT": ("rank1_readout", _flag),
     "RECGEN_FUSED_BWD": ("fused_bwd", _flag),
     "RECGEN_BWD_BW": ("bwd_bw", int),
+    "RECGEN_BWD_MIN_BLOCKS": ("bwd_min_blocks", int),
     "RECGEN_OUT_BV": ("out_bv", int),
     "RECGEN_L2_PREFETCH": ("l2_prefetch", _flag),
     "RECGEN_ASYNC_STAGING": ("async_staging", _flag),
@@ -222,6 +226,7 @@ ENVIRONMENT = {
     "RECGEN_GRAM_SLICES": ("gram_slices", int),
     "RECGEN_FEATURE_JAC_ROWS": ("feature_jac_rows", _flag),
     "RECGEN_FEATURE_JAC_GROUPS": ("feature_jac_groups", _int_choice("RECGEN_FEATURE_JAC_GROUPS", (8, 4, 2, 1))),
+    "RECGEN_FEATURE_JAC_MIN_BLOCKS": ("feature_jac_min_blocks", int),
     "RECGEN_SCORES_ROWS": ("scores_rows", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
     "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),

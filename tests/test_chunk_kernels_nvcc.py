@@ -51,3 +51,18 @@ def test_ptxas_reports_the_scans_hoisted_operands_in_registers(tmp_path):
     assert hoisted.registers > plain.registers + 64, (plain, hoisted)
     assert hoisted.blocks_per_sm < plain.blocks_per_sm
     assert readout.shared_bytes > 32 * 1024 and readout.threads == 128
+
+
+def test_launch_bounds_leave_the_gradient_kernel_two_threadgroups_an_sm(tmp_path):
+    """``Tuning.feature_jac_min_blocks`` = 2: the feature map's gradient kernel (power retention's shape) is held to
+    128 registers, so two threadgroups of 256 share an SM where its own choice leaves one."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    from recgen.runtime import chunk_kernels as ck
+
+    launches = [ck.feature_jac_launch("cuda", 256, 256, 64, 65, min_blocks=m) for m in (0, 2)]
+    unit = tmp_path / "k.cu"
+    unit.write_text(translation_unit([as_kernel(i, x) for i, x in enumerate(launches)]))
+    free, bounded = (usage(unit, [256, 256], nvcc)[i] for i in range(2))
+    assert free.blocks_per_sm == 1 and bounded.blocks_per_sm == 2 and bounded.registers <= 128, (free, bounded)

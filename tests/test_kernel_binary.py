@@ -3,6 +3,7 @@
 the call through MLX's ``precompiled_cuda_kernel`` (a recorder stands in for it here; the GPU tests run it)."""
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -60,14 +61,15 @@ def test_every_cuda_kernel_compiles_with_nvrtc():
     them would fail here."""
     if nvrtc.compiler() is None:
         pytest.skip("NVRTC is not installed")
-    launches = [*chunk_launches("cuda"), *recurrent_launches()]
+    launches = [*chunk_launches("cuda"), *recurrent_launches(),
+                ck.feature_jac_launch("cuda", 256, 256, 64, 65, min_blocks=2)]  # with launch bounds
     assert len(launches) > 110
 
     def compiled(item):
         i, launch = item
         ins, outs = dtypes_of(launch)
-        return nvrtc.compile_cubin(global_function(launch.source, f"k{i}", ins, outs, launch.template), f"k{i}",
-                                   "sm_90a")
+        return nvrtc.compile_cubin(global_function(launch.source, f"k{i}", ins, outs, launch.template,
+                                                   launch.bounds), f"k{i}", "sm_90a")
 
     with ThreadPoolExecutor(2) as pool:
         cubins = list(pool.map(compiled, enumerate(launches)))
@@ -91,44 +93,58 @@ def binaries(monkeypatch, tmp_path):
 
 def test_a_binary_is_compiled_once_and_read_by_later_processes(binaries, tmp_path):
     compiles, directory = binaries
-    symbol, data = kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, directory)
+    symbol, data = kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, (), directory)
     assert len(compiles) == 1 and compiles[0][0] == symbol and symbol.startswith(JAC.source.name + "_")
     assert f'void {symbol}(' in compiles[0][1]
     kept = tmp_path / "sm_90a" / f"{symbol}.cubin"
     assert kept.read_bytes() == data and not list(kept.parent.glob(".tmp-*"))
     kb.binary.cache_clear()  # a new process: read, not compiled
-    assert kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, directory) == (symbol, data)
+    assert kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, (), directory) == (symbol, data)
     assert len(compiles) == 1
     # another dtype, template value or architecture is another binary
-    other = kb.binary(JAC.source, ("bfloat16",) + JAC_IN[1:], ("float32",), JAC.template, directory)
+    other = kb.binary(JAC.source, ("bfloat16",) + JAC_IN[1:], ("float32",), JAC.template, (), directory)
     assert other[0] != symbol and len(compiles) == 2
     # a file that is not a cubin (cut short by a crash of another writer's disk) is compiled again
     kb.binary.cache_clear()
     kept.write_bytes(b"\x00garbage")
-    assert kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, directory) == (symbol, data)
+    assert kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, (), directory) == (symbol, data)
     assert len(compiles) == 3 and kept.read_bytes() == data
+
+
+def test_launch_bounds_are_part_of_the_unit_and_its_key(binaries):
+    """A launch that asks for threadgroups an SM (``Launch.min_blocks``, the tuning's for the gradient kernel) is
+    compiled with CUDA's launch bounds, as another binary than the unbounded one."""
+    compiles, directory = binaries
+    bounded = ck.feature_jac_launch("cuda", 4, 256, 64, 65, min_blocks=2)  # chunks of 256: eight SIMD groups
+    assert bounded.bounds == (256, 2) and JAC.bounds == () and replace(bounded, min_blocks=1).bounds == ()
+    plain = kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, (), directory)
+    kept = kb.binary(bounded.source, JAC_IN, ("float32",), bounded.template, bounded.bounds, directory)
+    assert kept[0] != plain[0] and "__launch_bounds__(256, 2)" in compiles[1][1]
+    assert "__launch_bounds__" not in compiles[0][1]
+    t = tuning.resolve("gpu", "cuda", environ={"RECGEN_FEATURE_JAC_MIN_BLOCKS": "2"})
+    assert t.feature_jac_min_blocks == 2
 
 
 def test_no_binary_where_it_cannot_be_made(binaries, monkeypatch):
     compiles, directory = binaries
-    assert kb.binary(JAC.source, ("complex64",) + JAC_IN[1:], ("float32",), JAC.template, directory) is None
+    assert kb.binary(JAC.source, ("complex64",) + JAC_IN[1:], ("float32",), JAC.template, (), directory) is None
 
     def broken(source, name, arch):
         raise nvrtc.NvrtcError("k failed to compile for sm_90a: error: identifier undefined")
 
     monkeypatch.setattr(nvrtc, "compile_cubin", broken)
     with pytest.warns(RuntimeWarning, match="could not be compiled for the kernel cache .*identifier undefined"):
-        assert kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, directory) is None
+        assert kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, (), directory) is None
     monkeypatch.setattr(kb, "architecture", lambda: None)
     kb.binary.cache_clear()
-    assert kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, directory) is None
+    assert kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, (), directory) is None
 
 
 def test_mlx_call_runs_the_kept_binary_where_the_tuning_keeps_them(monkeypatch):
     """The tuning's directory reaches ``mlx_call`` from the chunk kernels' and the recurrent op's callers (an
     argument: reading the tuning there cost 2 us a kernel call)."""
     seen = []
-    monkeypatch.setattr(kb, "binary", lambda src, ins, outs, template, directory:
+    monkeypatch.setattr(kb, "binary", lambda src, ins, outs, template, bounds, directory:
                         seen.append((ins, outs, directory)) or ("sym", kb.ELF + b"bytes"))
 
     def precompiled(**kw):

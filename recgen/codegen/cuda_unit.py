@@ -28,13 +28,18 @@ def constant(name: str, value) -> str:
     return f"  constexpr int {name} = {value};\n"
 
 
+def launch_bounds(bounds: tuple) -> str:
+    """``__launch_bounds__`` of (threads a threadgroup, threadgroups an SM), or nothing for ()."""
+    return f"__launch_bounds__({bounds[0]}, {bounds[1]}) " if bounds else ""
+
+
 def global_function(src: KernelSource, symbol: str, input_dtypes: tuple, output_dtypes: tuple,
-                    template: tuple) -> str:
+                    template: tuple, bounds: tuple = ()) -> str:
     """The translation unit of ``src`` as one ``extern "C" __global__`` function named ``symbol``; ``input_dtypes``
     and ``output_dtypes`` (dtype names) in ``src.inputs`` / ``src.outputs`` order, ``template`` as a launch carries
-    it ((name, int | bool | dtype name), ...)."""
+    it ((name, int | bool | dtype name), ...), ``bounds`` as ``Launch.bounds``."""
     params = ([f"const {CTYPES[dt]}* {n}" for n, dt in zip(src.inputs, input_dtypes, strict=True)]
               + [f"{CTYPES[dt]}* {n}" for n, dt in zip(src.outputs, output_dtypes, strict=True)])
     body = "".join(constant(n, v) for n, v in template)
-    return (f"{INCLUDES}{src.header}\nextern \"C\" __global__ void {symbol}(\n    " + ",\n    ".join(params)
+    return (f"{INCLUDES}{src.header}\nextern \"C\" __global__ void {launch_bounds(bounds)}{symbol}(\n    " + ",\n    ".join(params)
             + f") {{\n{body}{src.source}\n}}\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from dataclasses import replace
 from functools import lru_cache
 
 from ..codegen.backends import get
@@ -248,12 +249,12 @@ def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 1
 
 @lru_cache(maxsize=256)
 def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: int = 32, uf: bool = False,
-                   ml: tuple | None = None) -> Launch:
+                   ml: tuple | None = None, min_blocks: int = 0) -> Launch:
     """N chunks, one threadgroup each; ``types``: the dtype names of R, U (and b̃: the delta rule's form), which the
     gradients dR, dU (dBt) are written in; ``uf`` (the delta rule's, ``types`` those of R and the key x): u and b̃
     read from x with their factors, the gradients written dR, dX and dF (of the factor, [N, C] float32); ``ml`` (with
     ``uf``): r and x read in the model's layout and dR, dX written in it per value head [N / (H NCH), NCH C, H, K],
-    (H, HK, NCH, GB) as ``_model_consts``."""
+    (H, HK, NCH, GB) as ``_model_consts``; ``min_blocks`` as ``Launch``'s."""
     delta = len(types) == 3 or uf
     lay = bwd_mma_layout(dialect, C, K, delta, most_bw)
     if lay is None:
@@ -263,7 +264,7 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
     rows = (N, C, K) if ml is None else (N // (ml[0] * ml[2]), ml[2] * C, ml[0], K)
     outs = tuple((rows, dt) for dt in types) + (((N, C), "float32"),) * (2 if uf else 1)
     return Launch(bwd_mma_source(dialect, delta, uf, ml is not None), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1),
-                  tmpl)
+                  tmpl, min_blocks)
 
 
 @lru_cache(maxsize=256)
@@ -372,12 +373,13 @@ def feature_out_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple 
 
 @lru_cache(maxsize=64)
 def feature_jac_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple = (1, 1),
-                       rows: bool = False, groups: int = 8) -> Launch:
+                       rows: bool = False, groups: int = 8, min_blocks: int = 0) -> Launch:
     """dX through φ's rows of N chunks (``feature_jac_source``; ``rows``: by the rows of φ's pairs, where
     ``feature_mma_layout`` has a "jac_rows" layout): a threadgroup 16 NG tokens of a chunk (NG at most ``groups``,
-    ``Tuning.feature_jac_groups``); ``seq`` as ``feature_out_launch``'s."""
+    ``Tuning.feature_jac_groups``); ``seq`` as ``feature_out_launch``'s; ``min_blocks`` as ``Launch``'s."""
     lay = feature_mma_layout(dialect, C, D, V, groups)["jac_rows" if rows else "jac"]
-    return _by_tokens(feature_jac_source(dialect, rows), (("ns", seq, "int32"),), (N, C, D), N, C, lay)
+    launch = _by_tokens(feature_jac_source(dialect, rows), (("ns", seq, "int32"),), (N, C, D), N, C, lay)
+    return replace(launch, min_blocks=min_blocks)
 
 
 def features_on_kernels(t: Tuning, C: int, D: int, V: int) -> bool:
@@ -629,7 +631,8 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
             + [x if ml is not None else flat(x) for x in roles] + factors
             + [flat(DUQ), flat(DRP)] + ([flat(DR)] if delta else [])
             + [l.reshape(N, C), DG.reshape(N), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-    outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw, uf=uf is not None, ml=ml), user)
+    outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw, uf=uf is not None, ml=ml,
+                                   min_blocks=t.bwd_min_blocks), user)
     dr, du = (outs[0], outs[1]) if ml is not None else (outs[0].reshape(r.shape), outs[1].reshape(u.shape))
     third = outs[2].reshape((bt if uf is None else uf).shape) if delta else None  # db̃, or duf with factor reads
     return dr, du, third, outs[-1].reshape(l.shape)
@@ -768,7 +771,8 @@ def feature_jac(X, S, Y, t: Tuning):
     N, (C, D), (F, V) = _lead(X, 2), X.shape[-2:], S.shape[-2:]
     seq = _states_per_sequence(X, S)
     by_rows = t.feature_jac_rows and feature_mma_layout(t.dialect, C, D, V)["jac_rows"] is not None
-    (dX,) = _call(t, feature_jac_launch(t.dialect, N, C, D, V, seq, by_rows, t.feature_jac_groups),
+    (dX,) = _call(t, feature_jac_launch(t.dialect, N, C, D, V, seq, by_rows, t.feature_jac_groups,
+                                        t.feature_jac_min_blocks),
                   [X.reshape(N, C, D), S.reshape(-1, F, V), Y.reshape(N, C, V)])
     return dX.reshape(X.shape)
 

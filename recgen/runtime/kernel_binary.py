@@ -41,16 +41,17 @@ def architecture() -> str | None:
 
 
 @lru_cache(maxsize=512)
-def binary(src: KernelSource, input_dtypes: tuple, output_dtypes: tuple, template: tuple,
+def binary(src: KernelSource, input_dtypes: tuple, output_dtypes: tuple, template: tuple, bounds: tuple,
            directory: str) -> tuple[str, bytes] | None:
-    """(symbol, cubin) of ``src`` at these dtypes and template values: read from ``directory`` where an earlier
+    """(symbol, cubin) of ``src`` at these dtypes and template values (``bounds``: ``Launch.bounds``, its launch
+    bounds or ()): read from ``directory`` where an earlier
     process kept it, else compiled and kept. None where this machine cannot (no NVRTC with CUDA headers, no known
     architecture, a dtype without a C spelling, a compile that fails: MLX then compiles it, as without a cache)."""
     arch, nv = architecture(), nvrtc.compiler()
     names = input_dtypes + output_dtypes + tuple(v for _, v in template if isinstance(v, str))
     if arch is None or nv is None or not spells(names):
         return None
-    unit = global_function(src, "KERNEL", input_dtypes, output_dtypes, template)
+    unit = global_function(src, "KERNEL", input_dtypes, output_dtypes, template, bounds)
     key = hashlib.sha256(f"{arch}\n{nv.version}\n{unit}".encode()).hexdigest()[:24]
     symbol = f"{src.name}_{key}"
     path = Path(directory).expanduser() / arch / f"{symbol}.cubin"
@@ -61,7 +62,8 @@ def binary(src: KernelSource, input_dtypes: tuple, output_dtypes: tuple, templat
     except OSError:
         pass
     try:
-        data = nvrtc.compile_cubin(global_function(src, symbol, input_dtypes, output_dtypes, template), symbol, arch)
+        data = nvrtc.compile_cubin(global_function(src, symbol, input_dtypes, output_dtypes, template, bounds),
+                                   symbol, arch)
     except nvrtc.NvrtcError as e:
         warnings.warn(f"recgen: {src.name} could not be compiled for the kernel cache (MLX compiles it): {e}",
                       RuntimeWarning, stacklevel=3)
@@ -86,7 +88,7 @@ def recorded_key(launch, user: tuple) -> tuple:
     """``binary``'s arguments but the directory for a recorded kernel call (``chunk_kernels.recording``: the launch
     and the (shape, dtype name) of each user buffer; the runtime values follow them, as ``launch.mlx_call`` passes)."""
     return (launch.source, tuple(dt for _, dt in user) + tuple(dt for _, _, dt in launch.runtime),
-            tuple(dt for _, dt in launch.outputs), launch.template)
+            tuple(dt for _, dt in launch.outputs), launch.template, launch.bounds)
 
 
 def prefetch(calls: list, directory: str, workers: int | None = None) -> int:

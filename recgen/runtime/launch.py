@@ -6,6 +6,7 @@ kernel is called, never at import time (MLX raises off Apple silicon when a Meta
 """
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -26,8 +27,15 @@ class Launch:
     grid: tuple
     threadgroup: tuple
     template: tuple        # ((name, int | bool | dtype name), ...)
+    min_blocks: int = 0    # threadgroups an SM the compiler must leave registers for (CUDA's __launch_bounds__),
+    #                        where recgen compiles the kernel itself (the kernel cache); MLX's wrapper takes none
 
     __hash__ = hash_once  # each kernel call looks its launch up in caches
+
+    @property
+    def bounds(self) -> tuple:
+        """(threads a threadgroup, threadgroups an SM) the compiler is held to, or () for its own choice."""
+        return (math.prod(self.threadgroup), self.min_blocks) if self.min_blocks > 1 else ()
 
 
 @lru_cache(maxsize=256)
@@ -48,7 +56,8 @@ def mlx_call(launch: Launch, dialect: Dialect, user: list, extra: list, debug: b
     ins = list(user) + list(runtime_arrays(launch.runtime)) + list(extra)
     directory = kernel_cache if dialect.binary_factory else ""
     kept = directory and kernel_binary.binary(launch.source, tuple(dtype_name(a.dtype) for a in ins),
-                                              tuple(dt for _, dt in launch.outputs), launch.template, directory)
+                                              tuple(dt for _, dt in launch.outputs), launch.template,
+                                              launch.bounds, directory)
     if kept:
         return binary_call(dialect, kept, ins, launch_arguments(launch), debug)
     return mlx_kernel(launch.source, dialect.mlx_factory, debug)(inputs=ins, **launch_arguments(launch))

@@ -18,7 +18,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ..codegen.cuda_unit import CTYPES, INCLUDES
+from ..codegen.cuda_unit import CTYPES, INCLUDES, launch_bounds
 
 # sm_90 (H100, H200): what one SM holds
 SM90 = dict(registers=65536, shared_bytes=228 * 1024, shared_reserved=1024, threads=2048, blocks=32)
@@ -45,8 +45,9 @@ def as_kernel(i: int, launch, dtypes: dict | None = None) -> str:
                     + [f"{CTYPES[dt]}* {n}" for n, (_, dt) in zip(src.outputs, launch.outputs)])
     params = ", ".join(f"{kind(v)} {n}" for n, v in tmpl.items())
     args = ", ".join(spell(v) for v in tmpl.values())
-    return (f"namespace n{i} {{\n{src.header}\ntemplate <{params}>\n__global__ void k({sig}) {{\n{src.source}\n}}\n"
-            f"template __global__ void k<{args}>({sig});\n}}\n")
+    bounds = launch_bounds(launch.bounds)  # on the definition: the instantiation inherits it
+    return (f"namespace n{i} {{\n{src.header}\ntemplate <{params}>\n__global__ void {bounds}k({sig}) {{\n"
+            f"{src.source}\n}}\ntemplate __global__ void k<{args}>({sig});\n}}\n")
 
 
 def translation_unit(kernels: list[str]) -> str:
