@@ -58,7 +58,8 @@ class Tuning:
     #                                 let more threadgroups share an SM, but each stages the whole state (H100:
     #                                 6.95 ms a training step at 8, 7.88 at 4, 9.61 at 2)
     feature_jac_min_blocks: int = 1  # ... threadgroups an SM their registers must allow (CUDA's launch bounds, where
-    #                                 recgen compiles them: the kernel cache); 1 leaves the compiler's choice
+    #                                 recgen compiles them: the kernel cache); 1 leaves the compiler's choice (H100:
+    #                                 2 holds it to 128 registers, and the kernel took 1.32-1.34 ms against 1.83-1.90)
     gram_slices: int = 1            # ... the gradient of its decays between chunks, a product over the expanded
     #                                 state's entries, cut in this many slices read as rows (``features._gram``):
     #                                 more multiply-adds, far more parallel (cuBLAS ran the one product serially)
@@ -118,7 +119,8 @@ class Tuning:
     #                                 last one's products (then ``l2_prefetch`` does not apply to them)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
-    bwd_min_blocks: int = 1         # ... threadgroups an SM its registers must allow (as feature_jac_min_blocks)
+    bwd_min_blocks: int = 1         # ... threadgroups an SM its registers must allow (as feature_jac_min_blocks; H100:
+    #                                 4 trained GDN in 5.53 ms against 5.18)
     # -- the recurrent kernels ----------------------------------------------------------------------
     fwd_layout: tuple[int, int, int] | None = None  # force the forward lane mapping (LK, CPL, WV): sweeps
 
@@ -140,7 +142,7 @@ MEASURED = {
                  pair_fold=True, ut_products=True, rank1_readout=True, logdecay_16bit=True, model_rows=True,
                  scan_hoist=True, reverse_scan_hoist=True, l2_prefetch=True, async_staging=True,
                  model_rows_dense=True, decayed_scores=True, feature_kernels=True, gram_slices=16,
-                 kernel_cache=KERNEL_CACHE_DIR),  # a first call's compile: 31 s -> 2.7 s cold, 0.9 s kept (H100)
+                 kernel_cache=KERNEL_CACHE_DIR, feature_jac_min_blocks=2),  # a first call's compile: 31 s -> 2.7 s cold, 0.9 s kept (H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 
