@@ -130,14 +130,11 @@ def _plus(total, x):
 
 
 @lru_cache(maxsize=None)
-def inter_fn(rows, gram_slices: int = 1, compiled: bool = False):
+def inter_fn(rows, gram_slices: int = 1):
     """inter(q, k, Wb, LL, S0) -> (Z [B,H,n,C,V'] = Σ_rows ω φ(q_t) Ŝ_{n(t)}, Ŝ_end [B,H,R,V'] in ``rows``);
     q, k [B,H,n,C,d], Wb = e^{Γ_C−Γ_s} W [B,H,n,C,V'], LL = [L | l0] [B,H,n+1,n+1] (``chunk_decays``), S0
     [B,H,R,V'] in ``rows``. The products over the rows are ``rows``' (``phi``, ``states``, ``out``, ``jac``), so the
-    same algebra runs on formed rows or on kernels that form them; ``gram_slices``: ``_gram``'s. With ``compiled``
-    its VJP is one ``mx.compile``d graph: a training call's forward runs under ``mx.vjp``, where MLX compiles
-    nothing, but the VJP runs on evaluated-to-be arrays, so its graph is built once a shape and replayed (host time
-    every training step) and its elementwise work fused."""
+    same algebra runs on formed rows or on kernels that form them; ``gram_slices``: ``_gram``'s."""
     bounds = np.cumsum([0] + [rows.size(i) for i in range(rows.count)]) if rows.count > 1 else None
 
     def tile(S, i):
@@ -154,7 +151,10 @@ def inter_fn(rows, gram_slices: int = 1, compiled: bool = False):
             after = [Z]
         return Z, ends[0] if len(ends) == 1 else mx.concatenate(ends, axis=-2)
 
-    def backward(q, k, Wb, LL, S0, dZ, dS_end):
+    @inter.vjp
+    def inter_vjp(primals, cotangents, outputs):
+        q, k, Wb, LL, S0 = primals
+        dZ, dS_end = (mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs))
         B, H, n, C, _ = q.shape
         dq, dk, dWb, dLL, dS0, after = None, None, None, None, [], []
         for i in range(rows.count):
@@ -174,23 +174,16 @@ def inter_fn(rows, gram_slices: int = 1, compiled: bool = False):
             after = [dq, dk, dWb]
         return dq, dk, dWb, dLL, dS0[0] if len(dS0) == 1 else mx.concatenate(dS0, axis=-2)
 
-    backward_graph = mx.compile(backward) if compiled else backward
-
-    @inter.vjp
-    def inter_vjp(primals, cotangents, outputs):
-        dZ, dS_end = (mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs))
-        return backward_graph(*primals, dZ, dS_end)
-
     return inter
 
 
 def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None, degree: int = 2, scores=None,
-               gram_slices: int = 1, compiled: bool = False):
+               gram_slices: int = 1):
     """Y [B,H,T,V'] and the final state [B,H,R,V'] of the module docstring's form; q, k [B,H,T,d], W [B,H,T,V'],
     gam the log-decays [B,H,T], S0 [B,H,R,V'], both states in ``rows``' layout (default: MLX's tiles, degree 2);
     ``degree`` the feature map's (the scores' power; ``rows`` must be of it); chunks of C
     tokens (T padded with tokens that change nothing: zero keys and values, log-decay 0); ``pow2``: ``core.exp``'s;
-    ``scores``: ``chunk_scores``'; ``gram_slices``, ``compiled``: ``inter_fn``'s."""
+    ``scores``: ``chunk_scores``'; ``gram_slices``: ``inter_fn``'s."""
     B, H, T, d = q.shape
     n = -(-T // C)
 
@@ -202,8 +195,7 @@ def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None
     qc, kc, Wc, gc = (chunks(x) for x in (q, k, W, gam))
     to_t, to_end, L, l0 = chunk_decays(gc, pow2)
     LL = mx.concatenate([L, l0[..., None]], axis=-1)
-    Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)), gram_slices, compiled)(qc, kc, Wc * to_end[..., None], LL,
-                                                                                S0)
+    Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)), gram_slices)(qc, kc, Wc * to_end[..., None], LL, S0)
     Y = chunk_scores(qc, kc, gc, pow2, degree, scores) @ Wc + to_t[..., None] * Z
     return (c * Y).reshape(B, H, n * C, -1)[:, :, :T], S_end
 
