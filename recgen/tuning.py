@@ -57,6 +57,8 @@ class Tuning:
     feature_jac_groups: int = 8     # ... SIMD groups a threadgroup of their gradient at most (8, 4, 2 or 1): fewer
     #                                 let more threadgroups share an SM, but each stages the whole state (H100:
     #                                 6.95 ms a training step at 8, 7.88 at 4, 9.61 at 2)
+    feature_states_fragments: int = 1  # ... 16-row fragments a SIMD group of their φᵀY kernel (1 or 2): each staged
+    #                                 B element then serves that many (shared-memory reads bound the kernel)
     feature_jac_min_blocks: int = 1  # ... threadgroups an SM their registers must allow (CUDA's launch bounds, where
     #                                 recgen compiles them: the kernel cache); 1 leaves the compiler's choice (H100:
     #                                 2 holds it to 128 registers, and the kernel took 1.32-1.34 ms against 1.83-1.90)
@@ -229,6 +231,8 @@ ENVIRONMENT = {
     "RECGEN_FEATURE_JAC_ROWS": ("feature_jac_rows", _flag),
     "RECGEN_FEATURE_JAC_GROUPS": ("feature_jac_groups", _int_choice("RECGEN_FEATURE_JAC_GROUPS", (8, 4, 2, 1))),
     "RECGEN_FEATURE_JAC_MIN_BLOCKS": ("feature_jac_min_blocks", int),
+    "RECGEN_FEATURE_STATES_FRAGMENTS": ("feature_states_fragments",
+                                        _int_choice("RECGEN_FEATURE_STATES_FRAGMENTS", (1, 2))),
     "RECGEN_SCORES_ROWS": ("scores_rows", int),
     "RECGEN_CHUNKED_BUDGET": ("segment_budget", int),
     "RECGEN_CPU_BLAS": ("cpu_blas", _choice("RECGEN_CPU_BLAS", ("fast", "reference"))),

@@ -346,11 +346,12 @@ def feature_decode_launch(dialect: str, BH: int, D: int, V: int, has_z: bool) ->
 
 
 @lru_cache(maxsize=64)
-def feature_states_launch(dialect: str, N: int, C: int, D: int, V: int, seqs: int = 0) -> Launch:
-    """dS = φ(X)ᵀ Y of N chunks (``feature_states_source``): a threadgroup 64 of the F packed rows of a chunk; with
-    ``seqs`` sequences (of N / seqs chunks each) a tail T0 [seqs, F, V] after each one's chunks."""
-    lay = feature_mma_layout(dialect, C, D, V)["states"]
-    blocks = -(-lay["F"] // 64)
+def feature_states_launch(dialect: str, N: int, C: int, D: int, V: int, seqs: int = 0, fragments: int = 1) -> Launch:
+    """dS = φ(X)ᵀ Y of N chunks (``feature_states_source``): a threadgroup 64 ``fragments`` of the F packed rows of a
+    chunk (``Tuning.feature_states_fragments``: 16-row fragments a SIMD group); with ``seqs`` sequences (of N / seqs
+    chunks each) a tail T0 [seqs, F, V] after each one's chunks."""
+    lay = feature_mma_layout(dialect, C, D, V, states_fragments=fragments)["states"]
+    blocks = -(-lay["F"] // (64 * lay["RF"]))
     runtime = _pair_tables(D) + ((("ns", (N // seqs, N // seqs + 1, N), "int32"),) if seqs else ())
     return Launch(feature_states_source(dialect, bool(seqs)), runtime, (((N + seqs, lay["F"], V), "float32"),),
                   ((N + seqs) * blocks * 128, 1, 1), (128, 1, 1), tuple(lay.items()))
@@ -739,12 +740,13 @@ def feature_states(X, Y, t: Tuning, tail=None):
     N, (C, D), V = _lead(X, 2), X.shape[-2:], Y.shape[-1]
     user = [X.reshape(N, C, D), Y.reshape(N, C, V)]
     if tail is None:
-        (dS,) = _call(t, feature_states_launch(t.dialect, N, C, D, V), user)
+        (dS,) = _call(t, feature_states_launch(t.dialect, N, C, D, V, 0, t.feature_states_fragments), user)
         return dS.reshape(*X.shape[:-2], dS.shape[-2], V)
     if X.ndim < 3 or tail.shape[:-2] != X.shape[:-3] or tail.shape[-1] != V:
         raise ValueError(f"feature_states: a tail {tail.shape} for chunks {X.shape} and values {Y.shape}")
     seqs = _lead(tail, 2)
-    (dS,) = _call(t, feature_states_launch(t.dialect, N, C, D, V, seqs), user + [tail.reshape(seqs, -1, V)])
+    (dS,) = _call(t, feature_states_launch(t.dialect, N, C, D, V, seqs, t.feature_states_fragments),
+                  user + [tail.reshape(seqs, -1, V)])
     return dS.reshape(*X.shape[:-3], X.shape[-3] + 1, dS.shape[-2], V)
 
 
