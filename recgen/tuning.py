@@ -60,6 +60,7 @@ class Tuning:
     feature_states_fragments: int = 1  # ... 16-row fragments a SIMD group of their φᵀY kernel (1 or 2): each staged
     #                                 B element then serves that many (shared-memory reads bound the kernel; H100:
     #                                 its three calls 1.00 ms at 2 against 1.19-1.22 at 1)
+    feature_out_fragments: int = 1  # ... 16-token fragments a SIMD group of their φS kernel (1 or 2, where they fit)
     feature_jac_min_blocks: int = 1  # ... threadgroups an SM their registers must allow (CUDA's launch bounds, where
     #                                 recgen compiles them: the kernel cache); 1 leaves the compiler's choice (H100:
     #                                 2 holds it to 128 registers, and the kernel took 1.32-1.34 ms against 1.83-1.90)
@@ -232,6 +233,7 @@ ENVIRONMENT = {
     "RECGEN_FEATURE_JAC_ROWS": ("feature_jac_rows", _flag),
     "RECGEN_FEATURE_JAC_GROUPS": ("feature_jac_groups", _int_choice("RECGEN_FEATURE_JAC_GROUPS", (8, 4, 2, 1))),
     "RECGEN_FEATURE_JAC_MIN_BLOCKS": ("feature_jac_min_blocks", int),
+    "RECGEN_FEATURE_OUT_FRAGMENTS": ("feature_out_fragments", _int_choice("RECGEN_FEATURE_OUT_FRAGMENTS", (1, 2))),
     "RECGEN_FEATURE_STATES_FRAGMENTS": ("feature_states_fragments",
                                         _int_choice("RECGEN_FEATURE_STATES_FRAGMENTS", (1, 2))),
     "RECGEN_SCORES_ROWS": ("scores_rows", int),

@@ -1564,13 +1564,20 @@ def test_feature_product_kernels_match_numpy(frame, N, C, D, V, sanitizer):
                                                (1, 64, 16, 16, None),    # 136 rows: a whole block, then 8 rows
                                                (3, 16, 5, 9, "address"),  # V past a tile
                                                (1, 16, 4, 3, "thread")])
-def test_the_states_kernel_with_two_fragments_a_simd_group(frame, N, C, D, V, sanitizer):
+def test_the_states_and_readout_kernels_with_two_fragments_a_simd_group(frame, N, C, D, V, sanitizer):
     """φ(X)ᵀY with each SIMD group on two 16-row fragments (``Tuning.feature_states_fragments`` = 2: 128 rows a
-    threadgroup), with and without a tail, in each lane layout, against float64 numpy."""
+    threadgroup), with and without a tail, and φ(X)S on two 16-token fragments (``feature_out_fragments``; one where
+    C is 16), in each lane layout, against float64 numpy."""
     from recgen.spec.features import sympow
 
     rng = np.random.default_rng(D + N)
     X, Y = rng.standard_normal((N, C, D)).astype(np.float32), rng.standard_normal((N, C, V)).astype(np.float32)
+    seq = (1, 2) if N > 1 else (1, 1)  # as test_feature_product_kernels_match_numpy's
+    S_all = rng.standard_normal((N * seq[1], D * (D + 1) // 2, V)).astype(np.float32)
+    out = ck.feature_out_launch(frame, N, C, D, V, seq, 2)
+    assert dict(out.template)["TF"] == (2 if C >= 32 else 1)
+    (Z,) = verify.run_launch(out, {"X": X, "S": S_all}, sanitizer=sanitizer)
+    assert _rel(Z, np.einsum("ncf,nfv->ncv", sympow(X.astype(np.float64)), S_all[::seq[1]])) < 1e-5
     launch = ck.feature_states_launch(frame, N, C, D, V, 0, 2)
     assert dict(launch.template)["RF"] == 2 and launch.grid[0] == N * -(-(D * (D + 1) // 2) // 128) * 128
     (dS,) = verify.run_launch(launch, {"X": X, "Y": Y}, sanitizer=sanitizer)
@@ -1584,7 +1591,7 @@ def test_the_states_kernel_with_two_fragments_a_simd_group(frame, N, C, D, V, sa
 
 
 @pytest.mark.parametrize("jac_rows,fragments", [(False, 1), (True, 1), (False, 2)])  # the gradient through φ by
-# the quadratic form or by rows; the states kernel on one or two fragments a SIMD group
+# the quadratic form or by rows; the states and readout kernels on one or two fragments a SIMD group
 def test_power_retention_on_the_feature_product_kernels(monkeypatch, jac_rows, fragments):
     """The kernel-identity form with φ's products on the fragment kernels (``Tuning.feature_kernels``), end to end
     against the float64 reference: forward, final state, every gradient; GQA, a partial last chunk of 16."""
@@ -1595,7 +1602,8 @@ def test_power_retention_on_the_feature_product_kernels(monkeypatch, jac_rows, f
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, feature_kernels=True,
-                       feature_jac_rows=jac_rows, feature_states_fragments=fragments)
+                       feature_jac_rows=jac_rows, feature_states_fragments=fragments,
+                       feature_out_fragments=fragments)
     assert_close(compare(specs.power_retention, 40, chunk=16, V=6, seed=5, tuning=t))
     kinds = {c.split("_metal")[0] for c in calls}
     jac = "recgen_chunk_feature_jac_rows" if jac_rows else "recgen_chunk_feature_jac"

@@ -63,7 +63,8 @@ def test_every_cuda_kernel_compiles_with_nvrtc():
         pytest.skip("NVRTC is not installed")
     launches = [*chunk_launches("cuda"), *recurrent_launches(),
                 ck.feature_jac_launch("cuda", 256, 256, 64, 65, min_blocks=2),  # with launch bounds
-                ck.feature_states_launch("cuda", 256, 256, 64, 65, 16, 2)]  # two fragments a SIMD group
+                ck.feature_states_launch("cuda", 256, 256, 64, 65, 16, 2),  # two fragments a SIMD group
+                ck.feature_out_launch("cuda", 256, 256, 64, 65, (16, 17), 2)]
     assert len(launches) > 110
 
     def compiled(item):

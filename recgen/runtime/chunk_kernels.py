@@ -358,17 +358,19 @@ def feature_states_launch(dialect: str, N: int, C: int, D: int, V: int, seqs: in
 
 
 def _by_tokens(src, runtime: tuple, out: tuple, N: int, C: int, lay: dict) -> Launch:
-    """A feature kernel a threadgroup of 16 NG tokens of a chunk (NG SIMD groups), over N chunks of C."""
+    """A feature kernel a threadgroup of 16 NG TF tokens of a chunk (NG SIMD groups, TF fragments each: 1 where the
+    layout names none), over N chunks of C."""
     NT = 32 * lay["NG"]
-    return Launch(src, runtime, ((out, "float32"),), (N * C // (16 * lay["NG"]) * NT, 1, 1), (NT, 1, 1),
-                  tuple(lay.items()))
+    return Launch(src, runtime, ((out, "float32"),), (N * C // (16 * lay["NG"] * lay.get("TF", 1)) * NT, 1, 1),
+                  (NT, 1, 1), tuple(lay.items()))
 
 
 @lru_cache(maxsize=64)
-def feature_out_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple = (1, 1)) -> Launch:
-    """Z = φ(X) S of N chunks (``feature_out_source``): a threadgroup 16 NG tokens of a chunk; ``seq`` = (chunks,
-    states) a sequence, where its states run past its chunks (chunk g reads state g // c * s + g % c)."""
-    lay = feature_mma_layout(dialect, C, D, V)["out"]
+def feature_out_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple = (1, 1), fragments: int = 1) -> Launch:
+    """Z = φ(X) S of N chunks (``feature_out_source``): a threadgroup 16 NG TF tokens of a chunk (TF: ``fragments``,
+    ``Tuning.feature_out_fragments``, where they fit); ``seq`` = (chunks, states) a sequence, where its states run
+    past its chunks (chunk g reads state g // c * s + g % c)."""
+    lay = feature_mma_layout(dialect, C, D, V, out_fragments=fragments)["out"]
     return _by_tokens(feature_out_source(dialect), _pair_tables(D) + (("ns", seq, "int32"),), (N, C, V), N, C, lay)
 
 
@@ -763,7 +765,8 @@ def feature_out(X, S, t: Tuning):
     state of its index) -> [..., n, C, V], φ formed as read."""
     N, (C, D), (F, V) = _lead(X, 2), X.shape[-2:], S.shape[-2:]
     seq = _states_per_sequence(X, S)
-    (Z,) = _call(t, feature_out_launch(t.dialect, N, C, D, V, seq), [X.reshape(N, C, D), S.reshape(-1, F, V)])
+    (Z,) = _call(t, feature_out_launch(t.dialect, N, C, D, V, seq, t.feature_out_fragments),
+                 [X.reshape(N, C, D), S.reshape(-1, F, V)])
     return Z.reshape(*X.shape[:-2], C, V)
 
 
