@@ -109,6 +109,7 @@ def write_kernel(d: Dialect, launch, entry: str, bufs: list, banner: str, out: P
     values = {n: _spell(v, d) for n, v in tmpl.items()}
     ctx = {"banner": banner, "prelude": prelude, "body": src.source, "buffers": bufs, "entry": entry,
            "fn": entry + "_impl", "threads": launch.threadgroup[0],
+           "bounds": ", ".join(map(str, launch.bounds or launch.threadgroup[:1])),  # the launch's, as it runs
            "template_params": ", ".join(f"{kinds[n]} {n}" for n in tmpl),
            "template_args": ", ".join(values.values()),
            "constants": [f"using {n} = {values[n]};" if kinds[n] == "typename" else

@@ -3,6 +3,7 @@ Metal files type-check with full signatures, the CUDA files compile with nvcc fo
 standalone Metal kernel run on the CPU emulator returns what its MLX form returns, and the manifest's calls are the
 kernels the chunked form launches (forward, then backward)."""
 import json
+import re
 import shutil
 import subprocess
 
@@ -87,3 +88,20 @@ def test_a_spec_without_chunk_kernels_is_refused(tmp_path):
 
     with pytest.raises(UnsupportedKernel, match="selective_scan.*no generated kernel"):
         emit_chunked(specs.selective_scan, "metal", tmp_path, **SIZES)
+
+
+def test_standalone_cuda_kernels_keep_the_launch_bounds_they_run_with(tmp_path):
+    """Power retention at its GPU shape (chunks of 256): the gradient kernel through φ is written with the launch
+    bound CUDA's table runs it with (two threadgroups of 256 an SM), the others with their threads alone; where
+    NVRTC is installed the standalone file compiles so."""
+    from recgen.emit_chunked import emit_chunked
+    from recgen.runtime import nvrtc
+
+    paths = emit_chunked(specs.power_retention, "cuda", tmp_path, C=256, K=64, V=64, H=8, HK=8)
+    sources = {p.name: p.read_text() for p in paths if p.suffix == ".cu" and ".mlx." not in p.name}
+    jac = next(name for name in sources if "feature_jac" in name)
+    assert "__launch_bounds__(256, 2)" in sources[jac]
+    assert all(re.search(r"__launch_bounds__\(\d+\) ", text) for name, text in sources.items() if name != jac)
+    if nvrtc.compiler() is not None:
+        entry = jac.removesuffix(".cu")
+        assert nvrtc.compile_cubin(sources[jac], entry, "sm_90a").startswith(b"\x7fELF")
