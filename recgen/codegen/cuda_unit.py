@@ -41,5 +41,5 @@ def global_function(src: KernelSource, symbol: str, input_dtypes: tuple, output_
     params = ([f"const {CTYPES[dt]}* {n}" for n, dt in zip(src.inputs, input_dtypes, strict=True)]
               + [f"{CTYPES[dt]}* {n}" for n, dt in zip(src.outputs, output_dtypes, strict=True)])
     body = "".join(constant(n, v) for n, v in template)
-    return (f"{INCLUDES}{src.header}\nextern \"C\" __global__ void {launch_bounds(bounds)}{symbol}(\n    " + ",\n    ".join(params)
-            + f") {{\n{body}{src.source}\n}}\n")
+    signature = f"extern \"C\" __global__ void {launch_bounds(bounds)}{symbol}(\n    " + ",\n    ".join(params)
+    return f"{INCLUDES}{src.header}\n{signature}) {{\n{body}{src.source}\n}}\n"
