@@ -127,6 +127,22 @@ def test_launch_bounds_are_part_of_the_unit_and_its_key(binaries):
     assert t.feature_jac_min_blocks == 2
 
 
+def test_a_write_cut_short_leaves_nothing_behind(binaries, tmp_path, monkeypatch):
+    """A full disk (the rename fails): the binary is still returned for this process, and neither a file nor a
+    temporary is left in the directory, so a later process compiles it again."""
+    compiles, directory = binaries
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kb.os, "replace", full)
+    symbol, data = kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, (), directory)
+    assert data.startswith(kb.ELF) and list((tmp_path / "sm_90a").iterdir()) == []
+    kb.binary.cache_clear()
+    kb.binary(JAC.source, JAC_IN, ("float32",), JAC.template, (), directory)
+    assert len(compiles) == 2
+
+
 def test_no_binary_where_it_cannot_be_made(binaries, monkeypatch):
     compiles, directory = binaries
     assert kb.binary(JAC.source, ("complex64",) + JAC_IN[1:], ("float32",), JAC.template, (), directory) is None

@@ -8,6 +8,7 @@ NVRTC once for this GPU's architecture and kept under ``Tuning.kernel_cache``, n
 architecture and the compiler's version; later processes read it. A write goes to a temporary file first and is renamed, so a reader never sees half a binary."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
@@ -74,14 +75,18 @@ def binary(src: KernelSource, input_dtypes: tuple, output_dtypes: tuple, templat
 
 def keep(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` whole or not at all (a temporary file renamed); a directory that cannot be written
-    costs only the next process's compile."""
+    costs only the next process's compile, and a write cut short (a full disk) leaves no temporary file behind."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as f:
+            tmp = f.name
             f.write(data)
-        os.replace(f.name, path)
+        os.replace(tmp, path)
     except OSError:
-        pass
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def recorded_key(launch, user: tuple) -> tuple:
