@@ -108,7 +108,7 @@ def write_kernel(d: Dialect, launch, entry: str, bufs: list, banner: str, out: P
     kinds = {n: _kind(v) for n, v in tmpl.items()}
     values = {n: _spell(v, d) for n, v in tmpl.items()}
     ctx = {"banner": banner, "prelude": prelude, "body": src.source, "buffers": bufs, "entry": entry,
-           "fn": entry + "_impl", "threads": launch.threadgroup[0],
+           "fn": entry + "_impl",
            "bounds": ", ".join(map(str, launch.bounds or launch.threadgroup[:1])),  # the launch's, as it runs
            "template_params": ", ".join(f"{kinds[n]} {n}" for n in tmpl),
            "template_args": ", ".join(values.values()),

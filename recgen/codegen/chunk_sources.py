@@ -428,8 +428,9 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int, jac_groups: int = 8
     have no layout: C a multiple of 16; VP = V rounded up to 8 columns in fragments; the states kernel's token
     staging TB (32, 16 or 8 dividing C), the readout's SIMD groups NG (4, 2 or 1, 16 NG TF dividing C, TF =
     ``out_fragments`` fragments of 16 tokens a SIMD group where they fit, else 1) and row staging RB (32, 16 or 8),
-    the first that fit the dialect's threadgroup memory (x staged at row stride LDX, y or S at
-    LDB; the states kernel's RF = ``states_fragments`` fragments of 16 rows a SIMD group); the gradient's NG, the first of 8, 4, 2, 1 up to ``jac_groups`` with 16 NG dividing C (fewer SIMD groups
+    the first that fit the dialect's threadgroup memory (x staged at row stride LDX, y or S at LDB; the states
+    kernel's RF = ``states_fragments`` fragments of 16 rows a SIMD group); the gradient's NG, the first of 8, 4, 2, 1
+    up to ``jac_groups`` with 16 NG dividing C (fewer SIMD groups
     a threadgroup let more threadgroups share an SM, each staging the state itself; x and y in registers, its one staged
     operand a DP x VP block of the state at LDB, DP = D rounded up to 8, which must fit; NB = 2 buffers of it
     where they fit, else 1); the row-wise gradient's ("jac_rows", None where its block at LDT does not fit) the same
@@ -452,7 +453,8 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int, jac_groups: int = 8
     # layout): a stride of 4 mod 8 puts them on 32 distinct banks, as a_stride's 4 mod 32 does, in less room
     ldt = next(x for x in range(VP, VP + 8) if x % 8 == 4)
     rows = ({"DP": dp, "NG": jac, "LDT": ldt, "NB": 2 if 2 * dp * ldt <= room else 1} if dp * ldt <= room else None)
-    return {"states": base | {"TB": tb, "RF": states_fragments}, "out": base | {"NG": out[0], "RB": out[1], "TF": out[2]},
+    return {"states": base | {"TB": tb, "RF": states_fragments},
+            "out": base | {"NG": out[0], "RB": out[1], "TF": out[2]},
             "jac": jac_base | {"LDB": ldb, "DP": dp, "NG": jac, "NB": 2 if 2 * dp * ldb <= room else 1},
             "jac_rows": jac_base | rows if rows else None}
 

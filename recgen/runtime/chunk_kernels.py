@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from dataclasses import replace
 from functools import lru_cache
 
 from ..codegen.backends import get
@@ -357,12 +356,12 @@ def feature_states_launch(dialect: str, N: int, C: int, D: int, V: int, seqs: in
                   ((N + seqs) * blocks * 128, 1, 1), (128, 1, 1), tuple(lay.items()))
 
 
-def _by_tokens(src, runtime: tuple, out: tuple, N: int, C: int, lay: dict) -> Launch:
+def _by_tokens(src, runtime: tuple, out: tuple, N: int, C: int, lay: dict, min_blocks: int = 0) -> Launch:
     """A feature kernel a threadgroup of 16 NG TF tokens of a chunk (NG SIMD groups, TF fragments each: 1 where the
-    layout names none), over N chunks of C."""
+    layout names none), over N chunks of C; ``min_blocks`` as ``Launch``'s."""
     NT = 32 * lay["NG"]
     return Launch(src, runtime, ((out, "float32"),), (N * C // (16 * lay["NG"] * lay.get("TF", 1)) * NT, 1, 1),
-                  (NT, 1, 1), tuple(lay.items()))
+                  (NT, 1, 1), tuple(lay.items()), min_blocks)
 
 
 @lru_cache(maxsize=64)
@@ -381,8 +380,7 @@ def feature_jac_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple 
     ``feature_mma_layout`` has a "jac_rows" layout): a threadgroup 16 NG tokens of a chunk (NG at most ``groups``,
     ``Tuning.feature_jac_groups``); ``seq`` as ``feature_out_launch``'s; ``min_blocks`` as ``Launch``'s."""
     lay = feature_mma_layout(dialect, C, D, V, groups)["jac_rows" if rows else "jac"]
-    launch = _by_tokens(feature_jac_source(dialect, rows), (("ns", seq, "int32"),), (N, C, D), N, C, lay)
-    return replace(launch, min_blocks=min_blocks)
+    return _by_tokens(feature_jac_source(dialect, rows), (("ns", seq, "int32"),), (N, C, D), N, C, lay, min_blocks)
 
 
 def features_on_kernels(t: Tuning, C: int, D: int, V: int) -> bool:

@@ -5,7 +5,8 @@ MLX compiles a ``cuda_kernel`` on its first call in each process and keeps nothi
 compiles every kernel again (minutes for the chunk kernels' self-tests on an H100). Here a launch's translation unit
 (``codegen.cuda_unit``: the function MLX would build, with the call's dtypes and template values) is compiled by
 NVRTC once for this GPU's architecture and kept under ``Tuning.kernel_cache``, named by a hash of the unit, the
-architecture and the compiler's version; later processes read it. A write goes to a temporary file first and is renamed, so a reader never sees half a binary."""
+architecture and the compiler's version; later processes read it. A write goes to a temporary file first and is
+renamed, so a reader never sees half a binary."""
 from __future__ import annotations
 
 import contextlib
@@ -45,9 +46,9 @@ def architecture() -> str | None:
 def binary(src: KernelSource, input_dtypes: tuple, output_dtypes: tuple, template: tuple, bounds: tuple,
            directory: str) -> tuple[str, bytes] | None:
     """(symbol, cubin) of ``src`` at these dtypes and template values (``bounds``: ``Launch.bounds``, its launch
-    bounds or ()): read from ``directory`` where an earlier
-    process kept it, else compiled and kept. None where this machine cannot (no NVRTC with CUDA headers, no known
-    architecture, a dtype without a C spelling, a compile that fails: MLX then compiles it, as without a cache)."""
+    bounds or ()): read from ``directory`` where an earlier process kept it, else compiled and kept. None where this
+    machine cannot (no NVRTC with CUDA headers, no known architecture, a dtype without a C spelling, a compile that
+    fails: MLX then compiles it, as without a cache)."""
     arch, nv = architecture(), nvrtc.compiler()
     names = input_dtypes + output_dtypes + tuple(v for _, v in template if isinstance(v, str))
     if arch is None or nv is None or not spells(names):

@@ -2,9 +2,9 @@
 this GPU, and whether MLX's CPU matmuls run on a fast BLAS. ``checked(t)`` applies them to a ``Tuning``: a
 choice that fails here is turned off (with a warning for the kernels), so a GPU whose compiler rejects a frame
 still gets the chunked form. Only the frames a spec's path can run are probed (``frames_for``): each frame
-compiles its kernels on first use, and MLX keeps no compiled custom kernel across processes (every frame
-probed costs minutes of compiling on an H100), so power retention does not pay for the delta rule's kernels, nor GDN for
-the feature map's."""
+compiles its kernels on first use, and without the kernel cache MLX keeps no compiled custom kernel across
+processes (every frame probed costs seconds to a minute of compiling on an H100), so power retention does not pay
+for the delta rule's kernels, nor GDN for the feature map's."""
 from __future__ import annotations
 
 import time

@@ -24,10 +24,10 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   // are read: phi is never written. One threadgroup: RT = 64 RF rows of one chunk (SIMD group w rows 16 RF w ..
   // 16 RF (w + 1) - 1, RF fragments of 16), every column (VP = V rounded up to 8, the pad zero); a lane's 2 RF rows
   // of A (gq, gq + 8 of each fragment) fixed, so their pairs are read once, and each staged B element read serves RF
-  // fragments (shared-memory reads, not the multiply-adds, bound this kernel). Tokens staged TB at a time: x [TB, D] and y [TB, VP] in threadgroup memory, SIMD group w the rows
-  // w + 4 j, its lanes consecutive columns, loaded together before the barrier that frees the previous block (their
-  // latencies overlap); y, the B operand, staged rounded to the multiply-add's precision and each A element rounded
-  // once (``mma_round``).
+  // fragments (shared-memory reads, not the multiply-adds, bound this kernel). Tokens staged TB at a time: x [TB, D]
+  // and y [TB, VP] in threadgroup memory, SIMD group w the rows w + 4 j, its lanes consecutive columns, loaded
+  // together before the barrier that frees the previous block (their latencies overlap); y, the B operand, staged
+  // rounded to the multiply-add's precision and each A element rounded once (``mma_round``).
   // Template constants: C, D, F, V, VP, TB (dividing C, multiple of 8), LDX (row stride of staged x), LDB (of y),
   // RF (row fragments a SIMD group).
   constexpr int CT = VP / 8;
