@@ -68,6 +68,9 @@ class Tuning:
     gram_slices: int = 1            # ... the gradient of its decays between chunks, a product over the expanded
     #                                 state's entries, cut in this many slices read as rows (``features._gram``):
     #                                 more multiply-adds, far more parallel (cuBLAS ran the one product serially)
+    feature_mix: bool = False       # ... the backward's products over chunks (entry states, their cotangents, the
+    #                                 decays' gradient) as one generated kernel reading each expanded state once,
+    #                                 not three MLX products (with ``chunk_kernels``; up to 36 states on CUDA)
     decayed_scores: bool = False    # ... its in-chunk scores (qᵀk)^p e^{Γ_t−Γ_s} and their gradients by generated
     #                                 kernels (with ``chunk_kernels``), not MLX ops over [C, C] a chunk
     scores_rows: int = 16           # ... rows of a chunk a threadgroup of those kernels (the gradient's registers
@@ -232,6 +235,7 @@ ENVIRONMENT = {
     "RECGEN_FEATURE_KERNELS": ("feature_kernels", _flag),
     "RECGEN_DECAYED_SCORES": ("decayed_scores", _flag),
     "RECGEN_GRAM_SLICES": ("gram_slices", int),
+    "RECGEN_FEATURE_MIX": ("feature_mix", _flag),
     "RECGEN_FEATURE_JAC_ROWS": ("feature_jac_rows", _flag),
     "RECGEN_FEATURE_JAC_GROUPS": ("feature_jac_groups", _int_choice("RECGEN_FEATURE_JAC_GROUPS", (8, 4, 2, 1))),
     "RECGEN_FEATURE_JAC_MIN_BLOCKS": ("feature_jac_min_blocks", int),

@@ -124,17 +124,30 @@ def _gram(a, b, parts: int):
     return mx.diagonal(blocks.reshape(*lead, M, P, N, P), axis1=-3, axis2=-1).sum(-1)
 
 
+def _mix_grad(X, F, LL, gram_slices: int, mix: Tuning | None):
+    """(Ŝ = LL X, LLᵀ F, F Xᵀ) for X = [ΔS; S0] and F = [read; dŜ_end] [B,H,n+1,R,V']: the backward's products over
+    chunks, by the generated kernel where ``mix`` (the tuning, or None) runs it (``chunk_kernels.mixes``: each state
+    read once), else three MLX products (F Xᵀ by ``_gram`` in ``gram_slices``)."""
+    if mix is not None and X.dtype == mx.float32 and ck.mixes(mix, LL.shape[-1]):
+        return ck.feature_mix_grad(LL, X, F, mix)
+    B, H, n1, R, V1 = X.shape
+    Ff = F.reshape(B, H, n1, R * V1)
+    return (_entry_states(X, LL), (LL.swapaxes(-1, -2) @ Ff).reshape(X.shape),
+            _gram(Ff, X.reshape(B, H, n1, R * V1), gram_slices))
+
+
 def _plus(total, x):
     """total + x, where total may be None (nothing summed yet): no addition of a zero over a whole array."""
     return x if total is None else total + x
 
 
 @lru_cache(maxsize=None)
-def inter_fn(rows, gram_slices: int = 1):
+def inter_fn(rows, gram_slices: int = 1, mix: Tuning | None = None):
     """inter(q, k, Wb, LL, S0) -> (Z [B,H,n,C,V'] = Σ_rows ω φ(q_t) Ŝ_{n(t)}, Ŝ_end [B,H,R,V'] in ``rows``);
     q, k [B,H,n,C,d], Wb = e^{Γ_C−Γ_s} W [B,H,n,C,V'], LL = [L | l0] [B,H,n+1,n+1] (``chunk_decays``), S0
     [B,H,R,V'] in ``rows``. The products over the rows are ``rows``' (``phi``, ``states``, ``out``, ``jac``), so the
-    same algebra runs on formed rows or on kernels that form them; ``gram_slices``: ``_gram``'s."""
+    same algebra runs on formed rows or on kernels that form them; the backward's products over chunks
+    ``_mix_grad``'s (``gram_slices``, ``mix``)."""
     bounds = np.cumsum([0] + [rows.size(i) for i in range(rows.count)]) if rows.count > 1 else None
 
     def tile(S, i):
@@ -155,19 +168,16 @@ def inter_fn(rows, gram_slices: int = 1):
     def inter_vjp(primals, cotangents, outputs):
         q, k, Wb, LL, S0 = primals
         dZ, dS_end = (mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs))
-        B, H, n, C, _ = q.shape
+        n = q.shape[2]
         dq, dk, dWb, dLL, dS0, after = None, None, None, None, [], []
         for i in range(rows.count):
             qi, ki = mx.depends([q, k], after) if after else (q, k)
             pk, pq = rows.phi(ki, i), rows.phi(qi, i)
             X = rows.stacked(pk, Wb, tile(S0, i), i)                                    # [ΔS; S0] [B,H,n+1,R,V']
-            R, V1 = X.shape[-2:]
-            Sh = _entry_states(X, LL)
-            X = X.reshape(B, H, n + 1, R * V1)
-            flat = rows.stacked(pq, dZ, tile(dS_end, i), i, weighted=True).reshape(B, H, n + 1, R * V1)  # [read; dŜ_end]
+            read = rows.stacked(pq, dZ, tile(dS_end, i), i, weighted=True)             # [read; dŜ_end]
+            Sh, ddS, dLLi = _mix_grad(X, read, LL, gram_slices, mix)  # ddS: dΔS (the first n), then dS0
             dq = _plus(dq, rows.jac(qi, rows.weighted(Sh, i), dZ, i))
-            dLL = _plus(dLL, _gram(flat, X, gram_slices))
-            ddS = (LL.swapaxes(-1, -2) @ flat).reshape(B, H, n + 1, R, V1)      # dΔS (the first n), then dS0
+            dLL = _plus(dLL, dLLi)
             dS0.append(ddS[:, :, n])
             dWb = _plus(dWb, rows.out(pk, ddS, i))
             dk = _plus(dk, rows.jac(ki, ddS, Wb, i))
@@ -178,12 +188,12 @@ def inter_fn(rows, gram_slices: int = 1):
 
 
 def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None, degree: int = 2, scores=None,
-               gram_slices: int = 1):
+               gram_slices: int = 1, mix: Tuning | None = None):
     """Y [B,H,T,V'] and the final state [B,H,R,V'] of the module docstring's form; q, k [B,H,T,d], W [B,H,T,V'],
     gam the log-decays [B,H,T], S0 [B,H,R,V'], both states in ``rows``' layout (default: MLX's tiles, degree 2);
     ``degree`` the feature map's (the scores' power; ``rows`` must be of it); chunks of C
     tokens (T padded with tokens that change nothing: zero keys and values, log-decay 0); ``pow2``: ``core.exp``'s;
-    ``scores``: ``chunk_scores``'; ``gram_slices``: ``inter_fn``'s."""
+    ``scores``: ``chunk_scores``'; ``gram_slices``, ``mix``: ``inter_fn``'s."""
     B, H, T, d = q.shape
     n = -(-T // C)
 
@@ -195,7 +205,7 @@ def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None
     qc, kc, Wc, gc = (chunks(x) for x in (q, k, W, gam))
     to_t, to_end, L, l0 = chunk_decays(gc, pow2)
     LL = mx.concatenate([L, l0[..., None]], axis=-1)
-    Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)), gram_slices)(qc, kc, Wc * to_end[..., None], LL, S0)
+    Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)), gram_slices, mix)(qc, kc, Wc * to_end[..., None], LL, S0)
     Y = chunk_scores(qc, kc, gc, pow2, degree, scores) @ Wc + to_t[..., None] * Z
     return (c * Y).reshape(B, H, n * C, -1)[:, :, :T], S_end
 

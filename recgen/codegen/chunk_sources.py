@@ -21,6 +21,8 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
 - ``feature_states_source`` / ``feature_out_source`` / ``feature_jac_source`` (fragment frames): a chunk's products
   over a feature map's packed rows, φ(X)ᵀY and φ(X)S, with φ formed as the A fragments are read (never written), and
   the gradient through them, dX = 2 M X with M the symmetric matrix of the state's quadratic form.
+- ``feature_mix_source``: the backward's products over chunks of that form, the entry states LL X, their cotangents
+  LLᵀ F and the decays' gradient F Xᵀ, in one pass over the expanded states (each element read once).
 - ``ut_mma_source`` and ``out_mma_source`` (fragment frames): the delta rule's UT transform
   (A = M_b̃u, T = (I − A)^{-1}, T w, T (b̃ ⊙ P)) and the readout y = (r ⊙ P) S_c + M_ru Z, each one kernel per
   chunk; for a scalar decay A or M_ru is formed in threadgroup memory (shared helpers in ``_fragments.j2``), for a
@@ -420,6 +422,15 @@ def feature_jac_source(dialect: str, rows: bool = False) -> KernelSource:
                    ("X", "S", "Y", "ns"), ("dX",), (), helpers=d.mma_prelude)
 
 
+
+@lru_cache(maxsize=None)
+def feature_mix_source(dialect: str) -> KernelSource:
+    """The backward's products over chunks (LL [N, M, M], X [N, M, K], F [N, M, K], rt = (M, K, blocks a sequence)
+    -> Sh = LL X, dX = LLᵀ F [N, M, K], part [N, blocks, M, M] of F Xᵀ over each block's columns)."""
+    return _source(get(dialect), "features_mix_grad.j2", "feature_mix_grad",
+                   "products over chunks of the feature-map form's backward", ("LL", "X", "F", "rt"),
+                   ("Sh", "dX", "part"), ())
+
 # -- which sizes have a kernel, and their layouts --------------------------------------------------
 @lru_cache(maxsize=None)
 def feature_mma_layout(dialect: str, C: int, D: int, V: int, jac_groups: int = 8,
@@ -458,6 +469,24 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int, jac_groups: int = 8
             "jac": jac_base | {"LDB": ldb, "DP": dp, "NG": jac, "NB": 2 if 2 * dp * ldb <= room else 1},
             "jac_rows": jac_base | rows if rows else None}
 
+
+
+MIX_STAGES = 4  # stages of a threadgroup's columns in the products over chunks: fewer partial tiles to sum
+
+
+@lru_cache(maxsize=None)
+def feature_mix_layout(dialect: str, M: int) -> dict | None:
+    """Template constants of the products over M chunk states (``feature_mix_source``): MP = M rounded up to 4 (a
+    template constant, so sequence lengths share a kernel within 4 C tokens), NT threads (128, else 64) with a 4x4
+    tile of F Xᵀ for each of (MP / 4)² at least, XP staged floats a column (MP, at least 16 for the final sums), SB
+    stages; None where LL twice and a stage's columns pass the dialect's threadgroup memory (M past 36 on CUDA, 32 on
+    Metal: long sequences keep MLX's products)."""
+    MP = -(-M // 4) * 4
+    XP = max(MP, 16)
+    for NT in (128, 64):
+        if (MP // 4) ** 2 <= NT and 4 * (2 * MP * MP + NT * (XP + MP)) <= get(dialect).smem_bytes:
+            return {"MP": MP, "XP": XP, "NT": NT, "SB": MIX_STAGES}
+    return None
 
 def feature_decode_layout(dialect: str, D: int, V: int, has_z: bool) -> dict:
     """Template constants of the feature decode kernel: F = D (D + 1) / 2 rows in blocks of RB, NT = 128 threads as

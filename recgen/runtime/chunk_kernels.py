@@ -17,7 +17,7 @@ from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, decayed_scores_layout, decayed_scores_source, decays_source,
                                      feature_decode_layout, feature_decode_source, feature_jac_source,
-                                     feature_mma_layout, feature_out_source, feature_states_source,
+                                     feature_mix_layout, feature_mix_source, feature_mma_layout, feature_out_source, feature_states_source,
                                      inverse_source, out_async_layout, out_async_source, out_mma_layout,
                                      out_mma_source, pair_folds, pair_fragments, pair_grad_source, pair_layout,
                                      pair_source, scan_layout, scan_mma_layout, scan_prefetches, scan_source,
@@ -363,6 +363,19 @@ def _by_tokens(src, runtime: tuple, out: tuple, N: int, C: int, lay: dict, min_b
     return Launch(src, runtime, ((out, "float32"),), (N * C // (16 * lay["NG"] * lay.get("TF", 1)) * NT, 1, 1),
                   (NT, 1, 1), tuple(lay.items()), min_blocks)
 
+
+
+@lru_cache(maxsize=64)
+def feature_mix_launch(dialect: str, N: int, M: int, K: int) -> Launch:
+    """The backward's products over M chunk states of N sequences, K entries each (``feature_mix_source``): a
+    threadgroup NT SB consecutive entries of one sequence, each block's part of F Xᵀ [N, blocks, M, M]."""
+    lay = feature_mix_layout(dialect, M)
+    if lay is None:
+        raise ValueError(f"products over chunks: {M} chunk states pass {dialect}'s threadgroup memory")
+    NB = -(-K // (lay["NT"] * lay["SB"]))
+    full = ((N, M, K), "float32")
+    return Launch(feature_mix_source(dialect), (("rt", (M, K, NB), "int32"),), (full, full, ((N, NB, M, M), "float32")),
+                  (N * NB * lay["NT"], 1, 1), (lay["NT"], 1, 1), tuple(lay.items()))
 
 @lru_cache(maxsize=64)
 def feature_out_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple = (1, 1), fragments: int = 1) -> Launch:
@@ -779,6 +792,25 @@ def feature_jac(X, S, Y, t: Tuning):
                   [X.reshape(N, C, D), S.reshape(-1, F, V), Y.reshape(N, C, V)])
     return dX.reshape(X.shape)
 
+
+
+def mixes(t: Tuning, M: int) -> bool:
+    """Whether the backward's products over M chunk states run on the generated kernel (``Tuning.feature_mix``,
+    with the chunk kernels, a layout for M)."""
+    return t.chunk_kernels and t.feature_mix and t.dialect is not None and feature_mix_layout(t.dialect, M) is not None
+
+
+def feature_mix_grad(LL, X, F, t: Tuning):
+    """(LL X, LLᵀ F, F Xᵀ) of LL [..., M, M] and X, F [..., M, ...] (float32, the same leading axes as LL, any
+    trailing ones: K entries a state) by one kernel reading X and F once; F Xᵀ [..., M, M] from each block's part,
+    summed in order."""
+    M, N = LL.shape[-1], _lead(LL, 2)
+    if X.shape != F.shape or X.shape[:LL.ndim - 1] != LL.shape[:-1]:
+        raise ValueError(f"feature_mix_grad: states {X.shape} and cotangents {F.shape} for decays {LL.shape}")
+    K = math.prod(X.shape[LL.ndim - 1:])
+    Sh, dX, part = _call(t, feature_mix_launch(t.dialect, N, M, K),
+                         [LL.reshape(N, M, M), X.reshape(N, M, K), F.reshape(N, M, K)])
+    return Sh.reshape(X.shape), dX.reshape(X.shape), part.sum(1).reshape(LL.shape)
 
 def feature_decode(q, k, w, decay, S, z, t: Tuning):
     """One decode step of a feature map's state by the generated kernel: q, k [BH, D], w [BH, V], decay [BH],

@@ -26,18 +26,18 @@ PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test: the common case's temp
 # in memory where the products' kernels are off): the frame that turns the chunk kernels off where it fails
 CHUNK_FRAMES = frozenset({"base", "scan", "mma", "hoist", "tail", "pairs", "ut16", "rows", "hoist_e", "keyfactor",
                           "async"})
-FEATURE_FRAMES = frozenset({"sympow", "features", "decode", "scores"})
+FEATURE_FRAMES = frozenset({"sympow", "features", "decode", "scores", "mix"})
 # ... and those of a key-vector decay only: its pair kernels on fragments, KDA's factor reads, its backward tails
 KEY_DECAY_FRAMES = frozenset({"pairs", "keyfactor", "tail"})
 EVERY_FRAME = CHUNK_FRAMES | FEATURE_FRAMES
 # The choices each opt-in frame stands for: probed only where the tuning asks for one of them, and turned off where
 # it fails (then: the backward's tail in MLX ops; the pairs' FMA form; U and W in float32; q, k, v copied to the
 # chunks' layout; each operand loaded where used; KDA's roles formed; synchronous staging; the decode step, φ's
-# products and the in-chunk scores in MLX ops)
+# products, the in-chunk scores and the backward's products over chunks in MLX ops)
 FRAME_FLAGS = {"tail": ("fused_bwd",), "pairs": ("mma_pairs",), "ut16": ("ut_16bit",), "rows": ("model_rows",),
                "hoist": ("scan_hoist", "reverse_scan_hoist"), "hoist_e": ("scan_hoist_e",),
                "keyfactor": ("key_factor_reads",), "async": ("async_staging",), "decode": ("feature_decode",),
-               "features": ("feature_kernels",), "scores": ("decayed_scores",)}
+               "features": ("feature_kernels",), "scores": ("decayed_scores",), "mix": ("feature_mix",)}
 FAST_BLAS_GFLOPS = 30.0  # between the reference BLAS's 6 GFLOP/s and OpenBLAS's 77-95 (2 cores), measured
 
 
@@ -104,6 +104,8 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
     if t.decayed_scores and "scores" in frames and not (t.chunk_kernels and changes.get("chunk_kernels", True)
                                                         and ok("scores")):
         changes.update(decayed_scores=False)  # a feature map's in-chunk scores in MLX ops
+    if t.feature_mix and "mix" in frames and not (t.chunk_kernels and changes.get("chunk_kernels", True) and ok("mix")):
+        changes.update(feature_mix=False)  # the backward's products over chunks as MLX products
     return replace(t, **changes) if changes else t
 
 
@@ -142,6 +144,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     readout; the backward's pass after the scan; their factor-read forms, as GDN calls them), "decode" (the feature
     decode kernel at d = V = 64), "features" (the feature product and gradient kernels at C = 64, d = 64, V = 65),
     "scores" (a scalar decay's decayed scores between a chunk's tokens and their gradients, a reset among them),
+    "mix" (the products over chunks of a feature map's backward at 17 states),
     "ut16" (the factor-read UT transform writing bf16), "keyfactor" (KDA's factor-read UT transform and tail) and
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
@@ -202,6 +205,10 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
             P, dA = rng.normal(size=(2, 2, C, C))
             (A,), (dP, dl) = mx.vjp(ck.decayed_scores_fn(t, 2), [f32(P), f32(ls)], [f32(dA)])
             got, ref = [A, dP, dl], [decayed_scores(P, ls), *decayed_scores_vjp(P, ls, dA)]
+        elif frame == "mix":  # the products over chunks of power retention's backward at T = 4096 (17 states), K
+            LL, X, F = rng.normal(size=(2, 17, 17)), rng.normal(size=(2, 17, 700)), rng.normal(size=(2, 17, 700))
+            got = list(ck.feature_mix_grad(f32(LL), f32(X), f32(F), t))  # past a threadgroup's columns (512)
+            ref = [LL @ X, LL.swapaxes(-1, -2) @ F, F @ X.swapaxes(-1, -2)]
         elif frame == "pairs":  # the key-decay pair kernels on fragments (dual: A strict, M_ru) and their gradients
             X, X2, Y = rng.normal(size=(3, 1, C, K))
             dk = np.exp(-0.5 * rng.uniform(size=(1, C, K)))

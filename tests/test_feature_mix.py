@@ -1,0 +1,91 @@
+"""The backward's products over chunks of the feature-map form (``features_mix_grad.j2``: the entry states LL X,
+their cotangents LLᵀ F and the decays' gradient F Xᵀ in one pass) on the Metal CPU emulator against float64, and
+the form end to end with it. (The CUDA form is checked on a GPU: ``tests/gpu``.)"""
+import numpy as np
+import pytest
+
+from recgen import tuning
+from recgen.codegen import chunk_sources as cs
+from recgen.runtime import chunk_kernels as ck
+
+verify = pytest.importorskip("recgen.verify.kernels")
+from recgen.verify.typecheck import clang_problem  # noqa: E402
+
+pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
+
+
+def _rel(a, b):
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / (np.abs(b).max() + 1e-30))
+
+
+@pytest.mark.parametrize("N,M,K,sanitizer", [(2, 17, 1100, None), (1, 2, 5, None), (3, 5, 512, None),
+                                             (1, 32, 300, None), (2, 9, 700, "address"), (1, 6, 600, "thread")])
+def test_products_over_chunks_match_numpy(N, M, K, sanitizer):
+    """Sh = LL X, dX = LLᵀ F and each block's part of F Xᵀ against float64: 17 states (T = 4096 at chunks of 256),
+    one chunk (2 states), M not a multiple of 4, 32 states (Metal's 64-thread layout), K not a multiple of a
+    threadgroup's columns or of a stage's, fewer entries than one stage."""
+    rng = np.random.default_rng(M + K)
+    LL = rng.normal(size=(N, M, M)).astype(np.float32)
+    X, F = rng.normal(size=(2, N, M, K)).astype(np.float32)
+    launch = ck.feature_mix_launch("metal", N, M, K)
+    Sh, dX, part = verify.run_launch(launch, {"LL": LL, "X": X, "F": F}, sanitizer=sanitizer)
+    LL64, X64, F64 = (a.astype(np.float64) for a in (LL, X, F))
+    assert _rel(Sh, LL64 @ X64) < 1e-6
+    assert _rel(dX, LL64.swapaxes(-1, -2) @ F64) < 1e-6
+    cols = launch.template[2][1] * launch.template[3][1]  # NT SB entries a block
+    assert part.shape == (N, -(-K // cols), M, M)
+    for b in range(part.shape[1]):
+        s = slice(b * cols, (b + 1) * cols)
+        assert _rel(part[:, b], F64[..., s] @ X64[..., s].swapaxes(-1, -2)) < 1e-6
+
+
+def test_layouts_cover_the_states_that_fit():
+    """MP = M rounded up to 4; 128 threads where the tiles and staging fit, else 64; none past the threadgroup memory
+    (36 states on CUDA's 48 KB, 32 on Metal's 32 KB)."""
+    assert cs.feature_mix_layout("cuda", 17) == {"MP": 20, "XP": 20, "NT": 128, "SB": 4}
+    assert cs.feature_mix_layout("cuda", 3) == {"MP": 4, "XP": 16, "NT": 128, "SB": 4}
+    assert cs.feature_mix_layout("metal", 30)["NT"] == 64
+    assert cs.feature_mix_layout("cuda", 36) is not None and cs.feature_mix_layout("cuda", 37) is None
+    assert cs.feature_mix_layout("metal", 32) is not None and cs.feature_mix_layout("metal", 33) is None
+    with pytest.raises(ValueError, match="37 chunk states"):
+        ck.feature_mix_launch("cuda", 1, 37, 100)
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, feature_mix=True)
+    assert ck.mixes(t, 32) and not ck.mixes(t, 33)
+    assert not ck.mixes(tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=False, feature_mix=True), 17)
+
+
+def test_feature_mix_grad_takes_any_trailing_axes_and_rejects_mismatches(monkeypatch):
+    """The call flattens [B, H, M, R, V'] states to K entries a state and sums the blocks' parts; mismatched shapes
+    are refused before any launch."""
+    mx = pytest.importorskip("mlx.core")
+    from test_chunk_kernels import _emulated_call
+
+    monkeypatch.setattr(ck, "mlx_call", _emulated_call)
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, feature_mix=True)
+    rng = np.random.default_rng(3)
+    LL = rng.normal(size=(1, 2, 5, 5))
+    X, F = rng.normal(size=(2, 1, 2, 5, 130, 9))  # K = 1170: three blocks of 512
+    Sh, dX, dLL = ck.feature_mix_grad(*(mx.array(a.astype(np.float32)) for a in (LL, X, F)), t)
+    Xf, Ff = X.reshape(1, 2, 5, -1), F.reshape(1, 2, 5, -1)
+    assert _rel(Sh, np.einsum("bhnm,bhmrv->bhnrv", LL, X)) < 1e-6
+    assert _rel(dX, np.einsum("bhmn,bhmrv->bhnrv", LL, F)) < 1e-6
+    assert _rel(dLL, Ff @ Xf.swapaxes(-1, -2)) < 1e-6
+    with pytest.raises(ValueError, match="feature_mix_grad"):
+        ck.feature_mix_grad(mx.array(LL), mx.array(X), mx.array(F[..., :8]), t)
+
+
+@pytest.mark.parametrize("feature_kernels", [True, False])  # φ formed as read, or MLX's products over formed rows
+def test_power_retention_with_the_products_over_chunks_on_the_kernel(monkeypatch, feature_kernels):
+    """The kernel-identity form with the backward's products over chunks on the kernel (``Tuning.feature_mix``), end
+    to end against the float64 reference: forward, final state, every gradient; GQA, a partial last chunk."""
+    pytest.importorskip("mlx.core")
+    from recgen import specs
+    from test_chunk_kernels import _emulated_call
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True,
+                       feature_kernels=feature_kernels, feature_mix=True)
+    assert_close(compare(specs.power_retention, 40, chunk=16, V=6, seed=5, tuning=t))
+    assert any(c.startswith("recgen_chunk_feature_mix_grad") for c in calls), calls
