@@ -168,6 +168,7 @@ def chunk_launches(target: str) -> list:
                 + [ck.sympow_launch(target, 2, 4096, 8, 8, 64, True, grad) for grad in (False, True)]
                 + [ck.decayed_scores_launch(target, 256, 256, 2, grad) for grad in (False, True)]
                 + [ck.feature_decode_launch(target, 16, 64, 64, has_z) for has_z in (True, False)]
+                + [ck.feature_mix_launch(target, 16, 17, 2080 * 65)]
                 + [ck.feature_states_launch(target, 256, 256, 64, 65), ck.feature_out_launch(target, 256, 256, 64, 65),
                    ck.feature_jac_launch(target, 256, 256, 64, 65), ck.feature_states_launch(target, 256, 256, 64, 65, 16),
                    ck.feature_jac_launch(target, 256, 256, 64, 65, rows=True)]

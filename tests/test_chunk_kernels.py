@@ -1649,7 +1649,7 @@ def fresh_probe():
 
 
 @pytest.mark.parametrize("frame", ["base", "sympow", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor",
-                                   "rows", "hoist", "hoist_e", "async"])
+                                   "rows", "hoist", "hoist_e", "async", "mix"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass
     ("hoist" runs the hoisted scans in both directions)."""

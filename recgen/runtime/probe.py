@@ -496,7 +496,8 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE, kernel_cache
                 "async": "the readout's and UT transform's asynchronous staging (their synchronous frames are used)",
                 "decode": "the feature decode kernel (MLX ops are used for the step)",
                 "features": "the feature product kernels (φ is formed in memory)",
-                "scores": "the decayed-scores kernels (MLX ops are used for them)"}.get(frame, "the chunk kernels (MLX ops are used)")
+                "scores": "the decayed-scores kernels (MLX ops are used for them)",
+                "mix": "the products over chunks (MLX products are used)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
     return err is None
 
