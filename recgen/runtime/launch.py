@@ -76,9 +76,16 @@ def binary_call(dialect: Dialect, kept: tuple, ins: list, args: dict, debug: boo
         ensure_row_contiguous=True)
 
 
+_DTYPE_NAMES: dict = {}
+
+
 def dtype_name(dtype) -> str:
-    """An mx dtype's name as launches carry it ("bfloat16")."""
-    return str(dtype).split(".")[-1]
+    """An mx dtype's name as launches carry it ("bfloat16"), kept per dtype: each kernel call names every input's
+    (formatting a dtype is a microsecond, of a decode step's host work)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).split(".")[-1]
+    return name
 
 
 @lru_cache(maxsize=256)
