@@ -72,6 +72,9 @@ class Tuning:
     #                                 decays' gradient) as one generated kernel reading each expanded state once,
     #                                 not three MLX products (with ``chunk_kernels``; up to 36 states on CUDA; H100:
     #                                 a training step 5.60 ms against 5.96, the kernel 0.29 ms)
+    feature_keep_states: bool = False  # ... the chunks' expanded states kept from the forward for the backward, not
+    #                                 formed again (one φᵀY pass fewer a training step; H100: 5.24 against 5.86 ms,
+    #                                 peak 1.58 against 1.73 GiB). Off where the tiles bound memory (MLX's, the CPU)
     decayed_scores: bool = False    # ... its in-chunk scores (qᵀk)^p e^{Γ_t−Γ_s} and their gradients by generated
     #                                 kernels (with ``chunk_kernels``), not MLX ops over [C, C] a chunk
     scores_rows: int = 16           # ... rows of a chunk a threadgroup of those kernels (the gradient's registers
@@ -152,7 +155,7 @@ MEASURED = {
                  scan_hoist=True, reverse_scan_hoist=True, l2_prefetch=True, async_staging=True,
                  model_rows_dense=True, decayed_scores=True, feature_kernels=True, gram_slices=16,
                  kernel_cache=KERNEL_CACHE_DIR, feature_jac_min_blocks=2, feature_states_fragments=2,
-                 feature_out_fragments=2, feature_mix=True),  # a first call's compile: 31 s -> 2.7 s cold, 0.9 s kept (H100)
+                 feature_out_fragments=2, feature_mix=True, feature_keep_states=True),  # a first call's compile: 31 s -> 2.7 s cold, 0.9 s kept (H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 
@@ -237,6 +240,7 @@ ENVIRONMENT = {
     "RECGEN_DECAYED_SCORES": ("decayed_scores", _flag),
     "RECGEN_GRAM_SLICES": ("gram_slices", int),
     "RECGEN_FEATURE_MIX": ("feature_mix", _flag),
+    "RECGEN_FEATURE_KEEP_STATES": ("feature_keep_states", _flag),
     "RECGEN_FEATURE_JAC_ROWS": ("feature_jac_rows", _flag),
     "RECGEN_FEATURE_JAC_GROUPS": ("feature_jac_groups", _int_choice("RECGEN_FEATURE_JAC_GROUPS", (8, 4, 2, 1))),
     "RECGEN_FEATURE_JAC_MIN_BLOCKS": ("feature_jac_min_blocks", int),

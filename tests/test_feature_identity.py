@@ -88,10 +88,12 @@ def _power_retention(sizes, seed, dtype, chunk):
 
 @pytest.mark.parametrize("sizes", CASES)
 @pytest.mark.parametrize("dtype,fwd_tol,grad_tol", [(mx.float64, 1e-10, 1e-10), (mx.float32, 1e-5, 1e-4)])
-@pytest.mark.parametrize("gram_slices", [1, 16])  # the decays' gradient as one product, or in slices read as rows
-def test_power_retention_through_the_identity_matches_the_reference(sizes, dtype, fwd_tol, grad_tol, gram_slices):
+@pytest.mark.parametrize("gram_slices,keep", [(1, False), (16, False), (1, True)])  # the decays' gradient as one
+# product, or in slices read as rows; the chunks' states (four tiles of them) kept from the forward for the backward
+def test_power_retention_through_the_identity_matches_the_reference(sizes, dtype, fwd_tol, grad_tol, gram_slices,
+                                                                     keep):
     assert analyze(specs.power_retention).feature_identity is not None
-    with tuning.override(gram_slices=gram_slices):
+    with tuning.override(gram_slices=gram_slices, feature_keep_states=keep):
         got, grads, want, gwant, names = _power_retention(sizes, sizes.Kin + sizes.T, dtype, 8)
     for name, a, b in zip(("o", "S", "z"), got, want):
         assert rel_err(np.array(a), b) <= fwd_tol, name

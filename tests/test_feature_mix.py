@@ -74,8 +74,9 @@ def test_feature_mix_grad_takes_any_trailing_axes_and_rejects_mismatches(monkeyp
         ck.feature_mix_grad(mx.array(LL), mx.array(X), mx.array(F[..., :8]), t)
 
 
-@pytest.mark.parametrize("feature_kernels", [True, False])  # φ formed as read, or MLX's products over formed rows
-def test_power_retention_with_the_products_over_chunks_on_the_kernel(monkeypatch, feature_kernels):
+@pytest.mark.parametrize("feature_kernels,keep", [(True, False), (False, False), (True, True)])  # φ formed as read,
+# or MLX's products over formed rows; the chunks' states kept from the forward (``Tuning.feature_keep_states``)
+def test_power_retention_with_the_products_over_chunks_on_the_kernel(monkeypatch, feature_kernels, keep):
     """The kernel-identity form with the backward's products over chunks on the kernel (``Tuning.feature_mix``), end
     to end against the float64 reference: forward, final state, every gradient; GQA, a partial last chunk."""
     pytest.importorskip("mlx.core")
@@ -86,6 +87,9 @@ def test_power_retention_with_the_products_over_chunks_on_the_kernel(monkeypatch
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True,
-                       feature_kernels=feature_kernels, feature_mix=True)
+                       feature_kernels=feature_kernels, feature_mix=True, feature_keep_states=keep)
     assert_close(compare(specs.power_retention, 40, chunk=16, V=6, seed=5, tuning=t))
     assert any(c.startswith("recgen_chunk_feature_mix_grad") for c in calls), calls
+    if feature_kernels:  # the chunks' states: formed in the forward, and again in the backward unless kept
+        states = sum(c.startswith("recgen_chunk_feature_states_tail") for c in calls)
+        assert states == (2 if keep else 3), calls

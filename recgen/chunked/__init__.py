@@ -338,7 +338,7 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     scores = (ck.decayed_scores_fn(tun, fi.degree) if tun.chunk_kernels and tun.decayed_scores
               and decayed_scores_layout(tun.dialect, C, tun.scores_rows) else None)
     Y, S_end = features.chunk_form(q, k, W, t["logdecay"], rows.to_rows(state), c, C, tun.pow2_exp, rows, fi.degree,
-                                   scores, tun.gram_slices, tun if tun.feature_mix else None)
+                                   scores, tun.gram_slices, tun if tun.feature_mix else None, tun.feature_keep_states)
     S_end = rows.from_rows(S_end)
     o = _readout(p, p.rec, t, Y[..., :V], Y[..., V] if has_z else None)
     return (o, S_end[..., :V], S_end[..., V]) if has_z else (o, S_end)

@@ -18,22 +18,25 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.xdist_group("power_retention_d64")
-@pytest.mark.parametrize("form", ["phi_formed", "phi_in_kernels", "jac_by_rows", "decayed_scores", "mix"])
+@pytest.mark.parametrize("form", ["phi_formed", "phi_in_kernels", "jac_by_rows", "decayed_scores", "mix",
+                                  "states_formed_again"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_power_retention_at_d64_matches_the_reference(dtype, form):
     """φ's rows formed by the sympow kernels, or read by the feature product kernels (``Tuning.feature_kernels``, the
     default on CUDA; on fragments: TF32 operands, so float32 takes bfloat16's tolerances there), or the in-chunk
     scores and their gradients from the decayed-scores kernels (``Tuning.decayed_scores``) on formed rows; the
     kernels with the gradient through φ by rows (``Tuning.feature_jac_rows``); the kernels with the backward's
-    products over chunks in one (``Tuning.feature_mix``)."""
+    products over chunks in one (``Tuning.feature_mix``), with the chunks' states kept from the forward (the
+    default, ``Tuning.feature_keep_states``) or formed again."""
     from recgen import tuning
 
-    fused = form in ("phi_in_kernels", "jac_by_rows", "mix")
+    fused = form in ("phi_in_kernels", "jac_by_rows", "mix", "states_formed_again")
     switch = {"phi_formed": tuning.override(feature_kernels=False),
               "phi_in_kernels": tuning.override(feature_kernels=True, mma_scan=True),
               "jac_by_rows": tuning.override(feature_kernels=True, mma_scan=True, feature_jac_rows=True),
               "decayed_scores": tuning.override(decayed_scores=True, feature_kernels=False),
-              "mix": tuning.override(feature_kernels=True, mma_scan=True, feature_mix=True)}[form]
+              "mix": tuning.override(feature_kernels=True, mma_scan=True, feature_mix=True),
+              "states_formed_again": tuning.override(feature_kernels=True, mma_scan=True, feature_keep_states=False)}[form]
     with switch:
         _check_at_d64(dtype, TOL["bfloat16"] if fused else None)
 
