@@ -75,6 +75,8 @@ class Tuning:
     feature_keep_states: bool = False  # ... the chunks' expanded states kept from the forward for the backward, not
     #                                 formed again (one φᵀY pass fewer a training step; H100: 5.24 against 5.86 ms,
     #                                 peak 1.58 against 1.73 GiB). Off where the tiles bound memory (MLX's, the CPU)
+    decay_factor_kernels: bool = False  # ... its decay factors (along chunks and between them) and their gradient by
+    #                                 generated kernels, two launches where MLX ops took some 40 (with ``chunk_kernels``)
     decayed_scores: bool = False    # ... its in-chunk scores (qᵀk)^p e^{Γ_t−Γ_s} and their gradients by generated
     #                                 kernels (with ``chunk_kernels``), not MLX ops over [C, C] a chunk
     scores_rows: int = 16           # ... rows of a chunk a threadgroup of those kernels (the gradient's registers
@@ -240,6 +242,7 @@ ENVIRONMENT = {
     "RECGEN_DECAYED_SCORES": ("decayed_scores", _flag),
     "RECGEN_GRAM_SLICES": ("gram_slices", int),
     "RECGEN_FEATURE_MIX": ("feature_mix", _flag),
+    "RECGEN_DECAY_FACTOR_KERNELS": ("decay_factor_kernels", _flag),
     "RECGEN_FEATURE_KEEP_STATES": ("feature_keep_states", _flag),
     "RECGEN_FEATURE_JAC_ROWS": ("feature_jac_rows", _flag),
     "RECGEN_FEATURE_JAC_GROUPS": ("feature_jac_groups", _int_choice("RECGEN_FEATURE_JAC_GROUPS", (8, 4, 2, 1))),

@@ -169,6 +169,7 @@ def chunk_launches(target: str) -> list:
                 + [ck.decayed_scores_launch(target, 256, 256, 2, grad) for grad in (False, True)]
                 + [ck.feature_decode_launch(target, 16, 64, 64, has_z) for has_z in (True, False)]
                 + [ck.feature_mix_launch(target, 16, 17, 2080 * 65)]
+                + [ck.decay_factors_launch(target, 16, 16, 256, grad) for grad in (False, True)]
                 + [ck.feature_states_launch(target, 256, 256, 64, 65), ck.feature_out_launch(target, 256, 256, 64, 65),
                    ck.feature_jac_launch(target, 256, 256, 64, 65), ck.feature_states_launch(target, 256, 256, 64, 65, 16),
                    ck.feature_jac_launch(target, 256, 256, 64, 65, rows=True)]

@@ -75,7 +75,8 @@ def test_feature_mix_grad_takes_any_trailing_axes_and_rejects_mismatches(monkeyp
 
 
 @pytest.mark.parametrize("feature_kernels,keep", [(True, False), (False, False), (True, True)])  # φ formed as read,
-# or MLX's products over formed rows; the chunks' states kept from the forward (``Tuning.feature_keep_states``)
+# or MLX's products over formed rows; the chunks' states kept from the forward (``Tuning.feature_keep_states``), with
+# the decay factors on their kernels (``Tuning.decay_factor_kernels``)
 def test_power_retention_with_the_products_over_chunks_on_the_kernel(monkeypatch, feature_kernels, keep):
     """The kernel-identity form with the backward's products over chunks on the kernel (``Tuning.feature_mix``), end
     to end against the float64 reference: forward, final state, every gradient; GQA, a partial last chunk."""
@@ -87,9 +88,63 @@ def test_power_retention_with_the_products_over_chunks_on_the_kernel(monkeypatch
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True,
-                       feature_kernels=feature_kernels, feature_mix=True, feature_keep_states=keep)
+                       feature_kernels=feature_kernels, feature_mix=True, feature_keep_states=keep,
+                       decay_factor_kernels=keep)
     assert_close(compare(specs.power_retention, 40, chunk=16, V=6, seed=5, tuning=t))
     assert any(c.startswith("recgen_chunk_feature_mix_grad") for c in calls), calls
+    factors = {c.split("_metal")[0] for c in calls if "decay_factors" in c}
+    assert factors == ({"recgen_chunk_decay_factors", "recgen_chunk_decay_factors_grad"} if keep else set()), factors
     if feature_kernels:  # the chunks' states: formed in the forward, and again in the backward unless kept
         states = sum(c.startswith("recgen_chunk_feature_states_tail") for c in calls)
         assert states == (2 if keep else 3), calls
+
+
+@pytest.mark.parametrize("N,n,C,sanitizer", [(2, 5, 24, None), (1, 1, 7, None), (3, 17, 16, None),
+                                             (1, 40, 4, None), (2, 6, 8, "address"), (1, 3, 8, "thread")])
+def test_decay_factor_kernels_match_mlx_autodiff_in_float64(N, n, C, sanitizer):
+    """The decay factors (``features_decay_factors.j2``: to_t, to_end, [L | l0]) and their gradient against
+    ``features.decay_factors`` and MLX's autodiff of it in float64: strong decays, a reset (log-decay -inf), one
+    chunk, C not a multiple of a SIMD group, more chunks than a SIMD group."""
+    mx = pytest.importorskip("mlx.core")
+    from recgen.chunked.features import decay_factors
+
+    rng = np.random.default_rng(n * C)
+    l = -rng.exponential(2.0, size=(N, n, C)) * (rng.uniform(size=(N, n, C)) < 0.7)  # zeros, mild and strong
+    l[0, n // 2, C // 3] = -np.inf
+    l32 = l.astype(np.float32)
+    outs = verify.run_launch(ck.decay_factors_launch("metal", N, n, C), {"l": l32.reshape(N, n * C)},
+                             sanitizer=sanitizer)
+    with mx.stream(mx.cpu):
+        want = [np.array(a) for a in decay_factors(mx.array(l32.astype(np.float64)))]
+    for got, w in zip(outs, want):
+        got = got.reshape(w.shape)
+        assert np.all(np.abs(got - w) <= 1e-5 * np.abs(w) + 1e-30), float(np.abs(got - w).max())
+    cots = [rng.normal(size=w.shape) for w in want]
+    (dl,) = verify.run_launch(ck.decay_factors_launch("metal", N, n, C, grad=True),
+                              {"l": l32.reshape(N, n * C), "dto_t": cots[0].reshape(N, -1).astype(np.float32),
+                               "dto_end": cots[1].reshape(N, -1).astype(np.float32),
+                               "dLL": cots[2].astype(np.float32)}, sanitizer=sanitizer)
+    with mx.stream(mx.cpu):
+        _, (dwant,) = mx.vjp(decay_factors, [mx.array(l32.astype(np.float64))], [mx.array(c) for c in cots])
+    dwant = np.array(dwant)
+    assert _rel(dl.reshape(dwant.shape), dwant) < 1e-5
+
+
+def test_decay_factors_fn_runs_the_kernels_and_their_gradient(monkeypatch):
+    """``decay_factors_fn`` (the kernels on the emulator) and its VJP against MLX's autodiff of the MLX ops."""
+    mx = pytest.importorskip("mlx.core")
+    from recgen.chunked.features import decay_factors
+    from test_chunk_kernels import _emulated_call
+
+    monkeypatch.setattr(ck, "mlx_call", _emulated_call)
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, decay_factor_kernels=True)
+    assert ck.factors_on_kernels(t, 256) and not ck.factors_on_kernels(t, 257)
+    rng = np.random.default_rng(4)
+    l = mx.array((-rng.exponential(1.0, size=(2, 3, 4, 16))).astype(np.float32))
+    cots = [mx.array(rng.normal(size=s).astype(np.float32)) for s in ((2, 3, 4, 16), (2, 3, 4, 16), (2, 3, 5, 5))]
+    outs, (dl,) = mx.vjp(ck.decay_factors_fn(t), [l], cots)
+    want, (dwant,) = mx.vjp(decay_factors, [l], cots)
+    for a, b in zip([*outs, dl], [*want, dwant]):
+        assert _rel(a, np.array(b)) < 1e-5
+    with pytest.raises(ValueError, match="257 chunks"):
+        ck.decay_factors_launch("metal", 1, 257, 8)

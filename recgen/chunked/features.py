@@ -94,6 +94,13 @@ def chunk_decays(gam, pow2: bool = False):
     return to_t, to_end, L, l0
 
 
+def decay_factors(gam, pow2: bool = False):
+    """(e^{Γ_t} [B,H,n,C], e^{Γ_C−Γ_s} [B,H,n,C], LL = [L | l0] [B,H,n+1,n+1]) of ``chunk_decays``, as ``chunk_form``
+    reads them (``chunk_kernels.decay_factors_fn`` computes the same in two launches)."""
+    to_t, to_end, L, l0 = chunk_decays(gam, pow2)
+    return to_t, to_end, mx.concatenate([L, l0[..., None]], axis=-1)
+
+
 # -- the expanded states, tile by tile (written VJP) ---------------------------------------------------------
 
 def _entry_states(X, LL):
@@ -192,12 +199,13 @@ def inter_fn(rows, gram_slices: int = 1, mix: Tuning | None = None, keep: bool =
 
 
 def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None, degree: int = 2, scores=None,
-               gram_slices: int = 1, mix: Tuning | None = None, keep: bool = False):
+               gram_slices: int = 1, mix: Tuning | None = None, keep: bool = False, factors=None):
     """Y [B,H,T,V'] and the final state [B,H,R,V'] of the module docstring's form; q, k [B,H,T,d], W [B,H,T,V'],
     gam the log-decays [B,H,T], S0 [B,H,R,V'], both states in ``rows``' layout (default: MLX's tiles, degree 2);
     ``degree`` the feature map's (the scores' power; ``rows`` must be of it); chunks of C
     tokens (T padded with tokens that change nothing: zero keys and values, log-decay 0); ``pow2``: ``core.exp``'s;
-    ``scores``: ``chunk_scores``'; ``gram_slices``, ``mix``, ``keep``: ``inter_fn``'s."""
+    ``scores``: ``chunk_scores``'; ``gram_slices``, ``mix``, ``keep``: ``inter_fn``'s; ``factors``: a function of the
+    chunks' log-decays that gives ``decay_factors``' (the generated kernels), else MLX ops."""
     B, H, T, d = q.shape
     n = -(-T // C)
 
@@ -207,8 +215,7 @@ def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None
         return x.reshape(B, H, n, C, *x.shape[3:])
 
     qc, kc, Wc, gc = (chunks(x) for x in (q, k, W, gam))
-    to_t, to_end, L, l0 = chunk_decays(gc, pow2)
-    LL = mx.concatenate([L, l0[..., None]], axis=-1)
+    to_t, to_end, LL = factors(gc) if factors else decay_factors(gc, pow2)
     Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)), gram_slices, mix, keep)(qc, kc, Wc * to_end[..., None], LL,
                                                                                      S0)[:2]
     Y = chunk_scores(qc, kc, gc, pow2, degree, scores) @ Wc + to_t[..., None] * Z

@@ -21,6 +21,8 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
 - ``feature_states_source`` / ``feature_out_source`` / ``feature_jac_source`` (fragment frames): a chunk's products
   over a feature map's packed rows, φ(X)ᵀY and φ(X)S, with φ formed as the A fragments are read (never written), and
   the gradient through them, dX = 2 M X with M the symmetric matrix of the state's quadratic form.
+- ``decay_factors_source``: a scalar decay's factors in that form (to each token from its chunk's start, from each
+  token to its chunk's end, and between chunks [L | l0]) and their gradient, one threadgroup a sequence.
 - ``feature_mix_source``: the backward's products over chunks of that form, the entry states LL X, their cotangents
   LLᵀ F and the decays' gradient F Xᵀ, in one pass over the expanded states (each element read once).
 - ``ut_mma_source`` and ``out_mma_source`` (fragment frames): the delta rule's UT transform
@@ -422,6 +424,23 @@ def feature_jac_source(dialect: str, rows: bool = False) -> KernelSource:
                    ("X", "S", "Y", "ns"), ("dX",), (), helpers=d.mma_prelude)
 
 
+
+
+FACTOR_CHUNKS = 256  # chunks a sequence the decay factors' kernels take at most (their sums between chunks are serial)
+FACTOR_NT = 128      # threads a sequence
+
+
+@lru_cache(maxsize=None)
+def decay_factors_source(dialect: str, grad: bool = False) -> KernelSource:
+    """A scalar decay's factors from its log-decays l [N, n C] (rt = (n)): to_t, to_end [N, n C] and LL [N, n + 1,
+    n + 1] (template constants C, NT, NMAX); or their gradient (l, dto_t, dto_end, dLL -> dl [N, n C])."""
+    if grad:
+        return _source(get(dialect), "features_decay_factors.j2", "decay_factors_grad",
+                       "gradient of a scalar decay's factors in the feature-map form",
+                       ("l", "dto_t", "dto_end", "dLL", "rt"), ("dl",), (), grad=True)
+    return _source(get(dialect), "features_decay_factors.j2", "decay_factors",
+                   "a scalar decay's factors in the feature-map form", ("l", "rt"), ("to_t", "to_end", "LL"), (),
+                   grad=False)
 
 @lru_cache(maxsize=None)
 def feature_mix_source(dialect: str) -> KernelSource:

@@ -17,7 +17,8 @@ from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
                                      bwd_mma_source, decayed_scores_layout, decayed_scores_source, decays_source,
                                      feature_decode_layout, feature_decode_source, feature_jac_source,
-                                     feature_mix_layout, feature_mix_source, feature_mma_layout, feature_out_source, feature_states_source,
+                                     feature_mix_layout, feature_mix_source, feature_mma_layout,
+                                     FACTOR_CHUNKS, FACTOR_NT, decay_factors_source, feature_out_source, feature_states_source,
                                      inverse_source, out_async_layout, out_async_source, out_mma_layout,
                                      out_mma_source, pair_folds, pair_fragments, pair_grad_source, pair_layout,
                                      pair_source, scan_layout, scan_mma_layout, scan_prefetches, scan_source,
@@ -364,6 +365,18 @@ def _by_tokens(src, runtime: tuple, out: tuple, N: int, C: int, lay: dict, min_b
                   (NT, 1, 1), tuple(lay.items()), min_blocks)
 
 
+
+
+@lru_cache(maxsize=64)
+def decay_factors_launch(dialect: str, N: int, n: int, C: int, grad: bool = False) -> Launch:
+    """A scalar decay's factors of N sequences of n chunks of C (``decay_factors_source``), a threadgroup a
+    sequence; or their gradient."""
+    if not 1 <= n <= FACTOR_CHUNKS:
+        raise ValueError(f"decay factors: {n} chunks a sequence, the kernels take 1 to {FACTOR_CHUNKS}")
+    tokens = ((N, n * C), "float32")
+    outs = (tokens,) if grad else (tokens, tokens, ((N, n + 1, n + 1), "float32"))
+    return Launch(decay_factors_source(dialect, grad), (("rt", (n,), "int32"),), outs, (N * FACTOR_NT, 1, 1),
+                  (FACTOR_NT, 1, 1), (("C", C), ("NT", FACTOR_NT), ("NMAX", FACTOR_CHUNKS), ("BT", 16)))
 
 @lru_cache(maxsize=64)
 def feature_mix_launch(dialect: str, N: int, M: int, K: int) -> Launch:
@@ -811,6 +824,42 @@ def feature_mix_grad(LL, X, F, t: Tuning):
     Sh, dX, part = _call(t, feature_mix_launch(t.dialect, N, M, K),
                          [LL.reshape(N, M, M), X.reshape(N, M, K), F.reshape(N, M, K)])
     return Sh.reshape(X.shape), dX.reshape(X.shape), part.sum(1).reshape(LL.shape)
+
+
+def factors_on_kernels(t: Tuning, n: int) -> bool:
+    """Whether a scalar decay's factors over n chunks run on the generated kernels (``Tuning.decay_factor_kernels``
+    with the chunk kernels, n within their bound)."""
+    return t.chunk_kernels and t.decay_factor_kernels and t.dialect is not None and 1 <= n <= FACTOR_CHUNKS
+
+
+@lru_cache(maxsize=16)
+def decay_factors_fn(t: Tuning):
+    """l [..., n, C] (log-decays, any float type) -> (to_t [..., n, C], to_end [..., n, C], LL [..., n + 1, n + 1])
+    in float32 by the generated kernel (``decay_factors_launch``), with its VJP by the gradient kernel: the same
+    numbers as ``recgen.chunked.features.decay_factors`` in two launches where MLX ops took some 40."""
+    import mlx.core as mx
+
+    def flat(l):
+        n, C = l.shape[-2:]
+        return _lead(l, 2), n, C, l.reshape(-1, n * C)
+
+    @mx.custom_function
+    def factors(l):
+        N, n, C, lf = flat(l)
+        to_t, to_end, LL = _call(t, decay_factors_launch(t.dialect, N, n, C), [lf])
+        return to_t.reshape(l.shape), to_end.reshape(l.shape), LL.reshape(*l.shape[:-2], n + 1, n + 1)
+
+    @factors.vjp
+    def factors_vjp(primals, cotangents, outputs):
+        l = primals[0] if isinstance(primals, (list, tuple)) else primals
+        N, n, C, lf = flat(l)
+        d_t, d_end, dLL = (mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs))
+        (dl,) = _call(t, decay_factors_launch(t.dialect, N, n, C, grad=True),
+                      [lf, d_t.reshape(N, -1).astype(mx.float32), d_end.reshape(N, -1).astype(mx.float32),
+                       dLL.reshape(N, n + 1, n + 1).astype(mx.float32)])
+        return (dl.reshape(l.shape).astype(l.dtype),)
+
+    return factors
 
 def feature_decode(q, k, w, decay, S, z, t: Tuning):
     """One decode step of a feature map's state by the generated kernel: q, k [BH, D], w [BH, V], decay [BH],

@@ -26,18 +26,19 @@ PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test: the common case's temp
 # in memory where the products' kernels are off): the frame that turns the chunk kernels off where it fails
 CHUNK_FRAMES = frozenset({"base", "scan", "mma", "hoist", "tail", "pairs", "ut16", "rows", "hoist_e", "keyfactor",
                           "async"})
-FEATURE_FRAMES = frozenset({"sympow", "features", "decode", "scores", "mix"})
+FEATURE_FRAMES = frozenset({"sympow", "features", "decode", "scores", "mix", "factors"})
 # ... and those of a key-vector decay only: its pair kernels on fragments, KDA's factor reads, its backward tails
 KEY_DECAY_FRAMES = frozenset({"pairs", "keyfactor", "tail"})
 EVERY_FRAME = CHUNK_FRAMES | FEATURE_FRAMES
 # The choices each opt-in frame stands for: probed only where the tuning asks for one of them, and turned off where
 # it fails (then: the backward's tail in MLX ops; the pairs' FMA form; U and W in float32; q, k, v copied to the
 # chunks' layout; each operand loaded where used; KDA's roles formed; synchronous staging; the decode step, φ's
-# products, the in-chunk scores and the backward's products over chunks in MLX ops)
+# products, the in-chunk scores, the backward's products over chunks and the decay factors in MLX ops)
 FRAME_FLAGS = {"tail": ("fused_bwd",), "pairs": ("mma_pairs",), "ut16": ("ut_16bit",), "rows": ("model_rows",),
                "hoist": ("scan_hoist", "reverse_scan_hoist"), "hoist_e": ("scan_hoist_e",),
                "keyfactor": ("key_factor_reads",), "async": ("async_staging",), "decode": ("feature_decode",),
-               "features": ("feature_kernels",), "scores": ("decayed_scores",), "mix": ("feature_mix",)}
+               "features": ("feature_kernels",), "scores": ("decayed_scores",), "mix": ("feature_mix",),
+               "factors": ("decay_factor_kernels",)}
 FAST_BLAS_GFLOPS = 30.0  # between the reference BLAS's 6 GFLOP/s and OpenBLAS's 77-95 (2 cores), measured
 
 
@@ -106,6 +107,9 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
         changes.update(decayed_scores=False)  # a feature map's in-chunk scores in MLX ops
     if t.feature_mix and "mix" in frames and not (t.chunk_kernels and changes.get("chunk_kernels", True) and ok("mix")):
         changes.update(feature_mix=False)  # the backward's products over chunks as MLX products
+    if t.decay_factor_kernels and "factors" in frames and not (t.chunk_kernels and changes.get("chunk_kernels", True)
+                                                               and ok("factors")):
+        changes.update(decay_factor_kernels=False)  # a feature map's decay factors in MLX ops
     return replace(t, **changes) if changes else t
 
 
@@ -144,7 +148,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     readout; the backward's pass after the scan; their factor-read forms, as GDN calls them), "decode" (the feature
     decode kernel at d = V = 64), "features" (the feature product and gradient kernels at C = 64, d = 64, V = 65),
     "scores" (a scalar decay's decayed scores between a chunk's tokens and their gradients, a reset among them),
-    "mix" (the products over chunks of a feature map's backward at 17 states),
+    "mix" (the products over chunks of a feature map's backward at 17 states), "factors" (a scalar decay's factors
+    in that form and their gradient, a reset among the log-decays),
     "ut16" (the factor-read UT transform writing bf16), "keyfactor" (KDA's factor-read UT transform and tail) and
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
@@ -209,6 +214,16 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
             LL, X, F = rng.normal(size=(2, 17, 17)), rng.normal(size=(2, 17, 700)), rng.normal(size=(2, 17, 700))
             got = list(ck.feature_mix_grad(f32(LL), f32(X), f32(F), t))  # past a threadgroup's columns (512)
             ref = [LL @ X, LL.swapaxes(-1, -2) @ F, F @ X.swapaxes(-1, -2)]
+        elif frame == "factors":  # a scalar decay's factors over 16 chunks of C and their gradient, a reset among them
+            from ..chunked.features import decay_factors
+
+            l = np.log(rng.uniform(0.05, 1.0, size=(2, 16, C)))
+            l[1, 5, C // 2] = -np.inf
+            cots = [rng.normal(size=s) for s in ((2, 16, C), (2, 16, C), (2, 17, 17))]
+            got = [*ck.decay_factors_fn(t)(f32(l)), *mx.vjp(ck.decay_factors_fn(t), [f32(l)], [f32(c) for c in cots])[1]]
+            with mx.stream(mx.cpu):  # MLX autodiff of the same factors in float64 on the CPU
+                outs, (dl,) = mx.vjp(decay_factors, [mx.array(l)], [mx.array(c) for c in cots])
+                ref = [np.array(a) for a in (*outs, dl)]
         elif frame == "pairs":  # the key-decay pair kernels on fragments (dual: A strict, M_ru) and their gradients
             X, X2, Y = rng.normal(size=(3, 1, C, K))
             dk = np.exp(-0.5 * rng.uniform(size=(1, C, K)))
@@ -497,7 +512,8 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE, kernel_cache
                 "decode": "the feature decode kernel (MLX ops are used for the step)",
                 "features": "the feature product kernels (φ is formed in memory)",
                 "scores": "the decayed-scores kernels (MLX ops are used for them)",
-                "mix": "the products over chunks (MLX products are used)"}.get(frame, "the chunk kernels (MLX ops are used)")
+                "mix": "the products over chunks (MLX products are used)",
+                "factors": "the decay factors' kernels (MLX ops are used for them)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
     return err is None
 

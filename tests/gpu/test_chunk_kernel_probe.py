@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("probe")]
 
 @pytest.mark.parametrize("frame", ["base", "sympow", "tail", "scan", "mma", "pairs", "decode", "features", "ut16",
                                    "keyfactor", "rows", "hoist", "hoist_e", "async", "scores",
-                                   "mix"])
+                                   "mix", "factors"])
 def test_chunk_kernels_pass_their_self_test(frame):
     from recgen.runtime.probe import usable
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.xdist_group("power_retention_d64")
 @pytest.mark.parametrize("form", ["phi_formed", "phi_in_kernels", "jac_by_rows", "decayed_scores", "mix",
-                                  "states_formed_again"])
+                                  "states_formed_again", "decay_factor_kernels"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_power_retention_at_d64_matches_the_reference(dtype, form):
     """φ's rows formed by the sympow kernels, or read by the feature product kernels (``Tuning.feature_kernels``, the
@@ -30,13 +30,14 @@ def test_power_retention_at_d64_matches_the_reference(dtype, form):
     default, ``Tuning.feature_keep_states``) or formed again."""
     from recgen import tuning
 
-    fused = form in ("phi_in_kernels", "jac_by_rows", "mix", "states_formed_again")
+    fused = form in ("phi_in_kernels", "jac_by_rows", "mix", "states_formed_again", "decay_factor_kernels")
     switch = {"phi_formed": tuning.override(feature_kernels=False),
               "phi_in_kernels": tuning.override(feature_kernels=True, mma_scan=True),
               "jac_by_rows": tuning.override(feature_kernels=True, mma_scan=True, feature_jac_rows=True),
               "decayed_scores": tuning.override(decayed_scores=True, feature_kernels=False),
               "mix": tuning.override(feature_kernels=True, mma_scan=True, feature_mix=True),
-              "states_formed_again": tuning.override(feature_kernels=True, mma_scan=True, feature_keep_states=False)}[form]
+              "states_formed_again": tuning.override(feature_kernels=True, mma_scan=True, feature_keep_states=False),
+              "decay_factor_kernels": tuning.override(feature_kernels=True, mma_scan=True, decay_factor_kernels=True)}[form]
     with switch:
         _check_at_d64(dtype, TOL["bfloat16"] if fused else None)
 
