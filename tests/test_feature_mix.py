@@ -148,3 +148,23 @@ def test_decay_factors_fn_runs_the_kernels_and_their_gradient(monkeypatch):
         assert _rel(a, np.array(b)) < 1e-5
     with pytest.raises(ValueError, match="257 chunks"):
         ck.decay_factors_launch("metal", 1, 257, 8)
+
+
+def test_the_float64_decay_factors_match_mlx_autodiff_of_the_chunked_form():
+    """``recgen.spec.features.decay_factors`` and its VJP (products of the spanned decays, the self-test's reference)
+    against ``recgen.chunked.features.decay_factors`` and MLX's autodiff of it in float64: a reset, strong decays."""
+    mx = pytest.importorskip("mlx.core")
+    from recgen.chunked.features import decay_factors
+    from recgen.spec.features import decay_factors as product_form
+    from recgen.spec.features import decay_factors_vjp
+
+    rng = np.random.default_rng(11)
+    l = -rng.exponential(3.0, size=(2, 6, 9))
+    l[1, 2, 4] = -np.inf
+    with mx.stream(mx.cpu):
+        outs = decay_factors(mx.array(l))
+        cots = [rng.normal(size=o.shape) for o in outs]
+        _, (dl,) = mx.vjp(decay_factors, [mx.array(l)], [mx.array(c) for c in cots])
+    for a, b in zip(outs, product_form(l)):
+        assert _rel(np.array(a), b) < 1e-6
+    assert _rel(np.array(dl), decay_factors_vjp(l, *cots)) < 1e-6

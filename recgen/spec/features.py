@@ -72,3 +72,36 @@ def decayed_scores_vjp(P: np.ndarray, l: np.ndarray, dA: np.ndarray, power: int 
     G = P64 ** power * gam * dA
     dl = np.stack([G[..., tau:, :tau].sum((-2, -1)) for tau in range(l.shape[-1])], -1)
     return power * P64 ** (power - 1) * gam * dA, dl
+
+
+def _factor_spans(n: int, C: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Which log-decays each decay factor spans: along a chunk [t, τ] (τ <= t: to_t), [s, τ] (τ > s: to_end), and
+    between chunks [j, m, i] (chunk i inside [L | l0]'s entry (j, m): m < i < j, or i < j in the last column)."""
+    i = np.arange(C)
+    j, m, c = np.arange(n + 1)[:, None, None], np.arange(n + 1)[None, :, None], np.arange(n)[None, None, :]
+    between = np.where(m == n, c < j, (m < c) & (c < j) & (m < j))
+    return i[None, :] <= i[:, None], i[None, :] > i[:, None], between
+
+
+def decay_factors(l: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A scalar decay's factors in the feature-map form from its log-decays l [..., n, C], float64, each the product
+    of the decays it spans (``_factor_spans``): e^{Γ_t} and e^{Γ_C − Γ_s} [..., n, C], and [L | l0] [..., n+1, n+1]
+    (``recgen.chunked.features.decay_factors``, ``chunk_kernels.decay_factors_fn``)."""
+    n, C = l.shape[-2:]
+    upto, after, between = _factor_spans(n, C)
+    e = np.exp(l.astype(np.float64))
+    to_t = np.prod(np.where(upto, e[..., None, :], 1.0), -1)
+    to_end = np.prod(np.where(after, e[..., None, :], 1.0), -1)
+    chunk = np.prod(e, -1)  # [..., n]
+    j, m = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    LL = np.prod(np.where(between, chunk[..., None, None, :], 1.0), -1) * ((m == n) | (m < j))
+    return to_t, to_end, LL
+
+
+def decay_factors_vjp(l: np.ndarray, dto_t: np.ndarray, dto_end: np.ndarray, dLL: np.ndarray) -> np.ndarray:
+    """dl of ``decay_factors``: each factor F = e^{Σ_spanned l} adds dF · F to every log-decay it spans."""
+    n, C = l.shape[-2:]
+    upto, after, between = _factor_spans(n, C)
+    to_t, to_end, LL = decay_factors(l)
+    along = ((dto_t * to_t)[..., :, None] * upto).sum(-2) + ((dto_end * to_end)[..., :, None] * after).sum(-2)
+    return along + ((dLL * LL)[..., None] * between).sum((-3, -2))[..., None]
