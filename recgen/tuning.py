@@ -74,7 +74,8 @@ class Tuning:
     #                                 a training step 5.60 ms against 5.96, the kernel 0.29 ms)
     feature_keep_states: bool = False  # ... the chunks' expanded states kept from the forward for the backward, not
     #                                 formed again (one φᵀY pass fewer a training step; H100: 5.24 against 5.86 ms,
-    #                                 peak 1.58 against 1.73 GiB). Off where the tiles bound memory (MLX's, the CPU)
+    #                                 peak 1.58 against 1.73 GiB). Not where MLX's tiles form the state one after
+    #                                 another to bound memory (the CPU, sizes without the sympow kernels)
     decay_factor_kernels: bool = False  # ... its decay factors (along chunks and between them) and their gradient by
     #                                 generated kernels, two launches where MLX ops took some 40 (with ``chunk_kernels``)
     decayed_scores: bool = False    # ... its in-chunk scores (qᵀk)^p e^{Γ_t−Γ_s} and their gradients by generated

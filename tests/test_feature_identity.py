@@ -61,6 +61,25 @@ def test_chunk_form_matches_a_numpy_loop(d, T, C, rng):
     assert rel_err(np.array(R.from_tiles(S_end, d)), S_r) <= 1e-12
 
 
+def test_the_chunks_states_kept_from_the_forward_give_the_same_gradients(rng):
+    """``chunk_form(keep=True)`` hands each tile's chunk states from the forward to the backward (three tiles here,
+    the form the op takes where one tile holds the state): every gradient as when they are formed again, float64."""
+    B, H, T, d, V1, C = 2, 2, 21, 48, 3, 8
+    q, k = rng.standard_normal((2, B, H, T, d)) / d ** 0.25
+    W, g = rng.standard_normal((B, H, T, V1)), -3.0 * rng.uniform(0, 1, (B, H, T))
+    S0 = R.to_tiles(mx.array(rng.standard_normal((B, H, d * (d + 1) // 2, V1))), d)
+    dY, dS = mx.array(rng.standard_normal((B, H, T, V1))), mx.array(rng.standard_normal(S0.shape))
+    assert R.feature_tiles(d).count == 3
+    grads = []
+    for keep in (False, True):
+        def f(*xs):
+            return F.chunk_form(*xs, 0.5, C, keep=keep)
+        outs, gs = mx.vjp(f, [mx.array(x, dtype=mx.float64) for x in (q, k, W, g)] + [S0.astype(mx.float64)], [dY, dS])
+        grads.append([np.array(x) for x in (*outs, *gs)])
+    for a, b in zip(*grads):
+        assert rel_err(a, b) <= 1e-12
+
+
 CASES = [Sizes(B=2, T=37, H=4, Hk=2, Kin=20, K=210, V=5),   # two tiles, GQA, odd T across chunks of 8
          Sizes(B=1, T=1, H=2, Hk=1, Kin=20, K=210, V=3),    # decode
          Sizes(B=1, T=16, H=2, Hk=2, Kin=48, K=1176, V=4)]  # three tiles
@@ -88,12 +107,10 @@ def _power_retention(sizes, seed, dtype, chunk):
 
 @pytest.mark.parametrize("sizes", CASES)
 @pytest.mark.parametrize("dtype,fwd_tol,grad_tol", [(mx.float64, 1e-10, 1e-10), (mx.float32, 1e-5, 1e-4)])
-@pytest.mark.parametrize("gram_slices,keep", [(1, False), (16, False), (1, True)])  # the decays' gradient as one
-# product, or in slices read as rows; the chunks' states (four tiles of them) kept from the forward for the backward
-def test_power_retention_through_the_identity_matches_the_reference(sizes, dtype, fwd_tol, grad_tol, gram_slices,
-                                                                     keep):
+@pytest.mark.parametrize("gram_slices", [1, 16])  # the decays' gradient as one product, or in slices read as rows
+def test_power_retention_through_the_identity_matches_the_reference(sizes, dtype, fwd_tol, grad_tol, gram_slices):
     assert analyze(specs.power_retention).feature_identity is not None
-    with tuning.override(gram_slices=gram_slices, feature_keep_states=keep):
+    with tuning.override(gram_slices=gram_slices):
         got, grads, want, gwant, names = _power_retention(sizes, sizes.Kin + sizes.T, dtype, 8)
     for name, a, b in zip(("o", "S", "z"), got, want):
         assert rel_err(np.array(a), b) <= fwd_tol, name

@@ -339,8 +339,8 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
               and decayed_scores_layout(tun.dialect, C, tun.scores_rows) else None)
     factors = ck.decay_factors_fn(tun) if ck.factors_on_kernels(tun, -(-T // C)) else None
     Y, S_end = features.chunk_form(q, k, W, t["logdecay"], rows.to_rows(state), c, C, tun.pow2_exp, rows, fi.degree,
-                                   scores, tun.gram_slices, tun if tun.feature_mix else None, tun.feature_keep_states,
-                                   factors)
+                                   scores, tun.gram_slices, tun if tun.feature_mix else None,
+                                   tun.feature_keep_states and rows.count == 1, factors)  # tiles bound memory
     S_end = rows.from_rows(S_end)
     o = _readout(p, p.rec, t, Y[..., :V], Y[..., V] if has_z else None)
     return (o, S_end[..., :V], S_end[..., V]) if has_z else (o, S_end)
