@@ -86,7 +86,8 @@ def test_power_retention_with_the_products_over_chunks_on_the_kernel(monkeypatch
     from test_chunked import assert_close, compare
 
     calls = []
-    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    monkeypatch.setattr(ck, "mlx_call",
+                        lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True,
                        feature_kernels=feature_kernels, feature_mix=True, feature_keep_states=keep,
                        decay_factor_kernels=keep)

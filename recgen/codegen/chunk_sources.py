@@ -428,6 +428,7 @@ def feature_jac_source(dialect: str, rows: bool = False) -> KernelSource:
 
 FACTOR_CHUNKS = 256  # chunks a sequence the decay factors' kernels take at most (their sums between chunks are serial)
 FACTOR_NT = 128      # threads a sequence
+FACTOR_READ_AHEAD = 16  # log-decays a thread loads before writing those tokens' factors (the buffers may alias)
 
 
 @lru_cache(maxsize=None)

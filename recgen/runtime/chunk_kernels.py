@@ -18,7 +18,8 @@ from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bw
                                      bwd_mma_source, decayed_scores_layout, decayed_scores_source, decays_source,
                                      feature_decode_layout, feature_decode_source, feature_jac_source,
                                      feature_mix_layout, feature_mix_source, feature_mma_layout,
-                                     FACTOR_CHUNKS, FACTOR_NT, decay_factors_source, feature_out_source, feature_states_source,
+                                     FACTOR_CHUNKS, FACTOR_NT, FACTOR_READ_AHEAD, decay_factors_source,
+                                     feature_out_source, feature_states_source,
                                      inverse_source, out_async_layout, out_async_source, out_mma_layout,
                                      out_mma_source, pair_folds, pair_fragments, pair_grad_source, pair_layout,
                                      pair_source, scan_layout, scan_mma_layout, scan_prefetches, scan_source,
@@ -365,8 +366,6 @@ def _by_tokens(src, runtime: tuple, out: tuple, N: int, C: int, lay: dict, min_b
                   (NT, 1, 1), tuple(lay.items()), min_blocks)
 
 
-
-
 @lru_cache(maxsize=64)
 def decay_factors_launch(dialect: str, N: int, n: int, C: int, grad: bool = False) -> Launch:
     """A scalar decay's factors of N sequences of n chunks of C (``decay_factors_source``), a threadgroup a
@@ -376,7 +375,9 @@ def decay_factors_launch(dialect: str, N: int, n: int, C: int, grad: bool = Fals
     tokens = ((N, n * C), "float32")
     outs = (tokens,) if grad else (tokens, tokens, ((N, n + 1, n + 1), "float32"))
     return Launch(decay_factors_source(dialect, grad), (("rt", (n,), "int32"),), outs, (N * FACTOR_NT, 1, 1),
-                  (FACTOR_NT, 1, 1), (("C", C), ("NT", FACTOR_NT), ("NMAX", FACTOR_CHUNKS), ("BT", 16)))
+                  (FACTOR_NT, 1, 1), (("C", C), ("NT", FACTOR_NT), ("NMAX", FACTOR_CHUNKS),
+                                                      ("BT", FACTOR_READ_AHEAD)))
+
 
 @lru_cache(maxsize=64)
 def feature_mix_launch(dialect: str, N: int, M: int, K: int) -> Launch:
@@ -389,6 +390,7 @@ def feature_mix_launch(dialect: str, N: int, M: int, K: int) -> Launch:
     full = ((N, M, K), "float32")
     return Launch(feature_mix_source(dialect), (("rt", (M, K, NB), "int32"),), (full, full, ((N, NB, M, M), "float32")),
                   (N * NB * lay["NT"], 1, 1), (lay["NT"], 1, 1), tuple(lay.items()))
+
 
 @lru_cache(maxsize=64)
 def feature_out_launch(dialect: str, N: int, C: int, D: int, V: int, seq: tuple = (1, 1), fragments: int = 1) -> Launch:
@@ -806,7 +808,6 @@ def feature_jac(X, S, Y, t: Tuning):
     return dX.reshape(X.shape)
 
 
-
 def mixes(t: Tuning, M: int) -> bool:
     """Whether the backward's products over M chunk states run on the generated kernel (``Tuning.feature_mix``,
     with the chunk kernels, a layout for M)."""
@@ -860,6 +861,7 @@ def decay_factors_fn(t: Tuning):
         return (dl.reshape(l.shape).astype(l.dtype),)
 
     return factors
+
 
 def feature_decode(q, k, w, decay, S, z, t: Tuning):
     """One decode step of a feature map's state by the generated kernel: q, k [BH, D], w [BH, V], decay [BH],
