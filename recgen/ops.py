@@ -82,18 +82,23 @@ def has_kernel(rec: ir.Recurrence, sizes: Sizes, t: Tuning) -> bool:
 
 
 def choose_backward(rec: ir.Recurrence, t: Tuning, T: int, explicit: str | None) -> str:
-    """A kernel op's backward path: see the module docstring."""
-    from .chunked import fast_form, supported
-
+    """A kernel op's backward path: see the module docstring. (``recgen.chunked`` is imported only where asked:
+    a decode step, below every threshold, asks on every call.)"""
     choice = explicit or t.backward
     if choice:
         if choice not in BACKWARDS:
             raise InputError(f"backward={choice!r}: expected one of {BACKWARDS}")
         if choice == "chunked":
+            from .chunked import supported
+
             supported(rec)
         return choice
     min_t = t.chunked_backward_min_t
-    return "chunked" if min_t is not None and T >= min_t and fast_form(rec) else "recurrent"
+    if min_t is None or T < min_t:
+        return "recurrent"
+    from .chunked import fast_form
+
+    return "chunked" if fast_form(rec) else "recurrent"
 
 
 class Op:

@@ -328,6 +328,8 @@ def device() -> tuple[str, str | None]:
 def current() -> Tuning:
     """The tuning of MLX's default device, with the active overrides."""
     dev, dialect = device()
+    if not _overrides:
+        return _plain(dev, dialect)
     merged: dict = {}
     for ch in _overrides:
         merged.update(ch)
@@ -344,6 +346,14 @@ def reload_environment() -> None:
     """Read the environment again (a program or test that changes ``RECGEN_*`` variables after the first op call;
     ``override()`` is the in-process way)."""
     environment.cache_clear()
+    _plain.cache_clear()
+
+
+@lru_cache(maxsize=8)
+def _plain(device, dialect) -> Tuning:
+    """``current()`` without overrides, looked up by the device alone: a decode step asks for its tuning on every
+    call, and hashing the environment's values for the lookup was most of that microsecond or two."""
+    return _cached(device, dialect, (), environment())
 
 
 @lru_cache(maxsize=64)
