@@ -103,14 +103,13 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
         changes.update(feature_decode=False)  # a feature map's decode step in MLX ops
     if t.feature_kernels and "features" in frames and (t.dialect is None or not ok("features")):
         changes.update(feature_kernels=False)  # φ formed in memory, its products MLX matmuls
-    if t.decayed_scores and "scores" in frames and not (t.chunk_kernels and changes.get("chunk_kernels", True)
-                                                        and ok("scores")):
-        changes.update(decayed_scores=False)  # a feature map's in-chunk scores in MLX ops
-    if t.feature_mix and "mix" in frames and not (t.chunk_kernels and changes.get("chunk_kernels", True) and ok("mix")):
-        changes.update(feature_mix=False)  # the backward's products over chunks as MLX products
-    if t.decay_factor_kernels and "factors" in frames and not (t.chunk_kernels and changes.get("chunk_kernels", True)
-                                                               and ok("factors")):
-        changes.update(decay_factor_kernels=False)  # a feature map's decay factors in MLX ops
+    # A feature map's chunk kernels beside φ's: its in-chunk scores, the backward's products over chunks and the
+    # decay factors, each back to MLX ops where its frame fails (or the chunk kernels are off)
+    kernels = t.chunk_kernels and changes.get("chunk_kernels", True)
+    for frame in ("scores", "mix", "factors"):
+        flags = FRAME_FLAGS[frame]
+        if frame in frames and any(getattr(t, f) for f in flags) and not (kernels and ok(frame)):
+            changes.update(dict.fromkeys(flags, False))
     return replace(t, **changes) if changes else t
 
 
