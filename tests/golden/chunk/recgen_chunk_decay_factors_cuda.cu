@@ -17,14 +17,9 @@
   const long long seq = blockIdx.x;
   const long long base = seq * n * C;
   const long long sq = seq * (n + 1) * (n + 1);
-  for (int c = tid; c < n; c += NT) {
-    float acc = 0.0f;
-    for (int t = 0; t < C; ++t) acc += static_cast<float>(l[base + c * C + t]);  // l may be 16-bit
-    tot_[c] = acc;
-  }
-  __syncthreads();
-  // The sums along a chunk read its log-decays BT at a time into registers before the outputs of those tokens are
-  // written: the compiler cannot tell the buffers apart, so a load after a store waits for it.
+  // The sums along a chunk read its log-decays (l may be 16-bit) BT at a time into registers before the outputs of
+  // those tokens are written: the compiler cannot tell the buffers apart, so a load after a store waits for it. The
+  // forward sum's last value is the chunk's total.
   for (int c = tid; c < n; c += NT) {
     const long long at = base + c * C;
     float p = 0.0f;
@@ -38,6 +33,7 @@
         if (t0 + u < C) to_t[at + t0 + u] = expf(p);
       }
     }
+    tot_[c] = p;
     float q = 0.0f;
     for (int t1 = C; t1 > 0; t1 -= BT) {  // tokens t1 - BT .. t1 - 1, the last first
       float v_[BT];
@@ -50,6 +46,7 @@
       }
     }
   }
+  __syncthreads();  // every chunk's total
   for (int e = tid; e < (n + 1) * (n + 1); e += NT) {
     const int j = e / (n + 1), m = e % (n + 1);
     float v = 0.0f;
