@@ -158,7 +158,8 @@ MEASURED = {
                  scan_hoist=True, reverse_scan_hoist=True, l2_prefetch=True, async_staging=True,
                  model_rows_dense=True, decayed_scores=True, feature_kernels=True, gram_slices=16,
                  kernel_cache=KERNEL_CACHE_DIR, feature_jac_min_blocks=2, feature_states_fragments=2,
-                 feature_out_fragments=2, feature_mix=True, feature_keep_states=True),  # a first call's compile: 31 s -> 2.7 s cold, 0.9 s kept (H100)
+                 feature_out_fragments=2, feature_mix=True, feature_keep_states=True),
+    # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
 

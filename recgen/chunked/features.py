@@ -95,8 +95,8 @@ def chunk_decays(gam, pow2: bool = False):
 
 
 def decay_factors(gam, pow2: bool = False):
-    """(e^{Γ_t} [B,H,n,C], e^{Γ_C−Γ_s} [B,H,n,C], LL = [L | l0] [B,H,n+1,n+1]) of ``chunk_decays``, as ``chunk_form``
-    reads them (``chunk_kernels.decay_factors_fn`` computes the same in two launches)."""
+    """(e^{Γ_t} [B,H,n,C], e^{Γ_C−Γ_s} [B,H,n,C], LL = [L | l0] [B,H,n+1,n+1]) of ``chunk_decays``, as
+    ``chunk_form`` reads them (``chunk_kernels.decay_factors_fn`` computes the same in two launches)."""
     to_t, to_end, L, l0 = chunk_decays(gam, pow2)
     return to_t, to_end, mx.concatenate([L, l0[..., None]], axis=-1)
 

@@ -424,8 +424,6 @@ def feature_jac_source(dialect: str, rows: bool = False) -> KernelSource:
                    ("X", "S", "Y", "ns"), ("dX",), (), helpers=d.mma_prelude)
 
 
-
-
 FACTOR_CHUNKS = 256  # chunks a sequence the decay factors' kernels take at most (their sums between chunks are serial)
 FACTOR_NT = 128      # threads a sequence
 FACTOR_READ_AHEAD = 16  # log-decays a thread loads before writing those tokens' factors (the buffers may alias)
@@ -443,6 +441,7 @@ def decay_factors_source(dialect: str, grad: bool = False) -> KernelSource:
                    "a scalar decay's factors in the feature-map form", ("l", "rt"), ("to_t", "to_end", "LL"), (),
                    grad=False)
 
+
 @lru_cache(maxsize=None)
 def feature_mix_source(dialect: str) -> KernelSource:
     """The backward's products over chunks (LL [N, M, M], X [N, M, K], F [N, M, K], rt = (M, K, blocks a sequence)
@@ -450,6 +449,7 @@ def feature_mix_source(dialect: str) -> KernelSource:
     return _source(get(dialect), "features_mix_grad.j2", "feature_mix_grad",
                    "products over chunks of the feature-map form's backward", ("LL", "X", "F", "rt"),
                    ("Sh", "dX", "part"), ())
+
 
 # -- which sizes have a kernel, and their layouts --------------------------------------------------
 @lru_cache(maxsize=None)
@@ -490,7 +490,6 @@ def feature_mma_layout(dialect: str, C: int, D: int, V: int, jac_groups: int = 8
             "jac_rows": jac_base | rows if rows else None}
 
 
-
 MIX_STAGES = 4  # stages of a threadgroup's columns in the products over chunks: fewer partial tiles to sum
 
 
@@ -507,6 +506,7 @@ def feature_mix_layout(dialect: str, M: int) -> dict | None:
         if (MP // 4) ** 2 <= NT and 4 * (2 * MP * MP + NT * (XP + MP)) <= get(dialect).smem_bytes:
             return {"MP": MP, "XP": XP, "NT": NT, "SB": MIX_STAGES}
     return None
+
 
 def feature_decode_layout(dialect: str, D: int, V: int, has_z: bool) -> dict:
     """Template constants of the feature decode kernel: F = D (D + 1) / 2 rows in blocks of RB, NT = 128 threads as

@@ -374,9 +374,9 @@ def decay_factors_launch(dialect: str, N: int, n: int, C: int, grad: bool = Fals
         raise ValueError(f"decay factors: {n} chunks a sequence, the kernels take 1 to {FACTOR_CHUNKS}")
     tokens = ((N, n * C), "float32")
     outs = (tokens,) if grad else (tokens, tokens, ((N, n + 1, n + 1), "float32"))
+    template = (("C", C), ("NT", FACTOR_NT), ("NMAX", FACTOR_CHUNKS), ("BT", FACTOR_READ_AHEAD))
     return Launch(decay_factors_source(dialect, grad), (("rt", (n,), "int32"),), outs, (N * FACTOR_NT, 1, 1),
-                  (FACTOR_NT, 1, 1), (("C", C), ("NT", FACTOR_NT), ("NMAX", FACTOR_CHUNKS),
-                                                      ("BT", FACTOR_READ_AHEAD)))
+                  (FACTOR_NT, 1, 1), template)
 
 
 @lru_cache(maxsize=64)

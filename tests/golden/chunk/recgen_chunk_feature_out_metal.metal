@@ -19,13 +19,12 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // never written. One threadgroup: TT = 16 NG TF tokens of one chunk (SIMD group w tokens 16 TF w .. 16 TF (w + 1)
   // - 1, TF fragments of 16: each staged B element and row pair read serves TF fragments, as shared-memory reads
   // bound this kernel), every column (VP = V rounded up to 8, the pad zero); their x staged once, S and the row pairs
-  // RB rows at a time (SIMD group w
-  // the rows w + NG j, its lanes consecutive columns, loaded together before the barrier that frees the previous
-  // block; S staged rounded to the multiply-add's precision and each A element rounded once: ``mma_round``).
+  // RB rows at a time (SIMD group w the rows w + NG j, its lanes consecutive columns, loaded together before the
+  // barrier that frees the previous block; S staged rounded to the multiply-add's precision and each A element
+  // rounded once: ``mma_round``).
   // Template constants: C, D, F, V, VP, NG (SIMD groups), TF (token fragments a SIMD group; 16 NG TF divides C), RB
-  // (multiple of 8), LDX (row stride of
-  // staged x), LDB (of staged S). Runtime ns = (chunks, states) a sequence: chunk g reads state gs (a sequence's
-  // states may run past its chunks: the entry states and the final one, read in place).
+  // (multiple of 8), LDX (row stride of staged x), LDB (of staged S). Runtime ns = (chunks, states) a sequence: chunk
+  // g reads state gs (a sequence's states may run past its chunks: the entry states and the final one, read in place).
   constexpr int CT = VP / 8;
   constexpr int TT = 16 * NG * TF;
   constexpr int NT = 32 * NG;
