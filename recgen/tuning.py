@@ -77,7 +77,8 @@ class Tuning:
     #                                 peak 1.58 against 1.73 GiB). Not where MLX's tiles form the state one after
     #                                 another to bound memory (the CPU, sizes without the sympow kernels)
     decay_factor_kernels: bool = False  # ... its decay factors (along chunks and between them) and their gradient by
-    #                                 generated kernels, two launches where MLX ops took some 40 (with ``chunk_kernels``)
+    #                                 generated kernels, two launches where MLX ops took some 35 (with
+    #                                 ``chunk_kernels``; H100: 0.015 + 0.017 ms, a training step 5.12 against 5.20)
     decayed_scores: bool = False    # ... its in-chunk scores (qᵀk)^p e^{Γ_t−Γ_s} and their gradients by generated
     #                                 kernels (with ``chunk_kernels``), not MLX ops over [C, C] a chunk
     scores_rows: int = 16           # ... rows of a chunk a threadgroup of those kernels (the gradient's registers
@@ -158,7 +159,8 @@ MEASURED = {
                  scan_hoist=True, reverse_scan_hoist=True, l2_prefetch=True, async_staging=True,
                  model_rows_dense=True, decayed_scores=True, feature_kernels=True, gram_slices=16,
                  kernel_cache=KERNEL_CACHE_DIR, feature_jac_min_blocks=2, feature_states_fragments=2,
-                 feature_out_fragments=2, feature_mix=True, feature_keep_states=True),
+                 feature_out_fragments=2, feature_mix=True, feature_keep_states=True,
+                 decay_factor_kernels=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }

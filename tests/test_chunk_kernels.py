@@ -1691,9 +1691,9 @@ def test_the_probe_keeps_its_kernels_where_the_tuning_keeps_them(monkeypatch, fr
     monkeypatch.setattr(pr, "prefetch_frames", lambda *a: prefetched.append(a))
     pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/kept"}), pr.PROBE, pr.FEATURE_FRAMES)
     assert probes and set(probes) == {"/kept"}
-    # first, the frames' kernels made side by side (test_kernel_binary), those the probes then run: the decay
-    # factors' kernels are off in CUDA's table
-    assert prefetched == [("cuda", pr.FEATURE_FRAMES - {"factors"}, pr.PROBE, "/kept")]
+    # first, the frames' kernels made side by side (test_kernel_binary), those the probes then run: every feature
+    # frame is on in CUDA's table
+    assert prefetched == [("cuda", pr.FEATURE_FRAMES, pr.PROBE, "/kept")]
     pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/kept"}), pr.PROBE, pr.CHUNK_FRAMES)
     # what CUDA's table asks for: "mma" only where "hoist" fails, "scan" never, KDA's factor reads and the product-free
     # scans' hoisting not (off), the UT transform's 16-bit outputs not (off)

@@ -22,7 +22,7 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
   over a feature map's packed rows, φ(X)ᵀY and φ(X)S, with φ formed as the A fragments are read (never written), and
   the gradient through them, dX = 2 M X with M the symmetric matrix of the state's quadratic form.
 - ``decay_factors_source``: a scalar decay's factors in that form (to each token from its chunk's start, from each
-  token to its chunk's end, and between chunks [L | l0]) and their gradient, one threadgroup a sequence.
+  token to its chunk's end, and between chunks [L | l0]) and their gradient, one threadgroup a chunk.
 - ``feature_mix_source``: the backward's products over chunks of that form, the entry states LL X, their cotangents
   LLᵀ F and the decays' gradient F Xᵀ, in one pass over the expanded states (each element read once).
 - ``ut_mma_source`` and ``out_mma_source`` (fragment frames): the delta rule's UT transform
@@ -425,18 +425,18 @@ def feature_jac_source(dialect: str, rows: bool = False) -> KernelSource:
 
 
 FACTOR_CHUNKS = 256  # chunks a sequence the decay factors' kernels take at most (their sums between chunks are serial)
-FACTOR_NT = 128      # threads a sequence
-FACTOR_READ_AHEAD = 16  # log-decays a thread loads before writing those tokens' factors (the buffers may alias)
+FACTOR_NT = 128      # threads a chunk
 
 
 @lru_cache(maxsize=None)
 def decay_factors_source(dialect: str, grad: bool = False) -> KernelSource:
     """A scalar decay's factors from its log-decays l [N, n C] (rt = (n)): to_t, to_end [N, n C] and LL [N, n + 1,
-    n + 1] (template constants C, NT, NMAX); or their gradient (l, dto_t, dto_end, dLL -> dl [N, n C])."""
+    n + 1] (template constants C, NT, E, NMAX); or their gradient from those factors and their cotangents
+    (to_t, to_end, LL, dto_t, dto_end, dLL -> dl [N, n C])."""
     if grad:
         return _source(get(dialect), "features_decay_factors.j2", "decay_factors_grad",
                        "gradient of a scalar decay's factors in the feature-map form",
-                       ("l", "dto_t", "dto_end", "dLL", "rt"), ("dl",), (), grad=True)
+                       ("to_t", "to_end", "LL", "dto_t", "dto_end", "dLL", "rt"), ("dl",), (), grad=True)
     return _source(get(dialect), "features_decay_factors.j2", "decay_factors",
                    "a scalar decay's factors in the feature-map form", ("l", "rt"), ("to_t", "to_end", "LL"), (),
                    grad=False)

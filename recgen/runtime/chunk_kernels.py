@@ -18,7 +18,7 @@ from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bw
                                      bwd_mma_source, decayed_scores_layout, decayed_scores_source, decays_source,
                                      feature_decode_layout, feature_decode_source, feature_jac_source,
                                      feature_mix_layout, feature_mix_source, feature_mma_layout,
-                                     FACTOR_CHUNKS, FACTOR_NT, FACTOR_READ_AHEAD, decay_factors_source,
+                                     FACTOR_CHUNKS, FACTOR_NT, decay_factors_source,
                                      feature_out_source, feature_states_source,
                                      inverse_source, out_async_layout, out_async_source, out_mma_layout,
                                      out_mma_source, pair_folds, pair_fragments, pair_grad_source, pair_layout,
@@ -369,13 +369,13 @@ def _by_tokens(src, runtime: tuple, out: tuple, N: int, C: int, lay: dict, min_b
 @lru_cache(maxsize=64)
 def decay_factors_launch(dialect: str, N: int, n: int, C: int, grad: bool = False) -> Launch:
     """A scalar decay's factors of N sequences of n chunks of C (``decay_factors_source``), a threadgroup a
-    sequence; or their gradient."""
+    chunk; or their gradient."""
     if not 1 <= n <= FACTOR_CHUNKS:
         raise ValueError(f"decay factors: {n} chunks a sequence, the kernels take 1 to {FACTOR_CHUNKS}")
     tokens = ((N, n * C), "float32")
     outs = (tokens,) if grad else (tokens, tokens, ((N, n + 1, n + 1), "float32"))
-    template = (("C", C), ("NT", FACTOR_NT), ("NMAX", FACTOR_CHUNKS), ("BT", FACTOR_READ_AHEAD))
-    return Launch(decay_factors_source(dialect, grad), (("rt", (n,), "int32"),), outs, (N * FACTOR_NT, 1, 1),
+    template = (("C", C), ("NT", FACTOR_NT), ("E", -(-C // FACTOR_NT)), ("NMAX", FACTOR_CHUNKS))
+    return Launch(decay_factors_source(dialect, grad), (("rt", (n,), "int32"),), outs, (N * n * FACTOR_NT, 1, 1),
                   (FACTOR_NT, 1, 1), template)
 
 
@@ -837,7 +837,7 @@ def factors_on_kernels(t: Tuning, n: int) -> bool:
 def decay_factors_fn(t: Tuning):
     """l [..., n, C] (log-decays, any float type) -> (to_t [..., n, C], to_end [..., n, C], LL [..., n + 1, n + 1])
     in float32 by the generated kernel (``decay_factors_launch``), with its VJP by the gradient kernel: the same
-    numbers as ``recgen.chunked.features.decay_factors`` in two launches where MLX ops took some 40."""
+    numbers as ``recgen.chunked.features.decay_factors`` in two launches where MLX ops took some 35."""
     import mlx.core as mx
 
     def flat(l):
@@ -853,10 +853,12 @@ def decay_factors_fn(t: Tuning):
     @factors.vjp
     def factors_vjp(primals, cotangents, outputs):
         l = primals[0] if isinstance(primals, (list, tuple)) else primals
-        N, n, C, lf = flat(l)
+        N, n, C, _ = flat(l)
         d_t, d_end, dLL = (mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs))
+        to_t, to_end, LL = outputs
         (dl,) = _call(t, decay_factors_launch(t.dialect, N, n, C, grad=True),
-                      [lf, d_t.reshape(N, -1).astype(mx.float32), d_end.reshape(N, -1).astype(mx.float32),
+                      [to_t.reshape(N, -1), to_end.reshape(N, -1), LL.reshape(N, n + 1, n + 1),
+                       d_t.reshape(N, -1).astype(mx.float32), d_end.reshape(N, -1).astype(mx.float32),
                        dLL.reshape(N, n + 1, n + 1).astype(mx.float32)])
         return (dl.reshape(l.shape).astype(l.dtype),)
 
