@@ -137,6 +137,8 @@ class Tuning:
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
     bwd_min_blocks: int = 1         # ... threadgroups an SM its registers must allow (as feature_jac_min_blocks; H100:
     #                                 4 trained GDN in 5.53 ms against 5.18)
+    bwd_products: bool = False      # ... forms the products over values that read the states (Z dS_nextᵀ, dy S_cᵀ,
+    #                                 Δ S_cᵀ) itself, per pass, not MLX's three GEMMs writing [C, K] each for it to read
     # -- the recurrent kernels ----------------------------------------------------------------------
     fwd_layout: tuple[int, int, int] | None = None  # force the forward lane mapping (LK, CPL, WV): sweeps
 
@@ -216,6 +218,7 @@ ENVIRONMENT = {
     "RECGEN_FUSED_BWD": ("fused_bwd", _flag),
     "RECGEN_BWD_BW": ("bwd_bw", int),
     "RECGEN_BWD_MIN_BLOCKS": ("bwd_min_blocks", int),
+    "RECGEN_BWD_PRODUCTS": ("bwd_products", _flag),
     "RECGEN_OUT_BV": ("out_bv", int),
     "RECGEN_L2_PREFETCH": ("l2_prefetch", _flag),
     "RECGEN_ASYNC_STAGING": ("async_staging", _flag),

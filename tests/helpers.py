@@ -193,6 +193,10 @@ def chunk_launches(target: str) -> list:
                    ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, uf=True, ml=ml),
                    ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"), uf=True,
                                      ml=ml)]
+                # the products over values formed in the backward's pass (``Tuning.bwd_products``)
+                + [ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"), uf=True,
+                                     ml=ml, V=128),
+                   ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"), V=128)]
                 + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * 4, before) for before in (False, True)]
                 # the readout staged two deep by 16-byte copies (``Tuning.async_staging``): GDN's call, and float32
                 + [ck.out_async_launch(target, 8, 64, 128, 128, ("bfloat16", "bfloat16", "float32"), (2, 2, "bfloat16"),

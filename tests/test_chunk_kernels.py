@@ -930,6 +930,36 @@ def test_chunk_bwd_mma_matches_numpy(frame, C, K, delta, bw):
         assert got.shape == w.shape and _rel(got, w) < 1e-5, _rel(got, w)
 
 
+@pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
+@pytest.mark.parametrize("C,K,V,delta,bw,sanitizer", [(16, 16, 24, True, 32, None), (32, 40, 8, True, 32, None),
+                                                      (16, 24, 16, False, 32, None), (32, 32, 160, True, 32, None),
+                                                      (16, 16, 80, True, 32, "address"),
+                                                      (16, 16, 16, True, 16, "thread")])
+def test_chunk_bwd_mma_forms_the_products_over_values(frame, C, K, V, delta, bw, sanitizer):
+    """``prods`` (V given): the pass forms DUQ = Z dS_nextᵀ, DRP = dy S_cᵀ and DR = Δ S_cᵀ from [C, V] and [K, V]
+    inputs in place of reading them; against the float64 pass given those products (``_bwd_ref``), K = 40 in five
+    passes of 8, V = 8 (one step over values), V = 160 (staged 32 at a time), V ≠ K; under ASan+UBSan and TSan."""
+    rng = np.random.default_rng(C + K + V + delta)
+    N = 2
+    ins = _bwd_inputs(rng, N, C, K, delta)
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    vals = {"Zv": f(N, C, V), "dYv": f(N, C, V), "Sv": f(N, K, V), "dSv": f(N, K, V)} | (
+        {"Dv": f(N, C, V)} if delta else {})
+    v64 = {k: x.astype(np.float64) for k, x in vals.items()}
+    tr = lambda x: x.swapaxes(-1, -2)  # noqa: E731
+    formed = {"DUQ": v64["Zv"] @ tr(v64["dSv"]), "DRP": v64["dYv"] @ tr(v64["Sv"])} | (
+        {"DR": v64["Dv"] @ tr(v64["Sv"])} if delta else {})
+    launch = ck.bwd_mma_launch(frame, N, C, K, ("float32",) * (3 if delta else 2), bw, V=V)
+    given = {k: x for k, x in ins.items() if k not in formed} | vals
+    outs = verify.run_launch(launch, given, sanitizer=sanitizer)
+    want = _bwd_ref(ins | formed, 0.3)
+    assert len(outs) == len(want)
+    for got, w in zip(outs, want):
+        assert got.shape == w.shape and _rel(got, w) < 1e-5, _rel(got, w)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ck.bwd_mma_launch(frame, N, C, K, ("float32",) * 3, bw, V=12)
+
+
 def test_chunk_bwd_mma_at_the_cuda_layout(monkeypatch):
     """C = 64 at CUDA's layout (its staged blocks pass Metal's 32 KiB): the Metal spelling runs with only
     that limit waived, as ``test_chunk_ut_mma_at_the_cuda_layout``; bf16 roles in and their gradients out in bf16."""
@@ -1154,6 +1184,24 @@ def test_model_layout_without_gqa_only_where_asked(dense, staging, monkeypatch):
     assert_close(compare(specs.BUILTINS["gated_delta_net"], 32, chunk=16, H=2, Hk=2, K=16, V=8, seed=2, tuning=t))
     assert any("_ml" in c for c in calls) == dense, calls
     assert any("_async" in c for c in calls) == staging, calls  # and with asynchronous staging (CUDA's defaults)
+
+
+@pytest.mark.parametrize("name,dense", [("gated_delta_net", True), ("gated_delta_net", False), ("simple_gla", False)])
+def test_products_in_the_backward_pass_end_to_end(monkeypatch, name, dense):
+    """``Tuning.bwd_products``: the backward's fragment pass forms the products over values that read the states
+    (the "_pv" kernels), end to end against the float64 reference: GDN with factor reads, in the model's layout (T a
+    multiple of the chunk) or not (T = 40), and simple_gla (no delta rule); V = 8 values, K = 16."""
+    pytest.importorskip("mlx.core")
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True, model_rows=dense,
+                       model_rows_dense=dense, bwd_products=True)
+    assert_close(compare(specs.BUILTINS[name], 32 if dense else 40, chunk=16, H=2, Hk=2, K=16, V=8, seed=3, tuning=t))
+    assert any(c.startswith("recgen_chunk_bwd_mma") and ("_ml_pv_metal" if dense else "_pv_metal") in c
+               for c in calls), calls
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
@@ -1649,7 +1697,7 @@ def fresh_probe():
 
 
 @pytest.mark.parametrize("frame", ["base", "sympow", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor",
-                                   "rows", "hoist", "hoist_e", "async", "mix", "factors"])
+                                   "rows", "hoist", "hoist_e", "async", "mix", "factors", "products"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass
     ("hoist" runs the hoisted scans in both directions)."""
@@ -1663,6 +1711,7 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
     assert staged == ({"recgen_chunk_out_async", "recgen_chunk_out_async_uf_ml_yt", "recgen_chunk_ut_async",
                        "recgen_chunk_ut_async_uf_o16_ml"} if frame == "async" else set())
+    assert any("_pv_metal" in c for c in calls) == (frame == "products")
 
 
 def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):
@@ -1696,8 +1745,9 @@ def test_the_probe_keeps_its_kernels_where_the_tuning_keeps_them(monkeypatch, fr
     assert prefetched == [("cuda", pr.FEATURE_FRAMES, pr.PROBE, "/kept")]
     pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/kept"}), pr.PROBE, pr.CHUNK_FRAMES)
     # what CUDA's table asks for: "mma" only where "hoist" fails, "scan" never, KDA's factor reads and the product-free
-    # scans' hoisting not (off), the UT transform's 16-bit outputs not (off)
-    assert prefetched[1][1] == pr.CHUNK_FRAMES - {"scan", "mma", "keyfactor", "hoist_e", "ut16"}, prefetched[1][1]
+    # scans' hoisting not (off), the UT transform's 16-bit outputs and the backward's products not (off)
+    assert prefetched[1][1] == pr.CHUNK_FRAMES - {"scan", "mma", "keyfactor", "hoist_e", "ut16", "products"}, \
+        prefetched[1][1]
     pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "off"}))
     assert len(prefetched) == 2  # no cache, nothing made ahead
 

@@ -640,11 +640,16 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
     Aq = geo.Q if f is None else f * geo.Q
     dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (u, Aq), W, F, ((r, Pr), dy), compose, matrix, kern, states, ml)
     cp = geo.t.copy_transposes
-    statesT, ZT = tr(states, cp), tr(Z, cp)
+    ZT = tr(Z, cp)
     Delta = Tm.swapaxes(-1, -2) @ dZ if delta else dZ
-    dMA, dR = (Delta @ ZT, Delta @ statesT) if delta else (None, None)
-    dr, du, dbt, dl = ck.chunk_bwd(dMA, dy @ ZT, r, u, bt, Z @ tr(dSn, cp), dy @ statesT, dR, geo.l, dg.sum(-1), kern,
-                                   rfac, uf=f, bf=rho, ml=ml)
+    dMA = Delta @ ZT if delta else None
+    if ck.products_in_pass(kern, Z.shape[-2], states.shape[-2], Z.shape[-1], delta):  # the three products that read the states, formed in the pass
+        prods, DUQ, DRP, dR = (Z, dy, Delta if delta else None, states, dSn), None, None, None
+    else:
+        statesT = tr(states, cp)
+        prods, DUQ, DRP, dR = None, Z @ tr(dSn, cp), dy @ statesT, Delta @ statesT if delta else None
+    dr, du, dbt, dl = ck.chunk_bwd(dMA, dy @ ZT, r, u, bt, DUQ, DRP, dR, geo.l, dg.sum(-1), kern, rfac, uf=f, bf=rho,
+                                   ml=ml, prods=prods)
     return dS0, dr, du, Delta, dl, dbt
 
 

@@ -270,23 +270,25 @@ def ut_async_source(dialect: str, uf: bool = False, o16: bool = False, ml: bool 
 
 
 @lru_cache(maxsize=None)
-def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False) -> KernelSource:
+def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False, prods: bool = False) -> KernelSource:
     """The backward pass after the reverse scan (``chunk_bwd_mma.j2``); ``delta``: with the delta rule's b̃ terms;
     ``uf`` (with ``delta``): u = Uf ⊙ x and b̃ = Bf[0] x read from one key x, and the gradients of x and Uf written;
     ``ml`` (with ``uf``): R and x read in the model's layout [B, T, HK, K], dR and dX written in it per value head
-    [B, T, H, K] (template constants H, HK, NCH, GB)."""
+    [B, T, H, K] (template constants H, HK, NCH, GB); ``prods``: the products over values DUQ = Z dS_nextᵀ, DRP =
+    dy S_cᵀ (DR = Δ S_cᵀ) formed in the pass from Zv, dYv (Dv) [C, V] and Sv, dSv [K, V] (template constant V)."""
     if uf and not delta:
         raise ValueError("chunk_bwd_mma: factor reads (uf) are the delta rule's form")
     if ml and not uf:
         raise ValueError("chunk_bwd_mma: the model's layout (ml) is the factor-read form's")
     d = get(dialect)
     roles = ("U", "Uf", "Bf") if uf else ("U", "Bt") if delta else ("U",)
-    ins = (("dMA", "dMR") if delta else ("dMR",)) + ("R",) + roles + (("DUQ", "DRP", "DR") if delta else ("DUQ", "DRP")) \
-        + ("logd", "DG", "Rs")
+    products = (("Zv", "dYv", "Dv", "Sv", "dSv") if delta else ("Zv", "dYv", "Sv", "dSv")) if prods else \
+        (("DUQ", "DRP", "DR") if delta else ("DUQ", "DRP"))
+    ins = (("dMA", "dMR") if delta else ("dMR",)) + ("R",) + roles + products + ("logd", "DG", "Rs")
     outs = ("dRo", "dXo", "dFo", "dl") if uf else ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
-    kind = "bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else "") + ("_ml" if ml else "")
+    kind = "bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else "") + ("_ml" if ml else "") + ("_pv" if prods else "")
     return _source(d, "chunk_bwd_mma.j2", kind, "backward of the chunked core after its reverse scan, fragment "
-                   "multiply-adds", ins, outs, (), helpers=d.mma_prelude, delta=delta, uf=uf, ml=ml)
+                   "multiply-adds", ins, outs, (), helpers=d.mma_prelude, delta=delta, uf=uf, ml=ml, prods=prods)
 
 
 @lru_cache(maxsize=None)
@@ -743,6 +745,22 @@ def bwd_mma_layout(dialect: str, C: int, K: int, delta: bool, most_bw: int = 32)
         xs = max(nx * C * ldb, C * ld)
         if C * ld + xs + 3 * C + C // 16 <= room:
             return {"BW": bw, "LD": ld, "LDB": ldb, "XS": xs}
+    return None
+
+
+def bwd_products_layout(dialect: str, C: int, K: int, delta: bool, V: int, most_bw: int = 32) -> dict | None:
+    """Template constants of the backward's pass where it forms its products over V values (``bwd_mma_source``'s
+    ``prods``), in place of ``bwd_mma_layout``'s, or None: V a multiple of 8; VH the widest of V, 64, 32, 16, 8
+    dividing V whose two staged blocks of BW rows (S_c's and dS_next's, row stride LDS = 4 mod 32) fit the staging
+    area XS, which grows for them where the dialect's threadgroup memory has room."""
+    lay = bwd_mma_layout(dialect, C, K, delta, most_bw)
+    if lay is None or V <= 0 or V % 8:
+        return None
+    room = get(dialect).smem_bytes // 4 - C * lay["LD"] - 3 * C - C // 16  # floats the staging area may take
+    for vh in dict.fromkeys((V, 64, 32, 16, 8)):
+        xs = max(lay["XS"], 2 * lay["BW"] * a_stride(vh))
+        if V % vh == 0 and xs <= room:
+            return lay | {"XS": xs, "VH": vh, "LDS": a_stride(vh)}
     return None
 
 

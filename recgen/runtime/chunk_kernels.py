@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from ..codegen.backends import get
 from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
+                                     bwd_products_layout,
                                      bwd_mma_source, decayed_scores_layout, decayed_scores_source, decays_source,
                                      feature_decode_layout, feature_decode_source, feature_jac_source,
                                      feature_mix_layout, feature_mix_source, feature_mma_layout,
@@ -250,22 +251,29 @@ def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 1
 
 @lru_cache(maxsize=256)
 def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: int = 32, uf: bool = False,
-                   ml: tuple | None = None, min_blocks: int = 0) -> Launch:
+                   ml: tuple | None = None, min_blocks: int = 0, V: int = 0) -> Launch:
     """N chunks, one threadgroup each; ``types``: the dtype names of R, U (and b̃: the delta rule's form), which the
     gradients dR, dU (dBt) are written in; ``uf`` (the delta rule's, ``types`` those of R and the key x): u and b̃
     read from x with their factors, the gradients written dR, dX and dF (of the factor, [N, C] float32); ``ml`` (with
     ``uf``): r and x read in the model's layout and dR, dX written in it per value head [N / (H NCH), NCH C, H, K],
-    (H, HK, NCH, GB) as ``_model_consts``; ``min_blocks`` as ``Launch``'s."""
+    (H, HK, NCH, GB) as ``_model_consts``; ``min_blocks`` as ``Launch``'s; ``V`` (a multiple of 8; 0: none): the
+    products over V values formed in the pass (``bwd_mma_source``'s ``prods``)."""
     delta = len(types) == 3 or uf
     lay = bwd_mma_layout(dialect, C, K, delta, most_bw)
     if lay is None:
         raise ValueError(f"chunk_bwd_mma: C={C} must be 16, 32 or 64 and K={K} a multiple of 8, "
                          f"and the tiles must fit {dialect}'s threadgroup memory")
-    tmpl = (("C", C), ("K", K)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "BT"), types)) + _model_consts(ml)
+    if V:
+        lay = bwd_products_layout(dialect, C, K, delta, V, most_bw)
+        if lay is None:
+            raise ValueError(f"chunk_bwd_mma: V={V} values must be a multiple of 8 for the products in the pass, "
+                             f"their staged states within {dialect}'s threadgroup memory")
+    tmpl = ((("C", C), ("K", K)) + (("V", V),) * (V > 0) + tuple(lay.items()) + tuple(zip(("RT", "UT", "BT"), types))
+            + _model_consts(ml))
     rows = (N, C, K) if ml is None else (N // (ml[0] * ml[2]), ml[2] * C, ml[0], K)
     outs = tuple((rows, dt) for dt in types) + (((N, C), "float32"),) * (2 if uf else 1)
-    return Launch(bwd_mma_source(dialect, delta, uf, ml is not None), (), outs, (N * 2 * C, 1, 1), (2 * C, 1, 1),
-                  tmpl, min_blocks)
+    return Launch(bwd_mma_source(dialect, delta, uf, ml is not None, V > 0), (), outs, (N * 2 * C, 1, 1),
+                  (2 * C, 1, 1), tmpl, min_blocks)
 
 
 @lru_cache(maxsize=256)
@@ -639,7 +647,8 @@ def chunk_ut_key(A, w, bt, P, t: Tuning, B=None, bf: float | None = None):
     return Tm.reshape(A.shape), U.reshape(w.shape), W.reshape(bt.shape)
 
 
-def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=None, bf: float | None = None, ml=None):
+def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=None, bf: float | None = None, ml=None,
+              prods=None):
     """A scalar decay's backward after the reverse scan, per chunk, by the fragment kernel (``chunk_bwd_mma.j2``):
     from the pair cotangents dMR = dy Zᵀ and (delta rule) dMA = Δ Zᵀ [.., n, C, C], the roles r, u (b̃) [.., n, C, K]
     as the core got them (16-bit ones read so), DUQ = d(u ⊙ Q), DRP = d(r ⊙ P) (and DR = d(b̃ ⊙ P) before the pair
@@ -647,7 +656,9 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
     ``rs``: the readout role is rs·r. Returns (dr, du, db̃ or None, dl [.., n, C, 1]); dr, du, db̃ in their roles'
     types. Factor reads (``uf`` [.., n, C, 1] float32 and ``bf`` a float, ``bt`` None, ``u`` a key x: u = uf ⊙ x,
     b̃ = bf·x): returns (dr, dx, duf [.., n, C, 1] float32, dl). With ``ml`` (``chunk_scan``'s) r and x are the model's
-    key inputs [B, n C, HK, K] as they are, and dr, dx come in the model's layout per value head [B, n C, H, K]."""
+    key inputs [B, n C, HK, K] as they are, and dr, dx come in the model's layout per value head [B, n C, H, K].
+    ``prods`` = (Z, dy, Δ or None, S, dS_next) (Z, dy, Δ [.., n, C, V], the states [.., n, K, V]; ``products_in_pass``):
+    the kernel forms DUQ, DRP (DR) itself from them, and those arguments are None."""
     import mlx.core as mx
 
     C, K, N = l.shape[-2], r.shape[-1], _lead(l, 2)
@@ -658,13 +669,27 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
     factors = [] if uf is None else [uf.reshape(N, C), mx.array([bf], dtype=mx.float32)]
     user = (([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)]
             + [x if ml is not None else flat(x) for x in roles] + factors
-            + [flat(DUQ), flat(DRP)] + ([flat(DR)] if delta else [])
+            + (_products(prods, N, C, K) if prods is not None else [flat(DUQ), flat(DRP)] + ([flat(DR)] if delta else []))
             + [l.reshape(N, C), DG.reshape(N), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
     outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw, uf=uf is not None, ml=ml,
-                                   min_blocks=t.bwd_min_blocks), user)
+                                   min_blocks=t.bwd_min_blocks, V=0 if prods is None else prods[0].shape[-1]), user)
     dr, du = (outs[0], outs[1]) if ml is not None else (outs[0].reshape(r.shape), outs[1].reshape(u.shape))
     third = outs[2].reshape((bt if uf is None else uf).shape) if delta else None  # db̃, or duf with factor reads
     return dr, du, third, outs[-1].reshape(l.shape)
+
+
+def products_in_pass(t: Tuning, C: int, K: int, V: int, delta: bool) -> bool:
+    """Whether the backward's fragment pass forms its products over V values itself (``Tuning.bwd_products``, where
+    ``bwd_products_layout`` has a layout)."""
+    return t.bwd_products and bwd_products_layout(t.dialect, C, K, delta, V, t.bwd_bw) is not None
+
+
+def _products(prods, N: int, C: int, K: int) -> list:
+    """``chunk_bwd``'s ``prods`` as the kernel reads them: Z, dy (Δ) [N, C, V], S, dS_next [N, K, V]."""
+    Z, dy, Delta, S, dSn = prods
+    V = Z.shape[-1]
+    return [x.reshape(N, C, V) for x in (Z, dy) + ((Delta,) if Delta is not None else ())] + [
+        x.reshape(N, K, V) for x in (S, dSn)]
 
 
 def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=None, uf=None, bf: float | None = None):

@@ -26,18 +26,20 @@ PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test: the common case's temp
 # the decayed scores); "base" holds the inverse, the pairs and the sympow map, "sympow" the sympow map alone (φ formed
 # in memory where the products' kernels are off): the frame that turns the chunk kernels off where it fails
 CHUNK_FRAMES = frozenset({"base", "scan", "mma", "hoist", "tail", "pairs", "ut16", "rows", "hoist_e", "keyfactor",
-                          "async"})
+                          "async", "products"})
 FEATURE_FRAMES = frozenset({"sympow", "features", "decode", "scores", "mix", "factors"})
 # ... and those of a key-vector decay only: its pair kernels on fragments, KDA's factor reads, its backward tails
 KEY_DECAY_FRAMES = frozenset({"pairs", "keyfactor", "tail"})
 EVERY_FRAME = CHUNK_FRAMES | FEATURE_FRAMES
 # The choices each opt-in frame stands for: probed only where the tuning asks for one of them, and turned off where
 # it fails (then: the backward's tail in MLX ops; the pairs' FMA form; U and W in float32; q, k, v copied to the
-# chunks' layout; each operand loaded where used; KDA's roles formed; synchronous staging; the decode step, φ's
-# products, the in-chunk scores, the backward's products over chunks and the decay factors in MLX ops)
+# chunks' layout; each operand loaded where used; KDA's roles formed; synchronous staging; the backward pass's
+# products over values, the decode step, φ's products, the in-chunk scores, the backward's products over chunks and
+# the decay factors in MLX ops)
 FRAME_FLAGS = {"tail": ("fused_bwd",), "pairs": ("mma_pairs",), "ut16": ("ut_16bit",), "rows": ("model_rows",),
                "hoist": ("scan_hoist", "reverse_scan_hoist"), "hoist_e": ("scan_hoist_e",),
-               "keyfactor": ("key_factor_reads",), "async": ("async_staging",), "decode": ("feature_decode",),
+               "keyfactor": ("key_factor_reads",), "async": ("async_staging",), "products": ("bwd_products",),
+               "decode": ("feature_decode",),
                "features": ("feature_kernels",), "scores": ("decayed_scores",), "mix": ("feature_mix",),
                "factors": ("decay_factor_kernels",)}
 FAST_BLAS_GFLOPS = 30.0  # between the reference BLAS's 6 GFLOP/s and OpenBLAS's 77-95 (2 cores), measured
@@ -95,7 +97,7 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
     # Choices that exist only on the fragment kernels, each with its own frame: without those kernels they do nothing
     # (so they go off unprobed); with them a failing frame turns off only its own choice
     fragments = t.chunk_kernels and changes.get("chunk_kernels", True) and changes.get("mma_scan", t.mma_scan)
-    for frame in ("ut16", "rows", "hoist", "hoist_e", "keyfactor", "async"):
+    for frame in ("ut16", "rows", "hoist", "hoist_e", "keyfactor", "async", "products"):
         flags = FRAME_FLAGS[frame]
         if frame in frames and any(getattr(t, f) for f in flags) and not (fragments and ok(frame)):
             changes.update(dict.fromkeys(flags, False))
@@ -156,7 +158,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
     frame stands for "mma", which is probed only if it fails), "hoist_e" (a product-free reverse scan hoisted: A
     with Aq, E), "async" (the scalar decay's readout and UT transform staged by asynchronous copies, float32 and as GDN calls
-    them), each probed where the tuning asks for it. A GPU
+    them), "products" (the kernels of "mma" with the backward's pass forming its products over values), each probed
+    where the tuning asks for it. A GPU
     whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say) then keeps MLX ops, or
     the FMA scan, instead of raising from inside every chunked call; a failing "tail" turns only the fused backward
     off, a failing "pairs" only the pairs' fragments, a failing "hoist" or "hoist_e" only that hoisting."""
@@ -181,9 +184,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
             S = 0.5 * S + (0 if B is None else B[c].T @ Y[c]) + (0 if E is None else E[c])
         return np.stack(carried), np.stack(Y), S
     t = resolve("gpu", dialect, environ={}, chunk_kernels=True, kernel_cache=kernel_cache,
-                mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e", "async"),
+                mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e", "async", "products"),
                 mma_pairs=frame == "pairs", scan_hoist=frame == "hoist", reverse_scan_hoist=frame == "hoist",
-                scan_hoist_e=frame == "hoist_e", async_staging=frame == "async")
+                scan_hoist_e=frame == "hoist_e", async_staging=frame == "async", bwd_products=frame == "products")
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
     try:
@@ -380,7 +383,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
             # the fragment frame as the forward runs it: B (u) in bf16, its rows scaled by Bq (Q) as read
             Bq = np.exp(-0.1 * np.arange(C - 1, -1, -1.0))[None, None].repeat(n, 1)
             Bm16 = f32(Bm).astype(mx.bfloat16)
-            frag = frame in ("mma", "hoist")  # "hoist": the same kernels, the scans' state-free operands loaded first
+            # "hoist": the same kernels, the scans' state-free operands loaded first; "products": the backward's pass
+            # forming its products over values too
+            frag = frame in ("mma", "hoist", "products")
             Bs = np.array(Bm16.astype(mx.float32), np.float64) * Bq[..., None] if frag else Bm
             carried, Y, S = scan_expected(S0[0], A[0], X[0], Bs[0])
             g = f32(np.full((1, n, 1), 0.5))
@@ -424,8 +429,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                     Ea, Er = dMA * np.tril(gam, -1), dMR * gam
                     P, Q = np.exp(G)[:, None], gam[-1][:, None]
 
-                    def bwd_expected(u, b):  # the pass in float64 for roles r = R, u and b̃ = b: (dr, du, db̃, dl)
-                        dr, db = P * DRP + Er @ u, P * DR + Ea @ u
+                    def bwd_expected(u, b, DUQ=DUQ, DRP=DRP, DR=DR):  # the pass in float64 for roles r = R, u and
+                        dr, db = P * DRP + Er @ u, P * DR + Ea @ u       # b̃ = b: (dr, du, db̃, dl)
                         du = Q * DUQ + Er.swapaxes(-1, -2) @ R + Ea.swapaxes(-1, -2) @ b
                         dG = (R * dr - u * du + b * db).sum(-1)
                         dG[:, -1] += (u * Q * DUQ).sum((1, 2)) + P[-1, 0] * DG
@@ -451,6 +456,15 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                     got = [*got, *ck.chunk_bwd(*(f32(v) for v in (dMA, dMR, R)), x16, None, *(f32(v) for v in (DUQ, DRP, DR)),
                                                f32(np.full((n, C, 1), -0.1)), f32(DG), t, uf=f32(fx), bf=rho)]
                     ref += [dr, fx * du + rho * dbt, (du * x).sum(-1, keepdims=True), dl]
+                    if ck.products_in_pass(t, C, K, V, True):  # and the products over values formed in the pass
+                        Zv, dYv, Dv = rng.normal(size=(3, n, C, V))
+                        Sv, dSv = rng.normal(size=(2, n, K, V)) / np.sqrt(V)
+                        formed = (Zv @ dSv.swapaxes(-1, -2), dYv @ Sv.swapaxes(-1, -2), Dv @ Sv.swapaxes(-1, -2))
+                        got = [*got, *ck.chunk_bwd(*(f32(v) for v in (dMA, dMR, R)), x16, None, None, None, None,
+                                                   f32(np.full((n, C, 1), -0.1)), f32(DG), t, uf=f32(fx), bf=rho,
+                                                   prods=tuple(f32(v) for v in (Zv, dYv, Dv, Sv, dSv)))]
+                        dr, du, dbt, dl = bwd_expected(u_, b_, *formed)
+                        ref += [dr, fx * du + rho * dbt, (du * x).sum(-1, keepdims=True), dl]
         mx.eval(got)
     except Exception as e:  # noqa: BLE001 -- any build or launch failure means: do not use this frame
         if "transformation" in str(e):  # MLX: "[eval] Attempting to eval an array during function transformations"
@@ -509,7 +523,8 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE, kernel_cache
                 "features": "the feature product kernels (φ is formed in memory)",
                 "scores": "the decayed-scores kernels (MLX ops are used for them)",
                 "mix": "the products over chunks (MLX products are used)",
-                "factors": "the decay factors' kernels (MLX ops are used for them)"}.get(frame, "the chunk kernels (MLX ops are used)")
+                "factors": "the decay factors' kernels (MLX ops are used for them)",
+                "products": "the backward pass's products over values (MLX products are used)"}.get(frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
     return err is None
 
