@@ -17,7 +17,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from recgen import tuning  # noqa: E402
-from recgen.chunked import parallel  # noqa: E402
+from recgen.chunked import core, parallel  # noqa: E402
 
 CPU = tuning.resolve("cpu", environ={})
 
@@ -134,3 +134,21 @@ def test_scan_full_written_vjp_equals_autodiff_of_the_loop(T, kdim):
     g_only = mx.grad(lambda *a: (scan_full(*a, pow2=True)[0] * cot[0]).sum(), argnums=list(range(5)))(*args)
     for a, b in zip(g1, g_only):
         assert _rel(b, a) < 1e-10
+
+
+@pytest.mark.parametrize("which", ["both", "values", "column"])
+def test_split_last_joins_the_cotangents(which):
+    """``core.split_last`` (a normalizer's column split off the values) and its VJP, one concatenation: the gradient
+    of Σ a·y + Σ b·n is [a | b], with zeros where only one part reaches the loss."""
+    rng = np.random.default_rng(3)
+    x = mx.array(rng.normal(size=(2, 3, 5)).astype(np.float32))
+    a, b = (mx.array(rng.normal(size=s).astype(np.float32)) for s in ((2, 3, 4), (2, 3)))
+
+    def loss(x):
+        y, n = core.split_last(x)
+        return (0 if which == "column" else (a * y).sum()) + (0 if which == "values" else (b * n).sum())
+
+    y, n = core.split_last(x)
+    assert np.array_equal(np.array(y), np.array(x)[..., :-1]) and np.array_equal(np.array(n), np.array(x)[..., -1])
+    want = np.concatenate([np.array(a) * (which != "column"), np.array(b)[..., None] * (which != "values")], -1)
+    assert np.array_equal(np.array(mx.grad(loss)(x)), want)

@@ -287,7 +287,7 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         ones = mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)
         ya, Sa = _diag_scan(tun, mx.concatenate([S, z[..., None]], axis=-1), t["r"], t["u"],
                             mx.concatenate([t["w"], ones], axis=-1), _as_f(t["logdecay"]), C, key)
-        y, nz, S, z = ya[..., :V], ya[..., V], Sa[..., :V], Sa[..., V]
+        (y, nz), (S, z) = core.split_last(ya), core.split_last(Sa)
     else:
         bt = t["rho"][..., None] * t["b"] if "rho" in t else None
         kern = tun if tun.chunk_kernels else None
@@ -328,7 +328,7 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     chunk = dict(zip(names, arrays))
     T, t = _roles(tun, p, names, scale, sizes, S, arrays, roles=("w", "logdecay"))
     q, k = (expand_heads(chunk[nm], sizes.H, p.rec.gqa, 2).transpose(0, 2, 1, 3).astype(S.dtype) for nm in (fi.q, fi.k))
-    d, V = q.shape[-1], sizes.V
+    d = q.shape[-1]
     W, state = t["w"], S
     if has_z:
         W = mx.concatenate([W, mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)], axis=-1)
@@ -342,8 +342,10 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
                                    scores, tun.gram_slices, tun if tun.feature_mix else None,
                                    tun.feature_keep_states and rows.count == 1, factors)  # tiles bound memory
     S_end = rows.from_rows(S_end)
-    o = _readout(p, p.rec, t, Y[..., :V], Y[..., V] if has_z else None)
-    return (o, S_end[..., :V], S_end[..., V]) if has_z else (o, S_end)
+    if not has_z:
+        return _readout(p, p.rec, t, Y, None), S_end
+    (y, nz), (S_end, z_end) = core.split_last(Y), core.split_last(S_end)
+    return _readout(p, p.rec, t, y, nz), S_end, z_end
 
 
 @lru_cache(maxsize=32)

@@ -241,6 +241,20 @@ def scan_full(S, r, u, w, ld, pow2: bool = False):
     return _scan_full(pow2)(S, r, u, w, ld)[:2]
 
 
+@mx.custom_function
+def split_last(x):
+    """(x[..., :-1], x[..., -1]): a normalizer's column riding along the values, split off again. Its VJP joins the
+    two cotangents by one concatenation; MLX's own would fill a zero array of x's shape for each slice, write the
+    slice's cotangent into it and add the two (five launches over x, every eager training step)."""
+    return x[..., :-1], x[..., -1]
+
+
+@split_last.vjp
+def _split_last_vjp(primals, cotangents, outputs):
+    a, b = (mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs))
+    return (mx.concatenate([a, b[..., None].astype(a.dtype)], axis=-1),)
+
+
 # -- chunk-parallel forms (all chunks at once; only the state scan is sequential) -------------------
 #
 # Shapes: [B, H, n, C, F] with n chunks of C = 2^L tokens (time padded with identity tokens:
