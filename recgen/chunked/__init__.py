@@ -327,7 +327,10 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     fi = p.analysis.feature_identity
     chunk = dict(zip(names, arrays))
     T, t = _roles(tun, p, names, scale, sizes, S, arrays, roles=("w", "logdecay"))
-    q, k = (expand_heads(chunk[nm], sizes.H, p.rec.gqa, 2).transpose(0, 2, 1, 3).astype(S.dtype) for nm in (fi.q, fi.k))
+    # [B, H, T, d] made row-major once, in the inputs' type, before the cast (which keeps a transposed view's
+    # strides): every kernel reading the chunks would otherwise copy the view again (eight copies a training step)
+    q, k = (mx.contiguous(expand_heads(chunk[nm], sizes.H, p.rec.gqa, 2).transpose(0, 2, 1, 3)).astype(S.dtype)
+            for nm in (fi.q, fi.k))
     d = q.shape[-1]
     W, state = t["w"], S
     if has_z:
