@@ -55,12 +55,18 @@ def mlx_call(launch: Launch, dialect: Dialect, user: list, extra: list, debug: b
     (``kernel_binary``); else MLX compiles the body (once a process)."""
     ins = list(user) + list(runtime_arrays(launch.runtime)) + list(extra)
     directory = kernel_cache if dialect.binary_factory else ""
-    kept = directory and kernel_binary.binary(launch.source, tuple(dtype_name(a.dtype) for a in ins),
-                                              tuple(dt for _, dt in launch.outputs), launch.template,
-                                              launch.bounds, directory)
+    kept = directory and _kept(launch, tuple(dtype_name(a.dtype) for a in ins), directory)
     if kept:
         return binary_call(dialect, kept, ins, launch_arguments(launch), debug)
     return mlx_kernel(launch.source, dialect.mlx_factory, debug)(inputs=ins, **launch_arguments(launch))
+
+
+@lru_cache(maxsize=512)
+def _kept(launch: Launch, input_dtypes: tuple, directory: str):
+    """``kernel_binary.binary`` for a launch at these input dtypes, looked up by the launch (whose hash is kept) and
+    not by its source, outputs, template values and bounds hashed again on every kernel call."""
+    return kernel_binary.binary(launch.source, input_dtypes, tuple(dt for _, dt in launch.outputs), launch.template,
+                                launch.bounds, directory)
 
 
 def binary_call(dialect: Dialect, kept: tuple, ins: list, args: dict, debug: bool = False):
