@@ -138,8 +138,9 @@ class Tuning:
     bwd_min_blocks: int = 1         # ... threadgroups an SM its registers must allow (as feature_jac_min_blocks; H100:
     #                                 4 trained GDN in 5.53 ms against 5.18)
     bwd_products: bool = False      # ... forms the products over values that read the states (Z dS_nextᵀ, dy S_cᵀ,
-    #                                 Δ S_cᵀ) itself, per pass, not MLX's three GEMMs writing [C, K] each for it to read
-    #                                 (H100, GDN: peak 2.23 against 2.61 GiB, but 5.76 against 5.64 ms: for memory)
+    #                                 Δ S_cᵀ) itself, per pass, not MLX's three GEMMs writing [C, K] each for it to
+    #                                 read (H100, GDN: peak 2.23 against 2.61 GiB, but 5.76 against 5.64 ms: for
+    #                                 memory)
     # -- the recurrent kernels ----------------------------------------------------------------------
     fwd_layout: tuple[int, int, int] | None = None  # force the forward lane mapping (LK, CPL, WV): sweeps
 

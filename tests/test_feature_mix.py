@@ -126,7 +126,8 @@ def test_decay_factor_kernels_match_mlx_autodiff_in_float64(N, n, C, sanitizer):
     cots = [rng.normal(size=w.shape) for w in want]
     (dl,) = verify.run_launch(ck.decay_factors_launch("metal", N, n, C, grad=True),
                               {"to_t": outs[0], "to_end": outs[1], "LL": outs[2],
-                               "dto_t": cots[0].reshape(N, -1).astype(np.float32), "dto_end": cots[1].reshape(N, -1).astype(np.float32),
+                               "dto_t": cots[0].reshape(N, -1).astype(np.float32),
+                               "dto_end": cots[1].reshape(N, -1).astype(np.float32),
                                "dLL": cots[2].astype(np.float32)}, sanitizer=sanitizer)
     with mx.stream(mx.cpu):
         _, (dwant,) = mx.vjp(decay_factors, [mx.array(l32.astype(np.float64))], [mx.array(c) for c in cots])

@@ -286,7 +286,8 @@ def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False
         (("DUQ", "DRP", "DR") if delta else ("DUQ", "DRP"))
     ins = (("dMA", "dMR") if delta else ("dMR",)) + ("R",) + roles + products + ("logd", "DG", "Rs")
     outs = ("dRo", "dXo", "dFo", "dl") if uf else ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
-    kind = "bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else "") + ("_ml" if ml else "") + ("_pv" if prods else "")
+    kind = ("bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else "") + ("_ml" if ml else "")
+            + ("_pv" if prods else ""))
     return _source(d, "chunk_bwd_mma.j2", kind, "backward of the chunked core after its reverse scan, fragment "
                    "multiply-adds", ins, outs, (), helpers=d.mma_prelude, delta=delta, uf=uf, ml=ml, prods=prods)
 

@@ -657,8 +657,8 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
     types. Factor reads (``uf`` [.., n, C, 1] float32 and ``bf`` a float, ``bt`` None, ``u`` a key x: u = uf ⊙ x,
     b̃ = bf·x): returns (dr, dx, duf [.., n, C, 1] float32, dl). With ``ml`` (``chunk_scan``'s) r and x are the model's
     key inputs [B, n C, HK, K] as they are, and dr, dx come in the model's layout per value head [B, n C, H, K].
-    ``prods`` = (Z, dy, Δ or None, S, dS_next) (Z, dy, Δ [.., n, C, V], the states [.., n, K, V]; ``products_in_pass``):
-    the kernel forms DUQ, DRP (DR) itself from them, and those arguments are None."""
+    ``prods`` = (Z, dy, Δ or None, S, dS_next) (Z, dy, Δ [.., n, C, V], the states [.., n, K, V];
+    ``products_in_pass``): the kernel forms DUQ, DRP (DR) itself from them, and those arguments are None."""
     import mlx.core as mx
 
     C, K, N = l.shape[-2], r.shape[-1], _lead(l, 2)
@@ -669,7 +669,8 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
     factors = [] if uf is None else [uf.reshape(N, C), mx.array([bf], dtype=mx.float32)]
     user = (([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)]
             + [x if ml is not None else flat(x) for x in roles] + factors
-            + (_products(prods, N, C, K) if prods is not None else [flat(DUQ), flat(DRP)] + ([flat(DR)] if delta else []))
+            + (_products(prods, N, C, K) if prods is not None
+               else [flat(DUQ), flat(DRP)] + ([flat(DR)] if delta else []))
             + [l.reshape(N, C), DG.reshape(N), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
     outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw, uf=uf is not None, ml=ml,
                                    min_blocks=t.bwd_min_blocks, V=0 if prods is None else prods[0].shape[-1]), user)

@@ -184,7 +184,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
             S = 0.5 * S + (0 if B is None else B[c].T @ Y[c]) + (0 if E is None else E[c])
         return np.stack(carried), np.stack(Y), S
     t = resolve("gpu", dialect, environ={}, chunk_kernels=True, kernel_cache=kernel_cache,
-                mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e", "async", "products"),
+                mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e", "async",
+                                   "products"),
                 mma_pairs=frame == "pairs", scan_hoist=frame == "hoist", reverse_scan_hoist=frame == "hoist",
                 scan_hoist_e=frame == "hoist_e", async_staging=frame == "async", bwd_products=frame == "products")
     n, C, K, V = sizes
@@ -524,7 +525,8 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE, kernel_cache
                 "scores": "the decayed-scores kernels (MLX ops are used for them)",
                 "mix": "the products over chunks (MLX products are used)",
                 "factors": "the decay factors' kernels (MLX ops are used for them)",
-                "products": "the backward pass's products over values (MLX products are used)"}.get(frame, "the chunk kernels (MLX ops are used)")
+                "products": "the backward pass's products over values (MLX products are used)"}.get(
+                    frame, "the chunk kernels (MLX ops are used)")
         warnings.warn(f"recgen: {what} failed a self-test on this {dialect} GPU: {err}", RuntimeWarning, stacklevel=3)
     return err is None
 
