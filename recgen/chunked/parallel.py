@@ -643,8 +643,8 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
     ZT = tr(Z, cp)
     Delta = Tm.swapaxes(-1, -2) @ dZ if delta else dZ
     dMA = Delta @ ZT if delta else None
-    if ck.products_in_pass(kern, Z.shape[-2], states.shape[-2], Z.shape[-1], delta):  # the three products that
-        # read the states, formed in the pass
+    # the three products that read the states: formed in the pass (``Tuning.bwd_products``), or by MLX for it
+    if ck.products_in_pass(kern, Z.shape[-2], states.shape[-2], Z.shape[-1], delta):
         prods, DUQ, DRP, dR = (Z, dy, Delta if delta else None, states, dSn), None, None, None
     else:
         statesT = tr(states, cp)

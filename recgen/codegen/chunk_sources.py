@@ -749,6 +749,7 @@ def bwd_mma_layout(dialect: str, C: int, K: int, delta: bool, most_bw: int = 32)
     return None
 
 
+@lru_cache(maxsize=None)
 def bwd_products_layout(dialect: str, C: int, K: int, delta: bool, V: int, most_bw: int = 32) -> dict | None:
     """Template constants of the backward's pass where it forms its products over V values (``bwd_mma_source``'s
     ``prods``), in place of ``bwd_mma_layout``'s, or None: V a multiple of 8; VH the widest of V, 64, 32, 16, 8

@@ -14,12 +14,11 @@ import math
 from functools import lru_cache
 
 from ..codegen.backends import get
-from ..codegen.chunk_sources import (BV, MMA_NW, ScanVariant, bwd_key_source, bwd_key_supported, bwd_mma_layout,
-                                     bwd_products_layout,
-                                     bwd_mma_source, decayed_scores_layout, decayed_scores_source, decays_source,
-                                     feature_decode_layout, feature_decode_source, feature_jac_source,
+from ..codegen.chunk_sources import (BV, FACTOR_CHUNKS, FACTOR_NT, MMA_NW, ScanVariant, bwd_key_source,
+                                     bwd_key_supported, bwd_mma_layout, bwd_mma_source, bwd_products_layout,
+                                     decay_factors_source, decayed_scores_layout, decayed_scores_source,
+                                     decays_source, feature_decode_layout, feature_decode_source, feature_jac_source,
                                      feature_mix_layout, feature_mix_source, feature_mma_layout,
-                                     FACTOR_CHUNKS, FACTOR_NT, decay_factors_source,
                                      feature_out_source, feature_states_source,
                                      inverse_source, out_async_layout, out_async_source, out_mma_layout,
                                      out_mma_source, pair_folds, pair_fragments, pair_grad_source, pair_layout,

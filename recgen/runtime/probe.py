@@ -222,7 +222,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
             l = np.log(rng.uniform(0.05, 1.0, size=(2, 16, C)))
             l[1, 5, C // 2] = -np.inf
             cots = [rng.normal(size=s) for s in ((2, 16, C), (2, 16, C), (2, 17, 17))]
-            got = [*ck.decay_factors_fn(t)(f32(l)), *mx.vjp(ck.decay_factors_fn(t), [f32(l)], [f32(c) for c in cots])[1]]
+            factors = ck.decay_factors_fn(t)
+            got = [*factors(f32(l)), *mx.vjp(factors, [f32(l)], [f32(c) for c in cots])[1]]
             ref = [*decay_factors(l), decay_factors_vjp(l, *cots)]
         elif frame == "pairs":  # the key-decay pair kernels on fragments (dual: A strict, M_ru) and their gradients
             X, X2, Y = rng.normal(size=(3, 1, C, K))
@@ -430,8 +431,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                     Ea, Er = dMA * np.tril(gam, -1), dMR * gam
                     P, Q = np.exp(G)[:, None], gam[-1][:, None]
 
-                    def bwd_expected(u, b, DUQ=DUQ, DRP=DRP, DR=DR):  # the pass in float64 for roles r = R, u and
-                        dr, db = P * DRP + Er @ u, P * DR + Ea @ u       # b̃ = b: (dr, du, db̃, dl)
+                    # the pass in float64 for roles r = R, u and b̃ = b and its products over values: (dr, du, db̃, dl)
+                    def bwd_expected(u, b, DUQ=DUQ, DRP=DRP, DR=DR):
+                        dr, db = P * DRP + Er @ u, P * DR + Ea @ u
                         du = Q * DUQ + Er.swapaxes(-1, -2) @ R + Ea.swapaxes(-1, -2) @ b
                         dG = (R * dr - u * du + b * db).sum(-1)
                         dG[:, -1] += (u * Q * DUQ).sum((1, 2)) + P[-1, 0] * DG
