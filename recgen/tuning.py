@@ -85,6 +85,10 @@ class Tuning:
     #                                 grow with it: 63 a thread at 16, 108 at 32, ptxas for sm_90)
     gpu_forms: bool = False         # few large ops (the scan over chunks as one matmul, full-block inverses)
     compile: bool = False           # mx.compile the chunked stretch and core (fuses elementwise work)
+    replay_graphs: bool = False     # chunk cores (forward, VJP) recorded once per signature and replayed under
+    #                                 mx.vjp, where MLX compiles nothing, not built again by their Python each call
+    #                                 (``runtime.replay``). A replayed graph does not vmap (MLX's rules misread some
+    #                                 recorded nodes); neither does a chunk kernel, so it is on where they run
     inverse_base: int = 1           # block size from which the triangular inverse climbs by block levels
     pow2_exp: bool = False          # e^x as 2^(x log2 e): MLX's CPU exp is 2-3x slower than its power
     copy_transposes: bool = False   # materialise a matmul's transposed right operand (the reference BLAS)
@@ -164,7 +168,7 @@ MEASURED = {
                  model_rows_dense=True, decayed_scores=True, feature_kernels=True, gram_slices=16,
                  kernel_cache=KERNEL_CACHE_DIR, feature_jac_min_blocks=2, feature_states_fragments=2,
                  feature_out_fragments=2, feature_mix=True, feature_keep_states=True,
-                 decay_factor_kernels=True),
+                 decay_factor_kernels=True, replay_graphs=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
@@ -211,6 +215,7 @@ ENVIRONMENT = {
     "RECGEN_KERNEL_CACHE": ("kernel_cache", lambda text: KERNEL_CACHE_DIR if text in ("1", "on", "true")
                             else text if _flag(text) and text != "off" else ""),
     "RECGEN_CHUNK_KERNELS": ("chunk_kernels", _flag),
+    "RECGEN_REPLAY_GRAPHS": ("replay_graphs", _flag),
     "RECGEN_MMA_SCAN": ("mma_scan", _flag),
     "MLX_ENABLE_TF32": ("mma_scan", lambda text: None if _flag(text) else False),
     "RECGEN_FUSED_READOUT": ("fused_readout", _flag),

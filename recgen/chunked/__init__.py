@@ -350,7 +350,8 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     factors = ck.decay_factors_fn(tun) if ck.factors_on_kernels(tun, -(-T // C)) else None
     Y, S_end = features.chunk_form(q, k, W, t["logdecay"], rows.to_rows(state), c, C, tun.pow2_exp, rows, fi.degree,
                                    scores, tun.gram_slices, tun if tun.feature_mix else None,
-                                   tun.feature_keep_states and rows.count == 1, factors)  # tiles bound memory
+                                   tun.feature_keep_states and rows.count == 1, factors,
+                                   tun if tun.replay_graphs else None)  # tiles bound memory
     S_end = rows.from_rows(S_end)
     if not has_z:
         return _readout(p, p.rec, t, Y, None), S_end

@@ -47,12 +47,19 @@ def exp(x, pow2: bool = False):
     return mx.power(2.0, x * LOG2E) if pow2 else mx.exp(x)
 
 
+def row_major(x):
+    """``x`` row-major: a copy where it is a view that is not (transposed, broadcast), else itself, as
+    ``mx.contiguous`` makes it, but in primitives MLX can record (``runtime.replay``; it serializes no
+    ``Contiguous``): flattening copies exactly where the view is not row-major, and the reshape back is a view."""
+    return x.reshape(-1).reshape(x.shape)
+
+
 def tr(x, copy: bool = False):
     """xᵀ over the last two axes, for the right operand of a matmul; with ``copy`` (``Tuning.copy_transposes``:
     the reference BLAS, which runs a product whose right operand is a transposed view as dot products, 2.6x
     slower than on a contiguous copy) materialised."""
     x = x.swapaxes(-1, -2)
-    return mx.contiguous(x) if copy else x
+    return row_major(x) if copy else x
 
 
 def pow2_ceil(n: int) -> int:
@@ -157,7 +164,7 @@ def unit_lower_inv_full(L):
 def _position_major(x, n: int, c: int):
     """[B,H,T,...] (T = n·c) -> [c,B,H,n,...], contiguous, so each step of a loop over the c positions reads
     whole slabs (strided broadcasts measured ~3x slower on the CPU)."""
-    return mx.contiguous(mx.moveaxis(x.reshape(*x.shape[:2], n, c, *x.shape[3:]), 3, 0))
+    return row_major(mx.moveaxis(x.reshape(*x.shape[:2], n, c, *x.shape[3:]), 3, 0))
 
 
 def states_two_level(S0, D, a, b):

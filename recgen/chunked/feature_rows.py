@@ -103,6 +103,8 @@ def tile_features(x, ft: FeatureTiles, i: int):
 class FormedRows:
     """Rows formed in memory (``features``; ``phi`` hands them to the products), their products MLX matmuls."""
 
+    recordable = True  # no mx.custom_function in its products: a replay (``runtime.replay``) can record them
+
     def phi(self, x, i: int):
         """What the products of tile i read for x [B,H,n,C,d]: here φ's rows themselves [B,H,n,C,R_i]."""
         return self.features(x, i)
@@ -177,6 +179,7 @@ class PackedRows(FormedRows):
     d: int
 
     count = 1
+    recordable = False  # φ and its gradient are the sympow kernels' mx.custom_function, which MLX cannot record
 
     def size(self, i: int) -> int:
         return self.d * (self.d + 1) // 2
@@ -208,6 +211,8 @@ class FusedRows(PackedRows):
     """``PackedRows`` whose products run as fragment kernels that form φ as they read it
     (``chunk_kernels.feature_states``: φ(X)ᵀY; ``feature_out``: φ(X)S; ``feature_jac``: the gradient through them,
     2 M x with M the state's quadratic form), so neither φ(q), φ(k) nor a [T, F] cotangent is ever written."""
+
+    recordable = True  # the fragment kernels are plain kernel calls
 
     def phi(self, x, i: int):
         return x

@@ -149,21 +149,21 @@ def _plus(total, x):
 
 
 @lru_cache(maxsize=None)
-def inter_fn(rows, gram_slices: int = 1, mix: Tuning | None = None, keep: bool = False):
+def inter_fn(rows, gram_slices: int = 1, mix: Tuning | None = None, keep: bool = False, replay: Tuning | None = None):
     """inter(q, k, Wb, LL, S0) -> (Z [B,H,n,C,V'] = Σ_rows ω φ(q_t) Ŝ_{n(t)}, Ŝ_end [B,H,R,V'] in ``rows``[, X
     of each tile]);
     q, k [B,H,n,C,d], Wb = e^{Γ_C−Γ_s} W [B,H,n,C,V'], LL = [L | l0] [B,H,n+1,n+1] (``chunk_decays``), S0
     [B,H,R,V'] in ``rows``. The products over the rows are ``rows``' (``phi``, ``states``, ``out``, ``jac``), so the
     same algebra runs on formed rows or on kernels that form them; the backward's products over chunks
     ``_mix_grad``'s (``gram_slices``, ``mix``). ``keep``: the chunks' states X = [ΔS; S0] of each tile are outputs too,
-    kept for the backward instead of formed again (one φᵀY pass fewer, an expanded state more held between passes)."""
+    kept for the backward instead of formed again (one φᵀY pass fewer, an expanded state more held between passes).
+    ``replay``: the tuning, where both directions are recorded and replayed (``chunk_kernels.replayed``), or None."""
     bounds = np.cumsum([0] + [rows.size(i) for i in range(rows.count)]) if rows.count > 1 else None
 
     def tile(S, i):
         return S if bounds is None else S[:, :, int(bounds[i]):int(bounds[i + 1])]
 
-    @mx.custom_function
-    def inter(q, k, Wb, LL, S0):
+    def forward(q, k, Wb, LL, S0):
         Z, ends, kept, after = None, [], [], []
         for i in range(rows.count):
             qi, ki = mx.depends([q, k], after) if after else (q, k)  # tile after tile
@@ -175,16 +175,13 @@ def inter_fn(rows, gram_slices: int = 1, mix: Tuning | None = None, keep: bool =
             after = [Z]
         return (Z, ends[0] if len(ends) == 1 else mx.concatenate(ends, axis=-2)) + (tuple(kept) if keep else ())
 
-    @inter.vjp
-    def inter_vjp(primals, cotangents, outputs):
-        q, k, Wb, LL, S0 = primals
-        dZ, dS_end = (mx.zeros_like(o) if c is None else c for c, o in zip(cotangents[:2], outputs[:2]))
+    def backward(q, k, Wb, LL, S0, dZ, dS_end, *kept):
         n = q.shape[2]
         dq, dk, dWb, dLL, dS0, after = None, None, None, None, [], []
         for i in range(rows.count):
             qi, ki = mx.depends([q, k], after) if after else (q, k)
             pk, pq = rows.phi(ki, i), rows.phi(qi, i)
-            X = outputs[2 + i] if keep else rows.stacked(pk, Wb, tile(S0, i), i)       # [ΔS; S0] [B,H,n+1,R,V']
+            X = kept[i] if keep else rows.stacked(pk, Wb, tile(S0, i), i)            # [ΔS; S0] [B,H,n+1,R,V']
             read = rows.stacked(pq, dZ, tile(dS_end, i), i, weighted=True)             # [read; dŜ_end]
             Sh, ddS, dLLi = _mix_grad(X, read, LL, gram_slices, mix)  # ddS: dΔS (the first n), then dS0
             dq = _plus(dq, rows.jac(qi, rows.weighted(Sh, i), dZ, i))
@@ -195,17 +192,30 @@ def inter_fn(rows, gram_slices: int = 1, mix: Tuning | None = None, keep: bool =
             after = [dq, dk, dWb]
         return dq, dk, dWb, dLL, dS0[0] if len(dS0) == 1 else mx.concatenate(dS0, axis=-2)
 
+    if replay is not None:
+        forward, backward = ck.replayed(forward, "inter", replay), ck.replayed(backward, "inter_vjp", replay)
+
+    @mx.custom_function
+    def inter(q, k, Wb, LL, S0):
+        return forward(q, k, Wb, LL, S0)
+
+    @inter.vjp
+    def inter_vjp(primals, cotangents, outputs):
+        dZ, dS_end = (mx.zeros_like(o) if c is None else c for c, o in zip(cotangents[:2], outputs[:2]))
+        return backward(*primals, dZ, dS_end, *outputs[2:])
+
     return inter
 
 
 def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None, degree: int = 2, scores=None,
-               gram_slices: int = 1, mix: Tuning | None = None, keep: bool = False, factors=None):
+               gram_slices: int = 1, mix: Tuning | None = None, keep: bool = False, factors=None,
+               replay: Tuning | None = None):
     """Y [B,H,T,V'] and the final state [B,H,R,V'] of the module docstring's form; q, k [B,H,T,d], W [B,H,T,V'],
     gam the log-decays [B,H,T], S0 [B,H,R,V'], both states in ``rows``' layout (default: MLX's tiles, degree 2);
     ``degree`` the feature map's (the scores' power; ``rows`` must be of it); chunks of C
     tokens (T padded with tokens that change nothing: zero keys and values, log-decay 0); ``pow2``: ``core.exp``'s;
-    ``scores``: ``chunk_scores``'; ``gram_slices``, ``mix``, ``keep``: ``inter_fn``'s; ``factors``: a function of the
-    chunks' log-decays that gives ``decay_factors``' (the generated kernels), else MLX ops."""
+    ``scores``: ``chunk_scores``'; ``gram_slices``, ``mix``, ``keep``, ``replay``: ``inter_fn``'s; ``factors``: a
+    function of the chunks' log-decays that gives ``decay_factors``' (the generated kernels), else MLX ops."""
     B, H, T, d = q.shape
     n = -(-T // C)
 
@@ -216,8 +226,9 @@ def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None
 
     qc, kc, Wc, gc = (chunks(x) for x in (q, k, W, gam))
     to_t, to_end, LL = factors(gc) if factors else decay_factors(gc, pow2)
-    Z, S_end = inter_fn(rows or TileRows(feature_tiles(d)), gram_slices, mix, keep)(qc, kc, Wc * to_end[..., None], LL,
-                                                                                     S0)[:2]
+    rows = rows or TileRows(feature_tiles(d))
+    inter = inter_fn(rows, gram_slices, mix, keep, replay if rows.recordable else None)
+    Z, S_end = inter(qc, kc, Wc * to_end[..., None], LL, S0)[:2]
     Y = chunk_scores(qc, kc, gc, pow2, degree, scores) @ Wc + to_t[..., None] * Z
     return (c * Y).reshape(B, H, n * C, -1)[:, :, :T], S_end
 

@@ -43,7 +43,8 @@ import mlx.core as mx
 from ..codegen.chunk_sources import inverse_supported, pair_supported
 from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
-from .core import add_half, decay_levels, exp, half, offdiag_blocks, p_before, pair_levels, tr, unit_lower_inv
+from .core import (add_half, decay_levels, exp, half, offdiag_blocks, p_before, pair_levels, row_major, tr,
+                   unit_lower_inv)
 
 __all__ = ["core_fn", "decay_geometry", "log_decay_grad", "scan_backward", "with_vjp"]
 
@@ -463,7 +464,7 @@ def core_layout(y, n: int, C: int, dtype):
     transposed view would keep its strides, and then every product and kernel that reads it (three GEMMs and the
     reverse scan, each wanting row-major operands) would copy it again; one copy in the input's type comes first."""
     B, _, H, V = y.shape
-    return mx.contiguous(y.reshape(B, n, C, H, V).transpose(0, 3, 1, 2, 4)).astype(dtype)
+    return row_major(y.reshape(B, n, C, H, V).transpose(0, 3, 1, 2, 4)).astype(dtype)
 
 
 def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None, out=None, rfac=None):
@@ -688,7 +689,7 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
     copies; the key heads shared, not expanded), their gradients returned so (dr, dx summed over GQA's groups).
     Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru, with b̃
     Z, T, W, and a key-vector decay's hierarchy) are for the VJP only and take no cotangent."""
-    matrix, compile, inv_base = t.gpu_forms, t.compile, t.inverse_base
+    matrix, inv_base = t.gpu_forms, t.inverse_base
     kern = t if t.chunk_kernels else None
     Geo = decay_geometry(key, kern)
     nres = (6 if key and rho is not None else 5) if delta else 2  # factor reads keep a key decay's unscaled A too
@@ -731,14 +732,17 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         grads = (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
         return tuple(g.astype(x.dtype) for g, x in zip(grads, a))  # a 16-bit role (``role_dtype``) takes its own type
 
-    return with_vjp(fwd, bwd, compile)
+    return with_vjp(fwd, bwd, t)
 
 
-def with_vjp(fwd, bwd, compile: bool):
+def with_vjp(fwd, bwd, t: Tuning):
     """A chunk core as an ``mx.custom_function``: ``fwd(*args)`` returns (y, S_end, *residuals); its VJP is
-    ``bwd(*args, *residuals, dy, dS_end)``, the two cotangents zeros where none came. ``compile``: both traced once
-    by ``mx.compile``."""
-    if compile:
+    ``bwd(*args, *residuals, dy, dS_end)``, the two cotangents zeros where none came. Both are recorded and replayed
+    where the tuning replays graphs (``ck.replayed``: under ``mx.vjp``, where ``mx.compile`` would trace nothing),
+    else traced once by ``mx.compile`` where it compiles (``Tuning.compile``)."""
+    if t.replay_graphs:
+        fwd, bwd = ck.replayed(fwd, "core", t), ck.replayed(bwd, "core_vjp", t)
+    elif t.compile:
         fwd, bwd = mx.compile(fwd), mx.compile(bwd)
 
     @mx.custom_function

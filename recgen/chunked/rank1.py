@@ -35,7 +35,7 @@ import mlx.core as mx
 from ..codegen.chunk_sources import inverse_supported, pair_supported
 from ..runtime import chunk_kernels as ck
 from ..tuning import Tuning
-from .core import rows_earlier, rows_later, tr, unit_lower_inv
+from .core import row_major, rows_earlier, rows_later, tr, unit_lower_inv
 from .parallel import core_layout, decay_geometry, log_decay_grad, model_layout, scan_backward, with_vjp
 
 __all__ = ["core_fn", "logdecay_16bit", "roles_16bit"]
@@ -120,7 +120,7 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None
     # the core's once here, not by each of the five products and the reverse scan that read it (a lower training
     # peak). With ``rfac`` the readout's cotangent is rfac·dy: every gradient below then holds it, and r's is that
     # of the core's argument
-    dy = mx.contiguous(dy) if out is None else core_layout(dy, *r.shape[-3:-1], mx.float32)
+    dy = row_major(dy) if out is None else core_layout(dy, *r.shape[-3:-1], mx.float32)
     dy = dy if rfac is None else dy * rfac
     rP, aQ, uQ = geo.role("rP", r, "P"), geo.role("aQ", a, "Q"), geo.role("uQ", u, "Q")
     C, K = a.shape[-2:]
@@ -199,4 +199,4 @@ def core_fn(key: bool, before: bool, t: Tuning, rfac: float | None = None, out=N
                           out)
         return tuple(g.astype(x.dtype) for g, x in zip(grads, args[:7]))  # a 16-bit role takes its own type
 
-    return with_vjp(fwd, bwd, t.compile)
+    return with_vjp(fwd, bwd, t)

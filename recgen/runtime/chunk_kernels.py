@@ -29,6 +29,7 @@ from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..spec.features import sympow_pairs
 from ..tuning import Tuning
 from .launch import Launch, dtype_name, mlx_call
+from .replay import Replay
 
 
 # -- which kernels run ----------------------------------------------------------------------------
@@ -457,6 +458,14 @@ def _call(t: Tuning, launch: Launch, user: list):
     return mlx_call(launch, get(t.dialect), user, [], t.debug, t.kernel_cache)
 
 
+def replayed(fn, name: str, t: Tuning):
+    """``fn`` as a ``replay.Replay`` where the tuning replays graphs (``Tuning.replay_graphs``), else itself. It runs
+    as Python while kernel calls are recorded (``recording``: each call must be seen) or in the debug mode."""
+    if not t.replay_graphs:
+        return fn
+    return Replay(fn, name, lambda: not t.debug and _recording.get() is None)
+
+
 def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = (), pq: bool = True):
     """(D, P, Q) [..., C, K] of the log-decays l [..., C, K] (float32) in one pass: D = e^l, P and Q from sums
     anchored at the chunk's start and end (``chunk_decays.j2``); ``before``: and P_{t−1} (1 at t = 0), the decay a
@@ -869,23 +878,30 @@ def decay_factors_fn(t: Tuning):
         n, C = l.shape[-2:]
         return _lead(l, 2), n, C, l.reshape(-1, n * C)
 
-    @mx.custom_function
-    def factors(l):
+    def forward(l):
         N, n, C, lf = flat(l)
         to_t, to_end, LL = _call(t, decay_factors_launch(t.dialect, N, n, C), [lf])
         return to_t.reshape(l.shape), to_end.reshape(l.shape), LL.reshape(*l.shape[:-2], n + 1, n + 1)
 
-    @factors.vjp
-    def factors_vjp(primals, cotangents, outputs):
-        l = primals[0] if isinstance(primals, (list, tuple)) else primals
+    def backward(l, to_t, to_end, LL, d_t, d_end, dLL):
         N, n, C, _ = flat(l)
-        d_t, d_end, dLL = (mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs))
-        to_t, to_end, LL = outputs
         (dl,) = _call(t, decay_factors_launch(t.dialect, N, n, C, grad=True),
                       [to_t.reshape(N, -1), to_end.reshape(N, -1), LL.reshape(N, n + 1, n + 1),
                        d_t.reshape(N, -1).astype(mx.float32), d_end.reshape(N, -1).astype(mx.float32),
                        dLL.reshape(N, n + 1, n + 1).astype(mx.float32)])
         return (dl.reshape(l.shape).astype(l.dtype),)
+
+    forward, backward = replayed(forward, "factors", t), replayed(backward, "factors_vjp", t)
+
+    @mx.custom_function
+    def factors(l):
+        return forward(l)
+
+    @factors.vjp
+    def factors_vjp(primals, cotangents, outputs):
+        l = primals[0] if isinstance(primals, (list, tuple)) else primals
+        cots = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs)]
+        return backward(l, *outputs, *cots)
 
     return factors
 
@@ -913,20 +929,27 @@ def decayed_scores_fn(t: Tuning, power: int):
         C = l.shape[-1]
         return _lead(l, 1), C, [P.reshape(-1, C, C).astype(mx.float32), l.reshape(-1, C)]
 
-    @mx.custom_function
-    def scores(P, l):
+    def forward(P, l):
         N, C, user = flat(P, l)
         (A,) = _call(t, decayed_scores_launch(t.dialect, N, C, power, rows=t.scores_rows), user)
-        return A.reshape(P.shape)
+        return (A.reshape(P.shape),)
 
-    @scores.vjp
-    def scores_vjp(primals, cotangents, outputs):
-        P, l = primals
-        dA = cotangents[0] if isinstance(cotangents, (list, tuple)) else cotangents
+    def backward(P, l, dA):
         N, C, user = flat(P, l)
         dP, parts = _call(t, decayed_scores_launch(t.dialect, N, C, power, grad=True, rows=t.scores_rows),
                           [user[0], dA.reshape(-1, C, C).astype(mx.float32), user[1]])
         return dP.reshape(P.shape).astype(P.dtype), parts.sum(1).reshape(l.shape).astype(l.dtype)
+
+    forward, backward = replayed(forward, "scores", t), replayed(backward, "scores_vjp", t)
+
+    @mx.custom_function
+    def scores(P, l):
+        return forward(P, l)[0]
+
+    @scores.vjp
+    def scores_vjp(primals, cotangents, outputs):
+        dA = cotangents[0] if isinstance(cotangents, (list, tuple)) else cotangents
+        return backward(*primals, dA)
 
     return scores
 

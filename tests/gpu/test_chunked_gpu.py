@@ -89,7 +89,8 @@ def test_chunked_form_reads_the_model_layout(name, case, dtype, rng, monkeypatch
 
     names, call = [], ck.mlx_call
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: names.append(launch.source.name) or call(launch, *a))
-    with tuning.override(mma_scan=True, model_rows=True):  # GQA: the default's case
+    # replay_graphs off: a graph recorded by an earlier test would replay its kernels, unseen by the patch
+    with tuning.override(mma_scan=True, model_rows=True, replay_graphs=False):  # GQA: the default's case
         assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
     # the scans hoisted or not (``Tuning.scan_hoist``), the readout and UT transform with L2 hints or staged by
     # asynchronous copies (``Tuning.async_staging``) or neither, the backward's pass forming its products or not
@@ -111,7 +112,8 @@ def test_chunked_form_with_async_staging(name, case, dtype, rng, monkeypatch):
 
     names, call = [], ck.mlx_call
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: names.append(launch.source.name) or call(launch, *a))
-    with tuning.override(mma_scan=True, model_rows=True, model_rows_dense=True, async_staging=True):
+    with tuning.override(mma_scan=True, model_rows=True, model_rows_dense=True, async_staging=True,
+                         replay_graphs=False):  # each kernel call seen by the patch, none replayed
         assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
     ran = {n.split("_cuda")[0] for n in names}  # the self-tests' kernels run once a process too
     delta = name != "simple_gla"  # factor reads (u = β k), and the model's layout where chunks are whole

@@ -1,0 +1,141 @@
+"""Graphs recorded once and replayed (``recgen.runtime.replay``): the replay gives the same arrays as the function's
+Python, under ``mx.vjp`` too (where MLX compiles nothing), runs the Python only while recording, falls back to it with
+a warning where MLX cannot record, and leaves every chunked form's outputs and gradients bit for bit as they were."""
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from recgen import chunked, specs, tuning
+from recgen.runtime import chunk_kernels as ck
+from recgen.runtime.replay import Replay
+from recgen.spec.layouts import Sizes
+from recgen.testing import kernel_inputs
+
+
+def _counting(fn):
+    calls = []
+
+    def counted(*a):
+        calls.append(1)
+        return fn(*a)
+    return counted, calls
+
+
+def _body(x, y):
+    return mx.exp(x) * y, (x @ y.T).sum(-1)
+
+
+def _body_vjp(x, y, c0, c1):
+    e = mx.exp(x)
+    return c0 * e * y + c1[:, None] * y.sum(0), c0 * e + (c1[:, None] * x).sum(0)
+
+
+def test_replay_records_once_and_gives_the_functions_arrays(rng):
+    fn, calls = _counting(_body)
+    r = Replay(fn, "body")
+    x, y = (mx.array(rng.standard_normal((3, 5)), dtype=mx.float32) for _ in range(2))
+    want = _body(x, y)
+    for _ in range(3):
+        got = r(x, y)
+        assert isinstance(got, tuple) and len(got) == 2
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert len(calls) == 1  # traced once, when recorded
+    r(mx.ones((4, 5)), mx.ones((4, 5)))  # a new signature is recorded on its own
+    assert len(calls) == 2 and len(r.graphs) == 2
+
+
+def test_a_replayed_custom_vjp_matches_autodiff_under_vjp_and_compile(rng):
+    fwd, bwd = Replay(_body, "body"), Replay(_body_vjp, "body_vjp")
+
+    @mx.custom_function
+    def f(x, y):
+        return fwd(x, y)
+
+    @f.vjp
+    def f_vjp(primals, cotangents, outputs):
+        cots = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs)]
+        return bwd(*primals, *cots)
+
+    def loss(op):
+        return lambda x, y: (op(x, y)[0] ** 2).sum() + (op(x, y)[1] ** 3).sum()
+
+    x, y = (mx.array(rng.standard_normal((4, 6)), dtype=mx.float32) for _ in range(2))
+    want = mx.grad(loss(_body), argnums=(0, 1))(x, y)
+    for grad in (mx.grad(loss(f), argnums=(0, 1)), mx.compile(mx.grad(loss(f), argnums=(0, 1)))):
+        for _ in range(2):
+            for a, b in zip(grad(x, y), want):
+                np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
+
+
+def test_inactive_replay_runs_the_python_each_call(rng):
+    fn, calls = _counting(_body)
+    r = Replay(fn, "body", active=lambda: False)
+    x = mx.array(rng.standard_normal((2, 3)), dtype=mx.float32)
+    for _ in range(3):
+        r(x, x)
+    assert len(calls) == 3 and not r.graphs
+
+
+def test_what_mlx_cannot_record_runs_as_python_with_a_warning(rng):
+    fn, calls = _counting(lambda x: (mx.contiguous(x.T) * 2,))  # MLX serializes no Contiguous
+    r = Replay(fn, "transposed")
+    x = mx.array(rng.standard_normal((3, 4)), dtype=mx.float32)
+    with pytest.warns(RuntimeWarning, match="transposed runs as Python each call.*Contiguous"):
+        got = r(x)
+    got = r(x)
+    np.testing.assert_array_equal(np.array(got[0]), 2 * np.array(x).T)
+    assert list(r.graphs.values()) == [None] and len(calls) == 3  # the failed trace, then each call
+
+
+@pytest.mark.parametrize("name,T", [("gated_delta_net", 37), ("power_retention", 21), ("gla", 9)])
+def test_chunked_forms_replayed_give_the_same_bits(name, T, rng):
+    """The chunked form with its cores replayed (the default) against their Python, forward and every gradient,
+    GQA where the spec has key heads; and the cores were replayed, not run as Python."""
+    rec = specs.BUILTINS[name]
+    Kin = 6 if name == "power_retention" else 8
+    K = Kin * (Kin + 1) // 2 if name == "power_retention" else Kin
+    sizes = Sizes(B=2, T=T, H=4, Hk=2, Kin=Kin, K=K, V=5)
+    xs, h0, do, _, scale = kernel_inputs(rec, sizes, rng)
+    names = list(xs)
+    state = list(h0) if rec.has_normalizer else [h0]
+    primals = [mx.array(x, mx.float32) for x in [*xs.values(), *state]]
+
+    def grads():
+        def f(*a):
+            init = tuple(a[len(names):]) if rec.has_normalizer else a[-1]
+            o, _ = chunked.forward(rec, dict(zip(names, a[:len(names)])), scale=scale, initial_state=init,
+                                   chunk_size=8)
+            return [o]
+        outs, gs = mx.vjp(f, primals, [mx.array(do, mx.float32)])
+        return [np.array(x) for x in (*outs, *gs)]
+
+    replays = []
+    real = Replay.__call__
+
+    def seen(self, *a):
+        replays.append(self)
+        return real(self, *a)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Replay, "__call__", seen)
+        with tuning.override(replay_graphs=True):
+            on = grads()
+    with tuning.override(replay_graphs=False):
+        off = grads()
+    assert replays and all(None not in r.graphs.values() for r in replays)
+    for a, b in zip(on, off):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_recording_kernel_calls_runs_the_python(rng):
+    """``chunk_kernels.recording`` (``recgen emit --chunked``) must see each call: replays stand aside."""
+    t = tuning.resolve("cpu", replay_graphs=True)
+    fn, calls = _counting(_body)
+    r = ck.replayed(fn, "body", t)
+    x = mx.array(rng.standard_normal((2, 3)), dtype=mx.float32)
+    with ck.recording():
+        r(x, x)
+        r(x, x)
+    assert len(calls) == 2 and not r.graphs
+    assert ck.replayed(fn, "body", tuning.resolve("cpu", replay_graphs=False)) is fn
