@@ -1,12 +1,16 @@
-"""Graphs recorded once and replayed (``recgen.runtime.replay``): the replay gives the same arrays as the function's
-Python, under ``mx.vjp`` too (where MLX compiles nothing), runs the Python only while recording, falls back to it with
-a warning where MLX cannot record, and leaves every chunked form's outputs and gradients bit for bit as they were."""
+"""Graphs recorded once and replayed (``recgen.runtime.replay``, ``recgen.runtime.pieces``): the replay gives the same
+arrays as the function's Python, under ``mx.vjp`` too (where MLX compiles nothing), runs the Python only while
+recording, falls back to it with a warning where MLX cannot record; a body of pieces and glue as one recorded forward
+and VJP matches autodiff, and every chunked form so recorded gives its Python's outputs and gradients."""
+import warnings
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from recgen import chunked, specs, tuning
 from recgen.runtime import chunk_kernels as ck
+from recgen.runtime.pieces import Piece, whole
 from recgen.runtime.replay import Replay
 from recgen.spec.layouts import Sizes
 from recgen.testing import kernel_inputs
@@ -88,44 +92,80 @@ def test_what_mlx_cannot_record_runs_as_python_with_a_warning(rng):
     assert list(r.graphs.values()) == [None] and len(calls) == 3  # the failed trace, then each call
 
 
-@pytest.mark.parametrize("name,T", [("gated_delta_net", 37), ("power_retention", 21), ("gla", 9)])
-def test_chunked_forms_replayed_give_the_same_bits(name, T, rng):
-    """The chunked form with its cores replayed (the default) against their Python, forward and every gradient,
-    GQA where the spec has key heads; and the cores were replayed, not run as Python."""
+def _square_piece():
+    """x -> (x², 2x) with a written VJP, as a chunk core is."""
+    return Piece(lambda x: (x * x, 2 * x), lambda args, outs, cots: (2 * args[0] * cots[0] + 2 * cots[1],))
+
+
+def test_a_whole_body_of_pieces_and_glue_matches_autodiff(rng):
+    """Glue, a piece, glue reading the piece's outputs and an input, a second piece on the glue's result, and an
+    input nothing reads: its gradient is zero; the others MLX's autodiff of the same math."""
+    sq, sq2 = _square_piece(), _square_piece()
+
+    def body(a, b, unused):
+        s, d = sq(mx.sin(a) * b)
+        t, _ = sq2(s + d * b)
+        return t.sum(-1), s * 3
+
+    def plain(a, b, unused):
+        x = mx.sin(a) * b
+        s, d = x * x, 2 * x
+        return ((s + d * b) ** 2).sum(-1), s * 3
+
+    run = whole(body, "toy")
+    a, b, u = (mx.array(rng.standard_normal((3, 4)), dtype=mx.float32) for _ in range(3))
+    cots = [mx.array(rng.standard_normal(shape), dtype=mx.float32) for shape in ((3,), (3, 4))]
+    want = mx.vjp(lambda *x: list(plain(*x)), [a, b, u], cots)
+    for _ in range(2):  # recorded, then replayed
+        got = mx.vjp(lambda *x: list(run(*x)), [a, b, u], cots)
+        for g, w in zip([*got[0], *got[1]], [*want[0], *want[1]]):
+            np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-5, atol=1e-6)
+    assert not np.array(got[1][2]).any()
+
+
+@pytest.mark.parametrize("name,T", [("gated_delta_net", 37), ("power_retention", 21), ("gla", 9), ("kda", 19),
+                                    ("rwkv7", 13), ("delta_net", 16)])
+def test_chunked_forms_replayed_give_their_pythons_arrays(name, T, rng):
+    """The chunked form as one recorded forward and one recorded VJP (``pieces.whole``) against its Python: the
+    output, both states' gradients and every input's, GQA where the spec has key heads, cotangents on the final
+    state too; recorded without falling back (a fallback warns, which fails here), replayed alike."""
     rec = specs.BUILTINS[name]
     Kin = 6 if name == "power_retention" else 8
     K = Kin * (Kin + 1) // 2 if name == "power_retention" else Kin
-    sizes = Sizes(B=2, T=T, H=4, Hk=2, Kin=Kin, K=K, V=5)
-    xs, h0, do, _, scale = kernel_inputs(rec, sizes, rng)
+    sizes = Sizes(B=2, T=T, H=4, Hk=2 if rec.gqa else 4, Kin=Kin, K=K, V=5)
+    xs, h0, do, dht, scale = kernel_inputs(rec, sizes, rng)
     names = list(xs)
     state = list(h0) if rec.has_normalizer else [h0]
+    cots = [do, *(dht if rec.has_normalizer else [dht])]
     primals = [mx.array(x, mx.float32) for x in [*xs.values(), *state]]
 
     def grads():
         def f(*a):
             init = tuple(a[len(names):]) if rec.has_normalizer else a[-1]
-            o, _ = chunked.forward(rec, dict(zip(names, a[:len(names)])), scale=scale, initial_state=init,
-                                   chunk_size=8)
-            return [o]
-        outs, gs = mx.vjp(f, primals, [mx.array(do, mx.float32)])
+            o, st = chunked.forward(rec, dict(zip(names, a[:len(names)])), scale=scale, initial_state=init,
+                                    chunk_size=8)
+            return [o, *(st if rec.has_normalizer else [st])]
+        outs, gs = mx.vjp(f, primals, [mx.array(c, mx.float32) for c in cots])
         return [np.array(x) for x in (*outs, *gs)]
 
-    replays = []
-    real = Replay.__call__
+    recorded = []
+    real = Replay._record
 
-    def seen(self, *a):
-        replays.append(self)
-        return real(self, *a)
+    def note(self, arrays):
+        recorded.append(self.name)
+        return real(self, arrays)
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Replay, "__call__", seen)
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        mp.setattr(Replay, "_record", note)
         with tuning.override(replay_graphs=True):
-            on = grads()
+            on, again = grads(), grads()
     with tuning.override(replay_graphs=False):
         off = grads()
-    assert replays and all(None not in r.graphs.values() for r in replays)
-    for a, b in zip(on, off):
+    assert any(n.endswith("_whole") for n in recorded) and any(n.endswith("_whole_vjp") for n in recorded)
+    for a, b, c in zip(on, again, off):
         np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(c).max())))
 
 
 def test_recording_kernel_calls_runs_the_python(rng):

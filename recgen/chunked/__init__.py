@@ -51,6 +51,7 @@ from ..spec.analysis import analyze
 from ..spec.layouts import InputError, check_state, infer_sizes
 from ..codegen.chunk_sources import decayed_scores_layout, pair_supported, sympow_supported
 from ..runtime import chunk_kernels as ck
+from ..runtime import pieces
 from ..runtime.probe import checked_for
 from ..tuning import Tuning
 from . import core, feature_rows, features, parallel, rank1
@@ -336,7 +337,7 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     T, t = _roles(tun, p, names, scale, sizes, S, arrays, roles=("w", "logdecay"))
     # [B, H, T, d] made row-major once, in the inputs' type, before the cast (which keeps a transposed view's
     # strides): every kernel reading the chunks would otherwise copy the view again (eight copies a training step)
-    q, k = (mx.contiguous(expand_heads(chunk[nm], sizes.H, p.rec.gqa, 2).transpose(0, 2, 1, 3)).astype(S.dtype)
+    q, k = (core.row_major(expand_heads(chunk[nm], sizes.H, p.rec.gqa, 2).transpose(0, 2, 1, 3)).astype(S.dtype)
             for nm in (fi.q, fi.k))
     d = q.shape[-1]
     W, state = t["w"], S
@@ -458,11 +459,13 @@ def _stepwise(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
 
 
 @lru_cache(maxsize=64)
-def _body(body, rec, names, scale, sizes, has_z, C, out_dtype, tun: Tuning, compile: bool):
+def _body(body, rec, names, scale, sizes, has_z, C, out_dtype, tun: Tuning, compile: bool, whole: bool = False):
     """``body`` bound to one spec and shape, its output cast to ``out_dtype``. With ``compile`` the
     whole stretch (input casts, layout copies, role math, the chunk core, the readout, the output
     cast) is one ``mx.compile``d graph, so the elementwise work around the core fuses into few
-    kernels (on GPUs each MLX launch costs ~16 µs and a pass over HBM). Cached: a call must not
+    kernels (on GPUs each MLX launch costs ~16 µs and a pass over HBM). ``whole`` (a body of pieces and recordable
+    glue), where the tuning replays graphs: the stretch as one custom function whose forward and VJP are each one
+    recorded graph (``pieces.whole``), so no eager training call runs its Python. Cached: a call must not
     retrace; keyed on the tuning, whose choices a trace bakes in."""
     bound = partial(body, tun, plan(rec, tun.pow2_exp), names, scale, sizes, has_z, C, out_dtype)
 
@@ -470,6 +473,8 @@ def _body(body, rec, names, scale, sizes, has_z, C, out_dtype, tun: Tuning, comp
         outs = bound(*arrays)
         return (outs[0].astype(out_dtype), *outs[1:])
 
+    if whole and tun.replay_graphs:
+        fn = pieces.whole(fn, body.__name__.strip("_"), lambda: ck.replaying(tun))
     return mx.compile(fn) if compile else fn
 
 
@@ -559,8 +564,9 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
                        tun.feature_chunk_size if identity else tun.chunk_size)
     C = pow2_ceil(min(C, T))  # speed and memory only, not the result
     if identity:  # one tile of the expanded space at a time
-        fn = _body(_features, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)
         rows = feature_rows.rows_for(tun, sizes.Kin, dtype, C, sizes.V + has_z, p.feature_identity.degree)
+        fn = _body(_features, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile,
+                   rows.recordable)
         per_token = features.workset_per_token(rows, sizes.B * sizes.H, sizes.Kin, sizes.V + has_z, C)
         seg = max(1, segment_budget(tun) // (per_token * C)) * C
     elif p.decay_class == "full":  # O(T·K·V) working set: the segment budget sets the stretch
@@ -570,7 +576,7 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
         seg = max(1, segment_budget(tun) // per_token)
     else:
         body = _fast if p.parallel_core else _general
-        fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)
+        fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile, True)
         per_token = 4 * sizes.B * sizes.H * (sizes.K + sizes.V + C) * WORKSET_FACTOR[p.decay_class]
         seg = max(1, segment_budget(tun) // (per_token * C)) * C
     if seg >= T:

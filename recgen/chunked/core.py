@@ -35,6 +35,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
+from ..runtime.pieces import Piece
+
 
 LOG2E = 1.4426950408889634
 
@@ -248,18 +250,19 @@ def scan_full(S, r, u, w, ld, pow2: bool = False):
     return _scan_full(pow2)(S, r, u, w, ld)[:2]
 
 
-@mx.custom_function
-def split_last(x):
-    """(x[..., :-1], x[..., -1]): a normalizer's column riding along the values, split off again. Its VJP joins the
-    two cotangents by one concatenation; MLX's own would fill a zero array of x's shape for each slice, write the
-    slice's cotangent into it and add the two (five launches over x, every eager training step)."""
+def _split_last(x):
     return x[..., :-1], x[..., -1]
 
 
-@split_last.vjp
-def _split_last_vjp(primals, cotangents, outputs):
-    a, b = (mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs))
+def _split_last_vjp(args, outs, cots):
+    a, b = cots
     return (mx.concatenate([a, b[..., None].astype(a.dtype)], axis=-1),)
+
+
+split_last = Piece(_split_last, _split_last_vjp, name="split_last")
+split_last.__doc__ = """(x[..., :-1], x[..., -1]): a normalizer's column riding along the values, split off again.
+Its VJP joins the two cotangents by one concatenation; MLX's own would fill a zero array of x's shape for each
+slice, write the slice's cotangent into it and add the two (five launches over x, every eager training step)."""
 
 
 # -- chunk-parallel forms (all chunks at once; only the state scan is sequential) -------------------

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..codegen.chunk_sources import feature_decode_supported
 from ..runtime import chunk_kernels as ck
+from ..runtime.pieces import Piece
 from ..tuning import Tuning
 from .core import exp
 from .feature_rows import TileRows, feature_tiles
@@ -192,19 +193,12 @@ def inter_fn(rows, gram_slices: int = 1, mix: Tuning | None = None, keep: bool =
             after = [dq, dk, dWb]
         return dq, dk, dWb, dLL, dS0[0] if len(dS0) == 1 else mx.concatenate(dS0, axis=-2)
 
+    def vjp(args, outs, cots):
+        return backward(*args, cots[0], cots[1], *outs[2:])
+
     if replay is not None:
-        forward, backward = ck.replayed(forward, "inter", replay), ck.replayed(backward, "inter_vjp", replay)
-
-    @mx.custom_function
-    def inter(q, k, Wb, LL, S0):
-        return forward(q, k, Wb, LL, S0)
-
-    @inter.vjp
-    def inter_vjp(primals, cotangents, outputs):
-        dZ, dS_end = (mx.zeros_like(o) if c is None else c for c, o in zip(cotangents[:2], outputs[:2]))
-        return backward(*primals, dZ, dS_end, *outputs[2:])
-
-    return inter
+        return ck.piece(forward, vjp, "inter", replay)
+    return Piece(forward, vjp, name="inter")
 
 
 def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None, degree: int = 2, scores=None,

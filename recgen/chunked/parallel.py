@@ -42,6 +42,7 @@ import mlx.core as mx
 
 from ..codegen.chunk_sources import inverse_supported, pair_supported
 from ..runtime import chunk_kernels as ck
+from ..runtime.pieces import Piece
 from ..tuning import Tuning
 from .core import (add_half, decay_levels, exp, half, offdiag_blocks, p_before, pair_levels, row_major, tr,
                    unit_lower_inv)
@@ -736,22 +737,13 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
 
 
 def with_vjp(fwd, bwd, t: Tuning):
-    """A chunk core as an ``mx.custom_function``: ``fwd(*args)`` returns (y, S_end, *residuals); its VJP is
+    """A chunk core as a ``pieces.Piece``: ``fwd(*args)`` returns (y, S_end, *residuals); its VJP is
     ``bwd(*args, *residuals, dy, dS_end)``, the two cotangents zeros where none came. Both are recorded and replayed
-    where the tuning replays graphs (``ck.replayed``: under ``mx.vjp``, where ``mx.compile`` would trace nothing),
+    where the tuning replays graphs (``ck.piece``: under ``mx.vjp``, where ``mx.compile`` would trace nothing),
     else traced once by ``mx.compile`` where it compiles (``Tuning.compile``)."""
+    def vjp(args, outs, cots):
+        return bwd(*args, *outs[2:], cots[0], cots[1])
+
     if t.replay_graphs:
-        fwd, bwd = ck.replayed(fwd, "core", t), ck.replayed(bwd, "core_vjp", t)
-    elif t.compile:
-        fwd, bwd = mx.compile(fwd), mx.compile(bwd)
-
-    @mx.custom_function
-    def core(*args):
-        return fwd(*args)
-
-    @core.vjp
-    def core_vjp(primals, cotangents, outputs):
-        dy, dS_end = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents[:2], outputs[:2])]
-        return bwd(*primals, *outputs[2:], dy, dS_end)
-
-    return core
+        return ck.piece(fwd, vjp, "core", t)
+    return Piece(fwd, vjp, (lambda f, name: mx.compile(f)) if t.compile else (lambda f, name: f), "core")

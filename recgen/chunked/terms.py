@@ -176,7 +176,7 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
     def row_major(a, x):
         if x.symbol not in bare:
             return a
-        a = mx.contiguous(a)
+        a = a.reshape(-1).reshape(a.shape)  # row-major where a view is not (``core.row_major``: recordable)
         if raw is not None:
             raw[x.symbol] = a
         return a

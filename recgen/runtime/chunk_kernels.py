@@ -29,6 +29,7 @@ from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
 from ..spec.features import sympow_pairs
 from ..tuning import Tuning
 from .launch import Launch, dtype_name, mlx_call
+from .pieces import Piece
 from .replay import Replay
 
 
@@ -458,12 +459,23 @@ def _call(t: Tuning, launch: Launch, user: list):
     return mlx_call(launch, get(t.dialect), user, [], t.debug, t.kernel_cache)
 
 
+def replaying(t: Tuning) -> bool:
+    """Whether recorded graphs replay now (``Tuning.replay_graphs``): not while kernel calls are recorded
+    (``recording``: each call must be seen), nor in the debug mode (which prints each kernel as it is built)."""
+    return t.replay_graphs and not t.debug and _recording.get() is None
+
+
 def replayed(fn, name: str, t: Tuning):
-    """``fn`` as a ``replay.Replay`` where the tuning replays graphs (``Tuning.replay_graphs``), else itself. It runs
-    as Python while kernel calls are recorded (``recording``: each call must be seen) or in the debug mode."""
+    """``fn`` as a ``replay.Replay`` where the tuning replays graphs (``Tuning.replay_graphs``), else itself; it runs
+    as Python where ``replaying`` says no."""
     if not t.replay_graphs:
         return fn
-    return Replay(fn, name, lambda: not t.debug and _recording.get() is None)
+    return Replay(fn, name, lambda: replaying(t))
+
+
+def piece(fwd, vjp, name: str, t: Tuning) -> Piece:
+    """A ``pieces.Piece`` of ``fwd`` and ``vjp``, both ``replayed`` where the tuning replays graphs."""
+    return Piece(fwd, vjp, lambda f, n: replayed(f, n, t), name)
 
 
 def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = (), pq: bool = True):
@@ -891,19 +903,7 @@ def decay_factors_fn(t: Tuning):
                        dLL.reshape(N, n + 1, n + 1).astype(mx.float32)])
         return (dl.reshape(l.shape).astype(l.dtype),)
 
-    forward, backward = replayed(forward, "factors", t), replayed(backward, "factors_vjp", t)
-
-    @mx.custom_function
-    def factors(l):
-        return forward(l)
-
-    @factors.vjp
-    def factors_vjp(primals, cotangents, outputs):
-        l = primals[0] if isinstance(primals, (list, tuple)) else primals
-        cots = [mx.zeros_like(o) if c is None else c for c, o in zip(cotangents, outputs)]
-        return backward(l, *outputs, *cots)
-
-    return factors
+    return piece(forward, lambda args, outs, cots: backward(*args, *outs, *cots), "factors", t)
 
 
 def feature_decode(q, k, w, decay, S, z, t: Tuning):
@@ -940,18 +940,8 @@ def decayed_scores_fn(t: Tuning, power: int):
                           [user[0], dA.reshape(-1, C, C).astype(mx.float32), user[1]])
         return dP.reshape(P.shape).astype(P.dtype), parts.sum(1).reshape(l.shape).astype(l.dtype)
 
-    forward, backward = replayed(forward, "scores", t), replayed(backward, "scores_vjp", t)
-
-    @mx.custom_function
-    def scores(P, l):
-        return forward(P, l)[0]
-
-    @scores.vjp
-    def scores_vjp(primals, cotangents, outputs):
-        dA = cotangents[0] if isinstance(cotangents, (list, tuple)) else cotangents
-        return backward(*primals, dA)
-
-    return scores
+    scores = piece(forward, lambda args, outs, cots: backward(*args, cots[0]), "scores", t)
+    return lambda P, l: scores(P, l)[0]
 
 
 @lru_cache(maxsize=16)
