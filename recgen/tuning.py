@@ -85,10 +85,11 @@ class Tuning:
     #                                 grow with it: 63 a thread at 16, 108 at 32, ptxas for sm_90)
     gpu_forms: bool = False         # few large ops (the scan over chunks as one matmul, full-block inverses)
     compile: bool = False           # mx.compile the chunked stretch and core (fuses elementwise work)
-    replay_graphs: bool = False     # chunk cores (forward, VJP) recorded once per signature and replayed under
-    #                                 mx.vjp, where MLX compiles nothing, not built again by their Python each call
-    #                                 (``runtime.replay``). A replayed graph does not vmap (MLX's rules misread some
-    #                                 recorded nodes); neither does a chunk kernel, so it is on where they run
+    replay_graphs: bool = False     # the chunked form (its forward and VJP, or its cores') recorded once per
+    #                                 signature and replayed under mx.vjp, where MLX compiles nothing, not built again
+    #                                 by its Python each call (``runtime.replay``, ``runtime.pieces``). A replayed graph
+    #                                 does not vmap (MLX's rules misread some recorded nodes); neither does a chunk
+    #                                 kernel, so it is on where they run
     inverse_base: int = 1           # block size from which the triangular inverse climbs by block levels
     pow2_exp: bool = False          # e^x as 2^(x log2 e): MLX's CPU exp is 2-3x slower than its power
     copy_transposes: bool = False   # materialise a matmul's transposed right operand (the reference BLAS)
