@@ -148,6 +148,27 @@ def test_a_whole_body_of_pieces_and_glue_matches_autodiff(rng):
     assert not np.array(got[1][2]).any()
 
 
+def test_a_whole_body_handing_one_array_to_a_piece_twice_sums_both_cotangents(rng):
+    """The same array as two arguments of a piece, and as an argument and an output: every cotangent counts."""
+    prod = Piece(lambda x, y: (x * y,), lambda args, outs, cots: (cots[0] * args[1], cots[0] * args[0]))
+
+    def body(a):
+        b = mx.sin(a)
+        return prod(b, b)[0], b
+
+    def plain(a):
+        b = mx.sin(a)
+        return b * b, b
+
+    run = whole(body, "twice")
+    a = mx.array(rng.standard_normal((5,)), dtype=mx.float32)
+    cots = [mx.array(rng.standard_normal((5,)), dtype=mx.float32) for _ in range(2)]
+    want = mx.vjp(lambda x: list(plain(x)), [a], cots)[1][0]
+    for _ in range(2):
+        got = mx.vjp(lambda x: list(run(x)), [a], cots)[1][0]
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name,T", [("gated_delta_net", 37), ("power_retention", 21), ("gla", 9), ("kda", 19),
                                     ("rwkv7", 13), ("delta_net", 16)])
 def test_chunked_forms_replayed_give_their_pythons_arrays(name, T, rng):

@@ -99,36 +99,24 @@ class Piece:
 
 
 def _reach(fn, args) -> list:
-    """For each output of the plain function ``fn``, the indices of ``args`` its graph reads (MLX's export of
-    the graph through a callback, walked back from each output)."""
+    """For each output of the plain function ``fn``, the indices of ``args`` its graph reads: MLX's export of the
+    graph through a callback hands its nodes over in the order they run, so one pass gathers each node's sources."""
     import mlx.core as mx
 
-    nodes, names, outs = {}, [], []
+    sources: dict = {}
+    outs: list = []
 
     def note(event):
-        kind = event["type"]
-        if kind == "inputs":
-            names.extend(n for n, *_ in event["inputs"])
-        elif kind == "outputs":
+        if event["type"] == "inputs":
+            sources.update((n, frozenset([i])) for i, (n, *_) in enumerate(event["inputs"]))
+        elif event["type"] == "outputs":
             outs.extend(n for n, *_ in event["outputs"])
-        elif kind == "primitive":
-            for n, *_ in event["outputs"]:
-                nodes[n] = [i for i, *_ in event["inputs"]]
+        elif event["type"] == "primitive":
+            read = frozenset().union(*(sources.get(n, frozenset()) for n, *_ in event["inputs"]))
+            sources.update((n, read) for n, *_ in event["outputs"])
 
     mx.export_function(note, fn, *args)
-    index = {n: i for i, n in enumerate(names)}
-    found: dict = {}
-
-    def sources(n):
-        if n not in found:
-            found[n] = set()  # a graph has no cycles; this only stops repeats
-            got = {index[n]} if n in index else set()
-            for m in nodes.get(n, ()):
-                got |= sources(m)
-            found[n] = got
-        return found[n]
-
-    return [sorted(sources(n)) for n in outs]
+    return [sorted(sources.get(n, ())) for n in outs]
 
 
 def whole(fn, name: str, active=lambda: True):
@@ -195,7 +183,10 @@ def whole(fn, name: str, active=lambda: True):
                 for i, s in zip(wrt, sub):
                     xs[i] = s
                 got = glue(*xs)
-                return [got[r] for r, _ in used]
+                # each a node of its own (an addition of 0, never run: its VJP passes the cotangent through): MLX's
+                # vjp keeps one cotangent an array, so an array handed out twice (one input as two arguments) would
+                # lose all but one
+                return [got[r] + 0 for r, _ in used]
 
             for i, g in zip(wrt, mx.vjp(part, [primals[i] for i in wrt], [c for _, c in used])[1]):
                 grads[i] = g if grads[i] is None else grads[i] + g
