@@ -251,18 +251,18 @@ def scan_full(S, r, u, w, ld, pow2: bool = False):
 
 
 def _split_last(x):
+    """(x[..., :-1], x[..., -1]): a normalizer's column riding along the values, split off again (``split_last``)."""
     return x[..., :-1], x[..., -1]
 
 
 def _split_last_vjp(args, outs, cots):
+    """The two cotangents joined by one concatenation: MLX's own VJP of the slices would fill a zero array of x's
+    shape for each, write its cotangent into it and add the two (five launches over x, every eager training step)."""
     a, b = cots
     return (mx.concatenate([a, b[..., None].astype(a.dtype)], axis=-1),)
 
 
 split_last = Piece(_split_last, _split_last_vjp, name="split_last")
-split_last.__doc__ = """(x[..., :-1], x[..., -1]): a normalizer's column riding along the values, split off again.
-Its VJP joins the two cotangents by one concatenation; MLX's own would fill a zero array of x's shape for each
-slice, write the slice's cotangent into it and add the two (five launches over x, every eager training step)."""
 
 
 # -- chunk-parallel forms (all chunks at once; only the state scan is sequential) -------------------

@@ -159,7 +159,8 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
     feature map as (x [B,C,Hk,D], H, gqa) -> φ [B,H,C,F] (default: ``sympow_mx``, heads expanded, transposed; the
     chunk kernels' ``chunk_kernels.sympow_fn``, which writes that layout itself); other degrees take ``sympow_mx``;
     ``features=False`` binds none."""
-    mx = _mx()
+    from .core import row_major as as_row_major  # recordable by ``runtime.replay`` (no ``Contiguous``)
+
     rec = p.rec
     vals = {}
     cast = (lambda a: a.astype(dtype)) if dtype is not None else (lambda a: a)
@@ -176,7 +177,7 @@ def bind(p: Plan, chunk: dict, H: int, dtype=None, raw: dict | None = None, symp
     def row_major(a, x):
         if x.symbol not in bare:
             return a
-        a = a.reshape(-1).reshape(a.shape)  # row-major where a view is not (``core.row_major``: recordable)
+        a = as_row_major(a)
         if raw is not None:
             raw[x.symbol] = a
         return a

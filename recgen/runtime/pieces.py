@@ -26,7 +26,7 @@ import contextlib
 import contextvars
 from dataclasses import dataclass, field
 
-from .replay import Replay
+from .replay import Replay, signature
 
 _mode: contextvars.ContextVar = contextvars.ContextVar("recgen_piece_mode", default=None)
 
@@ -125,26 +125,26 @@ def whole(fn, name: str, active=lambda: True):
     ``Replay``'s. Returns a function of the arrays that gives ``fn``'s outputs."""
     import mlx.core as mx
 
-    shapes: dict = {}  # input signature -> (number of outputs, the pieces in call order with their arities)
+    shapes: dict = {}  # input signature -> the pieces in call order, each with its numbers of arguments and outputs
+    n_out = []         # fn's number of outputs (one body: the same at every signature), set by its first run
 
-    def structure(arrays):
-        key = tuple((tuple(a.shape), a.dtype) for a in arrays)
-        if key not in shapes:
-            with _in(_Taped()) as m:
-                outs = tuple(fn(*arrays))
-            shapes[key] = (len(outs), [(p, len(a), len(o)) for p, a, o in m.tape])
-        return shapes[key]
-
-    def forward(*arrays):
+    def taped(arrays):
+        """fn run with its pieces taped: (its outputs, the tape), the signature's pieces noted."""
         with _in(_Taped()) as m:
             outs = tuple(fn(*arrays))
-        shapes[tuple((tuple(a.shape), a.dtype) for a in arrays)] = (len(outs),
-                                                                    [(p, len(a), len(o)) for p, a, o in m.tape])
-        return outs + tuple(x for _, a, o in m.tape for x in (*a, *o))
+        shapes[signature(arrays)] = [(p, len(a), len(o)) for p, a, o in m.tape]
+        n_out[:] = [len(outs)]
+        return outs, m.tape
+
+    def forward(*arrays):
+        outs, tape = taped(arrays)
+        return outs + tuple(x for _, a, o in tape for x in (*a, *o))
 
     def backward(na: int, *flat):
         arrays = flat[:na]
-        n_out, pieces = structure(arrays)
+        if signature(arrays) not in shapes:  # the forward was recorded at another signature
+            taped(arrays)
+        pieces = shapes[signature(arrays)]
         saved, k = [], na
         for _, n_args, n_outs in pieces:
             saved.append((flat[k:k + n_args], flat[k + n_args:k + n_args + n_outs]))
@@ -154,7 +154,7 @@ def whole(fn, name: str, active=lambda: True):
         at = [0]  # where each piece's outputs start among the glue's primals, after the arrays
         for o in given:
             at.append(at[-1] + len(o))
-        rows = [n_out]  # where each piece's arguments start among the glue's outputs, after fn's
+        rows = [n_out[0]]  # where each piece's arguments start among the glue's outputs, after fn's
         for a, _ in saved:
             rows.append(rows[-1] + len(a))
         primals = [*arrays, *(x for o in given for x in o)]
@@ -191,7 +191,7 @@ def whole(fn, name: str, active=lambda: True):
             for i, g in zip(wrt, mx.vjp(part, [primals[i] for i in wrt], [c for _, c in used])[1]):
                 grads[i] = g if grads[i] is None else grads[i] + g
 
-        back(range(n_out), cots)
+        back(range(n_out[0]), cots)
         for j in reversed(range(len(pieces))):
             args, outs = saved[j]
             out_cots = [grads[na + at[j] + i] for i in range(len(outs))]
@@ -210,14 +210,14 @@ def whole(fn, name: str, active=lambda: True):
     @call.vjp
     def call_vjp(primals, cotangents, outputs):
         primals, outputs = _as_tuple(primals), _as_tuple(outputs)
-        na, n_out = len(primals), structure(primals)[0]
-        cots = tuple(mx.zeros_like(o) if c is None else c for c, o in zip(_as_tuple(cotangents)[:n_out], outputs))
+        na, no = len(primals), n_out[0]
+        cots = tuple(mx.zeros_like(o) if c is None else c for c, o in zip(_as_tuple(cotangents)[:no], outputs))
         if na not in bwd_replays:
             bwd_replays[na] = Replay(lambda *flat: backward(na, *flat), f"{name}_whole_vjp", active)
-        grads = bwd_replays[na](*primals, *outputs[n_out:], *cots)
+        grads = bwd_replays[na](*primals, *outputs[no:], *cots)
         return grads if len(grads) > 1 else grads[0]
 
     def run(*arrays):
-        return _as_tuple(call(*arrays))[:structure(arrays)[0]]
+        return _as_tuple(call(*arrays))[:n_out[0]]  # the rest: the pieces' arguments and outputs, for the VJP
 
     return run

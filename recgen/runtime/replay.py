@@ -17,6 +17,7 @@ Python, as before, with one warning.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import shutil
@@ -38,6 +39,11 @@ def _records_dir() -> str:
         return _directory
 
 
+def signature(arrays) -> tuple:
+    """The shapes and dtypes of ``arrays``: what one recorded graph is specific to."""
+    return tuple((tuple(a.shape), a.dtype) for a in arrays)
+
+
 class Replay:
     """``fn(*arrays) -> tuple of arrays``, recorded per input signature and replayed; ``active()`` (called each
     time) says whether to replay now, else ``fn`` runs as Python (a recording of kernel calls, a debug mode)."""
@@ -49,7 +55,7 @@ class Replay:
     def __call__(self, *arrays):
         if not self.active():
             return tuple(self.fn(*arrays))
-        key = tuple((tuple(a.shape), a.dtype) for a in arrays)
+        key = signature(arrays)
         graph = self.graphs.get(key, False)
         if graph is False:
             graph = self.graphs[key] = self._record(arrays)
@@ -67,6 +73,5 @@ class Replay:
                           RuntimeWarning, stacklevel=3)
             return None
         finally:
-            with _lock:
-                if os.path.exists(path):
-                    os.remove(path)  # the imported function holds the graph; the file is not read again
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)  # the imported function holds the graph; the file is not read again
