@@ -25,6 +25,7 @@ from .hashing import hash_once
 
 BACKENDS = ("metal", "cuda", "mlx")
 BACKWARDS = ("recurrent", "chunked")
+FEATURE_ATTENTION = ("wide", "always", "never")
 KERNEL_CACHE_DIR = "~/.cache/recgen/kernels"  # CUDA's default; RECGEN_KERNEL_CACHE=1 names it too
 
 
@@ -48,6 +49,10 @@ class Tuning:
     key_chunk_size: int = 16        # ... for key-vector decays
     feature_identity: bool = True   # a feature map's chunked form through its kernel identity (``chunked.features``)
     feature_chunk_size: int = 64    # ... its chunk length (entry states are the expanded space: fewer, longer chunks)
+    feature_attention: str = "wide"  # ... as attention, no expanded state (``features.attention_form``: quadratic in T,
+    #                                 from a zero initial state, where its [T, T] arrays fit the segment budget):
+    #                                 "wide" where φ's rows have no kernels (degrees 3, 4: 766 480 rows at d = 64,
+    #                                 p = 4) and it takes fewer multiply-adds; "always"; "never"
     feature_decode: bool = False    # ... its decode step (T = 1) on the generated kernel split over K
     feature_kernels: bool = False   # ... its products over φ's rows as fragment kernels forming φ as read (half the
     #                                 memory of MLX's products over formed rows, a faster forward, training alike)
@@ -151,6 +156,10 @@ class Tuning:
 
     __hash__ = hash_once  # every op call's caches key on the tuning
 
+    def __post_init__(self):
+        if self.feature_attention not in FEATURE_ATTENTION:
+            raise InputError(f"tuning: feature_attention={self.feature_attention!r}: expected one of {FEATURE_ATTENTION}")
+
 
 DEVICE_DEFAULTS = {
     # On the CPU flops dominate (reference BLAS): loops, small chunks, block inverses, the cheap exp.
@@ -252,6 +261,7 @@ ENVIRONMENT = {
     "RECGEN_INVERSE_BASE": ("inverse_base", int),
     "RECGEN_FEATURE_IDENTITY": ("feature_identity", _flag),
     "RECGEN_FEATURE_CHUNK": ("feature_chunk_size", int),
+    "RECGEN_FEATURE_ATTENTION": ("feature_attention", _choice("RECGEN_FEATURE_ATTENTION", FEATURE_ATTENTION)),
     "RECGEN_FEATURE_DECODE": ("feature_decode", _flag),
     "RECGEN_FEATURE_KERNELS": ("feature_kernels", _flag),
     "RECGEN_DECAYED_SCORES": ("decayed_scores", _flag),

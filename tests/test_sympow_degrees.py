@@ -57,7 +57,7 @@ def test_degree4_reference_matches_the_attention_form(rng):
 
 def test_degree4_chunked_form_matches_the_reference(rng):
     rec = power_retention4
-    assert analyze(rec).feature_identity.degree == 4  # the kernel identity's form, φ's rows by MLX gathers
+    assert analyze(rec).feature_identity.degree == 4  # the kernel identity's forms (φ's rows by MLX gathers)
     xs = _inputs(rng)
     do, dS, dz = rng.standard_normal((2, 9, 2, 4)), rng.standard_normal((2, 2, 15, 4)), rng.standard_normal((2, 2, 15))
     names = list(xs)
@@ -69,13 +69,14 @@ def test_degree4_chunked_form_matches_the_reference(rng):
     f64 = lambda a: mx.array(a, dtype=mx.float64)  # noqa: E731
     o_r, s_r = reference.run(rec, scale=0.7, **xs)
     g_r = reference.grad(rec, do=do, dht=(dS, dz), scale=0.7, **xs)
-    for identity in (True, False):  # the identity's form, and the general one
-        with tuning.override(feature_identity=identity):
+    forms = ((True, "never"), (True, "always"), (False, "never"))  # the identity's: expanded, attention; the general
+    for identity, attention in forms:
+        with tuning.override(feature_identity=identity, feature_attention=attention):
             got, grads = mx.vjp(f, [f64(xs[n]) for n in names], [f64(do), f64(dS), f64(dz)])
         for a, b in zip(got, (o_r, *s_r)):
             assert rel_err(np.array(a), b) <= 1e-10
         for n, g in zip(names, grads):
-            assert rel_err(np.array(g), g_r[n]) <= 1e-10, (identity, n)
+            assert rel_err(np.array(g), g_r[n]) <= 1e-10, (identity, attention, n)
 
 
 def test_other_degrees_are_rejected_when_declared():

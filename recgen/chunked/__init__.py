@@ -48,6 +48,7 @@ import mlx.core as mx
 
 from ..spec import ir
 from ..spec.analysis import analyze
+from ..spec.features import sympow_width
 from ..spec.layouts import InputError, check_state, infer_sizes
 from ..codegen.chunk_sources import decayed_scores_layout, pair_supported, sympow_supported
 from ..runtime import chunk_kernels as ck
@@ -333,23 +334,13 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     z = rest[0] if has_z else None
     arrays = rest[1:] if has_z else rest
     fi = p.analysis.feature_identity
-    chunk = dict(zip(names, arrays))
-    T, t = _roles(tun, p, names, scale, sizes, S, arrays, roles=("w", "logdecay"))
-    # [B, H, T, d] made row-major once, in the inputs' type, before the cast (which keeps a transposed view's
-    # strides): every kernel reading the chunks would otherwise copy the view again (eight copies a training step)
-    q, k = (core.row_major(expand_heads(chunk[nm], sizes.H, p.rec.gqa, 2).transpose(0, 2, 1, 3)).astype(S.dtype)
-            for nm in (fi.q, fi.k))
-    d = q.shape[-1]
-    W, state = t["w"], S
-    if has_z:
-        W = mx.concatenate([W, mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)], axis=-1)
-        state = mx.concatenate([S, z[..., None]], axis=-1)
+    q, k, W, gam, t = _feature_operands(tun, p, names, scale, sizes, has_z, S, arrays)
+    T, d = q.shape[2], q.shape[-1]
+    state = mx.concatenate([S, z[..., None]], axis=-1) if has_z else S
     c = fi.constant(scale)
     rows = feature_rows.rows_for(tun, d, S.dtype, C, W.shape[-1], fi.degree)  # as ``forward`` chose them
-    scores = (ck.decayed_scores_fn(tun, fi.degree) if tun.chunk_kernels and tun.decayed_scores
-              and decayed_scores_layout(tun.dialect, C, tun.scores_rows) else None)
-    factors = ck.decay_factors_fn(tun) if ck.factors_on_kernels(tun, -(-T // C)) else None
-    Y, S_end = features.chunk_form(q, k, W, t["logdecay"], rows.to_rows(state), c, C, tun.pow2_exp, rows, fi.degree,
+    scores, factors = _feature_kernels(tun, fi.degree, C, T)
+    Y, S_end = features.chunk_form(q, k, W, gam, rows.to_rows(state), c, C, tun.pow2_exp, rows, fi.degree,
                                    scores, tun.gram_slices, tun if tun.feature_mix else None,
                                    tun.feature_keep_states and rows.count == 1, factors,
                                    tun if tun.replay_graphs else None)  # tiles bound memory
@@ -358,6 +349,48 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         return _readout(p, p.rec, t, Y, None), S_end
     (y, nz), (S_end, z_end) = core.split_last(Y), core.split_last(S_end)
     return _readout(p, p.rec, t, y, nz), S_end, z_end
+
+
+def _feature_attention(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
+    """A feature-map spec from a zero initial state as attention (``features.attention_form``): no expanded state but
+    the final one, a graph of its own (``features.final_state``), so a caller who never reads it never forms it."""
+    arrays = rest[1:] if has_z else rest
+    fi = p.analysis.feature_identity
+    q, k, W, gam, t = _feature_operands(tun, p, names, scale, sizes, has_z, S, arrays)
+    T = q.shape[2]
+    scores, factors = _feature_kernels(tun, fi.degree, C, T)
+    Y = features.attention_form(q, k, W, gam, fi.constant(scale), C, tun.pow2_exp, fi.degree, scores, factors,
+                                tun if tun.replay_graphs else None)
+    rows = feature_rows.rows_for(tun, q.shape[-1], S.dtype, C, W.shape[-1], fi.degree)
+    S_end = rows.from_rows(features.final_state(k, W, gam, rows, C, tun.pow2_exp))
+    if not has_z:
+        return _readout(p, p.rec, t, Y, None), S_end
+    (y, nz), (S_end, z_end) = core.split_last(Y), core.split_last(S_end)
+    return _readout(p, p.rec, t, y, nz), S_end, z_end
+
+
+def _feature_kernels(tun, degree: int, C: int, T: int):
+    """(the in-chunk scores, the decay factors) as functions on the generated kernels where the tuning runs them,
+    else None each (MLX ops)."""
+    scores = (ck.decayed_scores_fn(tun, degree) if tun.chunk_kernels and tun.decayed_scores
+              and decayed_scores_layout(tun.dialect, C, tun.scores_rows) else None)
+    return scores, ck.decay_factors_fn(tun) if ck.factors_on_kernels(tun, -(-T // C)) else None
+
+
+def _feature_operands(tun, p, names, scale, sizes, has_z, S, arrays):
+    """(q, k [B,H,T,d], W [B,H,T,V'], the log-decays [B,H,T], the roles) of a feature-map spec, in S's type: W the
+    values, and a column of ones where a normalizer rides along as value column V."""
+    fi = p.analysis.feature_identity
+    chunk = dict(zip(names, arrays))
+    T, t = _roles(tun, p, names, scale, sizes, S, arrays, roles=("w", "logdecay"))
+    # [B, H, T, d] made row-major once, in the inputs' type, before the cast (which keeps a transposed view's
+    # strides): every kernel reading the chunks would otherwise copy the view again (eight copies a training step)
+    q, k = (core.row_major(expand_heads(chunk[nm], sizes.H, p.rec.gqa, 2).transpose(0, 2, 1, 3)).astype(S.dtype)
+            for nm in (fi.q, fi.k))
+    W = t["w"]
+    if has_z:
+        W = mx.concatenate([W, mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)], axis=-1)
+    return q, k, W, t["logdecay"], t
 
 
 @lru_cache(maxsize=32)
@@ -563,8 +596,14 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     C = chunk_size or (tun.key_chunk_size if p.decay_class == "key" else
                        tun.feature_chunk_size if identity else tun.chunk_size)
     C = pow2_ceil(min(C, T))  # speed and memory only, not the result
-    if identity:  # one tile of the expanded space at a time
-        rows = feature_rows.rows_for(tun, sizes.Kin, dtype, C, sizes.V + has_z, p.feature_identity.degree)
+    degree, V1 = (p.feature_identity.degree, sizes.V + has_z) if identity else (0, 0)
+    if identity and initial_state is None and features.attends(
+            tun.feature_attention, degree, sizes.B * sizes.H, -(-T // C) * C, sympow_width(sizes.Kin, degree),
+            sizes.Kin, V1, segment_budget(tun)):
+        fn = _body(_feature_attention, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)
+        seg = T  # its memory is the [T, T] arrays ``attends`` bounded; segments would carry an expanded state
+    elif identity:  # one tile of the expanded space at a time
+        rows = feature_rows.rows_for(tun, sizes.Kin, dtype, C, V1, degree)
         # not ``whole``: on the H100 it held 0.16 GiB more at the training peak (1.58 against 1.42) for no measured
         # gain (4.41 against 4.35 ms, within the spread); its pieces (``inter``, the factors, the scores) replay
         fn = _body(_features, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)

@@ -68,6 +68,14 @@ def segment_sums(x):
     return mx.where(_lower(C, 0), seg, -mx.inf)
 
 
+def _power(x, degree: int):
+    """x^degree by products, not a power function: exact signs and derivatives at x = 0."""
+    s = x
+    for _ in range(degree - 1):
+        s = s * x
+    return s
+
+
 def chunk_scores(q, k, gam, pow2: bool = False, degree: int = 2, scores=None):
     """(q_tᵀk_s)^degree e^{Γ_t−Γ_s} for s <= t, 0 above: [B,H,n,C,d] x2, [B,H,n,C] -> [B,H,n,C,C] (``pow2``:
     ``core.exp``'s); ``scores``: a function of (qᵀk, gam) that gives them (the generated kernel,
@@ -75,10 +83,7 @@ def chunk_scores(q, k, gam, pow2: bool = False, degree: int = 2, scores=None):
     p = q @ k.swapaxes(-1, -2)
     if scores:
         return scores(p, gam)
-    s = p
-    for _ in range(degree - 1):  # products, not a power function: exact signs and derivatives at p = 0
-        s = s * p
-    return s * exp(segment_sums(gam), pow2)
+    return _power(p, degree) * exp(segment_sums(gam), pow2)
 
 
 def chunk_decays(gam, pow2: bool = False):
@@ -201,6 +206,15 @@ def inter_fn(rows, gram_slices: int = 1, mix: Tuning | None = None, keep: bool =
     return Piece(forward, vjp, name="inter")
 
 
+def _chunks(x, n: int, C: int):
+    """[B,H,T,...] -> [B,H,n,C,...], T padded to n C with tokens that change nothing (zero keys and values,
+    log-decay 0)."""
+    B, H, T = x.shape[:3]
+    if n * C != T:
+        x = mx.pad(x, [(0, 0), (0, 0), (0, n * C - T)] + [(0, 0)] * (x.ndim - 3))
+    return x.reshape(B, H, n, C, *x.shape[3:])
+
+
 def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None, degree: int = 2, scores=None,
                gram_slices: int = 1, mix: Tuning | None = None, keep: bool = False, factors=None,
                replay: Tuning | None = None):
@@ -212,19 +226,104 @@ def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None
     function of the chunks' log-decays that gives ``decay_factors``' (the generated kernels), else MLX ops."""
     B, H, T, d = q.shape
     n = -(-T // C)
-
-    def chunks(x):
-        if n * C != T:
-            x = mx.pad(x, [(0, 0), (0, 0), (0, n * C - T)] + [(0, 0)] * (x.ndim - 3))
-        return x.reshape(B, H, n, C, *x.shape[3:])
-
-    qc, kc, Wc, gc = (chunks(x) for x in (q, k, W, gam))
+    qc, kc, Wc, gc = (_chunks(x, n, C) for x in (q, k, W, gam))
     to_t, to_end, LL = factors(gc) if factors else decay_factors(gc, pow2)
     rows = rows or TileRows(feature_tiles(d))
     inter = inter_fn(rows, gram_slices, mix, keep, replay if rows.recordable else None)
     Z, S_end = inter(qc, kc, Wc * to_end[..., None], LL, S0)[:2]
     Y = chunk_scores(qc, kc, gc, pow2, degree, scores) @ Wc + to_t[..., None] * Z
     return (c * Y).reshape(B, H, n * C, -1)[:, :, :T], S_end
+
+
+# -- the attention form: no expanded state --------------------------------------------------------------------
+
+ATTENTION_ARRAYS = 6  # [T, T] float32 arrays the attention form's training step holds at once, about
+
+
+def attends(mode: str, degree: int, BH: int, T: int, R: int, d: int, V1: int, budget: int) -> bool:
+    """Whether a feature map of ``degree`` (R expanded rows of d keys, V' value columns, BH heads, T tokens padded to
+    whole chunks) runs as ``attention_form`` (``Tuning.feature_attention``): never; where its rows have no kernels
+    (degrees 3 and 4: ``"wide"``) and it takes fewer multiply-adds a token than the expanded state (T (d + V')
+    against 2 R V': φ(k)ᵀW into the states and φ(q) out of them); or always. In each case only if its [T, T] arrays
+    fit ``budget`` bytes (the segment budget)."""
+    if mode == "never" or (mode == "wide" and (degree == 2 or T * (d + V1) > 2 * R * V1)):
+        return False
+    return 4 * BH * T * T * ATTENTION_ARRAYS <= budget
+
+
+@lru_cache(maxsize=None)
+def cross_fn(degree: int, replay: Tuning | None = None):
+    """cross(q, k, Wb, L) -> (Z [B,H,n,C,V'],): Z_n = Σ_{m<n} L[n, m] (q_n k_mᵀ)^degree Wb_m, the attention form's
+    term between chunks, each earlier chunk read through its scores with the keys where ``inter`` reads its expanded
+    state; q, k [B,H,n,C,d], Wb = e^{Γ_C−Γ_s} W [B,H,n,C,V'], L [B,H,n,n] (``chunk_decays``' L over the chunks'
+    starts: 0 for m ≥ n). One [nC, nC] product a head, half of it zeros (the blocks m ≥ n). The VJP forms the scores
+    again rather than keep [nC, nC] arrays from the forward. ``replay``: as ``inter_fn``'s."""
+
+    def parts(q, k, L):
+        B, H, n, C, d = q.shape
+        P = q.reshape(B, H, n * C, d) @ k.reshape(B, H, n * C, d).swapaxes(-1, -2)
+        return P, _power(P, degree).reshape(B, H, n, C, n, C), L[:, :, :, None, :, None]
+
+    def forward(q, k, Wb, L):
+        B, H, n, C, _ = q.shape
+        _, Pp, Lx = parts(q, k, L)
+        A = (Pp * Lx).reshape(B, H, n * C, n * C)
+        return ((A @ Wb.reshape(B, H, n * C, -1)).reshape(Wb.shape),)
+
+    def vjp(args, outs, cots):
+        q, k, Wb, L = args
+        B, H, n, C, d = q.shape
+        T, V1 = n * C, Wb.shape[-1]
+        P, Pp, Lx = parts(q, k, L)
+        dZ, Wf = cots[0].reshape(B, H, T, V1), Wb.reshape(B, H, T, V1)
+        dA = (dZ @ Wf.swapaxes(-1, -2)).reshape(Pp.shape)
+        dWb = ((Pp * Lx).reshape(B, H, T, T).swapaxes(-1, -2) @ dZ).reshape(Wb.shape)
+        dP = (degree * _power(P, degree - 1)) * (dA * Lx).reshape(B, H, T, T)
+        dq = (dP @ k.reshape(B, H, T, d)).reshape(q.shape)
+        dk = (dP.swapaxes(-1, -2) @ q.reshape(B, H, T, d)).reshape(k.shape)
+        return dq, dk, dWb, (dA * Pp).sum((3, 5))
+
+    if replay is not None:
+        return ck.piece(forward, vjp, "cross", replay)
+    return Piece(forward, vjp, name="cross")
+
+
+def attention_form(q, k, W, gam, c: float, C: int, pow2: bool = False, degree: int = 2, scores=None, factors=None,
+                   replay: Tuning | None = None):
+    """Y [B,H,T,V'] = c Σ_{s≤t} e^{Γ_t−Γ_s} (q_t·k_s)^degree W_s from a zero initial state, with no expanded state
+    (q, k, W, gam as ``chunk_form``'s): inside chunks ``chunk_scores``, between them ``cross_fn``, whose decays are
+    ``chunk_form``'s factors (e^{Γ_t}, L, e^{Γ_C−Γ_s}: sums of the log-decays they span). Quadratic in T, where the
+    expanded state is linear in T but R = C(d + p − 1, p) rows wide: 766 480 at d = 64, p = 4 (``attends``)."""
+    B, H, T, d = q.shape
+    n = -(-T // C)
+    qc, kc, Wc, gc = (_chunks(x, n, C) for x in (q, k, W, gam))
+    Y = chunk_scores(qc, kc, gc, pow2, degree, scores) @ Wc
+    if n > 1:
+        to_t, to_end, LL = factors(gc) if factors else decay_factors(gc, pow2)
+        Z = cross_fn(degree, replay)(qc, kc, Wc * to_end[..., None], LL[:, :, :n, :n])[0]
+        Y = Y + to_t[..., None] * Z
+    return (c * Y).reshape(B, H, n * C, -1)[:, :, :T]
+
+
+def final_state(k, W, gam, rows, C: int, pow2: bool = False):
+    """Σ_s e^{Γ_T−Γ_s} φ(k_s) W_sᵀ [B,H,R,V'] in ``rows``' layout: the attention form's final state (from a zero
+    initial state), its own graph, so formed and differentiated only where it is read, one chunk's φ(k) at a time
+    (k, W, gam as ``chunk_form``'s)."""
+    T = k.shape[2]
+    n = -(-T // C)
+    kc, Wc, gc = (_chunks(x, n, C) for x in (k, W, gam))
+    _, to_end, LL = decay_factors(gc, pow2)
+    Wb = Wc * (to_end * LL[:, :, n, :n, None])[..., None]  # e^{Γ_T−Γ_s} W_s
+    tiles, after = [], []
+    for i in range(rows.count):
+        S = None
+        for m in range(n):  # chunk after chunk (``mx.depends``): one chunk's φ(k) alive at a time
+            km = kc[:, :, m:m + 1]
+            km = mx.depends([km], after)[0] if after else km
+            S = _plus(S, rows.states(rows.phi(km, i), Wb[:, :, m:m + 1], i)[:, :, 0])
+            after = [S]
+        tiles.append(S)
+    return tiles[0] if len(tiles) == 1 else mx.concatenate(tiles, axis=-2)
 
 
 # -- decode (T = 1) ------------------------------------------------------------------------------------------
