@@ -123,11 +123,20 @@ def plan(rec: ir.Recurrence, pow2_exp: bool = False) -> Plan:
 def sympow_mx(x, degree: int = 2):
     """φ(x) of recgen.spec.features.sympow with MLX ops (differentiable): [..., d] -> [..., C(d + p − 1, p)]."""
     mx = _mx()
-    idx, c = sympow_terms(x.shape[-1], degree)
-    out = mx.array(c, dtype=x.dtype)
-    for i in range(degree):
-        out = out * mx.take(x, mx.array(idx[:, i].astype(np.int32)), axis=-1)
+    cols, out = _sympow_gathers(x.shape[-1], degree, x.dtype)
+    for col in cols:
+        out = out * mx.take(x, col, axis=-1)
     return out
+
+
+@lru_cache(maxsize=16)
+def _sympow_gathers(d: int, degree: int, dtype):
+    """``sympow_mx``'s index columns and coefficients as MLX arrays, made once per width, degree and type: a call
+    would otherwise copy them from the host each time (4 × 766 480 indices at d = 64, p = 4: on the H100 that
+    copying, for graphs never evaluated, was most of a training step)."""
+    mx = _mx()
+    idx, c = sympow_terms(d, degree)
+    return tuple(mx.array(idx[:, i].astype(np.int32)) for i in range(degree)), mx.array(c, dtype=dtype)
 
 
 def expand_heads(x, H: int, gqa: str, axis: int):
