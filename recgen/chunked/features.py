@@ -24,6 +24,10 @@ formed once a pass). The in-chunk scores are the generated decayed-scores kernel
 (``chunk_kernels.decayed_scores_fn``, their VJP written), else MLX autodiff; the decay factors between chunks are
 MLX autodiff.
 
+From a zero initial state, where φ's rows outgrow the sequence (degree 4: 766 480 rows at d = 64), the same sums run
+as attention (``attention_form``, ``attends``): the scores of every earlier chunk in place of its state, the final
+state a graph of its own.
+
 A decode step (T = 1) can run the generated feature decode kernel instead (``decode_fn``, ``Tuning.feature_decode``):
 each state row read and written once, split over blocks of rows.
 """
@@ -258,32 +262,36 @@ def cross_fn(degree: int, replay: Tuning | None = None):
     """cross(q, k, Wb, L) -> (Z [B,H,n,C,V'],): Z_n = Σ_{m<n} L[n, m] (q_n k_mᵀ)^degree Wb_m, the attention form's
     term between chunks, each earlier chunk read through its scores with the keys where ``inter`` reads its expanded
     state; q, k [B,H,n,C,d], Wb = e^{Γ_C−Γ_s} W [B,H,n,C,V'], L [B,H,n,n] (``chunk_decays``' L over the chunks'
-    starts: 0 for m ≥ n). One [nC, nC] product a head, half of it zeros (the blocks m ≥ n). The VJP forms the scores
-    again rather than keep [nC, nC] arrays from the forward. ``replay``: as ``inter_fn``'s."""
+    starts: 0 for m ≥ n). The decays between chunks ride on the values, Wl[n, m] = L[n, m] Wb_m (n times Wb's
+    size), so no pass over the [nC, nC] scores applies them, nor their cotangents; the scores' blocks m ≥ n are
+    multiplied by zeros. The VJP forms the scores again rather than keep them from the forward. ``replay``: as
+    ``inter_fn``'s."""
 
-    def parts(q, k, L):
+    def parts(q, k, Wb, L):
         B, H, n, C, d = q.shape
-        P = q.reshape(B, H, n * C, d) @ k.reshape(B, H, n * C, d).swapaxes(-1, -2)
-        return P, _power(P, degree).reshape(B, H, n, C, n, C), L[:, :, :, None, :, None]
+        T = n * C
+        P = q.reshape(B, H, T, d) @ k.reshape(B, H, T, d).swapaxes(-1, -2)  # [B,H,T,T]
+        Wl = (L[..., None, None] * Wb[:, :, None]).reshape(B, H, n, T, -1)   # [B,H,n,T,V']
+        return P, Wl
 
     def forward(q, k, Wb, L):
         B, H, n, C, _ = q.shape
-        _, Pp, Lx = parts(q, k, L)
-        A = (Pp * Lx).reshape(B, H, n * C, n * C)
-        return ((A @ Wb.reshape(B, H, n * C, -1)).reshape(Wb.shape),)
+        P, Wl = parts(q, k, Wb, L)
+        return (_power(P, degree).reshape(B, H, n, C, n * C) @ Wl,)
 
     def vjp(args, outs, cots):
         q, k, Wb, L = args
         B, H, n, C, d = q.shape
-        T, V1 = n * C, Wb.shape[-1]
-        P, Pp, Lx = parts(q, k, L)
-        dZ, Wf = cots[0].reshape(B, H, T, V1), Wb.reshape(B, H, T, V1)
-        dA = (dZ @ Wf.swapaxes(-1, -2)).reshape(Pp.shape)
-        dWb = ((Pp * Lx).reshape(B, H, T, T).swapaxes(-1, -2) @ dZ).reshape(Wb.shape)
-        dP = (degree * _power(P, degree - 1)) * (dA * Lx).reshape(B, H, T, T)
+        T = n * C
+        P, Wl = parts(q, k, Wb, L)
+        dZ = cots[0]
+        dWl = (_power(P, degree).reshape(B, H, n, C, T).swapaxes(-1, -2) @ dZ).reshape(B, H, n, n, C, -1)
+        dWb = (L[..., None, None] * dWl).sum(2)
+        dL = (dWl * Wb[:, :, None]).sum((4, 5))
+        dP = _power(P, degree - 1) * ((degree * dZ) @ Wl.swapaxes(-1, -2)).reshape(B, H, T, T)  # degree ≥ 2
         dq = (dP @ k.reshape(B, H, T, d)).reshape(q.shape)
         dk = (dP.swapaxes(-1, -2) @ q.reshape(B, H, T, d)).reshape(k.shape)
-        return dq, dk, dWb, (dA * Pp).sum((3, 5))
+        return dq, dk, dWb, dL
 
     if replay is not None:
         return ck.piece(forward, vjp, "cross", replay)
