@@ -116,7 +116,8 @@ class Tuning:
     model_rows_dense: bool = False  # ... and where every value head has its own key head: no layout copies of q, k, v
     #                                 (on CUDA: with asynchronous staging faster at every shape measured, and less memory)
     ut_16bit: bool = False          # ... the UT transform writing U = T w and W = T (b̃ e^G) in the keys' 16-bit type
-    #                                 (the scans convert on load): 0.13 GiB less at GDN's peak, no faster (off)
+    #                                 (the scans convert on load), as FLA keeps them: 0.13 GiB less at GDN's training
+    #                                 peak (4,4096,16,128), as fast or faster at every shape timed (on on CUDA)
     key_factor_reads: bool = False  # ... for a key-vector decay (KDA) too: its pairs' scaling by β stays in MLX ops,
     #                                 measured slower for training (H100: 11.3 -> 11.9 ms) though faster forward
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
@@ -178,7 +179,7 @@ MEASURED = {
                  model_rows_dense=True, decayed_scores=True, feature_kernels=True, gram_slices=16,
                  kernel_cache=KERNEL_CACHE_DIR, feature_jac_min_blocks=2, feature_states_fragments=2,
                  feature_out_fragments=2, feature_mix=True, feature_keep_states=True,
-                 decay_factor_kernels=True, replay_graphs=True),
+                 decay_factor_kernels=True, replay_graphs=True, ut_16bit=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
