@@ -117,14 +117,29 @@ def test_the_wide_rule_takes_attention_for_degree_4_and_not_for_degree_2(rng, ta
 
 def test_attends_rules():
     big = 2**40
-    assert features.attends("always", 2, 16, 4096, 2080, 64, 65, big)
-    assert not features.attends("wide", 2, 16, 4096, 2080, 64, 65, big)  # degree 2: its rows have kernels
-    assert features.attends("wide", 4, 16, 4096, sympow_width(64, 4), 64, 65, big)
-    assert not features.attends("wide", 3, 1, 4096, sympow_width(4, 3), 4, 5, big)  # 20 rows: the state is cheaper
-    assert not features.attends("never", 4, 16, 4096, sympow_width(64, 4), 64, 65, big)
-    need = 4 * 16 * 4096**2 * features.ATTENTION_ARRAYS
-    assert features.attends("always", 4, 16, 4096, 10**6, 64, 65, need)
-    assert not features.attends("always", 4, 16, 4096, 10**6, 64, 65, need - 1)  # its [T, T] arrays must fit
+    assert features.attends("always", 2, 16, 4096, 256, 2080, 64, 65, big)
+    assert not features.attends("wide", 2, 16, 4096, 256, 2080, 64, 65, big)  # degree 2: its rows have kernels
+    assert features.attends("wide", 4, 16, 4096, 256, sympow_width(64, 4), 64, 65, big)
+    assert not features.attends("wide", 3, 1, 4096, 64, sympow_width(4, 3), 4, 5, big)  # 20 rows: the state is cheaper
+    assert not features.attends("never", 4, 16, 4096, 256, sympow_width(64, 4), 64, 65, big)
+    one = 4 * 16 * 256 * 4096 * features.ATTENTION_ARRAYS  # one chunk of queries against the whole sequence
+    assert features.attention_groups(16, 4096, 256, 3 * one + 1) == 3
+    assert features.attends("always", 4, 16, 4096, 256, 10**6, 64, 65, one)
+    assert not features.attends("always", 4, 16, 4096, 256, 10**6, 64, 65, one - 1)
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_attention_form_in_groups_of_queries(group, rng, taken):
+    """A budget that holds ``group`` chunks of queries' scores at a time (``attention_groups``): the term between
+    chunks in groups (the last one partial at group 2: five chunks), each against the keys up to its end."""
+    rec = SPECS[4]
+    B, T, H, C = 2, 17, 2, 4
+    n = -(-T // C)
+    one = 4 * B * H * C * n * C * features.ATTENTION_ARRAYS
+    with tuning.override(feature_attention="always", segment_budget=group * one):
+        assert features.attention_groups(B * H, n * C, C, group * one) == group
+        _check(rec, _inputs(rng, B=B, T=T, H=H), rng, 0.7, C)
+    assert taken
 
 
 def test_feature_attention_choices_are_checked(recgen_env):

@@ -359,7 +359,8 @@ def _feature_attention(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *res
     q, k, W, gam, t = _feature_operands(tun, p, names, scale, sizes, has_z, S, arrays)
     T = q.shape[2]
     scores, factors = _feature_kernels(tun, fi.degree, C, T)
-    Y = features.attention_form(q, k, W, gam, fi.constant(scale), C, tun.pow2_exp, fi.degree, scores, factors,
+    group = features.attention_groups(sizes.B * sizes.H, -(-T // C) * C, C, segment_budget(tun))
+    Y = features.attention_form(q, k, W, gam, fi.constant(scale), C, tun.pow2_exp, fi.degree, scores, factors, group,
                                 tun if tun.replay_graphs else None)
     rows = feature_rows.rows_for(tun, q.shape[-1], S.dtype, C, W.shape[-1], fi.degree)
     S_end = rows.from_rows(features.final_state(k, W, gam, rows, C, tun.pow2_exp))
@@ -598,10 +599,10 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
     C = pow2_ceil(min(C, T))  # speed and memory only, not the result
     degree, V1 = (p.feature_identity.degree, sizes.V + has_z) if identity else (0, 0)
     if identity and initial_state is None and features.attends(
-            tun.feature_attention, degree, sizes.B * sizes.H, -(-T // C) * C, sympow_width(sizes.Kin, degree),
+            tun.feature_attention, degree, sizes.B * sizes.H, -(-T // C) * C, C, sympow_width(sizes.Kin, degree),
             sizes.Kin, V1, segment_budget(tun)):
         fn = _body(_feature_attention, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)
-        seg = T  # its memory is the [T, T] arrays ``attends`` bounded; segments would carry an expanded state
+        seg = T  # its memory is a group of queries' scores (``attention_groups``); segments would carry the state
     elif identity:  # one tile of the expanded space at a time
         rows = feature_rows.rows_for(tun, sizes.Kin, dtype, C, V1, degree)
         # not ``whole``: on the H100 it held 0.16 GiB more at the training peak (1.58 against 1.42) for no measured

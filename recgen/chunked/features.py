@@ -242,56 +242,83 @@ def chunk_form(q, k, W, gam, S0, c: float, C: int, pow2: bool = False, rows=None
 
 # -- the attention form: no expanded state --------------------------------------------------------------------
 
-ATTENTION_ARRAYS = 12  # [T, T] float32 arrays the attention form's training step holds at once, at most (H100,
-#                        degree 4: 10.9 GiB at B·H = 16, T = 4096, whose arrays are 1 GiB each)
+ATTENTION_ARRAYS = 12  # [rows, T] float32 arrays of scores the attention form's training step holds at once, at most
+#                        (H100, degree 4: 10.9 GiB at B·H = 16 and T = 4096 in one group, arrays of 1 GiB)
 
 
-def attends(mode: str, degree: int, BH: int, T: int, R: int, d: int, V1: int, budget: int) -> bool:
+def attention_groups(BH: int, T: int, C: int, budget: int) -> int:
+    """Chunks of queries a group of ``cross_fn`` takes at once: as many as keep its [rows, T] arrays of scores within
+    ``budget`` bytes (BH heads, T tokens in chunks of C); 0 where not even one chunk's do."""
+    return budget // (4 * BH * C * T * ATTENTION_ARRAYS)
+
+
+def attends(mode: str, degree: int, BH: int, T: int, C: int, R: int, d: int, V1: int, budget: int) -> bool:
     """Whether a feature map of ``degree`` (R expanded rows of d keys, V' value columns, BH heads, T tokens padded to
-    whole chunks) runs as ``attention_form`` (``Tuning.feature_attention``): never; where its rows have no kernels
-    (degrees 3 and 4: ``"wide"``) and it takes fewer multiply-adds a token than the expanded state (T (d + V')
-    against 2 R V': φ(k)ᵀW into the states and φ(q) out of them); or always. In each case only if its [T, T] arrays
-    fit ``budget`` bytes (the segment budget)."""
+    whole chunks of C) runs as ``attention_form`` (``Tuning.feature_attention``): never; where its rows have no
+    kernels (degrees 3 and 4: ``"wide"``) and it takes fewer multiply-adds a token than the expanded state (T (d + V')
+    against 2 R V': φ(k)ᵀW into the states and φ(q) out of them); or always. In each case only if one chunk of
+    queries' scores against the whole sequence fit ``budget`` bytes (the segment budget; ``attention_groups``)."""
     if mode == "never" or (mode == "wide" and (degree == 2 or T * (d + V1) > 2 * R * V1)):
         return False
-    return 4 * BH * T * T * ATTENTION_ARRAYS <= budget
+    return attention_groups(BH, T, C, budget) >= 1
+
+
+def _pad_chunks(x, n: int):
+    """x [B,H,m,...] zero-padded along its chunks to n (the chunks a group's keys do not reach)."""
+    m = x.shape[2]
+    return x if m == n else mx.pad(x, [(0, 0), (0, 0), (0, n - m)] + [(0, 0)] * (x.ndim - 3))
 
 
 @lru_cache(maxsize=None)
-def cross_fn(degree: int, replay: Tuning | None = None):
+def cross_fn(degree: int, group: int, replay: Tuning | None = None):
     """cross(q, k, Wb, L) -> (Z [B,H,n,C,V'],): Z_n = Σ_{m<n} L[n, m] (q_n k_mᵀ)^degree Wb_m, the attention form's
     term between chunks, each earlier chunk read through its scores with the keys where ``inter`` reads its expanded
     state; q, k [B,H,n,C,d], Wb = e^{Γ_C−Γ_s} W [B,H,n,C,V'], L [B,H,n,n] (``chunk_decays``' L over the chunks'
-    starts: 0 for m ≥ n). The decays between chunks ride on the values, Wl[n, m] = L[n, m] Wb_m (n times Wb's
-    size), so no pass over the [nC, nC] scores applies them, nor their cotangents; the scores' blocks m ≥ n are
-    multiplied by zeros. The VJP forms the scores again rather than keep them from the forward. ``replay``: as
-    ``inter_fn``'s."""
+    starts: 0 for m ≥ n). Queries ``group`` chunks at a time (``attention_groups``), each group's against the keys
+    up to its last chunk, one group after another (``mx.depends``), so memory holds one group's scores. The decays
+    between chunks ride on the values, Wl[n, m] = L[n, m] Wb_m, so no pass over the scores applies them, nor their
+    cotangents; the scores' blocks m ≥ n of a group's last chunks are multiplied by zeros. The VJP forms the scores
+    again rather than keep them from the forward. ``replay``: as ``inter_fn``'s."""
 
-    def parts(q, k, Wb, L):
-        B, H, n, C, d = q.shape
-        T = n * C
-        P = q.reshape(B, H, T, d) @ k.reshape(B, H, T, d).swapaxes(-1, -2)  # [B,H,T,T]
-        Wl = (L[..., None, None] * Wb[:, :, None]).reshape(B, H, n, T, -1)   # [B,H,n,T,V']
+    def parts(q, k, Wb, L, a, b):
+        """The group of query chunks [a, b) against key chunks [0, b): scores P [B,H,(b−a)C, bC], Wl [B,H,b−a,bC,V']."""
+        B, H, _, C, d = q.shape
+        P = q[:, :, a:b].reshape(B, H, (b - a) * C, d) @ k[:, :, :b].reshape(B, H, b * C, d).swapaxes(-1, -2)
+        Wl = (L[:, :, a:b, :b, None, None] * Wb[:, :, None, :b]).reshape(B, H, b - a, b * C, -1)
         return P, Wl
+
+    def groups(n: int):
+        return [(a, min(n, a + group)) for a in range(0, n, group)]
 
     def forward(q, k, Wb, L):
         B, H, n, C, _ = q.shape
-        P, Wl = parts(q, k, Wb, L)
-        return (_power(P, degree).reshape(B, H, n, C, n * C) @ Wl,)
+        Zs = []
+        for a, b in groups(n):
+            if Zs:
+                q, k = mx.depends([q, k], Zs[-1:])
+            P, Wl = parts(q, k, Wb, L, a, b)
+            Zs.append(_power(P, degree).reshape(B, H, b - a, C, b * C) @ Wl)
+        return (Zs[0] if len(Zs) == 1 else mx.concatenate(Zs, axis=2),)
 
     def vjp(args, outs, cots):
         q, k, Wb, L = args
         B, H, n, C, d = q.shape
-        T = n * C
-        P, Wl = parts(q, k, Wb, L)
-        dZ = cots[0]
-        dWl = (_power(P, degree).reshape(B, H, n, C, T).swapaxes(-1, -2) @ dZ).reshape(B, H, n, n, C, -1)
-        dWb = (L[..., None, None] * dWl).sum(2)
-        dL = (dWl * Wb[:, :, None]).sum((4, 5))
-        dP = _power(P, degree - 1) * ((degree * dZ) @ Wl.swapaxes(-1, -2)).reshape(B, H, T, T)  # degree ≥ 2
-        dq = (dP @ k.reshape(B, H, T, d)).reshape(q.shape)
-        dk = (dP.swapaxes(-1, -2) @ q.reshape(B, H, T, d)).reshape(k.shape)
-        return dq, dk, dWb, dL
+        dq, dk, dWb, dL = [], None, None, []
+        for a, b in groups(n):
+            if dq:
+                q, k = mx.depends([q, k], [dq[-1], dk, dWb])
+            P, Wl = parts(q, k, Wb, L, a, b)
+            dZ = cots[0][:, :, a:b]
+            dWl = (_power(P, degree).reshape(B, H, b - a, C, b * C).swapaxes(-1, -2) @ dZ).reshape(
+                B, H, b - a, b, C, -1)
+            dWb = _plus(dWb, _pad_chunks((L[:, :, a:b, :b, None, None] * dWl).sum(2), n))
+            dL.append(mx.pad((dWl * Wb[:, :, None, :b]).sum((4, 5)), [(0, 0), (0, 0), (0, 0), (0, n - b)]))
+            dP = _power(P, degree - 1) * ((degree * dZ) @ Wl.swapaxes(-1, -2)).reshape(P.shape)  # degree ≥ 2
+            dq.append((dP @ k[:, :, :b].reshape(B, H, b * C, d)).reshape(B, H, b - a, C, d))
+            dk = _plus(dk, _pad_chunks((dP.swapaxes(-1, -2) @ q[:, :, a:b].reshape(B, H, -1, d)).reshape(
+                B, H, b, C, d), n))
+        cat = lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=2)  # noqa: E731
+        return cat(dq), dk, dWb, cat(dL)
 
     if replay is not None:
         return ck.piece(forward, vjp, "cross", replay)
@@ -299,18 +326,19 @@ def cross_fn(degree: int, replay: Tuning | None = None):
 
 
 def attention_form(q, k, W, gam, c: float, C: int, pow2: bool = False, degree: int = 2, scores=None, factors=None,
-                   replay: Tuning | None = None):
+                   group: int | None = None, replay: Tuning | None = None):
     """Y [B,H,T,V'] = c Σ_{s≤t} e^{Γ_t−Γ_s} (q_t·k_s)^degree W_s from a zero initial state, with no expanded state
     (q, k, W, gam as ``chunk_form``'s): inside chunks ``chunk_scores``, between them ``cross_fn``, whose decays are
-    ``chunk_form``'s factors (e^{Γ_t}, L, e^{Γ_C−Γ_s}: sums of the log-decays they span). Quadratic in T, where the
-    expanded state is linear in T but R = C(d + p − 1, p) rows wide: 766 480 at d = 64, p = 4 (``attends``)."""
+    ``chunk_form``'s factors (e^{Γ_t}, L, e^{Γ_C−Γ_s}: sums of the log-decays they span), ``group`` chunks of queries
+    at a time (default: all). Quadratic in T, where the expanded state is linear in T but R = C(d + p − 1, p) rows
+    wide: 766 480 at d = 64, p = 4 (``attends``)."""
     B, H, T, d = q.shape
     n = -(-T // C)
     qc, kc, Wc, gc = (_chunks(x, n, C) for x in (q, k, W, gam))
     Y = chunk_scores(qc, kc, gc, pow2, degree, scores) @ Wc
     if n > 1:
         to_t, to_end, LL = factors(gc) if factors else decay_factors(gc, pow2)
-        Z = cross_fn(degree, replay)(qc, kc, Wc * to_end[..., None], LL[:, :, :n, :n])[0]
+        Z = cross_fn(degree, min(group or n, n), replay)(qc, kc, Wc * to_end[..., None], LL[:, :, :n, :n])[0]
         Y = Y + to_t[..., None] * Z
     return (c * Y).reshape(B, H, n * C, -1)[:, :, :T]
 

@@ -2,7 +2,7 @@
 (the decayed-scores and decay-factor kernels inside, the term between chunks replayed), and degree 2 with the rule
 set to ``"always"`` (the final state through the sympow kernels' rows). Chunks of 256 (the GPU default) with a
 partial second one, GQA, K != V, cotangents on o and both final states; forward, final state and every gradient
-against the float64 reference, float32 and bfloat16."""
+against the float64 reference, float32 and bfloat16; and degree 4 in groups of one chunk of queries."""
 from __future__ import annotations
 
 import mlx.core as mx
@@ -30,9 +30,10 @@ def power_retention4(q: rg.Key, k: rg.Key, v: rg.Value, g: rg.Scalar):
 
 
 @pytest.mark.xdist_group("feature_attention")
-@pytest.mark.parametrize("degree,d,mode", [(4, 16, "wide"), (2, 64, "always")])
+@pytest.mark.parametrize("degree,d,mode,groups", [(4, 16, "wide", False), (2, 64, "always", False),
+                                                  (4, 16, "wide", True)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_feature_attention_matches_the_reference(degree, d, mode, dtype, monkeypatch):
+def test_feature_attention_matches_the_reference(degree, d, mode, groups, dtype, monkeypatch):
     rec = power_retention4 if degree == 4 else specs.power_retention
     sizes = Sizes(B=1, T=300, H=4, Hk=2, Kin=d, K=sympow_width(d, degree), V=24)
     rng = np.random.default_rng(11)
@@ -49,7 +50,9 @@ def test_feature_attention_matches_the_reference(degree, d, mode, dtype, monkeyp
         o, (S, z) = chunked.forward(rec, dict(zip(names, a)), scale=scale)
         return o, S, z
 
-    with tuning.override(feature_attention=mode):
+    # ``groups``: a budget that holds one chunk of queries' scores at a time, so two groups of one chunk
+    budget = 4 * sizes.B * sizes.H * 256 * 512 * features.ATTENTION_ARRAYS if groups else None
+    with tuning.override(feature_attention=mode, segment_budget=budget):
         outs, grads = mx.vjp(f, prim, cots)
     assert taken, "the attention form was not taken"
     seen = {n: np.array(a.astype(mx.float32), np.float64) for n, a in zip(names, prim)}
