@@ -76,7 +76,8 @@ def _strong_decays(rng, shape):
 
 
 @pytest.mark.parametrize("N,C,power,bf16,sanitizer", [(3, 7, 2, False, None), (2, 64, 1, True, None),
-                                                       (2, 300, 3, False, None), (2, 40, 2, False, "address"),
+                                                       (2, 300, 3, False, None), (2, 24, 4, False, None),
+                                                       (2, 40, 2, False, "address"),
                                                        (2, 40, 2, False, "thread")])
 def test_decayed_scores_match_numpy(N, C, power, bf16, sanitizer):
     """The decayed-scores kernels (chunk_decayed_scores.j2): A = P^p ⊙ Γ, Γ[t, s] = e^{sum_{s<tau<=t} l_tau} on and

@@ -84,3 +84,18 @@ def test_other_degrees_are_rejected_when_declared():
         @rg.recurrence
         def bad(q: rg.Key, k: rg.Key, v: rg.Value):
             return rg.Step(update=rg.outer(rg.sympow(k, 5), v), readout=rg.sympow(q, 5))
+
+
+def test_the_gather_indices_are_made_once(monkeypatch):
+    """``sympow_mx`` builds its index columns once per width, degree and type: a graph built each call (the attention
+    form's final state, read or not) must not copy 4 × 766 480 indices from the host each time (d = 64, p = 4)."""
+    from recgen.chunked import terms
+
+    made = []
+    real = terms.sympow_terms
+    monkeypatch.setattr(terms, "sympow_terms", lambda *a: made.append(a) or real(*a))
+    x = mx.array(np.random.default_rng(0).standard_normal((3, 11)), dtype=mx.float32)
+    first, second = sympow_mx(x, 3), sympow_mx(x + 0, 3)
+    assert made == [(11, 3)]
+    np.testing.assert_allclose(np.array(second), np.array(first))
+    np.testing.assert_allclose(np.array(first), sympow(np.array(x, np.float64), 3), rtol=1e-5)

@@ -344,11 +344,7 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
                                    scores, tun.gram_slices, tun if tun.feature_mix else None,
                                    tun.feature_keep_states and rows.count == 1, factors,
                                    tun if tun.replay_graphs else None)  # tiles bound memory
-    S_end = rows.from_rows(S_end)
-    if not has_z:
-        return _readout(p, p.rec, t, Y, None), S_end
-    (y, nz), (S_end, z_end) = core.split_last(Y), core.split_last(S_end)
-    return _readout(p, p.rec, t, y, nz), S_end, z_end
+    return _feature_outputs(p, t, Y, rows.from_rows(S_end), has_z)
 
 
 def _feature_attention(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
@@ -363,7 +359,12 @@ def _feature_attention(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *res
     Y = features.attention_form(q, k, W, gam, fi.constant(scale), C, tun.pow2_exp, fi.degree, scores, factors, group,
                                 tun if tun.replay_graphs else None)
     rows = feature_rows.rows_for(tun, q.shape[-1], S.dtype, C, W.shape[-1], fi.degree)
-    S_end = rows.from_rows(features.final_state(k, W, gam, rows, C, tun.pow2_exp))
+    return _feature_outputs(p, t, Y, rows.from_rows(features.final_state(k, W, gam, rows, C, tun.pow2_exp)), has_z)
+
+
+def _feature_outputs(p, t, Y, S_end, has_z):
+    """(o, S_end[, z_end]) from Y [B,H,T,V'] and the final state [B,H,R,V'] in the spec's layout, where a normalizer
+    rode along as value column V of both."""
     if not has_z:
         return _readout(p, p.rec, t, Y, None), S_end
     (y, nz), (S_end, z_end) = core.split_last(Y), core.split_last(S_end)
