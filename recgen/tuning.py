@@ -159,7 +159,8 @@ class Tuning:
 
     def __post_init__(self):
         if self.feature_attention not in FEATURE_ATTENTION:
-            raise InputError(f"tuning: feature_attention={self.feature_attention!r}: expected one of {FEATURE_ATTENTION}")
+            raise InputError(f"tuning: feature_attention={self.feature_attention!r}: "
+                             f"expected one of {FEATURE_ATTENTION}")
 
 
 DEVICE_DEFAULTS = {

@@ -13,7 +13,7 @@ from recgen import chunked, tuning
 from recgen.chunked import features
 from recgen.errors import InputError
 from recgen.math import reference
-from recgen.spec.features import sympow_width
+from recgen.spec.features import sympow, sympow_width
 from recgen.testing import rel_err
 
 
@@ -49,27 +49,31 @@ def taken(monkeypatch):
     return calls
 
 
-def _check(rec, xs, rng, scale, chunk_size, dtype=mx.float64, tol=(1e-10, 1e-10)):
-    """Forward, final state and every gradient (cotangents on o and on both final states) against the reference."""
+def _check(rec, xs, rng, scale, chunk_size, dtype=mx.float64, tol=(1e-10, 1e-10), h0=None):
+    """Forward, final state and every gradient (cotangents on o and on both final states; ``h0``: from that initial
+    state, its gradients too) against the reference."""
     has_z = rec.has_normalizer
     names = list(xs)
-    o_r, s_r = reference.run(rec, scale=scale, **xs)
+    o_r, s_r = reference.run(rec, scale=scale, initial_state=h0, **xs)
     s_r = s_r if has_z else (s_r,)
     do = rng.standard_normal(o_r.shape)
     dht = tuple(rng.standard_normal(s.shape) for s in s_r)
-    g_r = reference.grad(rec, do=do, dht=dht if has_z else dht[0], scale=scale, **xs)
+    g_r = reference.grad(rec, do=do, dht=dht if has_z else dht[0], scale=scale, initial_state=h0, **xs)
+    h0s = () if h0 is None else (tuple(h0) if has_z else (h0,))
 
     def f(*a):
-        o, st = chunked.forward(rec, dict(zip(names, a)), scale=scale, chunk_size=chunk_size,
+        state = None if h0 is None else (tuple(a[len(names):]) if has_z else a[len(names)])
+        o, st = chunked.forward(rec, dict(zip(names, a)), scale=scale, chunk_size=chunk_size, initial_state=state,
                                 compute_dtype=mx.float64 if dtype == mx.float64 else None)
         return (o, *(st if has_z else (st,)))
 
     arr = lambda a: mx.array(a, dtype=dtype)  # noqa: E731
-    got, grads = mx.vjp(f, [arr(xs[n]) for n in names], [arr(c) for c in (do, *dht)])
+    got, grads = mx.vjp(f, [arr(xs[n]) for n in names] + [arr(h) for h in h0s], [arr(c) for c in (do, *dht)])
     errs = {k: rel_err(np.array(a.astype(mx.float32) if dtype != mx.float64 else a), b)
             for k, a, b in zip(("o", "S", "z"), got, (o_r, *s_r))}
-    errs |= {"d" + n: rel_err(np.array(g.astype(mx.float32) if dtype != mx.float64 else g), g_r[n])
-             for n, g in zip(names, grads)}
+    want = [g_r[n] for n in names] + (list(g_r["initial_state"]) if has_z else [g_r["initial_state"]] if h0s else [])
+    errs |= {"d" + n: rel_err(np.array(g.astype(mx.float32) if dtype != mx.float64 else g), w)
+             for n, g, w in zip(names + ["S0", "z0"][:len(h0s)], grads, want)}
     bad = {k: v for k, v in errs.items() if not v <= (tol[1] if k.startswith("d") else tol[0])}
     assert not bad, (bad, errs)
 
@@ -90,16 +94,41 @@ def test_attention_form_without_a_normalizer(rng, taken):
     assert taken
 
 
-def test_attention_form_in_float32_at_strong_decays(rng, taken):
-    """Log-decays down to -20 (resets inside and between chunks), float32 against float64."""
+@pytest.mark.parametrize("given", [False, True])
+def test_attention_form_in_float32_at_strong_decays(given, rng, taken):
+    """Log-decays down to -20 (resets inside and between chunks), float32 against float64; ``given``: from a reachable
+    initial state (S0, z0) = Σ_j (φ(w_j) v_jᵀ, φ(w_j)) over three random w, float32-exact."""
     xs = _inputs(rng, B=1, T=40, H=2, Hk=2, d=4, V=5, strength=20.0)
-    _check(SPECS[4], xs, rng, 0.5, 8, dtype=mx.float32, tol=(1e-5, 1e-4))
+    h0 = None
+    if given:
+        phi = sympow(rng.standard_normal((1, 2, 3, 4)), 4)
+        h0 = tuple(np.float32(a).astype(np.float64)
+                   for a in (phi.swapaxes(-1, -2) @ rng.standard_normal((1, 2, 3, 5)), phi.sum(2)))
+    with tuning.override(feature_attention="always"):
+        _check(SPECS[4], xs, rng, 0.5, 8, dtype=mx.float32, tol=(1e-5, 1e-4), h0=h0)
     assert taken
+
+
+@pytest.mark.parametrize("degree", [2, 3, 4])
+def test_attention_form_from_an_initial_state(degree, rng, taken):
+    """A given initial state (S0, z0), read as e^{Γ_t} φ(q_t)ᵀS0 and decayed into the final state, its gradients
+    too; degree 2 over MLX's tiles (their weights ω on the state); then with a budget of one chunk of queries' scores,
+    which reads S0 in slices of 96 / R tokens' φ(q), whole chunks where that holds one (8, 4 and 2 at d = 4)."""
+    xs = _inputs(rng, T=9, d=4)
+    R = sympow_width(4, degree)
+    h0 = (rng.standard_normal((2, 2, R, 4)), np.abs(rng.standard_normal((2, 2, R))))  # z0 ≥ 0 keeps n_t away from 0
+    with tuning.override(feature_attention="always"):
+        _check(SPECS[degree], xs, rng, 0.7, 4, h0=h0)
+    one = 4 * 4 * 4 * 12 * features.ATTENTION_ARRAYS  # B·H = 4, chunks of 4, T padded to 12
+    with tuning.override(feature_attention="always", segment_budget=one):
+        _check(SPECS[degree], xs, rng, 0.7, 4, h0=h0)
+    assert len(taken) == 2
 
 
 def test_the_wide_rule_takes_attention_for_degree_4_and_not_for_degree_2(rng, taken):
     """The default (``"wide"``): a degree without row kernels and fewer multiply-adds runs as attention, degree 2
-    keeps the expanded state; an initial state always does (its read is φ(q)ᵀS0 over the rows)."""
+    keeps the expanded state; reading an initial state costs R V' a token more (φ(q)ᵀS0), which at 15 rows tips this
+    case back to the expanded state."""
     xs = {n: mx.array(a, dtype=mx.float32) for n, a in _inputs(rng).items()}
     with tuning.override(feature_attention="wide"):
         chunked.forward(SPECS[2], xs, scale=0.5, chunk_size=4)

@@ -350,16 +350,32 @@ def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
 def _feature_attention(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """A feature-map spec from a zero initial state as attention (``features.attention_form``): no expanded state but
     the final one, a graph of its own (``features.final_state``), so a caller who never reads it never forms it."""
+    return _attention(tun, p, names, scale, sizes, has_z, C, S, rest, False)
+
+
+def _feature_attention_from(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
+    """``_feature_attention`` from a given initial state, read as e^{Γ_t} φ(q_t)ᵀS0 (``features.initial_read``)."""
+    return _attention(tun, p, names, scale, sizes, has_z, C, S, rest, True)
+
+
+def _attention(tun, p, names, scale, sizes, has_z, C, S, rest, read_state: bool):
+    z = rest[0] if has_z else None
     arrays = rest[1:] if has_z else rest
     fi = p.analysis.feature_identity
     q, k, W, gam, t = _feature_operands(tun, p, names, scale, sizes, has_z, S, arrays)
-    T = q.shape[2]
-    scores, factors = _feature_kernels(tun, fi.degree, C, T)
-    group = features.attention_groups(sizes.B * sizes.H, -(-T // C) * C, C, segment_budget(tun))
-    Y = features.attention_form(q, k, W, gam, fi.constant(scale), C, tun.pow2_exp, fi.degree, scores, factors, group,
-                                tun if tun.replay_graphs else None)
+    T, BH = q.shape[2], sizes.B * sizes.H
     rows = feature_rows.rows_for(tun, q.shape[-1], S.dtype, C, W.shape[-1], fi.degree)
-    return _feature_outputs(p, t, Y, rows.from_rows(features.final_state(k, W, gam, rows, C, tun.pow2_exp)), has_z)
+    S0 = rows.to_rows(mx.concatenate([S, z[..., None]], axis=-1) if has_z else S) if read_state else None
+    # a slice of tokens' φ(q), its product with S0 and their gradients within the budget, about; whole chunks where
+    # it holds one (the kernels' rows have layouts for chunks of C)
+    slice_tokens = max(1, segment_budget(tun) // (4 * BH * (S0.shape[-2] if read_state else 1) * 6))
+    slice_tokens = slice_tokens // C * C or slice_tokens
+    scores, factors = _feature_kernels(tun, fi.degree, C, T)
+    group = features.attention_groups(BH, -(-T // C) * C, C, segment_budget(tun))
+    Y = features.attention_form(q, k, W, gam, fi.constant(scale), C, tun.pow2_exp, fi.degree, scores, factors, group,
+                                tun if tun.replay_graphs else None, S0, rows, slice_tokens)
+    S_end = features.final_state(k, W, gam, rows, C, tun.pow2_exp, S0)
+    return _feature_outputs(p, t, Y, rows.from_rows(S_end), has_z)
 
 
 def _feature_outputs(p, t, Y, S_end, has_z):
@@ -599,10 +615,11 @@ def forward(rec: ir.Recurrence, inputs: dict, *, scale: float, initial_state=Non
                        tun.feature_chunk_size if identity else tun.chunk_size)
     C = pow2_ceil(min(C, T))  # speed and memory only, not the result
     degree, V1 = (p.feature_identity.degree, sizes.V + has_z) if identity else (0, 0)
-    if identity and initial_state is None and features.attends(
-            tun.feature_attention, degree, sizes.B * sizes.H, -(-T // C) * C, C, sympow_width(sizes.Kin, degree),
-            sizes.Kin, V1, segment_budget(tun)):
-        fn = _body(_feature_attention, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)
+    given = initial_state is not None
+    if identity and features.attends(tun.feature_attention, degree, sizes.B * sizes.H, -(-T // C) * C, C,
+                                     sympow_width(sizes.Kin, degree), sizes.Kin, V1, segment_budget(tun), given):
+        body = _feature_attention_from if given else _feature_attention
+        fn = _body(body, rec, tuple(names), float(scale), sizes, has_z, C, out_dtype, tun, tun.compile)
         seg = T  # its memory is a group of queries' scores (``attention_groups``); segments would carry the state
     elif identity:  # one tile of the expanded space at a time
         rows = feature_rows.rows_for(tun, sizes.Kin, dtype, C, V1, degree)

@@ -252,13 +252,16 @@ def attention_groups(BH: int, T: int, C: int, budget: int) -> int:
     return budget // (4 * BH * C * T * ATTENTION_ARRAYS)
 
 
-def attends(mode: str, degree: int, BH: int, T: int, C: int, R: int, d: int, V1: int, budget: int) -> bool:
+def attends(mode: str, degree: int, BH: int, T: int, C: int, R: int, d: int, V1: int, budget: int,
+            state: bool = False) -> bool:
     """Whether a feature map of ``degree`` (R expanded rows of d keys, V' value columns, BH heads, T tokens padded to
-    whole chunks of C) runs as ``attention_form`` (``Tuning.feature_attention``): never; where its rows have no
-    kernels (degrees 3 and 4: ``"wide"``) and it takes fewer multiply-adds a token than the expanded state (T (d + V')
-    against 2 R V': φ(k)ᵀW into the states and φ(q) out of them); or always. In each case only if one chunk of
-    queries' scores against the whole sequence fit ``budget`` bytes (the segment budget; ``attention_groups``)."""
-    if mode == "never" or (mode == "wide" and (degree == 2 or T * (d + V1) > 2 * R * V1)):
+    whole chunks of C; ``state``: an initial state given) runs as ``attention_form`` (``Tuning.feature_attention``):
+    never; where its rows have no kernels (degrees 3 and 4: ``"wide"``) and it takes fewer multiply-adds a token than
+    the expanded state (T (d + V'), and R V' to read a given state, against 2 R V': φ(k)ᵀW into the states and φ(q)
+    out of them); or always. In each case only if one chunk of queries' scores against the whole sequence fit
+    ``budget`` bytes (the segment budget; ``attention_groups``)."""
+    cost = T * (d + V1) + (R * V1 if state else 0)
+    if mode == "never" or (mode == "wide" and (degree == 2 or cost > 2 * R * V1)):
         return False
     return attention_groups(BH, T, C, budget) >= 1
 
@@ -326,35 +329,61 @@ def cross_fn(degree: int, group: int, replay: Tuning | None = None):
 
 
 def attention_form(q, k, W, gam, c: float, C: int, pow2: bool = False, degree: int = 2, scores=None, factors=None,
-                   group: int | None = None, replay: Tuning | None = None):
-    """Y [B,H,T,V'] = c Σ_{s≤t} e^{Γ_t−Γ_s} (q_t·k_s)^degree W_s from a zero initial state, with no expanded state
-    (q, k, W, gam as ``chunk_form``'s): inside chunks ``chunk_scores``, between them ``cross_fn``, whose decays are
-    ``chunk_form``'s factors (e^{Γ_t}, L, e^{Γ_C−Γ_s}: sums of the log-decays they span), ``group`` chunks of queries
-    at a time (default: all). Quadratic in T, where the expanded state is linear in T but R = C(d + p − 1, p) rows
-    wide: 766 480 at d = 64, p = 4 (``attends``)."""
+                   group: int | None = None, replay: Tuning | None = None, S0=None, rows=None, slice_tokens: int = 0):
+    """Y [B,H,T,V'] = c (Σ_{s≤t} e^{Γ_t−Γ_s} (q_t·k_s)^degree W_s + e^{Γ_t} φ(q_t)ᵀS0) with no expanded state but the
+    initial one (q, k, W, gam as ``chunk_form``'s): inside chunks ``chunk_scores``, between them ``cross_fn``, whose
+    decays are ``chunk_form``'s factors (e^{Γ_t}, L, e^{Γ_C−Γ_s}: sums of the log-decays they span), ``group`` chunks
+    of queries at a time (default: all). Quadratic in T, where the expanded state is linear in T but R =
+    C(d + p − 1, p) rows wide: 766 480 at d = 64, p = 4 (``attends``). ``S0`` [B,H,R,V'] in ``rows``' layout, if
+    given, is read ``slice_tokens`` tokens' φ(q) at a time (``initial_read``)."""
     B, H, T, d = q.shape
     n = -(-T // C)
     qc, kc, Wc, gc = (_chunks(x, n, C) for x in (q, k, W, gam))
     Y = chunk_scores(qc, kc, gc, pow2, degree, scores) @ Wc
-    if n > 1:
+    if n > 1 or S0 is not None:
         to_t, to_end, LL = factors(gc) if factors else decay_factors(gc, pow2)
+    if n > 1:
         Z = cross_fn(degree, min(group or n, n), replay)(qc, kc, Wc * to_end[..., None], LL[:, :, :n, :n])[0]
         Y = Y + to_t[..., None] * Z
-    return (c * Y).reshape(B, H, n * C, -1)[:, :, :T]
+    Y = Y.reshape(B, H, n * C, -1)
+    if S0 is not None:  # e^{Γ_t} = l0 of t's chunk times the decay within it
+        Y = Y + initial_read(qc.reshape(B, H, n * C, d), (to_t * LL[:, :, :n, n, None]).reshape(B, H, n * C), S0,
+                             rows, slice_tokens or n * C)
+    return (c * Y)[:, :, :T]
 
 
-def final_state(k, W, gam, rows, C: int, pow2: bool = False):
-    """Σ_s e^{Γ_T−Γ_s} φ(k_s) W_sᵀ [B,H,R,V'] in ``rows``' layout: the attention form's final state (from a zero
-    initial state), its own graph, so formed and differentiated only where it is read, one chunk's φ(k) at a time
-    (k, W, gam as ``chunk_form``'s)."""
+def initial_read(q, decay, S0, rows, slice_tokens: int):
+    """e^{Γ_t} φ(q_t)ᵀS0 [B,H,T,V'] (q [B,H,T,d], decay = e^{Γ_t} [B,H,T], S0 [B,H,R,V'] in ``rows``' layout): the
+    attention form's read of a given initial state, φ(q) of ``slice_tokens`` tokens at a time, one slice after
+    another (``mx.depends``), over ``rows``' tiles (their weights ω on the state)."""
+    T = q.shape[2]
+    bounds = np.cumsum([0] + [rows.size(i) for i in range(rows.count)])
+    parts, after = [], []
+    for t0 in range(0, T, slice_tokens):
+        x = q[:, :, None, t0:t0 + slice_tokens]                      # [B,H,1,s,d]: one "chunk" of s tokens
+        x = mx.depends([x], after)[0] if after else x
+        y = None
+        for i in range(rows.count):
+            Si = S0[:, :, int(bounds[i]):int(bounds[i + 1])]
+            y = _plus(y, rows.out(rows.phi(x, i), rows.weighted(Si, i)[:, :, None], i))
+        parts.append(y[:, :, 0] * decay[:, :, t0:t0 + slice_tokens, None])
+        after = [parts[-1]]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def final_state(k, W, gam, rows, C: int, pow2: bool = False, S0=None):
+    """e^{Γ_T} S0 + Σ_s e^{Γ_T−Γ_s} φ(k_s) W_sᵀ [B,H,R,V'] in ``rows``' layout (S0 there too, or None: zero): the
+    attention form's final state, its own graph, so formed and differentiated only where it is read, one chunk's φ(k)
+    at a time (k, W, gam as ``chunk_form``'s)."""
     T = k.shape[2]
     n = -(-T // C)
     kc, Wc, gc = (_chunks(x, n, C) for x in (k, W, gam))
     _, to_end, LL = decay_factors(gc, pow2)
     Wb = Wc * (to_end * LL[:, :, n, :n, None])[..., None]  # e^{Γ_T−Γ_s} W_s
+    bounds = np.cumsum([0] + [rows.size(i) for i in range(rows.count)])
     tiles, after = [], []
     for i in range(rows.count):
-        S = None
+        S = None if S0 is None else LL[:, :, n, n, None, None] * S0[:, :, int(bounds[i]):int(bounds[i + 1])]
         for m in range(n):  # chunk after chunk (``mx.depends``): one chunk's φ(k) alive at a time
             km = kc[:, :, m:m + 1]
             km = mx.depends([km], after)[0] if after else km
