@@ -50,7 +50,7 @@ class Tuning:
     feature_identity: bool = True   # a feature map's chunked form through its kernel identity (``chunked.features``)
     feature_chunk_size: int = 64    # ... its chunk length (entry states are the expanded space: fewer, longer chunks)
     feature_attention: str = "wide"  # ... as attention, no expanded state (``features.attention_form``: quadratic in T,
-    #                                 from a zero initial state, where its [T, T] arrays fit the segment budget):
+    #                                 where one chunk of queries' scores against the sequence fits the segment budget):
     #                                 "wide" where φ's rows have no kernels (degrees 3, 4: 766 480 rows at d = 64,
     #                                 p = 4) and it takes fewer multiply-adds; "always"; "never"
     feature_decode: bool = False    # ... its decode step (T = 1) on the generated kernel split over K

@@ -331,12 +331,9 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
 def _features(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
     """A feature-map spec through its kernel identity (``features``; ``Analysis.feature_identity``): the scores
     inside chunks from the raw keys, the expanded state only between chunks. z rides along as S's value column V."""
-    z = rest[0] if has_z else None
-    arrays = rest[1:] if has_z else rest
     fi = p.analysis.feature_identity
-    q, k, W, gam, t = _feature_operands(tun, p, names, scale, sizes, has_z, S, arrays)
+    q, k, W, gam, state, t = _feature_operands(tun, p, names, scale, sizes, has_z, S, rest)
     T, d = q.shape[2], q.shape[-1]
-    state = mx.concatenate([S, z[..., None]], axis=-1) if has_z else S
     c = fi.constant(scale)
     rows = feature_rows.rows_for(tun, d, S.dtype, C, W.shape[-1], fi.degree)  # as ``forward`` chose them
     scores, factors = _feature_kernels(tun, fi.degree, C, T)
@@ -359,19 +356,17 @@ def _feature_attention_from(tun, p, names, scale, sizes, has_z, C, out_dtype, S,
 
 
 def _attention(tun, p, names, scale, sizes, has_z, C, S, rest, read_state: bool):
-    z = rest[0] if has_z else None
-    arrays = rest[1:] if has_z else rest
     fi = p.analysis.feature_identity
-    q, k, W, gam, t = _feature_operands(tun, p, names, scale, sizes, has_z, S, arrays)
-    T, BH = q.shape[2], sizes.B * sizes.H
+    q, k, W, gam, state, t = _feature_operands(tun, p, names, scale, sizes, has_z, S, rest)
+    T, BH, budget = q.shape[2], sizes.B * sizes.H, segment_budget(tun)
     rows = feature_rows.rows_for(tun, q.shape[-1], S.dtype, C, W.shape[-1], fi.degree)
-    S0 = rows.to_rows(mx.concatenate([S, z[..., None]], axis=-1) if has_z else S) if read_state else None
+    S0 = rows.to_rows(state) if read_state else None
     # a slice of tokens' φ(q), its product with S0 and their gradients within the budget, about; whole chunks where
     # it holds one (the kernels' rows have layouts for chunks of C)
-    slice_tokens = max(1, segment_budget(tun) // (4 * BH * (S0.shape[-2] if read_state else 1) * 6))
+    slice_tokens = max(1, budget // (4 * BH * (S0.shape[-2] if read_state else 1) * 6))
     slice_tokens = slice_tokens // C * C or slice_tokens
     scores, factors = _feature_kernels(tun, fi.degree, C, T)
-    group = features.attention_groups(BH, -(-T // C) * C, C, segment_budget(tun))
+    group = features.attention_groups(BH, -(-T // C) * C, C, budget)
     Y = features.attention_form(q, k, W, gam, fi.constant(scale), C, tun.pow2_exp, fi.degree, scores, factors, group,
                                 tun if tun.replay_graphs else None, S0, rows, slice_tokens)
     S_end = features.final_state(k, W, gam, rows, C, tun.pow2_exp, S0)
@@ -395,20 +390,23 @@ def _feature_kernels(tun, degree: int, C: int, T: int):
     return scores, ck.decay_factors_fn(tun) if ck.factors_on_kernels(tun, -(-T // C)) else None
 
 
-def _feature_operands(tun, p, names, scale, sizes, has_z, S, arrays):
-    """(q, k [B,H,T,d], W [B,H,T,V'], the log-decays [B,H,T], the roles) of a feature-map spec, in S's type: W the
-    values, and a column of ones where a normalizer rides along as value column V."""
+def _feature_operands(tun, p, names, scale, sizes, has_z, S, rest):
+    """(q, k [B,H,T,d], W [B,H,T,V'], the log-decays [B,H,T], the state [B,H,R,V'], the roles) of a feature-map spec
+    from a body's S and rest (z where there is a normalizer, then the inputs), in S's type: W the values and the
+    state S, each with a column where a normalizer rides along as value column V (ones; z)."""
     fi = p.analysis.feature_identity
+    arrays = rest[1:] if has_z else rest
     chunk = dict(zip(names, arrays))
     T, t = _roles(tun, p, names, scale, sizes, S, arrays, roles=("w", "logdecay"))
     # [B, H, T, d] made row-major once, in the inputs' type, before the cast (which keeps a transposed view's
     # strides): every kernel reading the chunks would otherwise copy the view again (eight copies a training step)
     q, k = (core.row_major(expand_heads(chunk[nm], sizes.H, p.rec.gqa, 2).transpose(0, 2, 1, 3)).astype(S.dtype)
             for nm in (fi.q, fi.k))
-    W = t["w"]
+    W, state = t["w"], S
     if has_z:
         W = mx.concatenate([W, mx.ones((sizes.B, sizes.H, T, 1), dtype=S.dtype)], axis=-1)
-    return q, k, W, t["logdecay"], t
+        state = mx.concatenate([S, rest[0][..., None]], axis=-1)
+    return q, k, W, t["logdecay"], state, t
 
 
 @lru_cache(maxsize=32)

@@ -105,6 +105,13 @@ class FormedRows:
 
     recordable = True  # no mx.custom_function in its products: a replay (``runtime.replay``) can record them
 
+    def tile(self, S, i: int):
+        """Tile i's rows of S [B,H,R,V'] (a state in this layout): S itself where there is one tile."""
+        if self.count == 1:
+            return S
+        start = sum(self.size(j) for j in range(i))
+        return S[:, :, start:start + self.size(i)]
+
     def phi(self, x, i: int):
         """What the products of tile i read for x [B,H,n,C,d]: here φ's rows themselves [B,H,n,C,R_i]."""
         return self.features(x, i)

@@ -24,9 +24,9 @@ formed once a pass). The in-chunk scores are the generated decayed-scores kernel
 (``chunk_kernels.decayed_scores_fn``, their VJP written), else MLX autodiff; the decay factors between chunks are
 MLX autodiff.
 
-From a zero initial state, where φ's rows outgrow the sequence (degree 4: 766 480 rows at d = 64), the same sums run
-as attention (``attention_form``, ``attends``): the scores of every earlier chunk in place of its state, the final
-state a graph of its own.
+Where φ's rows outgrow the sequence (degree 4: 766 480 rows at d = 64), the same sums run as attention
+(``attention_form``, ``attends``): the scores of every earlier chunk in place of its state, a given initial state
+read through φ(q), the final state a graph of its own.
 
 A decode step (T = 1) can run the generated feature decode kernel instead (``decode_fn``, ``Tuning.feature_decode``):
 each state row read and written once, split over blocks of rows.
@@ -40,7 +40,6 @@ import numpy as np
 
 from ..codegen.chunk_sources import feature_decode_supported
 from ..runtime import chunk_kernels as ck
-from ..runtime.pieces import Piece
 from ..tuning import Tuning
 from .core import exp
 from .feature_rows import TileRows, feature_tiles
@@ -169,16 +168,11 @@ def inter_fn(rows, gram_slices: int = 1, mix: Tuning | None = None, keep: bool =
     ``_mix_grad``'s (``gram_slices``, ``mix``). ``keep``: the chunks' states X = [ΔS; S0] of each tile are outputs too,
     kept for the backward instead of formed again (one φᵀY pass fewer, an expanded state more held between passes).
     ``replay``: the tuning, where both directions are recorded and replayed (``chunk_kernels.replayed``), or None."""
-    bounds = np.cumsum([0] + [rows.size(i) for i in range(rows.count)]) if rows.count > 1 else None
-
-    def tile(S, i):
-        return S if bounds is None else S[:, :, int(bounds[i]):int(bounds[i + 1])]
-
     def forward(q, k, Wb, LL, S0):
         Z, ends, kept, after = None, [], [], []
         for i in range(rows.count):
             qi, ki = mx.depends([q, k], after) if after else (q, k)  # tile after tile
-            X = rows.stacked(rows.phi(ki, i), Wb, tile(S0, i), i)
+            X = rows.stacked(rows.phi(ki, i), Wb, rows.tile(S0, i), i)
             Sh = _entry_states(X, LL)
             Z = _plus(Z, rows.out(rows.phi(qi, i), rows.weighted(Sh, i), i))  # the first n of Sh's n + 1
             ends.append(Sh[:, :, -1])
@@ -192,8 +186,8 @@ def inter_fn(rows, gram_slices: int = 1, mix: Tuning | None = None, keep: bool =
         for i in range(rows.count):
             qi, ki = mx.depends([q, k], after) if after else (q, k)
             pk, pq = rows.phi(ki, i), rows.phi(qi, i)
-            X = kept[i] if keep else rows.stacked(pk, Wb, tile(S0, i), i)            # [ΔS; S0] [B,H,n+1,R,V']
-            read = rows.stacked(pq, dZ, tile(dS_end, i), i, weighted=True)             # [read; dŜ_end]
+            X = kept[i] if keep else rows.stacked(pk, Wb, rows.tile(S0, i), i)       # [ΔS; S0] [B,H,n+1,R,V']
+            read = rows.stacked(pq, dZ, rows.tile(dS_end, i), i, weighted=True)        # [read; dŜ_end]
             Sh, ddS, dLLi = _mix_grad(X, read, LL, gram_slices, mix)  # ddS: dΔS (the first n), then dS0
             dq = _plus(dq, rows.jac(qi, rows.weighted(Sh, i), dZ, i))
             dLL = _plus(dLL, dLLi)
@@ -206,9 +200,7 @@ def inter_fn(rows, gram_slices: int = 1, mix: Tuning | None = None, keep: bool =
     def vjp(args, outs, cots):
         return backward(*args, cots[0], cots[1], *outs[2:])
 
-    if replay is not None:
-        return ck.piece(forward, vjp, "inter", replay)
-    return Piece(forward, vjp, name="inter")
+    return ck.piece(forward, vjp, "inter", replay)
 
 
 def _chunks(x, n: int, C: int):
@@ -323,9 +315,7 @@ def cross_fn(degree: int, group: int, replay: Tuning | None = None):
         cat = lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=2)  # noqa: E731
         return cat(dq), dk, dWb, cat(dL)
 
-    if replay is not None:
-        return ck.piece(forward, vjp, "cross", replay)
-    return Piece(forward, vjp, name="cross")
+    return ck.piece(forward, vjp, "cross", replay)
 
 
 def attention_form(q, k, W, gam, c: float, C: int, pow2: bool = False, degree: int = 2, scores=None, factors=None,
@@ -357,15 +347,13 @@ def initial_read(q, decay, S0, rows, slice_tokens: int):
     attention form's read of a given initial state, φ(q) of ``slice_tokens`` tokens at a time, one slice after
     another (``mx.depends``), over ``rows``' tiles (their weights ω on the state)."""
     T = q.shape[2]
-    bounds = np.cumsum([0] + [rows.size(i) for i in range(rows.count)])
     parts, after = [], []
     for t0 in range(0, T, slice_tokens):
         x = q[:, :, None, t0:t0 + slice_tokens]                      # [B,H,1,s,d]: one "chunk" of s tokens
         x = mx.depends([x], after)[0] if after else x
         y = None
         for i in range(rows.count):
-            Si = S0[:, :, int(bounds[i]):int(bounds[i + 1])]
-            y = _plus(y, rows.out(rows.phi(x, i), rows.weighted(Si, i)[:, :, None], i))
+            y = _plus(y, rows.out(rows.phi(x, i), rows.weighted(rows.tile(S0, i), i)[:, :, None], i))
         parts.append(y[:, :, 0] * decay[:, :, t0:t0 + slice_tokens, None])
         after = [parts[-1]]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
@@ -380,10 +368,9 @@ def final_state(k, W, gam, rows, C: int, pow2: bool = False, S0=None):
     kc, Wc, gc = (_chunks(x, n, C) for x in (k, W, gam))
     _, to_end, LL = decay_factors(gc, pow2)
     Wb = Wc * (to_end * LL[:, :, n, :n, None])[..., None]  # e^{Γ_T−Γ_s} W_s
-    bounds = np.cumsum([0] + [rows.size(i) for i in range(rows.count)])
     tiles, after = [], []
     for i in range(rows.count):
-        S = None if S0 is None else LL[:, :, n, n, None, None] * S0[:, :, int(bounds[i]):int(bounds[i + 1])]
+        S = None if S0 is None else LL[:, :, n, n, None, None] * rows.tile(S0, i)
         for m in range(n):  # chunk after chunk (``mx.depends``): one chunk's φ(k) alive at a time
             km = kc[:, :, m:m + 1]
             km = mx.depends([km], after)[0] if after else km

@@ -473,8 +473,11 @@ def replayed(fn, name: str, t: Tuning):
     return Replay(fn, name, lambda: replaying(t))
 
 
-def piece(fwd, vjp, name: str, t: Tuning) -> Piece:
-    """A ``pieces.Piece`` of ``fwd`` and ``vjp``, both ``replayed`` where the tuning replays graphs."""
+def piece(fwd, vjp, name: str, t: Tuning | None) -> Piece:
+    """A ``pieces.Piece`` of ``fwd`` and ``vjp``, both ``replayed`` where the tuning replays graphs (``t`` None:
+    never)."""
+    if t is None:
+        return Piece(fwd, vjp, name=name)
     return Piece(fwd, vjp, lambda f, n: replayed(f, n, t), name)
 
 
