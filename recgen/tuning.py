@@ -118,6 +118,9 @@ class Tuning:
     ut_16bit: bool = False          # ... the UT transform writing U = T w and W = T (b̃ e^G) in the keys' 16-bit type
     #                                 (the scans convert on load), as FLA keeps them: 0.13 GiB less at GDN's training
     #                                 peak (4,4096,16,128), as fast or faster at every shape timed (on on CUDA)
+    states_16bit: bool = False      # ... and T, the chunk states, Z (v_new) and M written in that type too, the reverse
+    #                                 scan's dS and dZ so, and the backward's MLX products between kernels on them, as
+    #                                 FLA keeps h, v_new, A, dh and dv (the recurrence itself runs in float32)
     key_factor_reads: bool = False  # ... for a key-vector decay (KDA) too: its pairs' scaling by β stays in MLX ops,
     #                                 measured slower for training (H100: 11.3 -> 11.9 ms) though faster forward
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
@@ -258,6 +261,7 @@ ENVIRONMENT = {
     "RECGEN_MODEL_ROWS": ("model_rows", _flag),
     "RECGEN_MODEL_ROWS_DENSE": ("model_rows_dense", _flag),
     "RECGEN_UT_16BIT": ("ut_16bit", _flag),
+    "RECGEN_STATES_16BIT": ("states_16bit", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_16BIT_LOGDECAY": ("logdecay_16bit", _flag),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),

@@ -139,8 +139,9 @@ def chunk_launches(target: str) -> list:
         return [ck.scan_launch(target, ScanVariant(vec=True, **terms), 8, 4, 64, 128, 128, F),
                 ck.scan_launch(target, ScanVariant(mma=True, **terms), 8, 4, 64, 128, 128, F)]
 
-    def mma(ml=None, **terms):
-        return ck.scan_launch(target, ScanVariant(mma=True, ml=ml is not None, **terms), 8, 4, 64, 128, 128, 1, ml=ml)
+    def mma(ml=None, st=None, **terms):
+        return ck.scan_launch(target, ScanVariant(mma=True, ml=ml is not None, s16=st is not None, **terms), 8, 4, 64,
+                              128, 128, 1, ml=ml, st=st)
 
     ml = (2, 1, 2, True)  # the model's layout: H = 2 value heads over one key head, two chunks a sequence
 
@@ -199,11 +200,21 @@ def chunk_launches(target: str) -> list:
                    ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"), V=128)]
                 + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * 4, before) for before in (False, True)]
                 # the readout staged two deep by 16-byte copies (``Tuning.async_staging``): GDN's call, and float32
-                + [ck.out_async_launch(target, 8, 64, 128, 128, ("bfloat16", "bfloat16", "float32"), (2, 2, "bfloat16"),
-                                       uf=True, ml=ml), ck.out_async_launch(target, 8, 64, 128, 128, ("float32",) * 3)]
+                + [ck.out_async_launch(target, 8, 64, 128, 128, ("bfloat16", "bfloat16", "float32", "float32"),
+                                       (2, 2, "bfloat16"), uf=True, ml=ml),
+                   ck.out_async_launch(target, 8, 64, 128, 128, ("float32",) * 4)]
                 + [ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("bfloat16", "bfloat16"),
                                       uf=True, ot="bfloat16", ml=ml),
                    ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("float32",) * 3)]
+                # GDN's with 16-bit states (``Tuning.states_16bit``): T, the states, Z and M, dS_next and dZ in bf16
+                # (the staged readout's source is the same at any states' type: its types are template constants)
+                + [mma(q=True, hoist=True, ml=ml, st="bfloat16"),
+                   mma(reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, ml=ml, st="bfloat16"),
+                   ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), uf=True, ml=ml, st="bfloat16"),
+                   ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("bfloat16", "bfloat16"),
+                                      uf=True, ot="bfloat16", ml=ml, st="bfloat16"),
+                   ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, uf=True, ot="bfloat16", ml=ml,
+                                    st="bfloat16")]
                 # with L2 hints (``Tuning.l2_prefetch``; the same kernels where the dialect has no prefetch)
                 + ([ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), uf=True, ml=ml, l2=True),
                     ck.out_mma_launch(target, 8, 64, 128, 64, most_bv=16, l2=True),  # narrow column blocks

@@ -683,7 +683,7 @@ def test_chunk_out_mma_matches_numpy(frame, C, K, V, bv, staging):
     l[0, : C // 2], l[0, C // 2:] = -20.0, -0.01
     ins = {"R": f(N, C, K), "U": f(N, C, K), "Z": f(N, C, V), "St": f(N, K, V), "logd": l, "Rs": np.array([0.3], np.float32)}
     launch = (ck.out_mma_launch(frame, N, C, K, V, None, bv) if staging == "sync"
-              else ck.out_async_launch(frame, N, C, K, V, ("float32",) * 3, None, bv))
+              else ck.out_async_launch(frame, N, C, K, V, ("float32",) * 4, None, bv))
     assert dict(launch.template)["BV"] == next(b for b in (bv, 64, 32, 16, 8) if V % b == 0)
     y, M = verify.run_launch(launch, ins)
     want_y, want_M = _out_ref(0.3 * ins["R"], *(ins[k] for k in ("U", "Z", "St", "logd")))  # the readout role is Rs R
@@ -1697,22 +1697,29 @@ def fresh_probe():
     pr._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "sympow", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "keyfactor",
-                                   "rows", "hoist", "hoist_e", "async", "mix", "factors", "products"])
+@pytest.mark.parametrize("frame", ["base", "sympow", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "s16",
+                                   "keyfactor", "rows", "hoist", "hoist_e", "async", "mix", "factors", "products"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass
-    ("hoist" runs the hoisted scans in both directions)."""
+    ("hoist" runs the hoisted scans in both directions; "s16" GDN's kernels as CUDA's table runs them, hoisted and
+    staged, with 16-bit states and with float32 ones)."""
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     assert pr._probe("metal", frame, SMALL) is None
     assert pr.usable("metal", frame, SMALL)
     hoisted = {c.split("_metal")[0] for c in calls if "_ho" in c}
+    gdn = {"recgen_chunk_scan_mma_q_ho", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_rev"}
     assert hoisted == {"hoist": {"recgen_chunk_scan_mma_q_ho", "recgen_chunk_scan_mma_q_ho_rev"},
-                       "hoist_e": {"recgen_chunk_scan_mma_nob_aq_e_ho_rev"}}.get(frame, set())
+                       "hoist_e": {"recgen_chunk_scan_mma_nob_aq_e_ho_rev"},
+                       "s16": gdn | {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev"}
+                       }.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
-    assert staged == ({"recgen_chunk_out_async", "recgen_chunk_out_async_uf_ml_yt", "recgen_chunk_ut_async",
-                       "recgen_chunk_ut_async_uf_o16_ml"} if frame == "async" else set())
+    assert staged == {"async": {"recgen_chunk_out_async", "recgen_chunk_out_async_uf_ml_yt", "recgen_chunk_ut_async",
+                                "recgen_chunk_ut_async_uf_o16_ml"},
+                      "s16": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16",
+                              "recgen_chunk_ut_async_uf_o16_s16"}}.get(frame, set())
     assert any("_pv_metal" in c for c in calls) == (frame == "products")
+    assert any("_s16_" in c for c in calls) == (frame == "s16")
 
 
 def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):
@@ -1746,8 +1753,11 @@ def test_the_probe_keeps_its_kernels_where_the_tuning_keeps_them(monkeypatch, fr
     assert prefetched == [("cuda", pr.FEATURE_FRAMES, pr.PROBE, "/kept")]
     pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/kept"}), pr.PROBE, pr.CHUNK_FRAMES)
     # what CUDA's table asks for: "mma" only where "hoist" fails, "scan" never, KDA's factor reads and the product-free
-    # scans' hoisting not (off), the backward's products not (off); the UT transform's 16-bit outputs (on)
-    assert prefetched[1][1] == pr.CHUNK_FRAMES - {"scan", "mma", "keyfactor", "hoist_e", "products"}, \
+    # scans' hoisting not (off), the backward's products not (off); the UT transform's 16-bit outputs (on); 16-bit
+    # states per CUDA's table
+    off = {"scan", "mma", "keyfactor", "hoist_e", "products"} | (set() if tuning.MEASURED["cuda"].get("states_16bit")
+                                                                 else {"s16"})
+    assert prefetched[1][1] == pr.CHUNK_FRAMES - off, \
         prefetched[1][1]
     pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "off"}))
     assert len(prefetched) == 2  # no cache, nothing made ahead
@@ -1787,6 +1797,7 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
 @pytest.mark.parametrize("frame,variable,flag,warning", [
     ("pairs", "RECGEN_MMA_PAIRS", "mma_pairs", "pair kernels on fragments"),
     ("ut16", "RECGEN_UT_16BIT", "ut_16bit", "16-bit outputs"),
+    ("s16", "RECGEN_STATES_16BIT", "states_16bit", "16-bit chunk states"),
     ("keyfactor", "RECGEN_KEY_FACTOR_READS", "key_factor_reads", "KDA's factor reads"),
     ("rows", "RECGEN_MODEL_ROWS", "model_rows", "model-layout reads"),
     ("decode", "RECGEN_FEATURE_DECODE", "feature_decode", "feature decode"),
@@ -1888,6 +1899,13 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
                               "scan_mma_aq_p_pq_dg_rev": {"A", "Bm", "Pa"}, "bwd_mma_delta_uf": {"R", "U"}},
      {"ut_mma_uf_o16": {"U", "W"}, "scan_mma_q": {"A", "X", "Bm"}, "out_mma_uf_yt": {"R", "U"},
       "scan_mma_aq_p_pq_dg_rev": {"A", "Bm", "Pa"}, "bwd_mma_delta_uf": {"R", "U"}}),
+    ("gated_delta_net/s16", {"ut_mma_uf_o16_s16": {"U", "W"}, "scan_mma_q_s16": {"A", "X", "Bm"},
+                             "out_mma_uf_yt_s16": {"R", "U", "Z", "St"},
+                             "scan_mma_aq_p_pq_dg_s16_rev": {"A", "X", "Bm", "Pa", "Pb", "St"},
+                             "bwd_mma_delta_uf": {"R", "U", "dMA", "dMR", "DUQ", "DRP", "DR"}},
+     {"ut_mma_uf_o16_s16": {"U", "W"}, "scan_mma_q_s16": {"A", "X", "Bm"}, "out_mma_uf_yt_s16": {"R", "U", "Z", "St"},
+      "scan_mma_aq_p_pq_dg_s16_rev": {"A", "X", "Bm", "Pa", "Pb", "St"},
+      "bwd_mma_delta_uf": {"R", "U", "dMA", "dMR", "DUQ", "DRP", "DR"}}),
     ("gated_delta_net/formed", {"ut_mma": {"Bt", "U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_yt": {"R", "U"},
                          "scan_mma_aq_p_pq_dg_rev": {"A", "Pa"}, "bwd_mma_delta": {"R", "U", "Bt"}},
      {"ut_mma": {"Bt", "W"}, "out_mma_yt": {"R"}, "scan_mma_aq_p_pq_dg_rev": {"Pa"}, "bwd_mma_delta": {"R", "Bt"}}),
@@ -1908,7 +1926,8 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare,
     within 1e-2 (o and the input gradients are rounded to bf16, and with 16-bit roles r = q / sqrt(K) and
     b̃ = β k once; a wrong conversion or a product in bf16 gives O(1) or ~1e-1). GDN with factor reads (the
     default) hands every kernel k itself, bf16 unless ``=0``; "/formed": with them off, the roles formed first;
-    "/ut16": the UT transform writes U and W in bf16 too (``Tuning.ut_16bit``), which both scans read."""
+    "/ut16": the UT transform writes U and W in bf16 too (``Tuning.ut_16bit``), which both scans read; "/s16": and
+    T, the states, Z, M, dS_next and dZ (``Tuning.states_16bit``), the backward's MLX products then in bf16 too."""
     mx = pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare
@@ -1916,7 +1935,7 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare,
     name, _, variant = name.partition("/")
     t = tuning.resolve("cpu", environ={}, dialect="metal", chunk_kernels=True, mma_scan=True,
                        roles_16bit={"1": "all", None: "bare", "0": "none"}[roles16], factor_reads=variant != "formed",
-                       ut_16bit=variant == "ut16")
+                       ut_16bit=variant in ("ut16", "s16"), states_16bit=variant == "s16")
     seen = _emulate_noting_bf16(monkeypatch)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=16, K=16, V=8, seed=4, in_dtype=mx.bfloat16, tuning=t),
                  1e-2, 1e-2)

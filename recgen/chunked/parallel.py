@@ -354,7 +354,7 @@ def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None):
     return states, Z, S[..., 0, :, :]
 
 
-def scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=None, states=None, ml=None):
+def scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=None, states=None, ml=None, st=None):
     """Reverse scan over chunks: dS_{c+1} for every chunk c [.., n, K, V], dZ [.., n, C, V] and
     dS_0, from dZ_c = F_c + (u ⊙ Q)_c dS_{c+1} and dS_c = g_c ⊙ dS_{c+1} + E_c + W_cᵀ dZ_c.
     With ``compose`` the step is dS_c = A_cᵀ dS_{c+1} + (E_c + W_cᵀ F_c) and dZ is batched after.
@@ -366,7 +366,8 @@ def scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=No
     formed inside the generated scan where it fuses products.
     ``uQ`` and E's first factor may come as (x, row scales) pairs (u, Q) and (r, P): the generated scan applies
     the scales as it reads x, where it can; elsewhere they are multiplied out as the factors are. ``ml``: those x
-    are the model's key inputs (``chunk_kernels.chunk_scan``)."""
+    are the model's key inputs (``chunk_kernels.chunk_scan``); ``st``: dS_{c+1} and dZ written in that 16-bit
+    type by the generated scan (``chunk_kernels.chunk_scan``'s)."""
     uQ, Aq = uQ if isinstance(uQ, tuple) else (uQ, None)
     C, K = F.shape[-2], dS_end.shape[-2]
     generated = kern and ck.scan_supported(kern, C, K)  # W None: dS_c = g_c ⊙ dS_{c+1} + E_c
@@ -378,7 +379,8 @@ def scan_backward(geo, dS_end, uQ, W, F, E, compose: bool, matrix: bool, kern=No
         else:
             E, Pq = _rows(Pa, Pq).swapaxes(-1, -2) @ Pb, None
     if generated:
-        return ck.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True, P=P, St=states, Aq=Aq, Pq=Pq, ml=ml)
+        return ck.chunk_scan(dS_end, uQ, F, W, geo.g, E, kern, reverse=True, P=P, St=states, Aq=Aq, Pq=Pq, ml=ml,
+                             st=st)
     out = _scan_backward_ops(geo, dS_end, _rows(uQ, Aq), W, F, E, compose, matrix)
     return out if states is None else out + ((out[0] * states).sum(-1),)
 
@@ -512,8 +514,9 @@ def _forward_keyed(geo, S0, r, x, w, f, rho: float, kern, out=None, rfac=None, m
     if geo.key:
         return _forward_keyed_key(geo, S0, r, x, w, f, rho, kern, out, rfac)
     o16 = x.dtype if kern.ut_16bit and x.dtype in (mx.bfloat16, mx.float16) else None  # U, W in the keys' type
-    Tm, U, W = ck.chunk_ut(None, x, w, geo.l, kern, uf=f, bf=rho, out=o16, ml=ml)
-    states, Z, S_end = ck.chunk_scan(S0, W, U, x, geo.g, None, kern, reverse=False, Bq=f * geo.Q, ml=ml)
+    s16 = o16 if kern.states_16bit else None  # and the residuals: T, the states, Z (then M, as the readout writes it)
+    Tm, U, W = ck.chunk_ut(None, x, w, geo.l, kern, uf=f, bf=rho, out=o16, ml=ml, st=s16)
+    states, Z, S_end = ck.chunk_scan(S0, W, U, x, geo.g, None, kern, reverse=False, Bq=f * geo.Q, ml=ml, st=s16)
     y, M = ck.chunk_out(r, x, Z, states, geo.l, kern, out, rfac, uf=f, ml=ml)
     return y, S_end, (states, M, Z, Tm, W)
 
@@ -631,16 +634,20 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
     the pair gradients through Γ and the elementwise tail; MLX keeps the products over V. ``factors`` = (f, ρ):
     factor reads (``_backward_keyed``), u a key x read as f ⊙ x (the scan's row scales f ⊙ Q) and b̃ = ρ x, bt None;
     the gradients of x and f come in place of du and db̃; ``ml``: r and x the model's key inputs, dr and dx per value
-    head in the model's layout (``chunk_kernels.chunk_bwd``)."""
+    head in the model's layout (``chunk_kernels.chunk_bwd``). 16-bit states (``Tuning.states_16bit``, with M, T and
+    Z so, and dy in their type: ``core_fn``) make the reverse scan write dS_next and dZ in it too, and every MLX
+    product here then runs on 16-bit operands (FLA's dh and dv)."""
     delta = bt is not None or factors is not None
     f, rho = factors or (None, None)
     states, M = res[:2]
     Z, Tm, W = res[2:] if delta else (w, None, None)
-    (Z,) = _up(geo, Z)
+    Z = Z.astype(states.dtype)  # products with the states' operands in one type (no promotion in MLX's products)
     Pr = geo.P if rfac is None else geo.P * rfac
     F = M.swapaxes(-1, -2) @ dy
     Aq = geo.Q if f is None else f * geo.Q
-    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (u, Aq), W, F, ((r, Pr), dy), compose, matrix, kern, states, ml)
+    st = None if states.dtype == mx.float32 else states.dtype
+    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (u, Aq), W, F, ((r, Pr), dy), compose, matrix, kern, states, ml,
+                                     st)
     cp = geo.t.copy_transposes
     ZT = tr(Z, cp)
     Delta = Tm.swapaxes(-1, -2) @ dZ if delta else dZ
@@ -719,8 +726,8 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         bt = a[5] if delta else None
         k = 6 if delta else 5
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
-        if out is not None:
-            dy = core_layout(dy, *l.shape[-3:-1], l.dtype)
+        if out is not None:  # in the states' type: 16-bit states (``Tuning.states_16bit``) take 16-bit products
+            dy = core_layout(dy, *l.shape[-3:-1], res[0].dtype)
         geo = Geo(l, t, geo_saved, scaled(r, u, True))
         if rho is not None:
             dS0, dr, du, dw, dl, dbt = _backward_keyed(geo, r, u, bt, rho, res, dy, dS_end, compose, matrix, kern, rfac,

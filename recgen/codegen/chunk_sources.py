@@ -70,8 +70,9 @@ class ScanVariant:
     copy and Y's product instead of stalling the loops that use them; ``reverse``: over the chunks in
     reverse; ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0); ``mma``: the fragment frame; ``ml``: the
     row-scaled operands (those of q, aq, pq: roles read from the model's key inputs) read in the model's layout
-    [B, n C, HK, K] (template constants H, HK, GB). p, dg, q, aq, pq, pf, hoist and ml exist on the fragment frame
-    only."""
+    [B, n C, HK, K] (template constants H, HK, GB); ``s16``: carried and Y written in type ST (template constant, a
+    16-bit type: the chunk states and Z kept as FLA keeps h and v_new), S itself in float. p, dg, q, aq, pq, pf,
+    hoist, ml and s16 exist on the fragment frame only."""
 
     a: bool = True
     b: bool = True
@@ -87,6 +88,7 @@ class ScanVariant:
     vec: bool = False
     mma: bool = False
     ml: bool = False
+    s16: bool = False
 
     def __post_init__(self):
         if not (self.a or self.b):
@@ -97,9 +99,9 @@ class ScanVariant:
             raise ValueError("chunk_scan: row scales Aq and prefetching need an A term")
         if self.pq and not self.p:
             raise ValueError("chunk_scan: row scales Pq need a P term")
-        if (self.p or self.dg or self.q or self.aq or self.pf or self.hoist or self.ml) and not self.mma:
-            raise ValueError("chunk_scan: P, dg, Bq, Aq terms, prefetching, hoisting and the model's layout need the "
-                             "fragment frame")
+        if (self.p or self.dg or self.q or self.aq or self.pf or self.hoist or self.ml or self.s16) and not self.mma:
+            raise ValueError("chunk_scan: P, dg, Bq, Aq terms, prefetching, hoisting, the model's layout and 16-bit "
+                             "outputs need the fragment frame")
         if self.ml and not (self.q or self.aq or self.pq):
             raise ValueError("chunk_scan: the model's layout (ml) is the row-scaled operands': needs Bq, Aq or Pq")
         if self.ml and self.pf:
@@ -112,7 +114,8 @@ class ScanVariant:
                 + ("_q" if self.q else "") + ("_aq" if self.aq else "") + ("_e" if self.e else "")
                 + ("_p" if self.p else "") + ("_pq" if self.pq else "") + ("_pf" if self.pf else "")
                 + ("_ho" if self.hoist else "")
-                + ("_dg" if self.dg else "") + ("_ml" if self.ml else "") + ("_rev" if self.reverse else "")
+                + ("_dg" if self.dg else "") + ("_ml" if self.ml else "") + ("_s16" if self.s16 else "")
+                + ("_rev" if self.reverse else "")
                 + ("_v4" if self.vec else ""))
 
     @property
@@ -144,7 +147,7 @@ def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
     if v.mma:
         return _source(d, "chunk_scan_mma.j2", v.kind, "chunk scan of the chunked core, fragment multiply-adds",
                        v.inputs, v.outputs, (), helpers=d.mma_prelude, has_p=v.p, has_dg=v.dg, has_q=v.q,
-                       has_aq=v.aq, has_pq=v.pq, pf=v.pf, hoist=v.hoist, ml=v.ml, **flags)
+                       has_aq=v.aq, has_pq=v.pq, pf=v.pf, hoist=v.hoist, ml=v.ml, s16=v.s16, **flags)
     return _source(d, "chunk_scan.j2", v.kind, "chunk scan of the chunked core", v.inputs, v.outputs, (),
                    vec=v.vec, **flags)
 
@@ -186,15 +189,18 @@ def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bo
 
 @lru_cache(maxsize=None)
 def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool = False, uf: bool = False,
-                   ml: bool = False, l2: bool = False) -> KernelSource:
+                   ml: bool = False, l2: bool = False, s16: bool = False) -> KernelSource:
     """``yt``: y written in the model's layout [B, T, H, V] and its type (template constants H, NCH, OT); ``key``: a
     key-vector decay's readout, M given (from the pair kernels) and P per key element, y the only output; ``m2``
     (with ``key``): the general rank-1 core's, R given scaled by its decays and a second pair M2 with values Z2;
     ``uf`` (a scalar decay's): U is a key x read with a factor per token Uf, u = Uf ⊙ x (never formed); ``ml`` (with
     ``uf`` and ``yt``): R and U read in the model's layout [B, T, HK, K] (template constants HK, GB); ``l2``: each
-    staging step hints the next one's lines into L2 (``Dialect.prefetch``)."""
+    staging step hints the next one's lines into L2 (``Dialect.prefetch``); ``s16`` (a scalar decay's): M written in
+    type ST (template constant), the 16-bit states' (``Tuning.states_16bit``)."""
     if ml and not (uf and yt):
         raise ValueError("chunk_out_mma: the model's layout (ml) is the factor-read form's, writing y so (uf, yt)")
+    if s16 and key:
+        raise ValueError("chunk_out_mma: M in 16 bits (s16) is the scalar decay form's (a key-vector decay's is given)")
     if m2 and not key:
         raise ValueError("chunk_out_mma: a second pair (m2) is the key-vector decay form's")
     if uf and key:
@@ -204,9 +210,10 @@ def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool =
     ins = (("R", "Mi", "Z", "St", "M2", "Z2", "Rs") if m2 else ("R", "Mi", "Z", "St", "Pk", "Rs")) if key else \
         (("R", "U", "Uf") if uf else ("R", "U")) + ("Z", "St", "logd", "Rs")
     kind = ("out_mma" + ("_key" if key else "") + ("_m2" if m2 else "") + ("_uf" if uf else "") + ("_ml" if ml else "")
-            + ("_yt" if yt else "") + ("_l2" if l2 else ""))
+            + ("_yt" if yt else "") + ("_l2" if l2 else "") + ("_s16" if s16 else ""))
     return _source(d, "chunk_out_mma.j2", kind, "chunk readout of the chunked core, fragment multiply-adds", ins,
-                   ("Y",) if key else ("Y", "M"), (), helpers=d.mma_prelude, yt=yt, key=key, m2=m2, uf=uf, ml=ml, l2=l2)
+                   ("Y",) if key else ("Y", "M"), (), helpers=d.mma_prelude, yt=yt, key=key, m2=m2, uf=uf, ml=ml, l2=l2,
+                   s16=s16)
 
 
 @lru_cache(maxsize=None)
@@ -227,17 +234,20 @@ def out_async_source(dialect: str, yt: bool = False, uf: bool = False, ml: bool 
 
 @lru_cache(maxsize=None)
 def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = False, o16: bool = False,
-                  ml: bool = False, l2: bool = False) -> KernelSource:
+                  ml: bool = False, l2: bool = False, s16: bool = False) -> KernelSource:
     """``key``: a key-vector decay's UT transform, A given (from the pair kernels) and P per key element; ``tb``
     (with ``key``): the general rank-1 core's, Uw = Tm (B w) from B given (``chunked.rank1``); ``uf``: both roles
     read from one key x, u = Uf ⊙ x with a factor per token and b̃ = Bf[0] x (with ``key``, A given: Bt is x, read
     with Bf[0]); ``o16`` (with ``uf``, a scalar decay's): Uw and Wb written in type OT (template constant); ``ml``
     (with ``uf``, a scalar decay's): x and W read in the model's layout (template constants H, HK, NCH, GB); ``l2``:
-    each staging step hints the next one's lines into L2 (``Dialect.prefetch``)."""
+    each staging step hints the next one's lines into L2 (``Dialect.prefetch``); ``s16`` (with ``o16``): Tm written
+    in type ST (template constant, ``Tuning.states_16bit``)."""
     if ml and (key or not uf):
         raise ValueError("chunk_ut_mma: the model's layout (ml) is the scalar decay's factor-read form's")
     if o16 and (key or not uf):
         raise ValueError("chunk_ut_mma: 16-bit outputs (o16) are the scalar decay's factor-read form's")
+    if s16 and not o16:
+        raise ValueError("chunk_ut_mma: a 16-bit Tm (s16) comes with 16-bit U and W (o16)")
     if tb and not key:
         raise ValueError("chunk_ut_mma: B given (tb) is the key-vector decay form's")
     if uf and tb:
@@ -247,26 +257,31 @@ def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = 
     ins = (("Ai", "Bm", "W", "Bt", "Pk") if tb else ("Ai", "W", "Bt", "Pk") + (("Bf",) if uf else ())) if key else \
         (("U", "Uf", "Bf", "W", "logd") if uf else ("Bt", "U", "W", "logd"))
     kind = ("ut_mma" + ("_key" if key else "") + ("_tb" if tb else "") + ("_uf" if uf else "") + ("_o16" if o16 else "")
-            + ("_ml" if ml else "") + ("_l2" if l2 else ""))
+            + ("_s16" if s16 else "") + ("_ml" if ml else "") + ("_l2" if l2 else ""))
     return _source(d, "chunk_ut_mma.j2", kind, "UT transform of the chunked core's delta rule, fragment multiply-adds",
-                   ins, ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude, key=key, tb=tb, uf=uf, o16=o16, ml=ml, l2=l2)
+                   ins, ("Tm", "Uw", "Wb"), (), helpers=d.mma_prelude, key=key, tb=tb, uf=uf, o16=o16, ml=ml, l2=l2,
+                   s16=s16)
 
 
 @lru_cache(maxsize=None)
-def ut_async_source(dialect: str, uf: bool = False, o16: bool = False, ml: bool = False) -> KernelSource:
+def ut_async_source(dialect: str, uf: bool = False, o16: bool = False, ml: bool = False,
+                    s16: bool = False) -> KernelSource:
     """The scalar-decay UT transform of ``ut_mma_source`` with its operands staged two buffers deep by the dialect's
-    16-byte copies (``chunk_ut_async.j2``; on CUDA cp.async). ``uf``, ``o16``, ``ml`` as there; the types UT, WT
-    (and BT without ``uf``) of the inputs are template constants (``ut_async_layout``)."""
+    16-byte copies (``chunk_ut_async.j2``; on CUDA cp.async). ``uf``, ``o16``, ``ml``, ``s16`` as there; the types
+    UT, WT (and BT without ``uf``) of the inputs are template constants (``ut_async_layout``)."""
     if ml and not uf:
         raise ValueError("chunk_ut_async: the model's layout (ml) is the factor-read form's")
     if o16 and not uf:
         raise ValueError("chunk_ut_async: 16-bit outputs (o16) are the factor-read form's")
+    if s16 and not o16:
+        raise ValueError("chunk_ut_async: a 16-bit Tm (s16) comes with 16-bit U and W (o16)")
     d = get(dialect)
     ins = ("U", "Uf", "Bf", "W", "logd") if uf else ("Bt", "U", "W", "logd")
-    kind = "ut_async" + ("_uf" if uf else "") + ("_o16" if o16 else "") + ("_ml" if ml else "")
+    kind = ("ut_async" + ("_uf" if uf else "") + ("_o16" if o16 else "") + ("_s16" if s16 else "")
+            + ("_ml" if ml else ""))
     return _source(d, "chunk_ut_async.j2", kind, "UT transform of the chunked core's delta rule, fragment multiply-adds, "
                    "operands staged by asynchronous copies", ins, ("Tm", "Uw", "Wb"), (),
-                   helpers=d.mma_prelude + d.copy_prelude, uf=uf, o16=o16, ml=ml)
+                   helpers=d.mma_prelude + d.copy_prelude, uf=uf, o16=o16, ml=ml, s16=s16)
 
 
 @lru_cache(maxsize=None)
@@ -662,22 +677,23 @@ def copy_stride(n: int, esize: int, rows: int) -> int:
 
 
 @lru_cache(maxsize=None)
-def out_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple = (4, 4, 4), most_bv: int = 128) -> dict | None:
+def out_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple = (4, 4, 4, 4),
+                     most_bv: int = 128) -> dict | None:
     """Template constants of the two-buffer readout (``out_async_source``), or None where it has none: C one of 16, 32,
-    64, K and V multiples of 8; ``sizes`` the bytes an element of R, U and Z (their blocks are copied verbatim). The
-    first (BV, KB) as ``out_mma_layout`` whose buffers fit the dialect's threadgroup memory: M (C × LD floats) and
+    64, K and V multiples of 8; ``sizes`` the bytes an element of R, U, Z and S_c (their blocks are copied
+    verbatim). The first (BV, KB) as ``out_mma_layout`` whose buffers fit the dialect's threadgroup memory: M (C × LD floats) and
     e^G, then a staging area SQ 16-byte words large for the largest of the three products' two buffers each: R's
-    and U's blocks (C × LDR, C × LDU), R's and S_c's (C × LDR, KB × LDB floats), Z's (KB × LDZ). At C = 64, K = V = 128
+    and U's blocks (C × LDR, C × LDU), R's and S_c's (C × LDR, KB × LDB), Z's (KB × LDZ). At C = 64, K = V = 128
     with 16-bit keys that is 40.25 KiB on CUDA (KB 16, BV 128)."""
     if C not in (16, 32, 64) or K % 8 or V % 8:
         return None
-    er, eu, ez = sizes
+    er, eu, ez, es = sizes
     ld = a_stride(C)
     for bv in (b for b in dict.fromkeys((most_bv, 64, 32, 16, 8)) if V % b == 0):
         for kb in (b for b in (32, 16, 8) if C % b == 0 and K % b == 0):
             ldr, ldu = copy_stride(kb, er, 8), copy_stride(kb, eu, 8)
-            ldb, ldz = copy_stride(bv, 4, 4), copy_stride(bv, ez, 4)
-            stage = max(2 * C * (ldr * er + ldu * eu), 2 * (C * ldr * er + kb * ldb * 4), 2 * kb * ldz * ez)
+            ldb, ldz = copy_stride(bv, es, 4), copy_stride(bv, ez, 4)
+            stage = max(2 * C * (ldr * er + ldu * eu), 2 * (C * ldr * er + kb * ldb * es), 2 * kb * ldz * ez)
             sq = -(-stage // 16)
             if 4 * (C * ld + C) + 16 * sq <= get(dialect).smem_bytes:
                 return {"BV": bv, "KB": kb, "LD": ld, "LDR": ldr, "LDU": ldu, "LDB": ldb, "LDZ": ldz, "SQ": sq}

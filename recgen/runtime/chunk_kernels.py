@@ -120,8 +120,11 @@ def decayed_scores_launch(dialect: str, N: int, C: int, power: int, grad: bool =
                   (("C", C), ("PW", power), ("RB", lay["RB"]), ("NB", lay["NB"]), ("NT", lay["NT"])))
 
 
-def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, v: ScanVariant, dgp_cols: int = 0) -> tuple:
-    outs = (((BH, n, K, V), "float32"), ((BH, n, C, V) if v.a else (1,), "float32"), ((BH, K, V), "float32"))
+def _scan_outputs(BH: int, n: int, C: int, K: int, V: int, v: ScanVariant, dgp_cols: int = 0,
+                  st: str | None = None) -> tuple:
+    """carried, Y (in type ``st`` where given, else float32), S_end and with ``v.dg`` dg's partial sums."""
+    outs = (((BH, n, K, V), st or "float32"), ((BH, n, C, V) if v.a else (1,), st or "float32"),
+            ((BH, K, V), "float32"))
     return outs + ((((BH, n, dgp_cols, K), "float32"),) if v.dg else ())
 
 
@@ -133,12 +136,15 @@ def _model_consts(ml: tuple | None, names=("H", "HK", "NCH", "GB")) -> tuple:
 
 @lru_cache(maxsize=256)
 def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V: int, F: int,
-                most_bv: int = 32, most_nw: int = MMA_NW, ml: tuple | None = None) -> Launch:
+                most_bv: int = 32, most_nw: int = MMA_NW, ml: tuple | None = None, st: str | None = None) -> Launch:
     """The scan of variant ``v`` over BH (batch, head) pairs of n chunks: the fragment frame where ``v.mma``
     (``most_bv``: its widest column tile, ``most_nw``: its most SIMD groups), else the FMA frame; ``ml`` (with
-    ``v.ml``): (H, HK, NCH, GB), see ``_model_consts``."""
+    ``v.ml``): (H, HK, NCH, GB), see ``_model_consts``; ``st`` (with ``v.s16``): the 16-bit dtype name of carried
+    and Y."""
     if v.ml != (ml is not None):
         raise ValueError("chunk_scan_mma: the model's layout (ml) needs its constants (H, HK, NCH, GB), and only it")
+    if v.s16 != (st is not None):
+        raise ValueError("chunk_scan_mma: 16-bit outputs (s16) need their type (st), and only they")
     src = scan_source(dialect, v)
     if v.mma:
         lay = scan_mma_layout(C, K, V, most_bv, most_nw)
@@ -148,8 +154,9 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
             raise ValueError(f"chunk_scan_mma: prefetching and hoisting need one item of Y a group, not so at C={C}, "
                              f"K={K}, V={V}")
         nt = 32 * lay["NW"]
-        tmpl = (("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items()) + _model_consts(ml, ("H", "HK", "GB"))
-        return Launch(src, (("rt", (n,), "int32"),), _scan_outputs(BH, n, C, K, V, v, V // lay["BV"]),
+        tmpl = ((("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items()) + _model_consts(ml, ("H", "HK", "GB"))
+                + ((("ST", st),) if st else ()))
+        return Launch(src, (("rt", (n,), "int32"),), _scan_outputs(BH, n, C, K, V, v, V // lay["BV"], st),
                       (V // lay["BV"] * nt, BH, 1), (nt, 1, 1), tmpl)
     lay = scan_layout(dialect, C, K)
     tmpl = (("C", C), ("K", K), ("V", V), ("F", F), ("BV", BV)) + tuple(lay.items())
@@ -160,20 +167,21 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
 @lru_cache(maxsize=256)
 def out_mma_launch(dialect: str, N: int, C: int, K: int, V: int, yt: tuple | None = None, most_bv: int = 128,
                    key: bool = False, m2: bool = False, uf: bool = False, ml: tuple | None = None,
-                   l2: bool = False) -> Launch:
+                   l2: bool = False, st: str | None = None) -> Launch:
     """``yt`` = (H, n, dtype name): y as [N / (H n), n C, H, V] of that type (N = B H n chunks), else [N, C, V] float32;
     ``key``: a key-vector decay's readout (M given: y is the only output); ``m2``: the general rank-1 core's
     (``chunk_out_rank1``); ``uf``: u read as a key times a factor per token; ``ml`` (with ``uf`` and ``yt``, the same H
     and n): r and the key read in the model's layout, (H, HK, NCH, GB) as ``_model_consts``; ``l2``: the staging
-    steps hint their next blocks into L2 (``Tuning.l2_prefetch``)."""
+    steps hint their next blocks into L2 (``Tuning.l2_prefetch``); ``st``: the 16-bit dtype name M is written in
+    (the states', ``Tuning.states_16bit``), else float32."""
     y, consts = _readout_y("chunk_out_mma", N, C, V, yt, ml)
     lay = out_mma_layout(dialect, C, K, V, most_bv)
     if lay is None:
         raise ValueError(f"chunk_out_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8")
-    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + consts
+    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + consts + ((("ST", st),) if st else ())
     nt = 2 * C  # C / 16 SIMD groups of 32
-    return Launch(out_mma_source(dialect, yt is not None, key, m2, uf, ml is not None, l2), (),
-                  (y,) if key else (y, ((N, C, C), "float32")),
+    return Launch(out_mma_source(dialect, yt is not None, key, m2, uf, ml is not None, l2, st is not None), (),
+                  (y,) if key else (y, ((N, C, C), st or "float32")),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
@@ -188,9 +196,10 @@ def _readout_y(kernel: str, N: int, C: int, V: int, yt: tuple | None, ml: tuple 
     return ((N // (H * n), n * C, H, V), dt), (("H", H), ("NCH", n), ("OT", dt)) + _model_consts(ml, ("HK", "GB"))
 
 
-def _ut_outputs(N: int, C: int, K: int, V: int, ot: str | None) -> tuple:
-    """The UT transform's Tm [N, C, C] float32, U [N, C, V] and W [N, C, K] (in type ``ot`` where given)."""
-    return ((N, C, C), "float32"), ((N, C, V), ot or "float32"), ((N, C, K), ot or "float32")
+def _ut_outputs(N: int, C: int, K: int, V: int, ot: str | None, st: str | None = None) -> tuple:
+    """The UT transform's Tm [N, C, C] (in type ``st`` where given), U [N, C, V] and W [N, C, K] (in type ``ot``
+    where given), else float32."""
+    return ((N, C, C), st or "float32"), ((N, C, V), ot or "float32"), ((N, C, K), ot or "float32")
 
 
 def _itemsize(dtype_name: str) -> int:
@@ -201,21 +210,23 @@ def _itemsize(dtype_name: str) -> int:
 def out_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, yt: tuple | None = None,
                      most_bv: int = 128, uf: bool = False, ml: tuple | None = None) -> Launch | None:
     """The two-buffer readout (``out_async_source``) with ``out_mma_launch``'s arguments; ``types``: the dtype names
-    of R, U and Z, whose blocks it copies verbatim. None where its buffers have no layout (then the synchronous
-    frame runs)."""
+    of R, U, Z and S_c, whose blocks it copies verbatim (M is written in S_c's). None where its buffers have no
+    layout (then the synchronous frame runs)."""
+    if len(types) != 4:
+        raise ValueError(f"chunk_out_async: types {types} must name R, U, Z and S_c")
     y, consts = _readout_y("chunk_out_async", N, C, V, yt, ml)
     lay = out_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bv)
     if lay is None:
         return None
-    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "ZT"), types)) + consts
+    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "ZT", "ST"), types)) + consts
     nt = 2 * C
-    return Launch(out_async_source(dialect, yt is not None, uf, ml is not None), (), (y, ((N, C, C), "float32")),
+    return Launch(out_async_source(dialect, yt is not None, uf, ml is not None), (), (y, ((N, C, C), types[3])),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
 def ut_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, most_bw: int = 128, uf: bool = False,
-                    ot: str | None = None, ml: tuple | None = None) -> Launch | None:
+                    ot: str | None = None, ml: tuple | None = None, st: str | None = None) -> Launch | None:
     """The two-buffer UT transform (``ut_async_source``) with ``ut_mma_launch``'s arguments; ``types``: the dtype
     names of U (the key x where ``uf``), W and, without ``uf``, Bt, whose blocks it copies verbatim. None where its
     buffers have no layout (then the synchronous frame runs)."""
@@ -225,29 +236,31 @@ def ut_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, 
     if lay is None:
         return None
     tmpl = ((("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + tuple(zip(("UT", "WT", "BT"), types))
-            + ((("OT", ot),) if ot else ()) + _model_consts(ml))
-    return Launch(ut_async_source(dialect, uf, ot is not None, ml is not None), (), _ut_outputs(N, C, K, V, ot),
+            + ((("OT", ot),) if ot else ()) + ((("ST", st),) if st else ()) + _model_consts(ml))
+    return Launch(ut_async_source(dialect, uf, ot is not None, ml is not None, st is not None), (),
+                  _ut_outputs(N, C, K, V, ot, st),
                   (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
 def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 128, key: bool = False,
                   tb: bool = False, uf: bool = False, ot: str | None = None, ml: tuple | None = None,
-                  l2: bool = False) -> Launch:
+                  l2: bool = False, st: str | None = None) -> Launch:
     """``key``: a key-vector decay's UT transform (A given); ``tb``: and B given, Uw = Tm (B w) (``chunk_ut_key``);
     ``uf``: both roles read from one key with their factors (``chunk_ut``'s ``uf``); ``ot`` (with ``uf``): the dtype
     name Uw and Wb are written in (a 16-bit one), else float32; ``ml`` (with ``uf``): the key and w read in the model's
     layout, (H, HK, NCH, GB) as ``_model_consts``; ``l2``: the staging steps hint their next blocks into L2
-    (``Tuning.l2_prefetch``)."""
+    (``Tuning.l2_prefetch``); ``st`` (with ``ot``): the 16-bit dtype name Tm is written in (``Tuning.states_16bit``)."""
     lay = ut_mma_layout(dialect, C, K, V, most_bw)
     if lay is None:
         raise ValueError(f"chunk_ut_mma: C={C} must be 16, 32 or 64 and K={K}, V={V} multiples of 8, "
                          f"and the tiles must fit {dialect}'s threadgroup memory")
     if tb:  # Tm B's columns a pass: a multiple of 8 dividing C, within the staging rows of BW columns
         lay = dict(lay, BC=8 * math.gcd(C // 8, lay["BW"] // 8))
-    tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + ((("OT", ot),) if ot else ()) + _model_consts(ml)
-    return Launch(ut_mma_source(dialect, key, tb, uf, ot is not None, ml is not None, l2), (),
-                  _ut_outputs(N, C, K, V, ot), (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
+    tmpl = ((("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + ((("OT", ot),) if ot else ())
+            + ((("ST", st),) if st else ()) + _model_consts(ml))
+    return Launch(ut_mma_source(dialect, key, tb, uf, ot is not None, ml is not None, l2, st is not None), (),
+                  _ut_outputs(N, C, K, V, ot, st), (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
 
 
 @lru_cache(maxsize=256)
@@ -517,7 +530,8 @@ def _scan_schedule(t: Tuning, BH: int, C: int, K: int, V: int, reverse: bool, mm
     return nw, mma and has_a and t.scan_prefetch and one_item, hoists and (not has_a or one_item)
 
 
-def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq=None, Aq=None, Pq=None, ml=None):
+def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq=None, Aq=None, Pq=None, ml=None,
+               st=None):
     """carried_c = S,  Y_c = X_c + A_c S,  S ← g_c ⊙ S + B_cᵀ Y_c (+ E_c) over [..., n, ·, ·] operands (leading
     axes flattened to one (b, h) axis), in order or in reverse.
     S0 [.., K, V], A (None: Y = X) and Bm (None: no B term) [.., n, C, K], X [.., n, C, V], g [.., n, F] (F = 1 or K),
@@ -527,10 +541,11 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     Paᵀ Pb (read as factors by the fragment frame, ``scan_fuses_products``; multiplied out by MLX first
     otherwise). ``Aq``, ``Pq``: None or row scales [.., n, C, 1] of A and of Pa, applied as read on the fragment
     frame (A and Pa may then be 16-bit), by MLX first otherwise.
-    Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32, and with
+    Returns (carried [.., n, K, V], Y [.., n, C, V], S_end [.., K, V]), float32 (carried and Y: ``st``), and with
     ``St`` [.., n, K, V] also dg = Σ_j carried ⊙ St [.., n, K] (in the kernel where it fuses products).
     ``ml`` = (H, HK, NCH, GB) (``_model_consts``): the row-scaled operands (A with Aq, Bm with Bq, Pa with Pq) are
-    the model's key inputs [B, n C, HK, K] as they are, read so by the fragment frame (which must run)."""
+    the model's key inputs [B, n C, HK, K] as they are, read so by the fragment frame (which must run). ``st`` (a
+    16-bit mx dtype, ``Tuning.states_16bit``): carried and Y are written in it (the fragment frame must run)."""
     lead = S0.shape[:-2]
     K, V = S0.shape[-2:]
     n, C = X.shape[-3], X.shape[-2]
@@ -558,12 +573,13 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
             + ([flat(Bq, n, C)] if Bq is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
             + ([rows(P[0], Pq is not None), flat(P[1], n, C, V)] if P is not None else [])
             + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
-    mma = P is not None or dg_here or Bq is not None or Aq is not None or use_mma(t, C, K, V)
+    mma = P is not None or dg_here or Bq is not None or Aq is not None or st is not None or use_mma(t, C, K, V)
     nw, pf, hoist = _scan_schedule(t, BH, C, K, V, reverse, mma, A is not None, Bm is not None or P is not None)
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf and ml is None,
-                    hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None)
-    outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv, nw, ml), user)
+                    hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None, s16=st is not None)
+    outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv, nw, ml,
+                                None if st is None else dtype_name(st)), user)
     carried, Y, S_end = outs[0].reshape(*lead, n, K, V), outs[1], outs[2].reshape(*lead, K, V)
     Y = Y.reshape(*lead, n, C, V) if A is not None else X
     if St is None:
@@ -579,7 +595,8 @@ def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None, ml=None
     mx dtype; r then [B, H, n, C, K]) y in the model's layout [B, n C, H, V] and that type. With ``rs`` (a
     float) the readout role is rs·r, scaled by the kernel (y and M_ru are linear in r). With ``uf`` [.., n, C, 1]
     (float32) ``u`` is a key x and the role uf ⊙ x, formed as read; with ``ml`` (``chunk_scan``'s, and ``out``) r and x
-    are the model's key inputs [B, n C, HK, K] as they are."""
+    are the model's key inputs [B, n C, HK, K] as they are. 16-bit states (``Tuning.states_16bit``) give M_ru in
+    their type."""
     import mlx.core as mx
 
     (n, C, V), K = Z.shape[-3:], r.shape[-1]
@@ -588,10 +605,11 @@ def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None, ml=None
     keys = [r, u] if ml is not None else [r.reshape(N, C, K), u.reshape(N, C, K)]
     launch = None
     if t.async_staging:
-        types = tuple(dtype_name(x.dtype) for x in (r, u, Z))
+        types = tuple(dtype_name(x.dtype) for x in (r, u, Z, states))
         launch = out_async_launch(t.dialect, N, C, K, V, types, yt, t.out_bv, uf=uf is not None, ml=ml)
     if launch is None:
-        launch = out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, uf=uf is not None, ml=ml, l2=t.l2_prefetch)
+        st = None if states.dtype == mx.float32 else dtype_name(states.dtype)
+        launch = out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, uf=uf is not None, ml=ml, l2=t.l2_prefetch, st=st)
     y, M = _call(t, launch,
                     keys + ([] if uf is None else [uf.reshape(N, C)])
                     + [Z.reshape(N, C, V), states.reshape(N, K, V), l.reshape(N, C),
@@ -599,12 +617,13 @@ def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None, ml=None
     return (y if out is not None else y.reshape(*Z.shape)), M.reshape(*Z.shape[:-1], C)
 
 
-def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None, out=None, ml=None):
+def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None, out=None, ml=None, st=None):
     """The delta rule's UT transform per chunk for a scalar decay, by the fragment kernel: A[t, s] =
     (b̃_t · u_s) Γ(t, s) for s < t, Tm = (I − A)^{-1}, U = Tm w, W = Tm (b̃ ⊙ P). bt, u [.., n, C, K], w
     [.., n, C, V], l (log-decays) [.., n, C, 1]. Returns (Tm [.., n, C, C], U [.., n, C, V], W [.., n, C, K]).
     Factor reads: with ``uf`` [.., n, C, 1] (float32) and ``bf`` (a float), ``bt`` is None and ``u`` a key x; the
-    roles are uf ⊙ x and bf·x, formed as read; ``out`` (a 16-bit mx dtype) then writes U and W in it. With ``ml``
+    roles are uf ⊙ x and bf·x, formed as read; ``out`` (a 16-bit mx dtype) then writes U and W in it, and ``st``
+    (``Tuning.states_16bit``, a 16-bit mx dtype, with ``out``) Tm in it. With ``ml``
     (``chunk_scan``'s) x and w are the model's inputs [B, n C, HK, K] and [B, n C, H, V] as they are."""
     import mlx.core as mx
 
@@ -612,13 +631,14 @@ def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None, out=None,
     N, lead = _lead(l, 2), l.shape[:-1]
     x = u if ml is not None else u.reshape(N, C, K)
     roles = ([bt.reshape(N, C, K), x] if uf is None else [x, uf.reshape(N, C), mx.array([bf], dtype=mx.float32)])
-    ot = None if out is None else dtype_name(out)
+    ot, st = (None if x is None else dtype_name(x) for x in (out, st))
     launch = None
     if t.async_staging:
         types = tuple(dtype_name(a.dtype) for a in ((u, w) if uf is not None else (u, w, bt)))
-        launch = ut_async_launch(t.dialect, N, C, K, V, types, t.ut_bw, uf=uf is not None, ot=ot, ml=ml)
+        launch = ut_async_launch(t.dialect, N, C, K, V, types, t.ut_bw, uf=uf is not None, ot=ot, ml=ml, st=st)
     if launch is None:
-        launch = ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None, ot=ot, ml=ml, l2=t.l2_prefetch)
+        launch = ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None, ot=ot, ml=ml, l2=t.l2_prefetch,
+                               st=st)
     Tm, U, W = _call(t, launch,
                      roles + [w if ml is not None else w.reshape(N, C, V), l.reshape(N, C)])
     return Tm.reshape(*lead, C), U.reshape(*lead, V), W.reshape(*lead, K)

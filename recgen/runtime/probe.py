@@ -26,17 +26,18 @@ PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test: the common case's temp
 # the decayed scores); "base" holds the inverse, the pairs and the sympow map, "sympow" the sympow map alone (φ formed
 # in memory where the products' kernels are off): the frame that turns the chunk kernels off where it fails
 CHUNK_FRAMES = frozenset({"base", "scan", "mma", "hoist", "tail", "pairs", "ut16", "rows", "hoist_e", "keyfactor",
-                          "async", "products"})
+                          "async", "products", "s16"})
 FEATURE_FRAMES = frozenset({"sympow", "features", "decode", "scores", "mix", "factors"})
 # ... and those of a key-vector decay only: its pair kernels on fragments, KDA's factor reads, its backward tails
 KEY_DECAY_FRAMES = frozenset({"pairs", "keyfactor", "tail"})
 EVERY_FRAME = CHUNK_FRAMES | FEATURE_FRAMES
 # The choices each opt-in frame stands for: probed only where the tuning asks for one of them, and turned off where
-# it fails (then: the backward's tail in MLX ops; the pairs' FMA form; U and W in float32; q, k, v copied to the
-# chunks' layout; each operand loaded where used; KDA's roles formed; synchronous staging; the backward pass's
-# products over values, the decode step, φ's products, the in-chunk scores, the backward's products over chunks and
-# the decay factors in MLX ops)
-FRAME_FLAGS = {"tail": ("fused_bwd",), "pairs": ("mma_pairs",), "ut16": ("ut_16bit",), "rows": ("model_rows",),
+# it fails (then: the backward's tail in MLX ops; the pairs' FMA form; U and W in float32; the chunk states and
+# residuals in float32; q, k, v copied to the chunks' layout; each operand loaded where used; KDA's roles formed;
+# synchronous staging; the backward pass's products over values, the decode step, φ's products, the in-chunk
+# scores, the backward's products over chunks and the decay factors in MLX ops)
+FRAME_FLAGS = {"tail": ("fused_bwd",), "pairs": ("mma_pairs",), "ut16": ("ut_16bit",), "s16": ("states_16bit",),
+               "rows": ("model_rows",),
                "hoist": ("scan_hoist", "reverse_scan_hoist"), "hoist_e": ("scan_hoist_e",),
                "keyfactor": ("key_factor_reads",), "async": ("async_staging",), "products": ("bwd_products",),
                "decode": ("feature_decode",),
@@ -97,7 +98,7 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
     # Choices that exist only on the fragment kernels, each with its own frame: without those kernels they do nothing
     # (so they go off unprobed); with them a failing frame turns off only its own choice
     fragments = t.chunk_kernels and changes.get("chunk_kernels", True) and changes.get("mma_scan", t.mma_scan)
-    for frame in ("ut16", "rows", "hoist", "hoist_e", "keyfactor", "async", "products"):
+    for frame in ("ut16", "s16", "rows", "hoist", "hoist_e", "keyfactor", "async", "products"):
         flags = FRAME_FLAGS[frame]
         if frame in frames and any(getattr(t, f) for f in flags) and not (fragments and ok(frame)):
             changes.update(dict.fromkeys(flags, False))
@@ -152,7 +153,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     "scores" (a scalar decay's decayed scores between a chunk's tokens and their gradients, a reset among them),
     "mix" (the products over chunks of a feature map's backward at 17 states), "factors" (a scalar decay's factors
     in that form and their gradient, a reset among the log-decays),
-    "ut16" (the factor-read UT transform writing bf16), "keyfactor" (KDA's factor-read UT transform and tail) and
+    "ut16" (the factor-read UT transform writing bf16), "s16" (GDN's kernels writing their residuals and reading
+    products in bf16, against their float32 forms), "keyfactor" (KDA's factor-read UT transform and tail) and
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
     state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
@@ -183,11 +185,13 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
             carried[c], Y[c] = S, X[c] + A[c] @ S
             S = 0.5 * S + (0 if B is None else B[c].T @ Y[c]) + (0 if E is None else E[c])
         return np.stack(carried), np.stack(Y), S
+    # "s16" as CUDA's table runs it (hoisted scans, staged readout and UT transform): the kernels a model then uses
     t = resolve("gpu", dialect, environ={}, chunk_kernels=True, kernel_cache=kernel_cache,
                 mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e", "async",
-                                   "products"),
-                mma_pairs=frame == "pairs", scan_hoist=frame == "hoist", reverse_scan_hoist=frame == "hoist",
-                scan_hoist_e=frame == "hoist_e", async_staging=frame == "async", bwd_products=frame == "products")
+                                   "products", "s16"),
+                mma_pairs=frame == "pairs", scan_hoist=frame in ("hoist", "s16"),
+                reverse_scan_hoist=frame in ("hoist", "s16"), scan_hoist_e=frame == "hoist_e",
+                async_staging=frame in ("async", "s16"), bwd_products=frame == "products")
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
     try:
@@ -275,6 +279,28 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                 fx = rng.uniform(size=(n, C, 1))
                 got = list(ck.chunk_ut(None, x16, w16, f32(np.full((n, C, 1), -0.1)), t, f32(fx), -1.0, mx.bfloat16))
                 ref = ut_expected(-x, fx * x, w_, -0.1 * np.arange(1, C + 1))[1]
+        elif frame == "s16":  # GDN's kernels with 16-bit states (``Tuning.states_16bit``) against their float32 forms,
+            got, ref = [], []  # which "mma" checks against float64: each within bf16 rounding
+            if ck.fuses_ut(t, C, K, V) and ck.fuses_bwd(t, C, K, True):
+                x16, q16 = (f32(rng.normal(size=(1, n, C, K)) / np.sqrt(K)).astype(mx.bfloat16) for _ in range(2))
+                w16 = f32(rng.normal(size=(1, n, C, V))).astype(mx.bfloat16)
+                l, g = f32(np.full((1, n, C, 1), -0.1)), f32(np.full((1, n, 1), 0.5))
+                fx = f32(rng.uniform(size=(1, n, C, 1)))
+                S0, Fs, Pb = f32(rng.normal(size=(1, K, V))), *(f32(rng.normal(size=(1, n, C, V))) for _ in range(2))
+                prods = [f32(rng.normal(size=s)).astype(mx.bfloat16) for s in [(1, n, C, C)] * 2 + [(1, n, C, K)] * 3]
+                DG = f32(rng.normal(size=(1, n)))
+
+                def run(st, up):
+                    Tm, U, W = ck.chunk_ut(None, x16, w16, l, t, uf=fx, bf=-1.0, out=mx.bfloat16, st=st)
+                    carried, Z, S_end = ck.chunk_scan(S0, W, U, x16, g, None, t, reverse=False, Bq=fx, st=st)
+                    y, M = ck.chunk_out(q16, x16, Z, carried, l, t, uf=fx)
+                    rev = ck.chunk_scan(S0, x16, up(Fs), W, g, None, t, reverse=True, P=(q16, up(Pb)), St=carried,
+                                        Aq=fx, Pq=fx, st=st)
+                    grads = ck.chunk_bwd(*(up(a) for a in prods[:2]), q16, x16, None, *(up(a) for a in prods[2:]), l,
+                                         DG, t, uf=fx, bf=-1.0)
+                    return [Tm, U, W, carried, Z, S_end, y, M, *rev, *grads]
+                got = run(mx.bfloat16, lambda a: a.astype(mx.bfloat16))
+                ref = [np.array(a.astype(mx.float32), np.float64) for a in run(None, lambda a: a.astype(mx.float32))]
         elif frame == "rows":  # GDN's five kernels in the model's layout: B = 1, H = 2 over one key head, bf16 inputs
             got, ref = [], []
             if ck.fuses_ut(t, C, K, V) and ck.fuses_bwd(t, C, K, True):
@@ -517,6 +543,7 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE, kernel_cache
                 "pairs": "the pair kernels on fragments (their FMA form is used)",
                 "tail": "the fused backward (MLX ops are used for it)",
                 "ut16": "the UT transform's 16-bit outputs (float32 is used)",
+                "s16": "the 16-bit chunk states (float32 is used)",
                 "keyfactor": "KDA's factor reads (its roles are formed)",
                 "rows": "the model-layout reads of q, k, v (they are copied to the chunks' layout)",
                 "hoist": "the scans' hoisted loads (each operand is loaded where it is used)",

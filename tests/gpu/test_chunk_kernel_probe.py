@@ -10,7 +10,7 @@ import pytest
 pytestmark = [pytest.mark.gpu, pytest.mark.xdist_group("probe")]
 
 
-@pytest.mark.parametrize("frame", ["base", "sympow", "tail", "scan", "mma", "pairs", "decode", "features", "ut16",
+@pytest.mark.parametrize("frame", ["base", "sympow", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "s16",
                                    "keyfactor", "rows", "hoist", "hoist_e", "async", "scores",
                                    "mix", "factors"])
 def test_chunk_kernels_pass_their_self_test(frame):

@@ -71,7 +71,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   if (tid < C) Qs_[tid] = Xb_[(C - 1) * LD + tid];
   for (int i = tid; i < C * C; i += NT) {
     const int t = i / C, s = i % C;
-    Es_[t * LD + s] = s <= t ? dMR[bc * C * C + i] * Xb_[t * LD + s] : dMA[bc * C * C + s * C + t] * Xb_[s * LD + t];
+    Es_[t * LD + s] = s <= t ? static_cast<float>(dMR[bc * C * C + i]) * Xb_[t * LD + s]
+                             : static_cast<float>(dMA[bc * C * C + s * C + t]) * Xb_[s * LD + t];
   }
   float g0 = 0.0f, g8 = 0.0f;  // this lane's part of dG on rows r0 + gq and r0 + gq + 8
   float e_ = 0.0f;             // ... of sum u Q DUQ
@@ -82,9 +83,9 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t at = (bc * C + r0 + gq + (e < 2 ? 0 : 8)) * K + c0 + 8 * ct + 2 * tq + (e & 1);
-        duq_[ct][e] = DUQ[at];
-        drp_[ct][e] = DRP[at];
-        dR_[ct][e] = DR[at];
+        duq_[ct][e] = static_cast<float>(DUQ[at]);  // MLX's products: 16-bit with 16-bit states
+        drp_[ct][e] = static_cast<float>(DRP[at]);
+        dR_[ct][e] = static_cast<float>(DR[at]);
       }
     }
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // E is complete, Gamma and the staged blocks of the last pass are read

@@ -94,7 +94,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   if (tid < C) Qs_[tid] = Xb_[(C - 1) * LD + tid];
   for (int i = tid; i < C * C; i += NT) {
     const int t = i / C, s = i % C;
-    Es_[t * LD + s] = s <= t ? dMR[bc * C * C + i] * Xb_[t * LD + s] : dMA[bc * C * C + s * C + t] * Xb_[s * LD + t];
+    Es_[t * LD + s] = s <= t ? static_cast<float>(dMR[bc * C * C + i]) * Xb_[t * LD + s]
+                             : static_cast<float>(dMA[bc * C * C + s * C + t]) * Xb_[s * LD + t];
   }
   float g0 = 0.0f, g8 = 0.0f;  // this lane's part of dG on rows r0 + gq and r0 + gq + 8
   float e_ = 0.0f;             // ... of sum u Q DUQ

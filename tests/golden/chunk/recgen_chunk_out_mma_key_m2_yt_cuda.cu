@@ -64,7 +64,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   for (int kb = 0; kb < K; kb += KB) {
     __syncthreads();
     for (int i = tid; i < C * KB; i += NT) Ra_[(i / KB) * LDA + i % KB] = static_cast<float>(R[(bc * C + i / KB) * K + kb + i % KB]);
-    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = St[(bc * K + kb + i / BV) * V + col0 + i % BV];
+    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = static_cast<float>(St[(bc * K + kb + i / BV) * V + col0 + i % BV]);
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < KB; kk += 8) {

@@ -63,7 +63,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       const long long at = (bc * C + i / KB) * K + kb + i % KB;
       Ra_[(i / KB) * LDA + i % KB] = static_cast<float>(R[at]) * Pk[at];
     }
-    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = St[(bc * K + kb + i / BV) * V + col0 + i % BV];
+    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = static_cast<float>(St[(bc * K + kb + i / BV) * V + col0 + i % BV]);
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < KB; kk += 8) {

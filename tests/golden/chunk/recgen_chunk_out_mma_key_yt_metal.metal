@@ -58,7 +58,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       const int64_t at = (bc * C + i / KB) * K + kb + i % KB;
       Ra_[(i / KB) * LDA + i % KB] = static_cast<float>(R[at]) * Pk[at];
     }
-    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = St[(bc * K + kb + i / BV) * V + col0 + i % BV];
+    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = static_cast<float>(St[(bc * K + kb + i / BV) * V + col0 + i % BV]);
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
 #pragma unroll
     for (int kk = 0; kk < KB; kk += 8) {

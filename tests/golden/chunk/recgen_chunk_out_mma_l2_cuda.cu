@@ -118,7 +118,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   for (int kb = 0; kb < K; kb += KB) {
     __syncthreads();
     for (int i = tid; i < C * KB; i += NT) Ra_[(i / KB) * LDA + i % KB] = static_cast<float>(R[(bc * C + i / KB) * K + kb + i % KB]);
-    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = St[(bc * K + kb + i / BV) * V + col0 + i % BV];
+    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = static_cast<float>(St[(bc * K + kb + i / BV) * V + col0 + i % BV]);
     __syncthreads();
     if (kb + KB < K) {  // the next rows of S_c, else the first block of Z
     for (int i = tid * (BV < 32 ? BV : 32); i < KB * BV; i += NT * (BV < 32 ? BV : 32)) asm volatile("prefetch.global.L2 [%0];" :: "l"(&St[(bc * K + kb + KB + i / BV) * V + col0 + i % BV]));

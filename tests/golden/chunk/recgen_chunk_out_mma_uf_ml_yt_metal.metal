@@ -116,7 +116,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   for (int kb = 0; kb < K; kb += KB) {
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
     for (int i = tid; i < C * KB; i += NT) Ra_[(i / KB) * LDA + i % KB] = static_cast<float>(Rc[(i / KB) * KLD + kb + i % KB]);
-    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = St[(bc * K + kb + i / BV) * V + col0 + i % BV];
+    for (int i = tid; i < KB * BV; i += NT) Xb_[(i / BV) * LDB + i % BV] = static_cast<float>(St[(bc * K + kb + i / BV) * V + col0 + i % BV]);
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
 #pragma unroll
     for (int kk = 0; kk < KB; kk += 8) {
