@@ -94,9 +94,10 @@ def test_chunked_form_reads_the_model_layout(name, case, dtype, rng, monkeypatch
         assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
     # the scans hoisted or not (``Tuning.scan_hoist``), the readout and UT transform with L2 hints or staged by
     # asynchronous copies (``Tuning.async_staging``) or neither, the backward's pass forming its products or not
-    # (``Tuning.bwd_products``), the UT transform's outputs in 16 bits or not (``Tuning.ut_16bit``)
+    # (``Tuning.bwd_products``), the UT transform's outputs in 16 bits or not (``Tuning.ut_16bit``), the states too
+    # or not (``Tuning.states_16bit``)
     ran = {n.split("_cuda")[0].replace("_ho", "").replace("_l2", "").replace("_async", "_mma").replace("_o16", "")
-           .removesuffix("_pv") for n in names}
+           .replace("_s16", "").removesuffix("_pv") for n in names}
     assert {"recgen_chunk_ut_mma_uf_ml", "recgen_chunk_scan_mma_q_ml", "recgen_chunk_out_mma_uf_ml_yt",
             "recgen_chunk_scan_mma_aq_p_pq_dg_ml_rev", "recgen_chunk_bwd_mma_delta_uf_ml"} <= ran, ran
 

@@ -24,6 +24,15 @@ __device__ __forceinline__ void rg_mma_r(float* d, const float* a, const float* 
                : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])),
                  "r"(__float_as_uint(a[3])), "r"(__float_as_uint(b[0])), "r"(__float_as_uint(b[1])));
 }
+__device__ __forceinline__ void rg_store2(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+__device__ __forceinline__ void rg_store2(__nv_bfloat16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+__device__ __forceinline__ void rg_store2(__half* p, float a, float b) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+}
 __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b, int lane) {
   const float ar[4] = {rg_tf32f(a[0]), rg_tf32f(a[1]), rg_tf32f(a[2]), rg_tf32f(a[3])};
   const float br[2] = {rg_tf32f(b[0]), rg_tf32f(b[1])};
@@ -55,7 +64,7 @@ CUDA = Dialect(
     dtypes={"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"},
     prelude=PRELUDE,
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE, frag=PTX_FRAGMENTS,
-    mma_rounded="rg_mma_r({acc}, {a}, {b}, {lane})", mma_round="rg_tf32f({x})",
+    mma_rounded="rg_mma_r({acc}, {a}, {b}, {lane})", mma_round="rg_tf32f({x})", store2="rg_store2(&{p}, {a}, {b})",
     prefetch='asm volatile("prefetch.global.L2 [%0];" :: "l"({p}))',
     copy16="rg_cp16({dst}, {src})", copy_prelude=COPY_PRELUDE,
     copy_commit='asm volatile("cp.async.commit_group;" ::: "memory")',

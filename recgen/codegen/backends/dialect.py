@@ -78,6 +78,10 @@ class Dialect:
     standalone_dtypes: dict       # dtype name -> buffer element type in a standalone source (``recgen emit``)
     constant_space: str = ""      # address space of small read-only buffers in a standalone signature
     float_suffix: str = "f"       # float literal suffix
+    # Two adjacent elements {p} and the one after it (of a buffer of type {t}, {p} even-aligned) = floats {a}, {b},
+    # converted: as one paired store where the dialect has one (a 16-bit pair is one 32-bit store, not two 16-bit
+    # ones: half the store instructions in a scan's step)
+    store2: str = "{p} = static_cast<{t}>({a}); (&{p})[1] = static_cast<{t}>({b})"
     # A hint that the cache line holding {p} (a pointer to a kernel buffer) will be read soon, so that a staging
     # loop's next block is on its way while the current one is multiplied; "" where the dialect has none.
     prefetch: str = ""

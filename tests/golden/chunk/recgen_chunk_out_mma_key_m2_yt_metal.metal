@@ -115,6 +115,5 @@ const float rs = Rs[0];
 #pragma unroll
   for (int ct = 0; ct < CT; ++ct) {
     const int c = col0 + 8 * ct + 2 * tq;
-    Y[(r0 + gq) * H * V + ybase + c] = static_cast<OT>(y_[ct][0]); Y[(r0 + gq) * H * V + ybase + c + 1] = static_cast<OT>(y_[ct][1]);
-    Y[(r0 + gq + 8) * H * V + ybase + c] = static_cast<OT>(y_[ct][2]); Y[(r0 + gq + 8) * H * V + ybase + c + 1] = static_cast<OT>(y_[ct][3]);
+    Y[(r0 + gq) * H * V + ybase + c] = static_cast<OT>(y_[ct][0]); (&Y[(r0 + gq) * H * V + ybase + c])[1] = static_cast<OT>(y_[ct][1]); Y[(r0 + gq + 8) * H * V + ybase + c] = static_cast<OT>(y_[ct][2]); (&Y[(r0 + gq + 8) * H * V + ybase + c])[1] = static_cast<OT>(y_[ct][3]);
   }

@@ -100,8 +100,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         const int c = 8 * ct + 2 * tq;
-        carried[(bc * K + r) * V + col0 + c] = static_cast<ST>(S_[rb][ct][0]); carried[(bc * K + r) * V + col0 + c + 1] = static_cast<ST>(S_[rb][ct][1]);
-        carried[(bc * K + r + 8) * V + col0 + c] = static_cast<ST>(S_[rb][ct][2]); carried[(bc * K + r + 8) * V + col0 + c + 1] = static_cast<ST>(S_[rb][ct][3]);
+        carried[(bc * K + r) * V + col0 + c] = static_cast<ST>(S_[rb][ct][0]); (&carried[(bc * K + r) * V + col0 + c])[1] = static_cast<ST>(S_[rb][ct][1]); carried[(bc * K + r + 8) * V + col0 + c] = static_cast<ST>(S_[rb][ct][2]); (&carried[(bc * K + r + 8) * V + col0 + c])[1] = static_cast<ST>(S_[rb][ct][3]);
         Ss_[(r) * LD + c] = S_[rb][ct][0]; Ss_[(r) * LD + c + 1] = S_[rb][ct][1];
         Ss_[(r + 8) * LD + c] = S_[rb][ct][2]; Ss_[(r + 8) * LD + c + 1] = S_[rb][ct][3];
       }
@@ -124,8 +123,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
       for (int ct = 0; ct < YCT; ++ct) {
         const int c = 8 * (ct0 + ct) + 2 * tq;
-        Y[(bc * C + r) * V + col0 + c] = static_cast<ST>(y_[ct][0]); Y[(bc * C + r) * V + col0 + c + 1] = static_cast<ST>(y_[ct][1]);
-        Y[(bc * C + r + 8) * V + col0 + c] = static_cast<ST>(y_[ct][2]); Y[(bc * C + r + 8) * V + col0 + c + 1] = static_cast<ST>(y_[ct][3]);
+        Y[(bc * C + r) * V + col0 + c] = static_cast<ST>(y_[ct][0]); (&Y[(bc * C + r) * V + col0 + c])[1] = static_cast<ST>(y_[ct][1]); Y[(bc * C + r + 8) * V + col0 + c] = static_cast<ST>(y_[ct][2]); (&Y[(bc * C + r + 8) * V + col0 + c])[1] = static_cast<ST>(y_[ct][3]);
         Ys_[(r) * LD + c] = y_[ct][0]; Ys_[(r) * LD + c + 1] = y_[ct][1];
         Ys_[(r + 8) * LD + c] = y_[ct][2]; Ys_[(r + 8) * LD + c + 1] = y_[ct][3];
       }

@@ -169,8 +169,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
     for (int ct = 0; ct < BW / 8; ++ct) {
       const int c = c0 + 8 * ct + 2 * tq;
-      Uw[(bc * C + r0 + gq) * V + c] = static_cast<OT>(y_[ct][0]); Uw[(bc * C + r0 + gq) * V + c + 1] = static_cast<OT>(y_[ct][1]);
-      Uw[(bc * C + r0 + gq + 8) * V + c] = static_cast<OT>(y_[ct][2]); Uw[(bc * C + r0 + gq + 8) * V + c + 1] = static_cast<OT>(y_[ct][3]);
+      Uw[(bc * C + r0 + gq) * V + c] = static_cast<OT>(y_[ct][0]); (&Uw[(bc * C + r0 + gq) * V + c])[1] = static_cast<OT>(y_[ct][1]); Uw[(bc * C + r0 + gq + 8) * V + c] = static_cast<OT>(y_[ct][2]); (&Uw[(bc * C + r0 + gq + 8) * V + c])[1] = static_cast<OT>(y_[ct][3]);
     }
   }
 
@@ -200,8 +199,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
     for (int ct = 0; ct < BW / 8; ++ct) {
       const int c = c0 + 8 * ct + 2 * tq;
-      Wb[(bc * C + r0 + gq) * K + c] = static_cast<OT>(y_[ct][0]); Wb[(bc * C + r0 + gq) * K + c + 1] = static_cast<OT>(y_[ct][1]);
-      Wb[(bc * C + r0 + gq + 8) * K + c] = static_cast<OT>(y_[ct][2]); Wb[(bc * C + r0 + gq + 8) * K + c + 1] = static_cast<OT>(y_[ct][3]);
+      Wb[(bc * C + r0 + gq) * K + c] = static_cast<OT>(y_[ct][0]); (&Wb[(bc * C + r0 + gq) * K + c])[1] = static_cast<OT>(y_[ct][1]); Wb[(bc * C + r0 + gq + 8) * K + c] = static_cast<OT>(y_[ct][2]); (&Wb[(bc * C + r0 + gq + 8) * K + c])[1] = static_cast<OT>(y_[ct][3]);
     }
   }
 
