@@ -120,8 +120,9 @@ class Tuning:
     #                                 peak (4,4096,16,128), as fast or faster at every shape timed (on on CUDA)
     states_16bit: bool = False      # ... and T, the chunk states, Z (v_new) and M written in that type too, the reverse
     #                                 scan's dS and dZ so, and the backward's MLX products between kernels on them, as
-    #                                 FLA keeps h, v_new, A, dh and dv (the recurrence itself runs in float32). H100,
-    #                                 GDN 4,4096,16,128: 4.51 -> 3.79 ms and 2.48 -> 1.48 GiB trained (on on CUDA)
+    #                                 FLA keeps h, v_new, A, dh and dv (the recurrence itself runs in float32); without
+    #                                 a delta rule (simple GLA) the states and M in the values' type. H100, GDN
+    #                                 4,4096,16,128: 4.51 -> 3.79 ms and 2.48 -> 1.48 GiB trained (on on CUDA)
     key_factor_reads: bool = False  # ... for a key-vector decay (KDA) too: its pairs' scaling by β stays in MLX ops,
     #                                 measured slower for training (H100: 11.3 -> 11.9 ms) though faster forward
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"

@@ -215,6 +215,10 @@ def chunk_launches(target: str) -> list:
                                       uf=True, ot="bfloat16", ml=ml, st="bfloat16"),
                    ck.ut_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, uf=True, ot="bfloat16", ml=ml,
                                     st="bfloat16")]
+                # ... and simple GLA's: its two scans and the readout writing M in bf16
+                + [mma(a=False, q=True, hoist=True, st="bfloat16"),
+                   mma(reverse=True, e=True, b=False, aq=True, st="bfloat16"),
+                   ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), st="bfloat16")]
                 # with L2 hints (``Tuning.l2_prefetch``; the same kernels where the dialect has no prefetch)
                 + ([ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), uf=True, ml=ml, l2=True),
                     ck.out_mma_launch(target, 8, 64, 128, 64, most_bv=16, l2=True),  # narrow column blocks

@@ -1701,8 +1701,8 @@ def fresh_probe():
                                    "keyfactor", "rows", "hoist", "hoist_e", "async", "mix", "factors", "products"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass
-    ("hoist" runs the hoisted scans in both directions; "s16" GDN's kernels as CUDA's table runs them, hoisted and
-    staged, with 16-bit states and with float32 ones)."""
+    ("hoist" runs the hoisted scans in both directions; "s16" GDN's kernels and simple GLA's scans as CUDA's table
+    runs them, hoisted and staged, with 16-bit states and with float32 ones)."""
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     assert pr._probe("metal", frame, SMALL) is None
@@ -1711,7 +1711,8 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     gdn = {"recgen_chunk_scan_mma_q_ho", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_rev"}
     assert hoisted == {"hoist": {"recgen_chunk_scan_mma_q_ho", "recgen_chunk_scan_mma_q_ho_rev"},
                        "hoist_e": {"recgen_chunk_scan_mma_nob_aq_e_ho_rev"},
-                       "s16": gdn | {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev"}
+                       "s16": gdn | {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
+                                     "recgen_chunk_scan_mma_noa_q_ho", "recgen_chunk_scan_mma_noa_q_ho_s16"}
                        }.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
     assert staged == {"async": {"recgen_chunk_out_async", "recgen_chunk_out_async_uf_ml_yt", "recgen_chunk_ut_async",
@@ -1909,6 +1910,10 @@ def test_probe_inside_a_transformation(monkeypatch, fresh_probe):
     ("gated_delta_net/formed", {"ut_mma": {"Bt", "U", "W"}, "scan_mma_q": {"Bm"}, "out_mma_yt": {"R", "U"},
                          "scan_mma_aq_p_pq_dg_rev": {"A", "Pa"}, "bwd_mma_delta": {"R", "U", "Bt"}},
      {"ut_mma": {"Bt", "W"}, "out_mma_yt": {"R"}, "scan_mma_aq_p_pq_dg_rev": {"Pa"}, "bwd_mma_delta": {"R", "Bt"}}),
+    ("simple_gla/s16", {"scan_mma_noa_q_s16": {"X", "Bm"}, "out_mma_yt_s16": {"R", "U", "Z", "St"},
+                        "scan_mma_nob_aq_e_s16_rev": {"A", "X"}, "bwd_mma": {"R", "U", "dMR", "DUQ", "DRP"}},
+     {"scan_mma_noa_q_s16": {"X", "Bm"}, "out_mma_yt_s16": {"R", "U", "Z", "St"},
+      "scan_mma_nob_aq_e_s16_rev": {"A", "X"}, "bwd_mma": {"R", "U", "dMR", "DUQ", "DRP"}}),
     ("simple_gla", {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}, "scan_mma_nob_aq_e_rev": {"A"},
                     "bwd_mma": {"R", "U"}},
      {"scan_mma_noa_q": {"X", "Bm"}, "out_mma_yt": {"R", "U", "Z"}, "scan_mma_nob_aq_e_rev": {"A"},
@@ -1927,7 +1932,8 @@ def test_chunked_core_takes_bf16_roles_on_the_fragment_frames(name, typed, bare,
     b̃ = β k once; a wrong conversion or a product in bf16 gives O(1) or ~1e-1). GDN with factor reads (the
     default) hands every kernel k itself, bf16 unless ``=0``; "/formed": with them off, the roles formed first;
     "/ut16": the UT transform writes U and W in bf16 too (``Tuning.ut_16bit``), which both scans read; "/s16": and
-    T, the states, Z, M, dS_next and dZ (``Tuning.states_16bit``), the backward's MLX products then in bf16 too."""
+    T, the states, Z, M, dS_next and dZ (``Tuning.states_16bit``), the backward's MLX products then in bf16 too
+    (simple GLA's: its states and M, dS_next and dZ)."""
     mx = pytest.importorskip("mlx.core")
     from recgen import specs
     from test_chunked import assert_close, compare

@@ -312,15 +312,16 @@ def _apply_rows(L, x, key: bool):
     return (L @ x.swapaxes(-3, -2)).swapaxes(-3, -2)
 
 
-def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None):
+def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None, st=None):
     """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state, the state update taking
     u ⊙ Q. ``kern``: the tuning of the generated chunk scan (``chunk_kernels.chunk_scan``: delta-rule or
     diagonal), or None; it scales a scalar decay's u by Q as it reads u (u ⊙ Q never in memory); a key-vector
-    decay's u ⊙ Q comes formed with the decays (``geo.scaled``: in the geometry kernel's pass)."""
+    decay's u ⊙ Q comes formed with the decays (``geo.scaled``: in the geometry kernel's pass). ``st``: a scalar
+    decay's states (and Z) written in that 16-bit type (``chunk_kernels.chunk_scan``'s)."""
     if kern and ck.scan_supported(kern, U.shape[-2], S0.shape[-2]):  # W None: the diagonal scan, Z = U
         if geo.key:
             return ck.chunk_scan(S0, W, U, geo.role("uQ", u, "Q"), geo.g, None, kern, reverse=False)
-        return ck.chunk_scan(S0, W, U, u, geo.g, None, kern, reverse=False, Bq=geo.Q)
+        return ck.chunk_scan(S0, W, U, u, geo.g, None, kern, reverse=False, Bq=geo.Q, st=st)
     u, U = _up(geo, u, U)
     uQ = geo.role("uQ", u, "Q")
     gs = geo.g[..., None]
@@ -488,7 +489,11 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
         else:
             Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(A.shape[-1]) else unit_lower_inv(A, inv_base)
             U, W = Tm @ w_, Tm @ (bt_ * geo.P)
-    states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern)
+    st = None  # without a delta rule (simple GLA) the states in the values' 16-bit type (``Tuning.states_16bit``)
+    if (bt is None and kern and kern.states_16bit and not geo.key and w.dtype in (mx.bfloat16, mx.float16)
+            and ck.use_mma(kern, C, K, V) and ck.fuses_readout(kern, C, K, V)):
+        st = w.dtype
+    states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern, st)
     if kern and not geo.key and ck.fuses_readout(kern, C, K, V):
         # M_ru is written for the backward: forming it again there was measured slower than keeping it
         y, M = ck.chunk_out(r, u, Z, states, geo.l, kern, out, rfac)

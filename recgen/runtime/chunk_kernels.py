@@ -546,6 +546,8 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     ``ml`` = (H, HK, NCH, GB) (``_model_consts``): the row-scaled operands (A with Aq, Bm with Bq, Pa with Pq) are
     the model's key inputs [B, n C, HK, K] as they are, read so by the fragment frame (which must run). ``st`` (a
     16-bit mx dtype, ``Tuning.states_16bit``): carried and Y are written in it (the fragment frame must run)."""
+    import mlx.core as mx
+
     lead = S0.shape[:-2]
     K, V = S0.shape[-2:]
     n, C = X.shape[-3], X.shape[-2]
@@ -584,7 +586,8 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     Y = Y.reshape(*lead, n, C, V) if A is not None else X
     if St is None:
         return carried, Y, S_end
-    dg = outs[3].reshape(*lead, n, -1, K).sum(-2) if dg_here else (carried * St).sum(-1)
+    # 16-bit states (``st``): the sum over them in float32, as the kernel's
+    dg = outs[3].reshape(*lead, n, -1, K).sum(-2) if dg_here else (carried.astype(mx.float32) * St).sum(-1)
     return carried, Y, S_end, dg
 
 

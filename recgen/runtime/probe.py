@@ -153,8 +153,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     "scores" (a scalar decay's decayed scores between a chunk's tokens and their gradients, a reset among them),
     "mix" (the products over chunks of a feature map's backward at 17 states), "factors" (a scalar decay's factors
     in that form and their gradient, a reset among the log-decays),
-    "ut16" (the factor-read UT transform writing bf16), "s16" (GDN's kernels writing their residuals and reading
-    products in bf16, against their float32 forms), "keyfactor" (KDA's factor-read UT transform and tail) and
+    "ut16" (the factor-read UT transform writing bf16), "s16" (GDN's kernels and simple GLA's scans writing their
+    residuals and reading products in bf16, against their float32 forms), "keyfactor" (KDA's factor-read UT transform and tail) and
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
     state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
@@ -288,7 +288,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                 fx = f32(rng.uniform(size=(1, n, C, 1)))
                 S0, Fs, Pb = f32(rng.normal(size=(1, K, V))), *(f32(rng.normal(size=(1, n, C, V))) for _ in range(2))
                 prods = [f32(rng.normal(size=s)).astype(mx.bfloat16) for s in [(1, n, C, C)] * 2 + [(1, n, C, K)] * 3]
-                DG = f32(rng.normal(size=(1, n)))
+                DG, E = f32(rng.normal(size=(1, n))), f32(rng.normal(size=(1, n, K, V)))
 
                 def run(st, up):
                     Tm, U, W = ck.chunk_ut(None, x16, w16, l, t, uf=fx, bf=-1.0, out=mx.bfloat16, st=st)
@@ -298,7 +298,10 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                                         Aq=fx, Pq=fx, st=st)
                     grads = ck.chunk_bwd(*(up(a) for a in prods[:2]), q16, x16, None, *(up(a) for a in prods[2:]), l,
                                          DG, t, uf=fx, bf=-1.0)
-                    return [Tm, U, W, carried, Z, S_end, y, M, *rev, *grads]
+                    # and simple GLA's two scans (no delta rule: Y = X forward, no B term in reverse)
+                    diag = ck.chunk_scan(S0, None, w16, x16, g, None, t, reverse=False, Bq=fx, st=st)
+                    erev = ck.chunk_scan(S0, x16, up(Fs), None, g, E, t, reverse=True, Aq=fx, st=st)
+                    return [Tm, U, W, carried, Z, S_end, y, M, *rev, *grads, diag[0], diag[2], *erev]
                 got = run(mx.bfloat16, lambda a: a.astype(mx.bfloat16))
                 ref = [np.array(a.astype(mx.float32), np.float64) for a in run(None, lambda a: a.astype(mx.float32))]
         elif frame == "rows":  # GDN's five kernels in the model's layout: B = 1, H = 2 over one key head, bf16 inputs
