@@ -85,8 +85,10 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         const int c = col0 + 8 * ct + 2 * tq;
-        p0 += S_[rb][ct][0] * St[(bc * K + r) * V + c] + S_[rb][ct][1] * St[(bc * K + r) * V + c + 1];
-        p8 += S_[rb][ct][2] * St[(bc * K + r + 8) * V + c] + S_[rb][ct][3] * St[(bc * K + r + 8) * V + c + 1];
+        p0 += S_[rb][ct][0] * static_cast<float>(St[(bc * K + r) * V + c])
+              + S_[rb][ct][1] * static_cast<float>(St[(bc * K + r) * V + c + 1]);  // St: 16-bit states too
+        p8 += S_[rb][ct][2] * static_cast<float>(St[(bc * K + r + 8) * V + c])
+              + S_[rb][ct][3] * static_cast<float>(St[(bc * K + r + 8) * V + c + 1]);
       }
       p0 += __shfl_xor_sync(0xffffffffu, p0, 1);
       p0 += __shfl_xor_sync(0xffffffffu, p0, 2);
