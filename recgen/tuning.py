@@ -149,6 +149,9 @@ class Tuning:
     async_staging: bool = False     # a scalar decay's fragment readout and UT transform stage their blocks two deep by
     #                                 the dialect's asynchronous copies (CUDA's cp.async): a block's load overlaps the
     #                                 last one's products (then ``l2_prefetch`` does not apply to them)
+    wide_fragments: bool = False    # fragment kernels whose operands share one 16-bit type multiply them by the
+    #                                 dialect's wide multiply-add (``Dialect.mma16``: CUDA's m16n8k16 on bf16 or f16),
+    #                                 read as they are, not converted to TF32: the readout
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
     bwd_min_blocks: int = 1         # ... threadgroups an SM its registers must allow (as feature_jac_min_blocks; H100:
@@ -247,6 +250,7 @@ ENVIRONMENT = {
     "RECGEN_L2_PREFETCH": ("l2_prefetch", _flag),
     "RECGEN_ASYNC_STAGING": ("async_staging", _flag),
     "RECGEN_UT_BW": ("ut_bw", int),
+    "RECGEN_WIDE_FRAGMENTS": ("wide_fragments", _flag),
     "RECGEN_SCAN_BV": ("scan_bv", int),
     "RECGEN_SCAN_NW": ("scan_nw", int),
     "RECGEN_REVERSE_SCAN_NW": ("reverse_scan_nw", int),

@@ -57,6 +57,41 @@ def test_chunk_out_async_reads_16bit_keys_in_the_model_layout(zt, sanitizer):
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
+@pytest.mark.parametrize("C", [16, 32])
+def test_chunk_out_async_wide_fragments(C, sanitizer):
+    """The readout on the wide multiply-add (``Tuning.wide_fragments``: CUDA's m16n8k16 on bf16 pairs, its lane
+    layout spelled by SIMD shuffles in ``metal_ptx``): GDN's call with every operand in bf16, K and V not multiples
+    of the wide product's 16 columns where they need not be, against float64 on the bf16 values. M enters y's
+    product in bf16, as it is written: y within that rounding."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(7)
+    B, H, HK, n, K, V = 2, 2, 1, 2, 32, 24
+    N, T = B * H * n, n * C
+    bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
+    f = lambda *s: bf(rng.normal(size=s).astype(np.float32))  # noqa: E731
+    q, k, Z, St = f(B, T, HK, K), f(B, T, HK, K), f(N, C, V), f(N, K, V)
+    uf, logd = rng.uniform(size=(N, C)).astype(np.float32), (-3 * rng.uniform(size=(N, C))).astype(np.float32)
+    ins = {"R": q, "U": k, "Uf": uf, "Z": Z, "St": St, "logd": logd, "Rs": np.array([0.5], np.float32)}
+    launch = ck.out_async_launch("metal_ptx", N, C, K, V, ("bfloat16",) * 4, (H, n, "float32"), uf=True,
+                                 ml=(H, HK, n, True), wide=True)
+    assert launch.source.name.startswith("recgen_chunk_out_async_uf_ml_yt_w16"), launch.source.name
+    assert ck.out_async_launch("metal", N, C, K, V, ("bfloat16",) * 4, (H, n, "float32"), uf=True,
+                               ml=(H, HK, n, True), wide=True).source.name.find("w16") < 0  # Metal has none
+    y, M = verify.run_launch(launch, ins, sanitizer=sanitizer)
+
+    def chunks(x):  # [B, T, HK, K] -> [B H n, C, K], the key head shared by the value heads
+        x = np.array(x.astype(mx.float32), np.float64)
+        return np.repeat(x, H, 2).transpose(0, 2, 1, 3).reshape(N, C, K)
+
+    z, st = (np.array(a.astype(mx.float32), np.float64) for a in (Z, St))
+    want_y, want_M = _out_ref(0.5 * chunks(q), chunks(k) * uf[..., None], z, st, logd)
+    want_y = want_y.reshape(B, H, T, V).transpose(0, 2, 1, 3)
+    assert _rel(np.asarray(M, np.float64), want_M) < 4e-3 and _rel(y, want_y) < 4e-3, (_rel(y, want_y),
+                                                                                       _rel(M, want_M))
+    assert np.abs(np.triu(np.asarray(M, np.float64), 1)).max() == 0.0  # above the diagonal: 0, not Mh_'s leftovers
+
+
+@pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
 @pytest.mark.parametrize("ot", [None, "bfloat16"])
 def test_chunk_ut_async_reads_16bit_keys_in_the_model_layout(ot, sanitizer):
     """GDN's call: the key x and v in bf16 in the model's layout (two value heads over one key head, two chunks a

@@ -1697,7 +1697,7 @@ def fresh_probe():
     pr._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "sympow", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "s16",
+@pytest.mark.parametrize("frame", ["base", "sympow", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "s16", "wide",
                                    "keyfactor", "rows", "hoist", "hoist_e", "async", "mix", "factors", "products"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass
@@ -1718,9 +1718,27 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     assert staged == {"async": {"recgen_chunk_out_async", "recgen_chunk_out_async_uf_ml_yt", "recgen_chunk_ut_async",
                                 "recgen_chunk_ut_async_uf_o16_ml"},
                       "s16": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16",
-                              "recgen_chunk_ut_async_uf_o16_s16"}}.get(frame, set())
+                              "recgen_chunk_ut_async_uf_o16_s16"},
+                      "wide": {"recgen_chunk_out_async_uf"}}.get(frame, set())  # Metal: no wide multiply-add
     assert any("_pv_metal" in c for c in calls) == (frame == "products")
     assert any("_s16_" in c for c in calls) == (frame == "s16")
+
+
+def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
+    """The "wide" frame in CUDA's lane layout (``metal_ptx``, which has the wide multiply-add): the readout on it
+    against its TF32 form passes, and one that lies fails."""
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    assert pr._probe("metal_ptx", "wide", SMALL) is None
+    assert {c.split("_metal")[0] for c in calls} == {"recgen_chunk_out_async_uf", "recgen_chunk_out_async_uf_w16"}
+    pr._probe.cache_clear()
+
+    def lying(launch, *a):  # the wide kernel's y doubled
+        out = _emulated_call(launch, *a)
+        return [out[0] * 2, *out[1:]] if "_w16" in launch.source.name else out
+
+    monkeypatch.setattr(ck, "mlx_call", lying)
+    assert "off by" in pr._probe("metal_ptx", "wide", SMALL)
 
 
 def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):
@@ -1756,7 +1774,7 @@ def test_the_probe_keeps_its_kernels_where_the_tuning_keeps_them(monkeypatch, fr
     # what CUDA's table asks for: "mma" only where "hoist" fails, "scan" never, KDA's factor reads and the product-free
     # scans' hoisting not (off), the backward's products not (off); the UT transform's 16-bit outputs and 16-bit
     # states (on)
-    assert prefetched[1][1] == pr.CHUNK_FRAMES - {"scan", "mma", "keyfactor", "hoist_e", "products"}, \
+    assert prefetched[1][1] == pr.CHUNK_FRAMES - {"scan", "mma", "keyfactor", "hoist_e", "products", "wide"}, \
         prefetched[1][1]
     pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "off"}))
     assert len(prefetched) == 2  # no cache, nothing made ahead
@@ -1797,6 +1815,7 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
     ("pairs", "RECGEN_MMA_PAIRS", "mma_pairs", "pair kernels on fragments"),
     ("ut16", "RECGEN_UT_16BIT", "ut_16bit", "16-bit outputs"),
     ("s16", "RECGEN_STATES_16BIT", "states_16bit", "16-bit chunk states"),
+    ("wide", "RECGEN_WIDE_FRAGMENTS", "wide_fragments", "wide multiply-add"),
     ("keyfactor", "RECGEN_KEY_FACTOR_READS", "key_factor_reads", "KDA's factor reads"),
     ("rows", "RECGEN_MODEL_ROWS", "model_rows", "model-layout reads"),
     ("decode", "RECGEN_FEATURE_DECODE", "feature_decode", "feature decode"),

@@ -23,6 +23,24 @@ def test_every_cuda_chunk_kernel_compiles(tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
 
 
+def test_the_wide_multiply_add_compiles_for_bf16_and_f16(tmp_path):
+    """The readout on the wide multiply-add (``Tuning.wide_fragments``) in both 16-bit types: one kernel source, the
+    type a template constant, so each instantiation is compiled (m16n8k16 .bf16 and .f16)."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    from recgen.runtime import chunk_kernels as ck
+
+    launches = [ck.out_async_launch("cuda", 8, 64, 128, 128, (t,) * 4, (2, 2, t), uf=True, wide=True)
+                for t in ("bfloat16", "float16")]
+    assert all("_w16" in x.source.name for x in launches)
+    path = tmp_path / "wide.cu"
+    path.write_text(translation_unit([as_kernel(i, x) for i, x in enumerate(launches)]))
+    r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", str(path), "-o", str(tmp_path / "k.o")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
 def test_threadgroups_an_sm_from_registers_and_shared_memory():
     """sm_90's limits as Nsight Compute reported them for these kernels on the H100: registers are allocated 256 a
     warp at a time, so 168 registers leave three threadgroups of 128 threads an SM and 171 two."""

@@ -217,19 +217,23 @@ def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool =
 
 
 @lru_cache(maxsize=None)
-def out_async_source(dialect: str, yt: bool = False, uf: bool = False, ml: bool = False) -> KernelSource:
+def out_async_source(dialect: str, yt: bool = False, uf: bool = False, ml: bool = False,
+                     w16: bool = False) -> KernelSource:
     """The scalar-decay readout of ``out_mma_source`` with its operands staged two buffers deep by the dialect's
     16-byte copies (``chunk_out_async.j2``; on CUDA cp.async): each block's load overlaps the previous block's
     products. ``yt``, ``uf``, ``ml`` as there; the types RT, UT, ZT of R, U and Z are template constants
-    (``out_async_layout``)."""
+    (``out_async_layout``). ``w16``: R, U, Z and S_c in one 16-bit type RT, multiplied by the dialect's wide
+    multiply-add (``Dialect.mma16``)."""
     if ml and not (uf and yt):
         raise ValueError("chunk_out_async: the model's layout (ml) is the factor-read form's, writing y so (uf, yt)")
     d = get(dialect)
     ins = (("R", "U", "Uf") if uf else ("R", "U")) + ("Z", "St", "logd", "Rs")
-    kind = "out_async" + ("_uf" if uf else "") + ("_ml" if ml else "") + ("_yt" if yt else "")
+    if w16 and not d.mma16:
+        raise ValueError(f"chunk_out_async: the {dialect} dialect has no wide multiply-add (w16)")
+    kind = "out_async" + ("_uf" if uf else "") + ("_ml" if ml else "") + ("_yt" if yt else "") + ("_w16" if w16 else "")
     return _source(d, "chunk_out_async.j2", kind, "chunk readout of the chunked core, fragment multiply-adds, "
                    "operands staged by asynchronous copies", ins, ("Y", "M"), (),
-                   helpers=d.mma_prelude + d.copy_prelude, yt=yt, uf=uf, ml=ml)
+                   helpers=d.mma_prelude + d.copy_prelude, yt=yt, uf=uf, ml=ml, w16=w16)
 
 
 @lru_cache(maxsize=None)
@@ -676,29 +680,38 @@ def copy_stride(n: int, esize: int, rows: int) -> int:
     return next(x for x in range(n, n + 64) if ok(x * esize))
 
 
+def pack_stride(n: int) -> int:
+    """The row stride (≥ n 16-bit elements, whole 16-byte words) of a threadgroup tile read as the wide
+    multiply-add's B pairs packed from two rows (``Dialect.frag16``: rows 2 tq and 2 tq + 1, columns gq): 8 or 24
+    elements mod 32, so each of the two reads' 4 rows × 4 words hits 16 distinct banks."""
+    return next(x for x in range(n, n + 32) if x % 32 in (8, 24))
+
+
 @lru_cache(maxsize=None)
 def out_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple = (4, 4, 4, 4),
-                     most_bv: int = 128) -> dict | None:
+                     most_bv: int = 128, w16: bool = False) -> dict | None:
     """Template constants of the two-buffer readout (``out_async_source``), or None where it has none: C one of 16, 32,
     64, K and V multiples of 8; ``sizes`` the bytes an element of R, U, Z and S_c (their blocks are copied
     verbatim). The first (BV, KB) as ``out_mma_layout`` whose buffers fit the dialect's threadgroup memory: M (C × LD floats) and
     e^G, then a staging area SQ 16-byte words large for the largest of the three products' two buffers each: R's
     and U's blocks (C × LDR, C × LDU), R's and S_c's (C × LDR, KB × LDB), Z's (KB × LDZ). At C = 64, K = V = 128
-    with 16-bit keys that is 40.25 KiB on CUDA (KB 16, BV 128)."""
-    if C not in (16, 32, 64) or K % 8 or V % 8:
+    with 16-bit keys that is 40.25 KiB on CUDA (KB 16, BV 128). ``w16`` (16-bit operands, the wide multiply-add): KB
+    16, B's row-major blocks at ``pack_stride``, and M in 16 bits too (C × LDH)."""
+    if C not in (16, 32, 64) or K % 8 or V % 8 or (w16 and K % 16):
         return None
     er, eu, ez, es = sizes
     ld = a_stride(C)
     for bv in (b for b in dict.fromkeys((most_bv, 64, 32, 16, 8)) if V % b == 0):
         # blocks of 16 (or 8), not 32: only 16-bit states fit 32 at CUDA's 48 KiB, and there its larger staging
         # area (one threadgroup an H100 SM fewer) went with GDN's forward readout at 0.45 ms against 0.42
-        for kb in (b for b in (16, 8) if C % b == 0 and K % b == 0):
+        for kb in (b for b in ((16,) if w16 else (16, 8)) if C % b == 0 and K % b == 0):
             ldr, ldu = copy_stride(kb, er, 8), copy_stride(kb, eu, 8)
-            ldb, ldz = copy_stride(bv, es, 4), copy_stride(bv, ez, 4)
+            ldb, ldz = ((pack_stride(bv),) * 2 if w16 else (copy_stride(bv, es, 4), copy_stride(bv, ez, 4)))
             stage = max(2 * C * (ldr * er + ldu * eu), 2 * (C * ldr * er + kb * ldb * es), 2 * kb * ldz * ez)
             sq = -(-stage // 16)
-            if 4 * (C * ld + C) + 16 * sq <= get(dialect).smem_bytes:
-                return {"BV": bv, "KB": kb, "LD": ld, "LDR": ldr, "LDU": ldu, "LDB": ldb, "LDZ": ldz, "SQ": sq}
+            wide = {"LDH": copy_stride(C, 2, 8)} if w16 else {}
+            if 4 * (C * ld + C) + 2 * C * wide.get("LDH", 0) + 16 * sq <= get(dialect).smem_bytes:
+                return {"BV": bv, "KB": kb, "LD": ld, "LDR": ldr, "LDU": ldu, "LDB": ldb, "LDZ": ldz, "SQ": sq} | wide
     return None
 
 

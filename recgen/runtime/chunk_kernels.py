@@ -208,19 +208,23 @@ def _itemsize(dtype_name: str) -> int:
 
 @lru_cache(maxsize=256)
 def out_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, yt: tuple | None = None,
-                     most_bv: int = 128, uf: bool = False, ml: tuple | None = None) -> Launch | None:
+                     most_bv: int = 128, uf: bool = False, ml: tuple | None = None, wide: bool = False) -> Launch | None:
     """The two-buffer readout (``out_async_source``) with ``out_mma_launch``'s arguments; ``types``: the dtype names
-    of R, U, Z and S_c, whose blocks it copies verbatim (M is written in S_c's). None where its buffers have no
+    of R, U, Z and S_c, whose blocks it copies verbatim (M is written in S_c's). ``wide`` (``Tuning.wide_fragments``):
+    the wide multiply-add where the dialect has one and all four share a 16-bit type. None where its buffers have no
     layout (then the synchronous frame runs)."""
     if len(types) != 4:
         raise ValueError(f"chunk_out_async: types {types} must name R, U, Z and S_c")
     y, consts = _readout_y("chunk_out_async", N, C, V, yt, ml)
-    lay = out_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bv)
+    w16 = wide and bool(get(dialect).mma16) and len(set(types)) == 1 and _itemsize(types[0]) == 2
+    lay = out_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bv, w16)
+    if lay is None and w16:
+        return out_async_launch(dialect, N, C, K, V, types, yt, most_bv, uf, ml)
     if lay is None:
         return None
     tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "ZT", "ST"), types)) + consts
     nt = 2 * C
-    return Launch(out_async_source(dialect, yt is not None, uf, ml is not None), (), (y, ((N, C, C), types[3])),
+    return Launch(out_async_source(dialect, yt is not None, uf, ml is not None, w16), (), (y, ((N, C, C), types[3])),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
@@ -609,7 +613,8 @@ def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None, ml=None
     launch = None
     if t.async_staging:
         types = tuple(dtype_name(x.dtype) for x in (r, u, Z, states))
-        launch = out_async_launch(t.dialect, N, C, K, V, types, yt, t.out_bv, uf=uf is not None, ml=ml)
+        launch = out_async_launch(t.dialect, N, C, K, V, types, yt, t.out_bv, uf=uf is not None, ml=ml,
+                                  wide=t.wide_fragments)
     if launch is None:
         st = None if states.dtype == mx.float32 else dtype_name(states.dtype)
         launch = out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, uf=uf is not None, ml=ml, l2=t.l2_prefetch, st=st)

@@ -26,7 +26,7 @@ PROBE = (2, 64, 128, 128)  # n, C, K, V of the self-test: the common case's temp
 # the decayed scores); "base" holds the inverse, the pairs and the sympow map, "sympow" the sympow map alone (φ formed
 # in memory where the products' kernels are off): the frame that turns the chunk kernels off where it fails
 CHUNK_FRAMES = frozenset({"base", "scan", "mma", "hoist", "tail", "pairs", "ut16", "rows", "hoist_e", "keyfactor",
-                          "async", "products", "s16"})
+                          "async", "products", "s16", "wide"})
 FEATURE_FRAMES = frozenset({"sympow", "features", "decode", "scores", "mix", "factors"})
 # ... and those of a key-vector decay only: its pair kernels on fragments, KDA's factor reads, its backward tails
 KEY_DECAY_FRAMES = frozenset({"pairs", "keyfactor", "tail"})
@@ -37,6 +37,7 @@ EVERY_FRAME = CHUNK_FRAMES | FEATURE_FRAMES
 # synchronous staging; the backward pass's products over values, the decode step, φ's products, the in-chunk
 # scores, the backward's products over chunks and the decay factors in MLX ops)
 FRAME_FLAGS = {"tail": ("fused_bwd",), "pairs": ("mma_pairs",), "ut16": ("ut_16bit",), "s16": ("states_16bit",),
+               "wide": ("wide_fragments",),
                "rows": ("model_rows",),
                "hoist": ("scan_hoist", "reverse_scan_hoist"), "hoist_e": ("scan_hoist_e",),
                "keyfactor": ("key_factor_reads",), "async": ("async_staging",), "products": ("bwd_products",),
@@ -98,7 +99,7 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
     # Choices that exist only on the fragment kernels, each with its own frame: without those kernels they do nothing
     # (so they go off unprobed); with them a failing frame turns off only its own choice
     fragments = t.chunk_kernels and changes.get("chunk_kernels", True) and changes.get("mma_scan", t.mma_scan)
-    for frame in ("ut16", "s16", "rows", "hoist", "hoist_e", "keyfactor", "async", "products"):
+    for frame in ("ut16", "s16", "wide", "rows", "hoist", "hoist_e", "keyfactor", "async", "products"):
         flags = FRAME_FLAGS[frame]
         if frame in frames and any(getattr(t, f) for f in flags) and not (fragments and ok(frame)):
             changes.update(dict.fromkeys(flags, False))
@@ -154,7 +155,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     "mix" (the products over chunks of a feature map's backward at 17 states), "factors" (a scalar decay's factors
     in that form and their gradient, a reset among the log-decays),
     "ut16" (the factor-read UT transform writing bf16), "s16" (GDN's kernels and simple GLA's scans writing their
-    residuals and reading products in bf16, against their float32 forms), "keyfactor" (KDA's factor-read UT transform and tail) and
+    residuals and reading products in bf16, against their float32 forms), "wide" (the readout on the wide multiply-add,
+    every operand bf16, against its TF32 form), "keyfactor" (KDA's factor-read UT transform and tail) and
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
     state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
@@ -188,10 +190,11 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     # "s16" as CUDA's table runs it (hoisted scans, staged readout and UT transform): the kernels a model then uses
     t = resolve("gpu", dialect, environ={}, chunk_kernels=True, kernel_cache=kernel_cache,
                 mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e", "async",
-                                   "products", "s16"),
+                                   "products", "s16", "wide"),
                 mma_pairs=frame == "pairs", scan_hoist=frame in ("hoist", "s16"),
                 reverse_scan_hoist=frame in ("hoist", "s16"), scan_hoist_e=frame == "hoist_e",
-                async_staging=frame in ("async", "s16"), bwd_products=frame == "products")
+                async_staging=frame in ("async", "s16", "wide"), bwd_products=frame == "products",
+                wide_fragments=frame == "wide")
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
     try:
@@ -304,6 +307,16 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                     return [Tm, U, W, carried, Z, S_end, y, M, *rev, *grads, diag[0], diag[2], *erev]
                 got = run(mx.bfloat16, lambda a: a.astype(mx.bfloat16))
                 ref = [np.array(a.astype(mx.float32), np.float64) for a in run(None, lambda a: a.astype(mx.float32))]
+        elif frame == "wide":  # the readout on the wide multiply-add (``Tuning.wide_fragments``) against its TF32 form,
+            got, ref = [], []  # which "async" checks against float64: every operand bf16, as GDN's with 16-bit states
+            if ck.fuses_readout(t, C, K, V):
+                q16, x16 = (f32(rng.normal(size=(1, n, C, K)) / np.sqrt(K)).astype(mx.bfloat16) for _ in range(2))
+                Z16, St16 = (f32(rng.normal(size=s)).astype(mx.bfloat16) for s in ((1, n, C, V), (1, n, K, V)))
+                l, fx = f32(np.full((1, n, C, 1), -0.1)), f32(rng.uniform(size=(1, n, C, 1)))
+                got = list(ck.chunk_out(q16, x16, Z16, St16, l, t, uf=fx))
+                tf32 = replace(t, wide_fragments=False)
+                ref = [np.array(a.astype(mx.float32), np.float64) for a in ck.chunk_out(q16, x16, Z16, St16, l, tf32,
+                                                                                        uf=fx)]
         elif frame == "rows":  # GDN's five kernels in the model's layout: B = 1, H = 2 over one key head, bf16 inputs
             got, ref = [], []
             if ck.fuses_ut(t, C, K, V) and ck.fuses_bwd(t, C, K, True):
@@ -547,6 +560,7 @@ def usable(dialect: str, frame: str = "base", sizes: tuple = PROBE, kernel_cache
                 "tail": "the fused backward (MLX ops are used for it)",
                 "ut16": "the UT transform's 16-bit outputs (float32 is used)",
                 "s16": "the 16-bit chunk states (float32 is used)",
+                "wide": "the wide multiply-add on 16-bit operands (TF32 fragments are used)",
                 "keyfactor": "KDA's factor reads (its roles are formed)",
                 "rows": "the model-layout reads of q, k, v (they are copied to the chunks' layout)",
                 "hoist": "the scans' hoisted loads (each operand is loaded where it is used)",

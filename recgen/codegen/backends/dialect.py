@@ -45,6 +45,26 @@ SIMDGROUP_FRAGMENTS = Fragments(gq="((lane >> 2) & 4) + ((lane >> 1) & 3)", tq="
                                 b_row=(" + gq", " + gq"), b_col=(" + 2 * tq", " + 2 * tq + 1"), row_xor=(1, 8))
 
 
+@dataclass(frozen=True)
+class Fragments16:
+    """Where a lane holds its parts of the wide fragment multiply-add D += A B on 16-bit operands
+    (``Dialect.mma16``: D 16x8 as ``Fragments``' D, A 16x16, B 16x8), each part a pair of elements adjacent in k
+    (the first in the pair's low half): A's pair i at row offset ``a_row[i]``, k offset ``a_k[i]``; B's pair j at k
+    offset ``b_k[j]``, column ``b_n``. Offsets are spelled " + expr"."""
+
+    a_row: tuple
+    a_k: tuple
+    b_k: tuple
+    b_n: str
+
+
+# PTX m16n8k16 on bf16 or f16: A pairs (gq, 2tq), (gq + 8, 2tq), (gq, 2tq + 8), (gq + 8, 2tq + 8); B pairs (2tq, gq),
+# (2tq + 8, gq).
+PTX_FRAGMENTS16 = Fragments16(a_row=("", " + 8", "", " + 8"), a_k=(" + 2 * tq", " + 2 * tq", " + 2 * tq + 8",
+                                                                    " + 2 * tq + 8"),
+                              b_k=(" + 2 * tq", " + 2 * tq + 8"), b_n=" + gq")
+
+
 @dataclass(frozen=True, eq=False)  # one table per backend: identity is equality, and it hashes for caches
 class Dialect:
     name: str
@@ -94,6 +114,16 @@ class Dialect:
     copy_prelude: str = ""
     copy_commit: str = ""
     copy_wait: str = ""
+    # The wide fragment multiply-add D (float[4]) += A B on 16-bit operands of type {t} (bf16 or f16: half the
+    # multiply-adds of ``mma`` over a product, no conversions), where ``frag16`` says: {acc} float[4], {a} ``pair``[4],
+    # {b} ``pair``[2], {lane} the lane index (``mma_prelude`` defines it); "" where the dialect has none (the frames
+    # then take ``mma``). ``load2``: the pair of elements {p} and the one after it (a 16-bit buffer, {p} even), as
+    # one word where the dialect can; ``pack2``: the pair of 16-bit values {a} (first) and {b}.
+    mma16: str = ""
+    frag16: Fragments16 | None = None
+    pair: str = ""
+    load2: str = ""
+    pack2: str = ""
     # mx.fast.<factory> that runs a kernel compiled outside MLX (``recgen.runtime.kernel_binary`` compiles it once and
     # keeps it on disk), "" where the dialect's kernels are compiled by MLX only
     binary_factory: str = ""

@@ -1,7 +1,7 @@
 """Metal Shading Language spellings (through mx.fast.metal_kernel)."""
 from dataclasses import replace
 
-from .dialect import PTX_FRAGMENTS, SIMDGROUP_FRAGMENTS, Dialect
+from .dialect import PTX_FRAGMENTS, PTX_FRAGMENTS16, SIMDGROUP_FRAGMENTS, Dialect
 
 # NOTE: MSL has no log1p; softplus uses log(1 + e) on the non-positive branch, where e <= 1.
 PRELUDE = """\
@@ -43,6 +43,21 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     d[0] += lo * b0; d[1] += lo * b1; d[2] += hi * b0; d[3] += hi * b1;
   }
 }
+// The wide one (PTX m16n8k16), its 16-bit pairs held as float2: A[row][k] in lane 4 row + (k % 8) / 2, pair
+// k / 8 (+ 1 for row + 8), element k % 2; B[k][col] in lane 4 col + (k % 8) / 2, pair k / 8.
+inline void rg_mma16(thread float* d, thread const float2* a, thread const float2* b, uint lane) {
+  const uint gq = lane >> 2, tq = lane & 3;
+  for (uint k = 0; k < 16; ++k) {
+    const uint src = (k & 7) >> 1;
+    const float2 lo = metal::simd_shuffle(k < 8 ? a[0] : a[2], ushort(4 * gq + src));
+    const float2 hi = metal::simd_shuffle(k < 8 ? a[1] : a[3], ushort(4 * gq + src));
+    const float2 b0 = metal::simd_shuffle(k < 8 ? b[0] : b[1], ushort(8 * tq + src));
+    const float2 b1 = metal::simd_shuffle(k < 8 ? b[0] : b[1], ushort(8 * tq + 4 + src));
+    const float l = (k & 1) ? lo.y : lo.x, h = (k & 1) ? hi.y : hi.x;
+    const float c0 = (k & 1) ? b0.y : b0.x, c1 = (k & 1) ? b1.y : b1.x;
+    d[0] += l * c0; d[1] += l * c1; d[2] += h * c0; d[3] += h * c1;
+  }
+}
 """
 
 # Metal has no asynchronous copy a kernel can spell portably: the staging copies are plain 16-byte moves, so the
@@ -71,4 +86,7 @@ METAL = Dialect(
     standalone_dtypes={"float32": "float", "float16": "half", "bfloat16": "bfloat"}, constant_space="constant ",
 )
 
-METAL_PTX = replace(METAL, name="metal_ptx", mma_prelude=PTX_SHUFFLE_PRELUDE, frag=PTX_FRAGMENTS)
+# its wide multiply-add keeps the pairs as float2 (the values exact: the emulator checks where each element sits)
+METAL_PTX = replace(METAL, name="metal_ptx", mma_prelude=PTX_SHUFFLE_PRELUDE, frag=PTX_FRAGMENTS,
+                    mma16="rg_mma16({acc}, {a}, {b}, {lane})", frag16=PTX_FRAGMENTS16, pair="float2",
+                    load2="float2{{float({p}), float((&{p})[1])}}", pack2="float2{{float({a}), float({b})}}")

@@ -21,6 +21,21 @@ __device__ __forceinline__ void rg_store2(__nv_bfloat16* p, float a, float b) {
 __device__ __forceinline__ void rg_store2(__half* p, float a, float b) {
   *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
 }
+// m16n8k16 on bf16 or f16 pairs (one 32-bit register each, the first element in the low half)
+template <typename T> __device__ __forceinline__ void rg_mma16(float* d, const unsigned* a, const unsigned* b, int);
+#define RG_MMA16(T, S)   template <> __device__ __forceinline__ void rg_mma16<T>(float* d, const unsigned* a, const unsigned* b, int) {     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." S "." S ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "                  "{%0,%1,%2,%3};" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));   }
+RG_MMA16(__nv_bfloat16, "bf16")
+RG_MMA16(__half, "f16")
+#undef RG_MMA16
+template <typename T> __device__ __forceinline__ unsigned rg_ld2(const T* p) {
+  return *reinterpret_cast<const unsigned*>(p);
+}
+__device__ __forceinline__ unsigned rg_pack2(__nv_bfloat16 a, __nv_bfloat16 b) {
+  return (unsigned)__bfloat16_as_ushort(a) | ((unsigned)__bfloat16_as_ushort(b) << 16);
+}
+__device__ __forceinline__ unsigned rg_pack2(__half a, __half b) {
+  return (unsigned)__half_as_ushort(a) | ((unsigned)__half_as_ushort(b) << 16);
+}
 __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b, int lane) {
   const float ar[4] = {rg_tf32f(a[0]), rg_tf32f(a[1]), rg_tf32f(a[2]), rg_tf32f(a[3])};
   const float br[2] = {rg_tf32f(b[0]), rg_tf32f(b[1])};
