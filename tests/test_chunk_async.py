@@ -119,6 +119,37 @@ def test_chunk_ut_async_reads_16bit_keys_in_the_model_layout(ot, sanitizer):
         assert _rel(got, ref) < tol, (got.shape, _rel(got, ref))
 
 
+@pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
+@pytest.mark.parametrize("C,ot", [(16, None), (32, "bfloat16")])
+def test_chunk_ut_async_wide_fragments(C, ot, sanitizer):
+    """The UT transform on the wide multiply-add (``Tuning.wide_fragments``, CUDA's lane layout in ``metal_ptx``):
+    GDN's call, x and v in bf16 in the model's layout, Uw and Wb in float32 or bf16, against float64 on the bf16
+    values. Tm leaves in float32 from the inverse; Uw's and Wb's products take it in bf16, as FLA's do: those within
+    that rounding."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(8)
+    B, H, HK, n, K, V = 2, 2, 1, 2, 32, 24
+    N, T = B * H * n, n * C
+    bf16 = lambda a: mx.array(a.astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    x, w = bf16(rng.normal(size=(B, T, HK, K)) / np.sqrt(K)), bf16(rng.normal(size=(B, T, H, V)))
+    uf, logd = rng.uniform(size=(N, C)).astype(np.float32), (-3 * rng.uniform(size=(N, C))).astype(np.float32)
+    ins = {"U": x, "Uf": uf, "Bf": np.array([-1.0], np.float32), "W": w, "logd": logd}
+    launch = ck.ut_async_launch("metal_ptx", N, C, K, V, ("bfloat16", "bfloat16"), uf=True, ot=ot,
+                                ml=(H, HK, n, True), wide=True)
+    assert launch.source.name.split("_metal")[0].endswith("_w16"), launch.source.name
+    outs = verify.run_launch(launch, ins, sanitizer=sanitizer)
+
+    def chunks(a, heads):  # [B, T, heads, F] -> [B H n, C, F], key heads shared by the value heads
+        a = np.array(a.astype(mx.float32), np.float64)
+        return np.repeat(a, H // heads, 2).transpose(0, 2, 1, 3).reshape(N, C, -1)
+
+    xc = chunks(x, HK)
+    want = _ut_ref(-xc, uf[..., None] * xc, chunks(w, H), logd)
+    for i, (got, ref) in enumerate(zip(outs, want)):
+        tol = 1e-5 if i == 0 else 1e-2  # Tm in float32; Uw and Wb through Tm's bf16
+        assert _rel(got, ref) < tol, (i, _rel(got, ref))
+
+
 def _banks(x: int, esize: int, rows: int) -> bool:
     """Whether a warp's fragment read of a tile of row stride x (elements of esize bytes) in CUDA's lane layout
     touches each bank through one word only: A fragments (8 rows gq x 4 columns tq) where rows = 8, B fragments (4

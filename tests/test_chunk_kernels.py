@@ -1719,18 +1719,21 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                                 "recgen_chunk_ut_async_uf_o16_ml"},
                       "s16": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16",
                               "recgen_chunk_ut_async_uf_o16_s16"},
-                      "wide": {"recgen_chunk_out_async_uf"}}.get(frame, set())  # Metal: no wide multiply-add
+                      "wide": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16_s16"}}.get(frame, set())
     assert any("_pv_metal" in c for c in calls) == (frame == "products")
-    assert any("_s16_" in c for c in calls) == (frame == "s16")
+    assert any("_s16_" in c for c in calls) == (frame in ("s16", "wide"))  # "wide": GDN's UT transform with a bf16 Tm
 
 
 def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
-    """The "wide" frame in CUDA's lane layout (``metal_ptx``, which has the wide multiply-add): the readout on it
-    against its TF32 form passes, and one that lies fails."""
+    """The "wide" frame in CUDA's lane layout (``metal_ptx``, which has the wide multiply-add; Metal has none, so
+    there it runs the TF32 forms twice): the readout and UT transform on it against their TF32 forms pass, and a
+    wide kernel that lies fails."""
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     assert pr._probe("metal_ptx", "wide", SMALL) is None
-    assert {c.split("_metal")[0] for c in calls} == {"recgen_chunk_out_async_uf", "recgen_chunk_out_async_uf_w16"}
+    assert {c.split("_metal")[0] for c in calls} == {"recgen_chunk_out_async_uf", "recgen_chunk_out_async_uf_w16",
+                                                     "recgen_chunk_ut_async_uf_o16_s16",
+                                                     "recgen_chunk_ut_async_uf_o16_s16_w16"}
     pr._probe.cache_clear()
 
     def lying(launch, *a):  # the wide kernel's y doubled

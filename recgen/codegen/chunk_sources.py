@@ -269,10 +269,11 @@ def ut_mma_source(dialect: str, key: bool = False, tb: bool = False, uf: bool = 
 
 @lru_cache(maxsize=None)
 def ut_async_source(dialect: str, uf: bool = False, o16: bool = False, ml: bool = False,
-                    s16: bool = False) -> KernelSource:
+                    s16: bool = False, w16: bool = False) -> KernelSource:
     """The scalar-decay UT transform of ``ut_mma_source`` with its operands staged two buffers deep by the dialect's
     16-byte copies (``chunk_ut_async.j2``; on CUDA cp.async). ``uf``, ``o16``, ``ml``, ``s16`` as there; the types
-    UT, WT (and BT without ``uf``) of the inputs are template constants (``ut_async_layout``)."""
+    UT, WT (and BT without ``uf``) of the inputs are template constants (``ut_async_layout``). ``w16``: the inputs in
+    one 16-bit type, multiplied by the dialect's wide multiply-add (``Dialect.mma16``)."""
     if ml and not uf:
         raise ValueError("chunk_ut_async: the model's layout (ml) is the factor-read form's")
     if o16 and not uf:
@@ -280,12 +281,14 @@ def ut_async_source(dialect: str, uf: bool = False, o16: bool = False, ml: bool 
     if s16 and not o16:
         raise ValueError("chunk_ut_async: a 16-bit Tm (s16) comes with 16-bit U and W (o16)")
     d = get(dialect)
+    if w16 and not d.mma16:
+        raise ValueError(f"chunk_ut_async: the {dialect} dialect has no wide multiply-add (w16)")
     ins = ("U", "Uf", "Bf", "W", "logd") if uf else ("Bt", "U", "W", "logd")
     kind = ("ut_async" + ("_uf" if uf else "") + ("_o16" if o16 else "") + ("_s16" if s16 else "")
-            + ("_ml" if ml else ""))
+            + ("_ml" if ml else "") + ("_w16" if w16 else ""))
     return _source(d, "chunk_ut_async.j2", kind, "UT transform of the chunked core's delta rule, fragment multiply-adds, "
                    "operands staged by asynchronous copies", ins, ("Tm", "Uw", "Wb"), (),
-                   helpers=d.mma_prelude + d.copy_prelude, uf=uf, o16=o16, ml=ml, s16=s16)
+                   helpers=d.mma_prelude + d.copy_prelude, uf=uf, o16=o16, ml=ml, s16=s16, w16=w16)
 
 
 @lru_cache(maxsize=None)
@@ -736,28 +739,31 @@ def ut_mma_layout(dialect: str, C: int, K: int, V: int, most_bw: int = 128) -> d
 
 
 @lru_cache(maxsize=None)
-def ut_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple, most_bw: int = 128) -> dict | None:
+def ut_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple, most_bw: int = 128,
+                    w16: bool = False) -> dict | None:
     """Template constants of the two-buffer UT transform (``ut_async_source``), or None where it has none: C one of
     16, 32, 64, K and V multiples of 8; ``sizes`` the bytes an element of U, W and Bt (or of x, W with factor
     reads: two sizes). The first (BW, KB), BW from ``most_bw``, 64, 32, 16, 8 dividing K and V, KB from 32, 16, 8,
     whose buffers fit the dialect's threadgroup memory: A and Tm (C × LD floats each) and e^G, then a staging area
     SQ 16-byte words large for the largest of: two blocks of the keys (C × LDU, and C × LDU2 of Bt), the inverse's
     products (20 C floats), two blocks of W (KB × LDW), two of the key (KB × LDX). At C = 64, K = V = 128 with
-    16-bit inputs that is 44.2 KiB on CUDA (BW 128, KB 16)."""
-    if C not in (16, 32, 64) or K % 8 or V % 8:
+    16-bit inputs that is 44.2 KiB on CUDA (BW 128, KB 16). ``w16`` (16-bit operands, the wide multiply-add): KB 32
+    or 16, the blocks of W and the key at ``pack_stride``, and Tm in 16 bits (C × LDH, in A's memory)."""
+    if C not in (16, 32, 64) or K % 8 or V % 8 or (w16 and K % 16):
         return None
     eu, ew = sizes[:2]
     eb = sizes[2] if len(sizes) > 2 else None
     ld = a_stride(C)
     for bw in (b for b in dict.fromkeys((most_bw, 64, 32, 16, 8)) if K % b == 0 and V % b == 0):
-        for kb in (b for b in (32, 16, 8) if C % b == 0 and K % b == 0):
+        for kb in (b for b in ((32, 16) if w16 else (32, 16, 8)) if C % b == 0 and K % b == 0):
             ldu, ldu2 = copy_stride(kb, eu, 8), copy_stride(kb, eb or eu, 8)
-            ldw, ldx = copy_stride(bw, ew, 4), copy_stride(bw, eb or eu, 4)
+            ldw, ldx = (pack_stride(bw),) * 2 if w16 else (copy_stride(bw, ew, 4), copy_stride(bw, eb or eu, 4))
             keys = 2 * C * (ldu * eu + (ldu2 * eb if eb else 0))
             stage = max(keys, 20 * C * 4, 2 * kb * ldw * ew, 2 * kb * ldx * (eb or eu))
             sq = -(-stage // 16)
             if 4 * (2 * C * ld + C) + 16 * sq <= get(dialect).smem_bytes:
-                return {"BW": bw, "KB": kb, "LD": ld, "LDU": ldu, "LDU2": ldu2, "LDW": ldw, "LDX": ldx, "SQ": sq}
+                return ({"BW": bw, "KB": kb, "LD": ld, "LDU": ldu, "LDU2": ldu2, "LDW": ldw, "LDX": ldx, "SQ": sq}
+                        | ({"LDH": copy_stride(C, 2, 8)} if w16 else {}))
     return None
 
 

@@ -230,18 +230,23 @@ def out_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple,
 
 @lru_cache(maxsize=256)
 def ut_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, most_bw: int = 128, uf: bool = False,
-                    ot: str | None = None, ml: tuple | None = None, st: str | None = None) -> Launch | None:
+                    ot: str | None = None, ml: tuple | None = None, st: str | None = None,
+                    wide: bool = False) -> Launch | None:
     """The two-buffer UT transform (``ut_async_source``) with ``ut_mma_launch``'s arguments; ``types``: the dtype
-    names of U (the key x where ``uf``), W and, without ``uf``, Bt, whose blocks it copies verbatim. None where its
-    buffers have no layout (then the synchronous frame runs)."""
+    names of U (the key x where ``uf``), W and, without ``uf``, Bt, whose blocks it copies verbatim. ``wide``
+    (``Tuning.wide_fragments``): the wide multiply-add where the dialect has one and all share a 16-bit type. None
+    where its buffers have no layout (then the synchronous frame runs)."""
     if len(types) != (2 if uf else 3):
         raise ValueError(f"chunk_ut_async: types {types} must name U, W{'' if uf else ' and Bt'}")
-    lay = ut_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bw)
+    w16 = wide and bool(get(dialect).mma16) and len(set(types)) == 1 and _itemsize(types[0]) == 2
+    lay = ut_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bw, w16)
+    if lay is None and w16:
+        return ut_async_launch(dialect, N, C, K, V, types, most_bw, uf, ot, ml, st)
     if lay is None:
         return None
     tmpl = ((("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + tuple(zip(("UT", "WT", "BT"), types))
             + ((("OT", ot),) if ot else ()) + ((("ST", st),) if st else ()) + _model_consts(ml))
-    return Launch(ut_async_source(dialect, uf, ot is not None, ml is not None, st is not None), (),
+    return Launch(ut_async_source(dialect, uf, ot is not None, ml is not None, st is not None, w16), (),
                   _ut_outputs(N, C, K, V, ot, st),
                   (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl)
 
@@ -643,7 +648,8 @@ def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None, out=None,
     launch = None
     if t.async_staging:
         types = tuple(dtype_name(a.dtype) for a in ((u, w) if uf is not None else (u, w, bt)))
-        launch = ut_async_launch(t.dialect, N, C, K, V, types, t.ut_bw, uf=uf is not None, ot=ot, ml=ml, st=st)
+        launch = ut_async_launch(t.dialect, N, C, K, V, types, t.ut_bw, uf=uf is not None, ot=ot, ml=ml, st=st,
+                                 wide=t.wide_fragments)
     if launch is None:
         launch = ut_mma_launch(t.dialect, N, C, K, V, t.ut_bw, uf=uf is not None, ot=ot, ml=ml, l2=t.l2_prefetch,
                                st=st)

@@ -97,27 +97,30 @@ def test_chunked_form_reads_the_model_layout(name, case, dtype, rng, monkeypatch
     # (``Tuning.bwd_products``), the UT transform's outputs in 16 bits or not (``Tuning.ut_16bit``), the states too
     # or not (``Tuning.states_16bit``)
     ran = {n.split("_cuda")[0].replace("_ho", "").replace("_l2", "").replace("_async", "_mma").replace("_o16", "")
-           .replace("_s16", "").removesuffix("_pv") for n in names}
+           .replace("_s16", "").removesuffix("_pv").removesuffix("_w16") for n in names}
     assert {"recgen_chunk_ut_mma_uf_ml", "recgen_chunk_scan_mma_q_ml", "recgen_chunk_out_mma_uf_ml_yt",
             "recgen_chunk_scan_mma_aq_p_pq_dg_ml_rev", "recgen_chunk_bwd_mma_delta_uf_ml"} <= ran, ran
 
 
 @pytest.mark.parametrize("name,case,dtype", params(("gated_delta_net", "delta_net", "simple_gla"), dtypes=("bfloat16",),
                                                    cases=(MODEL_ROWS_CASE, FRAGMENT_CASE, DENSE_CASE)))
-def test_chunked_form_with_async_staging(name, case, dtype, rng, monkeypatch):
+@pytest.mark.parametrize("wide", [False, True])
+def test_chunked_form_with_async_staging(name, case, dtype, rng, monkeypatch, wide):
     """``Tuning.async_staging``: the scalar decay's readout and the delta rule's UT transform with their blocks copied two
     deep by cp.async (whole chunks in the model's layout, and a partial last chunk in the chunks' layout), against the
-    float64 reference; the kernels that ran are the two-buffer ones."""
+    float64 reference; the kernels that ran are the two-buffer ones, the readout on the wide multiply-add where
+    ``Tuning.wide_fragments`` says (bf16 operands and states: m16n8k16)."""
     from recgen import tuning
     from recgen.runtime import chunk_kernels as ck
 
     names, call = [], ck.mlx_call
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: names.append(launch.source.name) or call(launch, *a))
     with tuning.override(mma_scan=True, model_rows=True, model_rows_dense=True, async_staging=True,
-                         replay_graphs=False):  # each kernel call seen by the patch, none replayed
+                         wide_fragments=wide, replay_graphs=False):  # each kernel call seen by the patch, none replayed
         assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
     ran = {n.split("_cuda")[0] for n in names}  # the self-tests' kernels run once a process too
     delta = name != "simple_gla"  # factor reads (u = β k), and the model's layout where chunks are whole
     uf, ml = ("_uf" if delta else ""), ("_ml" if delta and case.T % 64 == 0 else "")
-    assert f"recgen_chunk_out_async{uf}{ml}_yt" in ran, ran
-    assert not delta or any(n.startswith(f"recgen_chunk_ut_async{uf}") and n.endswith(ml) for n in ran), ran
+    assert f"recgen_chunk_out_async{uf}{ml}_yt{'_w16' if wide else ''}" in ran, ran
+    assert not delta or any(n.startswith(f"recgen_chunk_ut_async{uf}") and n.removesuffix("_w16").endswith(ml)
+                            and n.endswith("_w16") == wide for n in ran), ran
