@@ -283,6 +283,36 @@ def test_chunk_scan_mma_scales_b_rows(frame, has_a):
         assert _rel(got, w) < 1e-5, _rel(got, w)
 
 
+@pytest.mark.parametrize("sanitizer", [None, "address"])
+@pytest.mark.parametrize("C,K,V,nw", [(32, 32, 32, 2), (64, 64, 24, 4)])
+def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, sanitizer):
+    """GDN's forward scan on the wide multiply-add (``ScanVariant.w16``, CUDA's m16n8k16 lane layout in
+    ``metal_ptx``): hoisted, A, X and Bm in bf16, Bm's rows scaled by Bq (decays down to e^-20), carried and Y in
+    bf16, against float64 at the bf16 inputs. Its products take the state, Y and Bq ⊙ Bm in bf16 (as FLA's
+    chunk_fwd_h): within that rounding."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(C + K)
+    BH, n = 2, 3
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
+    A, X, Bm = bf(f(BH, n, C, K) * 0.2), bf(f(BH, n, C, V)), bf(f(BH, n, C, K) * 0.2)
+    Bq = np.exp(-20 * rng.uniform(size=(BH, n, C))).astype(np.float32)
+    ins = {"S0": f(BH, K, V), "A": A, "X": X, "Bm": Bm, "Bq": Bq,
+           "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32)}
+    v = ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True)
+    launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
+    assert "_w16" in launch.source.name and dict(launch.template)["NW"] == nw
+    outs = verify.run_launch(launch, ins, sanitizer=sanitizer)
+    f64 = lambda a: np.array(a.astype(mx.float32), np.float64)  # noqa: E731
+    want = _scan_ref(ins["S0"], f64(A), f64(X), f64(Bm) * Bq[..., None], ins["g"], None, False)
+    for got, w in zip(outs, want):
+        assert _rel(got, w) < 1e-2, _rel(got, w)
+    with pytest.raises(ValueError, match="wide multiply-add"):
+        ck.scan_launch("metal", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")  # Metal has none
+    with pytest.raises(ValueError, match="w16"):
+        ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, reverse=True)
+
+
 def test_chunk_scan_mma_layouts():
     """Which sizes the fragment scan takes, and the dialect choice: CUDA by default (tensor cores), Metal
     never by default (its multiply-add is a shuffle reference); outside its layouts the FMA frame runs."""
@@ -1712,7 +1742,8 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     assert hoisted == {"hoist": {"recgen_chunk_scan_mma_q_ho", "recgen_chunk_scan_mma_q_ho_rev"},
                        "hoist_e": {"recgen_chunk_scan_mma_nob_aq_e_ho_rev"},
                        "s16": gdn | {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
-                                     "recgen_chunk_scan_mma_noa_q_ho", "recgen_chunk_scan_mma_noa_q_ho_s16"}
+                                     "recgen_chunk_scan_mma_noa_q_ho", "recgen_chunk_scan_mma_noa_q_ho_s16"},
+                       "wide": {"recgen_chunk_scan_mma_q_ho_s16"}  # Metal: the TF32 scan twice
                        }.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
     assert staged == {"async": {"recgen_chunk_out_async", "recgen_chunk_out_async_uf_ml_yt", "recgen_chunk_ut_async",
@@ -1733,7 +1764,8 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
     assert pr._probe("metal_ptx", "wide", SMALL) is None
     assert {c.split("_metal")[0] for c in calls} == {"recgen_chunk_out_async_uf", "recgen_chunk_out_async_uf_w16",
                                                      "recgen_chunk_ut_async_uf_o16_s16",
-                                                     "recgen_chunk_ut_async_uf_o16_s16_w16"}
+                                                     "recgen_chunk_ut_async_uf_o16_s16_w16",
+                                                     "recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_q_ho_s16_w16"}
     pr._probe.cache_clear()
 
     def lying(launch, *a):  # the wide kernel's y doubled

@@ -71,8 +71,9 @@ class ScanVariant:
     reverse; ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0); ``mma``: the fragment frame; ``ml``: the
     row-scaled operands (those of q, aq, pq: roles read from the model's key inputs) read in the model's layout
     [B, n C, HK, K] (template constants H, HK, GB); ``s16``: carried and Y written in type ST (template constant, a
-    16-bit type: the chunk states and Z kept as FLA keeps h and v_new), S itself in float. p, dg, q, aq, pq, pf,
-    hoist, ml and s16 exist on the fragment frame only."""
+    16-bit type: the chunk states and Z kept as FLA keeps h and v_new), S itself in float; ``w16`` (the forward's
+    hoisted scan with A, B, q and s16 only): both products on the dialect's wide multiply-add, their operands in
+    type ST (``Dialect.mma16``). p, dg, q, aq, pq, pf, hoist, ml, s16 and w16 exist on the fragment frame only."""
 
     a: bool = True
     b: bool = True
@@ -89,6 +90,7 @@ class ScanVariant:
     mma: bool = False
     ml: bool = False
     s16: bool = False
+    w16: bool = False
 
     def __post_init__(self):
         if not (self.a or self.b):
@@ -106,6 +108,10 @@ class ScanVariant:
             raise ValueError("chunk_scan: the model's layout (ml) is the row-scaled operands': needs Bq, Aq or Pq")
         if self.ml and self.pf:
             raise ValueError("chunk_scan: prefetching reads A in the chunks' layout")
+        if self.w16 and not (self.a and self.b and self.q and self.hoist and self.s16 and self.mma) or self.w16 and (
+                self.e or self.p or self.dg or self.aq or self.pf or self.reverse):
+            raise ValueError("chunk_scan: the wide multiply-add (w16) is the forward's hoisted scan's (A, B with Bq, "
+                             "16-bit states; no E, P, dg, Aq, prefetching or reverse order)")
 
     @property
     def kind(self) -> str:
@@ -115,6 +121,7 @@ class ScanVariant:
                 + ("_p" if self.p else "") + ("_pq" if self.pq else "") + ("_pf" if self.pf else "")
                 + ("_ho" if self.hoist else "")
                 + ("_dg" if self.dg else "") + ("_ml" if self.ml else "") + ("_s16" if self.s16 else "")
+                + ("_w16" if self.w16 else "")
                 + ("_rev" if self.reverse else "")
                 + ("_v4" if self.vec else ""))
 
@@ -143,11 +150,13 @@ def _source(d, template: str, kind: str, banner: str, inputs: tuple, outputs: tu
 def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
     """The chunk scan of variant ``v`` (see ``ScanVariant``) in its frame."""
     d = get(dialect)
+    if v.w16 and not d.mma16:
+        raise ValueError(f"chunk_scan_mma: the {dialect} dialect has no wide multiply-add (w16)")
     flags = dict(has_e=v.e, reverse=v.reverse, has_a=v.a, has_b=v.b)
     if v.mma:
         return _source(d, "chunk_scan_mma.j2", v.kind, "chunk scan of the chunked core, fragment multiply-adds",
                        v.inputs, v.outputs, (), helpers=d.mma_prelude, has_p=v.p, has_dg=v.dg, has_q=v.q,
-                       has_aq=v.aq, has_pq=v.pq, pf=v.pf, hoist=v.hoist, ml=v.ml, s16=v.s16, **flags)
+                       has_aq=v.aq, has_pq=v.pq, pf=v.pf, hoist=v.hoist, ml=v.ml, s16=v.s16, w16=v.w16, **flags)
     return _source(d, "chunk_scan.j2", v.kind, "chunk scan of the chunked core", v.inputs, v.outputs, (),
                    vec=v.vec, **flags)
 

@@ -20,7 +20,7 @@ from ..codegen.chunk_sources import (BV, FACTOR_CHUNKS, FACTOR_NT, MMA_NW, ScanV
                                      decays_source, feature_decode_layout, feature_decode_source, feature_jac_source,
                                      feature_mix_layout, feature_mix_source, feature_mma_layout,
                                      feature_out_source, feature_states_source,
-                                     inverse_source, out_async_layout, out_async_source, out_mma_layout,
+                                     inverse_source, out_async_layout, out_async_source, out_mma_layout, pack_stride,
                                      out_mma_source, pair_folds, pair_fragments, pair_grad_source, pair_layout,
                                      pair_source, scan_layout, scan_mma_layout, scan_prefetches, scan_source,
                                      sympow_layout, sympow_source, ut_async_layout, ut_async_source, ut_mma_layout,
@@ -155,7 +155,7 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
                              f"K={K}, V={V}")
         nt = 32 * lay["NW"]
         tmpl = ((("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items()) + _model_consts(ml, ("H", "HK", "GB"))
-                + ((("ST", st),) if st else ()))
+                + ((("ST", st),) if st else ()) + ((("LDS", pack_stride(lay["BV"])),) if v.w16 else ()))
         return Launch(src, (("rt", (n,), "int32"),), _scan_outputs(BH, n, C, K, V, v, V // lay["BV"], st),
                       (V // lay["BV"] * nt, BH, 1), (nt, 1, 1), tmpl)
     lay = scan_layout(dialect, C, K)
@@ -586,9 +586,14 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
             + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
     mma = P is not None or dg_here or Bq is not None or Aq is not None or st is not None or use_mma(t, C, K, V)
     nw, pf, hoist = _scan_schedule(t, BH, C, K, V, reverse, mma, A is not None, Bm is not None or P is not None)
+    # the wide multiply-add (``Tuning.wide_fragments``): the forward's hoisted scan whose operands share the states'
+    # 16-bit type
+    w16 = (t.wide_fragments and bool(get(t.dialect).mma16) and hoist and not reverse and st is not None
+           and A is not None and Bq is not None and E is None and P is None and Aq is None and not dg_here
+           and A.dtype == Bm.dtype == st and C % 16 == 0 and K % 16 == 0)
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf and ml is None,
-                    hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None, s16=st is not None)
+                    hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None, s16=st is not None, w16=w16)
     outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv, nw, ml,
                                 None if st is None else dtype_name(st)), user)
     carried, Y, S_end = outs[0].reshape(*lead, n, K, V), outs[1], outs[2].reshape(*lead, K, V)

@@ -68,7 +68,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     const int64_t bc = bh * n + ch;
     // hoist: the chunk's operands that do not depend on the state are loaded first, so that their latency overlaps
     // the state copy and Y_c's product
-    float an_[K / 8][4], xn_[YCT][4];
+    float an_[K / 8][4];
+    float xn_[YCT][4];
 #pragma unroll
     for (int ct = 0; ct < YCT; ++ct) {
       const int c = col0 + 8 * (pct0 + ct) + 2 * tq;
