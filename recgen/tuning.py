@@ -151,7 +151,8 @@ class Tuning:
     #                                 last one's products (then ``l2_prefetch`` does not apply to them)
     wide_fragments: bool = False    # fragment kernels whose operands share one 16-bit type multiply them by the
     #                                 dialect's wide multiply-add (``Dialect.mma16``: CUDA's m16n8k16 on bf16 or f16),
-    #                                 read as they are, not converted to TF32: the readout
+    #                                 read as they are, not converted to TF32: the readout, the UT transform and the
+    #                                 forward scan (H100, GDN 4,4096,16,128: forward 1.44 -> 1.21 ms; on on CUDA)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
     bwd_min_blocks: int = 1         # ... threadgroups an SM its registers must allow (as feature_jac_min_blocks; H100:
@@ -188,7 +189,8 @@ MEASURED = {
                  model_rows_dense=True, decayed_scores=True, feature_kernels=True, gram_slices=16,
                  kernel_cache=KERNEL_CACHE_DIR, feature_jac_min_blocks=2, feature_states_fragments=2,
                  feature_out_fragments=2, feature_mix=True, feature_keep_states=True,
-                 decay_factor_kernels=True, replay_graphs=True, ut_16bit=True, states_16bit=True),
+                 decay_factor_kernels=True, replay_graphs=True, ut_16bit=True, states_16bit=True,
+                 wide_fragments=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }

@@ -1808,8 +1808,8 @@ def test_the_probe_keeps_its_kernels_where_the_tuning_keeps_them(monkeypatch, fr
     pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/kept"}), pr.PROBE, pr.CHUNK_FRAMES)
     # what CUDA's table asks for: "mma" only where "hoist" fails, "scan" never, KDA's factor reads and the product-free
     # scans' hoisting not (off), the backward's products not (off); the UT transform's 16-bit outputs and 16-bit
-    # states (on)
-    assert prefetched[1][1] == pr.CHUNK_FRAMES - {"scan", "mma", "keyfactor", "hoist_e", "products", "wide"}, \
+    # states, the wide multiply-add (on)
+    assert prefetched[1][1] == pr.CHUNK_FRAMES - {"scan", "mma", "keyfactor", "hoist_e", "products"}, \
         prefetched[1][1]
     pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "off"}))
     assert len(prefetched) == 2  # no cache, nothing made ahead
