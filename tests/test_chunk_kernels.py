@@ -309,6 +309,14 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, sanitizer):
         assert _rel(got, w) < 1e-2, _rel(got, w)
     with pytest.raises(ValueError, match="wide multiply-add"):
         ck.scan_launch("metal", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")  # Metal has none
+    # Bm read in the model's layout [B, n C, HK, K] (one key head under BH = 2 value heads): bit for bit the same
+    Bm_model = mx.contiguous(Bm[:1].reshape(1, n * C, 1, K))
+    wide_ml = ck.scan_launch("metal_ptx", dataclasses.replace(v, ml=True), BH, n, C, K, V, 1, 32, nw, (2, 1, n, True),
+                             "bfloat16")
+    ml = verify.run_launch(wide_ml, ins | {"Bm": Bm_model}, sanitizer=sanitizer)
+    same = verify.run_launch(launch, ins | {"Bm": mx.concatenate([Bm[:1], Bm[:1]])})
+    for a, b in zip(ml, same):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="w16"):
         ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, reverse=True)
 

@@ -36,15 +36,6 @@ __device__ __forceinline__ unsigned rg_pack2(__nv_bfloat16 a, __nv_bfloat16 b) {
 __device__ __forceinline__ unsigned rg_pack2(__half a, __half b) {
   return (unsigned)__half_as_ushort(a) | ((unsigned)__half_as_ushort(b) << 16);
 }
-template <typename T> __device__ __forceinline__ unsigned rg_pack2f(float a, float b);
-template <> __device__ __forceinline__ unsigned rg_pack2f<__nv_bfloat16>(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const unsigned*>(&h);
-}
-template <> __device__ __forceinline__ unsigned rg_pack2f<__half>(float a, float b) {
-  const __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const unsigned*>(&h);
-}
 __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b, int lane) {
   const float ar[4] = {rg_tf32f(a[0]), rg_tf32f(a[1]), rg_tf32f(a[2]), rg_tf32f(a[3])};
   const float br[2] = {rg_tf32f(b[0]), rg_tf32f(b[1])};
@@ -59,8 +50,9 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   //   themselves: no layout copies; GQA's key heads shared, not expanded; template constants H, HK, GB)
   //   carried and Y written in type ST (template constant: a 16-bit type, as FLA keeps its states), S in float
   //   w16: both products on the dialect's wide multiply-add (``Dialect.mma16``: 16 deep) on operands of type ST:
-  //   A and Bm read in it as pairs, Bm's rows scaled by Bq and rounded to it, the state's and Y's threadgroup copies
-  //   (Sh_, Yh_, row stride LDS) written in it, as FLA's chunk_fwd_h takes h and v_new in bf16; S stays float
+  //   A and Bm read in it as pairs, the state's and Bq * Y's threadgroup copies (Sh_, Yh_, row stride LDS) written
+  //   in it, as FLA's chunk_fwd_h takes h and v_new in bf16; S stays float. A lane holds the state's rows r, r + 1
+  //   (not r + 8) of each block, so Bm's elements for its update arrive as one word a token
   // (chunks in forward order). One threadgroup: one (batch, head), BV value
   // columns, NW SIMD groups. Products are 16x8x8 fragment multiply-adds, D += A B, each lane holding
   // a fixed part of every fragment (the dialect's layout: gq, tq from the lane):
@@ -92,12 +84,12 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   float S_[RBS][CT][4];
 #pragma unroll
   for (int rb = 0; rb < RBS; ++rb) {
-    const int r = 16 * (warp * RBS + rb) + gq;
+    const int r = 16 * RBS * warp + 2 * RBS * gq + 2 * rb;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
       const int c = col0 + 8 * ct + 2 * tq;
       S_[rb][ct][0] = static_cast<float>(S0[(bh * K + r) * V + c]); S_[rb][ct][1] = static_cast<float>(S0[(bh * K + r) * V + c + 1]);
-      S_[rb][ct][2] = static_cast<float>(S0[(bh * K + r + 8) * V + c]); S_[rb][ct][3] = static_cast<float>(S0[(bh * K + r + 8) * V + c + 1]);
+      S_[rb][ct][2] = static_cast<float>(S0[(bh * K + r + 1) * V + c]); S_[rb][ct][3] = static_cast<float>(S0[(bh * K + r + 1) * V + c + 1]);
     }
   }
   // each group has one item of Y_c (pf, hoist), its fragments of A and X in registers: loaded a chunk ahead while
@@ -124,28 +116,33 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       an_[k0 / 16][2] = rg_ld2(&A[(bc * C + pr_) * K + k0 + 2 * tq + 8]);
       an_[k0 / 16][3] = rg_ld2(&A[(bc * C + pr_ + 8) * K + k0 + 2 * tq + 8]);
     }
-    unsigned bp_[C / 16][RBS][4];  // pairs of tokens, rounded to ST once scaled
+    // the rows r, r + 1 of D's rows gq, gq + 8 are one word of At's token row: one load a token, its halves
+    // regrouped into the A pairs (Bq scales Y's rows instead: Yh_)
+    unsigned bp_[C / 16][RBS][4];
 #pragma unroll
     for (int t0 = 0; t0 < C; t0 += 16) {
-      const float q0 = Bq[bc * C + t0 + 2 * tq], q1 = Bq[bc * C + t0 + 2 * tq + 1], q2 = Bq[bc * C + t0 + 2 * tq + 8], q3 = Bq[bc * C + t0 + 2 * tq + 9];
 #pragma unroll
       for (int rb = 0; rb < RBS; ++rb) {
-        const int r = 16 * (warp * RBS + rb) + gq;
-        bp_[t0 / 16][rb][0] = rg_pack2f<ST>(static_cast<float>(Bm[((bc - tshift) * C + t0 + 2 * tq) * KLD + kh * K + r]) * q0, static_cast<float>(Bm[((bc - tshift) * C + t0 + 2 * tq + 1) * KLD + kh * K + r]) * q1);
-        bp_[t0 / 16][rb][1] = rg_pack2f<ST>(static_cast<float>(Bm[((bc - tshift) * C + t0 + 2 * tq) * KLD + kh * K + r + 8]) * q0, static_cast<float>(Bm[((bc - tshift) * C + t0 + 2 * tq + 1) * KLD + kh * K + r + 8]) * q1);
-        bp_[t0 / 16][rb][2] = rg_pack2f<ST>(static_cast<float>(Bm[((bc - tshift) * C + t0 + 2 * tq + 8) * KLD + kh * K + r]) * q2, static_cast<float>(Bm[((bc - tshift) * C + t0 + 2 * tq + 8 + 1) * KLD + kh * K + r]) * q3);
-        bp_[t0 / 16][rb][3] = rg_pack2f<ST>(static_cast<float>(Bm[((bc - tshift) * C + t0 + 2 * tq + 8) * KLD + kh * K + r + 8]) * q2, static_cast<float>(Bm[((bc - tshift) * C + t0 + 2 * tq + 8 + 1) * KLD + kh * K + r + 8]) * q3);
+        const int r = 16 * RBS * warp + 2 * RBS * gq + 2 * rb;
+        const unsigned w0 = rg_ld2(&Bm[((bc - tshift) * C + t0 + 2 * tq) * KLD + kh * K + r]),
+                       w1 = rg_ld2(&Bm[((bc - tshift) * C + t0 + 2 * tq + 1) * KLD + kh * K + r]),
+                       w2 = rg_ld2(&Bm[((bc - tshift) * C + t0 + 2 * tq + 8) * KLD + kh * K + r]),
+                       w3 = rg_ld2(&Bm[((bc - tshift) * C + t0 + 2 * tq + 8 + 1) * KLD + kh * K + r]);
+        bp_[t0 / 16][rb][0] = __byte_perm(w0, w1, 0x5410);
+        bp_[t0 / 16][rb][1] = __byte_perm(w0, w1, 0x7632);
+        bp_[t0 / 16][rb][2] = __byte_perm(w2, w3, 0x5410);
+        bp_[t0 / 16][rb][3] = __byte_perm(w2, w3, 0x7632);
       }
     }
     // carried_c = S (and the threadgroup copy A_c S reads)
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
-      const int r = 16 * (warp * RBS + rb) + gq;
+      const int r = 16 * RBS * warp + 2 * RBS * gq + 2 * rb;
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         const int c = 8 * ct + 2 * tq;
-        rg_store2(&carried[(bc * K + r) * V + col0 + c], S_[rb][ct][0], S_[rb][ct][1]); rg_store2(&carried[(bc * K + r + 8) * V + col0 + c], S_[rb][ct][2], S_[rb][ct][3]);
-        rg_store2(&Sh_[(r) * LDS + c], S_[rb][ct][0], S_[rb][ct][1]); rg_store2(&Sh_[(r + 8) * LDS + c], S_[rb][ct][2], S_[rb][ct][3]);
+        rg_store2(&carried[(bc * K + r) * V + col0 + c], S_[rb][ct][0], S_[rb][ct][1]); rg_store2(&carried[(bc * K + r + 1) * V + col0 + c], S_[rb][ct][2], S_[rb][ct][3]);
+        rg_store2(&Sh_[(r) * LDS + c], S_[rb][ct][0], S_[rb][ct][1]); rg_store2(&Sh_[(r + 1) * LDS + c], S_[rb][ct][2], S_[rb][ct][3]);
       }
     }
     __syncthreads();  // the state copy is complete
@@ -163,20 +160,22 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
           rg_mma16<ST>(y_[ct], an_[k0 / 16], b_, lane);
         }
       }
+      const float yq0 = Bq[bc * C + r], yq8 = Bq[bc * C + r + 8];  // the update's Bq * Y
 #pragma unroll
       for (int ct = 0; ct < YCT; ++ct) {
         const int c = 8 * (ct0 + ct) + 2 * tq;
         rg_store2(&Y[(bc * C + r) * V + col0 + c], y_[ct][0], y_[ct][1]); rg_store2(&Y[(bc * C + r + 8) * V + col0 + c], y_[ct][2], y_[ct][3]);
-        rg_store2(&Yh_[(r) * LDS + c], y_[ct][0], y_[ct][1]); rg_store2(&Yh_[(r + 8) * LDS + c], y_[ct][2], y_[ct][3]);
+        const float yq_[4] = {y_[ct][0] * yq0, y_[ct][1] * yq0, y_[ct][2] * yq8, y_[ct][3] * yq8};
+        rg_store2(&Yh_[(r) * LDS + c], yq_[0], yq_[1]); rg_store2(&Yh_[(r + 8) * LDS + c], yq_[2], yq_[3]);
       }
     }
     __syncthreads();  // Y_c is complete in threadgroup memory and no group reads the state copy any more
     // S <- g_c * S, then + B_c^T Y_c in C / 8 fragment steps (B_c^T read as A fragments)
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
-      const int r = 16 * (warp * RBS + rb) + gq;
+      const int r = 16 * RBS * warp + 2 * RBS * gq + 2 * rb;
       const float g0 = g[bc * F + (F == 1 ? 0 : r)];
-      const float g8 = g[bc * F + (F == 1 ? 0 : r + 8)];
+      const float g8 = g[bc * F + (F == 1 ? 0 : r + 1)];
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         S_[rb][ct][0] *= g0; S_[rb][ct][1] *= g0; S_[rb][ct][2] *= g8; S_[rb][ct][3] *= g8;
@@ -196,11 +195,11 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   }
 #pragma unroll
   for (int rb = 0; rb < RBS; ++rb) {
-    const int r = 16 * (warp * RBS + rb) + gq;
+    const int r = 16 * RBS * warp + 2 * RBS * gq + 2 * rb;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
       const int c = col0 + 8 * ct + 2 * tq;
       S_end[(bh * K + r) * V + c] = S_[rb][ct][0]; S_end[(bh * K + r) * V + c + 1] = S_[rb][ct][1];
-      S_end[(bh * K + r + 8) * V + c] = S_[rb][ct][2]; S_end[(bh * K + r + 8) * V + c + 1] = S_[rb][ct][3];
+      S_end[(bh * K + r + 1) * V + c] = S_[rb][ct][2]; S_end[(bh * K + r + 1) * V + c + 1] = S_[rb][ct][3];
     }
   }
