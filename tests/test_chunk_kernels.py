@@ -1735,7 +1735,8 @@ def fresh_probe():
     pr._failed.clear()
 
 
-@pytest.mark.parametrize("frame", ["base", "sympow", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "s16", "wide",
+@pytest.mark.parametrize("frame", ["base", "sympow", "tail", "scan", "mma", "pairs", "decode", "features", "ut16", "s16",
+                                   "wide",
                                    "keyfactor", "rows", "hoist", "hoist_e", "async", "mix", "factors", "products"])
 def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
     """The self-test builds, runs and checks tiny instances against float64 numpy: on the emulator they pass
@@ -1768,12 +1769,14 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
     there it runs the TF32 forms twice): the readout and UT transform on it against their TF32 forms pass, and a
     wide kernel that lies fails."""
     calls = []
-    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    monkeypatch.setattr(ck, "mlx_call",
+                        lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     assert pr._probe("metal_ptx", "wide", SMALL) is None
     assert {c.split("_metal")[0] for c in calls} == {"recgen_chunk_out_async_uf", "recgen_chunk_out_async_uf_w16",
                                                      "recgen_chunk_ut_async_uf_o16_s16",
                                                      "recgen_chunk_ut_async_uf_o16_s16_w16",
-                                                     "recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_q_ho_s16_w16"}
+                                                     "recgen_chunk_scan_mma_q_ho_s16",
+                                                     "recgen_chunk_scan_mma_q_ho_s16_w16"}
     pr._probe.cache_clear()
 
     def lying(launch, *a):  # the wide kernel's y doubled

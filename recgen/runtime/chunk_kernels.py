@@ -208,7 +208,8 @@ def _itemsize(dtype_name: str) -> int:
 
 @lru_cache(maxsize=256)
 def out_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, yt: tuple | None = None,
-                     most_bv: int = 128, uf: bool = False, ml: tuple | None = None, wide: bool = False) -> Launch | None:
+                     most_bv: int = 128, uf: bool = False, ml: tuple | None = None,
+                     wide: bool = False) -> Launch | None:
     """The two-buffer readout (``out_async_source``) with ``out_mma_launch``'s arguments; ``types``: the dtype names
     of R, U, Z and S_c, whose blocks it copies verbatim (M is written in S_c's). ``wide`` (``Tuning.wide_fragments``):
     the wide multiply-add where the dialect has one and all four share a 16-bit type. None where its buffers have no

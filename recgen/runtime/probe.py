@@ -155,8 +155,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     "mix" (the products over chunks of a feature map's backward at 17 states), "factors" (a scalar decay's factors
     in that form and their gradient, a reset among the log-decays),
     "ut16" (the factor-read UT transform writing bf16), "s16" (GDN's kernels and simple GLA's scans writing their
-    residuals and reading products in bf16, against their float32 forms), "wide" (the readout, UT transform and forward scan on
-    the wide multiply-add, every operand bf16, against their TF32 forms), "keyfactor" (KDA's factor-read UT transform and tail) and
+    residuals and reading products in bf16, against their float32 forms), "wide" (the readout, UT transform
+    and forward scan on the wide multiply-add, every operand bf16, against their TF32 forms), "keyfactor" (KDA's
+    factor-read UT transform and tail) and
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
     state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
