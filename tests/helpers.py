@@ -208,7 +208,9 @@ def chunk_launches(target: str) -> list:
                                         wide=True),
                     ck.ut_async_launch(target, 8, 64, 128, 128, ("bfloat16",) * 2, uf=True, ot="bfloat16", ml=ml,
                                        st="bfloat16", wide=True),
-                    mma(q=True, hoist=True, ml=ml, st="bfloat16", w16=True)] if target == "cuda" else [])
+                    mma(q=True, hoist=True, ml=ml, st="bfloat16", w16=True),
+                    mma(reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, ml=ml, st="bfloat16", w16=True)]
+                   if target == "cuda" else [])
                 + [ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("bfloat16", "bfloat16"),
                                       uf=True, ot="bfloat16", ml=ml),
                    ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("float32",) * 3)]

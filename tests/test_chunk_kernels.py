@@ -321,6 +321,43 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, sanitizer):
         ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, reverse=True)
 
 
+@pytest.mark.parametrize("sanitizer", [None, "address"])
+@pytest.mark.parametrize("C,K,V,nw", [(32, 32, 32, 2), (64, 64, 24, 4)])
+def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, sanitizer):
+    """GDN's backward scan on the wide multiply-add (``ScanVariant.w16`` in reverse, CUDA's lane layout in
+    ``metal_ptx``): hoisted, A with its row scales Aq (applied to A S: A's pairs raw), Bm, the P term Pa with Pq
+    (applied to Pb's pairs), dg = Σ carried ⊙ St, every product operand and St in bf16; against float64 at the
+    bf16 inputs, within bf16 rounding; and in the model's layout (A and Pa the key inputs, one key head under two
+    value heads) bit for bit the chunks' layout."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(C + K + 1)
+    BH, n = 2, 3
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
+    u = lambda *s: rng.uniform(0.05, 1.0, size=s).astype(np.float32)  # noqa: E731
+    A1, Pa1 = bf(f(1, n, C, K) * 0.2), bf(f(1, n, C, K) * 0.2)
+    A, Pa = mx.concatenate([A1, A1]), mx.concatenate([Pa1, Pa1])  # the value heads share their key head
+    ins = {"S0": f(BH, K, V), "A": A, "Aq": u(BH, n, C), "X": bf(f(BH, n, C, V)), "Bm": bf(f(BH, n, C, K) * 0.2),
+           "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32), "Pa": Pa, "Pb": bf(f(BH, n, C, V)),
+           "Pq": u(BH, n, C), "St": bf(f(BH, n, K, V))}
+    v = ScanVariant(mma=True, reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, s16=True, w16=True)
+    launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
+    assert "_w16" in launch.source.name and dict(launch.template)["NW"] == nw
+    carried, Y, S_end, dgp = verify.run_launch(launch, ins, sanitizer=sanitizer)
+    f64 = lambda a: np.array(mx.array(a).astype(mx.float32), np.float64)  # noqa: E731
+    Pe = np.einsum("bnck,bncv->bnkv", f64(ins["Pq"])[..., None] * f64(Pa), f64(ins["Pb"]))
+    want = _scan_ref(ins["S0"], f64(ins["Aq"])[..., None] * f64(A), f64(ins["X"]), f64(ins["Bm"]), ins["g"], Pe, True)
+    for got, w in zip((carried, Y, S_end), want):
+        assert _rel(got, w) < 1e-2, _rel(got, w)
+    dg = np.asarray(dgp, np.float64).sum(2)
+    assert _rel(dg, (want[0] * f64(ins["St"])).sum(-1)) < 1e-2  # from the float state, not its bf16 copy
+    model = {"A": mx.contiguous(A1.reshape(1, n * C, 1, K)), "Pa": mx.contiguous(Pa1.reshape(1, n * C, 1, K))}
+    ml = verify.run_launch(ck.scan_launch("metal_ptx", dataclasses.replace(v, ml=True), BH, n, C, K, V, 1, 32, nw,
+                                          (2, 1, n, True), "bfloat16"), ins | model)
+    for a, b in zip(ml, (carried, Y, S_end, dgp)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_chunk_scan_mma_layouts():
     """Which sizes the fragment scan takes, and the dialect choice: CUDA by default (tensor cores), Metal
     never by default (its multiply-add is a shuffle reference); outside its layouts the FMA frame runs."""
@@ -1752,7 +1789,8 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                        "hoist_e": {"recgen_chunk_scan_mma_nob_aq_e_ho_rev"},
                        "s16": gdn | {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
                                      "recgen_chunk_scan_mma_noa_q_ho", "recgen_chunk_scan_mma_noa_q_ho_s16"},
-                       "wide": {"recgen_chunk_scan_mma_q_ho_s16"}  # Metal: the TF32 scan twice
+                       "wide": {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev"}
+                       # Metal: the TF32 scans twice
                        }.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
     assert staged == {"async": {"recgen_chunk_out_async", "recgen_chunk_out_async_uf_ml_yt", "recgen_chunk_ut_async",
@@ -1776,7 +1814,9 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
                                                      "recgen_chunk_ut_async_uf_o16_s16",
                                                      "recgen_chunk_ut_async_uf_o16_s16_w16",
                                                      "recgen_chunk_scan_mma_q_ho_s16",
-                                                     "recgen_chunk_scan_mma_q_ho_s16_w16"}
+                                                     "recgen_chunk_scan_mma_q_ho_s16_w16",
+                                                     "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
+                                                     "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_w16_rev"}
     pr._probe.cache_clear()
 
     def lying(launch, *a):  # the wide kernel's y doubled

@@ -71,9 +71,9 @@ class ScanVariant:
     reverse; ``vec``: 16-byte column accesses (FMA frame, V % 4 == 0); ``mma``: the fragment frame; ``ml``: the
     row-scaled operands (those of q, aq, pq: roles read from the model's key inputs) read in the model's layout
     [B, n C, HK, K] (template constants H, HK, GB); ``s16``: carried and Y written in type ST (template constant, a
-    16-bit type: the chunk states and Z kept as FLA keeps h and v_new), S itself in float; ``w16`` (the forward's
-    hoisted scan with A, B, q and s16 only): both products on the dialect's wide multiply-add, their operands in
-    type ST (``Dialect.mma16``). p, dg, q, aq, pq, pf, hoist, ml, s16 and w16 exist on the fragment frame only."""
+    16-bit type: the chunk states and Z kept as FLA keeps h and v_new), S itself in float; ``w16`` (the hoisted
+    scans with A, B and s16: forward with q, or in reverse): the products on the dialect's wide multiply-add, their
+    operands in type ST (``Dialect.mma16``). p, dg, q, aq, pq, pf, hoist, ml, s16 and w16 exist on the fragment frame only."""
 
     a: bool = True
     b: bool = True
@@ -108,10 +108,12 @@ class ScanVariant:
             raise ValueError("chunk_scan: the model's layout (ml) is the row-scaled operands': needs Bq, Aq or Pq")
         if self.ml and self.pf:
             raise ValueError("chunk_scan: prefetching reads A in the chunks' layout")
-        if self.w16 and not (self.a and self.b and self.q and self.hoist and self.s16 and self.mma) or self.w16 and (
-                self.e or self.p or self.dg or self.aq or self.pf or self.reverse):
-            raise ValueError("chunk_scan: the wide multiply-add (w16) is the forward's hoisted scan's (A, B with Bq, "
-                             "16-bit states; no E, P, dg, Aq, prefetching or reverse order)")
+        forward = not (self.reverse or self.p or self.dg or self.aq) and self.q
+        reverse = self.reverse and not self.q
+        if self.w16 and not (self.a and self.b and self.hoist and self.s16 and self.mma and not (self.e or self.pf)
+                             and (forward or reverse)):
+            raise ValueError("chunk_scan: the wide multiply-add (w16) is the hoisted scans' with A, B and 16-bit "
+                             "states, no E or prefetching: forward with Bq, or in reverse without it")
 
     @property
     def kind(self) -> str:

@@ -156,7 +156,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     in that form and their gradient, a reset among the log-decays),
     "ut16" (the factor-read UT transform writing bf16), "s16" (GDN's kernels and simple GLA's scans writing their
     residuals and reading products in bf16, against their float32 forms), "wide" (the readout, UT transform
-    and forward scan on the wide multiply-add, every operand bf16, against their TF32 forms), "keyfactor" (KDA's
+    and both scans on the wide multiply-add, every operand bf16, against their TF32 forms), "keyfactor" (KDA's
     factor-read UT transform and tail) and
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
@@ -193,7 +193,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                 mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e", "async",
                                    "products", "s16", "wide"),
                 mma_pairs=frame == "pairs", scan_hoist=frame in ("hoist", "s16", "wide"),
-                reverse_scan_hoist=frame in ("hoist", "s16"), scan_hoist_e=frame == "hoist_e",
+                reverse_scan_hoist=frame in ("hoist", "s16", "wide"), scan_hoist_e=frame == "hoist_e",
                 async_staging=frame in ("async", "s16", "wide"), bwd_products=frame == "products",
                 wide_fragments=frame == "wide")
     n, C, K, V = sizes
@@ -308,7 +308,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                     return [Tm, U, W, carried, Z, S_end, y, M, *rev, *grads, diag[0], diag[2], *erev]
                 got = run(mx.bfloat16, lambda a: a.astype(mx.bfloat16))
                 ref = [np.array(a.astype(mx.float32), np.float64) for a in run(None, lambda a: a.astype(mx.float32))]
-        elif frame == "wide":  # the readout, UT transform and forward scan on the wide multiply-add
+        elif frame == "wide":  # the readout, UT transform and both scans on the wide multiply-add
             got, ref = [], []  # against their TF32 forms, which "async" checks against float64: GDN's bf16 operands
             if ck.fuses_readout(t, C, K, V) and ck.fuses_ut(t, C, K, V):
                 q16, x16 = (f32(rng.normal(size=(1, n, C, K)) / np.sqrt(K)).astype(mx.bfloat16) for _ in range(2))
@@ -320,8 +320,10 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
 
                 def run(tt):
                     _, U, W = ck.chunk_ut(None, x16, w16, l, tt, uf=fx, bf=-1.0, out=mx.bfloat16, st=mx.bfloat16)
-                    return [*ck.chunk_out(q16, x16, Z16, St16, l, tt, uf=fx), U, W,
-                            *ck.chunk_scan(S0, W, U, x16, g, None, tt, reverse=False, Bq=fx, st=mx.bfloat16)]
+                    fwd = ck.chunk_scan(S0, W, U, x16, g, None, tt, reverse=False, Bq=fx, st=mx.bfloat16)
+                    rev = ck.chunk_scan(S0, x16, Z16, W, g, None, tt, reverse=True, P=(q16, Z16), St=fwd[0], Aq=fx,
+                                        Pq=fx, st=mx.bfloat16)
+                    return [*ck.chunk_out(q16, x16, Z16, St16, l, tt, uf=fx), U, W, *fwd, *rev]
                 got = run(t)
                 ref = [np.array(a.astype(mx.float32), np.float64) for a in run(replace(t, wide_fragments=False))]
         elif frame == "rows":  # GDN's five kernels in the model's layout: B = 1, H = 2 over one key head, bf16 inputs

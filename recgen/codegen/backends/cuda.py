@@ -53,6 +53,15 @@ __device__ __forceinline__ unsigned rg_pack2(__nv_bfloat16 a, __nv_bfloat16 b) {
 __device__ __forceinline__ unsigned rg_pack2(__half a, __half b) {
   return (unsigned)__half_as_ushort(a) | ((unsigned)__half_as_ushort(b) << 16);
 }
+template <typename T> __device__ __forceinline__ unsigned rg_pack2f(float a, float b);
+template <> __device__ __forceinline__ unsigned rg_pack2f<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned rg_pack2f<__half>(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
 __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b, int lane) {
   const float ar[4] = {rg_tf32f(a[0]), rg_tf32f(a[1]), rg_tf32f(a[2]), rg_tf32f(a[3])};
   const float br[2] = {rg_tf32f(b[0]), rg_tf32f(b[1])};
@@ -86,7 +95,7 @@ CUDA = Dialect(
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE, frag=PTX_FRAGMENTS,
     mma_rounded="rg_mma_r({acc}, {a}, {b}, {lane})", mma_round="rg_tf32f({x})", store2="rg_store2(&{p}, {a}, {b})",
     mma16="rg_mma16<{t}>({acc}, {a}, {b}, {lane})", frag16=PTX_FRAGMENTS16, pair="unsigned", load2="rg_ld2(&{p})",
-    pack2="rg_pack2({a}, {b})", pair_lo="__byte_perm({a}, {b}, 0x5410)",
+    pack2="rg_pack2({a}, {b})", pack2f="rg_pack2f<{t}>({a}, {b})", pair_lo="__byte_perm({a}, {b}, 0x5410)",
     pair_hi="__byte_perm({a}, {b}, 0x7632)",
     prefetch='asm volatile("prefetch.global.L2 [%0];" :: "l"({p}))',
     copy16="rg_cp16({dst}, {src})", copy_prelude=COPY_PRELUDE,

@@ -118,13 +118,15 @@ class Dialect:
     # multiply-adds of ``mma`` over a product, no conversions), where ``frag16`` says: {acc} float[4], {a} ``pair``[4],
     # {b} ``pair``[2], {lane} the lane index (``mma_prelude`` defines it); "" where the dialect has none (the frames
     # then take ``mma``). ``load2``: the pair of elements {p} and the one after it (a 16-bit buffer, {p} even), as
-    # one word where the dialect can; ``pack2``: the pair of 16-bit values {a} (first) and {b}; ``pair_lo``,
-    # ``pair_hi``: the first elements of pairs {a} and {b} as a pair (a's first), and their second elements.
+    # one word where the dialect can; ``pack2``: the pair of 16-bit values {a} (first) and {b}; ``pack2f``: the pair
+    # of floats {a}, {b} rounded to type {t}; ``pair_lo``, ``pair_hi``: the first elements of pairs {a} and {b} as a
+    # pair (a's first), and their second elements.
     mma16: str = ""
     frag16: Fragments16 | None = None
     pair: str = ""
     load2: str = ""
     pack2: str = ""
+    pack2f: str = ""
     pair_lo: str = ""
     pair_hi: str = ""
     # mx.fast.<factory> that runs a kernel compiled outside MLX (``recgen.runtime.kernel_binary`` compiles it once and

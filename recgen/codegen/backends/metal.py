@@ -90,5 +90,5 @@ METAL = Dialect(
 METAL_PTX = replace(METAL, name="metal_ptx", mma_prelude=PTX_SHUFFLE_PRELUDE, frag=PTX_FRAGMENTS,
                     mma16="rg_mma16({acc}, {a}, {b}, {lane})", frag16=PTX_FRAGMENTS16, pair="float2",
                     load2="float2{{float({p}), float((&{p})[1])}}", pack2="float2{{float({a}), float({b})}}",
-                    pair_lo="float2{{{a}.x, {b}.x}}",
+                    pack2f="float2{{float({t}({a})), float({t}({b}))}}", pair_lo="float2{{{a}.x, {b}.x}}",
                     pair_hi="float2{{{a}.y, {b}.y}}")

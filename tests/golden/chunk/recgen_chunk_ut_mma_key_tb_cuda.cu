@@ -36,6 +36,15 @@ __device__ __forceinline__ unsigned rg_pack2(__nv_bfloat16 a, __nv_bfloat16 b) {
 __device__ __forceinline__ unsigned rg_pack2(__half a, __half b) {
   return (unsigned)__half_as_ushort(a) | ((unsigned)__half_as_ushort(b) << 16);
 }
+template <typename T> __device__ __forceinline__ unsigned rg_pack2f(float a, float b);
+template <> __device__ __forceinline__ unsigned rg_pack2f<__nv_bfloat16>(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned rg_pack2f<__half>(float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const unsigned*>(&h);
+}
 __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b, int lane) {
   const float ar[4] = {rg_tf32f(a[0]), rg_tf32f(a[1]), rg_tf32f(a[2]), rg_tf32f(a[3])};
   const float br[2] = {rg_tf32f(b[0]), rg_tf32f(b[1])};
