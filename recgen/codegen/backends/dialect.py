@@ -50,19 +50,19 @@ class Fragments16:
     """Where a lane holds its parts of the wide fragment multiply-add D += A B on 16-bit operands
     (``Dialect.mma16``: D 16x8 as ``Fragments``' D, A 16x16, B 16x8), each part a pair of elements adjacent in k
     (the first in the pair's low half): A's pair i at row offset ``a_row[i]``, k offset ``a_k[i]``; B's pair j at k
-    offset ``b_k[j]``, column ``b_n``. Offsets are spelled " + expr"."""
+    offset ``b_k[j]``, column ``b_col``. Offsets are spelled " + expr"."""
 
     a_row: tuple
     a_k: tuple
     b_k: tuple
-    b_n: str
+    b_col: str
 
 
 # PTX m16n8k16 on bf16 or f16: A pairs (gq, 2tq), (gq + 8, 2tq), (gq, 2tq + 8), (gq + 8, 2tq + 8); B pairs (2tq, gq),
 # (2tq + 8, gq).
 PTX_FRAGMENTS16 = Fragments16(a_row=("", " + 8", "", " + 8"), a_k=(" + 2 * tq", " + 2 * tq", " + 2 * tq + 8",
                                                                     " + 2 * tq + 8"),
-                              b_k=(" + 2 * tq", " + 2 * tq + 8"), b_n=" + gq")
+                              b_k=(" + 2 * tq", " + 2 * tq + 8"), b_col=" + gq")
 
 
 @dataclass(frozen=True, eq=False)  # one table per backend: identity is equality, and it hashes for caches
