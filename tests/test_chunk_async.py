@@ -162,6 +162,25 @@ def _banks(x: int, esize: int, rows: int) -> bool:
     return len({w % 32 for w in words}) == len(words)
 
 
+def _pair_banks(x: int, packed: bool) -> bool:
+    """Whether a warp's reads of the wide multiply-add's pairs (``PTX_FRAGMENTS16``) from a 16-bit tile of row stride
+    x touch each bank through one word only: as one word (rows gq, k pair 2 tq) where not ``packed``, else two 16-bit
+    reads (rows 2 tq and 2 tq + 1, column gq), each read on its own."""
+    reads = [[(gq * x + 2 * tq) // 2 for gq in range(8) for tq in range(4)]] if not packed else [
+        [((2 * tq + e) * x + gq) // 2 for gq in range(8) for tq in range(4)] for e in (0, 1)]
+    return all(len({w % 32 for w in set(r)}) == len(set(r)) for r in reads)
+
+
+@pytest.mark.parametrize("n", [8, 16, 24, 32, 64, 128])
+def test_wide_pair_strides_are_conflict_free(n):
+    """The wide multiply-add's tiles: A pairs (and B pairs read transposed) at ``copy_stride(n, 2, 8)``, B pairs
+    packed from two rows at ``pack_stride``, each a whole number of 16-byte words a row."""
+    a, b = cs.copy_stride(n, 2, 8), cs.pack_stride(n)
+    assert a >= n and b >= n and a * 2 % 16 == 0 and b * 2 % 16 == 0
+    assert _pair_banks(a, False) and _pair_banks(b, True), (n, a, b)
+    assert not _pair_banks(cs.copy_stride(128, 2, 4), True)  # the TF32 frames' B stride would conflict here
+
+
 @pytest.mark.parametrize("esize", [2, 4])
 @pytest.mark.parametrize("n", [8, 16, 32, 64, 128])
 def test_copy_strides_are_whole_words_and_conflict_free(esize, n):

@@ -71,6 +71,29 @@ def test_ptxas_reports_the_scans_hoisted_operands_in_registers(tmp_path):
     assert readout.shared_bytes > 32 * 1024 and readout.threads == 128
 
 
+def test_ptxas_keeps_the_wide_scans_in_registers(tmp_path):
+    """GDN's scans on the wide multiply-add (``ScanVariant.w16``) as the H100 runs them (K = V = 128, four groups,
+    the model's layout, bf16 states): the forward one fits three threadgroups an SM, where its TF32 form fits two;
+    the reverse one spills nothing, where its TF32 form spills."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    from recgen.codegen.chunk_sources import ScanVariant
+    from recgen.runtime import chunk_kernels as ck
+
+    fwd = dict(q=True)
+    rev = dict(reverse=True, p=True, dg=True, aq=True, pq=True)
+    launches = [ck.scan_launch("cuda", ScanVariant(mma=True, hoist=True, ml=True, s16=True, w16=w, **terms), 64, 64,
+                               64, 128, 128, 1, 32, 4, (16, 16, 64, True), "bfloat16")
+                for terms in (fwd, rev) for w in (False, True)]
+    types = dict.fromkeys(("A", "X", "Bm", "Pa", "Pb", "St"), "bfloat16")
+    unit = tmp_path / "k.cu"
+    unit.write_text(translation_unit([as_kernel(i, x, types) for i, x in enumerate(launches)]))
+    fwd32, fwd16, rev32, rev16 = (usage(unit, [128] * 4, nvcc)[i] for i in range(4))
+    assert fwd16.blocks_per_sm >= 3 > fwd32.blocks_per_sm, (fwd32, fwd16)
+    assert rev16.spill_bytes == 0 and rev16.registers < rev32.registers, (rev32, rev16)
+
+
 def test_launch_bounds_leave_the_gradient_kernel_two_threadgroups_an_sm(tmp_path):
     """``Tuning.feature_jac_min_blocks`` = 2: the feature map's gradient kernel (power retention's shape) is held to
     128 registers, so two threadgroups of 256 share an SM where its own choice leaves one."""
