@@ -179,7 +179,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       }
     }
     __syncthreads();  // Y_c is complete in threadgroup memory and no group reads the state copy any more
-    // S <- g_c * S, then + B_c^T Y_c in C / 8 fragment steps (B_c^T read as A fragments)
+    // S <- g_c * S, then + B_c^T Y_c in C / 16 fragment steps (B_c^T read as A fragments)
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
       const int r = 16 * RBS * warp + 2 * RBS * gq + 2 * rb;
