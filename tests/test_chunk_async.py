@@ -174,8 +174,8 @@ def _pair_banks(x: int, packed: bool) -> bool:
 @pytest.mark.parametrize("n", [8, 16, 24, 32, 64, 128])
 def test_wide_pair_strides_are_conflict_free(n):
     """The wide multiply-add's tiles: A pairs (and B pairs read transposed) at ``copy_stride(n, 2, 8)``, B pairs
-    packed from two rows at ``pack_stride``, each a whole number of 16-byte words a row."""
-    a, b = cs.copy_stride(n, 2, 8), cs.pack_stride(n)
+    packed from two rows at ``b_stride`` (in 16-bit elements), each a whole number of 16-byte words a row."""
+    a, b = cs.copy_stride(n, 2, 8), cs.b_stride(n)
     assert a >= n and b >= n and a * 2 % 16 == 0 and b * 2 % 16 == 0
     assert _pair_banks(a, False) and _pair_banks(b, True), (n, a, b)
     assert not _pair_banks(cs.copy_stride(128, 2, 4), True)  # the TF32 frames' B stride would conflict here

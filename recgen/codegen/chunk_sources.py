@@ -148,12 +148,17 @@ def _source(d, template: str, kind: str, banner: str, inputs: tuple, outputs: tu
     return KernelSource(f"recgen_chunk_{kind}_{d.name}_{digest}", header, body, inputs, outputs, template_args)
 
 
+def _wide_dialect(d, kernel: str, w16: bool):
+    """Refuse ``w16`` (the wide multiply-add) where the dialect has none (``Dialect.mma16``)."""
+    if w16 and not d.mma16:
+        raise ValueError(f"{kernel}: the {d.name} dialect has no wide multiply-add (w16)")
+
+
 @lru_cache(maxsize=None)
 def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
     """The chunk scan of variant ``v`` (see ``ScanVariant``) in its frame."""
     d = get(dialect)
-    if v.w16 and not d.mma16:
-        raise ValueError(f"chunk_scan_mma: the {dialect} dialect has no wide multiply-add (w16)")
+    _wide_dialect(d, "chunk_scan_mma", v.w16)
     flags = dict(has_e=v.e, reverse=v.reverse, has_a=v.a, has_b=v.b)
     if v.mma:
         return _source(d, "chunk_scan_mma.j2", v.kind, "chunk scan of the chunked core, fragment multiply-adds",
@@ -239,8 +244,7 @@ def out_async_source(dialect: str, yt: bool = False, uf: bool = False, ml: bool 
         raise ValueError("chunk_out_async: the model's layout (ml) is the factor-read form's, writing y so (uf, yt)")
     d = get(dialect)
     ins = (("R", "U", "Uf") if uf else ("R", "U")) + ("Z", "St", "logd", "Rs")
-    if w16 and not d.mma16:
-        raise ValueError(f"chunk_out_async: the {dialect} dialect has no wide multiply-add (w16)")
+    _wide_dialect(d, "chunk_out_async", w16)
     kind = "out_async" + ("_uf" if uf else "") + ("_ml" if ml else "") + ("_yt" if yt else "") + ("_w16" if w16 else "")
     return _source(d, "chunk_out_async.j2", kind, "chunk readout of the chunked core, fragment multiply-adds, "
                    "operands staged by asynchronous copies", ins, ("Y", "M"), (),
@@ -292,8 +296,7 @@ def ut_async_source(dialect: str, uf: bool = False, o16: bool = False, ml: bool 
     if s16 and not o16:
         raise ValueError("chunk_ut_async: a 16-bit Tm (s16) comes with 16-bit U and W (o16)")
     d = get(dialect)
-    if w16 and not d.mma16:
-        raise ValueError(f"chunk_ut_async: the {dialect} dialect has no wide multiply-add (w16)")
+    _wide_dialect(d, "chunk_ut_async", w16)
     ins = ("U", "Uf", "Bf", "W", "logd") if uf else ("Bt", "U", "W", "logd")
     kind = ("ut_async" + ("_uf" if uf else "") + ("_o16" if o16 else "") + ("_s16" if s16 else "")
             + ("_ml" if ml else "") + ("_w16" if w16 else ""))
@@ -638,7 +641,9 @@ def a_stride(n: int) -> int:
 
 def b_stride(n: int) -> int:
     """The row stride (≥ n) of a threadgroup tile read as B fragments: 8 or 24 mod 32, so a fragment's 4 rows ×
-    8 columns hit 32 distinct banks."""
+    8 columns hit 32 distinct banks. In 16-bit elements the same strides serve the wide multiply-add's B pairs
+    packed from two rows (``Dialect.frag16``: rows 2 tq and 2 tq + 1, columns gq): each of the two reads' 4 rows ×
+    4 words hits 16 distinct banks, and a row is whole 16-byte words (copies land on it)."""
     return next(x for x in range(n, n + 32) if x % 32 in (8, 24))
 
 
@@ -694,13 +699,6 @@ def copy_stride(n: int, esize: int, rows: int) -> int:
     return next(x for x in range(n, n + 64) if ok(x * esize))
 
 
-def pack_stride(n: int) -> int:
-    """The row stride (≥ n 16-bit elements, whole 16-byte words) of a threadgroup tile read as the wide
-    multiply-add's B pairs packed from two rows (``Dialect.frag16``: rows 2 tq and 2 tq + 1, columns gq): 8 or 24
-    elements mod 32, so each of the two reads' 4 rows × 4 words hits 16 distinct banks."""
-    return next(x for x in range(n, n + 32) if x % 32 in (8, 24))
-
-
 @lru_cache(maxsize=None)
 def out_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple = (4, 4, 4, 4),
                      most_bv: int = 128, w16: bool = False) -> dict | None:
@@ -710,7 +708,7 @@ def out_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple = (4, 4,
     e^G, then a staging area SQ 16-byte words large for the largest of the three products' two buffers each: R's
     and U's blocks (C × LDR, C × LDU), R's and S_c's (C × LDR, KB × LDB), Z's (KB × LDZ). At C = 64, K = V = 128
     with 16-bit keys that is 40.25 KiB on CUDA (KB 16, BV 128). ``w16`` (16-bit operands, the wide multiply-add): KB
-    16, B's row-major blocks at ``pack_stride``, and M in 16 bits too (C × LDH)."""
+    16, B's row-major blocks at ``b_stride``, and M in 16 bits too (C × LDH)."""
     if C not in (16, 32, 64) or K % 8 or V % 8 or (w16 and K % 16):
         return None
     er, eu, ez, es = sizes
@@ -720,7 +718,7 @@ def out_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple = (4, 4,
         # area (one threadgroup an H100 SM fewer) went with GDN's forward readout at 0.45 ms against 0.42
         for kb in (b for b in ((16,) if w16 else (16, 8)) if C % b == 0 and K % b == 0):
             ldr, ldu = copy_stride(kb, er, 8), copy_stride(kb, eu, 8)
-            ldb, ldz = ((pack_stride(bv),) * 2 if w16 else (copy_stride(bv, es, 4), copy_stride(bv, ez, 4)))
+            ldb, ldz = ((b_stride(bv),) * 2 if w16 else (copy_stride(bv, es, 4), copy_stride(bv, ez, 4)))
             stage = max(2 * C * (ldr * er + ldu * eu), 2 * (C * ldr * er + kb * ldb * es), 2 * kb * ldz * ez)
             sq = -(-stage // 16)
             wide = {"LDH": copy_stride(C, 2, 8)} if w16 else {}
@@ -759,7 +757,7 @@ def ut_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple, most_bw:
     SQ 16-byte words large for the largest of: two blocks of the keys (C × LDU, and C × LDU2 of Bt), the inverse's
     products (20 C floats), two blocks of W (KB × LDW), two of the key (KB × LDX). At C = 64, K = V = 128 with
     16-bit inputs that is 44.2 KiB on CUDA (BW 128, KB 16). ``w16`` (16-bit operands, the wide multiply-add): KB 32
-    or 16, the blocks of W and the key at ``pack_stride``, and Tm in 16 bits (C × LDH, in A's memory)."""
+    or 16, the blocks of W and the key at ``b_stride``, and Tm in 16 bits (C × LDH, in A's memory)."""
     if C not in (16, 32, 64) or K % 8 or V % 8 or (w16 and K % 16):
         return None
     eu, ew = sizes[:2]
@@ -768,7 +766,7 @@ def ut_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple, most_bw:
     for bw in (b for b in dict.fromkeys((most_bw, 64, 32, 16, 8)) if K % b == 0 and V % b == 0):
         for kb in (b for b in ((32, 16) if w16 else (32, 16, 8)) if C % b == 0 and K % b == 0):
             ldu, ldu2 = copy_stride(kb, eu, 8), copy_stride(kb, eb or eu, 8)
-            ldw, ldx = (pack_stride(bw),) * 2 if w16 else (copy_stride(bw, ew, 4), copy_stride(bw, eb or eu, 4))
+            ldw, ldx = (b_stride(bw),) * 2 if w16 else (copy_stride(bw, ew, 4), copy_stride(bw, eb or eu, 4))
             keys = 2 * C * (ldu * eu + (ldu2 * eb if eb else 0))
             stage = max(keys, 20 * C * 4, 2 * kb * ldw * ew, 2 * kb * ldx * (eb or eu))
             sq = -(-stage // 16)

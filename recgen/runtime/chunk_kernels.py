@@ -14,13 +14,13 @@ import math
 from functools import lru_cache
 
 from ..codegen.backends import get
-from ..codegen.chunk_sources import (BV, FACTOR_CHUNKS, FACTOR_NT, MMA_NW, ScanVariant, bwd_key_source,
+from ..codegen.chunk_sources import (BV, FACTOR_CHUNKS, FACTOR_NT, MMA_NW, ScanVariant, b_stride, bwd_key_source,
                                      bwd_key_supported, bwd_mma_layout, bwd_mma_source, bwd_products_layout,
                                      decay_factors_source, decayed_scores_layout, decayed_scores_source,
                                      decays_source, feature_decode_layout, feature_decode_source, feature_jac_source,
                                      feature_mix_layout, feature_mix_source, feature_mma_layout,
                                      feature_out_source, feature_states_source,
-                                     inverse_source, out_async_layout, out_async_source, out_mma_layout, pack_stride,
+                                     inverse_source, out_async_layout, out_async_source, out_mma_layout,
                                      out_mma_source, pair_folds, pair_fragments, pair_grad_source, pair_layout,
                                      pair_source, scan_layout, scan_mma_layout, scan_prefetches, scan_source,
                                      sympow_layout, sympow_source, ut_async_layout, ut_async_source, ut_mma_layout,
@@ -155,7 +155,7 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
                              f"K={K}, V={V}")
         nt = 32 * lay["NW"]
         tmpl = ((("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items()) + _model_consts(ml, ("H", "HK", "GB"))
-                + ((("ST", st),) if st else ()) + ((("LDS", pack_stride(lay["BV"])),) if v.w16 else ()))
+                + ((("ST", st),) if st else ()) + ((("LDS", b_stride(lay["BV"])),) if v.w16 else ()))
         return Launch(src, (("rt", (n,), "int32"),), _scan_outputs(BH, n, C, K, V, v, V // lay["BV"], st),
                       (V // lay["BV"] * nt, BH, 1), (nt, 1, 1), tmpl)
     lay = scan_layout(dialect, C, K)
@@ -206,6 +206,12 @@ def _itemsize(dtype_name: str) -> int:
     return 4 if dtype_name == "float32" else 2
 
 
+def _wide_types(dialect: str, wide: bool, types: tuple) -> bool:
+    """Whether a staged kernel takes the wide multiply-add (``Tuning.wide_fragments``): asked, the dialect has one
+    and its operands (dtype names ``types``) share one 16-bit type."""
+    return wide and bool(get(dialect).mma16) and len(set(types)) == 1 and _itemsize(types[0]) == 2
+
+
 @lru_cache(maxsize=256)
 def out_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, yt: tuple | None = None,
                      most_bv: int = 128, uf: bool = False, ml: tuple | None = None,
@@ -217,7 +223,7 @@ def out_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple,
     if len(types) != 4:
         raise ValueError(f"chunk_out_async: types {types} must name R, U, Z and S_c")
     y, consts = _readout_y("chunk_out_async", N, C, V, yt, ml)
-    w16 = wide and bool(get(dialect).mma16) and len(set(types)) == 1 and _itemsize(types[0]) == 2
+    w16 = _wide_types(dialect, wide, types)
     lay = out_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bv, w16)
     if lay is None and w16:
         return out_async_launch(dialect, N, C, K, V, types, yt, most_bv, uf, ml)
@@ -239,7 +245,7 @@ def ut_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, 
     where its buffers have no layout (then the synchronous frame runs)."""
     if len(types) != (2 if uf else 3):
         raise ValueError(f"chunk_ut_async: types {types} must name U, W{'' if uf else ' and Bt'}")
-    w16 = wide and bool(get(dialect).mma16) and len(set(types)) == 1 and _itemsize(types[0]) == 2
+    w16 = _wide_types(dialect, wide, types)
     lay = ut_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bw, w16)
     if lay is None and w16:
         return ut_async_launch(dialect, N, C, K, V, types, most_bw, uf, ot, ml, st)
