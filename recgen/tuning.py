@@ -151,8 +151,9 @@ class Tuning:
     #                                 last one's products (then ``l2_prefetch`` does not apply to them)
     wide_fragments: bool = False    # fragment kernels whose operands share one 16-bit type multiply them by the
     #                                 dialect's wide multiply-add (``Dialect.mma16``: CUDA's m16n8k16 on bf16 or f16),
-    #                                 read as they are, not converted to TF32: the readout, the UT transform and the
-    #                                 forward scan (H100, GDN 4,4096,16,128: forward 1.44 -> 1.21 ms; on on CUDA)
+    #                                 read as they are, not converted to TF32: the readout, the UT transform and both
+    #                                 scans (H100, GDN 4,4096,16,128: forward 1.42 -> 1.13 ms, trained 3.98 -> 3.28;
+    #                                 on on CUDA)
     ut_bw: int = 128                # columns a pass of the fragment UT transform's products (most)
     bwd_bw: int = 32                # key columns a pass of the fragment backward (most)
     bwd_min_blocks: int = 1         # ... threadgroups an SM its registers must allow (as feature_jac_min_blocks; H100:

@@ -19,6 +19,15 @@ from test_chunk_kernels import _emulated_call, _out_ref, _rel, _ut_ref  # noqa: 
 pytestmark = pytest.mark.skipif(clang_problem() is not None, reason=clang_problem() or "")
 
 
+def _chunks(a, H: int, N: int, C: int):
+    """A model-layout input [B, T, heads, F] (mx) as float64 chunks [B H n, C, F] (N = B H n), its heads repeated
+    to the H value heads (GQA's key heads shared)."""
+    import mlx.core as mx
+
+    a = np.array(a.astype(mx.float32), np.float64)
+    return np.repeat(a, H // a.shape[2], 2).transpose(0, 2, 1, 3).reshape(N, C, -1)
+
+
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
 @pytest.mark.parametrize("zt", ["float32", "bfloat16"])
 def test_chunk_out_async_reads_16bit_keys_in_the_model_layout(zt, sanitizer):
@@ -45,12 +54,8 @@ def test_chunk_out_async_reads_16bit_keys_in_the_model_layout(zt, sanitizer):
     assert dict(launch.template)["LDR"] * 2 % 16 == 0
     y, M = verify.run_launch(launch, ins, sanitizer=sanitizer)
 
-    def chunks(x):  # [B, T, HK, K] -> [B H n, C, K], the key head shared by the value heads
-        x = np.array(x.astype(mx.float32), np.float64)
-        return np.repeat(x, H, 2).transpose(0, 2, 1, 3).reshape(N, C, K)
-
     z, st = ((np.array(a.astype(mx.float32)) for a in (Zin, ins["St"])) if zt == "bfloat16" else (Z, St))
-    want_y, want_M = _out_ref(0.5 * chunks(q), chunks(k) * uf[..., None], z, st, logd)
+    want_y, want_M = _out_ref(0.5 * _chunks(q, H, N, C), _chunks(k, H, N, C) * uf[..., None], z, st, logd)
     want_y = want_y.reshape(B, H, T, V).transpose(0, 2, 1, 3)
     m_tol = 4e-3 if zt == "bfloat16" else 1e-5  # M rounded to bf16 once
     assert _rel(y, want_y) < 1e-5 and _rel(np.asarray(M, np.float64), want_M) < m_tol, (_rel(y, want_y), _rel(M, want_M))
@@ -79,12 +84,8 @@ def test_chunk_out_async_wide_fragments(C, sanitizer):
                                ml=(H, HK, n, True), wide=True).source.name.find("w16") < 0  # Metal has none
     y, M = verify.run_launch(launch, ins, sanitizer=sanitizer)
 
-    def chunks(x):  # [B, T, HK, K] -> [B H n, C, K], the key head shared by the value heads
-        x = np.array(x.astype(mx.float32), np.float64)
-        return np.repeat(x, H, 2).transpose(0, 2, 1, 3).reshape(N, C, K)
-
     z, st = (np.array(a.astype(mx.float32), np.float64) for a in (Z, St))
-    want_y, want_M = _out_ref(0.5 * chunks(q), chunks(k) * uf[..., None], z, st, logd)
+    want_y, want_M = _out_ref(0.5 * _chunks(q, H, N, C), _chunks(k, H, N, C) * uf[..., None], z, st, logd)
     want_y = want_y.reshape(B, H, T, V).transpose(0, 2, 1, 3)
     assert _rel(np.asarray(M, np.float64), want_M) < 4e-3 and _rel(y, want_y) < 4e-3, (_rel(y, want_y),
                                                                                        _rel(M, want_M))
@@ -108,12 +109,8 @@ def test_chunk_ut_async_reads_16bit_keys_in_the_model_layout(ot, sanitizer):
     launch = ck.ut_async_launch("metal", N, C, K, V, ("bfloat16", "bfloat16"), uf=True, ot=ot, ml=(H, HK, n, True))
     outs = verify.run_launch(launch, ins, sanitizer=sanitizer)
 
-    def chunks(a, heads):  # [B, T, heads, F] -> [B H n, C, F], key heads shared by the value heads
-        a = np.array(a.astype(mx.float32), np.float64)
-        return np.repeat(a, H // heads, 2).transpose(0, 2, 1, 3).reshape(N, C, -1)
-
-    xc = chunks(x, HK)
-    want = _ut_ref(-xc, uf[..., None] * xc, chunks(w, H), logd)
+    xc = _chunks(x, H, N, C)
+    want = _ut_ref(-xc, uf[..., None] * xc, _chunks(w, H, N, C), logd)
     for got, ref in zip(outs, want):
         tol = 1e-5 if ot is None or got.shape[-1] == C else 1e-2  # bf16 outputs: within bf16's rounding
         assert _rel(got, ref) < tol, (got.shape, _rel(got, ref))
@@ -139,12 +136,8 @@ def test_chunk_ut_async_wide_fragments(C, ot, sanitizer):
     assert launch.source.name.split("_metal")[0].endswith("_w16"), launch.source.name
     outs = verify.run_launch(launch, ins, sanitizer=sanitizer)
 
-    def chunks(a, heads):  # [B, T, heads, F] -> [B H n, C, F], key heads shared by the value heads
-        a = np.array(a.astype(mx.float32), np.float64)
-        return np.repeat(a, H // heads, 2).transpose(0, 2, 1, 3).reshape(N, C, -1)
-
-    xc = chunks(x, HK)
-    want = _ut_ref(-xc, uf[..., None] * xc, chunks(w, H), logd)
+    xc = _chunks(x, H, N, C)
+    want = _ut_ref(-xc, uf[..., None] * xc, _chunks(w, H, N, C), logd)
     for i, (got, ref) in enumerate(zip(outs, want)):
         tol = 1e-5 if i == 0 else 1e-2  # Tm in float32; Uw and Wb through Tm's bf16
         assert _rel(got, ref) < tol, (i, _rel(got, ref))

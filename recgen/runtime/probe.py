@@ -188,7 +188,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
             carried[c], Y[c] = S, X[c] + A[c] @ S
             S = 0.5 * S + (0 if B is None else B[c].T @ Y[c]) + (0 if E is None else E[c])
         return np.stack(carried), np.stack(Y), S
-    # "s16" as CUDA's table runs it (hoisted scans, staged readout and UT transform): the kernels a model then uses
+    # "s16" and "wide" as CUDA's table runs them (hoisted scans, staged readout and UT transform): the kernels a model
+    # then uses
     t = resolve("gpu", dialect, environ={}, chunk_kernels=True, kernel_cache=kernel_cache,
                 mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e", "async",
                                    "products", "s16", "wide"),
@@ -315,7 +316,6 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                 Z16, St16, w16 = (f32(rng.normal(size=s)).astype(mx.bfloat16)
                                   for s in ((1, n, C, V), (1, n, K, V), (1, n, C, V)))
                 l, fx = f32(np.full((1, n, C, 1), -0.1)), f32(rng.uniform(size=(1, n, C, 1)))
-
                 S0, g = f32(rng.normal(size=(1, K, V))), f32(np.full((1, n, 1), 0.5))
 
                 def run(tt):
