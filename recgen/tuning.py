@@ -162,6 +162,9 @@ class Tuning:
     #                                 Δ S_cᵀ) itself, per pass, not MLX's three GEMMs writing [C, K] each for it to
     #                                 read (H100, GDN: peak 2.23 against 2.61 GiB, but 5.76 against 5.64 ms: for
     #                                 memory)
+    bwd_scores: bool = False        # ... forms its pair cotangents dy Zᵀ and Δ Zᵀ itself from the rows of Z, dy and Δ
+    #                                 on the wide multiply-add (16-bit operands, ``Dialect.mma16``), not MLX's two
+    #                                 GEMMs writing [C, C] each for it to read
     # -- the recurrent kernels ----------------------------------------------------------------------
     fwd_layout: tuple[int, int, int] | None = None  # force the forward lane mapping (LK, CPL, WV): sweeps
 
@@ -249,6 +252,7 @@ ENVIRONMENT = {
     "RECGEN_BWD_BW": ("bwd_bw", int),
     "RECGEN_BWD_MIN_BLOCKS": ("bwd_min_blocks", int),
     "RECGEN_BWD_PRODUCTS": ("bwd_products", _flag),
+    "RECGEN_BWD_SCORES": ("bwd_scores", _flag),
     "RECGEN_OUT_BV": ("out_bv", int),
     "RECGEN_L2_PREFETCH": ("l2_prefetch", _flag),
     "RECGEN_ASYNC_STAGING": ("async_staging", _flag),

@@ -209,7 +209,11 @@ def chunk_launches(target: str) -> list:
                     ck.ut_async_launch(target, 8, 64, 128, 128, ("bfloat16",) * 2, uf=True, ot="bfloat16", ml=ml,
                                        st="bfloat16", wide=True),
                     mma(q=True, hoist=True, ml=ml, st="bfloat16", w16=True),
-                    mma(reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, ml=ml, st="bfloat16", w16=True)]
+                    mma(reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, ml=ml, st="bfloat16", w16=True),
+                    # the backward's pass forming its pair cotangents on it (``Tuning.bwd_scores``)
+                    ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), uf=True, ml=ml,
+                                      scores=(128, "bfloat16")),
+                    ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), scores=(128, "bfloat16"))]
                    if target == "cuda" else [])
                 + [ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("bfloat16", "bfloat16"),
                                       uf=True, ot="bfloat16", ml=ml),

@@ -1036,6 +1036,46 @@ def test_chunk_bwd_mma_forms_the_products_over_values(frame, C, K, V, delta, bw,
         ck.bwd_mma_launch(frame, N, C, K, ("float32",) * 3, bw, V=12)
 
 
+@pytest.mark.parametrize("C,K,V,delta,prods,sanitizer", [(16, 16, 32, True, False, None), (32, 40, 16, True, False, None),
+                                                      (32, 24, 48, False, False, None), (16, 16, 32, True, True, None),
+                                                      (16, 24, 32, False, True, None),
+                                                      (16, 16, 16, True, False, "address"),
+                                                      (16, 16, 16, False, False, "thread")])
+def test_chunk_bwd_mma_forms_the_pair_cotangents(C, K, V, delta, prods, sanitizer):
+    """``scores`` (``Tuning.bwd_scores``): the pass forms dMR = dy Zᵀ (and dMA = Δ Zᵀ) on the wide multiply-add from
+    bf16 rows [C, V] in place of reading them (CUDA's m16n8k16 lane layout, spelled in ``metal_ptx``), alone and
+    with the products over values formed too (both read the same rows); against the float64 pass given those
+    products of the bf16 values (float32 accumulation: no rounding beyond the inputs'); under ASan+UBSan and TSan."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(C + K + V + delta + 2 * prods)
+    N = 2
+    ins = _bwd_inputs(rng, N, C, K, delta)
+    bf = lambda *s: mx.array(rng.normal(size=s).astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    rows = {"Zv": bf(N, C, V), "dYv": bf(N, C, V)} | ({"Dv": bf(N, C, V)} if delta else {})
+    r64 = {k: np.array(x.astype(mx.float32), np.float64) for k, x in rows.items()}
+    tr = lambda x: x.swapaxes(-1, -2)  # noqa: E731
+    formed = {"dMR": r64["dYv"] @ tr(r64["Zv"])} | ({"dMA": r64["Dv"] @ tr(r64["Zv"])} if delta else {})
+    states = {}
+    if prods:
+        states = {"Sv": rng.normal(size=(N, K, V)).astype(np.float32), "dSv": rng.normal(size=(N, K, V)).astype(np.float32)}
+        s64 = {k: x.astype(np.float64) for k, x in states.items()}
+        formed |= {"DUQ": r64["Zv"] @ tr(s64["dSv"]), "DRP": r64["dYv"] @ tr(s64["Sv"])} | (
+            {"DR": r64["Dv"] @ tr(s64["Sv"])} if delta else {})
+    launch = ck.bwd_mma_launch("metal_ptx", N, C, K, ("float32",) * (3 if delta else 2), 32, V=V if prods else 0,
+                               scores=(V, "bfloat16"))
+    assert "_sc_" in launch.source.name and launch.source.inputs[:2] == ("Zv", "dYv"), launch.source.inputs
+    given = {k: x for k, x in ins.items() if k not in formed} | rows | states
+    outs = verify.run_launch(launch, given, sanitizer=sanitizer)
+    want = _bwd_ref(ins | formed, 0.3)
+    assert len(outs) == len(want)
+    for got, w in zip(outs, want):
+        assert got.shape == w.shape and _rel(got, w) < 1e-5, _rel(got, w)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ck.bwd_mma_launch("metal_ptx", N, C, K, ("float32",) * 3, 32, scores=(24, "bfloat16"))
+    with pytest.raises(ValueError, match="wide multiply-add"):
+        ck.bwd_mma_launch("metal", N, C, K, ("float32",) * 3, 32, scores=(V, "bfloat16"))
+
+
 def test_chunk_bwd_mma_at_the_cuda_layout(monkeypatch):
     """C = 64 at CUDA's layout (its staged blocks pass Metal's 32 KiB): the Metal spelling runs with only
     that limit waived, as ``test_chunk_ut_mma_at_the_cuda_layout``; bf16 roles in and their gradients out in bf16."""
@@ -1804,8 +1844,9 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
 
 def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
     """The "wide" frame in CUDA's lane layout (``metal_ptx``, which has the wide multiply-add; Metal has none, so
-    there it runs the TF32 forms twice): the readout and UT transform on it against their TF32 forms pass, and a
-    wide kernel that lies fails."""
+    there it runs the TF32 forms twice): the readout, the UT transform, both scans and the backward's pass forming
+    its pair cotangents (``Tuning.bwd_scores``) on it against their TF32 forms pass, and a wide kernel that lies
+    fails."""
     calls = []
     monkeypatch.setattr(ck, "mlx_call",
                         lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
@@ -1816,15 +1857,19 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
                                                      "recgen_chunk_scan_mma_q_ho_s16",
                                                      "recgen_chunk_scan_mma_q_ho_s16_w16",
                                                      "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
-                                                     "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_w16_rev"}
+                                                     "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_w16_rev",
+                                                     "recgen_chunk_bwd_mma_delta_uf",
+                                                     "recgen_chunk_bwd_mma_delta_uf_sc"}
     pr._probe.cache_clear()
 
-    def lying(launch, *a):  # the wide kernel's y doubled
-        out = _emulated_call(launch, *a)
-        return [out[0] * 2, *out[1:]] if "_w16" in launch.source.name else out
+    for wide in ("_w16", "_sc"):  # a wide kernel's first output doubled
+        def lying(launch, *a):
+            out = _emulated_call(launch, *a)
+            return [out[0] * 2, *out[1:]] if wide in launch.source.name else out
 
-    monkeypatch.setattr(ck, "mlx_call", lying)
-    assert "off by" in pr._probe("metal_ptx", "wide", SMALL)
+        pr._probe.cache_clear()
+        monkeypatch.setattr(ck, "mlx_call", lying)
+        assert "off by" in pr._probe("metal_ptx", "wide", SMALL)
 
 
 def test_probe_rejects_kernels_that_fail_or_lie(monkeypatch, fresh_probe):

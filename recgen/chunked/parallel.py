@@ -654,17 +654,19 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
     dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (u, Aq), W, F, ((r, Pr), dy), compose, matrix, kern, states, ml,
                                      st)
     cp = geo.t.copy_transposes
-    ZT = tr(Z, cp)
     Delta = Tm.swapaxes(-1, -2) @ dZ if delta else dZ
-    dMA = Delta @ ZT if delta else None
+    rows = (Z, dy, Delta if delta else None)
+    # the pair cotangents Δ Zᵀ and dy Zᵀ: formed in the pass (``Tuning.bwd_scores``), or by MLX for it
+    scores = rows if ck.scores_in_pass(kern, rows) else None
+    dMA, dMR = (None, None) if scores else ((Delta @ tr(Z, cp)) if delta else None, dy @ tr(Z, cp))
     # the three products that read the states: formed in the pass (``Tuning.bwd_products``), or by MLX for it
     if ck.products_in_pass(kern, Z.shape[-2], states.shape[-2], Z.shape[-1], delta):
-        prods, DUQ, DRP, dR = (Z, dy, Delta if delta else None, states, dSn), None, None, None
+        prods, DUQ, DRP, dR = rows + (states, dSn), None, None, None
     else:
         statesT = tr(states, cp)
         prods, DUQ, DRP, dR = None, Z @ tr(dSn, cp), dy @ statesT, Delta @ statesT if delta else None
-    dr, du, dbt, dl = ck.chunk_bwd(dMA, dy @ ZT, r, u, bt, DUQ, DRP, dR, geo.l, dg.sum(-1), kern, rfac, uf=f, bf=rho,
-                                   ml=ml, prods=prods)
+    dr, du, dbt, dl = ck.chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, dR, geo.l, dg.sum(-1), kern, rfac, uf=f, bf=rho,
+                                   ml=ml, prods=prods, scores=scores)
     return dS0, dr, du, Delta, dl, dbt
 
 

@@ -306,26 +306,31 @@ def ut_async_source(dialect: str, uf: bool = False, o16: bool = False, ml: bool 
 
 
 @lru_cache(maxsize=None)
-def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False, prods: bool = False) -> KernelSource:
+def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False, prods: bool = False,
+                   scores: bool = False) -> KernelSource:
     """The backward pass after the reverse scan (``chunk_bwd_mma.j2``); ``delta``: with the delta rule's b̃ terms;
     ``uf`` (with ``delta``): u = Uf ⊙ x and b̃ = Bf[0] x read from one key x, and the gradients of x and Uf written;
     ``ml`` (with ``uf``): R and x read in the model's layout [B, T, HK, K], dR and dX written in it per value head
     [B, T, H, K] (template constants H, HK, NCH, GB); ``prods``: the products over values DUQ = Z dS_nextᵀ, DRP =
-    dy S_cᵀ (DR = Δ S_cᵀ) formed in the pass from Zv, dYv (Dv) [C, V] and Sv, dSv [K, V] (template constant V)."""
+    dy S_cᵀ (DR = Δ S_cᵀ) formed in the pass from Zv, dYv (Dv) [C, V] and Sv, dSv [K, V] (template constant V);
+    ``scores``: the pair cotangents dMR = dy Zᵀ (dMA = Δ Zᵀ) formed in the pass from Zv, dYv (Dv) [C, V] of the
+    16-bit type ZT on the dialect's wide multiply-add (``Dialect.mma16``), not read."""
     if uf and not delta:
         raise ValueError("chunk_bwd_mma: factor reads (uf) are the delta rule's form")
     if ml and not uf:
         raise ValueError("chunk_bwd_mma: the model's layout (ml) is the factor-read form's")
     d = get(dialect)
+    _wide_dialect(d, "chunk_bwd_mma", scores)
     roles = ("U", "Uf", "Bf") if uf else ("U", "Bt") if delta else ("U",)
-    products = (("Zv", "dYv", "Dv", "Sv", "dSv") if delta else ("Zv", "dYv", "Sv", "dSv")) if prods else \
-        (("DUQ", "DRP", "DR") if delta else ("DUQ", "DRP"))
-    ins = (("dMA", "dMR") if delta else ("dMR",)) + ("R",) + roles + products + ("logd", "DG", "Rs")
+    rows = ("Zv", "dYv", "Dv") if delta else ("Zv", "dYv")  # [C, V] each, read by the scores or the products
+    products = ((() if scores else rows) + ("Sv", "dSv")) if prods else (("DUQ", "DRP", "DR") if delta else ("DUQ", "DRP"))
+    ins = (rows if scores else ("dMA", "dMR") if delta else ("dMR",)) + ("R",) + roles + products + ("logd", "DG", "Rs")
     outs = ("dRo", "dXo", "dFo", "dl") if uf else ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
     kind = ("bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else "") + ("_ml" if ml else "")
-            + ("_pv" if prods else ""))
+            + ("_pv" if prods else "") + ("_sc" if scores else ""))
     return _source(d, "chunk_bwd_mma.j2", kind, "backward of the chunked core after its reverse scan, fragment "
-                   "multiply-adds", ins, outs, (), helpers=d.mma_prelude, delta=delta, uf=uf, ml=ml, prods=prods)
+                   "multiply-adds", ins, outs, (), helpers=d.mma_prelude, delta=delta, uf=uf, ml=ml, prods=prods,
+                   scores=scores)
 
 
 @lru_cache(maxsize=None)

@@ -281,13 +281,14 @@ def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 1
 
 @lru_cache(maxsize=256)
 def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: int = 32, uf: bool = False,
-                   ml: tuple | None = None, min_blocks: int = 0, V: int = 0) -> Launch:
+                   ml: tuple | None = None, min_blocks: int = 0, V: int = 0, scores: tuple | None = None) -> Launch:
     """N chunks, one threadgroup each; ``types``: the dtype names of R, U (and b̃: the delta rule's form), which the
     gradients dR, dU (dBt) are written in; ``uf`` (the delta rule's, ``types`` those of R and the key x): u and b̃
     read from x with their factors, the gradients written dR, dX and dF (of the factor, [N, C] float32); ``ml`` (with
     ``uf``): r and x read in the model's layout and dR, dX written in it per value head [N / (H NCH), NCH C, H, K],
     (H, HK, NCH, GB) as ``_model_consts``; ``min_blocks`` as ``Launch``'s; ``V`` (a multiple of 8; 0: none): the
-    products over V values formed in the pass (``bwd_mma_source``'s ``prods``)."""
+    products over V values formed in the pass (``bwd_mma_source``'s ``prods``); ``scores`` (``scores_in_pass``): None,
+    or (V, the 16-bit dtype name of Z, dy and Δ) where the pass forms its pair cotangents from them."""
     delta = len(types) == 3 or uf
     lay = bwd_mma_layout(dialect, C, K, delta, most_bw)
     if lay is None:
@@ -298,12 +299,17 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
         if lay is None:
             raise ValueError(f"chunk_bwd_mma: V={V} values must be a multiple of 8 for the products in the pass, "
                              f"their staged states within {dialect}'s threadgroup memory")
-    tmpl = ((("C", C), ("K", K)) + (("V", V),) * (V > 0) + tuple(lay.items()) + tuple(zip(("RT", "UT", "BT"), types))
+    if scores is not None and (scores[0] % 16 or V not in (0, scores[0]) or _itemsize(scores[1]) != 2
+                               or not get(dialect).mma16):
+        raise ValueError(f"chunk_bwd_mma: scores {scores} in the pass need V a multiple of 16 (the products' {V} if "
+                         f"formed too), a 16-bit type and a wide multiply-add, which {dialect} may lack")
+    sv = (("V", scores[0]), ("ZT", scores[1])) if scores is not None else (("V", V),) * (V > 0)
+    tmpl = ((("C", C), ("K", K)) + sv + tuple(lay.items()) + tuple(zip(("RT", "UT", "BT"), types))
             + _model_consts(ml))
     rows = (N, C, K) if ml is None else (N // (ml[0] * ml[2]), ml[2] * C, ml[0], K)
     outs = tuple((rows, dt) for dt in types) + (((N, C), "float32"),) * (2 if uf else 1)
-    return Launch(bwd_mma_source(dialect, delta, uf, ml is not None, V > 0), (), outs, (N * 2 * C, 1, 1),
-                  (2 * C, 1, 1), tmpl, min_blocks)
+    return Launch(bwd_mma_source(dialect, delta, uf, ml is not None, V > 0, scores is not None), (), outs,
+                  (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl, min_blocks)
 
 
 @lru_cache(maxsize=256)
@@ -719,7 +725,7 @@ def chunk_ut_key(A, w, bt, P, t: Tuning, B=None, bf: float | None = None):
 
 
 def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=None, bf: float | None = None, ml=None,
-              prods=None):
+              prods=None, scores=None):
     """A scalar decay's backward after the reverse scan, per chunk, by the fragment kernel (``chunk_bwd_mma.j2``):
     from the pair cotangents dMR = dy Zᵀ and (delta rule) dMA = Δ Zᵀ [.., n, C, C], the roles r, u (b̃) [.., n, C, K]
     as the core got them (16-bit ones read so), DUQ = d(u ⊙ Q), DRP = d(r ⊙ P) (and DR = d(b̃ ⊙ P) before the pair
@@ -729,7 +735,9 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
     b̃ = bf·x): returns (dr, dx, duf [.., n, C, 1] float32, dl). With ``ml`` (``chunk_scan``'s) r and x are the model's
     key inputs [B, n C, HK, K] as they are, and dr, dx come in the model's layout per value head [B, n C, H, K].
     ``prods`` = (Z, dy, Δ or None, S, dS_next) (Z, dy, Δ [.., n, C, V], the states [.., n, K, V];
-    ``products_in_pass``): the kernel forms DUQ, DRP (DR) itself from them, and those arguments are None."""
+    ``products_in_pass``): the kernel forms DUQ, DRP (DR) itself from them, and those arguments are None.
+    ``scores`` = (Z, dy, Δ or None) as ``prods``' (``scores_in_pass``): the kernel forms dMR (dMA) from them, and
+    those arguments are None."""
     import mlx.core as mx
 
     C, K, N = l.shape[-2], r.shape[-1], _lead(l, 2)
@@ -738,16 +746,28 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
     roles = (r, u, bt) if bt is not None else (r, u)
     types = tuple(dtype_name(x.dtype) for x in roles)
     factors = [] if uf is None else [uf.reshape(N, C), mx.array([bf], dtype=mx.float32)]
-    user = (([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)]
+    rows = [] if scores is None else [x.reshape(N, C, -1) for x in scores if x is not None]
+    user = ((rows if scores is not None else ([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)])
             + [x if ml is not None else flat(x) for x in roles] + factors
-            + (_products(prods, N, C, K) if prods is not None
+            + (_products(prods, N, C, K)[len(rows):] if prods is not None
                else [flat(DUQ), flat(DRP)] + ([flat(DR)] if delta else []))
             + [l.reshape(N, C), DG.reshape(N), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+    sc = None if scores is None else (scores[0].shape[-1], dtype_name(scores[0].dtype))
     outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw, uf=uf is not None, ml=ml,
-                                   min_blocks=t.bwd_min_blocks, V=0 if prods is None else prods[0].shape[-1]), user)
+                                   min_blocks=t.bwd_min_blocks, V=0 if prods is None else prods[0].shape[-1],
+                                   scores=sc), user)
     dr, du = (outs[0], outs[1]) if ml is not None else (outs[0].reshape(r.shape), outs[1].reshape(u.shape))
     third = outs[2].reshape((bt if uf is None else uf).shape) if delta else None  # db̃, or duf with factor reads
     return dr, du, third, outs[-1].reshape(l.shape)
+
+
+def scores_in_pass(t: Tuning, rows: tuple) -> bool:
+    """Whether the backward's fragment pass forms its pair cotangents dy Zᵀ (Δ Zᵀ) itself (``Tuning.bwd_scores``):
+    ``rows`` = (Z, dy, Δ or None) [.., C, V] share one 16-bit type, V a multiple of 16, and the dialect has the
+    wide multiply-add."""
+    given = [x for x in rows if x is not None]
+    return (t.bwd_scores and bool(get(t.dialect).mma16) and given[0].shape[-1] % 16 == 0
+            and len({x.dtype for x in given}) == 1 and _itemsize(dtype_name(given[0].dtype)) == 2)
 
 
 def products_in_pass(t: Tuning, C: int, K: int, V: int, delta: bool) -> bool:

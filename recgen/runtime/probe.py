@@ -37,7 +37,7 @@ EVERY_FRAME = CHUNK_FRAMES | FEATURE_FRAMES
 # synchronous staging; the backward pass's products over values, the decode step, φ's products, the in-chunk
 # scores, the backward's products over chunks and the decay factors in MLX ops)
 FRAME_FLAGS = {"tail": ("fused_bwd",), "pairs": ("mma_pairs",), "ut16": ("ut_16bit",), "s16": ("states_16bit",),
-               "wide": ("wide_fragments",),
+               "wide": ("wide_fragments", "bwd_scores"),
                "rows": ("model_rows",),
                "hoist": ("scan_hoist", "reverse_scan_hoist"), "hoist_e": ("scan_hoist_e",),
                "keyfactor": ("key_factor_reads",), "async": ("async_staging",), "products": ("bwd_products",),
@@ -156,7 +156,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     in that form and their gradient, a reset among the log-decays),
     "ut16" (the factor-read UT transform writing bf16), "s16" (GDN's kernels and simple GLA's scans writing their
     residuals and reading products in bf16, against their float32 forms), "wide" (the readout, UT transform
-    and both scans on the wide multiply-add, every operand bf16, against their TF32 forms), "keyfactor" (KDA's
+    and both scans on the wide multiply-add, every operand bf16, and the backward's pass forming its pair cotangents
+    on it, against their TF32 forms), "keyfactor" (KDA's
     factor-read UT transform and tail) and
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
@@ -196,7 +197,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                 mma_pairs=frame == "pairs", scan_hoist=frame in ("hoist", "s16", "wide"),
                 reverse_scan_hoist=frame in ("hoist", "s16", "wide"), scan_hoist_e=frame == "hoist_e",
                 async_staging=frame in ("async", "s16", "wide"), bwd_products=frame == "products",
-                wide_fragments=frame == "wide")
+                wide_fragments=frame == "wide", bwd_scores=frame == "wide")
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
     try:
@@ -317,15 +318,25 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                                   for s in ((1, n, C, V), (1, n, K, V), (1, n, C, V)))
                 l, fx = f32(np.full((1, n, C, 1), -0.1)), f32(rng.uniform(size=(1, n, C, 1)))
                 S0, g = f32(rng.normal(size=(1, K, V))), f32(np.full((1, n, 1), 0.5))
+                # the backward's pass forming its pair cotangents from Z, dy and Δ (``Tuning.bwd_scores``)
+                rows = (Z16, w16, f32(rng.normal(size=(1, n, C, V))).astype(mx.bfloat16))
+                DUQ, DRP, DR = (f32(rng.normal(size=(1, n, C, K))) for _ in range(3))
+                DG = f32(rng.normal(size=(1, n)))
 
                 def run(tt):
                     _, U, W = ck.chunk_ut(None, x16, w16, l, tt, uf=fx, bf=-1.0, out=mx.bfloat16, st=mx.bfloat16)
                     fwd = ck.chunk_scan(S0, W, U, x16, g, None, tt, reverse=False, Bq=fx, st=mx.bfloat16)
                     rev = ck.chunk_scan(S0, x16, Z16, W, g, None, tt, reverse=True, P=(q16, Z16), St=fwd[0], Aq=fx,
                                         Pq=fx, st=mx.bfloat16)
-                    return [*ck.chunk_out(q16, x16, Z16, St16, l, tt, uf=fx), U, W, *fwd, *rev]
+                    sc = rows if ck.fuses_bwd(tt, C, K, True) and ck.scores_in_pass(tt, rows) else None
+                    zt = rows[0].astype(mx.float32).swapaxes(-1, -2)
+                    dm = (None, None) if sc else tuple(a.astype(mx.float32) @ zt for a in (rows[2], rows[1]))
+                    grads = (ck.chunk_bwd(*dm, q16, x16, None, DUQ, DRP, DR, l, DG, tt, uf=fx, bf=-1.0, scores=sc)
+                             if ck.fuses_bwd(tt, C, K, True) else [])
+                    return [*ck.chunk_out(q16, x16, Z16, St16, l, tt, uf=fx), U, W, *fwd, *rev, *grads]
                 got = run(t)
-                ref = [np.array(a.astype(mx.float32), np.float64) for a in run(replace(t, wide_fragments=False))]
+                ref = [np.array(a.astype(mx.float32), np.float64)
+                       for a in run(replace(t, wide_fragments=False, bwd_scores=False))]
         elif frame == "rows":  # GDN's five kernels in the model's layout: B = 1, H = 2 over one key head, bf16 inputs
             got, ref = [], []
             if ck.fuses_ut(t, C, K, V) and ck.fuses_bwd(t, C, K, True):
