@@ -1946,7 +1946,7 @@ def test_checked_tuning_follows_the_probe(monkeypatch, fresh_probe):
     ("pairs", "RECGEN_MMA_PAIRS", "mma_pairs", "pair kernels on fragments"),
     ("ut16", "RECGEN_UT_16BIT", "ut_16bit", "16-bit outputs"),
     ("s16", "RECGEN_STATES_16BIT", "states_16bit", "16-bit chunk states"),
-    ("wide", "RECGEN_WIDE_FRAGMENTS", "wide_fragments", "wide multiply-add"),
+    ("wide", "RECGEN_WIDE_FRAGMENTS,RECGEN_BWD_SCORES", "wide_fragments", "wide multiply-add"),
     ("keyfactor", "RECGEN_KEY_FACTOR_READS", "key_factor_reads", "KDA's factor reads"),
     ("rows", "RECGEN_MODEL_ROWS", "model_rows", "model-layout reads"),
     ("decode", "RECGEN_FEATURE_DECODE", "feature_decode", "feature decode"),
