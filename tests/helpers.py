@@ -213,7 +213,10 @@ def chunk_launches(target: str) -> list:
                     # the backward's pass forming its pair cotangents on it (``Tuning.bwd_scores``)
                     ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), uf=True, ml=ml,
                                       scores=(128, "bfloat16")),
-                    ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), scores=(128, "bfloat16"))]
+                    ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), scores=(128, "bfloat16")),
+                    # ... and its products over values too (``Tuning.bwd_products`` with it)
+                    ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), uf=True, ml=ml, V=128,
+                                      scores=(128, "bfloat16"))]
                    if target == "cuda" else [])
                 + [ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("bfloat16", "bfloat16"),
                                       uf=True, ot="bfloat16", ml=ml),

@@ -1040,12 +1040,15 @@ def test_chunk_bwd_mma_forms_the_products_over_values(frame, C, K, V, delta, bw,
                                                       (32, 24, 48, False, False, None), (16, 16, 32, True, True, None),
                                                       (16, 24, 32, False, True, None),
                                                       (16, 16, 16, True, False, "address"),
-                                                      (16, 16, 16, False, False, "thread")])
+                                                      (16, 16, 16, False, False, "thread"),
+                                                      (32, 32, 32, True, True, "address"),
+                                                      (16, 16, 32, True, True, "thread")])
 def test_chunk_bwd_mma_forms_the_pair_cotangents(C, K, V, delta, prods, sanitizer):
     """``scores`` (``Tuning.bwd_scores``): the pass forms dMR = dy Zᵀ (and dMA = Δ Zᵀ) on the wide multiply-add from
     bf16 rows [C, V] in place of reading them (CUDA's m16n8k16 lane layout, spelled in ``metal_ptx``), alone and
-    with the products over values formed too (both read the same rows); against the float64 pass given those
-    products of the bf16 values (float32 accumulation: no rounding beyond the inputs'); under ASan+UBSan and TSan."""
+    with the products over values formed too, on it as well from the bf16 states [K, V] (K = 24: passes of 8
+    columns); against the float64 pass given those products of the bf16 values (float32 accumulation: no rounding
+    beyond the inputs'); under ASan+UBSan and TSan."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(C + K + V + delta + 2 * prods)
     N = 2
@@ -1056,9 +1059,9 @@ def test_chunk_bwd_mma_forms_the_pair_cotangents(C, K, V, delta, prods, sanitize
     tr = lambda x: x.swapaxes(-1, -2)  # noqa: E731
     formed = {"dMR": r64["dYv"] @ tr(r64["Zv"])} | ({"dMA": r64["Dv"] @ tr(r64["Zv"])} if delta else {})
     states = {}
-    if prods:
-        states = {"Sv": rng.normal(size=(N, K, V)).astype(np.float32), "dSv": rng.normal(size=(N, K, V)).astype(np.float32)}
-        s64 = {k: x.astype(np.float64) for k, x in states.items()}
+    if prods:  # on the wide multiply-add too: the states in the rows' type
+        states = {"Sv": bf(N, K, V), "dSv": bf(N, K, V)}
+        s64 = {k: np.array(x.astype(mx.float32), np.float64) for k, x in states.items()}
         formed |= {"DUQ": r64["Zv"] @ tr(s64["dSv"]), "DRP": r64["dYv"] @ tr(s64["Sv"])} | (
             {"DR": r64["Dv"] @ tr(s64["Sv"])} if delta else {})
     launch = ck.bwd_mma_launch("metal_ptx", N, C, K, ("float32",) * (3 if delta else 2), 32, V=V if prods else 0,

@@ -656,11 +656,13 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
     cp = geo.t.copy_transposes
     Delta = Tm.swapaxes(-1, -2) @ dZ if delta else dZ
     rows = (Z, dy, Delta if delta else None)
-    # the pair cotangents Δ Zᵀ and dy Zᵀ: formed in the pass (``Tuning.bwd_scores``), or by MLX for it
-    scores = rows if ck.scores_in_pass(kern, rows) else None
+    # the pair cotangents Δ Zᵀ and dy Zᵀ: formed in the pass (``Tuning.bwd_scores``), or by MLX for it; and the three
+    # products that read the states: formed in the pass (``Tuning.bwd_products``; on the wide multiply-add with the
+    # pair cotangents where the states share the rows' type), or by MLX for it
+    wide = ck.scores_in_pass(kern, rows + (states, dSn))
+    scores = rows if wide or not kern.bwd_products and ck.scores_in_pass(kern, rows) else None
     dMA, dMR = (None, None) if scores else ((Delta @ tr(Z, cp)) if delta else None, dy @ tr(Z, cp))
-    # the three products that read the states: formed in the pass (``Tuning.bwd_products``), or by MLX for it
-    if ck.products_in_pass(kern, Z.shape[-2], states.shape[-2], Z.shape[-1], delta):
+    if ck.products_in_pass(kern, Z.shape[-2], states.shape[-2], Z.shape[-1], delta, wide):
         prods, DUQ, DRP, dR = rows + (states, dSn), None, None, None
     else:
         statesT = tr(states, cp)

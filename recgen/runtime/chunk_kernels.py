@@ -288,13 +288,14 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
     ``uf``): r and x read in the model's layout and dR, dX written in it per value head [N / (H NCH), NCH C, H, K],
     (H, HK, NCH, GB) as ``_model_consts``; ``min_blocks`` as ``Launch``'s; ``V`` (a multiple of 8; 0: none): the
     products over V values formed in the pass (``bwd_mma_source``'s ``prods``); ``scores`` (``scores_in_pass``): None,
-    or (V, the 16-bit dtype name of Z, dy and Δ) where the pass forms its pair cotangents from them."""
+    or (V, the 16-bit dtype name of Z, dy and Δ) where the pass forms its pair cotangents from them, and with ``V``
+    its products too on the wide multiply-add (S_c and dS_next then of that type as well)."""
     delta = len(types) == 3 or uf
     lay = bwd_mma_layout(dialect, C, K, delta, most_bw)
     if lay is None:
         raise ValueError(f"chunk_bwd_mma: C={C} must be 16, 32 or 64 and K={K} a multiple of 8, "
                          f"and the tiles must fit {dialect}'s threadgroup memory")
-    if V:
+    if V and scores is None:  # (with the scores the products stage nothing: the base layout)
         lay = bwd_products_layout(dialect, C, K, delta, V, most_bw)
         if lay is None:
             raise ValueError(f"chunk_bwd_mma: V={V} values must be a multiple of 8 for the products in the pass, "
@@ -763,17 +764,18 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
 
 def scores_in_pass(t: Tuning, rows: tuple) -> bool:
     """Whether the backward's fragment pass forms its pair cotangents dy Zᵀ (Δ Zᵀ) itself (``Tuning.bwd_scores``):
-    ``rows`` = (Z, dy, Δ or None) [.., C, V] share one 16-bit type, V a multiple of 16, and the dialect has the
-    wide multiply-add."""
+    ``rows`` = (Z, dy, Δ or None) [.., C, V] (and S_c, dS_next [.., K, V] where it forms its products too) share one
+    16-bit type, V a multiple of 16, and the dialect has the wide multiply-add."""
     given = [x for x in rows if x is not None]
     return (t.bwd_scores and bool(get(t.dialect).mma16) and given[0].shape[-1] % 16 == 0
             and len({x.dtype for x in given}) == 1 and _itemsize(dtype_name(given[0].dtype)) == 2)
 
 
-def products_in_pass(t: Tuning, C: int, K: int, V: int, delta: bool) -> bool:
-    """Whether the backward's fragment pass forms its products over V values itself (``Tuning.bwd_products``, where
-    ``bwd_products_layout`` has a layout)."""
-    return t.bwd_products and bwd_products_layout(t.dialect, C, K, delta, V, t.bwd_bw) is not None
+def products_in_pass(t: Tuning, C: int, K: int, V: int, delta: bool, wide: bool = False) -> bool:
+    """Whether the backward's fragment pass forms its products over V values itself (``Tuning.bwd_products``): on the
+    wide multiply-add with its pair cotangents (``wide``: ``scores_in_pass`` of every operand), else where
+    ``bwd_products_layout`` has a layout for their staging."""
+    return t.bwd_products and (wide or bwd_products_layout(t.dialect, C, K, delta, V, t.bwd_bw) is not None)
 
 
 def _products(prods, N: int, C: int, K: int) -> list:

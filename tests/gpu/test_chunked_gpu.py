@@ -104,21 +104,24 @@ def test_chunked_form_reads_the_model_layout(name, case, dtype, rng, monkeypatch
 
 @pytest.mark.parametrize("name,case,dtype", params(("gated_delta_net", "delta_net", "simple_gla"), dtypes=("bfloat16",),
                                                    cases=(Case(2, 128, 4, 2, 64, 48), Case(1, 130, 4, 4, 64, 32))))
-def test_backward_forms_its_pair_cotangents(name, case, dtype, rng, monkeypatch):
+@pytest.mark.parametrize("products", [False, True])
+def test_backward_forms_its_pair_cotangents(name, case, dtype, rng, monkeypatch, products):
     """``Tuning.bwd_scores``: the backward's pass forms dy Zᵀ (and Δ Zᵀ) on the wide multiply-add from the rows of
-    Z, dy (Δ) in bf16, V a multiple of 16 (GQA with whole chunks, and a partial last chunk without), against the
-    float64 reference, gradients included; the pass that ran is that form."""
+    Z, dy (Δ) in bf16, V a multiple of 16 (GQA with whole chunks, and a partial last chunk without), and with
+    ``Tuning.bwd_products`` its products over values on it too, against the float64 reference, gradients included;
+    the pass that ran is that form."""
     from recgen import tuning
     from recgen.runtime import chunk_kernels as ck
 
     names, call = [], ck.mlx_call
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: names.append(launch.source.name) or call(launch, *a))
-    with tuning.override(mma_scan=True, wide_fragments=True, bwd_scores=True, replay_graphs=False):
+    with tuning.override(mma_scan=True, wide_fragments=True, bwd_scores=True, bwd_products=products,
+                         replay_graphs=False):
         assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
         names.clear()  # again, the self-tests (which run both forms of the pass) behind it
         assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
     passes = {n.split("_cuda")[0] for n in names if n.startswith("recgen_chunk_bwd_mma")}
-    assert passes and all(n.endswith("_sc") for n in passes), passes
+    assert passes and all(n.endswith("_pv_sc" if products else "_sc") for n in passes), passes
 
 
 @pytest.mark.parametrize("name,case,dtype", params(("gated_delta_net", "delta_net", "simple_gla"), dtypes=("bfloat16",),

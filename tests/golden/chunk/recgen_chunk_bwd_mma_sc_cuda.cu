@@ -97,9 +97,9 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
     for (int e = 0; e < 4; ++e) { mr_[j][e] = 0.0f; }
   }
+  const auto Zc = Zv + bc * C * V;
+  const auto Yc = dYv + bc * C * V;
   {
-    const auto Zc = Zv + bc * C * V;
-    const auto Yc = dYv + bc * C * V;
 #pragma unroll 2
     for (int kk = 0; kk < V; kk += 16) {
       const unsigned ay_[4] = {rg_ld2(&Yc[(r0 + gq) * V + kk + 2 * tq]), rg_ld2(&Yc[(r0 + gq + 8) * V + kk + 2 * tq]),
