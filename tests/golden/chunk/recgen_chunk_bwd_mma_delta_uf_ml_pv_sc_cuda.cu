@@ -174,14 +174,14 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   float f0 = 0.0f, f8 = 0.0f;  // ... of dF
   for (int c0 = 0; c0 < K; c0 += BW) {
     float duq_[CT][4], drp_[CT][4], dR_[CT][4];
-    __syncthreads();  // E is complete, Gamma and the staged blocks of the last pass are read
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) { duq_[ct][e] = 0.0f; drp_[ct][e] = 0.0f; dR_[ct][e] = 0.0f; }
     }
-    // this group's rows of the pass's columns over the values, 16 a step: A pairs from the rows of Zv, dYv, Dv, B
-    // pairs from the pass's rows of Sv and dSv (B[v][i] = S[i][v]), all as they lie
+    // this group's rows of the pass's columns over the values, 16 a step, before the barrier (no threadgroup
+    // memory: the loads overlap the other groups' work): A pairs from the rows of Zv, dYv, Dv, B pairs from the
+    // pass's rows of Sv and dSv (B[v][i] = S[i][v]), all as they lie
     const auto Sc = Sv + bc * K * V;
     const auto dSc = dSv + bc * K * V;
 #pragma unroll 2
@@ -201,6 +201,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
         rg_mma16<ZT>(dR_[ct], ad_, bs_, lane);
       }
     }
+    __syncthreads();  // E is complete, Gamma and the staged blocks of the last pass are read
     for (int i = tid; i < C * BW; i += NT) {
       const int row = i / BW, col = i % BW;
       const int at = row * KLD + c0 + col;  // in the model's layout
