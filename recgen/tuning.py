@@ -160,8 +160,9 @@ class Tuning:
     #                                 4 trained GDN in 5.53 ms against 5.18)
     bwd_products: bool = False      # ... forms the products over values that read the states (Z dS_nextᵀ, dy S_cᵀ,
     #                                 Δ S_cᵀ) itself, per pass, not MLX's three GEMMs writing [C, K] each for it to
-    #                                 read (H100, GDN: peak 2.23 against 2.61 GiB, but 5.76 against 5.64 ms: for
-    #                                 memory)
+    #                                 read: on the wide multiply-add with ``bwd_scores`` (H100, GDN 4,4096,16,128
+    #                                 trained 3.06-3.13 -> 3.22-3.30 ms, peak 1.42 -> 1.23 GiB; 8,1024,8,64 the same
+    #                                 time, 0.173 -> 0.150 GiB; on on CUDA, for memory), else staged on TF32 ones
     bwd_scores: bool = False        # ... forms its pair cotangents dy Zᵀ and Δ Zᵀ itself from the rows of Z, dy and Δ
     #                                 on the wide multiply-add (16-bit operands, ``Dialect.mma16``), not MLX's two
     #                                 GEMMs writing [C, C] each for it to read (H100, GDN 4,4096,16,128: trained
@@ -195,7 +196,7 @@ MEASURED = {
                  kernel_cache=KERNEL_CACHE_DIR, feature_jac_min_blocks=2, feature_states_fragments=2,
                  feature_out_fragments=2, feature_mix=True, feature_keep_states=True,
                  decay_factor_kernels=True, replay_graphs=True, ut_16bit=True, states_16bit=True,
-                 wide_fragments=True, bwd_scores=True),
+                 wide_fragments=True, bwd_scores=True, bwd_products=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }

@@ -1848,8 +1848,8 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
 def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
     """The "wide" frame in CUDA's lane layout (``metal_ptx``, which has the wide multiply-add; Metal has none, so
     there it runs the TF32 forms twice): the readout, the UT transform, both scans and the backward's pass forming
-    its pair cotangents (``Tuning.bwd_scores``) on it against their TF32 forms pass, and a wide kernel that lies
-    fails."""
+    its pair cotangents (``Tuning.bwd_scores``), and its products over values too, on it against their TF32 forms
+    pass, and a wide kernel that lies fails."""
     calls = []
     monkeypatch.setattr(ck, "mlx_call",
                         lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
@@ -1862,7 +1862,9 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
                                                      "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
                                                      "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_w16_rev",
                                                      "recgen_chunk_bwd_mma_delta_uf",
-                                                     "recgen_chunk_bwd_mma_delta_uf_sc"}
+                                                     "recgen_chunk_bwd_mma_delta_uf_sc",
+                                                     "recgen_chunk_bwd_mma_delta_uf_pv",
+                                                     "recgen_chunk_bwd_mma_delta_uf_pv_sc"}
     pr._probe.cache_clear()
 
     for wide in ("_w16", "_sc"):  # a wide kernel's first output doubled
@@ -1906,8 +1908,8 @@ def test_the_probe_keeps_its_kernels_where_the_tuning_keeps_them(monkeypatch, fr
     assert prefetched == [("cuda", pr.FEATURE_FRAMES, pr.PROBE, "/kept")]
     pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "/kept"}), pr.PROBE, pr.CHUNK_FRAMES)
     # what CUDA's table asks for: "mma" only where "hoist" fails, "scan" never, KDA's factor reads and the product-free
-    # scans' hoisting not (off), the backward's products not (off); the UT transform's 16-bit outputs and 16-bit
-    # states, the wide multiply-add (on)
+    # scans' hoisting not (off), the backward's staged products not (its products are wide: "wide" checks them); the
+    # UT transform's 16-bit outputs and 16-bit states, the wide multiply-add (on)
     assert prefetched[1][1] == pr.CHUNK_FRAMES - {"scan", "mma", "keyfactor", "hoist_e", "products"}, \
         prefetched[1][1]
     pr.checked(tuning.resolve("gpu", "cuda", environ={"RECGEN_KERNEL_CACHE": "off"}))

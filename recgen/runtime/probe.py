@@ -101,6 +101,8 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
     fragments = t.chunk_kernels and changes.get("chunk_kernels", True) and changes.get("mma_scan", t.mma_scan)
     for frame in ("ut16", "s16", "wide", "rows", "hoist", "hoist_e", "keyfactor", "async", "products"):
         flags = FRAME_FLAGS[frame]
+        if frame == "products" and wide_products(t) and changes.get("wide_fragments", True):
+            continue  # the backward's products on the wide multiply-add: "wide" checked them
         if frame in frames and any(getattr(t, f) for f in flags) and not (fragments and ok(frame)):
             changes.update(dict.fromkeys(flags, False))
     if t.feature_decode and "decode" in frames and (t.dialect is None or not ok("decode")):
@@ -157,7 +159,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     "ut16" (the factor-read UT transform writing bf16), "s16" (GDN's kernels and simple GLA's scans writing their
     residuals and reading products in bf16, against their float32 forms), "wide" (the readout, UT transform
     and both scans on the wide multiply-add, every operand bf16, and the backward's pass forming its pair cotangents
-    on it, against their TF32 forms), "keyfactor" (KDA's
+    and its products over values on it, against their TF32 forms), "keyfactor" (KDA's
     factor-read UT transform and tail) and
     "rows" (the factor-read kernels reading q, k, v in the model's layout, GQA's key head shared, against their
     chunk-layout forms, which "mma" checks against float64) and "hoist" (the kernels of "mma" with the scans'
@@ -322,6 +324,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                 rows = (Z16, w16, f32(rng.normal(size=(1, n, C, V))).astype(mx.bfloat16))
                 DUQ, DRP, DR = (f32(rng.normal(size=(1, n, C, K))) for _ in range(3))
                 DG = f32(rng.normal(size=(1, n)))
+                states = (St16, f32(rng.normal(size=(1, n, K, V))).astype(mx.bfloat16))  # S_c and dS_next
 
                 def run(tt):
                     _, U, W = ck.chunk_ut(None, x16, w16, l, tt, uf=fx, bf=-1.0, out=mx.bfloat16, st=mx.bfloat16)
@@ -333,6 +336,12 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                     dm = (None, None) if sc else tuple(a.astype(mx.float32) @ zt for a in (rows[2], rows[1]))
                     grads = (ck.chunk_bwd(*dm, q16, x16, None, DUQ, DRP, DR, l, DG, tt, uf=fx, bf=-1.0, scores=sc)
                              if ck.fuses_bwd(tt, C, K, True) else [])
+                    if sc and ck.scores_in_pass(tt, rows + states):  # and its products over values on it too
+                        grads = [*grads, *ck.chunk_bwd(None, None, q16, x16, None, None, None, None, l, DG, tt, uf=fx,
+                                                       bf=-1.0, prods=rows + states, scores=rows)]
+                    elif ck.fuses_bwd(t, C, K, True) and ck.scores_in_pass(t, rows + states):  # their TF32 form
+                        grads = [*grads, *ck.chunk_bwd(*dm, q16, x16, None, None, None, None, l, DG, tt, uf=fx, bf=-1.0,
+                                                       prods=tuple(a.astype(mx.float32) for a in rows + states))]
                     return [*ck.chunk_out(q16, x16, Z16, St16, l, tt, uf=fx), U, W, *fwd, *rev, *grads]
                 got = run(t)
                 ref = [np.array(a.astype(mx.float32), np.float64)
@@ -542,11 +551,20 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     return None
 
 
+def wide_products(t: Tuning) -> bool:
+    """Whether the backward's products over values run on the wide multiply-add with its pair cotangents, which the
+    "wide" frame checks (``Tuning.bwd_products`` with ``bwd_scores``): then "products" (their staged TF32 form, with
+    the "mma" frame's kernels) is not probed."""
+    return t.bwd_products and t.wide_fragments and t.bwd_scores
+
+
 def first_probed(t: Tuning, frames: frozenset) -> frozenset:
     """The frames of ``frames`` that ``checked`` probes for ``t`` where every one passes: the base frames, and each
-    opt-in frame where the tuning asks for its choice ("mma" only where no hoisting is asked for, "scan" never)."""
+    opt-in frame where the tuning asks for its choice ("mma" only where no hoisting is asked for, "scan" never,
+    "products" not where they are wide)."""
     hoisting = t.mma_scan and (t.scan_hoist or t.reverse_scan_hoist)
-    asked = {f for f, flags in FRAME_FLAGS.items() if any(getattr(t, x) for x in flags)}
+    asked = {f for f, flags in FRAME_FLAGS.items() if any(getattr(t, x) for x in flags)} - (
+        {"products"} if wide_products(t) else set())
     return frozenset(f for f in frames if f in asked or f in ("base", "sympow") or (f == "mma" and not hoisting))
 
 
