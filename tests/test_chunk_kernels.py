@@ -284,12 +284,13 @@ def test_chunk_scan_mma_scales_b_rows(frame, has_a):
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address"])
-@pytest.mark.parametrize("C,K,V,nw", [(32, 32, 32, 2), (64, 64, 24, 4)])
-def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, sanitizer):
+@pytest.mark.parametrize("C,K,V,nw,pf", [(32, 32, 32, 2, False), (64, 64, 24, 4, False), (64, 64, 32, 4, True)])
+def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, sanitizer):
     """GDN's forward scan on the wide multiply-add (``ScanVariant.w16``, CUDA's m16n8k16 lane layout in
     ``metal_ptx``): hoisted, A, X and Bm in bf16, Bm's rows scaled by Bq (decays down to e^-20), carried and Y in
     bf16, against float64 at the bf16 inputs. Its products take the state, Y and Bq ⊙ Bm in bf16 (as FLA's
-    chunk_fwd_h): within that rounding."""
+    chunk_fwd_h): within that rounding. ``pf`` (where each group has one item of Y): A's and X's fragments loaded a
+    chunk ahead."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(C + K)
     BH, n = 2, 3
@@ -299,9 +300,10 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, sanitizer):
     Bq = np.exp(-20 * rng.uniform(size=(BH, n, C))).astype(np.float32)
     ins = {"S0": f(BH, K, V), "A": A, "X": X, "Bm": Bm, "Bq": Bq,
            "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32)}
-    v = ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True)
+    v = ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, pf=pf)
     launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
     assert "_w16" in launch.source.name and dict(launch.template)["NW"] == nw
+    assert not pf or cs.scan_prefetches(C, K, V, 32, nw)
     outs = verify.run_launch(launch, ins, sanitizer=sanitizer)
     f64 = lambda a: np.array(a.astype(mx.float32), np.float64)  # noqa: E731
     want = _scan_ref(ins["S0"], f64(A), f64(X), f64(Bm) * Bq[..., None], ins["g"], None, False)
@@ -322,8 +324,8 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, sanitizer):
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address"])
-@pytest.mark.parametrize("C,K,V,nw", [(32, 32, 32, 2), (64, 64, 24, 4)])
-def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, sanitizer):
+@pytest.mark.parametrize("C,K,V,nw,pf", [(32, 32, 32, 2, False), (64, 64, 24, 4, False), (64, 64, 32, 4, True)])
+def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, sanitizer):
     """GDN's backward scan on the wide multiply-add (``ScanVariant.w16`` in reverse, CUDA's lane layout in
     ``metal_ptx``): hoisted, A with its row scales Aq (applied to A S: A's pairs raw), Bm, the P term Pa with Pq
     (applied to Pb's pairs), dg = Σ carried ⊙ St, every product operand and St in bf16; against float64 at the
@@ -340,7 +342,7 @@ def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, sanitizer):
     ins = {"S0": f(BH, K, V), "A": A, "Aq": u(BH, n, C), "X": bf(f(BH, n, C, V)), "Bm": bf(f(BH, n, C, K) * 0.2),
            "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32), "Pa": Pa, "Pb": bf(f(BH, n, C, V)),
            "Pq": u(BH, n, C), "St": bf(f(BH, n, K, V))}
-    v = ScanVariant(mma=True, reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, s16=True, w16=True)
+    v = ScanVariant(mma=True, reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, s16=True, w16=True, pf=pf)
     launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
     assert "_w16" in launch.source.name and dict(launch.template)["NW"] == nw
     carried, Y, S_end, dgp = verify.run_launch(launch, ins, sanitizer=sanitizer)

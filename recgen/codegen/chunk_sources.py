@@ -106,14 +106,12 @@ class ScanVariant:
                              "outputs need the fragment frame")
         if self.ml and not (self.q or self.aq or self.pq):
             raise ValueError("chunk_scan: the model's layout (ml) is the row-scaled operands': needs Bq, Aq or Pq")
-        if self.ml and self.pf:
-            raise ValueError("chunk_scan: prefetching reads A in the chunks' layout")
         forward = not (self.reverse or self.p or self.dg or self.aq) and self.q
         reverse = self.reverse and not self.q
-        if self.w16 and not (self.a and self.b and self.hoist and self.s16 and self.mma and not (self.e or self.pf)
+        if self.w16 and not (self.a and self.b and self.hoist and self.s16 and self.mma and not self.e
                              and (forward or reverse)):
             raise ValueError("chunk_scan: the wide multiply-add (w16) is the hoisted scans' with A, B and 16-bit "
-                             "states, no E or prefetching: forward with Bq, or in reverse without it")
+                             "states, no E: forward with Bq, or in reverse without it")
 
     @property
     def kind(self) -> str:

@@ -608,7 +608,7 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
            and ((not reverse and Bq is not None and P is None and Aq is None and not dg_here)
                 or (reverse and Bq is None)))
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
-                    dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf and ml is None,
+                    dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf,
                     hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None, s16=st is not None, w16=w16)
     outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv, nw, ml,
                                 None if st is None else dtype_name(st)), user)

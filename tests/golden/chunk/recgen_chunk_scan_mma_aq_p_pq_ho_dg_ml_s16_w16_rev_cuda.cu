@@ -114,13 +114,15 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     // the state copy and Y_c's product
     unsigned an_[K / 16][4];
     float xn_[YCT][4];
+    float aq_[2];
 #pragma unroll
     for (int ct = 0; ct < YCT; ++ct) {
       const int c = col0 + 8 * (pct0 + ct) + 2 * tq;
       xn_[ct][0] = static_cast<float>(X[(bc * C + pr_) * V + c]); xn_[ct][1] = static_cast<float>(X[(bc * C + pr_) * V + c + 1]);
       xn_[ct][2] = static_cast<float>(X[(bc * C + pr_ + 8) * V + c]); xn_[ct][3] = static_cast<float>(X[(bc * C + pr_ + 8) * V + c + 1]);
     }
-    const float aq0 = Aq[bc * C + pr_], aq8 = Aq[bc * C + pr_ + 8];
+    aq_[0] = Aq[bc * C + pr_];  // applied to A S (A's pairs raw)
+    aq_[1] = Aq[bc * C + pr_ + 8];
 #pragma unroll
     for (int k0 = 0; k0 < K; k0 += 16) {
       an_[k0 / 16][0] = rg_ld2(&A[((bc - tshift) * C + pr_) * KLD + kh * K + k0 + 2 * tq]);
@@ -219,8 +221,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       }
 #pragma unroll
       for (int ct = 0; ct < YCT; ++ct) {
-        y_[ct][0] = xn_[ct][0] + aq0 * y_[ct][0]; y_[ct][1] = xn_[ct][1] + aq0 * y_[ct][1];
-        y_[ct][2] = xn_[ct][2] + aq8 * y_[ct][2]; y_[ct][3] = xn_[ct][3] + aq8 * y_[ct][3];
+        y_[ct][0] = xn_[ct][0] + aq_[0] * y_[ct][0]; y_[ct][1] = xn_[ct][1] + aq_[0] * y_[ct][1];
+        y_[ct][2] = xn_[ct][2] + aq_[1] * y_[ct][2]; y_[ct][3] = xn_[ct][3] + aq_[1] * y_[ct][3];
       }
 #pragma unroll
       for (int ct = 0; ct < YCT; ++ct) {

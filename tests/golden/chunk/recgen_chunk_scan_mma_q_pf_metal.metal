@@ -53,7 +53,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // this chunk's update runs (pf), or at the step's start (hoist); they do not depend on the state
   const int pr_ = 16 * (warp / (CT / YCT)) + gq;
   const int pct0 = YCT * (warp % (CT / YCT));
-  float an_[K / 8][4], xn_[YCT][4];
+  float an_[K / 8][4];
+  float xn_[YCT][4];
   if (n > 0) {
     const int64_t bn = bh * n + 0;
 #pragma unroll
