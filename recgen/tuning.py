@@ -141,6 +141,9 @@ class Tuning:
     #                                 registers a lane, two threadgroups an SM (the H100's 132 take 264 at once);
     #                                 past that, unhoisted ones fit more an SM; hoisting was timed up to 256 only
     scan_products: bool = True      # the fragment scan takes a product term E = Paᵀ Pb as its factors
+    scan_products_alone: bool = False  # ... a scan without a B term too (simple GLA's reverse scan: H100, simple GLA
+    #                                    4,4096,16,128 trained 4.05 -> 2.90 ms, peak 2.12 -> 1.13 GiB, E never formed
+    #                                    in float32 nor its factors cast; on on CUDA)
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
     pair_fold: bool = False         # ... their own block's rows t and BS − 1 − t on one thread
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
@@ -196,7 +199,7 @@ MEASURED = {
                  kernel_cache=KERNEL_CACHE_DIR, feature_jac_min_blocks=2, feature_states_fragments=2,
                  feature_out_fragments=2, feature_mix=True, feature_keep_states=True,
                  decay_factor_kernels=True, replay_graphs=True, ut_16bit=True, states_16bit=True,
-                 wide_fragments=True, bwd_scores=True, bwd_products=True),
+                 wide_fragments=True, bwd_scores=True, bwd_products=True, scan_products_alone=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
@@ -264,6 +267,7 @@ ENVIRONMENT = {
     "RECGEN_SCAN_NW": ("scan_nw", int),
     "RECGEN_REVERSE_SCAN_NW": ("reverse_scan_nw", int),
     "RECGEN_SCAN_PREFETCH": ("scan_prefetch", _flag),
+    "RECGEN_SCAN_PRODUCTS_ALONE": ("scan_products_alone", _flag),
     "RECGEN_SCAN_HOIST": ("scan_hoist", _flag),
     "RECGEN_REVERSE_SCAN_HOIST": ("reverse_scan_hoist", _flag),
     "RECGEN_SCAN_HOIST_MOST": ("scan_hoist_most", int),

@@ -360,6 +360,33 @@ def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, sanitizer):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("sanitizer", [None, "address"])
+@pytest.mark.parametrize("C,K,V,nw,hoist", [(32, 32, 32, 2, True), (64, 64, 24, 4, False)])
+def test_reverse_scan_without_b_takes_its_product_as_factors(C, K, V, nw, hoist, sanitizer):
+    """Simple GLA's backward scan with its E term as the factors Paᵀ Pb (``Tuning.scan_products_alone``): no B term,
+    A with row scales Aq, Pa with Pq, dg = Σ carried ⊙ St, 16-bit states and operands; against float64 at the bf16
+    inputs, within bf16 rounding."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(C + K + 5)
+    BH, n = 2, 3
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
+    u = lambda *s: rng.uniform(0.05, 1.0, size=s).astype(np.float32)  # noqa: E731
+    ins = {"S0": f(BH, K, V), "A": bf(f(BH, n, C, K) * 0.2), "Aq": u(BH, n, C), "X": bf(f(BH, n, C, V)),
+           "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32), "Pa": bf(f(BH, n, C, K) * 0.2),
+           "Pb": bf(f(BH, n, C, V)), "Pq": u(BH, n, C), "St": bf(f(BH, n, K, V))}
+    v = ScanVariant(mma=True, b=False, reverse=True, p=True, dg=True, aq=True, pq=True, hoist=hoist, s16=True)
+    launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
+    carried, Y, S_end, dgp = verify.run_launch(launch, ins, sanitizer=sanitizer)
+    f64 = lambda a: np.array(mx.array(a).astype(mx.float32), np.float64)  # noqa: E731
+    Pe = np.einsum("bnck,bncv->bnkv", f64(ins["Pq"])[..., None] * f64(ins["Pa"]), f64(ins["Pb"]))
+    want = _scan_ref(ins["S0"], f64(ins["Aq"])[..., None] * f64(ins["A"]), f64(ins["X"]), None, ins["g"], Pe, True,
+                     has_b=False)
+    for got, w in zip((carried, Y, S_end), want):
+        assert _rel(got, w) < 1e-2, _rel(got, w)
+    assert _rel(np.asarray(dgp, np.float64).sum(2), (want[0] * f64(ins["St"])).sum(-1)) < 1e-2
+
+
 def test_chunk_scan_mma_layouts():
     """Which sizes the fragment scan takes, and the dialect choice: CUDA by default (tensor cores), Metal
     never by default (its multiply-add is a shuffle reference); outside its layouts the FMA frame runs."""

@@ -73,9 +73,10 @@ def pairs_on_fragments(t: Tuning, C: int, K: int, dual: bool = False, quad: bool
 def scan_fuses_products(t: Tuning, C: int, K: int, V: int, has_b: bool) -> bool:
     """Whether ``chunk_scan`` takes an E term as its factors (the fragment frame, with a B term) rather than as a
     product MLX forms first. Without B the scan is otherwise elementwise and the fused product only adds latency
-    to its sequential steps (measured slower); with B (delta rules) it is faster and saves E's memory.
-    ``Tuning.scan_products`` off: always formed first."""
-    return t.scan_products and has_b and use_mma(t, C, K, V)
+    to its sequential steps (measured slower with TF32 fragments and float32 states; ``Tuning.scan_products_alone``
+    takes it so there too); with B (delta rules) it is faster and saves E's memory. ``Tuning.scan_products`` off:
+    always formed first."""
+    return t.scan_products and (has_b or t.scan_products_alone) and use_mma(t, C, K, V)
 
 
 def scan_supported(t: Tuning, C: int, K: int) -> bool:

@@ -309,7 +309,10 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                     # and simple GLA's two scans (no delta rule: Y = X forward, no B term in reverse)
                     diag = ck.chunk_scan(S0, None, w16, x16, g, None, t, reverse=False, Bq=fx, st=st)
                     erev = ck.chunk_scan(S0, x16, up(Fs), None, g, E, t, reverse=True, Aq=fx, st=st)
-                    return [Tm, U, W, carried, Z, S_end, y, M, *rev, *grads, diag[0], diag[2], *erev]
+                    # ... its E as the factors the backward has (``Tuning.scan_products_alone``), dg with them
+                    prev = ck.chunk_scan(S0, x16, up(Fs), None, g, None, t, reverse=True, P=(q16, up(Pb)), St=carried,
+                                         Aq=fx, Pq=fx, st=st)
+                    return [Tm, U, W, carried, Z, S_end, y, M, *rev, *grads, diag[0], diag[2], *erev, *prev]
                 got = run(mx.bfloat16, lambda a: a.astype(mx.bfloat16))
                 ref = [np.array(a.astype(mx.float32), np.float64) for a in run(None, lambda a: a.astype(mx.float32))]
         elif frame == "wide":  # the readout, UT transform and both scans on the wide multiply-add
