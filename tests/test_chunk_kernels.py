@@ -1108,6 +1108,19 @@ def test_chunk_bwd_mma_forms_the_pair_cotangents(C, K, V, delta, prods, sanitize
         ck.bwd_mma_launch("metal", N, C, K, ("float32",) * 3, 32, scores=(V, "bfloat16"))
 
 
+def test_chunk_bwd_refuses_wide_products_on_states_of_another_type():
+    """The pass's products over values on the wide multiply-add read the states as pairs of the rows' 16-bit type:
+    float32 states are refused before any kernel is built."""
+    mx = pytest.importorskip("mlx.core")
+    t = tuning.resolve("gpu", "cuda", environ={})
+    b16 = lambda *s: mx.zeros(s, dtype=mx.bfloat16)  # noqa: E731
+    rows = (b16(1, 1, 16, 16), b16(1, 1, 16, 16), b16(1, 1, 16, 16))
+    states = (mx.zeros((1, 1, 16, 16)), mx.zeros((1, 1, 16, 16)))
+    with pytest.raises(ValueError, match="wide products"):
+        ck.chunk_bwd(None, None, b16(1, 1, 16, 16), b16(1, 1, 16, 16), b16(1, 1, 16, 16), None, None, None,
+                     mx.zeros((1, 1, 16, 1)), mx.zeros((1, 1)), t, prods=rows + states, scores=rows)
+
+
 def test_chunk_bwd_mma_at_the_cuda_layout(monkeypatch):
     """C = 64 at CUDA's layout (its staged blocks pass Metal's 32 KiB): the Metal spelling runs with only
     that limit waived, as ``test_chunk_ut_mma_at_the_cuda_layout``; bf16 roles in and their gradients out in bf16."""

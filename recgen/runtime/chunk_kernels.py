@@ -749,6 +749,8 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
     types = tuple(dtype_name(x.dtype) for x in roles)
     factors = [] if uf is None else [uf.reshape(N, C), mx.array([bf], dtype=mx.float32)]
     rows = [] if scores is None else [x.reshape(N, C, -1) for x in scores if x is not None]
+    if rows and prods is not None and len({x.dtype for x in rows + list(prods[3:])}) > 1:
+        raise ValueError("chunk_bwd: the pass's wide products take the states in the type of Z, dy and Δ")
     user = ((rows if scores is not None else ([dMA.reshape(N, C, C)] if delta else []) + [dMR.reshape(N, C, C)])
             + [x if ml is not None else flat(x) for x in roles] + factors
             + (_products(prods, N, C, K)[len(rows):] if prods is not None
