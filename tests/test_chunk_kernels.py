@@ -323,6 +323,30 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, sanitizer):
         ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, reverse=True)
 
 
+def _bf16_draws(rng):
+    """(f, bf, u): float32 normals of a shape, an array in bf16, float32 uniforms in [0.05, 1) of a shape."""
+    mx = pytest.importorskip("mlx.core")
+    return (lambda *s: rng.normal(size=s).astype(np.float32), lambda a: mx.array(a).astype(mx.bfloat16),
+            lambda *s: rng.uniform(0.05, 1.0, size=s).astype(np.float32))
+
+
+def _checked_reverse_p_scan(launch, ins, sanitizer):
+    """A reverse scan with a P term (Pa with row scales Pq), A with Aq and dg (B where ``ins`` has Bm) run on the
+    emulator against float64 at its bf16 inputs, within bf16 rounding, dg from the float state (not its bf16 copy).
+    Returns its outputs (carried, Y, S_end, dg's parts)."""
+    mx = pytest.importorskip("mlx.core")
+    outs = verify.run_launch(launch, ins, sanitizer=sanitizer)
+    f64 = lambda a: np.array(mx.array(a).astype(mx.float32), np.float64)  # noqa: E731
+    Pe = np.einsum("bnck,bncv->bnkv", f64(ins["Pq"])[..., None] * f64(ins["Pa"]), f64(ins["Pb"]))
+    has_b = "Bm" in ins
+    want = _scan_ref(ins["S0"], f64(ins["Aq"])[..., None] * f64(ins["A"]), f64(ins["X"]),
+                     f64(ins["Bm"]) if has_b else None, ins["g"], Pe, True, has_b=has_b)
+    for got, w in zip(outs[:3], want):
+        assert _rel(got, w) < 1e-2, _rel(got, w)
+    assert _rel(np.asarray(outs[3], np.float64).sum(2), (want[0] * f64(ins["St"])).sum(-1)) < 1e-2
+    return outs
+
+
 @pytest.mark.parametrize("sanitizer", [None, "address"])
 @pytest.mark.parametrize("C,K,V,nw,pf", [(32, 32, 32, 2, False), (64, 64, 24, 4, False), (64, 64, 32, 4, True)])
 def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, sanitizer):
@@ -332,11 +356,9 @@ def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, sanitizer):
     bf16 inputs, within bf16 rounding; and in the model's layout (A and Pa the key inputs, one key head under two
     value heads) bit for bit the chunks' layout."""
     mx = pytest.importorskip("mlx.core")
-    rng = np.random.default_rng(C + K + 1)
     BH, n = 2, 3
-    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
-    bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
-    u = lambda *s: rng.uniform(0.05, 1.0, size=s).astype(np.float32)  # noqa: E731
+    rng = np.random.default_rng(C + K + 1)
+    f, bf, u = _bf16_draws(rng)
     A1, Pa1 = bf(f(1, n, C, K) * 0.2), bf(f(1, n, C, K) * 0.2)
     A, Pa = mx.concatenate([A1, A1]), mx.concatenate([Pa1, Pa1])  # the value heads share their key head
     ins = {"S0": f(BH, K, V), "A": A, "Aq": u(BH, n, C), "X": bf(f(BH, n, C, V)), "Bm": bf(f(BH, n, C, K) * 0.2),
@@ -345,14 +367,7 @@ def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, sanitizer):
     v = ScanVariant(mma=True, reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, s16=True, w16=True, pf=pf)
     launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
     assert "_w16" in launch.source.name and dict(launch.template)["NW"] == nw
-    carried, Y, S_end, dgp = verify.run_launch(launch, ins, sanitizer=sanitizer)
-    f64 = lambda a: np.array(mx.array(a).astype(mx.float32), np.float64)  # noqa: E731
-    Pe = np.einsum("bnck,bncv->bnkv", f64(ins["Pq"])[..., None] * f64(Pa), f64(ins["Pb"]))
-    want = _scan_ref(ins["S0"], f64(ins["Aq"])[..., None] * f64(A), f64(ins["X"]), f64(ins["Bm"]), ins["g"], Pe, True)
-    for got, w in zip((carried, Y, S_end), want):
-        assert _rel(got, w) < 1e-2, _rel(got, w)
-    dg = np.asarray(dgp, np.float64).sum(2)
-    assert _rel(dg, (want[0] * f64(ins["St"])).sum(-1)) < 1e-2  # from the float state, not its bf16 copy
+    carried, Y, S_end, dgp = _checked_reverse_p_scan(launch, ins, sanitizer)
     model = {"A": mx.contiguous(A1.reshape(1, n * C, 1, K)), "Pa": mx.contiguous(Pa1.reshape(1, n * C, 1, K))}
     ml = verify.run_launch(ck.scan_launch("metal_ptx", dataclasses.replace(v, ml=True), BH, n, C, K, V, 1, 32, nw,
                                           (2, 1, n, True), "bfloat16"), ins | model)
@@ -366,25 +381,15 @@ def test_reverse_scan_without_b_takes_its_product_as_factors(C, K, V, nw, hoist,
     """Simple GLA's backward scan with its E term as the factors Paᵀ Pb (``Tuning.scan_products_alone``): no B term,
     A with row scales Aq, Pa with Pq, dg = Σ carried ⊙ St, 16-bit states and operands; against float64 at the bf16
     inputs, within bf16 rounding."""
-    mx = pytest.importorskip("mlx.core")
-    rng = np.random.default_rng(C + K + 5)
     BH, n = 2, 3
-    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
-    bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
-    u = lambda *s: rng.uniform(0.05, 1.0, size=s).astype(np.float32)  # noqa: E731
+    rng = np.random.default_rng(C + K + 5)
+    f, bf, u = _bf16_draws(rng)
     ins = {"S0": f(BH, K, V), "A": bf(f(BH, n, C, K) * 0.2), "Aq": u(BH, n, C), "X": bf(f(BH, n, C, V)),
            "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32), "Pa": bf(f(BH, n, C, K) * 0.2),
            "Pb": bf(f(BH, n, C, V)), "Pq": u(BH, n, C), "St": bf(f(BH, n, K, V))}
     v = ScanVariant(mma=True, b=False, reverse=True, p=True, dg=True, aq=True, pq=True, hoist=hoist, s16=True)
     launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
-    carried, Y, S_end, dgp = verify.run_launch(launch, ins, sanitizer=sanitizer)
-    f64 = lambda a: np.array(mx.array(a).astype(mx.float32), np.float64)  # noqa: E731
-    Pe = np.einsum("bnck,bncv->bnkv", f64(ins["Pq"])[..., None] * f64(ins["Pa"]), f64(ins["Pb"]))
-    want = _scan_ref(ins["S0"], f64(ins["Aq"])[..., None] * f64(ins["A"]), f64(ins["X"]), None, ins["g"], Pe, True,
-                     has_b=False)
-    for got, w in zip((carried, Y, S_end), want):
-        assert _rel(got, w) < 1e-2, _rel(got, w)
-    assert _rel(np.asarray(dgp, np.float64).sum(2), (want[0] * f64(ins["St"])).sum(-1)) < 1e-2
+    _checked_reverse_p_scan(launch, ins, sanitizer)
 
 
 def test_chunk_scan_mma_layouts():
@@ -1035,6 +1040,17 @@ def test_chunk_bwd_mma_matches_numpy(frame, C, K, delta, bw):
         assert got.shape == w.shape and _rel(got, w) < 1e-5, _rel(got, w)
 
 
+def _check_bwd_forming(launch, ins, formed, operands, sanitizer):
+    """The pass given ``operands`` in place of the inputs ``formed`` holds (which it forms from them), against the
+    float64 pass (``_bwd_ref``) given those products."""
+    given = {k: x for k, x in ins.items() if k not in formed} | operands
+    outs = verify.run_launch(launch, given, sanitizer=sanitizer)
+    want = _bwd_ref(ins | formed, 0.3)
+    assert len(outs) == len(want)
+    for got, w in zip(outs, want):
+        assert got.shape == w.shape and _rel(got, w) < 1e-5, _rel(got, w)
+
+
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("C,K,V,delta,bw,sanitizer", [(16, 16, 24, True, 32, None), (32, 40, 8, True, 32, None),
                                                       (16, 24, 16, False, 32, None), (32, 32, 160, True, 32, None),
@@ -1055,12 +1071,7 @@ def test_chunk_bwd_mma_forms_the_products_over_values(frame, C, K, V, delta, bw,
     formed = {"DUQ": v64["Zv"] @ tr(v64["dSv"]), "DRP": v64["dYv"] @ tr(v64["Sv"])} | (
         {"DR": v64["Dv"] @ tr(v64["Sv"])} if delta else {})
     launch = ck.bwd_mma_launch(frame, N, C, K, ("float32",) * (3 if delta else 2), bw, V=V)
-    given = {k: x for k, x in ins.items() if k not in formed} | vals
-    outs = verify.run_launch(launch, given, sanitizer=sanitizer)
-    want = _bwd_ref(ins | formed, 0.3)
-    assert len(outs) == len(want)
-    for got, w in zip(outs, want):
-        assert got.shape == w.shape and _rel(got, w) < 1e-5, _rel(got, w)
+    _check_bwd_forming(launch, ins, formed, vals, sanitizer)
     with pytest.raises(ValueError, match="multiple of 8"):
         ck.bwd_mma_launch(frame, N, C, K, ("float32",) * 3, bw, V=12)
 
@@ -1096,12 +1107,7 @@ def test_chunk_bwd_mma_forms_the_pair_cotangents(C, K, V, delta, prods, sanitize
     launch = ck.bwd_mma_launch("metal_ptx", N, C, K, ("float32",) * (3 if delta else 2), 32, V=V if prods else 0,
                                scores=(V, "bfloat16"))
     assert "_sc_" in launch.source.name and launch.source.inputs[:2] == ("Zv", "dYv"), launch.source.inputs
-    given = {k: x for k, x in ins.items() if k not in formed} | rows | states
-    outs = verify.run_launch(launch, given, sanitizer=sanitizer)
-    want = _bwd_ref(ins | formed, 0.3)
-    assert len(outs) == len(want)
-    for got, w in zip(outs, want):
-        assert got.shape == w.shape and _rel(got, w) < 1e-5, _rel(got, w)
+    _check_bwd_forming(launch, ins, formed, rows | states, sanitizer)
     with pytest.raises(ValueError, match="multiple of 16"):
         ck.bwd_mma_launch("metal_ptx", N, C, K, ("float32",) * 3, 32, scores=(24, "bfloat16"))
     with pytest.raises(ValueError, match="wide multiply-add"):
