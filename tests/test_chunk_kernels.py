@@ -1076,7 +1076,8 @@ def test_chunk_bwd_mma_forms_the_products_over_values(frame, C, K, V, delta, bw,
         ck.bwd_mma_launch(frame, N, C, K, ("float32",) * 3, bw, V=12)
 
 
-@pytest.mark.parametrize("C,K,V,delta,prods,sanitizer", [(16, 16, 32, True, False, None), (32, 40, 16, True, False, None),
+@pytest.mark.parametrize("C,K,V,delta,prods,sanitizer", [(16, 16, 32, True, False, None),
+                                                      (32, 40, 16, True, False, None),
                                                       (32, 24, 48, False, False, None), (16, 16, 32, True, True, None),
                                                       (16, 24, 32, False, True, None),
                                                       (16, 16, 16, True, False, "address"),

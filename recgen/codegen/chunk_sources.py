@@ -321,7 +321,8 @@ def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False
     _wide_dialect(d, "chunk_bwd_mma", scores)
     roles = ("U", "Uf", "Bf") if uf else ("U", "Bt") if delta else ("U",)
     rows = ("Zv", "dYv", "Dv") if delta else ("Zv", "dYv")  # [C, V] each, read by the scores or the products
-    products = ((() if scores else rows) + ("Sv", "dSv")) if prods else (("DUQ", "DRP", "DR") if delta else ("DUQ", "DRP"))
+    formed = ("DUQ", "DRP", "DR") if delta else ("DUQ", "DRP")  # MLX's products, read
+    products = ((() if scores else rows) + ("Sv", "dSv")) if prods else formed
     ins = (rows if scores else ("dMA", "dMR") if delta else ("dMR",)) + ("R",) + roles + products + ("logd", "DG", "Rs")
     outs = ("dRo", "dXo", "dFo", "dl") if uf else ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
     kind = ("bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else "") + ("_ml" if ml else "")
