@@ -21,6 +21,7 @@
 #   bash benchmarks/run_gpu.sh retention   # the retention package's power_retention (its autotuning: minutes)
 #   bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # every kernel of one call, the table in $OUT
 #   PROFILE_ARGS=--timeline bash benchmarks/run_gpu.sh profile:rwkv7:4,4096,16,128:fwdbwd   # and in launch order
+#   bash benchmarks/run_gpu.sh profile-fla:gated_delta_net:4,4096,16,128   # FLA's kernels (torch.profiler), both passes
 #   PROFILE_ARGS=--host bash benchmarks/run_gpu.sh profile:power_retention:2,4096,8,64:fwdbwd  # the host's share
 #   NCU_KERNELS="pair|dg_rev" bash benchmarks/run_gpu.sh ncu:rwkv7:4,4096,16,128:fwdbwd   # Nsight Compute, one call
 # Timings are `recgen bench` (chained calls, the op's defaults; recgen/bench.py says how) and FLA in the same call.
@@ -66,6 +67,10 @@ for stage in "$@"; do
     profile:*) p=${stage#profile:}; sp=${p%%:*}; p=${p#*:}; shape=${p%%:*}; pass=${p#*:}  # profile:SPEC:SHAPE:PASS
                timeout ${BENCH_TIMEOUT:-150} python benchmarks/profile_kernels.py $sp --shape $shape --pass $pass $PROFILE_ARGS \
                  --top 40 2>&1 | grep -v Warn | tee "$OUT/profile_${sp}_${shape//,/x}_$pass.txt" ;;  # whole, in $OUT
+    profile-fla:*) p=${stage#profile-fla:}; sp=${p%%:*}; shape=${p#*:}     # profile-fla:SPEC:SHAPE: FLA's job as
+          job=$(python -c "import json; from recgen.bench import Shape, fla_job; print(json.dumps(fla_job('$sp', Shape.parse('$shape'), profile=True)))")
+          timeout ${BENCH_TIMEOUT:-400} python3 recgen/fla_worker.py "$job" 2>&1 | grep -v Warn \
+            | tee "$OUT/profile_fla_${sp}_${shape//,/x}.txt" ;;              # bench-fla runs it, profiled
     ncu:*) p=${stage#ncu:}; sp=${p%%:*}; p=${p#*:}; shape=${p%%:*}; pass=${p#*:}  # ncu:SPEC:SHAPE:PASS, the kernels
            f="$OUT/ncu_${sp}_${shape//,/x}_$pass.txt"                     # matching NCU_KERNELS (a regex) of one call
            timeout ${BENCH_TIMEOUT:-300} ncu --clock-control none --profile-from-start off \

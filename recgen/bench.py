@@ -561,6 +561,14 @@ def _jsonable(d):
 WORKER = Path(__file__).with_name("fla_worker.py")
 
 
+def fla_job(name: str, shape: Shape, dtype: str = "bfloat16", passes: tuple = ("fwd", "fwdbwd"),
+            profile: bool = False) -> dict:
+    """``fla_worker.py``'s job for the built-in ``name`` at ``shape``: its inputs' shapes and laws, the passes,
+    dy's shape; ``profile``: the worker profiles FLA's kernels instead of timing them."""
+    return ({"op": name, "dtype": dtype, "inputs": fla_inputs(BUILTINS[name], shape), "passes": list(passes),
+             "do_shape": [shape.B, shape.T, shape.H, shape.V]} | ({"profile": True} if profile else {}))
+
+
 def fla_measures(rec: ir.Recurrence, shape: Shape, dtype: str, passes: tuple, timeout: float) -> list:
     """FLA's numbers for ``rec`` (one of its built-ins) from ``fla_worker.py`` in a separate process, or one
     skipped measure with the reason (no FLA op, torch/fla/CUDA missing, a failure, a timeout)."""
@@ -570,8 +578,7 @@ def fla_measures(rec: ir.Recurrence, shape: Shape, dtype: str, passes: tuple, ti
     if rec.name not in FLA_OPS or BUILTINS[rec.name].spec_hash() != rec.spec_hash():
         reason = f"FLA has no chunk op for {rec.name}"
     else:
-        job = {"op": rec.name, "dtype": dtype, "inputs": fla_inputs(rec, shape), "passes": list(passes),
-               "do_shape": [shape.B, shape.T, shape.H, shape.V]}
+        job = fla_job(rec.name, shape, dtype, passes)
         try:
             p = subprocess.run([sys.executable, str(WORKER), json.dumps(job)], capture_output=True, text=True,
                                timeout=timeout)

@@ -6,7 +6,9 @@ MLX must not share a process: each keeps its own CUDA allocator). Standalone: it
 
 Prints one line: ``RESULT {kind: {"value": ..., "note": ..., "extra": {...}}, "info": {...}}`` or
 ``SKIP reason`` (torch, triton, fla or a CUDA device missing). Inputs are drawn with the laws of
-``recgen.testing.input_law`` passed in the job.
+``recgen.testing.input_law`` passed in the job. With ``"profile": true`` in the job it prints instead, for each
+of the passes fwd and fwdbwd, torch.profiler's table of FLA's kernels over ``PROFILE_CALLS`` calls after warm-up
+(``benchmarks/run_gpu.sh profile-fla:SPEC:SHAPE``: FLA's kernels beside recgen's ``profile``).
 """
 import json
 import os
@@ -15,6 +17,8 @@ import sys
 # run as a script, this file's directory (recgen's modules) would shadow top-level names
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
+PROFILE_CALLS = 10
 
 # spec name -> (module, function); arguments in the spec's input order (FLA's own order for these four)
 OPS = {"gated_delta_net": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
@@ -97,6 +101,9 @@ def main(job):
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() / 2 ** 30
 
+    if job.get("profile"):
+        profile(torch, {k: f for k, f in (("fwd", fwd), ("fwdbwd", fwdbwd)) if k in passes})
+        return
     out = {}
     for kind, f in (("fwd", fwd), ("fwdbwd", fwdbwd)):
         if kind not in passes and passes != ["peak"]:
@@ -112,6 +119,21 @@ def main(job):
                 out.setdefault(k, {"value": None, "note": note})
     out["info"] = info
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def profile(torch, calls):
+    """Each call of ``calls`` (pass -> function) warmed up (Triton's autotuning), then ``PROFILE_CALLS`` times under
+    torch.profiler: the table of its GPU kernels by total time."""
+    for kind, f in calls.items():
+        for _ in range(3):
+            f()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILE_CALLS):
+                f()
+            torch.cuda.synchronize()
+        print(f"=== FLA {kind}, {PROFILE_CALLS} calls", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=50), flush=True)
 
 
 if __name__ == "__main__":
