@@ -135,12 +135,12 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   float f0 = 0.0f, f8 = 0.0f;  // ... of dF
   for (int c0 = 0; c0 < K; c0 += BW) {
     float duq_[CT][4], drp_[CT][4], dR_[CT][4];
-    __syncthreads();  // E is complete, Gamma and the staged blocks of the last pass are read
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) { duq_[ct][e] = 0.0f; drp_[ct][e] = 0.0f; dR_[ct][e] = 0.0f; }
     }
+    __syncthreads();  // E is complete, Gamma and the staged blocks of the last pass are read
     // this group's rows of the pass's columns, over the values VH at a time: the pass's rows of Sv and dSv staged
     // (read by every group as B fragments), A fragments of Zv, dYv, Dv from memory (rows r0 ..)
     for (int vh = 0; vh < V; vh += VH) {
