@@ -301,10 +301,9 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
         if lay is None:
             raise ValueError(f"chunk_bwd_mma: V={V} values must be a multiple of 8 for the products in the pass, "
                              f"their staged states within {dialect}'s threadgroup memory")
-    if scores is not None and (scores[0] % 16 or V not in (0, scores[0]) or _itemsize(scores[1]) != 2
-                               or not get(dialect).mma16):
+    if scores is not None and (scores[0] % 16 or V not in (0, scores[0]) or _itemsize(scores[1]) != 2):
         raise ValueError(f"chunk_bwd_mma: scores {scores} in the pass need V a multiple of 16 (the products' {V} if "
-                         f"formed too), a 16-bit type and a wide multiply-add, which {dialect} may lack")
+                         f"formed too) and a 16-bit type")  # and a wide multiply-add: ``bwd_mma_source`` refuses
     sv = (("V", scores[0]), ("ZT", scores[1])) if scores is not None else (("V", V),) * (V > 0)
     tmpl = ((("C", C), ("K", K)) + sv + tuple(lay.items()) + tuple(zip(("RT", "UT", "BT"), types))
             + _model_consts(ml))
@@ -770,8 +769,8 @@ def scores_in_pass(t: Tuning, rows: tuple) -> bool:
     ``rows`` = (Z, dy, Δ or None) [.., C, V] (and S_c, dS_next [.., K, V] where it forms its products too) share one
     16-bit type, V a multiple of 16, and the dialect has the wide multiply-add."""
     given = [x for x in rows if x is not None]
-    return (t.bwd_scores and bool(get(t.dialect).mma16) and given[0].shape[-1] % 16 == 0
-            and len({x.dtype for x in given}) == 1 and _itemsize(dtype_name(given[0].dtype)) == 2)
+    types = tuple(dtype_name(x.dtype) for x in given)
+    return given[0].shape[-1] % 16 == 0 and _wide_types(t.dialect, t.bwd_scores, types)
 
 
 def products_in_pass(t: Tuning, C: int, K: int, V: int, delta: bool, wide: bool = False) -> bool:

@@ -328,23 +328,23 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                 DUQ, DRP, DR = (f32(rng.normal(size=(1, n, C, K))) for _ in range(3))
                 DG = f32(rng.normal(size=(1, n)))
                 states = (St16, f32(rng.normal(size=(1, n, K, V))).astype(mx.bfloat16))  # S_c and dS_next
+                bwd = ck.fuses_bwd(t, C, K, True)
+                products = bwd and ck.scores_in_pass(t, rows + states)  # its products over values on it too
 
                 def run(tt):
                     _, U, W = ck.chunk_ut(None, x16, w16, l, tt, uf=fx, bf=-1.0, out=mx.bfloat16, st=mx.bfloat16)
                     fwd = ck.chunk_scan(S0, W, U, x16, g, None, tt, reverse=False, Bq=fx, st=mx.bfloat16)
                     rev = ck.chunk_scan(S0, x16, Z16, W, g, None, tt, reverse=True, P=(q16, Z16), St=fwd[0], Aq=fx,
                                         Pq=fx, st=mx.bfloat16)
-                    sc = rows if ck.fuses_bwd(tt, C, K, True) and ck.scores_in_pass(tt, rows) else None
+                    sc = rows if bwd and ck.scores_in_pass(tt, rows) else None
                     zt = rows[0].astype(mx.float32).swapaxes(-1, -2)
                     dm = (None, None) if sc else tuple(a.astype(mx.float32) @ zt for a in (rows[2], rows[1]))
                     grads = (ck.chunk_bwd(*dm, q16, x16, None, DUQ, DRP, DR, l, DG, tt, uf=fx, bf=-1.0, scores=sc)
-                             if ck.fuses_bwd(tt, C, K, True) else [])
-                    if sc and ck.scores_in_pass(tt, rows + states):  # and its products over values on it too
-                        grads = [*grads, *ck.chunk_bwd(None, None, q16, x16, None, None, None, None, l, DG, tt, uf=fx,
-                                                       bf=-1.0, prods=rows + states, scores=rows)]
-                    elif ck.fuses_bwd(t, C, K, True) and ck.scores_in_pass(t, rows + states):  # their TF32 form
+                             if bwd else [])
+                    if products:  # the TF32 form staged from float32 copies
+                        prods = rows + states if sc else tuple(a.astype(mx.float32) for a in rows + states)
                         grads = [*grads, *ck.chunk_bwd(*dm, q16, x16, None, None, None, None, l, DG, tt, uf=fx, bf=-1.0,
-                                                       prods=tuple(a.astype(mx.float32) for a in rows + states))]
+                                                       prods=prods, scores=sc)]
                     return [*ck.chunk_out(q16, x16, Z16, St16, l, tt, uf=fx), U, W, *fwd, *rev, *grads]
                 got = run(t)
                 ref = [np.array(a.astype(mx.float32), np.float64)
