@@ -132,6 +132,9 @@ class Tuning:
     scan_nw: int = 4                # SIMD groups per threadgroup of the forward fragment scan (most)
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (measured no clear gain: off)
+    scan_wide_loads: bool = False   # ... on the wide multiply-add (K a multiple of 32): A's rows 16 bytes a load, the keys
+    #                                 of two steps permuted to make a lane's pairs adjacent, and the state's and Y's
+    #                                 threadgroup copies transposed so that each B pair is one word (``ScanVariant.wl``)
     scan_hoist: bool = False        # the forward fragment scan (a product term: B or P) loads a chunk's state-free
     #                                 operands at its step's start: their latency overlaps the state copy and Y's product
     reverse_scan_hoist: bool = False  # ... the reverse (backward) one
@@ -267,6 +270,7 @@ ENVIRONMENT = {
     "RECGEN_SCAN_NW": ("scan_nw", int),
     "RECGEN_REVERSE_SCAN_NW": ("reverse_scan_nw", int),
     "RECGEN_SCAN_PREFETCH": ("scan_prefetch", _flag),
+    "RECGEN_SCAN_WIDE_LOADS": ("scan_wide_loads", _flag),
     "RECGEN_SCAN_PRODUCTS_ALONE": ("scan_products_alone", _flag),
     "RECGEN_SCAN_HOIST": ("scan_hoist", _flag),
     "RECGEN_REVERSE_SCAN_HOIST": ("reverse_scan_hoist", _flag),

@@ -283,14 +283,18 @@ def test_chunk_scan_mma_scales_b_rows(frame, has_a):
         assert _rel(got, w) < 1e-5, _rel(got, w)
 
 
+WIDE_SCANS = [(32, 32, 32, 2, False, True), (64, 64, 24, 4, False, False), (64, 64, 32, 4, True, False),
+              (64, 64, 32, 4, False, True), (32, 96, 32, 2, True, True)]
+
+
 @pytest.mark.parametrize("sanitizer", [None, "address"])
-@pytest.mark.parametrize("C,K,V,nw,pf", [(32, 32, 32, 2, False), (64, 64, 24, 4, False), (64, 64, 32, 4, True)])
-def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, sanitizer):
+@pytest.mark.parametrize("C,K,V,nw,pf,wl", WIDE_SCANS)
+def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, sanitizer):
     """GDN's forward scan on the wide multiply-add (``ScanVariant.w16``, CUDA's m16n8k16 lane layout in
     ``metal_ptx``): hoisted, A, X and Bm in bf16, Bm's rows scaled by Bq (decays down to e^-20), carried and Y in
     bf16, against float64 at the bf16 inputs. Its products take the state, Y and Bq ⊙ Bm in bf16 (as FLA's
     chunk_fwd_h): within that rounding. ``pf`` (where each group has one item of Y): A's and X's fragments loaded a
-    chunk ahead."""
+    chunk ahead; ``wl``: A's rows read 16 bytes a load, the copies transposed, the keys and tokens permuted."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(C + K)
     BH, n = 2, 3
@@ -300,9 +304,9 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, sanitizer):
     Bq = np.exp(-20 * rng.uniform(size=(BH, n, C))).astype(np.float32)
     ins = {"S0": f(BH, K, V), "A": A, "X": X, "Bm": Bm, "Bq": Bq,
            "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32)}
-    v = ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, pf=pf)
+    v = ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, pf=pf, wl=wl)
     launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
-    assert "_w16" in launch.source.name and dict(launch.template)["NW"] == nw
+    assert "_w16" in launch.source.name and dict(launch.template)["NW"] == nw and ("_wl" in launch.source.name) == wl
     assert not pf or cs.scan_prefetches(C, K, V, 32, nw)
     outs = verify.run_launch(launch, ins, sanitizer=sanitizer)
     f64 = lambda a: np.array(a.astype(mx.float32), np.float64)  # noqa: E731
@@ -348,8 +352,8 @@ def _checked_reverse_p_scan(launch, ins, sanitizer):
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address"])
-@pytest.mark.parametrize("C,K,V,nw,pf", [(32, 32, 32, 2, False), (64, 64, 24, 4, False), (64, 64, 32, 4, True)])
-def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, sanitizer):
+@pytest.mark.parametrize("C,K,V,nw,pf,wl", WIDE_SCANS)
+def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, sanitizer):
     """GDN's backward scan on the wide multiply-add (``ScanVariant.w16`` in reverse, CUDA's lane layout in
     ``metal_ptx``): hoisted, A with its row scales Aq (applied to A S: A's pairs raw), Bm, the P term Pa with Pq
     (applied to Pb's pairs), dg = Σ carried ⊙ St, every product operand and St in bf16; against float64 at the
@@ -364,9 +368,10 @@ def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, sanitizer):
     ins = {"S0": f(BH, K, V), "A": A, "Aq": u(BH, n, C), "X": bf(f(BH, n, C, V)), "Bm": bf(f(BH, n, C, K) * 0.2),
            "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32), "Pa": Pa, "Pb": bf(f(BH, n, C, V)),
            "Pq": u(BH, n, C), "St": bf(f(BH, n, K, V))}
-    v = ScanVariant(mma=True, reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, s16=True, w16=True, pf=pf)
+    v = ScanVariant(mma=True, reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, s16=True, w16=True, pf=pf,
+                    wl=wl)
     launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
-    assert "_w16" in launch.source.name and dict(launch.template)["NW"] == nw
+    assert "_w16" in launch.source.name and dict(launch.template)["NW"] == nw and ("_wl" in launch.source.name) == wl
     carried, Y, S_end, dgp = _checked_reverse_p_scan(launch, ins, sanitizer)
     model = {"A": mx.contiguous(A1.reshape(1, n * C, 1, K)), "Pa": mx.contiguous(Pa1.reshape(1, n * C, 1, K))}
     ml = verify.run_launch(ck.scan_launch("metal_ptx", dataclasses.replace(v, ml=True), BH, n, C, K, V, 1, 32, nw,

@@ -73,7 +73,10 @@ class ScanVariant:
     [B, n C, HK, K] (template constants H, HK, GB); ``s16``: carried and Y written in type ST (template constant, a
     16-bit type: the chunk states and Z kept as FLA keeps h and v_new), S itself in float; ``w16`` (the hoisted
     scans with A, B and s16: forward with q, or in reverse): the products on the dialect's wide multiply-add, their
-    operands in type ST (``Dialect.mma16``). p, dg, q, aq, pq, pf, hoist, ml, s16 and w16 exist on the fragment frame only."""
+    operands in type ST (``Dialect.mma16``); ``wl`` (with w16, K a multiple of 32): A's rows read 16 bytes a load
+    (``Dialect.load8``, the keys permuted as ``Fragments16`` says) and the state's and Y's threadgroup copies
+    transposed (template constants LDK, LDY), each B pair one word. p, dg, q, aq, pq, pf, hoist, ml, s16, w16 and wl
+    exist on the fragment frame only."""
 
     a: bool = True
     b: bool = True
@@ -91,6 +94,7 @@ class ScanVariant:
     ml: bool = False
     s16: bool = False
     w16: bool = False
+    wl: bool = False
 
     def __post_init__(self):
         if not (self.a or self.b):
@@ -112,6 +116,8 @@ class ScanVariant:
                              and (forward or reverse)):
             raise ValueError("chunk_scan: the wide multiply-add (w16) is the hoisted scans' with A, B and 16-bit "
                              "states, no E: forward with Bq, or in reverse without it")
+        if self.wl and not self.w16:
+            raise ValueError("chunk_scan: wide loads (wl) are the wide multiply-add's (w16)")
 
     @property
     def kind(self) -> str:
@@ -121,7 +127,7 @@ class ScanVariant:
                 + ("_p" if self.p else "") + ("_pq" if self.pq else "") + ("_pf" if self.pf else "")
                 + ("_ho" if self.hoist else "")
                 + ("_dg" if self.dg else "") + ("_ml" if self.ml else "") + ("_s16" if self.s16 else "")
-                + ("_w16" if self.w16 else "")
+                + ("_w16" if self.w16 else "") + ("_wl" if self.wl else "")
                 + ("_rev" if self.reverse else "")
                 + ("_v4" if self.vec else ""))
 
@@ -161,7 +167,8 @@ def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
     if v.mma:
         return _source(d, "chunk_scan_mma.j2", v.kind, "chunk scan of the chunked core, fragment multiply-adds",
                        v.inputs, v.outputs, (), helpers=d.mma_prelude, has_p=v.p, has_dg=v.dg, has_q=v.q,
-                       has_aq=v.aq, has_pq=v.pq, pf=v.pf, hoist=v.hoist, ml=v.ml, s16=v.s16, w16=v.w16, **flags)
+                       has_aq=v.aq, has_pq=v.pq, pf=v.pf, hoist=v.hoist, ml=v.ml, s16=v.s16, w16=v.w16, wl=v.wl,
+                       **flags)
     return _source(d, "chunk_scan.j2", v.kind, "chunk scan of the chunked core", v.inputs, v.outputs, (),
                    vec=v.vec, **flags)
 
@@ -641,6 +648,13 @@ def a_stride(n: int) -> int:
     """The row stride (≥ n) of a threadgroup tile read as A fragments: 4 mod 32, so a fragment's 8 rows × 4
     columns hit 32 distinct banks."""
     return next(x for x in range(n, n + 32) if x % 32 == 4)
+
+
+def t_stride(n: int) -> int:
+    """The row stride (≥ n 16-bit elements) of a transposed threadgroup copy read as the wide multiply-add's B pairs,
+    one word each (``ScanVariant.wl``): 8 mod 16, so a read's 8 rows × 4 words hit 32 distinct banks, and so do the
+    stores of D fragments' pairs of rows into it (4 columns 2 tq of 8 rows)."""
+    return next(x for x in range(n, n + 16) if x % 16 == 8)
 
 
 def b_stride(n: int) -> int:

@@ -47,6 +47,9 @@ RG_MMA16(__half, "f16")
 template <typename T> __device__ __forceinline__ unsigned rg_ld2(const T* p) {
   return *reinterpret_cast<const unsigned*>(p);
 }
+template <typename T> __device__ __forceinline__ uint4 rg_ld8(const T* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
 __device__ __forceinline__ unsigned rg_pack2(__nv_bfloat16 a, __nv_bfloat16 b) {
   return (unsigned)__bfloat16_as_ushort(a) | ((unsigned)__bfloat16_as_ushort(b) << 16);
 }
@@ -95,6 +98,7 @@ CUDA = Dialect(
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE, frag=PTX_FRAGMENTS,
     mma_rounded="rg_mma_r({acc}, {a}, {b}, {lane})", mma_round="rg_tf32f({x})", store2="rg_store2(&{p}, {a}, {b})",
     mma16="rg_mma16<{t}>({acc}, {a}, {b}, {lane})", frag16=PTX_FRAGMENTS16, pair="unsigned", load2="rg_ld2(&{p})",
+    load8="rg_ld8(&{p})",
     pack2="rg_pack2({a}, {b})", pack2f="rg_pack2f<{t}>({a}, {b})", pair_lo="__byte_perm({a}, {b}, 0x5410)",
     pair_hi="__byte_perm({a}, {b}, 0x7632)",
     prefetch='asm volatile("prefetch.global.L2 [%0];" :: "l"({p}))',

@@ -50,19 +50,37 @@ class Fragments16:
     """Where a lane holds its parts of the wide fragment multiply-add D += A B on 16-bit operands
     (``Dialect.mma16``: D 16x8 as ``Fragments``' D, A 16x16, B 16x8), each part a pair of elements adjacent in k
     (the first in the pair's low half): A's pair i at row offset ``a_row[i]``, k offset ``a_k[i]``; B's pair j at k
-    offset ``b_k[j]``, column ``b_col``. Offsets are spelled " + expr"."""
+    offset ``b_k[j]``, column ``b_col``. Offsets are spelled " + expr".
+
+    Read wide (``Dialect.load8``), the k of two multiply-adds (32) are permuted so that a lane's pairs of a row in
+    both are the eight adjacent elements at ``a_k8``: pair i of the multiply-add over the 16 k from k0 is element
+    pair ``2 (k0 / 16 % 2) + a_wide[i][1]`` of row ``a_wide[i][0]``'s eight. B then takes its row k of those 32 from
+    a transposed copy's position ``kpos`` ({k}: even; k + 1 next to it), where its pair j is the one word at
+    k0 + ``b_k[j]``. A contraction over D's rows (tokens t, t + 8 held by a lane) is permuted likewise: D's row {t}
+    goes to position ``tpos`` of a transposed copy (t + 8 next to it), and the pair there at t0 + ``b_k[j]`` holds
+    the tokens t0 + ``t_of[2 j]`` and t0 + ``t_of[2 j + 1]``."""
 
     a_row: tuple
     a_k: tuple
     b_k: tuple
     b_col: str
+    a_k8: str = ""
+    a_wide: tuple = ()
+    kpos: str = ""
+    tpos: str = ""
+    t_of: tuple = ()
 
 
 # PTX m16n8k16 on bf16 or f16: A pairs (gq, 2tq), (gq + 8, 2tq), (gq, 2tq + 8), (gq + 8, 2tq + 8); B pairs (2tq, gq),
 # (2tq + 8, gq).
 PTX_FRAGMENTS16 = Fragments16(a_row=("", " + 8", "", " + 8"), a_k=(" + 2 * tq", " + 2 * tq", " + 2 * tq + 8",
                                                                     " + 2 * tq + 8"),
-                              b_k=(" + 2 * tq", " + 2 * tq + 8"), b_col=" + gq")
+                              b_k=(" + 2 * tq", " + 2 * tq + 8"), b_col=" + gq",
+                              # wide reads: lane tq's eight keys 8 tq .. of the 32 are, by pairs, (step 0, k 2 tq),
+                              # (step 0, 2 tq + 8), (step 1, 2 tq), (step 1, 2 tq + 8); position 2 (tq + 4 pair) + e
+                              a_k8=" + 8 * tq", a_wide=(("", 0), (" + 8", 0), ("", 1), (" + 8", 1)),
+                              kpos="(({k}) & ~31) + 2 * (((({k}) & 31) >> 3) + 4 * ((({k}) & 7) >> 1))",
+                              tpos="(({t}) & ~15) + 2 * (({t}) & 7)", t_of=(" + tq", " + tq + 8", " + tq + 4", " + tq + 12"))
 
 
 @dataclass(frozen=True, eq=False)  # one table per backend: identity is equality, and it hashes for caches
@@ -125,6 +143,9 @@ class Dialect:
     frag16: Fragments16 | None = None
     pair: str = ""
     load2: str = ""
+    # ``load8``: the eight 16-bit elements at {p} (16-byte aligned) as four pairs, members x, y, z, w: one 16-byte
+    # load where the dialect can ("" where it has no wide multiply-add)
+    load8: str = ""
     pack2: str = ""
     pack2f: str = ""
     pair_lo: str = ""
