@@ -210,6 +210,10 @@ def chunk_launches(target: str) -> list:
                                        st="bfloat16", wide=True),
                     mma(q=True, hoist=True, ml=ml, st="bfloat16", w16=True),
                     mma(reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, ml=ml, st="bfloat16", w16=True),
+                    # ... with wide loads and transposed copies (``Tuning.scan_wide_loads``)
+                    mma(q=True, hoist=True, ml=ml, st="bfloat16", w16=True, wl=True),
+                    mma(reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, ml=ml, st="bfloat16", w16=True,
+                        wl=True),
                     # the backward's pass forming its pair cotangents on it (``Tuning.bwd_scores``)
                     ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), uf=True, ml=ml,
                                       scores=(128, "bfloat16")),

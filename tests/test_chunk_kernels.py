@@ -283,7 +283,7 @@ def test_chunk_scan_mma_scales_b_rows(frame, has_a):
         assert _rel(got, w) < 1e-5, _rel(got, w)
 
 
-WIDE_SCANS = [(32, 32, 32, 2, False, True), (64, 64, 24, 4, False, False), (64, 64, 32, 4, True, False),
+WIDE_SCANS = [(32, 64, 32, 2, False, True), (64, 64, 24, 4, False, False), (64, 64, 32, 4, True, False),
               (64, 64, 32, 4, False, True), (32, 96, 32, 2, True, True)]
 
 

@@ -50,6 +50,14 @@ template <typename T> __device__ __forceinline__ unsigned rg_ld2(const T* p) {
 template <typename T> __device__ __forceinline__ uint4 rg_ld8(const T* p) {
   return *reinterpret_cast<const uint4*>(p);
 }
+template <typename T> __device__ __forceinline__ uint2 rg_ld4(const T* p) {
+  return *reinterpret_cast<const uint2*>(p);
+}
+__device__ __forceinline__ float2 rg_ld2f(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 rg_ld2f(const __nv_bfloat16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+__device__ __forceinline__ float2 rg_ld2f(const __half* p) { return __half22float2(*reinterpret_cast<const __half2*>(p)); }
 __device__ __forceinline__ unsigned rg_pack2(__nv_bfloat16 a, __nv_bfloat16 b) {
   return (unsigned)__bfloat16_as_ushort(a) | ((unsigned)__bfloat16_as_ushort(b) << 16);
 }
@@ -98,7 +106,7 @@ CUDA = Dialect(
     mma="rg_mma({acc}, {a}, {b}, {lane})", mma_prelude=MMA_PRELUDE, frag=PTX_FRAGMENTS,
     mma_rounded="rg_mma_r({acc}, {a}, {b}, {lane})", mma_round="rg_tf32f({x})", store2="rg_store2(&{p}, {a}, {b})",
     mma16="rg_mma16<{t}>({acc}, {a}, {b}, {lane})", frag16=PTX_FRAGMENTS16, pair="unsigned", load2="rg_ld2(&{p})",
-    load8="rg_ld8(&{p})",
+    load8="rg_ld8(&{p})", load4="rg_ld4(&{p})", load2f="rg_ld2f(&{p})",
     pack2="rg_pack2({a}, {b})", pack2f="rg_pack2f<{t}>({a}, {b})", pair_lo="__byte_perm({a}, {b}, 0x5410)",
     pair_hi="__byte_perm({a}, {b}, 0x7632)",
     prefetch='asm volatile("prefetch.global.L2 [%0];" :: "l"({p}))',

@@ -146,6 +146,10 @@ class Dialect:
     # ``load8``: the eight 16-bit elements at {p} (16-byte aligned) as four pairs, members x, y, z, w: one 16-byte
     # load where the dialect can ("" where it has no wide multiply-add)
     load8: str = ""
+    # ``load4``: the four 16-bit elements at {p} (8-byte aligned) as two pairs, members x, y; ``load2f``: the two
+    # elements at {p} (of any type, pair-aligned) as floats, members x, y: one load each where the dialect can
+    load4: str = ""
+    load2f: str = "float2{{float({p}), float((&{p})[1])}}"
     pack2: str = ""
     pack2f: str = ""
     pair_lo: str = ""

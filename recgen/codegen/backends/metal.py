@@ -58,6 +58,12 @@ inline void rg_mma16(thread float* d, thread const float2* a, thread const float
     d[0] += l * c0; d[1] += l * c1; d[2] += h * c0; d[3] += h * c1;
   }
 }
+struct rg_pairs2 { float2 x, y; };
+template <typename T> inline rg_pairs2 rg_ld4(const device T* p) {
+  rg_pairs2 v;
+  v.x = float2{float(p[0]), float(p[1])}; v.y = float2{float(p[2]), float(p[3])};
+  return v;
+}
 struct rg_pairs4 { float2 x, y, z, w; };
 template <typename T> inline rg_pairs4 rg_ld8(const device T* p) {
   rg_pairs4 v;
@@ -96,7 +102,7 @@ METAL = Dialect(
 # its wide multiply-add keeps the pairs as float2 (the values exact: the emulator checks where each element sits)
 METAL_PTX = replace(METAL, name="metal_ptx", mma_prelude=PTX_SHUFFLE_PRELUDE, frag=PTX_FRAGMENTS,
                     mma16="rg_mma16({acc}, {a}, {b}, {lane})", frag16=PTX_FRAGMENTS16, pair="float2",
-                    load2="float2{{float({p}), float((&{p})[1])}}", load8="rg_ld8(&{p})",
+                    load2="float2{{float({p}), float((&{p})[1])}}", load8="rg_ld8(&{p})", load4="rg_ld4(&{p})",
                     pack2="float2{{float({a}), float({b})}}",
                     pack2f="float2{{float({t}({a})), float({t}({b}))}}", pair_lo="float2{{{a}.x, {b}.x}}",
                     pair_hi="float2{{{a}.y, {b}.y}}")

@@ -30,6 +30,17 @@ RG_MMA16(__half, "f16")
 template <typename T> __device__ __forceinline__ unsigned rg_ld2(const T* p) {
   return *reinterpret_cast<const unsigned*>(p);
 }
+template <typename T> __device__ __forceinline__ uint4 rg_ld8(const T* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+template <typename T> __device__ __forceinline__ uint2 rg_ld4(const T* p) {
+  return *reinterpret_cast<const uint2*>(p);
+}
+__device__ __forceinline__ float2 rg_ld2f(const float* p) { return *reinterpret_cast<const float2*>(p); }
+__device__ __forceinline__ float2 rg_ld2f(const __nv_bfloat16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+__device__ __forceinline__ float2 rg_ld2f(const __half* p) { return __half22float2(*reinterpret_cast<const __half2*>(p)); }
 __device__ __forceinline__ unsigned rg_pack2(__nv_bfloat16 a, __nv_bfloat16 b) {
   return (unsigned)__bfloat16_as_ushort(a) | ((unsigned)__bfloat16_as_ushort(b) << 16);
 }
