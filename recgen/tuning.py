@@ -132,9 +132,11 @@ class Tuning:
     scan_nw: int = 4                # SIMD groups per threadgroup of the forward fragment scan (most)
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (measured no clear gain: off)
-    scan_wide_loads: bool = False   # ... on the wide multiply-add (K a multiple of 32): A's rows 16 bytes a load, the keys
-    #                                 of two steps permuted to make a lane's pairs adjacent, and the state's and Y's
-    #                                 threadgroup copies transposed so that each B pair is one word (``ScanVariant.wl``)
+    scan_wide_loads: bool = False   # ... on the wide multiply-add (K a multiple of 32): A's rows 16 bytes a load (the keys
+    #                                 of two steps permuted to make a lane's pairs adjacent), Bm's 8, X's and St's 4,
+    #                                 and the state's, Y's and Pb's threadgroup copies transposed so that each B pair is
+    #                                 one word (``ScanVariant.wl``): the scans were bound by L1's load wavefronts (GDN
+    #                                 4,4096,16,128 trained 3.20 -> 2.92 ms on an H200; on on CUDA)
     scan_hoist: bool = False        # the forward fragment scan (a product term: B or P) loads a chunk's state-free
     #                                 operands at its step's start: their latency overlaps the state copy and Y's product
     reverse_scan_hoist: bool = False  # ... the reverse (backward) one
@@ -202,7 +204,8 @@ MEASURED = {
                  kernel_cache=KERNEL_CACHE_DIR, feature_jac_min_blocks=2, feature_states_fragments=2,
                  feature_out_fragments=2, feature_mix=True, feature_keep_states=True,
                  decay_factor_kernels=True, replay_graphs=True, ut_16bit=True, states_16bit=True,
-                 wide_fragments=True, bwd_scores=True, bwd_products=True, scan_products_alone=True),
+                 wide_fragments=True, bwd_scores=True, bwd_products=True, scan_products_alone=True,
+                 scan_wide_loads=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
