@@ -175,6 +175,8 @@ class Tuning:
     #                                 on the wide multiply-add (16-bit operands, ``Dialect.mma16``), not MLX's two
     #                                 GEMMs writing [C, C] each for it to read (H100, GDN 4,4096,16,128: trained
     #                                 3.18 -> 3.04 ms, peak 1.48 -> 1.42 GiB; on on CUDA)
+    bwd_wide_loads: bool = False    # ... its wide products' operands read 16 bytes a load (the values permuted within 32,
+    #                                 V a multiple of 32), not a pair at a time
     # -- the recurrent kernels ----------------------------------------------------------------------
     fwd_layout: tuple[int, int, int] | None = None  # force the forward lane mapping (LK, CPL, WV): sweeps
 
@@ -274,6 +276,7 @@ ENVIRONMENT = {
     "RECGEN_REVERSE_SCAN_NW": ("reverse_scan_nw", int),
     "RECGEN_SCAN_PREFETCH": ("scan_prefetch", _flag),
     "RECGEN_SCAN_WIDE_LOADS": ("scan_wide_loads", _flag),
+    "RECGEN_BWD_WIDE_LOADS": ("bwd_wide_loads", _flag),
     "RECGEN_SCAN_PRODUCTS_ALONE": ("scan_products_alone", _flag),
     "RECGEN_SCAN_HOIST": ("scan_hoist", _flag),
     "RECGEN_REVERSE_SCAN_HOIST": ("reverse_scan_hoist", _flag),

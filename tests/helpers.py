@@ -220,7 +220,10 @@ def chunk_launches(target: str) -> list:
                     ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), scores=(128, "bfloat16")),
                     # ... and its products over values too (``Tuning.bwd_products`` with it)
                     ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), uf=True, ml=ml, V=128,
-                                      scores=(128, "bfloat16"))]
+                                      scores=(128, "bfloat16")),
+                    # ... both read 16 bytes a load (``Tuning.bwd_wide_loads``)
+                    ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), uf=True, ml=ml, V=128,
+                                      scores=(128, "bfloat16"), wide_loads=True)]
                    if target == "cuda" else [])
                 + [ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("bfloat16", "bfloat16"),
                                       uf=True, ot="bfloat16", ml=ml),

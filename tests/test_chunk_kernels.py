@@ -1081,20 +1081,27 @@ def test_chunk_bwd_mma_forms_the_products_over_values(frame, C, K, V, delta, bw,
         ck.bwd_mma_launch(frame, N, C, K, ("float32",) * 3, bw, V=12)
 
 
-@pytest.mark.parametrize("C,K,V,delta,prods,sanitizer", [(16, 16, 32, True, False, None),
-                                                      (32, 40, 16, True, False, None),
-                                                      (32, 24, 48, False, False, None), (16, 16, 32, True, True, None),
-                                                      (16, 24, 32, False, True, None),
-                                                      (16, 16, 16, True, False, "address"),
-                                                      (16, 16, 16, False, False, "thread"),
-                                                      (32, 32, 32, True, True, "address"),
-                                                      (16, 16, 32, True, True, "thread")])
-def test_chunk_bwd_mma_forms_the_pair_cotangents(C, K, V, delta, prods, sanitizer):
+@pytest.mark.parametrize("C,K,V,delta,prods,wl,sanitizer", [(16, 16, 32, True, False, False, None),
+                                                         (32, 40, 16, True, False, False, None),
+                                                         (32, 24, 48, False, False, False, None),
+                                                         (16, 16, 32, True, True, False, None),
+                                                         (16, 24, 32, False, True, False, None),
+                                                         (16, 16, 16, True, False, False, "address"),
+                                                         (16, 16, 16, False, False, False, "thread"),
+                                                         (32, 32, 32, True, True, False, "address"),
+                                                         (16, 16, 32, True, True, False, "thread"),
+                                                         (32, 24, 64, True, True, True, None),
+                                                         (16, 16, 32, False, True, True, None),
+                                                         (32, 40, 32, True, False, True, None),
+                                                         (16, 16, 64, True, True, True, "address"),
+                                                         (16, 16, 32, True, True, True, "thread")])
+def test_chunk_bwd_mma_forms_the_pair_cotangents(C, K, V, delta, prods, wl, sanitizer):
     """``scores`` (``Tuning.bwd_scores``): the pass forms dMR = dy Zᵀ (and dMA = Δ Zᵀ) on the wide multiply-add from
     bf16 rows [C, V] in place of reading them (CUDA's m16n8k16 lane layout, spelled in ``metal_ptx``), alone and
     with the products over values formed too, on it as well from the bf16 states [K, V] (K = 24: passes of 8
     columns); against the float64 pass given those products of the bf16 values (float32 accumulation: no rounding
-    beyond the inputs'); under ASan+UBSan and TSan."""
+    beyond the inputs'); under ASan+UBSan and TSan. ``wl`` (``Tuning.bwd_wide_loads``): their operands read 16 bytes
+    a load, the values permuted within 32."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(C + K + V + delta + 2 * prods)
     N = 2
@@ -1111,13 +1118,16 @@ def test_chunk_bwd_mma_forms_the_pair_cotangents(C, K, V, delta, prods, sanitize
         formed |= {"DUQ": r64["Zv"] @ tr(s64["dSv"]), "DRP": r64["dYv"] @ tr(s64["Sv"])} | (
             {"DR": r64["Dv"] @ tr(s64["Sv"])} if delta else {})
     launch = ck.bwd_mma_launch("metal_ptx", N, C, K, ("float32",) * (3 if delta else 2), 32, V=V if prods else 0,
-                               scores=(V, "bfloat16"))
+                               scores=(V, "bfloat16"), wide_loads=wl)
     assert "_sc_" in launch.source.name and launch.source.inputs[:2] == ("Zv", "dYv"), launch.source.inputs
+    assert ("_wl_" in launch.source.name) == wl
     _check_bwd_forming(launch, ins, formed, rows | states, sanitizer)
     with pytest.raises(ValueError, match="multiple of 16"):
         ck.bwd_mma_launch("metal_ptx", N, C, K, ("float32",) * 3, 32, scores=(24, "bfloat16"))
     with pytest.raises(ValueError, match="wide multiply-add"):
         ck.bwd_mma_launch("metal", N, C, K, ("float32",) * 3, 32, scores=(V, "bfloat16"))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ck.bwd_mma_launch("metal_ptx", N, C, K, ("float32",) * 3, 32, scores=(48, "bfloat16"), wide_loads=True)
 
 
 def test_chunk_bwd_refuses_wide_products_on_states_of_another_type():

@@ -312,18 +312,21 @@ def ut_async_source(dialect: str, uf: bool = False, o16: bool = False, ml: bool 
 
 @lru_cache(maxsize=None)
 def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False, prods: bool = False,
-                   scores: bool = False) -> KernelSource:
+                   scores: bool = False, wl: bool = False) -> KernelSource:
     """The backward pass after the reverse scan (``chunk_bwd_mma.j2``); ``delta``: with the delta rule's b̃ terms;
     ``uf`` (with ``delta``): u = Uf ⊙ x and b̃ = Bf[0] x read from one key x, and the gradients of x and Uf written;
     ``ml`` (with ``uf``): R and x read in the model's layout [B, T, HK, K], dR and dX written in it per value head
     [B, T, H, K] (template constants H, HK, NCH, GB); ``prods``: the products over values DUQ = Z dS_nextᵀ, DRP =
     dy S_cᵀ (DR = Δ S_cᵀ) formed in the pass from Zv, dYv (Dv) [C, V] and Sv, dSv [K, V] (template constant V);
     ``scores``: the pair cotangents dMR = dy Zᵀ (dMA = Δ Zᵀ) formed in the pass from Zv, dYv (Dv) [C, V] of the
-    16-bit type ZT on the dialect's wide multiply-add (``Dialect.mma16``), not read."""
+    16-bit type ZT on the dialect's wide multiply-add (``Dialect.mma16``), not read; ``wl`` (with ``scores``, V a
+    multiple of 32): those wide products read 16 bytes a load (``Dialect.load8``)."""
     if uf and not delta:
         raise ValueError("chunk_bwd_mma: factor reads (uf) are the delta rule's form")
     if ml and not uf:
         raise ValueError("chunk_bwd_mma: the model's layout (ml) is the factor-read form's")
+    if wl and not scores:
+        raise ValueError("chunk_bwd_mma: wide loads (wl) are the wide products' (scores)")
     d = get(dialect)
     _wide_dialect(d, "chunk_bwd_mma", scores)
     roles = ("U", "Uf", "Bf") if uf else ("U", "Bt") if delta else ("U",)
@@ -333,10 +336,10 @@ def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False
     ins = (rows if scores else ("dMA", "dMR") if delta else ("dMR",)) + ("R",) + roles + products + ("logd", "DG", "Rs")
     outs = ("dRo", "dXo", "dFo", "dl") if uf else ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
     kind = ("bwd_mma" + ("_delta" if delta else "") + ("_uf" if uf else "") + ("_ml" if ml else "")
-            + ("_pv" if prods else "") + ("_sc" if scores else ""))
+            + ("_pv" if prods else "") + ("_sc" if scores else "") + ("_wl" if wl else ""))
     return _source(d, "chunk_bwd_mma.j2", kind, "backward of the chunked core after its reverse scan, fragment "
                    "multiply-adds", ins, outs, (), helpers=d.mma_prelude, delta=delta, uf=uf, ml=ml, prods=prods,
-                   scores=scores)
+                   scores=scores, wl=wl)
 
 
 @lru_cache(maxsize=None)

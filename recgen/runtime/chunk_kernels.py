@@ -285,7 +285,8 @@ def ut_mma_launch(dialect: str, N: int, C: int, K: int, V: int, most_bw: int = 1
 
 @lru_cache(maxsize=256)
 def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: int = 32, uf: bool = False,
-                   ml: tuple | None = None, min_blocks: int = 0, V: int = 0, scores: tuple | None = None) -> Launch:
+                   ml: tuple | None = None, min_blocks: int = 0, V: int = 0, scores: tuple | None = None,
+                   wide_loads: bool = False) -> Launch:
     """N chunks, one threadgroup each; ``types``: the dtype names of R, U (and b̃: the delta rule's form), which the
     gradients dR, dU (dBt) are written in; ``uf`` (the delta rule's, ``types`` those of R and the key x): u and b̃
     read from x with their factors, the gradients written dR, dX and dF (of the factor, [N, C] float32); ``ml`` (with
@@ -293,7 +294,8 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
     (H, HK, NCH, GB) as ``_model_consts``; ``min_blocks`` as ``Launch``'s; ``V`` (a multiple of 8; 0: none): the
     products over V values formed in the pass (``bwd_mma_source``'s ``prods``); ``scores`` (``scores_in_pass``): None,
     or (V, the 16-bit dtype name of Z, dy and Δ) where the pass forms its pair cotangents from them, and with ``V``
-    its products too on the wide multiply-add (S_c and dS_next then of that type as well)."""
+    its products too on the wide multiply-add (S_c and dS_next then of that type as well); ``wide_loads`` (with
+    ``scores``, V a multiple of 32): their operands read 16 bytes a load."""
     delta = len(types) == 3 or uf
     lay = bwd_mma_layout(dialect, C, K, delta, most_bw)
     if lay is None:
@@ -307,12 +309,15 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
     if scores is not None and (scores[0] % 16 or V not in (0, scores[0]) or _itemsize(scores[1]) != 2):
         raise ValueError(f"chunk_bwd_mma: scores {scores} in the pass need V a multiple of 16 (the products' {V} if "
                          f"formed too) and a 16-bit type")  # and a wide multiply-add: ``bwd_mma_source`` refuses
+    if wide_loads and (scores is None or scores[0] % 32):
+        raise ValueError(f"chunk_bwd_mma: wide loads read 32 values at a time: they need scores {scores} in the pass, "
+                         f"V a multiple of 32")
     sv = (("V", scores[0]), ("ZT", scores[1])) if scores is not None else (("V", V),) * (V > 0)
     tmpl = ((("C", C), ("K", K)) + sv + tuple(lay.items()) + tuple(zip(("RT", "UT", "BT"), types))
             + _model_consts(ml))
     rows = (N, C, K) if ml is None else (N // (ml[0] * ml[2]), ml[2] * C, ml[0], K)
     outs = tuple((rows, dt) for dt in types) + (((N, C), "float32"),) * (2 if uf else 1)
-    return Launch(bwd_mma_source(dialect, delta, uf, ml is not None, V > 0, scores is not None), (), outs,
+    return Launch(bwd_mma_source(dialect, delta, uf, ml is not None, V > 0, scores is not None, wide_loads), (), outs,
                   (N * 2 * C, 1, 1), (2 * C, 1, 1), tmpl, min_blocks)
 
 
@@ -762,7 +767,8 @@ def chunk_bwd(dMA, dMR, r, u, bt, DUQ, DRP, DR, l, DG, t: Tuning, rs=None, uf=No
     sc = None if scores is None else (scores[0].shape[-1], dtype_name(scores[0].dtype))
     outs = _call(t, bwd_mma_launch(t.dialect, N, C, K, types, t.bwd_bw, uf=uf is not None, ml=ml,
                                    min_blocks=t.bwd_min_blocks, V=0 if prods is None else prods[0].shape[-1],
-                                   scores=sc), user)
+                                   scores=sc, wide_loads=t.bwd_wide_loads and sc is not None and sc[0] % 32 == 0),
+                user)
     dr, du = (outs[0], outs[1]) if ml is not None else (outs[0].reshape(r.shape), outs[1].reshape(u.shape))
     third = outs[2].reshape((bt if uf is None else uf).shape) if delta else None  # db̃, or duf with factor reads
     return dr, du, third, outs[-1].reshape(l.shape)

@@ -54,7 +54,9 @@ class Fragments16:
 
     Read wide (``Dialect.load8``), the k of two multiply-adds (32) are permuted so that a lane's pairs of a row in
     both are the eight adjacent elements at ``a_k8``: pair i of the multiply-add over the 16 k from k0 is element
-    pair ``2 (k0 / 16 % 2) + a_wide[i][1]`` of row ``a_wide[i][0]``'s eight. B then takes its row k of those 32 from
+    pair ``2 (k0 / 16 % 2) + a_wide[i][1]`` of row ``a_wide[i][0]``'s eight; B, read wide from a tile stored
+    transposed (B[k][n] at n ld + k), has its pair j at element pair ``2 (k0 / 16 % 2) + b_wide[j]`` of the eight at
+    ``a_k8`` of its row n + ``b_col``. Or B takes its row k of those 32 from
     a transposed copy's position ``kpos`` ({k}: even; k + 1 next to it), where its pair j is the one word at
     k0 + ``b_k[j]``. A contraction over D's rows (tokens t, t + 8 held by a lane) is permuted likewise: D's row {t}
     goes to position ``tpos`` of a transposed copy (t + 8 next to it), and the pair there at t0 + ``b_k[j]`` holds
@@ -66,6 +68,7 @@ class Fragments16:
     b_col: str
     a_k8: str = ""
     a_wide: tuple = ()
+    b_wide: tuple = ()
     kpos: str = ""
     tpos: str = ""
     t_of: tuple = ()
@@ -78,7 +81,7 @@ PTX_FRAGMENTS16 = Fragments16(a_row=("", " + 8", "", " + 8"), a_k=(" + 2 * tq", 
                               b_k=(" + 2 * tq", " + 2 * tq + 8"), b_col=" + gq",
                               # wide reads: lane tq's eight keys 8 tq .. of the 32 are, by pairs, (step 0, k 2 tq),
                               # (step 0, 2 tq + 8), (step 1, 2 tq), (step 1, 2 tq + 8); position 2 (tq + 4 pair) + e
-                              a_k8=" + 8 * tq", a_wide=(("", 0), (" + 8", 0), ("", 1), (" + 8", 1)),
+                              a_k8=" + 8 * tq", a_wide=(("", 0), (" + 8", 0), ("", 1), (" + 8", 1)), b_wide=(0, 1),
                               kpos="(({k}) & ~31) + 2 * (((({k}) & 31) >> 3) + 4 * ((({k}) & 7) >> 1))",
                               tpos="(({t}) & ~15) + 2 * (({t}) & 7)", t_of=(" + tq", " + tq + 8", " + tq + 4", " + tq + 12"))
 
