@@ -176,7 +176,8 @@ class Tuning:
     #                                 GEMMs writing [C, C] each for it to read (H100, GDN 4,4096,16,128: trained
     #                                 3.18 -> 3.04 ms, peak 1.48 -> 1.42 GiB; on on CUDA)
     bwd_wide_loads: bool = False    # ... its wide products' operands read 16 bytes a load (the values permuted within 32,
-    #                                 V a multiple of 32), not a pair at a time
+    #                                 V a multiple of 32), not a pair at a time (H100, GDN 4,4096,16,128: trained 3.13
+    #                                 -> 2.88 ms, six rounds all won; on on CUDA)
     # -- the recurrent kernels ----------------------------------------------------------------------
     fwd_layout: tuple[int, int, int] | None = None  # force the forward lane mapping (LK, CPL, WV): sweeps
 
@@ -207,7 +208,7 @@ MEASURED = {
                  feature_out_fragments=2, feature_mix=True, feature_keep_states=True,
                  decay_factor_kernels=True, replay_graphs=True, ut_16bit=True, states_16bit=True,
                  wide_fragments=True, bwd_scores=True, bwd_products=True, scan_products_alone=True,
-                 scan_wide_loads=True),
+                 scan_wide_loads=True, bwd_wide_loads=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }

@@ -37,7 +37,7 @@ EVERY_FRAME = CHUNK_FRAMES | FEATURE_FRAMES
 # synchronous staging; the backward pass's products over values, the decode step, φ's products, the in-chunk
 # scores, the backward's products over chunks and the decay factors in MLX ops)
 FRAME_FLAGS = {"tail": ("fused_bwd",), "pairs": ("mma_pairs",), "ut16": ("ut_16bit",), "s16": ("states_16bit",),
-               "wide": ("wide_fragments", "bwd_scores", "scan_wide_loads"),
+               "wide": ("wide_fragments", "bwd_scores", "scan_wide_loads", "bwd_wide_loads"),
                "rows": ("model_rows",),
                "hoist": ("scan_hoist", "reverse_scan_hoist"), "hoist_e": ("scan_hoist_e",),
                "keyfactor": ("key_factor_reads",), "async": ("async_staging",), "products": ("bwd_products",),
@@ -199,7 +199,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                 mma_pairs=frame == "pairs", scan_hoist=frame in ("hoist", "s16", "wide"),
                 reverse_scan_hoist=frame in ("hoist", "s16", "wide"), scan_hoist_e=frame == "hoist_e",
                 async_staging=frame in ("async", "s16", "wide"), bwd_products=frame == "products",
-                wide_fragments=frame == "wide", bwd_scores=frame == "wide", scan_wide_loads=frame == "wide")
+                wide_fragments=frame == "wide", bwd_scores=frame == "wide", scan_wide_loads=frame == "wide",
+                bwd_wide_loads=frame == "wide")
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
     try:

@@ -31,7 +31,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // ``uf`` (factor reads): U is the key x and both roles are read from it, u = Uf * x with a factor per token and
   // Bt = Bf[0] x, so the gradients written are those of x and of the factor: dX = Uf du + Bf[0] dBt and
   // dF_t = sum_i du_ti x_ti (a row's sum, as dG's), in place of du and dBt.
-  // ``prods``: those products over values are formed here instead, per pass, from Zv = Z, dYv = dy, Dv = Delta  // [C, V] and the chunk's states Sv = S_c, dSv = dS_next [K, V] (MLX's three GEMMs wrote [C, K] each and this
+  // ``prods``: those products over values are formed here instead, per pass, from Zv = Z, dYv = dy, Dv = Delta
+  // [C, V] and the chunk's states Sv = S_c, dSv = dS_next [K, V] (MLX's three GEMMs wrote [C, K] each and this
   // pass read them back). Template constants V, VH (values a step, staged), LDS (their row stride, 4 mod 32).
   // ``ml``: R and x are read in the model's layout [B, T, HK, K] and dR, dX written in it per value head [B, T, H, K]
   // (GQA's groups summed after the kernel): no layout copies on either side.

@@ -83,7 +83,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   // ``scores``: the pair cotangents dMR and dMA are formed here, on the wide multiply-add, from the chunk's rows
   // of Zv = Z, dYv = dy, Dv = Delta [C, V] (16-bit, type ZT; template constant V): A's and B's pairs are adjacent
   // values in those rows as they lie, and no [C, C] tensor reaches memory.
-  // ``prods``: those products over values are formed here instead, per pass, from Zv = Z, dYv = dy, Dv = Delta  // [C, V] and the chunk's states Sv = S_c, dSv = dS_next [K, V] (MLX's three GEMMs wrote [C, K] each and this
+  // ``prods``: those products over values are formed here instead, per pass, from Zv = Z, dYv = dy, Dv = Delta
+  // [C, V] and the chunk's states Sv = S_c, dSv = dS_next [K, V] (MLX's three GEMMs wrote [C, K] each and this
   // pass read them back). With ``scores`` on the wide multiply-add too, every operand's pairs adjacent values as they lie
   // (Sv, dSv of type ZT as well): nothing staged.
   // ``ml``: R and x are read in the model's layout [B, T, HK, K] and dR, dX written in it per value head [B, T, H, K]

@@ -28,7 +28,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // the one scalar of dG_{C-1}). Keys in passes of BW columns: U, r staged per pass, and this lane's elements
   // of DUQ, DRP loaded before the pass's products, so their latency overlaps the staging (fewer, wider
   // passes: the kernel waits on memory, not on its products).
-  // ``prods``: those products over values are formed here instead, per pass, from Zv = Z, dYv = dy  // [C, V] and the chunk's states Sv = S_c, dSv = dS_next [K, V] (MLX's three GEMMs wrote [C, K] each and this
+  // ``prods``: those products over values are formed here instead, per pass, from Zv = Z, dYv = dy
+  // [C, V] and the chunk's states Sv = S_c, dSv = dS_next [K, V] (MLX's three GEMMs wrote [C, K] each and this
   // pass read them back). Template constants V, VH (values a step, staged), LDS (their row stride, 4 mod 32).
   // Template constants: C (16, 32 or 64), K (multiple of BW), BW (8, 16 or 32), LD (row stride of the E tile, 4 mod
   // 32), LDB (of the staged blocks, 8 or 24 mod 32), XS (floats of the staging area, which first holds Gamma at
