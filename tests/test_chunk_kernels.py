@@ -381,19 +381,25 @@ def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, sanitizer):
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address"])
-@pytest.mark.parametrize("C,K,V,nw,hoist", [(32, 32, 32, 2, True), (64, 64, 24, 4, False)])
-def test_reverse_scan_without_b_takes_its_product_as_factors(C, K, V, nw, hoist, sanitizer):
+@pytest.mark.parametrize("C,K,V,nw,hoist,w16,wl", [(32, 32, 32, 2, True, False, False),
+                                                 (64, 64, 24, 4, False, False, False),
+                                                 (32, 64, 32, 2, True, True, False), (32, 64, 32, 2, True, True, True),
+                                                 (64, 64, 32, 4, True, True, True)])
+def test_reverse_scan_without_b_takes_its_product_as_factors(C, K, V, nw, hoist, w16, wl, sanitizer):
     """Simple GLA's backward scan with its E term as the factors Paᵀ Pb (``Tuning.scan_products_alone``): no B term,
     A with row scales Aq, Pa with Pq, dg = Σ carried ⊙ St, 16-bit states and operands; against float64 at the bf16
-    inputs, within bf16 rounding."""
+    inputs, within bf16 rounding; on the wide multiply-add too (``w16``, CUDA's lane layout), with its wide loads
+    (``wl``)."""
     BH, n = 2, 3
     rng = np.random.default_rng(C + K + 5)
     f, bf, u = _bf16_draws(rng)
     ins = {"S0": f(BH, K, V), "A": bf(f(BH, n, C, K) * 0.2), "Aq": u(BH, n, C), "X": bf(f(BH, n, C, V)),
            "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32), "Pa": bf(f(BH, n, C, K) * 0.2),
            "Pb": bf(f(BH, n, C, V)), "Pq": u(BH, n, C), "St": bf(f(BH, n, K, V))}
-    v = ScanVariant(mma=True, b=False, reverse=True, p=True, dg=True, aq=True, pq=True, hoist=hoist, s16=True)
+    v = ScanVariant(mma=True, b=False, reverse=True, p=True, dg=True, aq=True, pq=True, hoist=hoist, s16=True, w16=w16,
+                    wl=wl)
     launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
+    assert ("_w16" in launch.source.name) == w16 and ("_wl" in launch.source.name) == wl
     _checked_reverse_p_scan(launch, ins, sanitizer)
 
 
@@ -1896,8 +1902,9 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                        "hoist_e": {"recgen_chunk_scan_mma_nob_aq_e_ho_rev"},
                        "s16": gdn | {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
                                      "recgen_chunk_scan_mma_noa_q_ho", "recgen_chunk_scan_mma_noa_q_ho_s16"},
-                       "wide": {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev"}
-                       # Metal: the TF32 scans twice
+                       "wide": {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
+                                "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_rev"}
+                       # Metal: the TF32 scans twice (GDN's, and simple GLA's reverse one)
                        }.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
     assert staged == {"async": {"recgen_chunk_out_async", "recgen_chunk_out_async_uf_ml_yt", "recgen_chunk_ut_async",
@@ -1925,6 +1932,8 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
                                                      "recgen_chunk_scan_mma_q_ho_s16_w16_wl",
                                                      "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
                                                      "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_w16_wl_rev",
+                                                     "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_rev",
+                                                     "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_w16_wl_rev",
                                                      "recgen_chunk_bwd_mma_delta_uf",
                                                      "recgen_chunk_bwd_mma_delta_uf_sc_wl",
                                                      "recgen_chunk_bwd_mma_delta_uf_pv",

@@ -609,12 +609,12 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     mma = P is not None or dg_here or Bq is not None or Aq is not None or st is not None or use_mma(t, C, K, V)
     nw, pf, hoist = _scan_schedule(t, BH, C, K, V, reverse, mma, A is not None, Bm is not None or P is not None)
     # the wide multiply-add (``Tuning.wide_fragments``): the hoisted scans whose product operands share the states'
-    # 16-bit type, forward with Bq (GDN's) or in reverse without it (GDN's backward)
-    sixteen = [A, Bm] + (list(P) if P is not None else [])
+    # 16-bit type, forward with B and Bq (GDN's) or in reverse without Bq (GDN's backward; simple GLA's, B-free)
+    sixteen = [A] + ([Bm] if Bm is not None else []) + (list(P) if P is not None else [])
     w16 = (t.wide_fragments and bool(get(t.dialect).mma16) and hoist and st is not None and A is not None
-           and Bm is not None and E is None and C % 16 == 0 and K % 16 == 0 and all(x.dtype == st for x in sixteen)
-           and ((not reverse and Bq is not None and P is None and Aq is None and not dg_here)
-                or (reverse and Bq is None)))
+           and E is None and C % 16 == 0 and K % 16 == 0 and all(x.dtype == st for x in sixteen)
+           and ((not reverse and Bm is not None and Bq is not None and P is None and Aq is None and not dg_here)
+                or (reverse and Bq is None and (Bm is not None or P is not None))))
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf,
                     hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None, s16=st is not None, w16=w16,

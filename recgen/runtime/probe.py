@@ -200,7 +200,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                 reverse_scan_hoist=frame in ("hoist", "s16", "wide"), scan_hoist_e=frame == "hoist_e",
                 async_staging=frame in ("async", "s16", "wide"), bwd_products=frame == "products",
                 wide_fragments=frame == "wide", bwd_scores=frame == "wide", scan_wide_loads=frame == "wide",
-                bwd_wide_loads=frame == "wide")
+                bwd_wide_loads=frame == "wide", **({"scan_products_alone": True} if frame == "wide" else {}))
     n, C, K, V = sizes
     f32 = lambda a: mx.array(a.astype(np.float32))  # noqa: E731
     try:
@@ -337,6 +337,9 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                     fwd = ck.chunk_scan(S0, W, U, x16, g, None, tt, reverse=False, Bq=fx, st=mx.bfloat16)
                     rev = ck.chunk_scan(S0, x16, Z16, W, g, None, tt, reverse=True, P=(q16, Z16), St=fwd[0], Aq=fx,
                                         Pq=fx, st=mx.bfloat16)
+                    # ... and simple GLA's, B-free
+                    rev += ck.chunk_scan(S0, x16, Z16, None, g, None, tt, reverse=True, P=(q16, Z16), St=fwd[0],
+                                         Aq=fx, Pq=fx, st=mx.bfloat16)
                     sc = rows if bwd and ck.scores_in_pass(tt, rows) else None
                     zt = rows[0].astype(mx.float32).swapaxes(-1, -2)
                     dm = (None, None) if sc else tuple(a.astype(mx.float32) @ zt for a in (rows[2], rows[1]))

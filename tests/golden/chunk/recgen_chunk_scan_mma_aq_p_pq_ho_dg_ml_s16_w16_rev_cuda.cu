@@ -88,8 +88,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   constexpr int RBS = K / (16 * NW);  // 16-row state blocks per SIMD group
   constexpr int CT = BV / 8;          // 8-column tiles
   __shared__ float Sw_[K * LDS / 2];  // the state's copy in type ST
-  __shared__ float Yw_[C * LDS / 2];  // Y_c's in type ST
   ST* const Sh_ = (ST*)Sw_;
+  __shared__ float Yw_[C * LDS / 2];  // Y_c's in type ST
   ST* const Yh_ = (ST*)Yw_;
   const int lane = (threadIdx.x & 31);
   const int warp = threadIdx.x / 32;

@@ -94,8 +94,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   constexpr int RBS = K / (16 * NW);  // 16-row state blocks per SIMD group
   constexpr int CT = BV / 8;          // 8-column tiles
   __shared__ float Sw_[BV * LDK / 2];  // the state's copy in type ST, transposed: column c's rows at c LDK (kpos)
-  __shared__ float Yw_[BV * LDY / 2];  // Y_c's, transposed: column c's tokens at c LDY (tpos)
   ST* const Sh_ = (ST*)Sw_;
+  __shared__ float Yw_[BV * LDY / 2];  // Y_c's, transposed: column c's tokens at c LDY (tpos)
   ST* const Yh_ = (ST*)Yw_;
   __shared__ float Pw_[BV * LDY / 2];  // Pb_c's times Pq, as Y_c's
   ST* const Ph_ = (ST*)Pw_;
