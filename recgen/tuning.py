@@ -132,11 +132,11 @@ class Tuning:
     scan_nw: int = 4                # SIMD groups per threadgroup of the forward fragment scan (most)
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (measured no clear gain: off)
-    scan_wide_loads: bool = False   # ... on the wide multiply-add (K a multiple of 32): A's rows 16 bytes a load (the keys
-    #                                 of two steps permuted to make a lane's pairs adjacent), Bm's 8, X's and St's 4,
-    #                                 and the state's, Y's and Pb's threadgroup copies transposed so that each B pair is
-    #                                 one word (``ScanVariant.wl``): the scans were bound by L1's load wavefronts (GDN
-    #                                 4,4096,16,128 trained 3.20 -> 2.92 ms on an H200; on on CUDA)
+    scan_wide_loads: bool = False   # ... on the wide multiply-add (K a multiple of 32): A's rows 16 bytes a load (the
+    #                                 keys of two steps permuted to make a lane's pairs adjacent), Bm's 8, X's and St's
+    #                                 4, and the state's, Y's and Pb's threadgroup copies transposed so that each B pair
+    #                                 is one word (``ScanVariant.wl``): the scans were bound by L1's load wavefronts
+    #                                 (GDN 4,4096,16,128 trained 3.20 -> 2.92 ms on an H200; on on CUDA)
     scan_hoist: bool = False        # the forward fragment scan (a product term: B or P) loads a chunk's state-free
     #                                 operands at its step's start: their latency overlaps the state copy and Y's product
     reverse_scan_hoist: bool = False  # ... the reverse (backward) one
@@ -175,9 +175,9 @@ class Tuning:
     #                                 on the wide multiply-add (16-bit operands, ``Dialect.mma16``), not MLX's two
     #                                 GEMMs writing [C, C] each for it to read (H100, GDN 4,4096,16,128: trained
     #                                 3.18 -> 3.04 ms, peak 1.48 -> 1.42 GiB; on on CUDA)
-    bwd_wide_loads: bool = False    # ... its wide products' operands read 16 bytes a load (the values permuted within 32,
-    #                                 V a multiple of 32), not a pair at a time (H100, GDN 4,4096,16,128: trained 3.13
-    #                                 -> 2.88 ms, six rounds all won; on on CUDA)
+    bwd_wide_loads: bool = False    # ... its wide products' operands read 16 bytes a load (the values permuted within
+    #                                 32, V a multiple of 32), not a pair at a time (H100, GDN 4,4096,16,128: trained
+    #                                 3.13 -> 2.88 ms, six rounds all won; on on CUDA)
     # -- the recurrent kernels ----------------------------------------------------------------------
     fwd_layout: tuple[int, int, int] | None = None  # force the forward lane mapping (LK, CPL, WV): sweeps
 

@@ -2046,6 +2046,7 @@ def test_an_opt_in_frame_that_fails_turns_only_itself_off(frame, variable, flag,
     with pytest.warns(RuntimeWarning, match=warning):
         c = pr.checked(tuning.resolve("gpu", "cuda", environ=dict.fromkeys(variable.split(","), "1")))
     assert c.chunk_kernels and c.mma_scan and not getattr(c, flag)
+    assert not any(getattr(c, f) for f in pr.FRAME_RIDERS.get(frame, ()))  # its wide loads go off with it
     if frame == "hoist":
         assert probed.index("hoist") < probed.index("mma")
 

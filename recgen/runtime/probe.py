@@ -37,13 +37,15 @@ EVERY_FRAME = CHUNK_FRAMES | FEATURE_FRAMES
 # synchronous staging; the backward pass's products over values, the decode step, φ's products, the in-chunk
 # scores, the backward's products over chunks and the decay factors in MLX ops)
 FRAME_FLAGS = {"tail": ("fused_bwd",), "pairs": ("mma_pairs",), "ut16": ("ut_16bit",), "s16": ("states_16bit",),
-               "wide": ("wide_fragments", "bwd_scores", "scan_wide_loads", "bwd_wide_loads"),
+               "wide": ("wide_fragments", "bwd_scores"),
                "rows": ("model_rows",),
                "hoist": ("scan_hoist", "reverse_scan_hoist"), "hoist_e": ("scan_hoist_e",),
                "keyfactor": ("key_factor_reads",), "async": ("async_staging",), "products": ("bwd_products",),
                "decode": ("feature_decode",),
                "features": ("feature_kernels",), "scores": ("decayed_scores",), "mix": ("feature_mix",),
                "factors": ("decay_factor_kernels",)}
+# Choices that act only with a frame's own, checked by it: they ask for no probe, and go off where it fails
+FRAME_RIDERS = {"wide": ("scan_wide_loads", "bwd_wide_loads")}
 FAST_BLAS_GFLOPS = 30.0  # between the reference BLAS's 6 GFLOP/s and OpenBLAS's 77-95 (2 cores), measured
 
 
@@ -104,7 +106,7 @@ def checked(t: Tuning, sizes: tuple = PROBE, frames: frozenset = EVERY_FRAME) ->
         if frame == "products" and wide_products(t) and changes.get("wide_fragments", True):
             continue  # the backward's products on the wide multiply-add: "wide" checked them
         if frame in frames and any(getattr(t, f) for f in flags) and not (fragments and ok(frame)):
-            changes.update(dict.fromkeys(flags, False))
+            changes.update(dict.fromkeys(flags + FRAME_RIDERS.get(frame, ()), False))
     if t.feature_decode and "decode" in frames and (t.dialect is None or not ok("decode")):
         changes.update(feature_decode=False)  # a feature map's decode step in MLX ops
     if t.feature_kernels and "features" in frames and (t.dialect is None or not ok("features")):

@@ -83,7 +83,8 @@ PTX_FRAGMENTS16 = Fragments16(a_row=("", " + 8", "", " + 8"), a_k=(" + 2 * tq", 
                               # (step 0, 2 tq + 8), (step 1, 2 tq), (step 1, 2 tq + 8); position 2 (tq + 4 pair) + e
                               a_k8=" + 8 * tq", a_wide=(("", 0), (" + 8", 0), ("", 1), (" + 8", 1)), b_wide=(0, 1),
                               kpos="(({k}) & ~31) + 2 * (((({k}) & 31) >> 3) + 4 * ((({k}) & 7) >> 1))",
-                              tpos="(({t}) & ~15) + 2 * (({t}) & 7)", t_of=(" + tq", " + tq + 8", " + tq + 4", " + tq + 12"))
+                              tpos="(({t}) & ~15) + 2 * (({t}) & 7)",
+                              t_of=(" + tq", " + tq + 8", " + tq + 4", " + tq + 12"))
 
 
 @dataclass(frozen=True, eq=False)  # one table per backend: identity is equality, and it hashes for caches

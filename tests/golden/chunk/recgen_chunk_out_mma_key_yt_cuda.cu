@@ -40,7 +40,9 @@ __device__ __forceinline__ float2 rg_ld2f(const float* p) { return *reinterpret_
 __device__ __forceinline__ float2 rg_ld2f(const __nv_bfloat16* p) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
 }
-__device__ __forceinline__ float2 rg_ld2f(const __half* p) { return __half22float2(*reinterpret_cast<const __half2*>(p)); }
+__device__ __forceinline__ float2 rg_ld2f(const __half* p) {
+  return __half22float2(*reinterpret_cast<const __half2*>(p));
+}
 __device__ __forceinline__ unsigned rg_pack2(__nv_bfloat16 a, __nv_bfloat16 b) {
   return (unsigned)__bfloat16_as_ushort(a) | ((unsigned)__bfloat16_as_ushort(b) << 16);
 }
