@@ -73,11 +73,10 @@ class ScanVariant:
     [B, n C, HK, K] (template constants H, HK, GB); ``s16``: carried and Y written in type ST (template constant, a
     16-bit type: the chunk states and Z kept as FLA keeps h and v_new), S itself in float; ``w16`` (the hoisted
     scans with A and s16: forward with B and q, or in reverse with B, P or both): the products on the dialect's wide
-    multiply-add, their
-    operands in type ST (``Dialect.mma16``); ``wl`` (with w16, K a multiple of 32): A's rows read 16 bytes a load
-    (``Dialect.load8``, the keys permuted as ``Fragments16`` says) and the state's and Y's threadgroup copies
-    transposed (template constants LDK, LDY), each B pair one word. p, dg, q, aq, pq, pf, hoist, ml, s16, w16 and wl
-    exist on the fragment frame only."""
+    multiply-add, their operands in type ST (``Dialect.mma16``); ``wl`` (with w16, K a multiple of 32): A's rows read
+    16 bytes a load (``Dialect.load8``, the keys permuted as ``Fragments16`` says) and the state's and Y's threadgroup
+    copies transposed (template constants LDK, LDY), each B pair one word. p, dg, q, aq, pq, pf, hoist, ml, s16, w16
+    and wl exist on the fragment frame only."""
 
     a: bool = True
     b: bool = True
@@ -655,8 +654,9 @@ def a_stride(n: int) -> int:
 
 def t_stride(n: int) -> int:
     """The row stride (≥ n 16-bit elements) of a transposed threadgroup copy read as the wide multiply-add's B pairs,
-    one word each (``ScanVariant.wl``): 8 mod 16, so a read's 8 rows × 4 words hit 32 distinct banks, and so do the
-    stores of D fragments' pairs of rows into it (4 columns 2 tq of 8 rows)."""
+    one word each (``ScanVariant.wl``): 8 mod 16, so a read's 8 rows × 4 words hit 32 distinct banks, and so do Y's
+    stores into its copy (4 columns 2 tq of 8 rows, rows t and t + 8 a word); the state's stores (rows r and r + 1
+    a word, at ``Fragments16.kpos``) conflict two ways."""
     return next(x for x in range(n, n + 16) if x % 16 == 8)
 
 

@@ -264,12 +264,13 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
       const int r = 16 * RBS * warp + 2 * RBS * gq + 2 * rb;
+      const int kp = ((r) & ~31) + 2 * ((((r) & 31) >> 3) + 4 * (((r) & 7) >> 1));  // rows r, r + 1: one word of each column of the copy
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         const int c = 8 * ct + 2 * tq;
         rg_store2(&carried[(bc * K + r) * V + col0 + c], S_[rb][ct][0], S_[rb][ct][1]); rg_store2(&carried[(bc * K + r + 1) * V + col0 + c], S_[rb][ct][2], S_[rb][ct][3]);
-        rg_store2(&Sh_[(c + 0) * LDK + ((r) & ~31) + 2 * ((((r) & 31) >> 3) + 4 * (((r) & 7) >> 1))], S_[rb][ct][0], S_[rb][ct][2]);
-        rg_store2(&Sh_[(c + 1) * LDK + ((r) & ~31) + 2 * ((((r) & 31) >> 3) + 4 * (((r) & 7) >> 1))], S_[rb][ct][1], S_[rb][ct][3]);
+        rg_store2(&Sh_[(c + 0) * LDK + kp], S_[rb][ct][0], S_[rb][ct][2]);
+        rg_store2(&Sh_[(c + 1) * LDK + kp], S_[rb][ct][1], S_[rb][ct][3]);
       }
       // dgp[c, blk, row] = sum over this threadgroup's columns of carried_c * St_c (a row's 4 lanes, then lane tq = 0)
       float p0 = 0.0f, p8 = 0.0f;
