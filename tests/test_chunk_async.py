@@ -62,15 +62,16 @@ def test_chunk_out_async_reads_16bit_keys_in_the_model_layout(zt, sanitizer):
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
-@pytest.mark.parametrize("C", [16, 32])
-def test_chunk_out_async_wide_fragments(C, sanitizer):
+@pytest.mark.parametrize("C,V", [(16, 24), (32, 48)])
+def test_chunk_out_async_wide_fragments(C, V, sanitizer):
     """The readout on the wide multiply-add (``Tuning.wide_fragments``: CUDA's m16n8k16 on bf16 pairs, its lane
-    layout spelled by SIMD shuffles in ``metal_ptx``): GDN's call with every operand in bf16, K and V not multiples
-    of the wide product's 16 columns where they need not be, against float64 on the bf16 values. M enters y's
-    product in bf16, as it is written: y within that rounding."""
+    layout spelled by SIMD shuffles in ``metal_ptx``, ldmatrix's results as ``Dialect.ldsm_a``, ``ldsm_b``, ``ldsm_bt``
+    say): GDN's call with every operand in bf16, K and V not multiples of the wide product's 16 columns where they
+    need not be (V = 24: one 8-column tile a threadgroup, read alone; 48: two, read together), against float64 on
+    the bf16 values. M enters y's product in bf16, as it is written: y within that rounding."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(7)
-    B, H, HK, n, K, V = 2, 2, 1, 2, 32, 24
+    B, H, HK, n, K = 2, 2, 1, 2, 32
     N, T = B * H * n, n * C
     bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
     f = lambda *s: bf(rng.normal(size=s).astype(np.float32))  # noqa: E731
@@ -117,15 +118,15 @@ def test_chunk_ut_async_reads_16bit_keys_in_the_model_layout(ot, sanitizer):
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
-@pytest.mark.parametrize("C,ot", [(16, None), (32, "bfloat16")])
-def test_chunk_ut_async_wide_fragments(C, ot, sanitizer):
+@pytest.mark.parametrize("C,ot,V", [(16, None, 24), (32, "bfloat16", 48)])
+def test_chunk_ut_async_wide_fragments(C, ot, V, sanitizer):
     """The UT transform on the wide multiply-add (``Tuning.wide_fragments``, CUDA's lane layout in ``metal_ptx``):
     GDN's call, x and v in bf16 in the model's layout, Uw and Wb in float32 or bf16, against float64 on the bf16
-    values. Tm leaves in float32 from the inverse; Uw's and Wb's products take it in bf16, as FLA's do: those within
-    that rounding."""
+    values; V = 24 makes its products' passes one 8-column tile wide (read alone), 48 two (read together). Tm leaves
+    in float32 from the inverse; Uw's and Wb's products take it in bf16, as FLA's do: those within that rounding."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(8)
-    B, H, HK, n, K, V = 2, 2, 1, 2, 32, 24
+    B, H, HK, n, K = 2, 2, 1, 2, 32
     N, T = B * H * n, n * C
     bf16 = lambda a: mx.array(a.astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
     x, w = bf16(rng.normal(size=(B, T, HK, K)) / np.sqrt(K)), bf16(rng.normal(size=(B, T, H, V)))
@@ -164,13 +165,21 @@ def _pair_banks(x: int, packed: bool) -> bool:
     return all(len({w % 32 for w in set(r)}) == len(set(r)) for r in reads)
 
 
+def _matrix_rows_banks(x: int) -> bool:
+    """Whether a matrix load's 8 rows of 16 bytes (ldmatrix: one 8 x 8 16-bit matrix a phase) from a tile of row
+    stride x 16-bit elements fall on 8 distinct groups of 4 banks."""
+    return len({(r * x * 2 // 16) % 8 for r in range(8)}) == 8
+
+
 @pytest.mark.parametrize("n", [8, 16, 24, 32, 64, 128])
 def test_wide_pair_strides_are_conflict_free(n):
     """The wide multiply-add's tiles: A pairs (and B pairs read transposed) at ``copy_stride(n, 2, 8)``, B pairs
-    packed from two rows at ``b_stride`` (in 16-bit elements), each a whole number of 16-byte words a row."""
+    packed from two rows at ``b_stride`` (in 16-bit elements), each a whole number of 16-byte words a row; read by
+    matrix loads (``Dialect.ldsm_a``, ..) both are conflict-free too."""
     a, b = cs.copy_stride(n, 2, 8), cs.b_stride(n)
     assert a >= n and b >= n and a * 2 % 16 == 0 and b * 2 % 16 == 0
     assert _pair_banks(a, False) and _pair_banks(b, True), (n, a, b)
+    assert _matrix_rows_banks(a) and _matrix_rows_banks(b) and not _matrix_rows_banks(64), (n, a, b)
     assert not _pair_banks(cs.copy_stride(128, 2, 4), True)  # the TF32 frames' B stride would conflict here
 
 

@@ -500,20 +500,24 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
         want |= ({"recgen_chunk_pair_dual", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"} if delta
                  else {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})
         want |= {"recgen_chunk_decays_q"}  # with u ⊙ Q
+    else:
+        want |= {"recgen_chunk_decays"}  # a scalar decay's P and Q (``KernelScalarDecay``)
     if rec.features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
         want = {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"} | ({"recgen_chunk_decayed_scores", "recgen_chunk_decayed_scores_grad"} if form else set())
+        if name == "sympow_skip":  # the general form's core builds the scalar decay's geometry (the identity its own)
+            want |= {"recgen_chunk_decays"}
     assert kinds == want, kinds
 
 
 @pytest.mark.parametrize("name,K,pairs,want", [
-    ("gated_delta_net", 16, False, {"recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
+    ("gated_delta_net", 16, False, {"recgen_chunk_decays", "recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
                                     "recgen_chunk_out_mma_uf_yt", "recgen_chunk_bwd_mma_delta_uf"}),
-    ("delta_net", 16, False, {"recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
+    ("delta_net", 16, False, {"recgen_chunk_decays", "recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
                               "recgen_chunk_out_mma_uf_yt", "recgen_chunk_bwd_mma_delta_uf"}),
-    ("gated_delta_net/formed", 16, False, {"recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q",
+    ("gated_delta_net/formed", 16, False, {"recgen_chunk_decays", "recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q",
                                            "recgen_chunk_scan_mma_aq_p_pq_dg_rev", "recgen_chunk_out_mma_yt",
                                            "recgen_chunk_bwd_mma_delta"}),
-    ("simple_gla", 16, False, {"recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
+    ("simple_gla", 16, False, {"recgen_chunk_decays", "recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
                                "recgen_chunk_bwd_mma"}),
     ("kda", 32, False, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key_uf",
                         "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_aq_p_dg_rev",
@@ -528,7 +532,8 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
                        "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_pair_grad_mma",
                        "recgen_chunk_bwd_key"})])
 def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monkeypatch):
-    """The chunked core end to end on the fragment frames: the UT transform (GDN), the scans (forward and
+    """The chunked core end to end on the fragment frames: a scalar decay's factors (``KernelScalarDecay``), the UT
+    transform (GDN), the scans (forward and
     backward; GDN's backward taking E = (r ⊙ P)ᵀ dy as its factors), the readout and the backward's pass after
     its scan in place of the inverse kernel, the FMA scans and MLX's products (GDN and DeltaNet with factor reads:
     u = β k and b̃ = −k read from k by those kernels; "/formed": ``factor_reads`` off, the roles formed by MLX

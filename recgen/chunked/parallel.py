@@ -146,6 +146,17 @@ class ScalarDecay(PairsOneByOne):
         return x.sum(-1, keepdims=True)
 
 
+class KernelScalarDecay(ScalarDecay):
+    """``ScalarDecay`` with P and Q from one generated pass (``chunk_kernels.key_decays``, F = 1), the same anchored
+    sums: as MLX ops they were two cumulative sums, a concatenation and two exps, each a launch of its own."""
+
+    def __init__(self, l, t: Tuning, saved=(), scaled=None):
+        self.l, self.t = l, t
+        _, self.P, self.Q = ck.key_decays(l, t)
+        self.g = self.P[..., -1, :]
+        self.scaled = self.scale(scaled)
+
+
 class KeyDecay(PairsOneByOne):
     """A decay per token and key element (F = K): the multiplicative hierarchy of ``decay_levels``."""
 
@@ -673,12 +684,13 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
 
 
 def decay_geometry(key: bool, kern: Tuning | None, before: bool = False, pq: bool = True):
-    """The class (or factory, same signature) of a chunk's decay geometry: ``ScalarDecay``; for a key-vector decay
+    """The class (or factory, same signature) of a chunk's decay geometry: ``ScalarDecay`` (its factors by a kernel,
+    ``KernelScalarDecay``, with chunk kernels); for a key-vector decay
     with chunk kernels (``kern``) the pair kernels where they have a layout for (C, K) (K a multiple of 32, known at
     the first call), the hierarchy (``KeyDecay``) otherwise. ``before``: the geometry's kernel also forms
     ``p_before`` (a transition before the decay reads it); ``pq`` off: it writes g for P and Q (``KernelKeyDecay``)."""
     if not key:
-        return ScalarDecay
+        return KernelScalarDecay if kern else ScalarDecay
     if not kern:
         return KeyDecay
 

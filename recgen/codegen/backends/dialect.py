@@ -154,6 +154,15 @@ class Dialect:
     # elements at {p} (of any type, pair-aligned) as floats, members x, y: one load each where the dialect can
     load4: str = ""
     load2f: str = "float2{{float({p}), float((&{p})[1])}}"
+    # Matrix loads from threadgroup memory, each lane's pairs gathered from the whole group's loads (CUDA's
+    # ldmatrix: one instruction for what ``load2`` reads in four to eight; "" where the dialect has none, and the
+    # frames read pairs): ``ldsm_a``, the A pairs {r}[4] of the 16 x 16 block at {p} (16-bit, row-major, row stride
+    # {ld}, rows 16-byte aligned), {lane} the lane index; ``ldsm_b``, the B pairs of two adjacent 8-column tiles
+    # ({r}[4]: the first tile's two, then the second's) of the 16 x 16 block at {p} stored transposed (B[k][n] at
+    # p[n ld + k]); ``ldsm_bt``, the same of a row-major block (B[k][n] at p[k ld + n]).
+    ldsm_a: str = ""
+    ldsm_b: str = ""
+    ldsm_bt: str = ""
     pack2: str = ""
     pack2f: str = ""
     pair_lo: str = ""

@@ -58,6 +58,25 @@ inline void rg_mma16(thread float* d, thread const float2* a, thread const float
     d[0] += l * c0; d[1] += l * c1; d[2] += h * c0; d[3] += h * c1;
   }
 }
+// ldmatrix's results (CUDA's lanes gather them from the group's row loads): each lane reads its own pairs
+template <typename T> inline void rg_ldsm_a(thread float2* r, const threadgroup T* p, int ld, int lane) {
+  for (int i = 0; i < 4; ++i) {  // A[gq + 8 (i % 2)][2 tq + 8 (i / 2)] and the next
+    const threadgroup T* q = p + ((lane >> 2) + 8 * (i & 1)) * ld + 2 * (lane & 3) + 8 * (i >> 1);
+    r[i] = float2{float(q[0]), float(q[1])};
+  }
+}
+template <typename T> inline void rg_ldsm_b(thread float2* r, const threadgroup T* p, int ld, int lane) {
+  for (int i = 0; i < 4; ++i) {  // tile i / 2's pair i % 2: B[2 tq + 8 (i % 2)][8 (i / 2) + gq] at p[n ld + k]
+    const threadgroup T* q = p + (8 * (i >> 1) + (lane >> 2)) * ld + 2 * (lane & 3) + 8 * (i & 1);
+    r[i] = float2{float(q[0]), float(q[1])};
+  }
+}
+template <typename T> inline void rg_ldsm_bt(thread float2* r, const threadgroup T* p, int ld, int lane) {
+  for (int i = 0; i < 4; ++i) {  // the same at p[k ld + n]
+    const threadgroup T* q = p + (2 * (lane & 3) + 8 * (i & 1)) * ld + 8 * (i >> 1) + (lane >> 2);
+    r[i] = float2{float(q[0]), float(q[ld])};
+  }
+}
 struct rg_pairs2 { float2 x, y; };
 template <typename T> inline rg_pairs2 rg_ld4(const device T* p) {
   rg_pairs2 v;
@@ -103,6 +122,8 @@ METAL = Dialect(
 METAL_PTX = replace(METAL, name="metal_ptx", mma_prelude=PTX_SHUFFLE_PRELUDE, frag=PTX_FRAGMENTS,
                     mma16="rg_mma16({acc}, {a}, {b}, {lane})", frag16=PTX_FRAGMENTS16, pair="float2",
                     load2="float2{{float({p}), float((&{p})[1])}}", load8="rg_ld8(&{p})", load4="rg_ld4(&{p})",
+                    ldsm_a="rg_ldsm_a({r}, &{p}, {ld}, {lane})", ldsm_b="rg_ldsm_b({r}, &{p}, {ld}, {lane})",
+                    ldsm_bt="rg_ldsm_bt({r}, &{p}, {ld}, {lane})",
                     pack2="float2{{float({a}), float({b})}}",
                     pack2f="float2{{float({t}({a})), float({t}({b}))}}", pair_lo="float2{{{a}.x, {b}.x}}",
                     pair_hi="float2{{{a}.y, {b}.y}}")

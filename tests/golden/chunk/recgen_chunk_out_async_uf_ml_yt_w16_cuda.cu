@@ -36,6 +36,29 @@ template <typename T> __device__ __forceinline__ uint4 rg_ld8(const T* p) {
 template <typename T> __device__ __forceinline__ uint2 rg_ld4(const T* p) {
   return *reinterpret_cast<const uint2*>(p);
 }
+// ldmatrix: lanes 8 m .. 8 m + 7 each name a 16-byte row of the 8 x 8 matrix m (m < 4), and lane l receives row
+// l / 4, elements 2 (l % 4) and the next, of each (.trans: of each one's transpose)
+__device__ __forceinline__ unsigned rg_smem_addr(const void* p) {
+  unsigned s;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+  return s;
+}
+#define RG_LDSM(NAME, TRANS)   __device__ __forceinline__ void NAME(unsigned* r, const void* p) {     asm volatile("ldmatrix.sync.aligned.m8n8.x4" TRANS ".shared.b16 {%0,%1,%2,%3}, [%4];"                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(rg_smem_addr(p)));   }
+RG_LDSM(rg_ldsm4, "")
+RG_LDSM(rg_ldsm4t, ".trans")
+#undef RG_LDSM
+// A's 16 x 16 at p as matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (0-7, 8-15), (8-15, 8-15): its pairs 0 .. 3
+template <typename T> __device__ __forceinline__ void rg_ldsm_a(unsigned* r, const T* p, int ld, int lane) {
+  rg_ldsm4(r, p + (lane & 15) * ld + (lane >> 4) * 8);
+}
+// B stored transposed (a row an n): matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+template <typename T> __device__ __forceinline__ void rg_ldsm_b(unsigned* r, const T* p, int ld, int lane) {
+  rg_ldsm4(r, p + ((lane & 7) + ((lane >> 4) << 3)) * ld + ((lane >> 3) & 1) * 8);
+}
+// B row-major (a row a k), transposed as it loads: matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), ..
+template <typename T> __device__ __forceinline__ void rg_ldsm_bt(unsigned* r, const T* p, int ld, int lane) {
+  rg_ldsm4t(r, p + (lane & 15) * ld + (lane >> 4) * 8);
+}
 __device__ __forceinline__ float2 rg_ld2f(const float* p) { return *reinterpret_cast<const float2*>(p); }
 __device__ __forceinline__ float2 rg_ld2f(const __nv_bfloat16* p) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
@@ -103,7 +126,7 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   constexpr int VR = 16 / sizeof(RT), VU = 16 / sizeof(UT), VZ = 16 / sizeof(ZT), VS = 16 / sizeof(ST);
   __shared__ float Ms_[C * LD];  // Gamma, then M (lower triangle; 0 above)
   __shared__ float Ps_[C];       // e^{G_t}
-  __shared__ float Mw_[C * LDH / 2];  // M in the operands' type (y's product reads it)
+  __shared__ float4 Mw_[C * LDH / 8];  // M in the operands' type (y's product reads it), rows 16-byte aligned
   RT* const Mh_ = (RT*)Mw_;
   __shared__ float4 stage_[SQ];  // two blocks of R and U (loop 1); of R and S_c (loop 2); of Z (loop 3)
   RT* const Rb_ = (RT*)stage_;
@@ -133,21 +156,29 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 
-  // Decay products from sums anchored at their first token (as the MLX form's ScalarDecay): thread s < C
-  // sweeps column s of Gamma down the chunk, thread C the sums from the chunk start (e^{G_t})
-  if (tid <= C) {
+  // Decay products from sums anchored at their first token (as the MLX form's ScalarDecay), the chunk's log-decays
+  // read once into Ps_: thread s + C h sweeps column s of Gamma down rows h C / 2 .. (h + 1) C / 2 - 1 (the
+  // lower half first summing the terms above its rows), and thread t < C sums G_t from the chunk start; each sum
+  // adds in token order, as one thread sweeping the whole column would
+  if (tid < C) Ps_[tid] = logd[bc * C + tid];
+  __syncthreads();
+  float g_ = 0.0f;
+  {
+    const int s = tid % C, t0 = (tid / C) * (C / 2);
     float acc = 0.0f;
-    for (int t = 0; t < C; ++t) {
-      const float lt = logd[bc * C + t];
-      if (tid == C) {
-        acc += lt;
-        Ps_[t] = expf(acc);
-      } else {
-        acc += t > tid ? lt : 0.0f;
-        Ms_[t * LD + tid] = t < tid ? 0.0f : expf(acc);
-      }
+    for (int t = s + 1; t < t0; ++t) acc += Ps_[t];  // the terms above this thread's rows
+#pragma unroll 8
+    for (int t = t0; t < t0 + C / 2; ++t) {
+      acc += t > s ? Ps_[t] : 0.0f;
+      Ms_[t * LD + s] = t < s ? 0.0f : expf(acc);
+    }
+    if (tid < C) {
+#pragma unroll 8
+      for (int t = 0; t <= tid; ++t) g_ += Ps_[t];
     }
   }
+  __syncthreads();  // every sum has read the log-decays
+  if (tid < C) Ps_[tid] = expf(g_);
   // loop 1: M = (R U^T) * Gamma on this group's rows
   {
     float m_[C / 8][4];
@@ -171,13 +202,15 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
       const auto Up = Ub_ + (b & 1) * (C * LDU);
 #pragma unroll
       for (int kk = 0; kk < KB; kk += 16) {
-        const unsigned a_[4] = {rg_ld2(&Rp[(r0 + gq) * LDR + kk + 2 * tq]), rg_ld2(&Rp[(r0 + gq + 8) * LDR + kk + 2 * tq]),
-                               rg_ld2(&Rp[(r0 + gq) * LDR + kk + 2 * tq + 8]), rg_ld2(&Rp[(r0 + gq + 8) * LDR + kk + 2 * tq + 8])};
+        unsigned a_[4];
+        rg_ldsm_a(a_, &Rp[(r0) * LDR + kk], LDR, lane);
 #pragma unroll
-        for (int j = 0; j < C / 8; ++j) {
-          if (8 * j < r0 + 16) {  // U^T as B fragments: B[k][s] = U[s][k]
-            const unsigned b_[2] = {rg_ld2(&Up[(8 * j + gq) * LDU + kk + 2 * tq]), rg_ld2(&Up[(8 * j + gq) * LDU + kk + 2 * tq + 8])};
+        for (int j = 0; j < C / 8; j += 2) {
+          if (8 * j < r0 + 16) {  // U^T as B fragments, B[k][s] = U[s][k], two tiles at once (C / 16 rows: pairs)
+            unsigned b_[4];
+            rg_ldsm_b(b_, &Up[(8 * j) * LDU + kk], LDU, lane);
             rg_mma16<RT>(m_[j], a_, b_, lane);
+            rg_mma16<RT>(m_[j + 1], a_, b_ + 2, lane);
           }
         }
       }
@@ -231,10 +264,17 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
     const auto Sp = Sb_ + (b & 1) * (KB * LDB);
 #pragma unroll
     for (int kk = 0; kk < KB; kk += 16) {
-      const unsigned a_[4] = {rg_ld2(&Rp[(r0 + gq) * LDR + kk + 2 * tq]), rg_ld2(&Rp[(r0 + gq + 8) * LDR + kk + 2 * tq]),
-                             rg_ld2(&Rp[(r0 + gq) * LDR + kk + 2 * tq + 8]), rg_ld2(&Rp[(r0 + gq + 8) * LDR + kk + 2 * tq + 8])};
+      unsigned a_[4];
+      rg_ldsm_a(a_, &Rp[(r0) * LDR + kk], LDR, lane);
       #pragma unroll
-      for (int ct = 0; ct < CT; ++ct) {
+      for (int ct = 0; ct + 1 < CT; ct += 2) {
+        unsigned b_[4];
+        rg_ldsm_bt(b_, &Sp[(kk) * LDB + 8 * ct], LDB, lane);
+        rg_mma16<RT>(y_[ct], a_, b_, lane);
+        rg_mma16<RT>(y_[ct + 1], a_, b_ + 2, lane);
+      }
+      if (CT % 2) {
+        constexpr int ct = CT - 1;
         const unsigned b_[2] = {rg_pack2(Sp[(kk + 2 * tq) * LDB + 8 * ct + gq], Sp[(kk + 2 * tq + 1) * LDB + 8 * ct + gq]), rg_pack2(Sp[(kk + 2 * tq + 8) * LDB + 8 * ct + gq], Sp[(kk + 2 * tq + 8 + 1) * LDB + 8 * ct + gq])};
         rg_mma16<RT>(y_[ct], a_, b_, lane);
       }
@@ -266,10 +306,17 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
 #pragma unroll
     for (int kk = 0; kk < KB; kk += 16) {
       if (b * KB + kk < r0 + 16) {
-        const unsigned a_[4] = {rg_ld2(&Mh_[(r0 + gq) * LDH + b * KB + kk + 2 * tq]), rg_ld2(&Mh_[(r0 + gq + 8) * LDH + b * KB + kk + 2 * tq]),
-                               rg_ld2(&Mh_[(r0 + gq) * LDH + b * KB + kk + 2 * tq + 8]), rg_ld2(&Mh_[(r0 + gq + 8) * LDH + b * KB + kk + 2 * tq + 8])};
+        unsigned a_[4];
+        rg_ldsm_a(a_, &Mh_[(r0) * LDH + b * KB + kk], LDH, lane);
         #pragma unroll
-        for (int ct = 0; ct < CT; ++ct) {
+        for (int ct = 0; ct + 1 < CT; ct += 2) {
+          unsigned b_[4];
+          rg_ldsm_bt(b_, &Zp[(kk) * LDZ + 8 * ct], LDZ, lane);
+          rg_mma16<RT>(y_[ct], a_, b_, lane);
+          rg_mma16<RT>(y_[ct + 1], a_, b_ + 2, lane);
+        }
+        if (CT % 2) {
+          constexpr int ct = CT - 1;
           const unsigned b_[2] = {rg_pack2(Zp[(kk + 2 * tq) * LDZ + 8 * ct + gq], Zp[(kk + 2 * tq + 1) * LDZ + 8 * ct + gq]), rg_pack2(Zp[(kk + 2 * tq + 8) * LDZ + 8 * ct + gq], Zp[(kk + 2 * tq + 8 + 1) * LDZ + 8 * ct + gq])};
           rg_mma16<RT>(y_[ct], a_, b_, lane);
         }

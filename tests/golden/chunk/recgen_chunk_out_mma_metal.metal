@@ -43,21 +43,29 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   const int r0 = 16 * (tid / 32);
   const int64_t bc = (int64_t)threadgroup_position_in_grid.x / NVB;
   const int col0 = (int)(threadgroup_position_in_grid.x % NVB) * BV;
-  // Decay products from sums anchored at their first token (as the MLX form's ScalarDecay): thread s < C
-  // sweeps column s of Gamma down the chunk, thread C the sums from the chunk start (e^{G_t})
-  if (tid <= C) {
+  // Decay products from sums anchored at their first token (as the MLX form's ScalarDecay), the chunk's log-decays
+  // read once into Ps_: thread s + C h sweeps column s of Gamma down rows h C / 2 .. (h + 1) C / 2 - 1 (the
+  // lower half first summing the terms above its rows), and thread t < C sums G_t from the chunk start; each sum
+  // adds in token order, as one thread sweeping the whole column would
+  if (tid < C) Ps_[tid] = logd[bc * C + tid];
+  threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  float g_ = 0.0f;
+  {
+    const int s = tid % C, t0 = (tid / C) * (C / 2);
     float acc = 0.0f;
-    for (int t = 0; t < C; ++t) {
-      const float lt = logd[bc * C + t];
-      if (tid == C) {
-        acc += lt;
-        Ps_[t] = metal::exp(acc);
-      } else {
-        acc += t > tid ? lt : 0.0f;
-        Ms_[t * LD + tid] = t < tid ? 0.0f : metal::exp(acc);
-      }
+    for (int t = s + 1; t < t0; ++t) acc += Ps_[t];  // the terms above this thread's rows
+#pragma unroll 8
+    for (int t = t0; t < t0 + C / 2; ++t) {
+      acc += t > s ? Ps_[t] : 0.0f;
+      Ms_[t * LD + s] = t < s ? 0.0f : metal::exp(acc);
+    }
+    if (tid < C) {
+#pragma unroll 8
+      for (int t = 0; t <= tid; ++t) g_ += Ps_[t];
     }
   }
+  threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // every sum has read the log-decays
+  if (tid < C) Ps_[tid] = metal::exp(g_);
   // M = (R U^T) * Gamma on this group's rows, KB key columns of R and U staged at a time
   {
     float m_[C / 8][4];

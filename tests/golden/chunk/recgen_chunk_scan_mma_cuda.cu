@@ -36,6 +36,29 @@ template <typename T> __device__ __forceinline__ uint4 rg_ld8(const T* p) {
 template <typename T> __device__ __forceinline__ uint2 rg_ld4(const T* p) {
   return *reinterpret_cast<const uint2*>(p);
 }
+// ldmatrix: lanes 8 m .. 8 m + 7 each name a 16-byte row of the 8 x 8 matrix m (m < 4), and lane l receives row
+// l / 4, elements 2 (l % 4) and the next, of each (.trans: of each one's transpose)
+__device__ __forceinline__ unsigned rg_smem_addr(const void* p) {
+  unsigned s;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+  return s;
+}
+#define RG_LDSM(NAME, TRANS)   __device__ __forceinline__ void NAME(unsigned* r, const void* p) {     asm volatile("ldmatrix.sync.aligned.m8n8.x4" TRANS ".shared.b16 {%0,%1,%2,%3}, [%4];"                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(rg_smem_addr(p)));   }
+RG_LDSM(rg_ldsm4, "")
+RG_LDSM(rg_ldsm4t, ".trans")
+#undef RG_LDSM
+// A's 16 x 16 at p as matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (0-7, 8-15), (8-15, 8-15): its pairs 0 .. 3
+template <typename T> __device__ __forceinline__ void rg_ldsm_a(unsigned* r, const T* p, int ld, int lane) {
+  rg_ldsm4(r, p + (lane & 15) * ld + (lane >> 4) * 8);
+}
+// B stored transposed (a row an n): matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+template <typename T> __device__ __forceinline__ void rg_ldsm_b(unsigned* r, const T* p, int ld, int lane) {
+  rg_ldsm4(r, p + ((lane & 7) + ((lane >> 4) << 3)) * ld + ((lane >> 3) & 1) * 8);
+}
+// B row-major (a row a k), transposed as it loads: matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), ..
+template <typename T> __device__ __forceinline__ void rg_ldsm_bt(unsigned* r, const T* p, int ld, int lane) {
+  rg_ldsm4t(r, p + (lane & 15) * ld + (lane >> 4) * 8);
+}
 __device__ __forceinline__ float2 rg_ld2f(const float* p) { return *reinterpret_cast<const float2*>(p); }
 __device__ __forceinline__ float2 rg_ld2f(const __nv_bfloat16* p) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));

@@ -38,8 +38,10 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   constexpr int NT = 2 * C;        // threads: C / 16 SIMD groups
   constexpr int NKB = K / KB;      // blocks of A's product over K
   constexpr int VU = 16 / sizeof(UT), VW = 16 / sizeof(WT);  // elements a copy
-  threadgroup float As_[C * LD];  // Gamma, then A
-  threadgroup float Ts_[C * LD];  // Tm, then Tm diag(e^{G})
+  threadgroup float4 Aw_[C * LD / 4];  // Gamma, then A; then Tm in 16 bits (Th_: rows 16-byte aligned)
+  threadgroup float* const As_ = (threadgroup float*)Aw_;
+  threadgroup float4 Tw_[C * LD / 4];  // Tm, then Tm diag(e^{G}) (rows 16-byte aligned: read 4 columns a load)
+  threadgroup float* const Ts_ = (threadgroup float*)Tw_;
   threadgroup float Ps_[C];       // e^{G_t}
   threadgroup float4 stage_[SQ];  // two blocks of the keys (A); the inverse's products; two of W; two of the key
   threadgroup UT* const Ub_ = (threadgroup UT*)stage_;
@@ -65,21 +67,29 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
       rg_cp16(Ub_ + (0) * (C * LDU) + row_ * LDU + c_, Uc + (0) * KB + row_ * KLD + c_);
     }
 
-  // Decay products from sums anchored at their first token (as the MLX form's ScalarDecay): thread s < C
-  // sweeps column s of Gamma (strictly below the diagonal) down the chunk, thread C the sums from the chunk start (e^{G_t})
-  if (tid <= C) {
+  // Decay products from sums anchored at their first token (as the MLX form's ScalarDecay), the chunk's log-decays
+  // read once into Ps_: thread s + C h sweeps column s of Gamma (strictly below the diagonal) down rows h C / 2 .. (h + 1) C / 2 - 1 (the
+  // lower half first summing the terms above its rows), and thread t < C sums G_t from the chunk start; each sum
+  // adds in token order, as one thread sweeping the whole column would
+  if (tid < C) Ps_[tid] = logd[bc * C + tid];
+  threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+  float g_ = 0.0f;
+  {
+    const int s = tid % C, t0 = (tid / C) * (C / 2);
     float acc = 0.0f;
-    for (int t = 0; t < C; ++t) {
-      const float lt = logd[bc * C + t];
-      if (tid == C) {
-        acc += lt;
-        Ps_[t] = metal::exp(acc);
-      } else {
-        acc += t > tid ? lt : 0.0f;
-        As_[t * LD + tid] = t > tid ? metal::exp(acc) : 0.0f;
-      }
+    for (int t = s + 1; t < t0; ++t) acc += Ps_[t];  // the terms above this thread's rows
+#pragma unroll 8
+    for (int t = t0; t < t0 + C / 2; ++t) {
+      acc += t > s ? Ps_[t] : 0.0f;
+      As_[t * LD + s] = t > s ? metal::exp(acc) : 0.0f;
+    }
+    if (tid < C) {
+#pragma unroll 8
+      for (int t = 0; t <= tid; ++t) g_ += Ps_[t];
     }
   }
+  threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // every sum has read the log-decays
+  if (tid < C) Ps_[tid] = metal::exp(g_);
   // A = (Bt U^T) * Gamma on this group's rows
   {
     float m_[C / 8][4];
@@ -123,17 +133,22 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   // C^2 / 2 chain: group w inverts diagonal block w (16 x 16) by forward substitution, lane j < 16 walking its
   // column down (Tm[t, j] = [t == j] + sum_{j <= s < t} A[t, s] Tm[s, j]); then for m = 16, 32, .. < C every
   // 2m-block's lower-left m x m block is T21 = T22 (A21 T11), two fragment products through the staging buffer.
-  if (lane < 16) {
+  if (lane < 16) {  // column j of block w, in registers: x_[i] = Tm[r0 + i, j]
     const int j = r0 + lane;
     for (int t = 0; t < r0; ++t) Ts_[t * LD + j] = 0.0f;  // above the diagonal blocks: the block products read it
-    for (int t = r0; t < r0 + 16; ++t) {
-      float acc = t == j ? 1.0f : 0.0f;
-      for (int s = j; s < t; ++s) acc += As_[t * LD + s] * Ts_[s * LD + j];
-      Ts_[t * LD + j] = acc;
+    float x_[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float acc = i == lane ? 1.0f : 0.0f;  // x_[s] = 0 for s < lane: the sum adds exact zeros before s = lane
+#pragma unroll
+      for (int s = 0; s < i; ++s) acc += As_[(r0 + i) * LD + r0 + s] * x_[s];
+      x_[i] = acc;
+      Ts_[(r0 + i) * LD + j] = acc;
     }
   }
-  for (int m = 16; m < C; m *= 2) {
-    const int ldx = m + 8;  // row stride of X = A21 T11 in the staging buffer (8 mod 32 at m = 16, 32)
+  if (16 < C) {
+    constexpr int m = 16;
+    constexpr int ldx = m + 8;  // row stride of X = A21 T11 in the staging buffer (8 mod 32 at m = 16, 32)
     // items: (2m-block p, 16-row block rb, 8-column tile ct) of an m x m product, round-robin over the groups
     for (int step = 0; step < 2; ++step) {
       threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // the previous level (or step) is complete
@@ -166,8 +181,51 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
       }
     }
   }
+  if (32 < C) {
+    constexpr int m = 32;
+    constexpr int ldx = m + 8;  // row stride of X = A21 T11 in the staging buffer (8 mod 32 at m = 16, 32)
+    // items: (2m-block p, 16-row block rb, 8-column tile ct) of an m x m product, round-robin over the groups
+    for (int step = 0; step < 2; ++step) {
+      threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // the previous level (or step) is complete
+      for (int it = tid / 32; it < (C / (2 * m)) * (m / 16) * (m / 8); it += NT / 32) {
+        const int p = it / ((m / 16) * (m / 8)), rb = (it / (m / 8)) % (m / 16), ct = it % (m / 8);
+        const int o = 2 * m * p;  // the 2m-block's first row and column
+        float x_[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k0 = 0; k0 < m; k0 += 8) {
+          if (step == 0) {  // X = A21 T11: A21 rows o + m + 16 rb .., T11 rows o + k ..
+            const int ra = o + m + 16 * rb + gq;
+            const float a_[4] = {As_[(ra) * LD + o + k0 + 2 * tq], As_[(ra) * LD + o + k0 + 2 * tq + 1],
+                                 As_[(ra + 8) * LD + o + k0 + 2 * tq], As_[(ra + 8) * LD + o + k0 + 2 * tq + 1]};
+            const float b_[2] = {Ts_[(o + k0 + gq) * LD + o + 8 * ct + 2 * tq], Ts_[(o + k0 + gq) * LD + o + 8 * ct + 2 * tq + 1]};
+            rg_mma(x_, a_, b_, lane);
+          } else {  // T21 = T22 X: T22 rows o + m + 16 rb .., columns o + m + k
+            const int ra = o + m + 16 * rb + gq;
+            const float a_[4] = {Ts_[(ra) * LD + o + m + k0 + 2 * tq], Ts_[(ra) * LD + o + m + k0 + 2 * tq + 1],
+                                 Ts_[(ra + 8) * LD + o + m + k0 + 2 * tq], Ts_[(ra + 8) * LD + o + m + k0 + 2 * tq + 1]};
+            const float b_[2] = {Xs_[(p * m + k0 + gq) * ldx + 8 * ct + 2 * tq], Xs_[(p * m + k0 + gq) * ldx + 8 * ct + 2 * tq + 1]};
+            rg_mma(x_, a_, b_, lane);
+          }
+        }
+        if (step == 0) {
+          Xs_[(p * m + 16 * rb + gq) * ldx + 8 * ct + 2 * tq] = x_[0]; Xs_[(p * m + 16 * rb + gq) * ldx + 8 * ct + 2 * tq + 1] = x_[1];
+          Xs_[(p * m + 16 * rb + gq + 8) * ldx + 8 * ct + 2 * tq] = x_[2]; Xs_[(p * m + 16 * rb + gq + 8) * ldx + 8 * ct + 2 * tq + 1] = x_[3];
+        } else {
+          Ts_[(o + m + 16 * rb + gq) * LD + o + 8 * ct + 2 * tq] = x_[0]; Ts_[(o + m + 16 * rb + gq) * LD + o + 8 * ct + 2 * tq + 1] = x_[1];
+          Ts_[(o + m + 16 * rb + gq + 8) * LD + o + 8 * ct + 2 * tq] = x_[2]; Ts_[(o + m + 16 * rb + gq + 8) * LD + o + 8 * ct + 2 * tq + 1] = x_[3];
+        }
+      }
+    }
+  }
+
   threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // Tm is complete; the staging area is free
-  for (int i = tid; i < C * C; i += NT) Tm[bc * C * C + i] = i % C > i / C ? 0.0f : Ts_[(i / C) * LD + i % C];
+  // Tm (0 above the diagonal) out: four adjacent columns a thread a step
+  for (int i = 4 * tid; i < C * C; i += 4 * NT) {
+    const int t = i / C, s = i % C;
+    const float4 v = *((threadgroup const float4*)(Ts_ + t * LD + s));
+    const float v0 = s > t ? 0.0f : v.x, v1 = s + 1 > t ? 0.0f : v.y, v2 = s + 2 > t ? 0.0f : v.z, v3 = s + 3 > t ? 0.0f : v.w;
+    Tm[bc * C * C + i] = static_cast<float>(v0); (&Tm[bc * C * C + i])[1] = static_cast<float>(v1);
+    Tm[bc * C * C + i + 2] = static_cast<float>(v2); (&Tm[bc * C * C + i + 2])[1] = static_cast<float>(v3);
+  }
   // Uw = Tm W (in type OT)
   {
     constexpr int NB = C / KB, NS = (V / BW) * NB;  // row blocks a pass; steps

@@ -47,17 +47,22 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   // C^2 / 2 chain: group w inverts diagonal block w (16 x 16) by forward substitution, lane j < 16 walking its
   // column down (Tm[t, j] = [t == j] + sum_{j <= s < t} A[t, s] Tm[s, j]); then for m = 16, 32, .. < C every
   // 2m-block's lower-left m x m block is T21 = T22 (A21 T11), two fragment products through the staging buffer.
-  if (lane < 16) {
+  if (lane < 16) {  // column j of block w, in registers: x_[i] = Tm[r0 + i, j]
     const int j = r0 + lane;
     for (int t = 0; t < r0; ++t) Ts_[t * LD + j] = 0.0f;  // above the diagonal blocks: the block products read it
-    for (int t = r0; t < r0 + 16; ++t) {
-      float acc = t == j ? 1.0f : 0.0f;
-      for (int s = j; s < t; ++s) acc += As_[t * LD + s] * Ts_[s * LD + j];
-      Ts_[t * LD + j] = acc;
+    float x_[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float acc = i == lane ? 1.0f : 0.0f;  // x_[s] = 0 for s < lane: the sum adds exact zeros before s = lane
+#pragma unroll
+      for (int s = 0; s < i; ++s) acc += As_[(r0 + i) * LD + r0 + s] * x_[s];
+      x_[i] = acc;
+      Ts_[(r0 + i) * LD + j] = acc;
     }
   }
-  for (int m = 16; m < C; m *= 2) {
-    const int ldx = m + 8;  // row stride of X = A21 T11 in the staging buffer (8 mod 32 at m = 16, 32)
+  if (16 < C) {
+    constexpr int m = 16;
+    constexpr int ldx = m + 8;  // row stride of X = A21 T11 in the staging buffer (8 mod 32 at m = 16, 32)
     // items: (2m-block p, 16-row block rb, 8-column tile ct) of an m x m product, round-robin over the groups
     for (int step = 0; step < 2; ++step) {
       threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // the previous level (or step) is complete
@@ -90,6 +95,42 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       }
     }
   }
+  if (32 < C) {
+    constexpr int m = 32;
+    constexpr int ldx = m + 8;  // row stride of X = A21 T11 in the staging buffer (8 mod 32 at m = 16, 32)
+    // items: (2m-block p, 16-row block rb, 8-column tile ct) of an m x m product, round-robin over the groups
+    for (int step = 0; step < 2; ++step) {
+      threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // the previous level (or step) is complete
+      for (int it = tid / 32; it < (C / (2 * m)) * (m / 16) * (m / 8); it += NT / 32) {
+        const int p = it / ((m / 16) * (m / 8)), rb = (it / (m / 8)) % (m / 16), ct = it % (m / 8);
+        const int o = 2 * m * p;  // the 2m-block's first row and column
+        float x_[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k0 = 0; k0 < m; k0 += 8) {
+          if (step == 0) {  // X = A21 T11: A21 rows o + m + 16 rb .., T11 rows o + k ..
+            const int ra = o + m + 16 * rb + gq;
+            const float a_[4] = {As_[(ra) * LD + o + k0 + 2 * tq], As_[(ra) * LD + o + k0 + 2 * tq + 1],
+                                 As_[(ra + 8) * LD + o + k0 + 2 * tq], As_[(ra + 8) * LD + o + k0 + 2 * tq + 1]};
+            const float b_[2] = {Ts_[(o + k0 + gq) * LD + o + 8 * ct + 2 * tq], Ts_[(o + k0 + gq) * LD + o + 8 * ct + 2 * tq + 1]};
+            rg_mma(x_, a_, b_, lane);
+          } else {  // T21 = T22 X: T22 rows o + m + 16 rb .., columns o + m + k
+            const int ra = o + m + 16 * rb + gq;
+            const float a_[4] = {Ts_[(ra) * LD + o + m + k0 + 2 * tq], Ts_[(ra) * LD + o + m + k0 + 2 * tq + 1],
+                                 Ts_[(ra + 8) * LD + o + m + k0 + 2 * tq], Ts_[(ra + 8) * LD + o + m + k0 + 2 * tq + 1]};
+            const float b_[2] = {Xs_[(p * m + k0 + gq) * ldx + 8 * ct + 2 * tq], Xs_[(p * m + k0 + gq) * ldx + 8 * ct + 2 * tq + 1]};
+            rg_mma(x_, a_, b_, lane);
+          }
+        }
+        if (step == 0) {
+          Xs_[(p * m + 16 * rb + gq) * ldx + 8 * ct + 2 * tq] = x_[0]; Xs_[(p * m + 16 * rb + gq) * ldx + 8 * ct + 2 * tq + 1] = x_[1];
+          Xs_[(p * m + 16 * rb + gq + 8) * ldx + 8 * ct + 2 * tq] = x_[2]; Xs_[(p * m + 16 * rb + gq + 8) * ldx + 8 * ct + 2 * tq + 1] = x_[3];
+        } else {
+          Ts_[(o + m + 16 * rb + gq) * LD + o + 8 * ct + 2 * tq] = x_[0]; Ts_[(o + m + 16 * rb + gq) * LD + o + 8 * ct + 2 * tq + 1] = x_[1];
+          Ts_[(o + m + 16 * rb + gq + 8) * LD + o + 8 * ct + 2 * tq] = x_[2]; Ts_[(o + m + 16 * rb + gq + 8) * LD + o + 8 * ct + 2 * tq + 1] = x_[3];
+        }
+      }
+    }
+  }
+
   threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // Tm is complete
   for (int i = tid; i < C * C; i += NT) Tm[bc * C * C + i] = i % C > i / C ? 0.0f : Ts_[(i / C) * LD + i % C];
   // Uw = Tm W, then Wb = Tm (Bt * e^{G}) (the staging loops' barriers order them after the inverse)

@@ -36,6 +36,29 @@ template <typename T> __device__ __forceinline__ uint4 rg_ld8(const T* p) {
 template <typename T> __device__ __forceinline__ uint2 rg_ld4(const T* p) {
   return *reinterpret_cast<const uint2*>(p);
 }
+// ldmatrix: lanes 8 m .. 8 m + 7 each name a 16-byte row of the 8 x 8 matrix m (m < 4), and lane l receives row
+// l / 4, elements 2 (l % 4) and the next, of each (.trans: of each one's transpose)
+__device__ __forceinline__ unsigned rg_smem_addr(const void* p) {
+  unsigned s;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+  return s;
+}
+#define RG_LDSM(NAME, TRANS)   __device__ __forceinline__ void NAME(unsigned* r, const void* p) {     asm volatile("ldmatrix.sync.aligned.m8n8.x4" TRANS ".shared.b16 {%0,%1,%2,%3}, [%4];"                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(rg_smem_addr(p)));   }
+RG_LDSM(rg_ldsm4, "")
+RG_LDSM(rg_ldsm4t, ".trans")
+#undef RG_LDSM
+// A's 16 x 16 at p as matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (0-7, 8-15), (8-15, 8-15): its pairs 0 .. 3
+template <typename T> __device__ __forceinline__ void rg_ldsm_a(unsigned* r, const T* p, int ld, int lane) {
+  rg_ldsm4(r, p + (lane & 15) * ld + (lane >> 4) * 8);
+}
+// B stored transposed (a row an n): matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)
+template <typename T> __device__ __forceinline__ void rg_ldsm_b(unsigned* r, const T* p, int ld, int lane) {
+  rg_ldsm4(r, p + ((lane & 7) + ((lane >> 4) << 3)) * ld + ((lane >> 3) & 1) * 8);
+}
+// B row-major (a row a k), transposed as it loads: matrices (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), ..
+template <typename T> __device__ __forceinline__ void rg_ldsm_bt(unsigned* r, const T* p, int ld, int lane) {
+  rg_ldsm4t(r, p + (lane & 15) * ld + (lane >> 4) * 8);
+}
 __device__ __forceinline__ float2 rg_ld2f(const float* p) { return *reinterpret_cast<const float2*>(p); }
 __device__ __forceinline__ float2 rg_ld2f(const __nv_bfloat16* p) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
@@ -92,21 +115,29 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   const int r0 = 16 * (tid / 32);
   const long long bc = blockIdx.x;
   const float bf = Bf[0];
-  // Decay products from sums anchored at their first token (as the MLX form's ScalarDecay): thread s < C
-  // sweeps column s of Gamma (strictly below the diagonal) down the chunk, thread C the sums from the chunk start (e^{G_t})
-  if (tid <= C) {
+  // Decay products from sums anchored at their first token (as the MLX form's ScalarDecay), the chunk's log-decays
+  // read once into Ps_: thread s + C h sweeps column s of Gamma (strictly below the diagonal) down rows h C / 2 .. (h + 1) C / 2 - 1 (the
+  // lower half first summing the terms above its rows), and thread t < C sums G_t from the chunk start; each sum
+  // adds in token order, as one thread sweeping the whole column would
+  if (tid < C) Ps_[tid] = logd[bc * C + tid];
+  __syncthreads();
+  float g_ = 0.0f;
+  {
+    const int s = tid % C, t0 = (tid / C) * (C / 2);
     float acc = 0.0f;
-    for (int t = 0; t < C; ++t) {
-      const float lt = logd[bc * C + t];
-      if (tid == C) {
-        acc += lt;
-        Ps_[t] = expf(acc);
-      } else {
-        acc += t > tid ? lt : 0.0f;
-        As_[t * LD + tid] = t > tid ? expf(acc) : 0.0f;
-      }
+    for (int t = s + 1; t < t0; ++t) acc += Ps_[t];  // the terms above this thread's rows
+#pragma unroll 8
+    for (int t = t0; t < t0 + C / 2; ++t) {
+      acc += t > s ? Ps_[t] : 0.0f;
+      As_[t * LD + s] = t > s ? expf(acc) : 0.0f;
+    }
+    if (tid < C) {
+#pragma unroll 8
+      for (int t = 0; t <= tid; ++t) g_ += Ps_[t];
     }
   }
+  __syncthreads();  // every sum has read the log-decays
+  if (tid < C) Ps_[tid] = expf(g_);
   // A = (Bt U^T) * Gamma on this group's rows, KB key columns of Bt and U staged at a time
   {
     float m_[C / 8][4];
@@ -147,17 +178,22 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   // C^2 / 2 chain: group w inverts diagonal block w (16 x 16) by forward substitution, lane j < 16 walking its
   // column down (Tm[t, j] = [t == j] + sum_{j <= s < t} A[t, s] Tm[s, j]); then for m = 16, 32, .. < C every
   // 2m-block's lower-left m x m block is T21 = T22 (A21 T11), two fragment products through the staging buffer.
-  if (lane < 16) {
+  if (lane < 16) {  // column j of block w, in registers: x_[i] = Tm[r0 + i, j]
     const int j = r0 + lane;
     for (int t = 0; t < r0; ++t) Ts_[t * LD + j] = 0.0f;  // above the diagonal blocks: the block products read it
-    for (int t = r0; t < r0 + 16; ++t) {
-      float acc = t == j ? 1.0f : 0.0f;
-      for (int s = j; s < t; ++s) acc += As_[t * LD + s] * Ts_[s * LD + j];
-      Ts_[t * LD + j] = acc;
+    float x_[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float acc = i == lane ? 1.0f : 0.0f;  // x_[s] = 0 for s < lane: the sum adds exact zeros before s = lane
+#pragma unroll
+      for (int s = 0; s < i; ++s) acc += As_[(r0 + i) * LD + r0 + s] * x_[s];
+      x_[i] = acc;
+      Ts_[(r0 + i) * LD + j] = acc;
     }
   }
-  for (int m = 16; m < C; m *= 2) {
-    const int ldx = m + 8;  // row stride of X = A21 T11 in the staging buffer (8 mod 32 at m = 16, 32)
+  if (16 < C) {
+    constexpr int m = 16;
+    constexpr int ldx = m + 8;  // row stride of X = A21 T11 in the staging buffer (8 mod 32 at m = 16, 32)
     // items: (2m-block p, 16-row block rb, 8-column tile ct) of an m x m product, round-robin over the groups
     for (int step = 0; step < 2; ++step) {
       __syncthreads();  // the previous level (or step) is complete
@@ -190,6 +226,42 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       }
     }
   }
+  if (32 < C) {
+    constexpr int m = 32;
+    constexpr int ldx = m + 8;  // row stride of X = A21 T11 in the staging buffer (8 mod 32 at m = 16, 32)
+    // items: (2m-block p, 16-row block rb, 8-column tile ct) of an m x m product, round-robin over the groups
+    for (int step = 0; step < 2; ++step) {
+      __syncthreads();  // the previous level (or step) is complete
+      for (int it = tid / 32; it < (C / (2 * m)) * (m / 16) * (m / 8); it += NT / 32) {
+        const int p = it / ((m / 16) * (m / 8)), rb = (it / (m / 8)) % (m / 16), ct = it % (m / 8);
+        const int o = 2 * m * p;  // the 2m-block's first row and column
+        float x_[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k0 = 0; k0 < m; k0 += 8) {
+          if (step == 0) {  // X = A21 T11: A21 rows o + m + 16 rb .., T11 rows o + k ..
+            const int ra = o + m + 16 * rb + gq;
+            const float a_[4] = {As_[(ra) * LD + o + k0 + tq], As_[(ra + 8) * LD + o + k0 + tq],
+                                 As_[(ra) * LD + o + k0 + tq + 4], As_[(ra + 8) * LD + o + k0 + tq + 4]};
+            const float b_[2] = {Ts_[(o + k0 + tq) * LD + o + 8 * ct + gq], Ts_[(o + k0 + tq + 4) * LD + o + 8 * ct + gq]};
+            rg_mma(x_, a_, b_, lane);
+          } else {  // T21 = T22 X: T22 rows o + m + 16 rb .., columns o + m + k
+            const int ra = o + m + 16 * rb + gq;
+            const float a_[4] = {Ts_[(ra) * LD + o + m + k0 + tq], Ts_[(ra + 8) * LD + o + m + k0 + tq],
+                                 Ts_[(ra) * LD + o + m + k0 + tq + 4], Ts_[(ra + 8) * LD + o + m + k0 + tq + 4]};
+            const float b_[2] = {Xs_[(p * m + k0 + tq) * ldx + 8 * ct + gq], Xs_[(p * m + k0 + tq + 4) * ldx + 8 * ct + gq]};
+            rg_mma(x_, a_, b_, lane);
+          }
+        }
+        if (step == 0) {
+          Xs_[(p * m + 16 * rb + gq) * ldx + 8 * ct + 2 * tq] = x_[0]; Xs_[(p * m + 16 * rb + gq) * ldx + 8 * ct + 2 * tq + 1] = x_[1];
+          Xs_[(p * m + 16 * rb + gq + 8) * ldx + 8 * ct + 2 * tq] = x_[2]; Xs_[(p * m + 16 * rb + gq + 8) * ldx + 8 * ct + 2 * tq + 1] = x_[3];
+        } else {
+          Ts_[(o + m + 16 * rb + gq) * LD + o + 8 * ct + 2 * tq] = x_[0]; Ts_[(o + m + 16 * rb + gq) * LD + o + 8 * ct + 2 * tq + 1] = x_[1];
+          Ts_[(o + m + 16 * rb + gq + 8) * LD + o + 8 * ct + 2 * tq] = x_[2]; Ts_[(o + m + 16 * rb + gq + 8) * LD + o + 8 * ct + 2 * tq + 1] = x_[3];
+        }
+      }
+    }
+  }
+
   __syncthreads();  // Tm is complete
   for (int i = tid; i < C * C; i += NT) Tm[bc * C * C + i] = i % C > i / C ? 0.0f : Ts_[(i / C) * LD + i % C];
   // Uw = Tm W, then Wb = Tm (Bt * e^{G}) (the staging loops' barriers order them after the inverse); both written
