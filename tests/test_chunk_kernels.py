@@ -584,7 +584,7 @@ def test_chunked_core_reads_the_model_layout(name, gqa, in_dtype, monkeypatch):
         assert_close(compare(rec, T, chunk=16, K=16, V=8, seed=3, tuning=t, in_dtype=dtype),
                      *((1e-2, 1e-2) if in_dtype else ()))
         kinds = {c.split("_metal")[0] for c in calls}
-        assert kinds == {f"recgen_chunk_ut_mma_uf{suffix}", f"recgen_chunk_scan_mma_q{suffix}",
+        assert kinds == {"recgen_chunk_decays", f"recgen_chunk_ut_mma_uf{suffix}", f"recgen_chunk_scan_mma_q{suffix}",
                          f"recgen_chunk_scan_mma_aq_p_pq_dg{suffix}_rev", f"recgen_chunk_out_mma_uf{suffix}_yt",
                          f"recgen_chunk_bwd_mma_delta_uf{suffix}"}, (T, kinds)
 
