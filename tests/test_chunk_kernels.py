@@ -510,14 +510,17 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
 
 
 @pytest.mark.parametrize("name,K,pairs,want", [
-    ("gated_delta_net", 16, False, {"recgen_chunk_decays", "recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
+    ("gated_delta_net", 16, False, {"recgen_chunk_decays", "recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q",
+                                    "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
                                     "recgen_chunk_out_mma_uf_yt", "recgen_chunk_bwd_mma_delta_uf"}),
-    ("delta_net", 16, False, {"recgen_chunk_decays", "recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
+    ("delta_net", 16, False, {"recgen_chunk_decays", "recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q",
+                              "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
                               "recgen_chunk_out_mma_uf_yt", "recgen_chunk_bwd_mma_delta_uf"}),
     ("gated_delta_net/formed", 16, False, {"recgen_chunk_decays", "recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q",
                                            "recgen_chunk_scan_mma_aq_p_pq_dg_rev", "recgen_chunk_out_mma_yt",
                                            "recgen_chunk_bwd_mma_delta"}),
-    ("simple_gla", 16, False, {"recgen_chunk_decays", "recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
+    ("simple_gla", 16, False, {"recgen_chunk_decays", "recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev",
+                               "recgen_chunk_out_mma_yt",
                                "recgen_chunk_bwd_mma"}),
     ("kda", 32, False, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key_uf",
                         "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_aq_p_dg_rev",
