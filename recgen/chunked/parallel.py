@@ -110,10 +110,13 @@ class ScalarDecay(PairsOneByOne):
     def __init__(self, l, t: Tuning, saved=(), scaled=None):
         """``scaled``: roles to scale by a decay (``scale``), formed as ``self.scaled``."""
         self.l, self.t = l, t
-        self.P = exp(mx.cumsum(l, axis=-2), t.pow2_exp)
-        self.Q = _decay_to_end(l, t.pow2_exp)
+        self.P, self.Q = self.decays()
         self.g = self.P[..., -1, :]
         self.scaled = self.scale(scaled)
+
+    def decays(self) -> tuple:
+        """(P, Q) [.., C, 1] from sums anchored at the chunk's start and end, by MLX ops."""
+        return exp(mx.cumsum(self.l, axis=-2), self.t.pow2_exp), _decay_to_end(self.l, self.t.pow2_exp)
 
     @cached_property
     def gamma(self):
@@ -150,11 +153,8 @@ class KernelScalarDecay(ScalarDecay):
     """``ScalarDecay`` with P and Q from one generated pass (``chunk_kernels.key_decays``, F = 1), the same anchored
     sums: as MLX ops they were two cumulative sums, a concatenation and two exps, each a launch of its own."""
 
-    def __init__(self, l, t: Tuning, saved=(), scaled=None):
-        self.l, self.t = l, t
-        _, self.P, self.Q = ck.key_decays(l, t)
-        self.g = self.P[..., -1, :]
-        self.scaled = self.scale(scaled)
+    def decays(self) -> tuple:
+        return ck.key_decays(self.l, self.t)[1:]
 
 
 class KeyDecay(PairsOneByOne):
