@@ -16,8 +16,6 @@
   if (id >= (int64_t)rt[0] * F) return;
   const int64_t base = (id / F) * C * F + id % F;
   float acc = 0.0f;
-  // unrolled: every token's loads issue at once, not one latency a token (the sums' chain is only their adds)
-#pragma unroll
   for (int t = 0; t < C; ++t) {
     const int64_t at = base + t * F;
     const float lt = static_cast<float>(l[at]);  // l may be 16-bit (an input verbatim)
@@ -30,7 +28,6 @@
   }
   G[id] = metal::exp(acc);  // the chunk's whole decay (P's last row) in place of P and Q
   acc = 0.0f;
-#pragma unroll
   for (int s = C - 1; s >= 0; --s) {
     const int64_t at = base + s * F;
     const float q = metal::exp(acc);
