@@ -58,6 +58,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       Ts_[(r0 + i) * LD + j] = acc;
     }
   }
+  static_assert(C <= 64, "the inverse's levels are emitted for m = 16, 32");
   if (16 < C) {
     constexpr int m = 16;
     constexpr int ldx = m + 8;  // row stride of X = A21 T11 in the staging buffer (8 mod 32 at m = 16, 32)
