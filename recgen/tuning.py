@@ -137,6 +137,10 @@ class Tuning:
     #                                 4, and the state's, Y's and Pb's threadgroup copies transposed so that each B pair
     #                                 is one word (``ScanVariant.wl``): the scans were bound by L1's load wavefronts
     #                                 (GDN 4,4096,16,128 trained 3.20 -> 2.92 ms on an H200; on on CUDA)
+    scan_wide_columns: bool = False  # ... and each lane's columns of X, Y and the chunk states chosen so that its
+    #                                 pairs of a row, in four column tiles, are eight adjacent columns: read and written
+    #                                 16 bytes a lane, not 4 (half of each 32-byte sector those touched; H100, GDN
+    #                                 4,4096,16,128: the forward scan 0.276 -> 0.216 ms, the forward 0.935 -> 0.872)
     scan_hoist: bool = False        # the forward fragment scan (a product term: B or P) loads a chunk's state-free
     #                                 operands at its step's start: their latency overlaps the state copy and Y's product
     reverse_scan_hoist: bool = False  # ... the reverse (backward) one
@@ -208,7 +212,7 @@ MEASURED = {
                  feature_out_fragments=2, feature_mix=True, feature_keep_states=True,
                  decay_factor_kernels=True, replay_graphs=True, ut_16bit=True, states_16bit=True,
                  wide_fragments=True, bwd_scores=True, bwd_products=True, scan_products_alone=True,
-                 scan_wide_loads=True, bwd_wide_loads=True),
+                 scan_wide_loads=True, bwd_wide_loads=True, scan_wide_columns=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
@@ -278,6 +282,7 @@ ENVIRONMENT = {
     "RECGEN_SCAN_PREFETCH": ("scan_prefetch", _flag),
     "RECGEN_SCAN_WIDE_LOADS": ("scan_wide_loads", _flag),
     "RECGEN_BWD_WIDE_LOADS": ("bwd_wide_loads", _flag),
+    "RECGEN_SCAN_WIDE_COLUMNS": ("scan_wide_columns", _flag),
     "RECGEN_SCAN_PRODUCTS_ALONE": ("scan_products_alone", _flag),
     "RECGEN_SCAN_HOIST": ("scan_hoist", _flag),
     "RECGEN_REVERSE_SCAN_HOIST": ("reverse_scan_hoist", _flag),

@@ -216,6 +216,10 @@ def chunk_launches(target: str) -> list:
                         wl=True),
                     mma(reverse=True, b=False, p=True, dg=True, aq=True, pq=True, hoist=True, ml=ml, st="bfloat16",
                         w16=True, wl=True),  # simple GLA's
+                    # ... and a lane's eight columns of X, Y and the states 16 bytes an access (``scan_wide_columns``)
+                    mma(q=True, hoist=True, ml=ml, st="bfloat16", w16=True, wl=True, vc=True),
+                    mma(reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, ml=ml, st="bfloat16", w16=True,
+                        wl=True, vc=True),
                     # the backward's pass forming its pair cotangents on it (``Tuning.bwd_scores``)
                     ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), uf=True, ml=ml,
                                       scores=(128, "bfloat16")),

@@ -283,18 +283,19 @@ def test_chunk_scan_mma_scales_b_rows(frame, has_a):
         assert _rel(got, w) < 1e-5, _rel(got, w)
 
 
-WIDE_SCANS = [(32, 64, 32, 2, False, True), (64, 64, 24, 4, False, False), (64, 64, 32, 4, True, False),
-              (64, 64, 32, 4, False, True), (32, 96, 32, 2, True, True)]
+WIDE_SCANS = [(32, 64, 32, 2, False, True, False), (64, 64, 24, 4, False, False, False),
+              (64, 64, 32, 4, True, False, False), (64, 64, 32, 4, False, True, True), (32, 96, 32, 2, True, True, True)]
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address"])
-@pytest.mark.parametrize("C,K,V,nw,pf,wl", WIDE_SCANS)
-def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, sanitizer):
+@pytest.mark.parametrize("C,K,V,nw,pf,wl,vc", WIDE_SCANS)
+def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, vc, sanitizer):
     """GDN's forward scan on the wide multiply-add (``ScanVariant.w16``, CUDA's m16n8k16 lane layout in
     ``metal_ptx``): hoisted, A, X and Bm in bf16, Bm's rows scaled by Bq (decays down to e^-20), carried and Y in
     bf16, against float64 at the bf16 inputs. Its products take the state, Y and Bq ⊙ Bm in bf16 (as FLA's
     chunk_fwd_h): within that rounding. ``pf`` (where each group has one item of Y): A's and X's fragments loaded a
-    chunk ahead; ``wl``: A's rows read 16 bytes a load, the copies transposed, the keys and tokens permuted."""
+    chunk ahead; ``wl``: A's rows read 16 bytes a load, the copies transposed, the keys and tokens permuted; ``vc``:
+    X, Y and the states' columns a lane's eight (each row 16 bytes a lane)."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(C + K)
     BH, n = 2, 3
@@ -304,9 +305,10 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, sanitizer):
     Bq = np.exp(-20 * rng.uniform(size=(BH, n, C))).astype(np.float32)
     ins = {"S0": f(BH, K, V), "A": A, "X": X, "Bm": Bm, "Bq": Bq,
            "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32)}
-    v = ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, pf=pf, wl=wl)
+    v = ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, pf=pf, wl=wl, vc=vc)
     launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
     assert "_w16" in launch.source.name and dict(launch.template)["NW"] == nw and ("_wl" in launch.source.name) == wl
+    assert ("_vc" in launch.source.name) == vc == (vc and cs.scan_value_quads(C, K, V, 32, nw))
     assert not pf or cs.scan_prefetches(C, K, V, 32, nw)
     outs = verify.run_launch(launch, ins, sanitizer=sanitizer)
     f64 = lambda a: np.array(a.astype(mx.float32), np.float64)  # noqa: E731
@@ -352,8 +354,8 @@ def _checked_reverse_p_scan(launch, ins, sanitizer):
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address"])
-@pytest.mark.parametrize("C,K,V,nw,pf,wl", WIDE_SCANS)
-def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, sanitizer):
+@pytest.mark.parametrize("C,K,V,nw,pf,wl,vc", WIDE_SCANS)
+def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, vc, sanitizer):
     """GDN's backward scan on the wide multiply-add (``ScanVariant.w16`` in reverse, CUDA's lane layout in
     ``metal_ptx``): hoisted, A with its row scales Aq (applied to A S: A's pairs raw), Bm, the P term Pa with Pq
     (applied to Pb's pairs), dg = Σ carried ⊙ St, every product operand and St in bf16; against float64 at the
@@ -369,7 +371,7 @@ def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, sanitizer):
            "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32), "Pa": Pa, "Pb": bf(f(BH, n, C, V)),
            "Pq": u(BH, n, C), "St": bf(f(BH, n, K, V))}
     v = ScanVariant(mma=True, reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, s16=True, w16=True, pf=pf,
-                    wl=wl)
+                    wl=wl, vc=vc)
     launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
     assert "_w16" in launch.source.name and dict(launch.template)["NW"] == nw and ("_wl" in launch.source.name) == wl
     carried, Y, S_end, dgp = _checked_reverse_p_scan(launch, ins, sanitizer)
@@ -381,15 +383,16 @@ def test_reverse_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, sanitizer):
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address"])
-@pytest.mark.parametrize("C,K,V,nw,hoist,w16,wl", [(32, 32, 32, 2, True, False, False),
-                                                 (64, 64, 24, 4, False, False, False),
-                                                 (32, 64, 32, 2, True, True, False), (32, 64, 32, 2, True, True, True),
-                                                 (64, 64, 32, 4, True, True, True)])
-def test_reverse_scan_without_b_takes_its_product_as_factors(C, K, V, nw, hoist, w16, wl, sanitizer):
+@pytest.mark.parametrize("C,K,V,nw,hoist,w16,wl,vc", [(32, 32, 32, 2, True, False, False, False),
+                                                    (64, 64, 24, 4, False, False, False, False),
+                                                    (32, 64, 32, 2, True, True, False, False),
+                                                    (32, 64, 32, 2, True, True, True, False),
+                                                    (64, 64, 32, 4, True, True, True, True)])
+def test_reverse_scan_without_b_takes_its_product_as_factors(C, K, V, nw, hoist, w16, wl, vc, sanitizer):
     """Simple GLA's backward scan with its E term as the factors Paᵀ Pb (``Tuning.scan_products_alone``): no B term,
     A with row scales Aq, Pa with Pq, dg = Σ carried ⊙ St, 16-bit states and operands; against float64 at the bf16
     inputs, within bf16 rounding; on the wide multiply-add too (``w16``, CUDA's lane layout), with its wide loads
-    (``wl``)."""
+    (``wl``) and a lane's eight columns (``vc``)."""
     BH, n = 2, 3
     rng = np.random.default_rng(C + K + 5)
     f, bf, u = _bf16_draws(rng)
@@ -397,7 +400,7 @@ def test_reverse_scan_without_b_takes_its_product_as_factors(C, K, V, nw, hoist,
            "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32), "Pa": bf(f(BH, n, C, K) * 0.2),
            "Pb": bf(f(BH, n, C, V)), "Pq": u(BH, n, C), "St": bf(f(BH, n, K, V))}
     v = ScanVariant(mma=True, b=False, reverse=True, p=True, dg=True, aq=True, pq=True, hoist=hoist, s16=True, w16=w16,
-                    wl=wl)
+                    wl=wl, vc=vc)
     launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
     assert ("_w16" in launch.source.name) == w16 and ("_wl" in launch.source.name) == wl
     _checked_reverse_p_scan(launch, ins, sanitizer)

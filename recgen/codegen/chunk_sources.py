@@ -75,8 +75,10 @@ class ScanVariant:
     scans with A and s16: forward with B and q, or in reverse with B, P or both): the products on the dialect's wide
     multiply-add, their operands in type ST (``Dialect.mma16``); ``wl`` (with w16, K a multiple of 32): A's rows read
     16 bytes a load (``Dialect.load8``, the keys permuted as ``Fragments16`` says) and the state's and Y's threadgroup
-    copies transposed (template constants LDK, LDY), each B pair one word. p, dg, q, aq, pq, pf, hoist, ml, s16, w16
-    and wl exist on the fragment frame only."""
+    copies transposed (template constants LDK, LDY), each B pair one word; ``vc`` (with wl; BV a multiple of 32 and
+    YCT of 4: ``scan_value_quads``): the columns of X, Y and the states a lane holds, in each four column tiles, are
+    eight adjacent ones in memory, read and written 16 bytes at a time (the threadgroup copies keep the tiles'
+    order). p, dg, q, aq, pq, pf, hoist, ml, s16, w16, wl and vc exist on the fragment frame only."""
 
     a: bool = True
     b: bool = True
@@ -95,6 +97,7 @@ class ScanVariant:
     s16: bool = False
     w16: bool = False
     wl: bool = False
+    vc: bool = False
 
     def __post_init__(self):
         if not (self.a or self.b):
@@ -117,6 +120,8 @@ class ScanVariant:
                              "no E: forward with B and Bq, or in reverse without Bq (with B, P or both)")
         if self.wl and not self.w16:
             raise ValueError("chunk_scan: wide loads (wl) are the wide multiply-add's (w16)")
+        if self.vc and not self.wl:
+            raise ValueError("chunk_scan: columns a lane's eight in memory (vc) go with wide loads (wl)")
 
     @property
     def kind(self) -> str:
@@ -126,7 +131,7 @@ class ScanVariant:
                 + ("_p" if self.p else "") + ("_pq" if self.pq else "") + ("_pf" if self.pf else "")
                 + ("_ho" if self.hoist else "")
                 + ("_dg" if self.dg else "") + ("_ml" if self.ml else "") + ("_s16" if self.s16 else "")
-                + ("_w16" if self.w16 else "") + ("_wl" if self.wl else "")
+                + ("_w16" if self.w16 else "") + ("_wl" if self.wl else "") + ("_vc" if self.vc else "")
                 + ("_rev" if self.reverse else "")
                 + ("_v4" if self.vec else ""))
 
@@ -167,7 +172,7 @@ def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
         return _source(d, "chunk_scan_mma.j2", v.kind, "chunk scan of the chunked core, fragment multiply-adds",
                        v.inputs, v.outputs, (), helpers=d.mma_prelude, has_p=v.p, has_dg=v.dg, has_q=v.q,
                        has_aq=v.aq, has_pq=v.pq, pf=v.pf, hoist=v.hoist, ml=v.ml, s16=v.s16, w16=v.w16, wl=v.wl,
-                       **flags)
+                       vc=v.vc, **flags)
     return _source(d, "chunk_scan.j2", v.kind, "chunk scan of the chunked core", v.inputs, v.outputs, (),
                    vec=v.vec, **flags)
 
@@ -684,6 +689,13 @@ def scan_mma_layout(C: int, K: int, V: int, most_bv: int = 32, most_nw: int = MM
     ct = bv // 8
     yct = next((y for y in range(ct, 0, -1) if ct % y == 0 and (C // 16) * (ct // y) >= nw), 1)
     return {"BV": bv, "NW": nw, "LD": ld, "YCT": yct}
+
+
+def scan_value_quads(C: int, K: int, V: int, most_bv: int = 32, most_nw: int = MMA_NW) -> bool:
+    """Whether the fragment scan's layout groups its column tiles by four, in each threadgroup and each item of Y
+    (``ScanVariant.vc`` needs it)."""
+    lay = scan_mma_layout(C, K, V, most_bv, most_nw)
+    return lay is not None and lay["BV"] % 32 == 0 and lay["YCT"] % 4 == 0
 
 
 def scan_prefetches(C: int, K: int, V: int, most_bv: int = 32, most_nw: int = MMA_NW) -> bool:

@@ -23,6 +23,7 @@ from ..codegen.chunk_sources import (BV, FACTOR_CHUNKS, FACTOR_NT, MMA_NW, ScanV
                                      inverse_source, out_async_layout, out_async_source, out_mma_layout,
                                      out_mma_source, pair_folds, pair_fragments, pair_grad_source, pair_layout,
                                      pair_source, scan_layout, scan_mma_layout, scan_prefetches, scan_source,
+                                     scan_value_quads,
                                      sympow_layout, sympow_source, t_stride, ut_async_layout, ut_async_source,
                                      ut_mma_layout, ut_mma_source)
 from ..codegen.chunk_sources import scan_supported as dialect_scan_supported
@@ -156,6 +157,9 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
                              f"K={K}, V={V}")
         if v.wl and K % 32:
             raise ValueError(f"chunk_scan_mma: wide loads (wl) read 32 keys at a time: K={K} must be a multiple of 32")
+        if v.vc and not scan_value_quads(C, K, V, most_bv, most_nw):
+            raise ValueError(f"chunk_scan_mma: a lane's eight columns (vc) need column tiles by four, in each "
+                             f"threadgroup and item of Y: not so at C={C}, K={K}, V={V}")
         nt = 32 * lay["NW"]
         strides = (("LDK", t_stride(K)), ("LDY", t_stride(C))) if v.wl else (("LDS", b_stride(lay["BV"])),)
         tmpl = ((("C", C), ("K", K), ("V", V), ("F", F)) + tuple(lay.items()) + _model_consts(ml, ("H", "HK", "GB"))
@@ -615,10 +619,11 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
            and E is None and C % 16 == 0 and K % 16 == 0 and all(x.dtype == st for x in sixteen)
            and ((not reverse and Bm is not None and Bq is not None and P is None and Aq is None and not dg_here)
                 or (reverse and Bq is None and (Bm is not None or P is not None))))
+    wl = w16 and t.scan_wide_loads and K % 32 == 0
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf,
                     hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None, s16=st is not None, w16=w16,
-                    wl=w16 and t.scan_wide_loads and K % 32 == 0)
+                    wl=wl, vc=wl and t.scan_wide_columns and scan_value_quads(C, K, V, t.scan_bv, nw))
     outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv, nw, ml,
                                 None if st is None else dtype_name(st)), user)
     carried, Y, S_end = outs[0].reshape(*lead, n, K, V), outs[1], outs[2].reshape(*lead, K, V)

@@ -124,6 +124,11 @@ class Dialect:
     # converted: as one paired store where the dialect has one (a 16-bit pair is one 32-bit store, not two 16-bit
     # ones: half the store instructions in a scan's step)
     store2: str = "{p} = static_cast<{t}>({a}); (&{p})[1] = static_cast<{t}>({b})"
+    # Eight adjacent elements at {p} (of a buffer of type {t}: 16-bit or float; 16-byte aligned) = floats {v}[0..7],
+    # converted (``store8f``), and floats {v}[0..7] = those eight (``load8f``): one access of 16 bytes (two of a
+    # float buffer) where the dialect can, not four of a pair each, which use half of every 32-byte sector they touch
+    store8f: str = "for (int i_ = 0; i_ < 8; ++i_) (&{p})[i_] = static_cast<{t}>({v}[i_])"
+    load8f: str = "for (int i_ = 0; i_ < 8; ++i_) {v}[i_] = float((&{p})[i_])"
     # A hint that the cache line holding {p} (a pointer to a kernel buffer) will be read soon, so that a staging
     # loop's next block is on its way while the current one is multiplied; "" where the dialect has none.
     prefetch: str = ""

@@ -46,7 +46,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     const int r = 16 * (warp * RBS + rb) + gq;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
-      const int c = col0 + 8 * ct + 2 * tq;
+      const int c = col0 + 8 * (ct) + 2 * tq;
       S_[rb][ct][0] = static_cast<float>(S0[(bh * K + r) * V + c]); S_[rb][ct][1] = static_cast<float>(S0[(bh * K + r) * V + c + 1]);
       S_[rb][ct][2] = static_cast<float>(S0[(bh * K + r + 8) * V + c]); S_[rb][ct][3] = static_cast<float>(S0[(bh * K + r + 8) * V + c + 1]);
     }
@@ -94,7 +94,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       float p0 = 0.0f, p8 = 0.0f;
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
-        const int c = col0 + 8 * ct + 2 * tq;
+        const int c = col0 + 8 * (ct) + 2 * tq;
         p0 += S_[rb][ct][0] * static_cast<float>(St[(bc * K + r) * V + c])
               + S_[rb][ct][1] * static_cast<float>(St[(bc * K + r) * V + c + 1]);  // St: 16-bit states too
         p8 += S_[rb][ct][2] * static_cast<float>(St[(bc * K + r + 8) * V + c])
@@ -199,7 +199,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     const int r = 16 * (warp * RBS + rb) + gq;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
-      const int c = col0 + 8 * ct + 2 * tq;
+      const int c = col0 + 8 * (ct) + 2 * tq;
       S_end[(bh * K + r) * V + c] = S_[rb][ct][0]; S_end[(bh * K + r) * V + c + 1] = S_[rb][ct][1];
       S_end[(bh * K + r + 8) * V + c] = S_[rb][ct][2]; S_end[(bh * K + r + 8) * V + c + 1] = S_[rb][ct][3];
     }

@@ -43,7 +43,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     const int r = 16 * (warp * RBS + rb) + gq;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
-      const int c = col0 + 8 * ct + 2 * tq;
+      const int c = col0 + 8 * (ct) + 2 * tq;
       S_[rb][ct][0] = static_cast<float>(S0[(bh * K + r) * V + c]); S_[rb][ct][1] = static_cast<float>(S0[(bh * K + r) * V + c + 1]);
       S_[rb][ct][2] = static_cast<float>(S0[(bh * K + r + 8) * V + c]); S_[rb][ct][3] = static_cast<float>(S0[(bh * K + r + 8) * V + c + 1]);
     }
@@ -66,6 +66,14 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
         bp_[t0 / 8][rb][3] = static_cast<float>(Bm[(bc * C + t0 + 2 * tq + 1) * K + r + 8]) * q4;
       }
     }
+    // the chunk's decays of this lane's state rows: a load behind the second barrier would wait alone there
+    float gh_[RBS][2];
+#pragma unroll
+    for (int rb = 0; rb < RBS; ++rb) {
+      const int r = 16 * (warp * RBS + rb) + gq;
+      gh_[rb][0] = g[bc * F + (F == 1 ? 0 : r)];
+      gh_[rb][1] = g[bc * F + (F == 1 ? 0 : r + 8)];
+    }
     // carried_c = S
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
@@ -80,8 +88,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
       const int r = 16 * (warp * RBS + rb) + gq;
-      const float g0 = g[bc * F + (F == 1 ? 0 : r)];
-      const float g8 = g[bc * F + (F == 1 ? 0 : r + 8)];
+      const float g0 = gh_[rb][0], g8 = gh_[rb][1];
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         S_[rb][ct][0] *= g0; S_[rb][ct][1] *= g0; S_[rb][ct][2] *= g8; S_[rb][ct][3] *= g8;
@@ -105,7 +112,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     const int r = 16 * (warp * RBS + rb) + gq;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
-      const int c = col0 + 8 * ct + 2 * tq;
+      const int c = col0 + 8 * (ct) + 2 * tq;
       S_end[(bh * K + r) * V + c] = S_[rb][ct][0]; S_end[(bh * K + r) * V + c + 1] = S_[rb][ct][1];
       S_end[(bh * K + r + 8) * V + c] = S_[rb][ct][2]; S_end[(bh * K + r + 8) * V + c + 1] = S_[rb][ct][3];
     }

@@ -43,7 +43,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     const int r = 16 * (warp * RBS + rb) + gq;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
-      const int c = col0 + 8 * ct + 2 * tq;
+      const int c = col0 + 8 * (ct) + 2 * tq;
       S_[rb][ct][0] = static_cast<float>(S0[(bh * K + r) * V + c]); S_[rb][ct][1] = static_cast<float>(S0[(bh * K + r) * V + c + 1]);
       S_[rb][ct][2] = static_cast<float>(S0[(bh * K + r + 8) * V + c]); S_[rb][ct][3] = static_cast<float>(S0[(bh * K + r + 8) * V + c + 1]);
     }
@@ -73,13 +73,21 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       an_[k0 / 8][2] = static_cast<float>(A[(bc * C + pr_ + 8) * K + k0 + 2 * tq]) * aq8;
       an_[k0 / 8][3] = static_cast<float>(A[(bc * C + pr_ + 8) * K + k0 + 2 * tq + 1]) * aq8;
     }
+    // the chunk's decays of this lane's state rows: a load behind the second barrier would wait alone there
+    float gh_[RBS][2];
+#pragma unroll
+    for (int rb = 0; rb < RBS; ++rb) {
+      const int r = 16 * (warp * RBS + rb) + gq;
+      gh_[rb][0] = g[bc * F + (F == 1 ? 0 : r)];
+      gh_[rb][1] = g[bc * F + (F == 1 ? 0 : r + 8)];
+    }
     float e_[RBS][CT][4];  // E_c's elements where this lane holds the state's
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
       const int r = 16 * (warp * RBS + rb) + gq;
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
-        const int c = col0 + 8 * ct + 2 * tq;
+        const int c = col0 + 8 * (ct) + 2 * tq;
         e_[rb][ct][0] = static_cast<float>(E[(bc * K + r) * V + c]); e_[rb][ct][1] = static_cast<float>(E[(bc * K + r) * V + c + 1]);
         e_[rb][ct][2] = static_cast<float>(E[(bc * K + r + 8) * V + c]); e_[rb][ct][3] = static_cast<float>(E[(bc * K + r + 8) * V + c + 1]);
       }
@@ -124,8 +132,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
       const int r = 16 * (warp * RBS + rb) + gq;
-      const float g0 = g[bc * F + (F == 1 ? 0 : r)];
-      const float g8 = g[bc * F + (F == 1 ? 0 : r + 8)];
+      const float g0 = gh_[rb][0], g8 = gh_[rb][1];
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         S_[rb][ct][0] *= g0; S_[rb][ct][1] *= g0; S_[rb][ct][2] *= g8; S_[rb][ct][3] *= g8;
@@ -138,7 +145,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     const int r = 16 * (warp * RBS + rb) + gq;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
-      const int c = col0 + 8 * ct + 2 * tq;
+      const int c = col0 + 8 * (ct) + 2 * tq;
       S_end[(bh * K + r) * V + c] = S_[rb][ct][0]; S_end[(bh * K + r) * V + c + 1] = S_[rb][ct][1];
       S_end[(bh * K + r + 8) * V + c] = S_[rb][ct][2]; S_end[(bh * K + r + 8) * V + c + 1] = S_[rb][ct][3];
     }

@@ -81,6 +81,27 @@ template <> __device__ __forceinline__ unsigned rg_pack2f<__half>(float a, float
   const __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<const unsigned*>(&h);
 }
+__device__ __forceinline__ void rg_st8f(float* p, const float* v) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+template <typename T> __device__ __forceinline__ void rg_st8f(T* p, const float* v) {  // bf16, f16
+  *reinterpret_cast<uint4*>(p) = make_uint4(rg_pack2f<T>(v[0], v[1]), rg_pack2f<T>(v[2], v[3]),
+                                            rg_pack2f<T>(v[4], v[5]), rg_pack2f<T>(v[6], v[7]));
+}
+__device__ __forceinline__ void rg_ld8f(const float* p, float* v) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+template <typename T> __device__ __forceinline__ void rg_ld8f(const T* p, float* v) {  // bf16, f16
+  const uint4 w = *reinterpret_cast<const uint4*>(p);
+  const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = rg_ld2f(reinterpret_cast<const T*>(&u[i]));
+    v[2 * i] = f.x; v[2 * i + 1] = f.y;
+  }
+}
 __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b, int lane) {
   const float ar[4] = {rg_tf32f(a[0]), rg_tf32f(a[1]), rg_tf32f(a[2]), rg_tf32f(a[3])};
   const float br[2] = {rg_tf32f(b[0]), rg_tf32f(b[1])};
@@ -132,7 +153,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     const int r = 16 * RBS * warp + 2 * RBS * gq + 2 * rb;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
-      const int c = col0 + 8 * ct + 2 * tq;
+      const int c = col0 + 8 * (ct) + 2 * tq;
       S_[rb][ct][0] = static_cast<float>(S0[(bh * K + r) * V + c]); S_[rb][ct][1] = static_cast<float>(S0[(bh * K + r) * V + c + 1]);
       S_[rb][ct][2] = static_cast<float>(S0[(bh * K + r + 1) * V + c]); S_[rb][ct][3] = static_cast<float>(S0[(bh * K + r + 1) * V + c + 1]);
     }
@@ -179,6 +200,14 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
         bp_[t0 / 16][rb][3] = __byte_perm(w2, w3, 0x7632);
       }
     }
+    // the chunk's decays of this lane's state rows: a load behind the second barrier would wait alone there
+    float gh_[RBS][2];
+#pragma unroll
+    for (int rb = 0; rb < RBS; ++rb) {
+      const int r = 16 * RBS * warp + 2 * RBS * gq + 2 * rb;
+      gh_[rb][0] = g[bc * F + (F == 1 ? 0 : r)];
+      gh_[rb][1] = g[bc * F + (F == 1 ? 0 : r + 1)];
+    }
     // carried_c = S (and the threadgroup copy A_c S reads)
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
@@ -219,8 +248,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
       const int r = 16 * RBS * warp + 2 * RBS * gq + 2 * rb;
-      const float g0 = g[bc * F + (F == 1 ? 0 : r)];
-      const float g8 = g[bc * F + (F == 1 ? 0 : r + 1)];
+      const float g0 = gh_[rb][0], g8 = gh_[rb][1];
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         S_[rb][ct][0] *= g0; S_[rb][ct][1] *= g0; S_[rb][ct][2] *= g8; S_[rb][ct][3] *= g8;
@@ -243,7 +271,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     const int r = 16 * RBS * warp + 2 * RBS * gq + 2 * rb;
 #pragma unroll
     for (int ct = 0; ct < CT; ++ct) {
-      const int c = col0 + 8 * ct + 2 * tq;
+      const int c = col0 + 8 * (ct) + 2 * tq;
       S_end[(bh * K + r) * V + c] = S_[rb][ct][0]; S_end[(bh * K + r) * V + c + 1] = S_[rb][ct][1];
       S_end[(bh * K + r + 1) * V + c] = S_[rb][ct][2]; S_end[(bh * K + r + 1) * V + c + 1] = S_[rb][ct][3];
     }

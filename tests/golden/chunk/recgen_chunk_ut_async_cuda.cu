@@ -81,6 +81,27 @@ template <> __device__ __forceinline__ unsigned rg_pack2f<__half>(float a, float
   const __half2 h = __floats2half2_rn(a, b);
   return *reinterpret_cast<const unsigned*>(&h);
 }
+__device__ __forceinline__ void rg_st8f(float* p, const float* v) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+template <typename T> __device__ __forceinline__ void rg_st8f(T* p, const float* v) {  // bf16, f16
+  *reinterpret_cast<uint4*>(p) = make_uint4(rg_pack2f<T>(v[0], v[1]), rg_pack2f<T>(v[2], v[3]),
+                                            rg_pack2f<T>(v[4], v[5]), rg_pack2f<T>(v[6], v[7]));
+}
+__device__ __forceinline__ void rg_ld8f(const float* p, float* v) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+template <typename T> __device__ __forceinline__ void rg_ld8f(const T* p, float* v) {  // bf16, f16
+  const uint4 w = *reinterpret_cast<const uint4*>(p);
+  const unsigned u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = rg_ld2f(reinterpret_cast<const T*>(&u[i]));
+    v[2 * i] = f.x; v[2 * i + 1] = f.y;
+  }
+}
 __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b, int lane) {
   const float ar[4] = {rg_tf32f(a[0]), rg_tf32f(a[1]), rg_tf32f(a[2]), rg_tf32f(a[3])};
   const float br[2] = {rg_tf32f(b[0]), rg_tf32f(b[1])};
