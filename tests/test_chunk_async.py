@@ -62,13 +62,14 @@ def test_chunk_out_async_reads_16bit_keys_in_the_model_layout(zt, sanitizer):
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
-@pytest.mark.parametrize("C,V", [(16, 24), (32, 48)])
+@pytest.mark.parametrize("C,V", [(16, 24), (32, 48), (16, 64)])
 def test_chunk_out_async_wide_fragments(C, V, sanitizer):
     """The readout on the wide multiply-add (``Tuning.wide_fragments``: CUDA's m16n8k16 on bf16 pairs, its lane
     layout spelled by SIMD shuffles in ``metal_ptx``, ldmatrix's results as ``Dialect.ldsm_a``, ``ldsm_b``, ``ldsm_bt``
     say): GDN's call with every operand in bf16, K and V not multiples of the wide product's 16 columns where they
-    need not be (V = 24: one 8-column tile a threadgroup, read alone; 48: two, read together), against float64 on
-    the bf16 values. M enters y's product in bf16, as it is written: y within that rounding."""
+    need not be (V = 24: one 8-column tile a threadgroup, read alone; 48: two, read together; 64: eight, y's rows
+    stored by four tiles, each lane's eight columns of a row at once), against float64 on the bf16 values. M enters
+    y's product in bf16, as it is written: y within that rounding."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(7)
     B, H, HK, n, K = 2, 2, 1, 2, 32
@@ -118,15 +119,17 @@ def test_chunk_ut_async_reads_16bit_keys_in_the_model_layout(ot, sanitizer):
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
-@pytest.mark.parametrize("C,ot,V", [(16, None, 24), (32, "bfloat16", 48)])
-def test_chunk_ut_async_wide_fragments(C, ot, V, sanitizer):
+@pytest.mark.parametrize("C,ot,V,K", [(16, None, 24, 32), (32, "bfloat16", 48, 32), (16, None, 64, 64),
+                                      (32, "bfloat16", 64, 64)])
+def test_chunk_ut_async_wide_fragments(C, ot, V, K, sanitizer):
     """The UT transform on the wide multiply-add (``Tuning.wide_fragments``, CUDA's lane layout in ``metal_ptx``):
     GDN's call, x and v in bf16 in the model's layout, Uw and Wb in float32 or bf16, against float64 on the bf16
-    values; V = 24 makes its products' passes one 8-column tile wide (read alone), 48 two (read together). Tm leaves
-    in float32 from the inverse; Uw's and Wb's products take it in bf16, as FLA's do: those within that rounding."""
+    values; V = 24 makes its products' passes one 8-column tile wide (read alone), 48 two (read together), 64 eight
+    (at K = 64: Uw's and Wb's rows stored by four tiles, each lane's eight columns of a row at once). Tm leaves in
+    float32 from the inverse; Uw's and Wb's products take it in bf16, as FLA's do: those within that rounding."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(8)
-    B, H, HK, n, K = 2, 2, 1, 2, 32
+    B, H, HK, n = 2, 2, 1, 2
     N, T = B * H * n, n * C
     bf16 = lambda a: mx.array(a.astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
     x, w = bf16(rng.normal(size=(B, T, HK, K)) / np.sqrt(K)), bf16(rng.normal(size=(B, T, H, V)))

@@ -153,7 +153,6 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   const int tq = lane & 3;
   const int r0 = 16 * (tid / 32);
   const long long bc = blockIdx.x;
-  const float bf = Bf[0];
   const long long tok0 = ((bc / (H * NCH)) * NCH + bc % NCH) * C;  // the chunk's first row of [B, NCH C]
   const int vh = (int)((bc / NCH) % H);
   const int kh = GB ? vh / (H / HK) : vh % HK;
@@ -190,6 +189,9 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   }
   __syncthreads();  // every sum has read the log-decays
   if (tid < C) Ps_[tid] = expf(g_);
+  // read once the first copies are on their way: the compiler moves its value to a uniform register at once, so a
+  // read before them held every copy back by its latency
+  const float bf = Bf[0];
   // A = (Bt U^T) * Gamma on this group's rows
   {
     float m_[C / 8][4];

@@ -54,7 +54,6 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   const int tq = ((lane >> 2) & 2) + (lane & 1);
   const int r0 = 16 * (tid / 32);
   const int64_t bc = threadgroup_position_in_grid.x;
-  const float bf = Bf[0];
   const int64_t tok0 = ((bc / (H * NCH)) * NCH + bc % NCH) * C;  // the chunk's first row of [B, NCH C]
   const int vh = (int)((bc / NCH) % H);
   const int kh = GB ? vh / (H / HK) : vh % HK;
@@ -90,6 +89,9 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   }
   threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // every sum has read the log-decays
   if (tid < C) Ps_[tid] = metal::exp(g_);
+  // read once the first copies are on their way: the compiler moves its value to a uniform register at once, so a
+  // read before them held every copy back by its latency
+  const float bf = Bf[0];
   // A = (Bt U^T) * Gamma on this group's rows
   {
     float m_[C / 8][4];

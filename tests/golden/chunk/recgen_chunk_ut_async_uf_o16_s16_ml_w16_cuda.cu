@@ -157,7 +157,6 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   const int tq = lane & 3;
   const int r0 = 16 * (tid / 32);
   const long long bc = blockIdx.x;
-  const float bf = Bf[0];
   const long long tok0 = ((bc / (H * NCH)) * NCH + bc % NCH) * C;  // the chunk's first row of [B, NCH C]
   const int vh = (int)((bc / NCH) % H);
   const int kh = GB ? vh / (H / HK) : vh % HK;
@@ -194,6 +193,9 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   }
   __syncthreads();  // every sum has read the log-decays
   if (tid < C) Ps_[tid] = expf(g_);
+  // read once the first copies are on their way: the compiler moves its value to a uniform register at once, so a
+  // read before them held every copy back by its latency
+  const float bf = Bf[0];
   // A = (Bt U^T) * Gamma on this group's rows
   {
     float m_[C / 8][4];
@@ -387,7 +389,101 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
       __syncthreads();  // block i's buffer is free
       if (sb + KB == C) {
 #pragma unroll
-        for (int ct = 0; ct < BW / 8; ++ct) {
+        for (int g4 = 0; g4 < BW / 32; ++g4)  // four tiles: a lane's eight columns of a row, one store
+          {
+            float w0_[8] = {y_[4 * g4 + 0][0], y_[4 * g4 + 0][1], y_[4 * g4 + 1][0], y_[4 * g4 + 1][1], y_[4 * g4 + 2][0], y_[4 * g4 + 2][1], y_[4 * g4 + 3][0], y_[4 * g4 + 3][1]};
+            float w1_[8] = {y_[4 * g4 + 0][2], y_[4 * g4 + 0][3], y_[4 * g4 + 1][2], y_[4 * g4 + 1][3], y_[4 * g4 + 2][2], y_[4 * g4 + 2][3], y_[4 * g4 + 3][2], y_[4 * g4 + 3][3]};
+            {
+              const bool hi_ = (tq & 1) != 0;  // pairs i (i & 1 = 0) and i + 1 trade places across lanes ^ 1
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[0] : w0_[2], 1);
+                w0_[0] = hi_ ? x_ : w0_[0];
+                w0_[2] = hi_ ? w0_[2] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[1] : w0_[3], 1);
+                w0_[1] = hi_ ? x_ : w0_[1];
+                w0_[3] = hi_ ? w0_[3] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[4] : w0_[6], 1);
+                w0_[4] = hi_ ? x_ : w0_[4];
+                w0_[6] = hi_ ? w0_[6] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[5] : w0_[7], 1);
+                w0_[5] = hi_ ? x_ : w0_[5];
+                w0_[7] = hi_ ? w0_[7] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[0] : w1_[2], 1);
+                w1_[0] = hi_ ? x_ : w1_[0];
+                w1_[2] = hi_ ? w1_[2] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[1] : w1_[3], 1);
+                w1_[1] = hi_ ? x_ : w1_[1];
+                w1_[3] = hi_ ? w1_[3] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[4] : w1_[6], 1);
+                w1_[4] = hi_ ? x_ : w1_[4];
+                w1_[6] = hi_ ? w1_[6] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[5] : w1_[7], 1);
+                w1_[5] = hi_ ? x_ : w1_[5];
+                w1_[7] = hi_ ? w1_[7] : x_;
+              }
+            }
+            {
+              const bool hi_ = (tq & 2) != 0;  // pairs i (i & 2 = 0) and i + 2 trade places across lanes ^ 2
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[0] : w0_[4], 2);
+                w0_[0] = hi_ ? x_ : w0_[0];
+                w0_[4] = hi_ ? w0_[4] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[1] : w0_[5], 2);
+                w0_[1] = hi_ ? x_ : w0_[1];
+                w0_[5] = hi_ ? w0_[5] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[2] : w0_[6], 2);
+                w0_[2] = hi_ ? x_ : w0_[2];
+                w0_[6] = hi_ ? w0_[6] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[3] : w0_[7], 2);
+                w0_[3] = hi_ ? x_ : w0_[3];
+                w0_[7] = hi_ ? w0_[7] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[0] : w1_[4], 2);
+                w1_[0] = hi_ ? x_ : w1_[0];
+                w1_[4] = hi_ ? w1_[4] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[1] : w1_[5], 2);
+                w1_[1] = hi_ ? x_ : w1_[1];
+                w1_[5] = hi_ ? w1_[5] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[2] : w1_[6], 2);
+                w1_[2] = hi_ ? x_ : w1_[2];
+                w1_[6] = hi_ ? w1_[6] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[3] : w1_[7], 2);
+                w1_[3] = hi_ ? x_ : w1_[3];
+                w1_[7] = hi_ ? w1_[7] : x_;
+              }
+            }
+            rg_st8f(&Uw[(bc * C + r0 + gq) * V + c0 + 8 * (4 * g4 + tq)], w0_);
+            rg_st8f(&Uw[(bc * C + r0 + gq + 8) * V + c0 + 8 * (4 * g4 + tq)], w1_);
+          }
+#pragma unroll
+        for (int ct = BW / 32 * 4; ct < BW / 8; ++ct) {
           const int c = c0 + 8 * ct + 2 * tq;
           rg_store2(&Uw[(bc * C + r0 + gq) * V + c], y_[ct][0], y_[ct][1]); rg_store2(&Uw[(bc * C + r0 + gq + 8) * V + c], y_[ct][2], y_[ct][3]);
         }
@@ -454,7 +550,101 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
       __syncthreads();  // block i's buffer is free
       if (sb + KB == C) {
 #pragma unroll
-        for (int ct = 0; ct < BW / 8; ++ct) {
+        for (int g4 = 0; g4 < BW / 32; ++g4)  // four tiles: a lane's eight columns of a row, one store
+          {
+            float w0_[8] = {y_[4 * g4 + 0][0], y_[4 * g4 + 0][1], y_[4 * g4 + 1][0], y_[4 * g4 + 1][1], y_[4 * g4 + 2][0], y_[4 * g4 + 2][1], y_[4 * g4 + 3][0], y_[4 * g4 + 3][1]};
+            float w1_[8] = {y_[4 * g4 + 0][2], y_[4 * g4 + 0][3], y_[4 * g4 + 1][2], y_[4 * g4 + 1][3], y_[4 * g4 + 2][2], y_[4 * g4 + 2][3], y_[4 * g4 + 3][2], y_[4 * g4 + 3][3]};
+            {
+              const bool hi_ = (tq & 1) != 0;  // pairs i (i & 1 = 0) and i + 1 trade places across lanes ^ 1
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[0] : w0_[2], 1);
+                w0_[0] = hi_ ? x_ : w0_[0];
+                w0_[2] = hi_ ? w0_[2] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[1] : w0_[3], 1);
+                w0_[1] = hi_ ? x_ : w0_[1];
+                w0_[3] = hi_ ? w0_[3] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[4] : w0_[6], 1);
+                w0_[4] = hi_ ? x_ : w0_[4];
+                w0_[6] = hi_ ? w0_[6] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[5] : w0_[7], 1);
+                w0_[5] = hi_ ? x_ : w0_[5];
+                w0_[7] = hi_ ? w0_[7] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[0] : w1_[2], 1);
+                w1_[0] = hi_ ? x_ : w1_[0];
+                w1_[2] = hi_ ? w1_[2] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[1] : w1_[3], 1);
+                w1_[1] = hi_ ? x_ : w1_[1];
+                w1_[3] = hi_ ? w1_[3] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[4] : w1_[6], 1);
+                w1_[4] = hi_ ? x_ : w1_[4];
+                w1_[6] = hi_ ? w1_[6] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[5] : w1_[7], 1);
+                w1_[5] = hi_ ? x_ : w1_[5];
+                w1_[7] = hi_ ? w1_[7] : x_;
+              }
+            }
+            {
+              const bool hi_ = (tq & 2) != 0;  // pairs i (i & 2 = 0) and i + 2 trade places across lanes ^ 2
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[0] : w0_[4], 2);
+                w0_[0] = hi_ ? x_ : w0_[0];
+                w0_[4] = hi_ ? w0_[4] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[1] : w0_[5], 2);
+                w0_[1] = hi_ ? x_ : w0_[1];
+                w0_[5] = hi_ ? w0_[5] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[2] : w0_[6], 2);
+                w0_[2] = hi_ ? x_ : w0_[2];
+                w0_[6] = hi_ ? w0_[6] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[3] : w0_[7], 2);
+                w0_[3] = hi_ ? x_ : w0_[3];
+                w0_[7] = hi_ ? w0_[7] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[0] : w1_[4], 2);
+                w1_[0] = hi_ ? x_ : w1_[0];
+                w1_[4] = hi_ ? w1_[4] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[1] : w1_[5], 2);
+                w1_[1] = hi_ ? x_ : w1_[1];
+                w1_[5] = hi_ ? w1_[5] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[2] : w1_[6], 2);
+                w1_[2] = hi_ ? x_ : w1_[2];
+                w1_[6] = hi_ ? w1_[6] : x_;
+              }
+              {
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[3] : w1_[7], 2);
+                w1_[3] = hi_ ? x_ : w1_[3];
+                w1_[7] = hi_ ? w1_[7] : x_;
+              }
+            }
+            rg_st8f(&Wb[(bc * C + r0 + gq) * K + c0 + 8 * (4 * g4 + tq)], w0_);
+            rg_st8f(&Wb[(bc * C + r0 + gq + 8) * K + c0 + 8 * (4 * g4 + tq)], w1_);
+          }
+#pragma unroll
+        for (int ct = BW / 32 * 4; ct < BW / 8; ++ct) {
           const int c = c0 + 8 * ct + 2 * tq;
           rg_store2(&Wb[(bc * C + r0 + gq) * K + c], y_[ct][0], y_[ct][1]); rg_store2(&Wb[(bc * C + r0 + gq + 8) * K + c], y_[ct][2], y_[ct][3]);
         }
