@@ -264,3 +264,36 @@ def test_copies_render_by_the_dialects_table():
         assert "threadgroup uint4*" in src.header and "rg_cp16(" in src.source
     assert tuning.resolve("gpu", "cuda", environ={}).async_staging
     assert not tuning.resolve("gpu", "metal", environ={}).async_staging
+
+
+@pytest.mark.parametrize("kernel", ["readout", "ut"])
+def test_wide_kernels_without_matrix_loads_read_the_same_pairs(kernel, monkeypatch):
+    """A dialect with the wide multiply-add but no matrix loads (``Dialect.ldsm_a``, ``ldsm_b``, ``ldsm_bt`` empty)
+    takes ``a16_tile``'s and ``b16_tiles``' pair reads instead: the readout and the UT transform (GDN's calls, V = 48:
+    tiles read two at a time and one alone) give bit for bit what the matrix loads give."""
+    from dataclasses import replace
+
+    import mlx.core as mx
+
+    from recgen.codegen import backends
+
+    monkeypatch.setitem(backends.DIALECTS, "metal_pairs", replace(backends.get("metal_ptx"), name="metal_pairs",
+                                                                  ldsm_a="", ldsm_b="", ldsm_bt=""))
+    rng = np.random.default_rng(9)
+    B, H, HK, n, C, K, V = 2, 2, 1, 2, 32, 32, 48
+    N, T = B * H * n, n * C
+    f = lambda *s: mx.array(rng.normal(size=s).astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    uf, logd = rng.uniform(size=(N, C)).astype(np.float32), (-3 * rng.uniform(size=(N, C))).astype(np.float32)
+    if kernel == "readout":
+        ins = {"R": f(B, T, HK, K), "U": f(B, T, HK, K), "Uf": uf, "Z": f(N, C, V), "St": f(N, K, V), "logd": logd,
+               "Rs": np.array([0.5], np.float32)}
+        launch = lambda d: ck.out_async_launch(d, N, C, K, V, ("bfloat16",) * 4, (H, n, "float32"),  # noqa: E731
+                                               uf=True, ml=(H, HK, n, True), wide=True)
+    else:
+        ins = {"U": f(B, T, HK, K), "Uf": uf, "Bf": np.array([-1.0], np.float32), "W": f(B, T, H, V), "logd": logd}
+        launch = lambda d: ck.ut_async_launch(d, N, C, K, V, ("bfloat16", "bfloat16"), uf=True,  # noqa: E731
+                                              ot="bfloat16", ml=(H, HK, n, True), wide=True)
+    loads, pairs = launch("metal_ptx"), launch("metal_pairs")
+    assert "rg_ldsm" in loads.source.source and "rg_ldsm" not in pairs.source.source
+    for a, b in zip(verify.run_launch(loads, ins), verify.run_launch(pairs, ins)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
