@@ -176,7 +176,6 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     // S <- g_c * S, then + B_c^T Y_c in C / 8 fragment steps (B_c^T read as A fragments)
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
-      const int r = 16 * (warp * RBS + rb) + gq;
       const float g0 = gh_[rb][0], g8 = gh_[rb][1];
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {

@@ -228,8 +228,12 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
         Ys_[(r + 8) * LD + c] = y_[ct][2]; Ys_[(r + 8) * LD + c + 1] = y_[ct][3];
       }
     }
-    if (step + 1 < n) {  // the next chunk's fragments, in flight while this chunk's update runs
-      const long long bn = bh * n + n - 2 - step;
+    __syncthreads();  // Y_c is complete in threadgroup memory and no group reads the state copy any more
+    {
+      // the next chunk's fragments (the last chunk's again at the last step), in flight while this chunk's update
+      // runs: no branch around them, so that the compiler can place their conversions after the update's products
+      // rather than stall on them before the barrier
+      const long long bn = bh * n + (step + 1 < n ? n - 2 - step : 0);
 #pragma unroll
       for (int ct = 0; ct < YCT; ++ct) {
         const int c = col0 + 8 * (pct0 + ct) + 2 * tq;
@@ -246,7 +250,6 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       }
 
     }
-    __syncthreads();  // Y_c is complete in threadgroup memory and no group reads the state copy any more
     // S <- g_c * S, then + B_c^T Y_c in C / 8 fragment steps (B_c^T read as A fragments)
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {

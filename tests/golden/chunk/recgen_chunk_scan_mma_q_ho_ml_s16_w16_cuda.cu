@@ -247,7 +247,6 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
     // S <- g_c * S, then + B_c^T Y_c in C / 16 fragment steps (B_c^T read as A fragments)
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
-      const int r = 16 * RBS * warp + 2 * RBS * gq + 2 * rb;
       const float g0 = gh_[rb][0], g8 = gh_[rb][1];
 #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
