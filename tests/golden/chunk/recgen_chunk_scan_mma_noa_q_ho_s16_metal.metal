@@ -66,7 +66,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
         bp_[t0 / 8][rb][3] = static_cast<float>(Bm[(bc * C + t0 + 2 * tq + 1) * K + r + 8]) * q4;
       }
     }
-    // the chunk's decays of this lane's state rows: a load behind the second barrier would wait alone there
+    // the chunk's decays of this lane's state rows, loaded with the other state-free operands
     float gh_[RBS][2];
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {

@@ -168,7 +168,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       an_[k0 / 8][2] = static_cast<float>(A[(bc * C + pr_) * K + k0 + tq + 4]) * aq0;
       an_[k0 / 8][3] = static_cast<float>(A[(bc * C + pr_ + 8) * K + k0 + tq + 4]) * aq8;
     }
-    // the chunk's decays of this lane's state rows: a load behind the second barrier would wait alone there
+    // the chunk's decays of this lane's state rows, loaded with the other state-free operands
     float gh_[RBS][2];
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {

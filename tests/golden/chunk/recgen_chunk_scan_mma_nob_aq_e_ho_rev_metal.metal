@@ -73,7 +73,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       an_[k0 / 8][2] = static_cast<float>(A[(bc * C + pr_ + 8) * K + k0 + 2 * tq]) * aq8;
       an_[k0 / 8][3] = static_cast<float>(A[(bc * C + pr_ + 8) * K + k0 + 2 * tq + 1]) * aq8;
     }
-    // the chunk's decays of this lane's state rows: a load behind the second barrier would wait alone there
+    // the chunk's decays of this lane's state rows, loaded with the other state-free operands
     float gh_[RBS][2];
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {

@@ -188,7 +188,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
         bp_[t0 / 8][rb][3] = static_cast<float>(Bm[((bc - tshift) * C + t0 + tq + 4) * KLD + kh * K + r + 8]) * q4;
       }
     }
-    // the chunk's decays of this lane's state rows: a load behind the second barrier would wait alone there
+    // the chunk's decays of this lane's state rows, loaded with the other state-free operands
     float gh_[RBS][2];
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {

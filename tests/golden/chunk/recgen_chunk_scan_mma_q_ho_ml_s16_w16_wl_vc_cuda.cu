@@ -239,7 +239,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       }
     }
     }
-    // the chunk's decays of this lane's state rows: a load behind the second barrier would wait alone there
+    // the chunk's decays of this lane's state rows, loaded with the other state-free operands
     float gh_[RBS][2];
 #pragma unroll
     for (int rb = 0; rb < RBS; ++rb) {
