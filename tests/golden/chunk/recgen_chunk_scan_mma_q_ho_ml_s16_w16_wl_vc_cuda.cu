@@ -261,10 +261,10 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
       for (int g4 = 0; g4 < CT / 4; ++g4)  // the state's rows r, r + 1: a lane's eight columns of each one store
         {
-          const float v0_[8] = {S_[rb][4 * g4 + 0][0], S_[rb][4 * g4 + 0][1], S_[rb][4 * g4 + 1][0], S_[rb][4 * g4 + 1][1], S_[rb][4 * g4 + 2][0], S_[rb][4 * g4 + 2][1], S_[rb][4 * g4 + 3][0], S_[rb][4 * g4 + 3][1]};
-          rg_st8f(&carried[(bc * K + r) * V + col0 + 8 * (4 * g4) + 8 * tq], v0_);
-          const float v1_[8] = {S_[rb][4 * g4 + 0][2], S_[rb][4 * g4 + 0][3], S_[rb][4 * g4 + 1][2], S_[rb][4 * g4 + 1][3], S_[rb][4 * g4 + 2][2], S_[rb][4 * g4 + 2][3], S_[rb][4 * g4 + 3][2], S_[rb][4 * g4 + 3][3]};
-          rg_st8f(&carried[(bc * K + r + 1) * V + col0 + 8 * (4 * g4) + 8 * tq], v1_);
+          float v0_[8] = {S_[rb][4 * g4 + 0][0], S_[rb][4 * g4 + 0][1], S_[rb][4 * g4 + 1][0], S_[rb][4 * g4 + 1][1], S_[rb][4 * g4 + 2][0], S_[rb][4 * g4 + 2][1], S_[rb][4 * g4 + 3][0], S_[rb][4 * g4 + 3][1]};
+          float v1_[8] = {S_[rb][4 * g4 + 0][2], S_[rb][4 * g4 + 0][3], S_[rb][4 * g4 + 1][2], S_[rb][4 * g4 + 1][3], S_[rb][4 * g4 + 2][2], S_[rb][4 * g4 + 2][3], S_[rb][4 * g4 + 3][2], S_[rb][4 * g4 + 3][3]};
+          rg_st8f(&carried[(bc * K + r) * V + col0 + 32 * g4 + 8 * tq], v0_);
+          rg_st8f(&carried[(bc * K + r + 1) * V + col0 + 32 * g4 + 8 * tq], v1_);
         }
     }
     __syncthreads();  // the state copy is complete
@@ -293,9 +293,9 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
 #pragma unroll
       for (int g4 = 0; g4 < YCT / 4; ++g4)  // Y's rows r, r + 8: a lane's eight columns of each one store
         {
-          const float v0_[8] = {y_[4 * g4 + 0][0], y_[4 * g4 + 0][1], y_[4 * g4 + 1][0], y_[4 * g4 + 1][1], y_[4 * g4 + 2][0], y_[4 * g4 + 2][1], y_[4 * g4 + 3][0], y_[4 * g4 + 3][1]};
+          float v0_[8] = {y_[4 * g4 + 0][0], y_[4 * g4 + 0][1], y_[4 * g4 + 1][0], y_[4 * g4 + 1][1], y_[4 * g4 + 2][0], y_[4 * g4 + 2][1], y_[4 * g4 + 3][0], y_[4 * g4 + 3][1]};
+          float v1_[8] = {y_[4 * g4 + 0][2], y_[4 * g4 + 0][3], y_[4 * g4 + 1][2], y_[4 * g4 + 1][3], y_[4 * g4 + 2][2], y_[4 * g4 + 2][3], y_[4 * g4 + 3][2], y_[4 * g4 + 3][3]};
           rg_st8f(&Y[(bc * C + r) * V + col0 + 8 * (ct0 + 4 * g4) + 8 * tq], v0_);
-          const float v1_[8] = {y_[4 * g4 + 0][2], y_[4 * g4 + 0][3], y_[4 * g4 + 1][2], y_[4 * g4 + 1][3], y_[4 * g4 + 2][2], y_[4 * g4 + 2][3], y_[4 * g4 + 3][2], y_[4 * g4 + 3][3]};
           rg_st8f(&Y[(bc * C + r + 8) * V + col0 + 8 * (ct0 + 4 * g4) + 8 * tq], v1_);
         }
     }

@@ -391,96 +391,96 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
 #pragma unroll
         for (int g4 = 0; g4 < BW / 32; ++g4)  // four tiles: a lane's eight columns of a row, one store
           {
-            float w0_[8] = {y_[4 * g4 + 0][0], y_[4 * g4 + 0][1], y_[4 * g4 + 1][0], y_[4 * g4 + 1][1], y_[4 * g4 + 2][0], y_[4 * g4 + 2][1], y_[4 * g4 + 3][0], y_[4 * g4 + 3][1]};
-            float w1_[8] = {y_[4 * g4 + 0][2], y_[4 * g4 + 0][3], y_[4 * g4 + 1][2], y_[4 * g4 + 1][3], y_[4 * g4 + 2][2], y_[4 * g4 + 2][3], y_[4 * g4 + 3][2], y_[4 * g4 + 3][3]};
+            float v0_[8] = {y_[4 * g4 + 0][0], y_[4 * g4 + 0][1], y_[4 * g4 + 1][0], y_[4 * g4 + 1][1], y_[4 * g4 + 2][0], y_[4 * g4 + 2][1], y_[4 * g4 + 3][0], y_[4 * g4 + 3][1]};
+            float v1_[8] = {y_[4 * g4 + 0][2], y_[4 * g4 + 0][3], y_[4 * g4 + 1][2], y_[4 * g4 + 1][3], y_[4 * g4 + 2][2], y_[4 * g4 + 2][3], y_[4 * g4 + 3][2], y_[4 * g4 + 3][3]};
             {
               const bool hi_ = (tq & 1) != 0;  // pairs i (i & 1 = 0) and i + 1 trade places across lanes ^ 1
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[0] : w0_[2], 1);
-                w0_[0] = hi_ ? x_ : w0_[0];
-                w0_[2] = hi_ ? w0_[2] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[0] : v0_[2], 1);
+                v0_[0] = hi_ ? x_ : v0_[0];
+                v0_[2] = hi_ ? v0_[2] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[1] : w0_[3], 1);
-                w0_[1] = hi_ ? x_ : w0_[1];
-                w0_[3] = hi_ ? w0_[3] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[1] : v0_[3], 1);
+                v0_[1] = hi_ ? x_ : v0_[1];
+                v0_[3] = hi_ ? v0_[3] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[4] : w0_[6], 1);
-                w0_[4] = hi_ ? x_ : w0_[4];
-                w0_[6] = hi_ ? w0_[6] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[4] : v0_[6], 1);
+                v0_[4] = hi_ ? x_ : v0_[4];
+                v0_[6] = hi_ ? v0_[6] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[5] : w0_[7], 1);
-                w0_[5] = hi_ ? x_ : w0_[5];
-                w0_[7] = hi_ ? w0_[7] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[5] : v0_[7], 1);
+                v0_[5] = hi_ ? x_ : v0_[5];
+                v0_[7] = hi_ ? v0_[7] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[0] : w1_[2], 1);
-                w1_[0] = hi_ ? x_ : w1_[0];
-                w1_[2] = hi_ ? w1_[2] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[0] : v1_[2], 1);
+                v1_[0] = hi_ ? x_ : v1_[0];
+                v1_[2] = hi_ ? v1_[2] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[1] : w1_[3], 1);
-                w1_[1] = hi_ ? x_ : w1_[1];
-                w1_[3] = hi_ ? w1_[3] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[1] : v1_[3], 1);
+                v1_[1] = hi_ ? x_ : v1_[1];
+                v1_[3] = hi_ ? v1_[3] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[4] : w1_[6], 1);
-                w1_[4] = hi_ ? x_ : w1_[4];
-                w1_[6] = hi_ ? w1_[6] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[4] : v1_[6], 1);
+                v1_[4] = hi_ ? x_ : v1_[4];
+                v1_[6] = hi_ ? v1_[6] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[5] : w1_[7], 1);
-                w1_[5] = hi_ ? x_ : w1_[5];
-                w1_[7] = hi_ ? w1_[7] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[5] : v1_[7], 1);
+                v1_[5] = hi_ ? x_ : v1_[5];
+                v1_[7] = hi_ ? v1_[7] : x_;
               }
             }
             {
               const bool hi_ = (tq & 2) != 0;  // pairs i (i & 2 = 0) and i + 2 trade places across lanes ^ 2
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[0] : w0_[4], 2);
-                w0_[0] = hi_ ? x_ : w0_[0];
-                w0_[4] = hi_ ? w0_[4] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[0] : v0_[4], 2);
+                v0_[0] = hi_ ? x_ : v0_[0];
+                v0_[4] = hi_ ? v0_[4] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[1] : w0_[5], 2);
-                w0_[1] = hi_ ? x_ : w0_[1];
-                w0_[5] = hi_ ? w0_[5] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[1] : v0_[5], 2);
+                v0_[1] = hi_ ? x_ : v0_[1];
+                v0_[5] = hi_ ? v0_[5] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[2] : w0_[6], 2);
-                w0_[2] = hi_ ? x_ : w0_[2];
-                w0_[6] = hi_ ? w0_[6] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[2] : v0_[6], 2);
+                v0_[2] = hi_ ? x_ : v0_[2];
+                v0_[6] = hi_ ? v0_[6] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[3] : w0_[7], 2);
-                w0_[3] = hi_ ? x_ : w0_[3];
-                w0_[7] = hi_ ? w0_[7] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[3] : v0_[7], 2);
+                v0_[3] = hi_ ? x_ : v0_[3];
+                v0_[7] = hi_ ? v0_[7] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[0] : w1_[4], 2);
-                w1_[0] = hi_ ? x_ : w1_[0];
-                w1_[4] = hi_ ? w1_[4] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[0] : v1_[4], 2);
+                v1_[0] = hi_ ? x_ : v1_[0];
+                v1_[4] = hi_ ? v1_[4] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[1] : w1_[5], 2);
-                w1_[1] = hi_ ? x_ : w1_[1];
-                w1_[5] = hi_ ? w1_[5] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[1] : v1_[5], 2);
+                v1_[1] = hi_ ? x_ : v1_[1];
+                v1_[5] = hi_ ? v1_[5] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[2] : w1_[6], 2);
-                w1_[2] = hi_ ? x_ : w1_[2];
-                w1_[6] = hi_ ? w1_[6] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[2] : v1_[6], 2);
+                v1_[2] = hi_ ? x_ : v1_[2];
+                v1_[6] = hi_ ? v1_[6] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[3] : w1_[7], 2);
-                w1_[3] = hi_ ? x_ : w1_[3];
-                w1_[7] = hi_ ? w1_[7] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[3] : v1_[7], 2);
+                v1_[3] = hi_ ? x_ : v1_[3];
+                v1_[7] = hi_ ? v1_[7] : x_;
               }
             }
-            rg_st8f(&Uw[(bc * C + r0 + gq) * V + c0 + 8 * (4 * g4 + tq)], w0_);
-            rg_st8f(&Uw[(bc * C + r0 + gq + 8) * V + c0 + 8 * (4 * g4 + tq)], w1_);
+            rg_st8f(&Uw[(bc * C + r0 + gq) * V + c0 + 32 * g4 + 8 * tq], v0_);
+            rg_st8f(&Uw[(bc * C + r0 + gq + 8) * V + c0 + 32 * g4 + 8 * tq], v1_);
           }
 #pragma unroll
         for (int ct = BW / 32 * 4; ct < BW / 8; ++ct) {
@@ -552,96 +552,96 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
 #pragma unroll
         for (int g4 = 0; g4 < BW / 32; ++g4)  // four tiles: a lane's eight columns of a row, one store
           {
-            float w0_[8] = {y_[4 * g4 + 0][0], y_[4 * g4 + 0][1], y_[4 * g4 + 1][0], y_[4 * g4 + 1][1], y_[4 * g4 + 2][0], y_[4 * g4 + 2][1], y_[4 * g4 + 3][0], y_[4 * g4 + 3][1]};
-            float w1_[8] = {y_[4 * g4 + 0][2], y_[4 * g4 + 0][3], y_[4 * g4 + 1][2], y_[4 * g4 + 1][3], y_[4 * g4 + 2][2], y_[4 * g4 + 2][3], y_[4 * g4 + 3][2], y_[4 * g4 + 3][3]};
+            float v0_[8] = {y_[4 * g4 + 0][0], y_[4 * g4 + 0][1], y_[4 * g4 + 1][0], y_[4 * g4 + 1][1], y_[4 * g4 + 2][0], y_[4 * g4 + 2][1], y_[4 * g4 + 3][0], y_[4 * g4 + 3][1]};
+            float v1_[8] = {y_[4 * g4 + 0][2], y_[4 * g4 + 0][3], y_[4 * g4 + 1][2], y_[4 * g4 + 1][3], y_[4 * g4 + 2][2], y_[4 * g4 + 2][3], y_[4 * g4 + 3][2], y_[4 * g4 + 3][3]};
             {
               const bool hi_ = (tq & 1) != 0;  // pairs i (i & 1 = 0) and i + 1 trade places across lanes ^ 1
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[0] : w0_[2], 1);
-                w0_[0] = hi_ ? x_ : w0_[0];
-                w0_[2] = hi_ ? w0_[2] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[0] : v0_[2], 1);
+                v0_[0] = hi_ ? x_ : v0_[0];
+                v0_[2] = hi_ ? v0_[2] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[1] : w0_[3], 1);
-                w0_[1] = hi_ ? x_ : w0_[1];
-                w0_[3] = hi_ ? w0_[3] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[1] : v0_[3], 1);
+                v0_[1] = hi_ ? x_ : v0_[1];
+                v0_[3] = hi_ ? v0_[3] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[4] : w0_[6], 1);
-                w0_[4] = hi_ ? x_ : w0_[4];
-                w0_[6] = hi_ ? w0_[6] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[4] : v0_[6], 1);
+                v0_[4] = hi_ ? x_ : v0_[4];
+                v0_[6] = hi_ ? v0_[6] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[5] : w0_[7], 1);
-                w0_[5] = hi_ ? x_ : w0_[5];
-                w0_[7] = hi_ ? w0_[7] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[5] : v0_[7], 1);
+                v0_[5] = hi_ ? x_ : v0_[5];
+                v0_[7] = hi_ ? v0_[7] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[0] : w1_[2], 1);
-                w1_[0] = hi_ ? x_ : w1_[0];
-                w1_[2] = hi_ ? w1_[2] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[0] : v1_[2], 1);
+                v1_[0] = hi_ ? x_ : v1_[0];
+                v1_[2] = hi_ ? v1_[2] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[1] : w1_[3], 1);
-                w1_[1] = hi_ ? x_ : w1_[1];
-                w1_[3] = hi_ ? w1_[3] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[1] : v1_[3], 1);
+                v1_[1] = hi_ ? x_ : v1_[1];
+                v1_[3] = hi_ ? v1_[3] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[4] : w1_[6], 1);
-                w1_[4] = hi_ ? x_ : w1_[4];
-                w1_[6] = hi_ ? w1_[6] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[4] : v1_[6], 1);
+                v1_[4] = hi_ ? x_ : v1_[4];
+                v1_[6] = hi_ ? v1_[6] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[5] : w1_[7], 1);
-                w1_[5] = hi_ ? x_ : w1_[5];
-                w1_[7] = hi_ ? w1_[7] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[5] : v1_[7], 1);
+                v1_[5] = hi_ ? x_ : v1_[5];
+                v1_[7] = hi_ ? v1_[7] : x_;
               }
             }
             {
               const bool hi_ = (tq & 2) != 0;  // pairs i (i & 2 = 0) and i + 2 trade places across lanes ^ 2
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[0] : w0_[4], 2);
-                w0_[0] = hi_ ? x_ : w0_[0];
-                w0_[4] = hi_ ? w0_[4] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[0] : v0_[4], 2);
+                v0_[0] = hi_ ? x_ : v0_[0];
+                v0_[4] = hi_ ? v0_[4] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[1] : w0_[5], 2);
-                w0_[1] = hi_ ? x_ : w0_[1];
-                w0_[5] = hi_ ? w0_[5] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[1] : v0_[5], 2);
+                v0_[1] = hi_ ? x_ : v0_[1];
+                v0_[5] = hi_ ? v0_[5] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[2] : w0_[6], 2);
-                w0_[2] = hi_ ? x_ : w0_[2];
-                w0_[6] = hi_ ? w0_[6] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[2] : v0_[6], 2);
+                v0_[2] = hi_ ? x_ : v0_[2];
+                v0_[6] = hi_ ? v0_[6] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w0_[3] : w0_[7], 2);
-                w0_[3] = hi_ ? x_ : w0_[3];
-                w0_[7] = hi_ ? w0_[7] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v0_[3] : v0_[7], 2);
+                v0_[3] = hi_ ? x_ : v0_[3];
+                v0_[7] = hi_ ? v0_[7] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[0] : w1_[4], 2);
-                w1_[0] = hi_ ? x_ : w1_[0];
-                w1_[4] = hi_ ? w1_[4] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[0] : v1_[4], 2);
+                v1_[0] = hi_ ? x_ : v1_[0];
+                v1_[4] = hi_ ? v1_[4] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[1] : w1_[5], 2);
-                w1_[1] = hi_ ? x_ : w1_[1];
-                w1_[5] = hi_ ? w1_[5] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[1] : v1_[5], 2);
+                v1_[1] = hi_ ? x_ : v1_[1];
+                v1_[5] = hi_ ? v1_[5] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[2] : w1_[6], 2);
-                w1_[2] = hi_ ? x_ : w1_[2];
-                w1_[6] = hi_ ? w1_[6] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[2] : v1_[6], 2);
+                v1_[2] = hi_ ? x_ : v1_[2];
+                v1_[6] = hi_ ? v1_[6] : x_;
               }
               {
-                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? w1_[3] : w1_[7], 2);
-                w1_[3] = hi_ ? x_ : w1_[3];
-                w1_[7] = hi_ ? w1_[7] : x_;
+                const float x_ = __shfl_xor_sync(0xffffffffu, hi_ ? v1_[3] : v1_[7], 2);
+                v1_[3] = hi_ ? x_ : v1_[3];
+                v1_[7] = hi_ ? v1_[7] : x_;
               }
             }
-            rg_st8f(&Wb[(bc * C + r0 + gq) * K + c0 + 8 * (4 * g4 + tq)], w0_);
-            rg_st8f(&Wb[(bc * C + r0 + gq + 8) * K + c0 + 8 * (4 * g4 + tq)], w1_);
+            rg_st8f(&Wb[(bc * C + r0 + gq) * K + c0 + 32 * g4 + 8 * tq], v0_);
+            rg_st8f(&Wb[(bc * C + r0 + gq + 8) * K + c0 + 32 * g4 + 8 * tq], v1_);
           }
 #pragma unroll
         for (int ct = BW / 32 * 4; ct < BW / 8; ++ct) {
