@@ -38,34 +38,48 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a, np.float64) - b).max() / (np.abs(b).max() + 1e-30))
 
 
-@pytest.mark.parametrize("N,C,F,before,scaled,pq", [(3, 16, 32, False, (), True), (5, 64, 40, False, (), True),
-                                                     (3, 16, 40, True, ("Q", "P", "Pe", "Q"), True),
-                                                     (3, 16, 40, True, ("Q", "P", "Pe", "Q"), False)])
-def test_key_decays_match_numpy(N, C, F, before, scaled, pq):
+@pytest.mark.parametrize("N,C,F,before,scaled,pq,d", [(3, 16, 32, False, (), True, True),
+                                                       (5, 64, 40, False, (), True, True),
+                                                       (3, 16, 40, True, ("Q", "P", "Pe", "Q"), True, True),
+                                                       (3, 16, 40, True, ("Q", "P", "Pe", "Q"), False, True),
+                                                       # F = 1: a SIMD group a chunk (lanes)
+                                                       (5, 64, 1, False, ("Q",), True, False),
+                                                       (3, 48, 1, True, ("P", "Q"), True, True),
+                                                       (6, 128, 1, False, (), True, True),
+                                                       (2, 16, 1, False, ("Q",), False, False)])
+def test_key_decays_match_numpy(N, C, F, before, scaled, pq, d):
     """The decay geometry kernel (chunk_decays.j2): D = e^l, P_t = e^{sum_{tau<=t} l}, Q_s = e^{sum_{tau>s} l} per
-    chunk and key column, with ``before`` P_{t-1} (1 at t = 0), and roles X_i (bf16 and float32) times the decay
-    ``scaled`` names (without ``pq``: G, P's last row, in place of P and Q), log-decays down to -20 a token and some
-    0, N F not a multiple of the threadgroup (128)."""
+    chunk and key column, G = P's last row (bit for bit), with ``before`` P_{t-1} (1 at t = 0), and roles X_i (bf16
+    and float32) times the decay ``scaled`` names (without ``pq``: no P and Q; without ``d``: no D), log-decays down
+    to -20 a token, some 0 and a reset (-inf), N F not a multiple of the threadgroup (128); a scalar decay (F = 1)
+    with chunks a lane's share does not divide (C = 48) and of 1 to 4 tokens a lane."""
     mx = pytest.importorskip("mlx.core")
     rng = np.random.default_rng(N + C + F)
     l = (-20 * rng.uniform(size=(N, C, F)) ** 3).astype(np.float32)
     l[rng.uniform(size=l.shape) < 0.05] = 0.0
+    l[-1, C // 3, 0] = -np.inf
     xs = [rng.normal(size=(N, C, F)).astype(np.float32) for _ in scaled]
     ins = {"l": l} | {f"X{i}": (mx.array(x).astype(mx.bfloat16) if i % 2 else x) for i, x in enumerate(xs)}
-    outs = verify.run_launch(ck.decays_launch("metal", N, C, F, before, scaled, pq), ins)
-    assert len(outs) == 3 - (not pq) + before + len(scaled)
+    launch = ck.decays_launch("metal", N, C, F, before, scaled, pq, d)
+    assert ("_lanes" in launch.source.name) == (F == 1)
+    outs = verify.run_launch(launch, ins)
+    assert len(outs) == d + 2 * pq + 1 + before + len(scaled)
     l64 = l.astype(np.float64)
-    after = np.cumsum(l64[:, ::-1], 1)[:, ::-1] - l64  # sum over tau > s
+    back = np.cumsum(l64[:, ::-1], 1)[:, ::-1]
+    after = np.concatenate([back[:, 1:], np.zeros_like(back[:, :1])], 1)  # sum over tau > s
     # P and Q carry the float32 rounding of their sums (|sum| up to 20 C / 4): relative 2^-24 C max|sum| at most
-    tol = 2.0 ** -24 * C * np.abs(np.cumsum(l64, 1)).max()
-    dec = {"P": np.exp(np.cumsum(l64, 1)), "Q": np.exp(after), "Pe": np.exp(np.cumsum(l64, 1) - l64)}
-    want = [(np.exp(l64), 2e-6)] + ([(dec["P"], tol), (dec["Q"], tol)] if pq else [(dec["P"][:, -1], tol)])
-    want += [(dec["Pe"], tol)] if before else []
+    tol = 2.0 ** -24 * C * np.abs(np.cumsum(np.where(np.isinf(l64), 0.0, l64), 1)).max()
+    pe = np.exp(np.concatenate([np.zeros_like(l64[:, :1]), np.cumsum(l64, 1)[:, :-1]], 1))
+    dec = {"P": np.exp(np.cumsum(l64, 1)), "Q": np.exp(after), "Pe": pe}
+    want = ([(np.exp(l64), 2e-6)] if d else []) + ([(dec["P"], tol), (dec["Q"], tol)] if pq else [])
+    want += [(dec["P"][:, -1], tol)] + ([(dec["Pe"], tol)] if before else [])
     for i, w in enumerate(scaled):
         x = np.array(ins[f"X{i}"].astype(mx.float32), np.float64) if i % 2 else xs[i].astype(np.float64)
         want.append((x * dec[w], tol + 2e-7))
     for got, (w, rtol) in zip(outs, want):
         assert np.all(np.abs(got - w) <= rtol * np.abs(w) + 1e-38), float((np.abs(got - w) / np.abs(w)).max())
+    if pq:
+        assert np.array_equal(outs[d + 2], outs[d][:, -1])  # G is P's last row to the bit
 
 
 def _strong_decays(rng, shape):
@@ -504,26 +518,26 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
                  else {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})
         want |= {"recgen_chunk_decays_q"}  # with u ⊙ Q
     else:
-        want |= {"recgen_chunk_decays"}  # a scalar decay's P and Q (``KernelScalarDecay``)
+        want |= {"recgen_chunk_decays_lanes_nod"}  # a scalar decay's P, Q and g (``KernelScalarDecay``)
     if rec.features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
         want = {"recgen_chunk_sympow", "recgen_chunk_sympow_grad"} | ({"recgen_chunk_decayed_scores", "recgen_chunk_decayed_scores_grad"} if form else set())
         if name == "sympow_skip":  # the general form's core builds the scalar decay's geometry (the identity its own)
-            want |= {"recgen_chunk_decays"}
+            want |= {"recgen_chunk_decays_lanes_nod"}
     assert kinds == want, kinds
 
 
 @pytest.mark.parametrize("name,K,pairs,want", [
-    ("gated_delta_net", 16, False, {"recgen_chunk_decays", "recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q",
+    ("gated_delta_net", 16, False, {"recgen_chunk_decays_lanes_nod_q", "recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q",
                                     "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
                                     "recgen_chunk_out_mma_uf_yt", "recgen_chunk_bwd_mma_delta_uf"}),
-    ("delta_net", 16, False, {"recgen_chunk_decays", "recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q",
+    ("delta_net", 16, False, {"recgen_chunk_decays_lanes_nod_q", "recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q",
                               "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
                               "recgen_chunk_out_mma_uf_yt", "recgen_chunk_bwd_mma_delta_uf"}),
-    ("gated_delta_net/formed", 16, False, {"recgen_chunk_decays", "recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q",
+    ("gated_delta_net/formed", 16, False, {"recgen_chunk_decays_lanes_nod", "recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q",
                                            "recgen_chunk_scan_mma_aq_p_pq_dg_rev", "recgen_chunk_out_mma_yt",
                                            "recgen_chunk_bwd_mma_delta"}),
-    ("simple_gla", 16, False, {"recgen_chunk_decays", "recgen_chunk_scan_mma_noa_q", "recgen_chunk_scan_mma_nob_aq_e_rev",
-                               "recgen_chunk_out_mma_yt",
+    ("simple_gla", 16, False, {"recgen_chunk_decays_lanes_nod", "recgen_chunk_scan_mma_noa_q",
+                               "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
                                "recgen_chunk_bwd_mma"}),
     ("kda", 32, False, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key_uf",
                         "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_aq_p_dg_rev",
@@ -590,7 +604,7 @@ def test_chunked_core_reads_the_model_layout(name, gqa, in_dtype, monkeypatch):
         assert_close(compare(rec, T, chunk=16, K=16, V=8, seed=3, tuning=t, in_dtype=dtype),
                      *((1e-2, 1e-2) if in_dtype else ()))
         kinds = {c.split("_metal")[0] for c in calls}
-        assert kinds == {"recgen_chunk_decays", f"recgen_chunk_ut_mma_uf{suffix}", f"recgen_chunk_scan_mma_q{suffix}",
+        assert kinds == {"recgen_chunk_decays_lanes_nod_q", f"recgen_chunk_ut_mma_uf{suffix}", f"recgen_chunk_scan_mma_q{suffix}",
                          f"recgen_chunk_scan_mma_aq_p_pq_dg{suffix}_rev", f"recgen_chunk_out_mma_uf{suffix}_yt",
                          f"recgen_chunk_bwd_mma_delta_uf{suffix}"}, (T, kinds)
 

@@ -110,13 +110,9 @@ class ScalarDecay(PairsOneByOne):
     def __init__(self, l, t: Tuning, saved=(), scaled=None):
         """``scaled``: roles to scale by a decay (``scale``), formed as ``self.scaled``."""
         self.l, self.t = l, t
-        self.P, self.Q = self.decays()
+        self.P, self.Q = exp(mx.cumsum(l, axis=-2), t.pow2_exp), _decay_to_end(l, t.pow2_exp)  # anchored sums
         self.g = self.P[..., -1, :]
         self.scaled = self.scale(scaled)
-
-    def decays(self) -> tuple:
-        """(P, Q) [.., C, 1] from sums anchored at the chunk's start and end, by MLX ops."""
-        return exp(mx.cumsum(self.l, axis=-2), self.t.pow2_exp), _decay_to_end(self.l, self.t.pow2_exp)
 
     @cached_property
     def gamma(self):
@@ -150,11 +146,17 @@ class ScalarDecay(PairsOneByOne):
 
 
 class KernelScalarDecay(ScalarDecay):
-    """``ScalarDecay`` with P and Q from one generated pass (``chunk_kernels.key_decays``, F = 1), the same anchored
-    sums: as MLX ops they were two cumulative sums, a concatenation and two exps, each a launch of its own."""
+    """``ScalarDecay`` with P, Q, g and the scaled roles (here [.., C, 1], as l) from one generated pass
+    (``chunk_kernels.key_decays``, F = 1), the same anchored sums: as MLX ops they were two cumulative sums, a
+    concatenation and two exps, g a strided copy of P's last row and each scaled role a product, each a launch of
+    its own."""
 
-    def decays(self) -> tuple:
-        return ck.key_decays(self.l, self.t)[1:]
+    def __init__(self, l, t: Tuning, saved=(), scaled=None):
+        self.l, self.t = l, t
+        scaled = scaled or {}
+        out = ck.key_decays(l, t, scaled=tuple(scaled.values()), d=False)
+        self.P, self.Q, self.g = out.P, out.Q, out.g
+        self.scaled = dict(zip(scaled, out.scaled))
 
 
 class KeyDecay(PairsOneByOne):
@@ -220,14 +222,11 @@ class KernelKeyDecay(PairsOneByOne):
         scaled = scaled or {}
         # one kernel pass for the three (MLX spent two cumulative sums, three exps and a concatenation on them, in
         # the forward and again in the backward)
-        outs = ck.key_decays(l, t, before, tuple(scaled.values()), pq)
+        out = ck.key_decays(l, t, before, tuple(scaled.values()), pq)
+        self.d, self.g, self._pe = out.d, out.g, out.pe
         if pq:
-            self.d, self.P, self.Q, *rest = outs
-            self.g = self.P[..., -1, :]
-        else:
-            self.d, self.g, *rest = outs
-        self._pe = rest[:int(before)]
-        self.scaled = dict(zip(scaled, rest[int(before):]))
+            self.P, self.Q = out.P, out.Q
+        self.scaled = dict(zip(scaled, out.scaled))
         self.dual = pair_supported(t.dialect, *l.shape[-2:], dual=True)  # the dual kernels' tiles fit
         self.quad = pair_supported(t.dialect, *l.shape[-2:], dual=True, quad=True)  # ... the quad kernels' too
 
@@ -237,20 +236,21 @@ class KernelKeyDecay(PairsOneByOne):
         return []
 
     def p_before(self):
-        return self._pe[0] if self._pe else super().p_before()
+        return self._pe if self._pe is not None else super().p_before()
 
     @cached_property
     def _pq(self):
-        """(P, Q) by a pass of their own, for a geometry built without them (``pq`` off): MLX runs it only if read."""
-        return ck.key_decays(self.l, self.t)[1:]
+        """P and Q by a pass of their own, for a geometry built without them (``pq`` off): MLX runs it only if
+        read."""
+        return ck.key_decays(self.l, self.t, d=False)
 
     @cached_property
     def P(self):
-        return self._pq[0]
+        return self._pq.P
 
     @cached_property
     def Q(self):
-        return self._pq[1]
+        return self._pq.Q
 
     def pair(self, X, Y, strict: bool):
         return ck.pair(X, Y, self.d, strict, self.t)
@@ -532,7 +532,8 @@ def _forward_keyed(geo, S0, r, x, w, f, rho: float, kern, out=None, rfac=None, m
     o16 = x.dtype if kern.ut_16bit and x.dtype in (mx.bfloat16, mx.float16) else None  # U, W in the keys' type
     s16 = o16 if kern.states_16bit else None  # and the residuals: T, the states, Z (then M, as the readout writes it)
     Tm, U, W = ck.chunk_ut(None, x, w, geo.l, kern, uf=f, bf=rho, out=o16, ml=ml, st=s16)
-    states, Z, S_end = ck.chunk_scan(S0, W, U, x, geo.g, None, kern, reverse=False, Bq=f * geo.Q, ml=ml, st=s16)
+    Bq = geo.role("fQ", f, "Q")  # formed in the decays' pass
+    states, Z, S_end = ck.chunk_scan(S0, W, U, x, geo.g, None, kern, reverse=False, Bq=Bq, ml=ml, st=s16)
     y, M = ck.chunk_out(r, x, Z, states, geo.l, kern, out, rfac, uf=f, ml=ml)
     return y, S_end, (states, M, Z, Tm, W)
 
@@ -660,7 +661,7 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
     Z = Z.astype(states.dtype)  # products with the states' operands in one type (no promotion in MLX's products)
     Pr = geo.P if rfac is None else geo.P * rfac
     F = M.swapaxes(-1, -2) @ dy
-    Aq = geo.Q if f is None else f * geo.Q
+    Aq = geo.Q if f is None else geo.role("fQ", f, "Q")
     st = None if states.dtype == mx.float32 else states.dtype
     dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (u, Aq), W, F, ((r, Pr), dy), compose, matrix, kern, states, ml,
                                      st)
@@ -723,11 +724,12 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
     Geo = decay_geometry(key, kern)
     nres = (6 if key and rho is not None else 5) if delta else 2  # factor reads keep a key decay's unscaled A too
 
-    def scaled(r, u, backward: bool):
-        """A key-vector decay's roles scaled by its decays, formed with them (on the kernels: in the geometry's
-        pass): the scans' u ⊙ Q, and the backward's r ⊙ P where r is the readout role itself."""
+    def scaled(r, u, bt, backward: bool):
+        """The roles scaled by the decays, formed with them (on the kernels: in the geometry's pass): a key-vector
+        decay's u ⊙ Q for the scans, and the backward's r ⊙ P where r is the readout role itself; with factor reads
+        of a scalar decay the scans' row scales f ⊙ Q (f: ``bt``, as l [.., C, 1])."""
         if not key:
-            return None
+            return {"fQ": (bt, "Q")} if rho is not None else None
         return {"uQ": (u, "Q")} | ({"rP": (r, "P")} if backward and rfac is None else {})
 
     def ml(r, l):
@@ -735,7 +737,7 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         return None if model_rows is None else (l.shape[1], r.shape[2], l.shape[2], model_rows == "block")
 
     def fwd(S0, r, u, w, l, bt=None):
-        geo = Geo(l, t, scaled=scaled(r, u, False))
+        geo = Geo(l, t, scaled=scaled(r, u, bt, False))
         if rho is not None:
             y, S_end, res = _forward_keyed(geo, S0, r, u, w, bt, rho, kern, out, rfac, ml(r, l))
         else:
@@ -749,7 +751,7 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
         if out is not None:  # in the states' type: 16-bit states (``Tuning.states_16bit``) take 16-bit products
             dy = core_layout(dy, *l.shape[-3:-1], res[0].dtype)
-        geo = Geo(l, t, geo_saved, scaled(r, u, True))
+        geo = Geo(l, t, geo_saved, scaled(r, u, bt, True))
         if rho is not None:
             dS0, dr, du, dw, dl, dbt = _backward_keyed(geo, r, u, bt, rho, res, dy, dS_end, compose, matrix, kern, rfac,
                                                        ml(r, l))

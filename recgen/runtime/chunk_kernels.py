@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ..codegen.backends import get
@@ -92,20 +93,26 @@ def inverse_launch(dialect: str, N: int, C: int) -> Launch:
     return Launch(src, (), (((N, C, C), "float32"),), (N * C, 1, 1), (C, 1, 1), (("C", C),))
 
 
-DECAYS_NT = 128  # threads a threadgroup of the decay-geometry kernel: one a (chunk, key column)
+DECAYS_NT = 128  # threads a threadgroup of the decay-geometry kernel: one a (chunk, key column), or 32 a chunk (F = 1)
 
 
 @lru_cache(maxsize=256)
 def decays_launch(dialect: str, N: int, C: int, F: int, before: bool = False, scaled: tuple = (),
-                  pq: bool = True) -> Launch:
-    """D, P, Q [N, C, F] of a key-vector decay from its log-decays (``chunk_decays.j2``); ``before``: and P one token
-    earlier; ``scaled``: and each given role times its decay ("P", "Q" or "Pe"); ``pq`` off: D and G [N, F] (the
-    chunk's decay) in place of D, P, Q."""
-    groups = -(-N * F // DECAYS_NT)
+                  pq: bool = True, d: bool = True) -> Launch:
+    """The decay geometry over N chunks of C tokens from the log-decays [N, C, F] (``decays_source``): D (``d``),
+    P and Q (``pq``) [N, C, F], G [N, F], Pe (``before``) and each given role times its decay ("P", "Q" or "Pe"),
+    in that order. A scalar decay (F = 1) runs a SIMD group a chunk (``lanes``)."""
+    lanes = F == 1
     full = ((N, C, F), "float32")
-    outs = ((full, full, full) if pq else (full, ((N, F), "float32"))) + (full,) * (before + len(scaled))
-    return Launch(decays_source(dialect, before, scaled, pq), (("rt", (N,), "int32"),), outs,
-                  (groups * DECAYS_NT, 1, 1), (DECAYS_NT, 1, 1), (("C", C), ("F", F), ("NT", DECAYS_NT)))
+    outs = (full,) * d + (full, full) * pq + (((N, F), "float32"),) + (full,) * (before + len(scaled))
+    src = decays_source(dialect, before, scaled, pq, d, lanes)
+    if lanes:
+        groups = -(-N * 32 // DECAYS_NT)
+        consts = (("C", C), ("E", -(-C // 32)), ("NT", DECAYS_NT))
+    else:
+        groups = -(-N * F // DECAYS_NT)
+        consts = (("C", C), ("F", F), ("NT", DECAYS_NT))
+    return Launch(src, (("rt", (N,), "int32"),), outs, (groups * DECAYS_NT, 1, 1), (DECAYS_NT, 1, 1), consts)
 
 
 @lru_cache(maxsize=64)
@@ -529,17 +536,34 @@ def piece(fwd, vjp, name: str, t: Tuning | None) -> Piece:
     return Piece(fwd, vjp, lambda f, n: replayed(f, n, t), name)
 
 
-def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = (), pq: bool = True):
-    """(D, P, Q) [..., C, K] of the log-decays l [..., C, K] (float32) in one pass: D = e^l, P and Q from sums
-    anchored at the chunk's start and end (``chunk_decays.j2``); ``before``: and P_{t−1} (1 at t = 0), the decay a
-    transition before the decay meets; ``scaled``: ((x, "P" | "Q" | "Pe"), ...), roles x [..., C, K] of any float
-    type: and x ⊙ that decay for each, in float32 (the scans' u ⊙ Q, the readout's r ⊙ P: one pass, where a cast
-    and a product were two per role). ``pq`` off: (D, g, ...) with g [..., K] the chunk's decay (P's last row) in
-    place of P and Q, two [..., C, K] writes fewer where their readers take the products."""
+@dataclass(frozen=True)
+class DecayPass:
+    """What one pass of the decay geometry wrote (``key_decays``), None where it was not asked for: the per-token
+    decays d, P and Q [..., C, F], the chunk's decay g [..., F], P one token earlier ``pe`` [..., C, F] and the
+    scaled roles, in the order given."""
+
+    d: object
+    P: object
+    Q: object
+    g: object
+    pe: object
+    scaled: tuple
+
+
+def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = (), pq: bool = True, d: bool = True) -> DecayPass:
+    """The decay geometry of the log-decays l [..., C, F] (float32, F = 1 or K) in one pass (``chunk_decays.j2``):
+    the chunk's decay g (P's last row) always; ``d``: D = e^l; ``pq``: P and Q from sums anchored at the chunk's start
+    and end; ``before``: P_{t−1} (1 at t = 0), the decay a transition before the decay meets; ``scaled``:
+    ((x, "P" | "Q" | "Pe"), ...), roles x [..., C, F] of any float type: and x ⊙ that decay for each, in float32 (the
+    scans' u ⊙ Q, the readout's r ⊙ P: one pass, where a cast and a product were two per role). Leaving out what no
+    reader takes saves its [..., C, F] write (and g is no strided copy of P's last row)."""
     N, (C, F) = _lead(l, 2), l.shape[-2:]
-    launch = decays_launch(t.dialect, N, C, F, before, tuple(w for _, w in scaled), pq)
+    launch = decays_launch(t.dialect, N, C, F, before, tuple(w for _, w in scaled), pq, d)
     user = [l.reshape(N, C, F)] + [x.reshape(N, C, F) for x, _ in scaled]
-    return tuple(x.reshape(l.shape if x.ndim == 3 else (*l.shape[:-2], F)) for x in _call(t, launch, user))
+    outs = [x.reshape(l.shape if x.ndim == 3 else (*l.shape[:-2], F)) for x in _call(t, launch, user)]
+    take = lambda on: outs.pop(0) if on else None  # noqa: E731
+    D, P, Q, g, pe = take(d), take(pq), take(pq), take(True), take(before)
+    return DecayPass(D, P, Q, g, pe, tuple(outs))
 
 
 def tril_inverse(L, t: Tuning):
