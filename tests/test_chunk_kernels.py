@@ -38,6 +38,19 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a, np.float64) - b).max() / (np.abs(b).max() + 1e-30))
 
 
+@pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
+def test_scalar_decays_under_sanitizers(sanitizer):
+    """The scalar decay's pass (a SIMD group a chunk, ``lanes``) under ASan+UBSan and TSan: a partial share of lanes
+    (C = 48), chunks not a multiple of a threadgroup's four; the same outputs as plain."""
+    rng = np.random.default_rng(2)
+    l = (-5 * rng.uniform(size=(5, 48, 1)) ** 3).astype(np.float32)
+    x = rng.normal(size=(5, 48, 1)).astype(np.float32)
+    launch = ck.decays_launch("metal", 5, 48, 1, True, ("Q",), True, False)
+    plain = verify.run_launch(launch, {"l": l, "X0": x})
+    checked = verify.run_launch(launch, {"l": l, "X0": x}, sanitizer=sanitizer)
+    assert all(np.array_equal(a, b) for a, b in zip(plain, checked)) and len(plain) == 5
+
+
 @pytest.mark.parametrize("N,C,F,before,scaled,pq,d", [(3, 16, 32, False, (), True, True),
                                                        (5, 64, 40, False, (), True, True),
                                                        (3, 16, 40, True, ("Q", "P", "Pe", "Q"), True, True),
