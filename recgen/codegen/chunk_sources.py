@@ -211,7 +211,7 @@ def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bo
             + ("_pe" if before else "") + "".join("_" + w.lower() for w in scaled))
     outs = (("D",) * d + ("P", "Q") * pq + ("G",) + ("Pe",) * before + tuple(f"Y{i}" for i in range(len(scaled))))
     return _source(get(dialect), "chunk_decays.j2", kind, "decay geometry over chunks", ("l",) + xs + ("rt",),
-                   outs, (), before=before, scaled=scaled, pq=pq, d_out=d, lanes=lanes)
+                   outs, (), before=before, scaled=scaled, pq=pq, with_d=d, lanes=lanes)
 
 
 @lru_cache(maxsize=None)
