@@ -131,8 +131,8 @@ class Tuning:
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
     scan_nw: int = 4                # SIMD groups per threadgroup of the forward fragment scan (most)
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
-    scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (measured no clear gain: off; H100,
-    #                                 GDN 4,4096,16,128: forward 0.865 -> 0.858 ms, training 2.490 -> 2.721)
+    scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (measured no forward gain and a
+    #                                 slower training step: off; docs/design.md)
     scan_wide_loads: bool = False   # ... on the wide multiply-add (K a multiple of 32): A's rows 16 bytes a load (the
     #                                 keys of two steps permuted to make a lane's pairs adjacent), Bm's 8, X's and St's
     #                                 4, and the state's, Y's and Pb's threadgroup copies transposed so that each B pair

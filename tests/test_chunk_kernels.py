@@ -540,14 +540,15 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
 
 
 @pytest.mark.parametrize("name,K,pairs,want", [
-    ("gated_delta_net", 16, False, {"recgen_chunk_decays_lanes_nod_q", "recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q",
-                                    "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
+    ("gated_delta_net", 16, False, {"recgen_chunk_decays_lanes_nod_q", "recgen_chunk_ut_mma_uf",
+                                    "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
                                     "recgen_chunk_out_mma_uf_yt", "recgen_chunk_bwd_mma_delta_uf"}),
     ("delta_net", 16, False, {"recgen_chunk_decays_lanes_nod_q", "recgen_chunk_ut_mma_uf", "recgen_chunk_scan_mma_q",
                               "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
                               "recgen_chunk_out_mma_uf_yt", "recgen_chunk_bwd_mma_delta_uf"}),
-    ("gated_delta_net/formed", 16, False, {"recgen_chunk_decays_lanes_nod", "recgen_chunk_ut_mma", "recgen_chunk_scan_mma_q",
-                                           "recgen_chunk_scan_mma_aq_p_pq_dg_rev", "recgen_chunk_out_mma_yt",
+    ("gated_delta_net/formed", 16, False, {"recgen_chunk_decays_lanes_nod", "recgen_chunk_ut_mma",
+                                           "recgen_chunk_scan_mma_q", "recgen_chunk_scan_mma_aq_p_pq_dg_rev",
+                                           "recgen_chunk_out_mma_yt",
                                            "recgen_chunk_bwd_mma_delta"}),
     ("simple_gla", 16, False, {"recgen_chunk_decays_lanes_nod", "recgen_chunk_scan_mma_noa_q",
                                "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
@@ -617,8 +618,9 @@ def test_chunked_core_reads_the_model_layout(name, gqa, in_dtype, monkeypatch):
         assert_close(compare(rec, T, chunk=16, K=16, V=8, seed=3, tuning=t, in_dtype=dtype),
                      *((1e-2, 1e-2) if in_dtype else ()))
         kinds = {c.split("_metal")[0] for c in calls}
-        assert kinds == {"recgen_chunk_decays_lanes_nod_q", f"recgen_chunk_ut_mma_uf{suffix}", f"recgen_chunk_scan_mma_q{suffix}",
-                         f"recgen_chunk_scan_mma_aq_p_pq_dg{suffix}_rev", f"recgen_chunk_out_mma_uf{suffix}_yt",
+        assert kinds == {"recgen_chunk_decays_lanes_nod_q", f"recgen_chunk_ut_mma_uf{suffix}",
+                         f"recgen_chunk_scan_mma_q{suffix}", f"recgen_chunk_scan_mma_aq_p_pq_dg{suffix}_rev",
+                         f"recgen_chunk_out_mma_uf{suffix}_yt",
                          f"recgen_chunk_bwd_mma_delta_uf{suffix}"}, (T, kinds)
 
 

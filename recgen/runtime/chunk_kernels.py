@@ -549,6 +549,10 @@ class DecayPass:
     pe: object
     scaled: tuple
 
+    def written(self) -> list:
+        """The arrays written, in the kernel's output order (``decays_launch``)."""
+        return [x for x in (self.d, self.P, self.Q, self.g, self.pe) if x is not None] + list(self.scaled)
+
 
 def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = (), pq: bool = True, d: bool = True) -> DecayPass:
     """The decay geometry of the log-decays l [..., C, F] (float32, F = 1 or K) in one pass (``chunk_decays.j2``):

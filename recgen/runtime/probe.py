@@ -143,11 +143,6 @@ class _InTransform(Exception):
     evaluates even inside mx.compile, so this is a safety net): try again later."""
 
 
-def _geometry(out: ck.DecayPass) -> list:
-    """What a decay pass wrote, in its kernel's order."""
-    return [x for x in (out.d, out.P, out.Q, out.g, out.pe) if x is not None] + list(out.scaled)
-
-
 @lru_cache(maxsize=None)
 def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "") -> str | None:
     """Build and run one small instance of a frame's kernels on this machine's GPU, at the template
@@ -221,17 +216,17 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
             got = [ck.tril_inverse(f32(L), t), ck.pair(f32(Xp), f32(Yp), f32(np.ones((1, C, K))), False, t),
                    ck.sympow_fn(t, 1, "block")(f32(Xp[:, :2, None, :16]))[0, 0],
                    # with P one token earlier (RWKV-7's) and roles scaled by Q and P, one in bf16
-                   *_geometry(ck.key_decays(f32(lk), t, True, ((f32(Xp).astype(mx.bfloat16), "Q"), (f32(Yp), "P"))))]
+                   *ck.key_decays(f32(lk), t, True, ((f32(Xp).astype(mx.bfloat16), "Q"), (f32(Yp), "P"))).written()]
             Pk, Qk = np.exp(np.cumsum(lk, 1)), np.exp(np.cumsum(lk[:, ::-1], 1)[:, ::-1] - lk)
             ref = [np.linalg.inv(np.eye(C) - L), np.tril(Xp[0] @ Yp[0].T)[None], sympow(Xp[0, :2, :16]), np.exp(lk),
                    Pk, Qk, Pk[:, -1], np.exp(np.cumsum(lk, 1) - lk), Xp * Qk, Yp * Pk]
             # and the form that writes the chunk's decay g in place of P and Q (RWKV-7's)
-            got += _geometry(ck.key_decays(f32(lk), t, False, ((f32(Yp), "P"),), pq=False))
+            got += ck.key_decays(f32(lk), t, False, ((f32(Yp), "P"),), pq=False).written()
             ref += [np.exp(lk), Pk[:, -1], Yp * Pk]
             # a scalar decay's (a SIMD group a chunk, its lanes' sums joined by shuffles), with GDN's f ⊙ Q
             ls, fs = lk[..., :1], Yp[..., :1]
             Ps, Qs = np.exp(np.cumsum(ls, 1)), np.exp(np.cumsum(ls[:, ::-1], 1)[:, ::-1] - ls)
-            got += _geometry(ck.key_decays(f32(ls), t, scaled=((f32(fs), "Q"),), d=False))
+            got += ck.key_decays(f32(ls), t, scaled=((f32(fs), "Q"),), d=False).written()
             ref += [Ps, Qs, Ps[:, -1], fs * Qs]
         elif frame == "scores":  # a scalar decay's scores between a chunk's tokens and their gradients (the feature-map
             ls = np.log(rng.uniform(0.05, 1.0, size=(2, C)))  # form's at degree 2), a reset among the decays
