@@ -217,8 +217,10 @@ def chunk_launches(target: str) -> list:
                         wl=True),
                     mma(reverse=True, b=False, p=True, dg=True, aq=True, pq=True, hoist=True, ml=ml, st="bfloat16",
                         w16=True, wl=True),  # simple GLA's
+                    mma(a=False, q=True, hoist=True, st="bfloat16", w16=True, wl=True),  # ... and its forward, A-free
                     # ... and a lane's eight columns of X, Y and the states 16 bytes an access (``scan_wide_columns``)
                     mma(q=True, hoist=True, ml=ml, st="bfloat16", w16=True, wl=True, vc=True),
+                    mma(a=False, q=True, hoist=True, st="bfloat16", w16=True, wl=True, vc=True),
                     mma(reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, ml=ml, st="bfloat16", w16=True,
                         wl=True, vc=True),
                     # the backward's pass forming its pair cotangents on it (``Tuning.bwd_scores``)

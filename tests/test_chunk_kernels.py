@@ -314,33 +314,40 @@ WIDE_SCANS = [(32, 64, 32, 2, False, True, False), (64, 64, 24, 4, False, False,
               (64, 64, 32, 4, True, False, False), (64, 64, 32, 4, False, True, True), (32, 96, 32, 2, True, True, True)]
 
 
-@pytest.mark.parametrize("sanitizer", [None, "address"])
-@pytest.mark.parametrize("C,K,V,nw,pf,wl,vc", WIDE_SCANS)
-def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, vc, sanitizer):
+# GDN's (A) under ASan too; simple GLA's (no A) plain, and under TSan where its copy of X takes two barriers a chunk
+WIDE_FORWARD_SCANS = ([s + (True, z) for s in WIDE_SCANS for z in (None, "address")]
+                      + [s + (False, None) for s in WIDE_SCANS] + [WIDE_SCANS[3] + (False, "thread")])
+
+
+@pytest.mark.parametrize("C,K,V,nw,pf,wl,vc,has_a,sanitizer", WIDE_FORWARD_SCANS)
+def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, vc, has_a, sanitizer):
     """GDN's forward scan on the wide multiply-add (``ScanVariant.w16``, CUDA's m16n8k16 lane layout in
     ``metal_ptx``): hoisted, A, X and Bm in bf16, Bm's rows scaled by Bq (decays down to e^-20), carried and Y in
     bf16, against float64 at the bf16 inputs. Its products take the state, Y and Bq ⊙ Bm in bf16 (as FLA's
     chunk_fwd_h): within that rounding. ``pf`` (where each group has one item of Y): A's and X's fragments loaded a
     chunk ahead; ``wl``: A's rows read 16 bytes a load, the copies transposed, the keys and tokens permuted; ``vc``:
-    X, Y and the states' columns a lane's eight (each row 16 bytes a lane)."""
+    X, Y and the states' columns a lane's eight (each row 16 bytes a lane). Without A (``has_a`` off: simple GLA's,
+    Y = X unwritten) each group copies its item of X for the update as it would Y."""
     mx = pytest.importorskip("mlx.core")
-    rng = np.random.default_rng(C + K)
+    rng = np.random.default_rng(C + K + has_a)
     BH, n = 2, 3
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     bf = lambda a: mx.array(a).astype(mx.bfloat16)  # noqa: E731
     A, X, Bm = bf(f(BH, n, C, K) * 0.2), bf(f(BH, n, C, V)), bf(f(BH, n, C, K) * 0.2)
     Bq = np.exp(-20 * rng.uniform(size=(BH, n, C))).astype(np.float32)
-    ins = {"S0": f(BH, K, V), "A": A, "X": X, "Bm": Bm, "Bq": Bq,
-           "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32)}
-    v = ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, pf=pf, wl=wl, vc=vc)
+    ins = {"S0": f(BH, K, V), "X": X, "Bm": Bm, "Bq": Bq,
+           "g": np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32)} | ({"A": A} if has_a else {})
+    v = ScanVariant(a=has_a, mma=True, q=True, hoist=True, s16=True, w16=True, pf=pf and has_a, wl=wl, vc=vc)
     launch = ck.scan_launch("metal_ptx", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")
     assert "_w16" in launch.source.name and dict(launch.template)["NW"] == nw and ("_wl" in launch.source.name) == wl
+    assert ("_noa" in launch.source.name) != has_a
     assert ("_vc" in launch.source.name) == vc == (vc and cs.scan_value_quads(C, K, V, 32, nw))
     assert not pf or cs.scan_prefetches(C, K, V, 32, nw)
     outs = verify.run_launch(launch, ins, sanitizer=sanitizer)
     f64 = lambda a: np.array(a.astype(mx.float32), np.float64)  # noqa: E731
-    want = _scan_ref(ins["S0"], f64(A), f64(X), f64(Bm) * Bq[..., None], ins["g"], None, False)
-    for got, w in zip(outs, want):
+    want = _scan_ref(ins["S0"], f64(A) if has_a else None, f64(X), f64(Bm) * Bq[..., None], ins["g"], None, False,
+                     has_a)
+    for got, w in list(zip(outs, want))[:: 1 if has_a else 2]:  # without A no Y is written
         assert _rel(got, w) < 1e-2, _rel(got, w)
     with pytest.raises(ValueError, match="wide multiply-add"):
         ck.scan_launch("metal", v, BH, n, C, K, V, 1, 32, nw, None, "bfloat16")  # Metal has none
@@ -350,10 +357,12 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, vc, sanitizer)
                              "bfloat16")
     ml = verify.run_launch(wide_ml, ins | {"Bm": Bm_model}, sanitizer=sanitizer)
     same = verify.run_launch(launch, ins | {"Bm": mx.concatenate([Bm[:1], Bm[:1]])})
-    for a, b in zip(ml, same):
+    for a, b in list(zip(ml, same))[:: 1 if has_a else 2]:
         assert np.array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="w16"):
         ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, reverse=True)
+    with pytest.raises(ValueError, match="w16"):
+        ScanVariant(a=False, mma=True, q=True, hoist=True, s16=True, w16=True, reverse=True, p=True, aq=False)
 
 
 def _bf16_draws(rng):
@@ -1943,7 +1952,7 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                        "s16": gdn | {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
                                      "recgen_chunk_scan_mma_noa_q_ho", "recgen_chunk_scan_mma_noa_q_ho_s16"},
                        "wide": {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
-                                "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_rev"}
+                                "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_rev", "recgen_chunk_scan_mma_noa_q_ho_s16"}
                        # Metal: the TF32 scans twice (GDN's, and simple GLA's reverse one)
                        }.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
@@ -1974,6 +1983,8 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
                                                      "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_w16_wl_rev",
                                                      "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_rev",
                                                      "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_w16_wl_rev",
+                                                     "recgen_chunk_scan_mma_noa_q_ho_s16",
+                                                     "recgen_chunk_scan_mma_noa_q_ho_s16_w16_wl",
                                                      "recgen_chunk_bwd_mma_delta_uf",
                                                      "recgen_chunk_bwd_mma_delta_uf_sc_wl",
                                                      "recgen_chunk_bwd_mma_delta_uf_pv",

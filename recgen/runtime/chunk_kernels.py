@@ -159,7 +159,7 @@ def scan_launch(dialect: str, v: ScanVariant, BH: int, n: int, C: int, K: int, V
         lay = scan_mma_layout(C, K, V, most_bv, most_nw)
         if lay is None:
             raise ValueError(f"chunk_scan_mma: C={C}, K={K} must be multiples of 16 and V={V} of 8")
-        if (v.pf or (v.hoist and v.a)) and not scan_prefetches(C, K, V, most_bv, most_nw):
+        if (v.pf or (v.hoist and v.a) or v.w16) and not scan_prefetches(C, K, V, most_bv, most_nw):
             raise ValueError(f"chunk_scan_mma: prefetching and hoisting need one item of Y a group, not so at C={C}, "
                              f"K={K}, V={V}")
         if v.wl and K % 32:
@@ -641,12 +641,14 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     mma = P is not None or dg_here or Bq is not None or Aq is not None or st is not None or use_mma(t, C, K, V)
     nw, pf, hoist = _scan_schedule(t, BH, C, K, V, reverse, mma, A is not None, Bm is not None or P is not None)
     # the wide multiply-add (``Tuning.wide_fragments``): the hoisted scans whose product operands share the states'
-    # 16-bit type, forward with B and Bq (GDN's) or in reverse without Bq (GDN's backward; simple GLA's, B-free)
-    sixteen = [A] + ([Bm] if Bm is not None else []) + (list(P) if P is not None else [])
-    w16 = (t.wide_fragments and bool(get(t.dialect).mma16) and hoist and st is not None and A is not None
+    # 16-bit type, forward with B and Bq (GDN's; simple GLA's, A-free: each group copies its item of X as it would
+    # Y, one item a group) or in reverse without Bq (GDN's backward; simple GLA's, B-free)
+    sixteen = [x for x in (A, Bm) if x is not None] + (list(P) if P is not None else [])
+    w16 = (t.wide_fragments and bool(get(t.dialect).mma16) and hoist and st is not None
            and E is None and C % 16 == 0 and K % 16 == 0 and all(x.dtype == st for x in sixteen)
-           and ((not reverse and Bm is not None and Bq is not None and P is None and Aq is None and not dg_here)
-                or (reverse and Bq is None and (Bm is not None or P is not None))))
+           and ((not reverse and Bm is not None and Bq is not None and P is None and Aq is None and not dg_here
+                 and (A is not None or scan_prefetches(C, K, V, t.scan_bv, nw)))
+                or (reverse and A is not None and Bq is None and (Bm is not None or P is not None))))
     wl = w16 and t.scan_wide_loads and K % 32 == 0
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf,

@@ -344,9 +344,10 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                     fwd = ck.chunk_scan(S0, W, U, x16, g, None, tt, reverse=False, Bq=fx, st=mx.bfloat16)
                     rev = ck.chunk_scan(S0, x16, Z16, W, g, None, tt, reverse=True, P=(q16, Z16), St=fwd[0], Aq=fx,
                                         Pq=fx, st=mx.bfloat16)
-                    # ... and simple GLA's, B-free
+                    # ... and simple GLA's, B-free in reverse, A-free forward (Y = X: carried and S_end)
                     rev += ck.chunk_scan(S0, x16, Z16, None, g, None, tt, reverse=True, P=(q16, Z16), St=fwd[0],
                                          Aq=fx, Pq=fx, st=mx.bfloat16)
+                    rev += ck.chunk_scan(S0, None, w16, x16, g, None, tt, reverse=False, Bq=fx, st=mx.bfloat16)[::2]
                     sc = rows if bwd and ck.scores_in_pass(tt, rows) else None
                     zt = rows[0].astype(mx.float32).swapaxes(-1, -2)
                     dm = (None, None) if sc else tuple(a.astype(mx.float32) @ zt for a in (rows[2], rows[1]))
