@@ -221,6 +221,10 @@ def chunk_launches(target: str) -> list:
                     # ... and a lane's eight columns of X, Y and the states 16 bytes an access (``scan_wide_columns``)
                     mma(q=True, hoist=True, ml=ml, st="bfloat16", w16=True, wl=True, vc=True),
                     mma(a=False, q=True, hoist=True, st="bfloat16", w16=True, wl=True, vc=True),
+                    # ... reading v in the model's layout too (simple GLA's, ``Tuning.model_rows``), and its readout
+                    mma(a=False, q=True, hoist=True, ml=ml, st="bfloat16", w16=True, wl=True, vc=True, xm=True),
+                    ck.out_async_launch(target, 8, 64, 128, 128, ("bfloat16",) * 4, (2, 2, "bfloat16"), ml=ml,
+                                        wide=True, zm=True),
                     mma(reverse=True, p=True, dg=True, aq=True, pq=True, hoist=True, ml=ml, st="bfloat16", w16=True,
                         wl=True, vc=True),
                     # the backward's pass forming its pair cotangents on it (``Tuning.bwd_scores``)

@@ -359,6 +359,13 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, vc, has_a, san
     same = verify.run_launch(launch, ins | {"Bm": mx.concatenate([Bm[:1], Bm[:1]])})
     for a, b in list(zip(ml, same))[:: 1 if has_a else 2]:
         assert np.array_equal(np.asarray(a), np.asarray(b))
+    if not has_a:  # ... and X too, the model's value input [B, n C, H, V] (xm: simple GLA's v)
+        X_model = mx.contiguous(X.reshape(1, BH, n * C, V).transpose(0, 2, 1, 3))
+        xm = verify.run_launch(ck.scan_launch("metal_ptx", dataclasses.replace(v, ml=True, xm=True), BH, n, C, K, V, 1,
+                                              32, nw, (2, 1, n, True), "bfloat16"),
+                               ins | {"Bm": Bm_model, "X": X_model}, sanitizer=sanitizer)
+        for a, b in list(zip(xm, same))[::2]:
+            assert np.array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="w16"):
         ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, reverse=True)
     with pytest.raises(ValueError, match="w16"):
@@ -631,6 +638,38 @@ def test_chunked_core_reads_the_model_layout(name, gqa, in_dtype, monkeypatch):
                          f"recgen_chunk_scan_mma_q{suffix}", f"recgen_chunk_scan_mma_aq_p_pq_dg{suffix}_rev",
                          f"recgen_chunk_out_mma_uf{suffix}_yt",
                          f"recgen_chunk_bwd_mma_delta_uf{suffix}"}, (T, kinds)
+
+
+@pytest.mark.parametrize("dialect,gqa,wide", [("metal", "block", False), ("metal", "tiled", False),
+                                            ("metal_ptx", "block", True)])
+def test_simple_gla_reads_the_model_layout(dialect, gqa, wide, monkeypatch):
+    """``Tuning.model_rows`` without a delta rule (simple GLA: u = k, w = v verbatim): the forward scan reads k and v
+    and the staged readout q, k and v in the model's layout [B, T, heads, D] (GQA's key heads shared, H = 4 over Hk
+    = 2), and the backward copies them to the chunks' layout itself; bf16 inputs, end to end against the float64
+    reference (forward, final state, every gradient, strong decays). ``wide``: as CUDA's table runs it (CUDA's lane
+    layout, ``metal_ptx``), where the A-free scan on the wide multiply-add reads v so too (``xm``); elsewhere the
+    scan copies v to the chunks' layout first. A partial last chunk (T = 40) takes the chunks' layout."""
+    pytest.importorskip("mlx.core")
+    import dataclasses
+
+    import mlx.core as mx
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    wide_kw = dict(states_16bit=True, wide_fragments=True, scan_hoist=True, scan_wide_loads=True) if wide else {}
+    t = tuning.resolve("cpu", environ={}, dialect=dialect, chunk_kernels=True, mma_scan=True, model_rows=True,
+                       async_staging=True, **wide_kw)
+    rec = dataclasses.replace(specs.BUILTINS["simple_gla"], gqa=gqa)
+    for T in (64, 40):
+        calls.clear()
+        assert_close(compare(rec, T, chunk=16, K=32, V=32, seed=5, tuning=t, in_dtype=mx.bfloat16), 1e-2, 1e-2)
+        kinds = {c.split(f"_{dialect}")[0] for c in calls}
+        whole = T % 16 == 0
+        assert ("recgen_chunk_out_async_ml_zm_yt" + ("_w16" if wide else "") in kinds) == whole, kinds
+        assert any(k.startswith("recgen_chunk_scan_mma_noa_q") and "_ml" in k for k in kinds) == whole, kinds
+        assert any(k.endswith("_xm") for k in kinds) == (whole and wide), kinds
 
 
 @pytest.mark.parametrize("name,K,V,mma,want,extra", [
@@ -1952,7 +1991,8 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                        "s16": gdn | {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
                                      "recgen_chunk_scan_mma_noa_q_ho", "recgen_chunk_scan_mma_noa_q_ho_s16"},
                        "wide": {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
-                                "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_rev", "recgen_chunk_scan_mma_noa_q_ho_s16"}
+                                "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_rev", "recgen_chunk_scan_mma_noa_q_ho_s16",
+                                "recgen_chunk_scan_mma_noa_q_ho_ml_s16"}
                        # Metal: the TF32 scans twice (GDN's, and simple GLA's reverse one)
                        }.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
@@ -1960,7 +2000,8 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                                 "recgen_chunk_ut_async_uf_o16_ml"},
                       "s16": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16",
                               "recgen_chunk_ut_async_uf_o16_s16"},
-                      "wide": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16_s16"}}.get(frame, set())
+                      "wide": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16_s16", "recgen_chunk_out_async_yt",
+                               "recgen_chunk_out_async_ml_zm_yt"}}.get(frame, set())
     assert any("_pv_metal" in c for c in calls) == (frame == "products")
     assert any("_s16_" in c for c in calls) == (frame in ("s16", "wide"))  # "wide": GDN's UT transform with a bf16 Tm
 
@@ -1985,6 +2026,9 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
                                                      "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_w16_wl_rev",
                                                      "recgen_chunk_scan_mma_noa_q_ho_s16",
                                                      "recgen_chunk_scan_mma_noa_q_ho_s16_w16_wl",
+                                                     "recgen_chunk_scan_mma_noa_q_ho_ml_s16_w16_wl_xm",
+                                                     "recgen_chunk_out_async_ml_zm_yt_w16",
+                                                     "recgen_chunk_out_async_yt",
                                                      "recgen_chunk_bwd_mma_delta_uf",
                                                      "recgen_chunk_bwd_mma_delta_uf_sc_wl",
                                                      "recgen_chunk_bwd_mma_delta_uf_pv",

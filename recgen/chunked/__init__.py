@@ -259,14 +259,18 @@ def _keyed_input(p, raw, kern, key: bool, C: int, K: int, V: int):
     return x if fused else None
 
 
-def _model_inputs(kern, p, chunk: dict, x, rfac, native: bool, T: int, C: int):
+def _model_inputs(kern, p, chunk: dict, x, rfac, native: bool, T: int, C: int, bt=None, K: int = 0, V: int = 0):
     """(r's, x's and w's inputs) as the model passed them, [B, T, HK, K] twice and [B, T, H, V], where the fused
-    kernels read them so (``Tuning.model_rows``): factor reads of the key x, the readout role a constant times a key
+    kernels read them so (``Tuning.model_rows``): factor reads of the key x, or no delta rule (``bt`` None: simple
+    GLA's scalar decay, u a key input verbatim, its scan fusing products), the readout role a constant times a key
     input (``rfac``), w a value input verbatim, y written as o (``native``), T a multiple of C (whole chunks:
     the kernels read no padding) and GQA's key heads shared (``Tuning.model_rows_dense``: also without GQA). Then
     q, k and v are never copied to [B, H, T, D], nor the key heads expanded, and their gradients come back in that
     layout. Without GQA only the copies go, and the scans' strided reads of the rows cost about what they saved
-    (docs/design.md). Else None."""
+    (docs/design.md). Without a delta rule the backward makes the copies the forward no longer does. Else None."""
+    if x is None and bt is None and p.decay_class == "scalar" and kern and ck.scan_fuses_products(kern, C, K, V, True) \
+            and ck.fuses_readout(kern, C, K, V):
+        x = dict(p.bare_roles).get("u")
     if not (kern and kern.model_rows and x is not None and rfac is not None and native and T % C == 0):
         return None
     inputs = {i.symbol: i for i in p.rec.inputs}
@@ -314,7 +318,7 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
             bt = None if bt is None else _role_as(p, "b", bt, raw, pick, out_dtype, p.rho_pow2)
         r, rfac = _readout_role(p, r, raw, pick, kern if y0 is None else None, scale)  # shifted r: no raw input
         native = _y_is_o(t, has_z, y0)
-        model = _model_inputs(kern, p, dict(zip(names, arrays)), x, rfac, native, T, C)
+        model = _model_inputs(kern, p, dict(zip(names, arrays)), x, rfac, native, T, C, bt, sizes.K, V)
         if model is not None:  # the same types as the row-major roles above, in the model's layout
             r, u, w = (a.astype(b.dtype) for a, b in zip(model, (r, u, w)))
         y, S = _diag_scan(tun, S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None, rfac, rho,

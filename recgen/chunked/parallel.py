@@ -323,16 +323,18 @@ def _apply_rows(L, x, key: bool):
     return (L @ x.swapaxes(-3, -2)).swapaxes(-3, -2)
 
 
-def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None, st=None):
+def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None, st=None, ml=None):
     """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state, the state update taking
     u ⊙ Q. ``kern``: the tuning of the generated chunk scan (``chunk_kernels.chunk_scan``: delta-rule or
     diagonal), or None; it scales a scalar decay's u by Q as it reads u (u ⊙ Q never in memory); a key-vector
     decay's u ⊙ Q comes formed with the decays (``geo.scaled``: in the geometry kernel's pass). ``st``: a scalar
-    decay's states (and Z) written in that 16-bit type (``chunk_kernels.chunk_scan``'s)."""
-    if kern and ck.scan_supported(kern, U.shape[-2], S0.shape[-2]):  # W None: the diagonal scan, Z = U
+    decay's states (and Z) written in that 16-bit type (``chunk_kernels.chunk_scan``'s). ``ml`` (``_forward``'s): u
+    and U, the diagonal scan's key and value inputs, in the model's layout."""
+    if ml is not None or kern and ck.scan_supported(kern, geo.l.shape[-2], S0.shape[-2]):  # W None: the diagonal scan
         if geo.key:
             return ck.chunk_scan(S0, W, U, geo.role("uQ", u, "Q"), geo.g, None, kern, reverse=False)
-        return ck.chunk_scan(S0, W, U, u, geo.g, None, kern, reverse=False, Bq=geo.Q, st=st)
+        return ck.chunk_scan(S0, W, U, u, geo.g, None, kern, reverse=False, Bq=geo.Q, st=st, ml=ml,
+                             x_model=ml is not None)
     u, U = _up(geo, u, U)
     uQ = geo.role("uQ", u, "Q")
     gs = geo.g[..., None]
@@ -482,14 +484,16 @@ def core_layout(y, n: int, C: int, dtype):
     return row_major(y.reshape(B, n, C, H, V).transpose(0, 3, 1, 2, 4)).astype(dtype)
 
 
-def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None, out=None, rfac=None):
+def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None, out=None, rfac=None, ml=None):
     """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too. The roles may
     arrive in 16 bits (``role_dtype``): the fused kernels read them so, MLX's products in the compute dtype.
     With ``out`` (a dtype) y comes in the model's layout and that type (``model_layout``): the fused readout
     writes it so (a transposing cast after it would be a pass over y in float32). With ``rfac`` the
-    readout role is rfac·r: the fused readout scales as it reads r (M_ru and y are linear in r)."""
+    readout role is rfac·r: the fused readout scales as it reads r (M_ru and y are linear in r). ``ml`` (no delta
+    rule, a scalar decay, the fused scan and readout: ``core_fn``'s ``model_rows``): r, u and w are the model's
+    inputs as they are, read so by the scan and the readout."""
     U, W, Tm, M = w, None, None, None
-    (C, K), V = u.shape[-2:], w.shape[-1]
+    C, K, V = geo.l.shape[-2], S0.shape[-2], S0.shape[-1]
     if bt is not None and kern and not geo.key and ck.fuses_ut(kern, C, K, V):
         Tm, U, W = ck.chunk_ut(bt, u, w, geo.l, kern)  # A never in memory
     elif bt is not None:  # A and M_ru share u and the decays: one pass forms both
@@ -504,10 +508,10 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
     if (bt is None and kern and kern.states_16bit and not geo.key and w.dtype in (mx.bfloat16, mx.float16)
             and ck.use_mma(kern, C, K, V) and ck.fuses_readout(kern, C, K, V)):
         st = w.dtype
-    states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern, st)
+    states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern, st, ml)
     if kern and not geo.key and ck.fuses_readout(kern, C, K, V):
         # M_ru is written for the backward: forming it again there was measured slower than keeping it
-        y, M = ck.chunk_out(r, u, Z, states, geo.l, kern, out, rfac)
+        y, M = ck.chunk_out(r, u, Z, states, geo.l, kern, out, rfac, ml=ml, z_model=ml is not None)
     else:
         if M is None:  # else formed with A, from the same r_
             r_, u_ = _up(geo, _scaled(r, rfac), u)
@@ -714,9 +718,10 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
     constant c for the readout role c·r (given r; ``chunked._readout_role``); ``rho``: None, or the delta rule's
     constant ρ with factor reads (a scalar decay on the fused kernels, ``chunked._keyed_input``): u is then a key x,
     the last argument is the factor f [.., C, 1] of u = f ⊙ x, b̃ = ρ x, and the gradients are those of x and f;
-    ``model_rows`` (with ``rho`` and ``out``): None, or GQA's head map ("block" or "tile") where r, x and w are the
-    model's inputs as they are, [B, n C, HK, K] (r, x) and [B, n C, H, V] (w), read so by the kernels (no layout
-    copies; the key heads shared, not expanded), their gradients returned so (dr, dx summed over GQA's groups).
+    ``model_rows`` (with ``out``, and ``rho`` or no delta rule): None, or GQA's head map ("block" or "tile") where r,
+    x (u) and w are the model's inputs as they are, [B, n C, HK, K] (r, x) and [B, n C, H, V] (w), read so by the
+    forward's kernels (no layout copies; the key heads shared, not expanded), their gradients returned so (dr, dx
+    summed over GQA's groups); without a delta rule the backward copies them to the chunks' layout itself.
     Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru, with b̃
     Z, T, W, and a key-vector decay's hierarchy) are for the VJP only and take no cotangent."""
     matrix, inv_base = t.gpu_forms, t.inverse_base
@@ -741,7 +746,7 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         if rho is not None:
             y, S_end, res = _forward_keyed(geo, S0, r, u, w, bt, rho, kern, out, rfac, ml(r, l))
         else:
-            y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base, kern, out, rfac)
+            y, S_end, res = _forward(geo, S0, r, u, w, bt, compose, matrix, inv_base, kern, out, rfac, ml(r, l))
         return (y, S_end) + res + tuple(geo.saved())
 
     def bwd(*a):
@@ -755,6 +760,11 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         if rho is not None:
             dS0, dr, du, dw, dl, dbt = _backward_keyed(geo, r, u, bt, rho, res, dy, dS_end, compose, matrix, kern, rfac,
                                                        ml(r, l))
+        elif model_rows is not None:  # no delta rule: the backward reads the chunks' layout, copied here, not kept
+            n = l.shape[2]
+            rc, uc, wc = ck.model_chunks(r, n, ml(r, l)), ck.model_chunks(u, n, ml(r, l)), ck.model_chunks(w, n)
+            dS0, dr, du, dw, dl, dbt = _backward(geo, rc, uc, wc, bt, res, dy, dS_end, compose, matrix, kern, rfac)
+            dr, du = model_layout(dr, dr.dtype), model_layout(du, du.dtype)  # summed over GQA groups below
         else:
             dS0, dr, du, dw, dl, dbt = _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac)
         if model_rows is not None:  # dr, dx per value head [B, n C, H, K]; Δ (dw) [B, H, n, C, V] as w's layout

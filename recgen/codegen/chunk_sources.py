@@ -78,7 +78,8 @@ class ScanVariant:
     copies transposed (template constants LDK, LDY), each B pair one word; ``vc`` (with wl; BV a multiple of 32 and
     YCT of 4: ``scan_value_quads``): the columns of X, Y and the states a lane holds, in each four column tiles, are
     eight adjacent ones in memory, read and written 16 bytes at a time (the threadgroup copies keep the tiles'
-    order). p, dg, q, aq, pq, pf, hoist, ml, s16, w16, wl and vc exist on the fragment frame only."""
+    order); ``xm`` (the A-free forward on w16, with ml: simple GLA's): X the model's value input as it is, [B, n C, H,
+    V]. p, dg, q, aq, pq, pf, hoist, ml, s16, w16, wl, vc and xm exist on the fragment frame only."""
 
     a: bool = True
     b: bool = True
@@ -98,6 +99,7 @@ class ScanVariant:
     w16: bool = False
     wl: bool = False
     vc: bool = False
+    xm: bool = False
 
     def __post_init__(self):
         if not (self.a or self.b):
@@ -122,6 +124,8 @@ class ScanVariant:
             raise ValueError("chunk_scan: wide loads (wl) are the wide multiply-add's (w16)")
         if self.vc and not self.wl:
             raise ValueError("chunk_scan: columns a lane's eight in memory (vc) go with wide loads (wl)")
+        if self.xm and not (self.ml and self.w16 and not self.a):
+            raise ValueError("chunk_scan: X in the model's layout (xm) is the A-free wide scan's, with ml")
 
     @property
     def kind(self) -> str:
@@ -132,7 +136,7 @@ class ScanVariant:
                 + ("_ho" if self.hoist else "")
                 + ("_dg" if self.dg else "") + ("_ml" if self.ml else "") + ("_s16" if self.s16 else "")
                 + ("_w16" if self.w16 else "") + ("_wl" if self.wl else "") + ("_vc" if self.vc else "")
-                + ("_rev" if self.reverse else "")
+                + ("_xm" if self.xm else "") + ("_rev" if self.reverse else "")
                 + ("_v4" if self.vec else ""))
 
     @property
@@ -172,7 +176,7 @@ def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
         return _source(d, "chunk_scan_mma.j2", v.kind, "chunk scan of the chunked core, fragment multiply-adds",
                        v.inputs, v.outputs, (), helpers=d.mma_prelude, has_p=v.p, has_dg=v.dg, has_q=v.q,
                        has_aq=v.aq, has_pq=v.pq, pf=v.pf, hoist=v.hoist, ml=v.ml, s16=v.s16, w16=v.w16, wl=v.wl,
-                       vc=v.vc, **flags)
+                       vc=v.vc, xm=v.xm, **flags)
     return _source(d, "chunk_scan.j2", v.kind, "chunk scan of the chunked core", v.inputs, v.outputs, (),
                    vec=v.vec, **flags)
 
@@ -245,21 +249,26 @@ def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool =
 
 @lru_cache(maxsize=None)
 def out_async_source(dialect: str, yt: bool = False, uf: bool = False, ml: bool = False,
-                     w16: bool = False) -> KernelSource:
+                     w16: bool = False, zm: bool = False) -> KernelSource:
     """The scalar-decay readout of ``out_mma_source`` with its operands staged two buffers deep by the dialect's
     16-byte copies (``chunk_out_async.j2``; on CUDA cp.async): each block's load overlaps the previous block's
     products. ``yt``, ``uf``, ``ml`` as there; the types RT, UT, ZT of R, U and Z are template constants
     (``out_async_layout``). ``w16``: R, U, Z and S_c in one 16-bit type RT, multiplied by the dialect's wide
-    multiply-add (``Dialect.mma16``)."""
-    if ml and not (uf and yt):
-        raise ValueError("chunk_out_async: the model's layout (ml) is the factor-read form's, writing y so (uf, yt)")
+    multiply-add (``Dialect.mma16``). ``zm`` (with ``ml``): Z is the model's value input [B, n C, H, V] as it is
+    (simple GLA's z = v; without factor reads, ``ml`` needs it)."""
+    if ml and not (yt and (uf or zm)):
+        raise ValueError("chunk_out_async: the model's layout (ml) writes y so (yt), with factor reads (uf) or Z in it "
+                         "too (zm)")
+    if zm and not ml:
+        raise ValueError("chunk_out_async: Z in the model's layout (zm) goes with r and u in it (ml)")
     d = get(dialect)
     ins = (("R", "U", "Uf") if uf else ("R", "U")) + ("Z", "St", "logd", "Rs")
     _wide_dialect(d, "chunk_out_async", w16)
-    kind = "out_async" + ("_uf" if uf else "") + ("_ml" if ml else "") + ("_yt" if yt else "") + ("_w16" if w16 else "")
+    kind = ("out_async" + ("_uf" if uf else "") + ("_ml" if ml else "") + ("_zm" if zm else "") + ("_yt" if yt else "")
+            + ("_w16" if w16 else ""))
     return _source(d, "chunk_out_async.j2", kind, "chunk readout of the chunked core, fragment multiply-adds, "
                    "operands staged by asynchronous copies", ins, ("Y", "M"), (),
-                   helpers=d.mma_prelude + d.copy_prelude, yt=yt, uf=uf, ml=ml, w16=w16)
+                   helpers=d.mma_prelude + d.copy_prelude, yt=yt, uf=uf, ml=ml, w16=w16, zm=zm)
 
 
 @lru_cache(maxsize=None)

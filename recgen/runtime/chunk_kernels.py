@@ -230,23 +230,24 @@ def _wide_types(dialect: str, wide: bool, types: tuple) -> bool:
 @lru_cache(maxsize=256)
 def out_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, yt: tuple | None = None,
                      most_bv: int = 128, uf: bool = False, ml: tuple | None = None,
-                     wide: bool = False) -> Launch | None:
+                     wide: bool = False, zm: bool = False) -> Launch | None:
     """The two-buffer readout (``out_async_source``) with ``out_mma_launch``'s arguments; ``types``: the dtype names
     of R, U, Z and S_c, whose blocks it copies verbatim (M is written in S_c's). ``wide`` (``Tuning.wide_fragments``):
     the wide multiply-add where the dialect has one and all four share a 16-bit type. None where its buffers have no
-    layout (then the synchronous frame runs)."""
+    layout (then the synchronous frame runs). ``zm``: Z in the model's layout too (``out_async_source``)."""
     if len(types) != 4:
         raise ValueError(f"chunk_out_async: types {types} must name R, U, Z and S_c")
     y, consts = _readout_y("chunk_out_async", N, C, V, yt, ml)
     w16 = _wide_types(dialect, wide, types)
     lay = out_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bv, w16)
     if lay is None and w16:
-        return out_async_launch(dialect, N, C, K, V, types, yt, most_bv, uf, ml)
+        return out_async_launch(dialect, N, C, K, V, types, yt, most_bv, uf, ml, zm=zm)
     if lay is None:
         return None
     tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "ZT", "ST"), types)) + consts
     nt = 2 * C
-    return Launch(out_async_source(dialect, yt is not None, uf, ml is not None, w16), (), (y, ((N, C, C), types[3])),
+    return Launch(out_async_source(dialect, yt is not None, uf, ml is not None, w16, zm), (),
+                  (y, ((N, C, C), types[3])),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
@@ -483,6 +484,17 @@ def features_on_kernels(t: Tuning, C: int, D: int, V: int) -> bool:
 
 
 # -- MLX calls -------------------------------------------------------------------------------------
+def model_chunks(x, n: int, ml: tuple | None = None):
+    """An input in the model's layout [B, n C, heads, D] -> the chunks' [B, H, n, C, D], row-major (an MLX copy); with
+    ``ml`` (``_model_consts``) a key input whose HK heads GQA shares among H, expanded."""
+    import mlx.core as mx
+
+    B, T, Hx, D = x.shape
+    if ml is not None and ml[0] != Hx:
+        x = mx.repeat(x, ml[0] // Hx, axis=2) if ml[3] else mx.tile(x, (1, 1, ml[0] // Hx, 1))
+    return mx.contiguous(x.reshape(B, n, T // n, x.shape[2], D).transpose(0, 3, 1, 2, 4))
+
+
 def _lead(x, tail: int) -> int:
     """The number of matrices in x: the product of its shape but the last ``tail`` axes."""
     return math.prod(x.shape[:-tail])
@@ -594,7 +606,7 @@ def _scan_schedule(t: Tuning, BH: int, C: int, K: int, V: int, reverse: bool, mm
 
 
 def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq=None, Aq=None, Pq=None, ml=None,
-               st=None):
+               st=None, x_model: bool = False):
     """carried_c = S,  Y_c = X_c + A_c S,  S ← g_c ⊙ S + B_cᵀ Y_c (+ E_c) over [..., n, ·, ·] operands (leading
     axes flattened to one (b, h) axis), in order or in reverse.
     S0 [.., K, V], A (None: Y = X) and Bm (None: no B term) [.., n, C, K], X [.., n, C, V], g [.., n, F] (F = 1 or K),
@@ -608,12 +620,18 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     ``St`` [.., n, K, V] also dg = Σ_j carried ⊙ St [.., n, K] (in the kernel where it fuses products).
     ``ml`` = (H, HK, NCH, GB) (``_model_consts``): the row-scaled operands (A with Aq, Bm with Bq, Pa with Pq) are
     the model's key inputs [B, n C, HK, K] as they are, read so by the fragment frame (which must run). ``st`` (a
-    16-bit mx dtype, ``Tuning.states_16bit``): carried and Y are written in it (the fragment frame must run)."""
+    16-bit mx dtype, ``Tuning.states_16bit``): carried and Y are written in it (the fragment frame must run).
+    ``x_model`` (with ``ml``, A None): X is the model's value input [B, n C, H, V] as it is, read so where the A-free
+    scan runs on the wide multiply-add (``ScanVariant.xm``), copied to the chunks' layout first otherwise; Y is X
+    as given."""
     import mlx.core as mx
 
     lead = S0.shape[:-2]
     K, V = S0.shape[-2:]
-    n, C = X.shape[-3], X.shape[-2]
+    n = g.shape[-2]
+    C = X.shape[1] // n if x_model else X.shape[-2]
+    if x_model and (ml is None or A is not None):
+        raise ValueError("chunk_scan: X in the model's layout (x_model) is the A-free scan's, with ml")
     F = g.shape[-1]
     BH = _lead(S0, 2)
     fuse = scan_fuses_products(t, C, K, V, Bm is not None)
@@ -629,15 +647,6 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
         Pe = P[0].swapaxes(-1, -2) @ P[1]
         E, P = (Pe if E is None else E + Pe), None
     dg_here = St is not None and fuse
-    flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
-    # a row-scaled operand in the model's layout goes as it is
-    rows = lambda x, scaled: x if scaled and ml is not None else flat(x, n, C, K)  # noqa: E731
-    user = ([flat(S0, K, V)] + ([rows(A, Aq is not None)] if A is not None else [])
-            + ([flat(Aq, n, C)] if Aq is not None else [])
-            + [flat(X, n, C, V)] + ([rows(Bm, Bq is not None)] if Bm is not None else [])
-            + ([flat(Bq, n, C)] if Bq is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
-            + ([rows(P[0], Pq is not None), flat(P[1], n, C, V)] if P is not None else [])
-            + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
     mma = P is not None or dg_here or Bq is not None or Aq is not None or st is not None or use_mma(t, C, K, V)
     nw, pf, hoist = _scan_schedule(t, BH, C, K, V, reverse, mma, A is not None, Bm is not None or P is not None)
     # the wide multiply-add (``Tuning.wide_fragments``): the hoisted scans whose product operands share the states'
@@ -653,7 +662,18 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf,
                     hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None, s16=st is not None, w16=w16,
-                    wl=wl, vc=wl and t.scan_wide_columns and scan_value_quads(C, K, V, t.scan_bv, nw))
+                    wl=wl, vc=wl and t.scan_wide_columns and scan_value_quads(C, K, V, t.scan_bv, nw),
+                    xm=x_model and w16)
+    flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
+    # a row-scaled operand in the model's layout goes as it is; X too where the variant reads it so
+    rows = lambda x, scaled: x if scaled and ml is not None else flat(x, n, C, K)  # noqa: E731
+    xs = X if v.xm else flat(model_chunks(X, n) if x_model else X, n, C, V)
+    user = ([flat(S0, K, V)] + ([rows(A, Aq is not None)] if A is not None else [])
+            + ([flat(Aq, n, C)] if Aq is not None else [])
+            + [xs] + ([rows(Bm, Bq is not None)] if Bm is not None else [])
+            + ([flat(Bq, n, C)] if Bq is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
+            + ([rows(P[0], Pq is not None), flat(P[1], n, C, V)] if P is not None else [])
+            + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
     outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv, nw, ml,
                                 None if st is None else dtype_name(st)), user)
     carried, Y, S_end = outs[0].reshape(*lead, n, K, V), outs[1], outs[2].reshape(*lead, K, V)
@@ -665,7 +685,7 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     return carried, Y, S_end, dg
 
 
-def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None, ml=None):
+def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None, ml=None, z_model: bool = False):
     """y = (r ⊙ P) S_c + M_ru Z per chunk for a scalar decay (P_t = e^{G_t}, M_ru[t, s] = (r_t · u_s) Γ(t, s),
     s ≤ t, 0 above), by the fragment kernel: r, u [.., n, C, K], Z [.., n, C, V], states [.., n, K, V], l
     (log-decays) [.., n, C, 1]. Returns (y [.., n, C, V] float32, M_ru [.., n, C, C]), or with ``out`` (an
@@ -673,26 +693,30 @@ def chunk_out(r, u, Z, states, l, t: Tuning, out=None, rs=None, uf=None, ml=None
     float) the readout role is rs·r, scaled by the kernel (y and M_ru are linear in r). With ``uf`` [.., n, C, 1]
     (float32) ``u`` is a key x and the role uf ⊙ x, formed as read; with ``ml`` (``chunk_scan``'s, and ``out``) r and x
     are the model's key inputs [B, n C, HK, K] as they are. 16-bit states (``Tuning.states_16bit``) give M_ru in
-    their type."""
+    their type. ``z_model`` (with ``ml``, no ``uf``): Z is the model's value input [B, n C, H, V] too, read so by the
+    staged readout; where it does not run, r, u and Z are copied to the chunks' layout first."""
     import mlx.core as mx
 
-    (n, C, V), K = Z.shape[-3:], r.shape[-1]
-    N = _lead(Z, 2)
-    yt = None if out is None else (Z.shape[-4], n, dtype_name(out))
-    keys = [r, u] if ml is not None else [r.reshape(N, C, K), u.reshape(N, C, K)]
+    n, (K, V) = states.shape[-3], states.shape[-2:]
+    C = l.shape[-2]
+    N = _lead(states, 2)
+    yt = None if out is None else (states.shape[-4], n, dtype_name(out))
     launch = None
     if t.async_staging:
         types = tuple(dtype_name(x.dtype) for x in (r, u, Z, states))
         launch = out_async_launch(t.dialect, N, C, K, V, types, yt, t.out_bv, uf=uf is not None, ml=ml,
-                                  wide=t.wide_fragments)
+                                  wide=t.wide_fragments, zm=z_model)
+    if launch is None and z_model:  # only the staged readout reads Z so
+        r, u, Z, ml = model_chunks(r, n, ml), model_chunks(u, n, ml), model_chunks(Z, n), None
+    keys = [r, u] if ml is not None else [r.reshape(N, C, K), u.reshape(N, C, K)]
     if launch is None:
         st = None if states.dtype == mx.float32 else dtype_name(states.dtype)
         launch = out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, uf=uf is not None, ml=ml, l2=t.l2_prefetch, st=st)
     y, M = _call(t, launch,
                     keys + ([] if uf is None else [uf.reshape(N, C)])
-                    + [Z.reshape(N, C, V), states.reshape(N, K, V), l.reshape(N, C),
-                       mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-    return (y if out is not None else y.reshape(*Z.shape)), M.reshape(*Z.shape[:-1], C)
+                    + [Z if z_model and ml is not None else Z.reshape(N, C, V), states.reshape(N, K, V),
+                       l.reshape(N, C), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+    return (y if out is not None else y.reshape(*states.shape[:-2], C, V)), M.reshape(*states.shape[:-2], C, C)
 
 
 def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None, out=None, ml=None, st=None):

@@ -358,9 +358,24 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                         grads = [*grads, *ck.chunk_bwd(*dm, q16, x16, None, None, None, None, l, DG, tt, uf=fx, bf=-1.0,
                                                        prods=prods, scores=sc)]
                     return [*ck.chunk_out(q16, x16, Z16, St16, l, tt, uf=fx), U, W, *fwd, *rev, *grads]
-                got = run(t)
-                ref = [np.array(a.astype(mx.float32), np.float64)
-                       for a in run(replace(t, wide_fragments=False, bwd_scores=False))]
+                # simple GLA's forward with q, k and v in the model's layout (two value heads over one key head): the
+                # A-free scan reading k and v so (``ScanVariant.xm``) and the staged readout q, k and v (``zm``),
+                # against the TF32 forms on the chunks' layout
+                ml = (2, 1, n, True)
+                qm, km = (f32(rng.normal(size=(1, n * C, 1, K)) / np.sqrt(K)).astype(mx.bfloat16) for _ in range(2))
+                vm = f32(rng.normal(size=(1, n * C, 2, V))).astype(mx.bfloat16)
+                lh, fh = f32(np.full((1, 2, n, C, 1), -0.1)), f32(rng.uniform(size=(1, 2, n, C, 1)))
+                S0h, gh = f32(rng.normal(size=(1, 2, K, V))), f32(np.full((1, 2, n, 1), 0.5))
+
+                def simple(tt, m):
+                    qx, kx, vx = (qm, km, vm) if m else (ck.model_chunks(x, n, ml) for x in (qm, km, vm))
+                    carried, _, S_end = ck.chunk_scan(S0h, None, vx, kx, gh, None, tt, reverse=False, Bq=fh,
+                                                      ml=ml if m else None, st=mx.bfloat16, x_model=m)
+                    return [carried, S_end, *ck.chunk_out(qx, kx, vx, carried, lh, tt, mx.bfloat16, 0.5,
+                                                          ml=ml if m else None, z_model=m)]
+                got = run(t) + simple(t, True)
+                tf32 = replace(t, wide_fragments=False, bwd_scores=False)
+                ref = [np.array(a.astype(mx.float32), np.float64) for a in run(tf32) + simple(tf32, False)]
         elif frame == "rows":  # GDN's five kernels in the model's layout: B = 1, H = 2 over one key head, bf16 inputs
             got, ref = [], []
             if ck.fuses_ut(t, C, K, V) and ck.fuses_bwd(t, C, K, True):
