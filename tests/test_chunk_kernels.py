@@ -657,7 +657,8 @@ def test_simple_gla_reads_the_model_layout(dialect, gqa, wide, monkeypatch):
     from test_chunked import assert_close, compare
 
     calls = []
-    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    monkeypatch.setattr(ck, "mlx_call",
+                        lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     wide_kw = dict(states_16bit=True, wide_fragments=True, scan_hoist=True, scan_wide_loads=True) if wide else {}
     t = tuning.resolve("cpu", environ={}, dialect=dialect, chunk_kernels=True, mma_scan=True, model_rows=True,
                        async_staging=True, **wide_kw)
@@ -2000,8 +2001,8 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                                 "recgen_chunk_ut_async_uf_o16_ml"},
                       "s16": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16",
                               "recgen_chunk_ut_async_uf_o16_s16"},
-                      "wide": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16_s16", "recgen_chunk_out_async_yt",
-                               "recgen_chunk_out_async_ml_zm_yt"}}.get(frame, set())
+                      "wide": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16_s16",
+                               "recgen_chunk_out_async_yt", "recgen_chunk_out_async_ml_zm_yt"}}.get(frame, set())
     assert any("_pv_metal" in c for c in calls) == (frame == "products")
     assert any("_s16_" in c for c in calls) == (frame in ("s16", "wide"))  # "wide": GDN's UT transform with a bf16 Tm
 

@@ -486,13 +486,15 @@ def features_on_kernels(t: Tuning, C: int, D: int, V: int) -> bool:
 # -- MLX calls -------------------------------------------------------------------------------------
 def model_chunks(x, n: int, ml: tuple | None = None):
     """An input in the model's layout [B, n C, heads, D] -> the chunks' [B, H, n, C, D], row-major (an MLX copy); with
-    ``ml`` (``_model_consts``) a key input whose HK heads GQA shares among H, expanded."""
+    ``ml`` (``_model_consts``) a key input whose HK heads GQA shares among H, expanded. The copy is a flattening, not
+    ``mx.contiguous``, which MLX cannot record for replay (``chunked.core.row_major``)."""
     import mlx.core as mx
 
     B, T, Hx, D = x.shape
     if ml is not None and ml[0] != Hx:
         x = mx.repeat(x, ml[0] // Hx, axis=2) if ml[3] else mx.tile(x, (1, 1, ml[0] // Hx, 1))
-    return mx.contiguous(x.reshape(B, n, T // n, x.shape[2], D).transpose(0, 3, 1, 2, 4))
+    x = x.reshape(B, n, T // n, x.shape[2], D).transpose(0, 3, 1, 2, 4)
+    return x.reshape(-1).reshape(x.shape)
 
 
 def _lead(x, tail: int) -> int:
@@ -671,7 +673,8 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     user = ([flat(S0, K, V)] + ([rows(A, Aq is not None)] if A is not None else [])
             + ([flat(Aq, n, C)] if Aq is not None else [])
             + [xs] + ([rows(Bm, Bq is not None)] if Bm is not None else [])
-            + ([flat(Bq, n, C)] if Bq is not None else []) + [flat(g, n, F)] + ([flat(E, n, K, V)] if E is not None else [])
+            + ([flat(Bq, n, C)] if Bq is not None else []) + [flat(g, n, F)]
+            + ([flat(E, n, K, V)] if E is not None else [])
             + ([rows(P[0], Pq is not None), flat(P[1], n, C, V)] if P is not None else [])
             + ([flat(Pq, n, C)] if Pq is not None else []) + ([flat(St, n, K, V)] if dg_here else []))
     outs = _call(t, scan_launch(t.dialect, v, BH, n, C, K, V, F, t.scan_bv, nw, ml,

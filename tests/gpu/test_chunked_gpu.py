@@ -141,8 +141,9 @@ def test_chunked_form_with_async_staging(name, case, dtype, rng, monkeypatch, wi
                          wide_fragments=wide, replay_graphs=False):  # each kernel call seen by the patch, none replayed
         assert_close(op_errors(load_spec(name), case, dtype, rng, backend="mlx"), dtype)
     ran = {n.split("_cuda")[0] for n in names}  # the self-tests' kernels run once a process too
-    delta = name != "simple_gla"  # factor reads (u = β k), and the model's layout where chunks are whole
-    uf, ml = ("_uf" if delta else ""), ("_ml" if delta and case.T % 64 == 0 else "")
-    assert f"recgen_chunk_out_async{uf}{ml}_yt{'_w16' if wide else ''}" in ran, ran
+    delta = name != "simple_gla"  # factor reads (u = β k), and the model's layout where chunks are whole (simple
+    uf, ml = ("_uf" if delta else ""), ("_ml" if case.T % 64 == 0 else "")  # GLA's readout reads v so too: zm)
+    zm = "_zm" if ml and not delta else ""
+    assert f"recgen_chunk_out_async{uf}{ml}{zm}_yt{'_w16' if wide else ''}" in ran, ran
     assert not delta or any(n.startswith(f"recgen_chunk_ut_async{uf}") and n.removesuffix("_w16").endswith(ml)
                             and n.endswith("_w16") == wide for n in ran), ran
