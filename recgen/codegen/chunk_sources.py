@@ -79,7 +79,8 @@ class ScanVariant:
     wl; BV a multiple of 32 and YCT of 4: ``scan_value_quads``): the columns of X, Y and the states a lane holds, in
     each four column tiles, are eight adjacent ones in memory, read and written 16 bytes at a time (the threadgroup
     copies keep the tiles' order); ``xm`` (the A-free forward on w16, with ml: simple GLA's): X the model's value
-    input as it is, [B, n C, H, V]. p, dg, q, aq, pq, pf, hoist, ml, s16, w16, wl, vc and xm exist on the fragment frame only."""
+    input as it is, [B, n C, H, V]. p, dg, q, aq, pq, pf, hoist, ml, s16, w16, wl, vc and xm exist on the fragment
+    frame only."""
 
     a: bool = True
     b: bool = True
