@@ -129,6 +129,8 @@ class Tuning:
     logdecay_16bit: bool = False    # ... and a log-decay that is an input verbatim, where only kernels read it (the
     #                                 general rank-1 core)
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
+    scan_min_groups: int = 0        # ... halved where its threadgroups would be fewer (few (batch, head) pairs, long
+    #                                 sequences: a scan is sequential over chunks, so more column groups fill the GPU)
     scan_nw: int = 4                # SIMD groups per threadgroup of the forward fragment scan (most)
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (measured no forward gain and a
@@ -213,7 +215,7 @@ MEASURED = {
                  feature_out_fragments=2, feature_mix=True, feature_keep_states=True,
                  decay_factor_kernels=True, replay_graphs=True, ut_16bit=True, states_16bit=True,
                  wide_fragments=True, bwd_scores=True, bwd_products=True, scan_products_alone=True,
-                 scan_wide_loads=True, bwd_wide_loads=True, scan_wide_columns=True),
+                 scan_wide_loads=True, bwd_wide_loads=True, scan_wide_columns=True, scan_min_groups=128),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
@@ -278,6 +280,7 @@ ENVIRONMENT = {
     "RECGEN_UT_BW": ("ut_bw", int),
     "RECGEN_WIDE_FRAGMENTS": ("wide_fragments", _flag),
     "RECGEN_SCAN_BV": ("scan_bv", int),
+    "RECGEN_SCAN_MIN_GROUPS": ("scan_min_groups", int),
     "RECGEN_SCAN_NW": ("scan_nw", int),
     "RECGEN_REVERSE_SCAN_NW": ("reverse_scan_nw", int),
     "RECGEN_SCAN_PREFETCH": ("scan_prefetch", _flag),

@@ -372,6 +372,33 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, vc, has_a, san
         ScanVariant(a=False, mma=True, q=True, hoist=True, s16=True, w16=True, reverse=True, p=True, aq=False)
 
 
+@pytest.mark.parametrize("has_a", [True, False])
+def test_scans_of_few_heads_take_half_the_columns(has_a, monkeypatch):
+    """``Tuning.scan_min_groups``: a scan that would have fewer threadgroups (few (batch, head) pairs, long prefill)
+    runs with half the value columns a threadgroup, twice the groups; GDN's and simple GLA's wide forward scans (CUDA's
+    lane layout, ``metal_ptx``) so against float64 at their bf16 inputs, and the launch's BV is the half."""
+    mx = pytest.importorskip("mlx.core")
+    t = tuning.resolve("cpu", environ={}, dialect="metal_ptx", chunk_kernels=True, mma_scan=True, scan_hoist=True,
+                       states_16bit=True, wide_fragments=True, scan_wide_loads=True, scan_min_groups=8)
+    assert ck.scan_tuning(t, 2, 64).scan_bv == 16 and ck.scan_tuning(t, 4, 64).scan_bv == 32
+    assert ck.scan_tuning(dataclasses.replace(t, scan_min_groups=0), 1, 32).scan_bv == 32
+    launches = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: launches.append(launch) or _emulated_call(launch, *a))
+    rng = np.random.default_rng(17 + has_a)
+    BH, n, C, K, V = 2, 3, 32, 64, 64
+    f, bf, u = _bf16_draws(rng)
+    A, X, Bm = bf(f(BH, n, C, K) * 0.2), bf(f(BH, n, C, V)), bf(f(BH, n, C, K) * 0.2)
+    Bq, g, S0 = u(BH, n, C, 1), np.exp(-3 * rng.uniform(size=(BH, n, 1))).astype(np.float32), f(BH, K, V)
+    carried, Y, S_end = ck.chunk_scan(mx.array(S0), A if has_a else None, X, Bm, mx.array(g), None, t, reverse=False,
+                                      Bq=mx.array(Bq), st=mx.bfloat16)
+    (launch,) = launches
+    assert dict(launch.template)["BV"] == 16 and "_w16" in launch.source.name, launch.source.name
+    f64 = lambda a: np.array(a.astype(mx.float32), np.float64)  # noqa: E731
+    want = _scan_ref(S0, f64(A) if has_a else None, f64(X), f64(Bm) * Bq, g, None, False, has_a)
+    for got, w in list(zip((carried, Y, S_end), want))[:: 1 if has_a else 2]:
+        assert _rel(np.asarray(got.astype(mx.float32)), w) < 1e-2
+
+
 def _bf16_draws(rng):
     """(f, bf, u): float32 normals of a shape, an array in bf16, float32 uniforms in [0.05, 1) of a shape."""
     mx = pytest.importorskip("mlx.core")

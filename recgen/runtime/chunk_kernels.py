@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..codegen.backends import get
@@ -607,6 +607,15 @@ def _scan_schedule(t: Tuning, BH: int, C: int, K: int, V: int, reverse: bool, mm
     return nw, mma and has_a and t.scan_prefetch and one_item, hoists and (not has_a or one_item)
 
 
+def scan_tuning(t: Tuning, BH: int, V: int) -> Tuning:
+    """The tuning a scan of BH (batch, head) pairs and V value columns runs with: half the columns a threadgroup where
+    the scan would otherwise have fewer than ``Tuning.scan_min_groups`` threadgroups (long prefill with few heads: the
+    GPU is filled by column groups only, each sequential over the chunks)."""
+    if t.scan_bv >= 16 and BH * -(-V // t.scan_bv) < t.scan_min_groups:
+        return replace(t, scan_bv=t.scan_bv // 2)
+    return t
+
+
 def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq=None, Aq=None, Pq=None, ml=None,
                st=None, x_model: bool = False):
     """carried_c = S,  Y_c = X_c + A_c S,  S ← g_c ⊙ S + B_cᵀ Y_c (+ E_c) over [..., n, ·, ·] operands (leading
@@ -630,6 +639,7 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
 
     lead = S0.shape[:-2]
     K, V = S0.shape[-2:]
+    t = scan_tuning(t, _lead(S0, 2), V)
     n = g.shape[-2]
     C = X.shape[1] // n if x_model else X.shape[-2]
     if x_model and (ml is None or A is not None):
