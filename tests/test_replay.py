@@ -92,6 +92,26 @@ def test_what_mlx_cannot_record_runs_as_python_with_a_warning(rng):
     assert list(r.graphs.values()) == [None] and len(calls) == 3  # the failed trace, then each call
 
 
+@pytest.mark.parametrize("ml", [None, (4, 2, 3, True), (4, 2, 3, False)])
+def test_model_layout_copies_are_recorded(ml, rng):
+    """``chunk_kernels.model_chunks`` (the backward's copies of simple GLA's q, k, v to the chunks' layout, GQA's key
+    heads expanded by block or tile) is recorded without falling back (a fallback warns, which fails here), and gives
+    the layout numpy gives."""
+    H = 4 if ml is None else ml[1]
+    x = mx.array(rng.standard_normal((2, 24, H, 5)), dtype=mx.float32)
+    r = Replay(lambda a: (ck.model_chunks(a, 3, ml),), "chunks")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = [np.array(r(x)[0]) for _ in range(2)]
+    assert list(r.graphs.values())[0] is not None
+    xs = np.array(x)
+    if ml is not None:
+        xs = np.repeat(xs, 2, axis=2) if ml[3] else np.tile(xs, (1, 1, 2, 1))
+    want = xs.reshape(2, 3, 8, 4, 5).transpose(0, 3, 1, 2, 4)
+    for g in got:
+        np.testing.assert_array_equal(g, want)
+
+
 def _square_piece():
     """x -> (x², 2x) with a written VJP, as a chunk core is."""
     return Piece(lambda x: (x * x, 2 * x), lambda args, outs, cots: (2 * args[0] * cots[0] + 2 * cots[1],))
