@@ -44,7 +44,7 @@ from ..codegen.chunk_sources import inverse_supported, pair_supported
 from ..runtime import chunk_kernels as ck
 from ..runtime.pieces import Piece
 from ..tuning import Tuning
-from .core import (add_half, decay_levels, exp, half, offdiag_blocks, p_before, pair_levels, row_major, tr,
+from .core import (add_half, decay_levels, exp, half, offdiag_blocks, p_before, pair_levels, tr,
                    unit_lower_inv)
 
 __all__ = ["core_fn", "decay_geometry", "log_decay_grad", "scan_backward", "with_vjp"]
@@ -476,12 +476,12 @@ def group_heads(g, HK: int, gqa: str):
     return g.reshape(B, T, H // HK, HK, K).sum(2)
 
 
-def core_layout(y, n: int, C: int, dtype):
+def core_layout(y, n: int, dtype):
     """``model_layout``'s inverse: [B, n C, H, V] -> [B, H, n, C, V] of ``dtype``, row-major. MLX's cast of the
     transposed view would keep its strides, and then every product and kernel that reads it (three GEMMs and the
-    reverse scan, each wanting row-major operands) would copy it again; one copy in the input's type comes first."""
-    B, _, H, V = y.shape
-    return row_major(y.reshape(B, n, C, H, V).transpose(0, 3, 1, 2, 4)).astype(dtype)
+    reverse scan, each wanting row-major operands) would copy it again; one copy in the input's type comes first
+    (``chunk_kernels.model_chunks``)."""
+    return ck.model_chunks(y, n).astype(dtype)
 
 
 def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None, out=None, rfac=None, ml=None):
@@ -755,14 +755,14 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         k = 6 if delta else 5
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
         if out is not None:  # in the states' type: 16-bit states (``Tuning.states_16bit``) take 16-bit products
-            dy = core_layout(dy, *l.shape[-3:-1], res[0].dtype)
+            dy = core_layout(dy, l.shape[-3], res[0].dtype)
         geo = Geo(l, t, geo_saved, scaled(r, u, bt, True))
         if rho is not None:
             dS0, dr, du, dw, dl, dbt = _backward_keyed(geo, r, u, bt, rho, res, dy, dS_end, compose, matrix, kern, rfac,
                                                        ml(r, l))
         elif model_rows is not None:  # no delta rule: the backward reads the chunks' layout, copied here, not kept
-            n = l.shape[2]
-            rc, uc, wc = ck.model_chunks(r, n, ml(r, l)), ck.model_chunks(u, n, ml(r, l)), ck.model_chunks(w, n)
+            n, heads = l.shape[2], ml(r, l)
+            rc, uc, wc = ck.model_chunks(r, n, heads), ck.model_chunks(u, n, heads), ck.model_chunks(w, n)
             dS0, dr, du, dw, dl, dbt = _backward(geo, rc, uc, wc, bt, res, dy, dS_end, compose, matrix, kern, rfac)
             dr, du = model_layout(dr, dr.dtype), model_layout(du, du.dtype)  # summed over GQA groups below
         else:

@@ -120,7 +120,7 @@ def _backward(geo, r, u, w, a, b, res, dy, dS_end, before: bool, kern, rfac=None
     # the core's once here, not by each of the five products and the reverse scan that read it (a lower training
     # peak). With ``rfac`` the readout's cotangent is rfac·dy: every gradient below then holds it, and r's is that
     # of the core's argument
-    dy = row_major(dy) if out is None else core_layout(dy, *r.shape[-3:-1], mx.float32)
+    dy = row_major(dy) if out is None else core_layout(dy, r.shape[-3], mx.float32)
     dy = dy if rfac is None else dy * rfac
     rP, aQ, uQ = geo.role("rP", r, "P"), geo.role("aQ", a, "Q"), geo.role("uQ", u, "Q")
     C, K = a.shape[-2:]

@@ -639,13 +639,13 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
 
     lead = S0.shape[:-2]
     K, V = S0.shape[-2:]
-    t = scan_tuning(t, _lead(S0, 2), V)
+    BH = _lead(S0, 2)
+    t = scan_tuning(t, BH, V)
     n = g.shape[-2]
     C = X.shape[1] // n if x_model else X.shape[-2]
     if x_model and (ml is None or A is not None):
         raise ValueError("chunk_scan: X in the model's layout (x_model) is the A-free scan's, with ml")
     F = g.shape[-1]
-    BH = _lead(S0, 2)
     fuse = scan_fuses_products(t, C, K, V, Bm is not None)
     if ml is not None and not (fuse or (Bm is None and P is None and use_mma(t, C, K, V))):
         raise ValueError("chunk_scan: the model's layout (ml) needs the fragment frame fusing its products")

@@ -382,8 +382,6 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                 H, T = 2, n * C
                 q, k, v = (f32(rng.normal(size=(1, T, h, d)) / np.sqrt(d)).astype(mx.bfloat16)
                            for h, d in ((1, K), (1, K), (H, V)))
-                chunks = lambda x: mx.contiguous(mx.repeat(x, H // x.shape[2], 2).transpose(0, 2, 1, 3)).reshape(  # noqa: E731
-                    1, H, n, C, x.shape[-1])
                 l, fx = f32(np.full((1, H, n, C, 1), -0.1)), f32(rng.uniform(size=(1, H, n, C, 1)))
                 S0, Fs, Pb, St = (f32(rng.normal(size=s)) for s in ((1, H, K, V), (1, H, n, C, V), (1, H, n, C, V),
                                                                      (1, H, n, K, V)))
@@ -402,7 +400,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                         dr, dx = (a.reshape(1, H, T, K).transpose(0, 2, 1, 3) for a in (dr, dx))
                     return [Tm, U, W, carried, Z, y, M, *rev, dr, dx, df, dl]
                 got = run(q, k, v, (H, 1, n, True))
-                ref = [np.array(a.astype(mx.float32), np.float64) for a in run(*(chunks(x) for x in (q, k, v)), None)]
+                chunked = (ck.model_chunks(x, n, (H, 1, n, True)) for x in (q, k, v))  # the key head expanded
+                ref = [np.array(a.astype(mx.float32), np.float64) for a in run(*chunked, None)]
         elif frame == "async":  # the readout staged by asynchronous copies: float32 operands in the chunks' layout, and
             got, ref = [], []     # GDN's call (bf16 q and k in the model's layout, u = f ⊙ k read so, bf16 y)
             if ck.fuses_readout(t, C, K, V):
