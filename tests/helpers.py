@@ -236,6 +236,9 @@ def chunk_launches(target: str) -> list:
                                       scores=(128, "bfloat16")),
                     # ... both read 16 bytes a load (``Tuning.bwd_wide_loads``)
                     ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), uf=True, ml=ml, V=128,
+                                      scores=(128, "bfloat16"), wide_loads=True),
+                    # ... simple GLA's, reading q and k in the model's layout (``parallel.reads_model_rows``)
+                    ck.bwd_mma_launch(target, 8, 64, 128, ("bfloat16", "bfloat16"), ml=ml, V=128,
                                       scores=(128, "bfloat16"), wide_loads=True)]
                    if target == "cuda" else [])
                 + [ck.ut_async_launch(target, 8, 64 if target == "cuda" else 32, 128, 128, ("bfloat16", "bfloat16"),

@@ -667,15 +667,17 @@ def test_chunked_core_reads_the_model_layout(name, gqa, in_dtype, monkeypatch):
                          f"recgen_chunk_bwd_mma_delta_uf{suffix}"}, (T, kinds)
 
 
-@pytest.mark.parametrize("dialect,gqa,wide", [("metal", "block", False), ("metal", "tiled", False),
-                                            ("metal_ptx", "block", True)])
-def test_simple_gla_reads_the_model_layout(dialect, gqa, wide, monkeypatch):
+@pytest.mark.parametrize("dialect,gqa,wide,alone", [("metal", "block", False, False), ("metal", "tiled", False, True),
+                                                  ("metal_ptx", "block", True, True)])
+def test_simple_gla_reads_the_model_layout(dialect, gqa, wide, alone, monkeypatch):
     """``Tuning.model_rows`` without a delta rule (simple GLA: u = k, w = v verbatim): the forward scan reads k and v
     and the staged readout q, k and v in the model's layout [B, T, heads, D] (GQA's key heads shared, H = 4 over Hk
-    = 2), and the backward copies them to the chunks' layout itself; bf16 inputs, end to end against the float64
-    reference (forward, final state, every gradient, strong decays). ``wide``: as CUDA's table runs it (CUDA's lane
-    layout, ``metal_ptx``), where the A-free scan on the wide multiply-add reads v so too (``xm``); elsewhere the
-    scan copies v to the chunks' layout first. A partial last chunk (T = 40) takes the chunks' layout."""
+    = 2); bf16 inputs, end to end against the float64 reference (forward, final state, every gradient, strong
+    decays). ``wide``: as CUDA's table runs it (CUDA's lane layout, ``metal_ptx``), where the A-free scan on the wide
+    multiply-add reads v so too (``xm``); elsewhere the scan copies v to the chunks' layout first. ``alone``
+    (``Tuning.scan_products_alone``): the reverse scan takes its products as factors, so it and the backward's pass
+    read q and k in the model's layout too, and write their gradients so (``parallel.reads_model_rows``); else the
+    backward copies them to the chunks' layout. A partial last chunk (T = 40) takes the chunks' layout."""
     pytest.importorskip("mlx.core")
     import dataclasses
 
@@ -686,9 +688,10 @@ def test_simple_gla_reads_the_model_layout(dialect, gqa, wide, monkeypatch):
     calls = []
     monkeypatch.setattr(ck, "mlx_call",
                         lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    wide_kw = dict(states_16bit=True, wide_fragments=True, scan_hoist=True, scan_wide_loads=True) if wide else {}
+    wide_kw = dict(states_16bit=True, wide_fragments=True, scan_hoist=True, scan_wide_loads=True, bwd_scores=True,
+                   bwd_products=True, reverse_scan_hoist=True) if wide else {}
     t = tuning.resolve("cpu", environ={}, dialect=dialect, chunk_kernels=True, mma_scan=True, model_rows=True,
-                       async_staging=True, **wide_kw)
+                       async_staging=True, scan_products_alone=alone, **wide_kw)
     rec = dataclasses.replace(specs.BUILTINS["simple_gla"], gqa=gqa)
     for T in (64, 40):
         calls.clear()
@@ -698,6 +701,10 @@ def test_simple_gla_reads_the_model_layout(dialect, gqa, wide, monkeypatch):
         assert ("recgen_chunk_out_async_ml_zm_yt" + ("_w16" if wide else "") in kinds) == whole, kinds
         assert any(k.startswith("recgen_chunk_scan_mma_noa_q") and "_ml" in k for k in kinds) == whole, kinds
         assert any(k.endswith("_xm") for k in kinds) == (whole and wide), kinds
+        backward = {k for k in kinds if k.startswith("recgen_chunk_bwd_mma")}
+        assert len(backward) == 1 and ("_ml" in backward.pop()) == (whole and alone), kinds
+        assert any(k.startswith("recgen_chunk_scan_mma") and k.endswith("_rev") and "_ml" in k
+                   for k in kinds) == (whole and alone), kinds
 
 
 @pytest.mark.parametrize("name,K,V,mma,want,extra", [

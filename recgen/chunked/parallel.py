@@ -688,6 +688,13 @@ def _backward_fused(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rf
     return dS0, dr, du, Delta, dl, dbt
 
 
+def reads_model_rows(kern: Tuning, C: int, K: int, V: int) -> bool:
+    """Whether the backward without a delta rule reads r and u in the model's layout: its reverse scan takes its
+    products as factors (``chunk_kernels.scan_fuses_products``: the fragment frame, r and u read with their row
+    scales) and the fragment pass after it runs (``chunk_kernels.fuses_bwd``)."""
+    return ck.scan_fuses_products(kern, C, K, V, False) and ck.fuses_bwd(kern, C, K, False)
+
+
 def decay_geometry(key: bool, kern: Tuning | None, before: bool = False, pq: bool = True):
     """The class (or factory, same signature) of a chunk's decay geometry: ``ScalarDecay`` (its factors by a kernel,
     ``KernelScalarDecay``, with chunk kernels); for a key-vector decay
@@ -760,11 +767,16 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         if rho is not None:
             dS0, dr, du, dw, dl, dbt = _backward_keyed(geo, r, u, bt, rho, res, dy, dS_end, compose, matrix, kern, rfac,
                                                        ml(r, l))
-        elif model_rows is not None:  # no delta rule: the backward reads the chunks' layout, copied here, not kept
-            n, heads = l.shape[2], ml(r, l)
-            rc, uc, wc = ck.model_chunks(r, n, heads), ck.model_chunks(u, n, heads), ck.model_chunks(w, n)
-            dS0, dr, du, dw, dl, dbt = _backward(geo, rc, uc, wc, bt, res, dy, dS_end, compose, matrix, kern, rfac)
-            dr, du = model_layout(dr, dr.dtype), model_layout(du, du.dtype)  # summed over GQA groups below
+        elif model_rows is not None:  # no delta rule: w goes to the chunks' layout (copied here, not kept); r and u
+            # too where the reverse scan and the pass after it cannot read the model's
+            n, heads, wc = l.shape[2], ml(r, l), ck.model_chunks(w, l.shape[2])
+            if reads_model_rows(kern, l.shape[-2], r.shape[-1], w.shape[-1]):  # dr, du per value head
+                dS0, dr, du, dw, dl, dbt = _backward_fused(geo, r, u, wc, None, res, dy, dS_end, compose, matrix, kern,
+                                                           rfac, ml=heads)
+            else:
+                rc, uc = ck.model_chunks(r, n, heads), ck.model_chunks(u, n, heads)
+                dS0, dr, du, dw, dl, dbt = _backward(geo, rc, uc, wc, bt, res, dy, dS_end, compose, matrix, kern, rfac)
+                dr, du = model_layout(dr, dr.dtype), model_layout(du, du.dtype)  # summed over GQA groups below
         else:
             dS0, dr, du, dw, dl, dbt = _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac)
         if model_rows is not None:  # dr, dx per value head [B, n C, H, K]; Δ (dw) [B, H, n, C, V] as w's layout

@@ -302,7 +302,8 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
     """N chunks, one threadgroup each; ``types``: the dtype names of R, U (and b̃: the delta rule's form), which the
     gradients dR, dU (dBt) are written in; ``uf`` (the delta rule's, ``types`` those of R and the key x): u and b̃
     read from x with their factors, the gradients written dR, dX and dF (of the factor, [N, C] float32); ``ml`` (with
-    ``uf``): r and x read in the model's layout and dR, dX written in it per value head [N / (H NCH), NCH C, H, K],
+    ``uf``, or no b̃): r and x (u) read in the model's layout, dR, dX (dU) written in it per value head
+    [N / (H NCH), NCH C, H, K],
     (H, HK, NCH, GB) as ``_model_consts``; ``min_blocks`` as ``Launch``'s; ``V`` (a multiple of 8; 0: none): the
     products over V values formed in the pass (``bwd_mma_source``'s ``prods``); ``scores`` (``scores_in_pass``): None,
     or (V, the 16-bit dtype name of Z, dy and Δ) where the pass forms its pair cotangents from them, and with ``V``
