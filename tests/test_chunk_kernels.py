@@ -2027,7 +2027,7 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                                      "recgen_chunk_scan_mma_noa_q_ho", "recgen_chunk_scan_mma_noa_q_ho_s16"},
                        "wide": {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
                                 "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_rev", "recgen_chunk_scan_mma_noa_q_ho_s16",
-                                "recgen_chunk_scan_mma_noa_q_ho_ml_s16"}
+                                "recgen_chunk_scan_mma_noa_q_ho_ml_s16", "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_ml_s16_rev"}
                        # Metal: the TF32 scans twice (GDN's, and simple GLA's reverse one)
                        }.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
@@ -2045,7 +2045,8 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
     """The "wide" frame in CUDA's lane layout (``metal_ptx``, which has the wide multiply-add; Metal has none, so
     there it runs the TF32 forms twice): the readout, the UT transform, both scans and the backward's pass forming its
     pair cotangents (``Tuning.bwd_scores``), and its products over values too, on it (the scans' and the pass's
-    operands read 16 bytes a load) against their TF32 forms pass, and a wide kernel that lies fails."""
+    operands read 16 bytes a load; simple GLA's in the model's layout) against their TF32 forms pass, and a wide
+    kernel that lies fails."""
     calls = []
     monkeypatch.setattr(ck, "mlx_call",
                         lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
@@ -2067,7 +2068,10 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
                                                      "recgen_chunk_bwd_mma_delta_uf",
                                                      "recgen_chunk_bwd_mma_delta_uf_sc_wl",
                                                      "recgen_chunk_bwd_mma_delta_uf_pv",
-                                                     "recgen_chunk_bwd_mma_delta_uf_pv_sc_wl"}
+                                                     "recgen_chunk_bwd_mma_delta_uf_pv_sc_wl",
+                                                     # simple GLA's backward reading q and k in the model's layout
+                                                     "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_ml_s16_w16_wl_rev",
+                                                     "recgen_chunk_bwd_mma_ml_pv_sc_wl", "recgen_chunk_bwd_mma"}
     pr._probe.cache_clear()
 
     for wide in ("_w16", "_sc"):  # a wide kernel's first output doubled

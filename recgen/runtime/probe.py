@@ -366,13 +366,36 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                 vm = f32(rng.normal(size=(1, n * C, 2, V))).astype(mx.bfloat16)
                 lh, fh = f32(np.full((1, 2, n, C, 1), -0.1)), f32(rng.uniform(size=(1, 2, n, C, 1)))
                 S0h, gh = f32(rng.normal(size=(1, 2, K, V))), f32(np.full((1, 2, n, 1), 0.5))
+                # ... and its backward reading q and k so (``parallel.reads_model_rows``): the B-free reverse scan and
+                # the pass without a delta rule, dq and dk per value head in the model's layout
+                Fh, dyh = (f32(rng.normal(size=(1, 2, n, C, V))).astype(mx.bfloat16) for _ in range(2))
+                DGh = f32(rng.normal(size=(1, 2, n)))
+                back = ck.fuses_bwd(t, C, K, False) and ck.scan_fuses_products(t, C, K, V, False)
 
                 def simple(tt, m):
                     qx, kx, vx = (qm, km, vm) if m else (ck.model_chunks(x, n, ml) for x in (qm, km, vm))
                     carried, _, S_end = ck.chunk_scan(S0h, None, vx, kx, gh, None, tt, reverse=False, Bq=fh,
                                                       ml=ml if m else None, st=mx.bfloat16, x_model=m)
-                    return [carried, S_end, *ck.chunk_out(qx, kx, vx, carried, lh, tt, mx.bfloat16, 0.5,
-                                                          ml=ml if m else None, z_model=m)]
+                    out = [carried, S_end, *ck.chunk_out(qx, kx, vx, carried, lh, tt, mx.bfloat16, 0.5,
+                                                         ml=ml if m else None, z_model=m)]
+                    if not back:
+                        return out
+                    rev = ck.chunk_scan(S0h, kx, Fh, None, gh, None, tt, reverse=True, P=(qx, dyh), St=carried,
+                                        Aq=fh, Pq=fh, ml=ml if m else None, st=mx.bfloat16)
+                    rows = (ck.model_chunks(vm, n), dyh, carried, rev[0])  # Z, dy, S_c, dS_next
+                    if ck.scores_in_pass(tt, rows):  # the pair cotangents and the products over values in the pass
+                        Z, dy, S, dSn = rows
+                        pass_in = dict(prods=(Z, dy, None, S, dSn), scores=(Z, dy, None))
+                        dr, du, _, dl = ck.chunk_bwd(None, None, qx, kx, None, None, None, None, lh, DGh, tt, 0.5,
+                                                     ml=ml if m else None, **pass_in)
+                    else:  # the TF32 form: those from MLX, in float32
+                        Z, dy, S, dSn = (a.astype(mx.float32) for a in rows)
+                        T_ = lambda a: a.swapaxes(-1, -2)  # noqa: E731
+                        dr, du, _, dl = ck.chunk_bwd(None, dy @ T_(Z), qx, kx, None, Z @ T_(dSn), dy @ T_(S), None,
+                                                     lh, DGh, tt, 0.5, ml=ml if m else None)
+                    if not m:  # per value head in the model's layout, as the model-layout pass writes them
+                        dr, du = (a.reshape(1, 2, n * C, K).transpose(0, 2, 1, 3) for a in (dr, du))
+                    return [*out, *rev, dr, du, dl]
                 got = run(t) + simple(t, True)
                 tf32 = replace(t, wide_fragments=False, bwd_scores=False)
                 ref = [np.array(a.astype(mx.float32), np.float64) for a in run(tf32) + simple(tf32, False)]
