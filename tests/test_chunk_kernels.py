@@ -635,6 +635,35 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
     assert kinds == want, kinds
 
 
+@pytest.mark.parametrize("name", ["gla", "kda", "hgrn2", "rwkv6"])
+@pytest.mark.parametrize("on", [True, False])
+def test_key_decay_bare_roles_in_16_bits(name, on, monkeypatch):
+    """``Tuning.key_roles_16bit``: a key-vector decay's bare roles (GLA's k and v, KDA's and RWKV-6's v, HGRN-2's)
+    stay in the inputs' bf16 and the kernels that read them convert on load: the same results as with their float32
+    copies, end to end against the float64 reference on CUDA's lane layout (``metal_ptx``; bf16 inputs, GQA, a
+    partial last chunk, strong decays: forward, final state, every gradient); on, some kernel reads a bf16 role,
+    off none does."""
+    pytest.importorskip("mlx.core")
+    import dataclasses
+
+    import mlx.core as mx
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    sixteen = []
+
+    def call(launch, dialect, user, *a):
+        sixteen.extend(launch.source.name for x in user if x.dtype == mx.bfloat16)
+        return _emulated_call(launch, dialect, user, *a)
+
+    monkeypatch.setattr(ck, "mlx_call", call)
+    t = tuning.resolve("cpu", environ={}, dialect="metal_ptx", chunk_kernels=True, mma_scan=True, mma_pairs=True,
+                       key_roles_16bit=on)
+    rec = dataclasses.replace(specs.BUILTINS[name], gqa="tiled") if name != "hgrn2" else specs.BUILTINS[name]
+    assert_close(compare(rec, 40, chunk=16, K=32, V=8, seed=4, tuning=t, in_dtype=mx.bfloat16), 1e-2, 1e-2)
+    assert bool(sixteen) == on, sixteen
+
+
 @pytest.mark.parametrize("name,gqa,in_dtype", [("gated_delta_net", "block", None), ("gated_delta_net", "tiled", "bf16"),
                                            ("delta_net", "block", None)])
 def test_chunked_core_reads_the_model_layout(name, gqa, in_dtype, monkeypatch):

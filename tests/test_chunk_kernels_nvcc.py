@@ -107,3 +107,44 @@ def test_launch_bounds_leave_the_gradient_kernel_two_threadgroups_an_sm(tmp_path
     unit.write_text(translation_unit([as_kernel(i, x) for i, x in enumerate(launches)]))
     free, bounded = (usage(unit, [256, 256], nvcc)[i] for i in range(2))
     assert free.blocks_per_sm == 1 and bounded.blocks_per_sm == 2 and bounded.registers <= 128, (free, bounded)
+
+
+@pytest.mark.parametrize("names,options", [(("gla", "kda", "hgrn2", "rwkv6"), {"key_roles_16bit": True})])
+def test_a_specs_calls_compile_with_the_dtypes_they_pass(names, options, tmp_path, monkeypatch):
+    """Each chunk kernel a spec's CUDA call runs (forward and backward, recorded on the CPU: ``chunk_kernels``'s calls
+    return zeros), compiled with the dtypes of the buffers it is handed, as MLX instantiates it: a kernel reading a
+    role in bf16 where an option keeps it so (``Tuning.key_roles_16bit``: the key-vector decays' bare roles) must
+    compile that way too, not only with the float32 buffers ``chunk_launches`` assumes."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc is not installed")
+    import dataclasses
+
+    import mlx.core as mx
+    from recgen import chunked, specs
+    from recgen.bench import Shape, make_inputs
+    from recgen.runtime import chunk_kernels as ck
+    from recgen.tuning import resolve
+
+    t = dataclasses.replace(resolve("gpu", "cuda", environ={}), compile=False, replay_graphs=False, **options)
+    seen = {}
+
+    def record(tt, launch, user):
+        runtime = {r[0] for r in launch.runtime}
+        dtypes = {n: str(a.dtype).split(".")[-1] for n, a in zip([n for n in launch.source.inputs if n not in runtime],
+                                                                  user)}
+        seen[(launch.source.name, tuple(sorted(dtypes.items())))] = (launch, dtypes)
+        return [mx.zeros(shape, getattr(mx, dt)) for shape, dt in launch.outputs]
+
+    monkeypatch.setattr(ck, "_call", record)
+    for name in names:
+        rec = specs.BUILTINS[name]
+        xs, do = make_inputs(rec, Shape(1, 128, 2, 128, 128), "bfloat16")
+        out = lambda *a, rec=rec, xs=xs: chunked.forward(rec, dict(zip(xs, a)), scale=0.1, tuning=t)[0]  # noqa: E731
+        mx.eval(mx.vjp(out, list(xs.values()), [do]))
+    assert any("bfloat16" in d.values() for _, d in seen.values())
+    path = tmp_path / "calls.cu"
+    path.write_text(translation_unit([as_kernel(i, launch, d) for i, (launch, d) in enumerate(seen.values())]))
+    r = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", str(path), "-o", str(tmp_path / "k.o")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]

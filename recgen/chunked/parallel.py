@@ -444,9 +444,11 @@ def role_dtype(kern: Tuning | None, key: bool, delta: bool, C: int, K: int, V: i
     forward-only (inference) choice, off by default.
     A ``bare`` role (an input verbatim: GDN's w = v, simple GLA's u = k and w = v) is exact in its input's type, so
     it stays there wherever the kernels read it (``roles_16bit = "bare"``, the default): no cast pass in the
-    forward. ``"none"`` casts every role."""
+    forward. ``"none"`` casts every role. A key-vector decay's roles are cast, but for bare ones where
+    ``Tuning.key_roles_16bit`` asks (its kernels convert on load; MLX's products cast them, ``_up``)."""
     mode = kern.roles_16bit if kern else "none"
-    if dtype not in (mx.bfloat16, mx.float16) or key or mode == "none" or not (bare or mode == "all"):
+    key_cast = key and not (bare and kern and kern.key_roles_16bit)
+    if dtype not in (mx.bfloat16, mx.float16) or key_cast or mode == "none" or not (bare or mode == "all"):
         return compute
     if not (ck.use_mma(kern, C, K, V) and ck.fuses_readout(kern, C, K, V)
             and (not delta or ck.fuses_ut(kern, C, K, V))):
