@@ -126,10 +126,10 @@ class Tuning:
     key_factor_reads: bool = False  # ... for a key-vector decay (KDA) too: its pairs' scaling by β stays in MLX ops,
     #                                 measured slower for training (H100: 11.3 -> 11.9 ms) though faster forward
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
-    key_roles_16bit: bool = False   # ... a key-vector decay's bare roles too (GLA's k and v), read so by its kernels:
-    #                                 the forward's float32 copies of them go (GLA 4,4096,16,128, recorded on the CPU:
-    #                                 peaks over the inputs 1.13 -> 0.76 GiB forward, 1.88 -> 1.26 trained); not yet
-    #                                 timed on a GPU, so off
+    key_roles_16bit: bool = False   # ... a key-vector decay's bare roles too (GLA's k and v), read so by its kernels,
+    #                                 and without a delta rule its states in 16 bits (with ``states_16bit``): the
+    #                                 forward's float32 copies go (GLA 4,4096,16,128, recorded on the CPU: peaks over
+    #                                 the inputs 1.13 -> 0.63 GiB forward, 1.88 -> 1.13 trained); untimed on a GPU: off
     logdecay_16bit: bool = False    # ... and a log-decay that is an input verbatim, where only kernels read it (the
     #                                 general rank-1 core)
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)

@@ -658,7 +658,7 @@ def test_key_decay_bare_roles_in_16_bits(name, on, monkeypatch):
 
     monkeypatch.setattr(ck, "mlx_call", call)
     t = tuning.resolve("cpu", environ={}, dialect="metal_ptx", chunk_kernels=True, mma_scan=True, mma_pairs=True,
-                       key_roles_16bit=on)
+                       key_roles_16bit=on, states_16bit=True)
     rec = dataclasses.replace(specs.BUILTINS[name], gqa="tiled") if name != "hgrn2" else specs.BUILTINS[name]
     assert_close(compare(rec, 40, chunk=16, K=32, V=8, seed=4, tuning=t, in_dtype=mx.bfloat16), 1e-2, 1e-2)
     assert bool(sixteen) == on, sixteen

@@ -327,12 +327,12 @@ def _scan_forward(geo, S0, u, U, W, compose: bool, matrix: bool, kern=None, st=N
     """Chunk-entry states [.., n, K, V], Z [.., n, C, V] and the final state, the state update taking
     u ⊙ Q. ``kern``: the tuning of the generated chunk scan (``chunk_kernels.chunk_scan``: delta-rule or
     diagonal), or None; it scales a scalar decay's u by Q as it reads u (u ⊙ Q never in memory); a key-vector
-    decay's u ⊙ Q comes formed with the decays (``geo.scaled``: in the geometry kernel's pass). ``st``: a scalar
-    decay's states (and Z) written in that 16-bit type (``chunk_kernels.chunk_scan``'s). ``ml`` (``_forward``'s): u
+    decay's u ⊙ Q comes formed with the decays (``geo.scaled``: in the geometry kernel's pass). ``st``: the states
+    (and Z) written in that 16-bit type (``chunk_kernels.chunk_scan``'s). ``ml`` (``_forward``'s): u
     and U, the diagonal scan's key and value inputs, in the model's layout."""
     if ml is not None or kern and ck.scan_supported(kern, geo.l.shape[-2], S0.shape[-2]):  # W None: the diagonal scan
         if geo.key:
-            return ck.chunk_scan(S0, W, U, geo.role("uQ", u, "Q"), geo.g, None, kern, reverse=False)
+            return ck.chunk_scan(S0, W, U, geo.role("uQ", u, "Q"), geo.g, None, kern, reverse=False, st=st)
         return ck.chunk_scan(S0, W, U, u, geo.g, None, kern, reverse=False, Bq=geo.Q, st=st, ml=ml,
                              x_model=ml is not None)
     u, U = _up(geo, u, U)
@@ -506,8 +506,11 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
         else:
             Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(A.shape[-1]) else unit_lower_inv(A, inv_base)
             U, W = Tm @ w_, Tm @ (bt_ * geo.P)
-    st = None  # without a delta rule (simple GLA) the states in the values' 16-bit type (``Tuning.states_16bit``)
-    if (bt is None and kern and kern.states_16bit and not geo.key and w.dtype in (mx.bfloat16, mx.float16)
+    # without a delta rule (simple GLA; a key-vector decay's, GLA's, with ``Tuning.key_roles_16bit``) the states in
+    # the values' 16-bit type (``Tuning.states_16bit``)
+    st = None
+    if (bt is None and kern and kern.states_16bit and (not geo.key or kern.key_roles_16bit)
+            and w.dtype in (mx.bfloat16, mx.float16)
             and ck.use_mma(kern, C, K, V) and ck.fuses_readout(kern, C, K, V)):
         st = w.dtype
     states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern, st, ml)
@@ -515,13 +518,16 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
         # M_ru is written for the backward: forming it again there was measured slower than keeping it
         y, M = ck.chunk_out(r, u, Z, states, geo.l, kern, out, rfac, ml=ml, z_model=ml is not None)
     else:
-        if M is None:  # else formed with A, from the same r_
-            r_, u_ = _up(geo, _scaled(r, rfac), u)
-            M = geo.pair(r_, u_, strict=False)
+        if M is None and isinstance(geo, KernelKeyDecay) and kern.key_roles_16bit:
+            # the pair kernel converts 16-bit roles as it reads them (no float32 copies); rfac scales M after it
+            M = geo.pair(r, u, strict=False)
+            M = M if rfac is None else M * rfac
+        elif M is None:  # else formed with A, from the same roles
+            M = geo.pair(*_up(geo, _scaled(r, rfac), u), strict=False)
         if kern and ck.fuses_readout(kern, C, K, V):  # a key-vector decay: M_ru given, P per key element
             y = ck.chunk_out_key(r, M, Z, states, geo.P, kern, out, rfac)
         else:
-            (Z_,) = _up(geo, Z)
+            r_, Z_ = _up(geo, _scaled(r, rfac), Z)
             y = (r_ * geo.P) @ states + M @ Z_
             if out is not None:
                 y = model_layout(y, out)
@@ -603,7 +609,9 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     states, M = res[:2]
     Z, Tm, W = res[2:] if bt is not None else (w, None, None)
     given = (r, u, bt)  # the roles as the core got them: the key-decay tail kernel reads them so
-    r, u, w, bt, Z = _up(geo, r, u, w, bt, Z)
+    # 16-bit states (a key-vector decay's, ``Tuning.key_roles_16bit``) and dy in their type (``core_fn``) meet MLX's
+    # products in the compute dtype too: two 16-bit operands would give a 16-bit product
+    r, u, w, bt, Z, states, dy = _up(geo, r, u, w, bt, Z, states, dy)
     r = _scaled(r, rfac)
     P, Q = geo.P, geo.Q
     F = M.swapaxes(-1, -2) @ dy
