@@ -109,12 +109,13 @@ def test_launch_bounds_leave_the_gradient_kernel_two_threadgroups_an_sm(tmp_path
     assert free.blocks_per_sm == 1 and bounded.blocks_per_sm == 2 and bounded.registers <= 128, (free, bounded)
 
 
-@pytest.mark.parametrize("names,options", [(("gla", "kda", "hgrn2", "rwkv6"), {"key_roles_16bit": True})])
+@pytest.mark.parametrize("names,options", [(("gated_delta_net", "delta_net", "simple_gla", "gla", "kda", "rwkv7"), {}),
+                                           (("gla", "kda", "hgrn2", "rwkv6"), {"key_roles_16bit": True})])
 def test_a_specs_calls_compile_with_the_dtypes_they_pass(names, options, tmp_path, monkeypatch):
     """Each chunk kernel a spec's CUDA call runs (forward and backward, recorded on the CPU: ``chunk_kernels``'s calls
     return zeros), compiled with the dtypes of the buffers it is handed, as MLX instantiates it: a kernel reading a
     role in bf16 where an option keeps it so (``Tuning.key_roles_16bit``: the key-vector decays' bare roles) must
-    compile that way too, not only with the float32 buffers ``chunk_launches`` assumes."""
+    compile that way too, not only with the float32 buffers ``chunk_launches`` assumes; the defaults' calls as well."""
     nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc is not installed")
