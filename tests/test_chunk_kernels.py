@@ -2056,7 +2056,8 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                                      "recgen_chunk_scan_mma_noa_q_ho", "recgen_chunk_scan_mma_noa_q_ho_s16"},
                        "wide": {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
                                 "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_rev", "recgen_chunk_scan_mma_noa_q_ho_s16",
-                                "recgen_chunk_scan_mma_noa_q_ho_ml_s16", "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_ml_s16_rev"}
+                                "recgen_chunk_scan_mma_noa_q_ho_ml_s16",
+                                "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_ml_s16_rev"}
                        # Metal: the TF32 scans twice (GDN's, and simple GLA's reverse one)
                        }.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}

@@ -332,8 +332,9 @@ def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False
     """The backward pass after the reverse scan (``chunk_bwd_mma.j2``); ``delta``: with the delta rule's b̃ terms;
     ``uf`` (with ``delta``): u = Uf ⊙ x and b̃ = Bf[0] x read from one key x, and the gradients of x and Uf written;
     ``ml`` (with ``uf``, or without the delta rule): R and x (U) read in the model's layout [B, T, HK, K], dR and dX
-    (dU) written in it per value head [B, T, H, K] (template constants H, HK, NCH, GB); ``prods``: the products over values DUQ = Z dS_nextᵀ, DRP =
-    dy S_cᵀ (DR = Δ S_cᵀ) formed in the pass from Zv, dYv (Dv) [C, V] and Sv, dSv [K, V] (template constant V);
+    (dU) written in it per value head [B, T, H, K] (template constants H, HK, NCH, GB); ``prods``: the products over
+    values DUQ = Z dS_nextᵀ, DRP = dy S_cᵀ (DR = Δ S_cᵀ) formed in the pass from Zv, dYv (Dv) [C, V] and Sv, dSv
+    [K, V] (template constant V);
     ``scores``: the pair cotangents dMR = dy Zᵀ (dMA = Δ Zᵀ) formed in the pass from Zv, dYv (Dv) [C, V] of the
     16-bit type ZT on the dialect's wide multiply-add (``Dialect.mma16``), not read; ``wl`` (with ``scores``, V a
     multiple of 32): those wide products read 16 bytes a load (``Dialect.load8``)."""
