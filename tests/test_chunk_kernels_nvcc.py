@@ -111,11 +111,12 @@ def test_launch_bounds_leave_the_gradient_kernel_two_threadgroups_an_sm(tmp_path
 
 @pytest.mark.parametrize("names,options", [(("gated_delta_net", "delta_net", "simple_gla", "gla", "kda", "rwkv7"), {}),
                                            (("gla", "kda", "hgrn2", "rwkv6"), {"key_roles_16bit": True})])
-def test_a_specs_calls_compile_with_the_dtypes_they_pass(names, options, tmp_path, monkeypatch):
-    """Each chunk kernel a spec's CUDA call runs (forward and backward, recorded on the CPU: ``chunk_kernels``'s calls
-    return zeros), compiled with the dtypes of the buffers it is handed, as MLX instantiates it: a kernel reading a
-    role in bf16 where an option keeps it so (``Tuning.key_roles_16bit``: the key-vector decays' bare roles) must
-    compile that way too, not only with the float32 buffers ``chunk_launches`` assumes; the defaults' calls as well."""
+def test_a_specs_calls_compile_with_the_dtypes_they_pass(names, options, tmp_path):
+    """Each chunk kernel a spec's CUDA call runs (forward and backward, recorded on the CPU:
+    ``chunk_kernels.recording``), compiled with the dtypes of the buffers it is handed, as MLX instantiates it: a
+    kernel reading a role in bf16 where an option keeps it so (``Tuning.key_roles_16bit``: the key-vector decays'
+    bare roles) must compile that way too, not only with the float32 buffers ``chunk_launches`` assumes; the
+    defaults' calls as well."""
     nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc is not installed")
@@ -127,22 +128,18 @@ def test_a_specs_calls_compile_with_the_dtypes_they_pass(names, options, tmp_pat
     from recgen.runtime import chunk_kernels as ck
     from recgen.tuning import resolve
 
-    t = dataclasses.replace(resolve("gpu", "cuda", environ={}), compile=False, replay_graphs=False, **options)
+    t = dataclasses.replace(resolve("gpu", "cuda", environ={}), compile=False, **options)
     seen = {}
-
-    def record(tt, launch, user):
+    with ck.recording() as calls:  # each call returns zeros of its outputs: the algebra around it runs on
+        for name in names:
+            rec = specs.BUILTINS[name]
+            xs, do = make_inputs(rec, Shape(1, 128, 2, 128, 128), "bfloat16")
+            out = lambda *a, rec=rec, xs=xs: chunked.forward(rec, dict(zip(xs, a)), scale=0.1, tuning=t)[0]  # noqa: E731
+            mx.eval(mx.vjp(out, list(xs.values()), [do]))
+    for launch, buffers in calls:
         runtime = {r[0] for r in launch.runtime}
-        dtypes = {n: str(a.dtype).split(".")[-1] for n, a in zip([n for n in launch.source.inputs if n not in runtime],
-                                                                  user)}
+        dtypes = {n: dt for n, (_, dt) in zip([n for n in launch.source.inputs if n not in runtime], buffers)}
         seen[(launch.source.name, tuple(sorted(dtypes.items())))] = (launch, dtypes)
-        return [mx.zeros(shape, getattr(mx, dt)) for shape, dt in launch.outputs]
-
-    monkeypatch.setattr(ck, "_call", record)
-    for name in names:
-        rec = specs.BUILTINS[name]
-        xs, do = make_inputs(rec, Shape(1, 128, 2, 128, 128), "bfloat16")
-        out = lambda *a, rec=rec, xs=xs: chunked.forward(rec, dict(zip(xs, a)), scale=0.1, tuning=t)[0]  # noqa: E731
-        mx.eval(mx.vjp(out, list(xs.values()), [do]))
     assert any("bfloat16" in d.values() for _, d in seen.values())
     path = tmp_path / "calls.cu"
     path.write_text(translation_unit([as_kernel(i, launch, d) for i, (launch, d) in enumerate(seen.values())]))

@@ -521,13 +521,15 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
         if M is None and isinstance(geo, KernelKeyDecay) and kern.key_roles_16bit:
             # the pair kernel converts 16-bit roles as it reads them (no float32 copies); rfac scales M after it
             M = geo.pair(r, u, strict=False)
-            M = M if rfac is None else M * rfac
-        elif M is None:  # else formed with A, from the same roles
-            M = geo.pair(*_up(geo, _scaled(r, rfac), u), strict=False)
+            M, r_ = (M if rfac is None else M * rfac), None
+        elif M is None:  # else formed with A, from the same r_
+            r_, u_ = _up(geo, _scaled(r, rfac), u)
+            M = geo.pair(r_, u_, strict=False)
         if kern and ck.fuses_readout(kern, C, K, V):  # a key-vector decay: M_ru given, P per key element
             y = ck.chunk_out_key(r, M, Z, states, geo.P, kern, out, rfac)
         else:
-            r_, Z_ = _up(geo, _scaled(r, rfac), Z)
+            (Z_,) = _up(geo, Z)
+            r_ = _up(geo, _scaled(r, rfac))[0] if r_ is None else r_
             y = (r_ * geo.P) @ states + M @ Z_
             if out is not None:
                 y = model_layout(y, out)
@@ -779,7 +781,8 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
                                                        ml(r, l))
         elif model_rows is not None:  # no delta rule: w goes to the chunks' layout (copied here, not kept); r and u
             # too where the reverse scan and the pass after it cannot read the model's
-            n, heads, wc = l.shape[2], ml(r, l), ck.model_chunks(w, l.shape[2])
+            n, heads = l.shape[2], ml(r, l)
+            wc = ck.model_chunks(w, n)
             if reads_model_rows(kern, l.shape[-2], r.shape[-1], w.shape[-1]):  # dr, du per value head
                 dS0, dr, du, dw, dl, dbt = _backward_fused(geo, r, u, wc, None, res, dy, dS_end, compose, matrix, kern,
                                                            rfac, ml=heads)
