@@ -127,9 +127,9 @@ class Tuning:
     #                                 measured slower for training (H100: 11.3 -> 11.9 ms) though faster forward
     roles_16bit: str = "bare"       # roles kept in 16 bits: "bare" (inputs verbatim), "all" or "none"
     key_roles_16bit: bool = False   # ... a key-vector decay's bare roles too (GLA's k and v), read so by its kernels,
-    #                                 and without a delta rule its states in 16 bits (with ``states_16bit``): the
-    #                                 forward's float32 copies go (GLA 4,4096,16,128, recorded on the CPU: peaks over
-    #                                 the inputs 1.13 -> 0.63 GiB forward, 1.88 -> 1.13 trained); untimed on a GPU: off
+    #                                 and without a delta rule its states in 16 bits (with ``states_16bit``). H200,
+    #                                 4,4096,16,128 forward: GLA 2.11 -> 1.80 ms, KDA 3.09 -> 2.92, peaks 2.07 -> 1.45
+    #                                 and 2.82 -> 2.51 GiB; training within the spread of processes (on on CUDA)
     logdecay_16bit: bool = False    # ... and a log-decay that is an input verbatim, where only kernels read it (the
     #                                 general rank-1 core)
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
@@ -219,7 +219,8 @@ MEASURED = {
                  feature_out_fragments=2, feature_mix=True, feature_keep_states=True,
                  decay_factor_kernels=True, replay_graphs=True, ut_16bit=True, states_16bit=True,
                  wide_fragments=True, bwd_scores=True, bwd_products=True, scan_products_alone=True,
-                 scan_wide_loads=True, bwd_wide_loads=True, scan_wide_columns=True, scan_min_groups=128),
+                 scan_wide_loads=True, bwd_wide_loads=True, scan_wide_columns=True, scan_min_groups=128,
+                 key_roles_16bit=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }

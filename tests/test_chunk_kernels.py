@@ -38,14 +38,16 @@ def _rel(a, b):
     return float(np.abs(np.asarray(a, np.float64) - b).max() / (np.abs(b).max() + 1e-30))
 
 
+@pytest.mark.parametrize("F", [1, 8])
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
-def test_scalar_decays_under_sanitizers(sanitizer):
-    """The scalar decay's pass (a SIMD group a chunk, ``lanes``) under ASan+UBSan and TSan: a partial share of lanes
-    (C = 48), chunks not a multiple of a threadgroup's four; the same outputs as plain."""
+def test_decays_under_sanitizers(sanitizer, F):
+    """The decays' pass under ASan+UBSan and TSan: a scalar decay's (F = 1: a SIMD group a chunk, ``lanes``; a partial
+    share of lanes, chunks not a multiple of a threadgroup's four) and a key decay's (a thread a column, C = 40 not a
+    multiple of the tokens it loads at once: the clamped loads stay in bounds); the same outputs as plain."""
     rng = np.random.default_rng(2)
-    l = (-5 * rng.uniform(size=(5, 48, 1)) ** 3).astype(np.float32)
-    x = rng.normal(size=(5, 48, 1)).astype(np.float32)
-    launch = ck.decays_launch("metal", 5, 48, 1, True, ("Q",), True, False)
+    l = (-5 * rng.uniform(size=(5, 40, F)) ** 3).astype(np.float32)
+    x = rng.normal(size=(5, 40, F)).astype(np.float32)
+    launch = ck.decays_launch("metal", 5, 40, F, True, ("Q",), True, False)
     plain = verify.run_launch(launch, {"l": l, "X0": x})
     checked = verify.run_launch(launch, {"l": l, "X0": x}, sanitizer=sanitizer)
     assert all(np.array_equal(a, b) for a, b in zip(plain, checked)) and len(plain) == 5
@@ -55,6 +57,8 @@ def test_scalar_decays_under_sanitizers(sanitizer):
                                                        (5, 64, 40, False, (), True, True),
                                                        (3, 16, 40, True, ("Q", "P", "Pe", "Q"), True, True),
                                                        (3, 16, 40, True, ("Q", "P", "Pe", "Q"), False, True),
+                                                       # C not a multiple of the tokens loaded at once (DECAYS_U)
+                                                       (2, 24, 8, True, ("P", "Q"), True, True),
                                                        # F = 1: a SIMD group a chunk (lanes)
                                                        (5, 64, 1, False, ("Q",), True, False),
                                                        (3, 48, 1, True, ("P", "Q"), True, True),

@@ -518,7 +518,7 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
         # M_ru is written for the backward: forming it again there was measured slower than keeping it
         y, M = ck.chunk_out(r, u, Z, states, geo.l, kern, out, rfac, ml=ml, z_model=ml is not None)
     else:
-        if M is None and isinstance(geo, KernelKeyDecay) and kern.key_roles_16bit:
+        if M is None and isinstance(geo, KernelKeyDecay):
             # the pair kernel converts 16-bit roles as it reads them (no float32 copies); rfac scales M after it
             M = geo.pair(r, u, strict=False)
             M, r_ = (M if rfac is None else M * rfac), None

@@ -94,6 +94,7 @@ def inverse_launch(dialect: str, N: int, C: int) -> Launch:
 
 
 DECAYS_NT = 128  # threads a threadgroup of the decay-geometry kernel: one a (chunk, key column), or 32 a chunk (F = 1)
+DECAYS_U = 16  # tokens a thread of it loads at once (F > 1): the loads in flight, 16 registers a role
 
 
 @lru_cache(maxsize=256)
@@ -111,7 +112,7 @@ def decays_launch(dialect: str, N: int, C: int, F: int, before: bool = False, sc
         consts = (("C", C), ("E", -(-C // 32)), ("NT", DECAYS_NT))
     else:
         groups = -(-N * F // DECAYS_NT)
-        consts = (("C", C), ("F", F), ("NT", DECAYS_NT))
+        consts = (("C", C), ("F", F), ("NT", DECAYS_NT), ("U", DECAYS_U))
     return Launch(src, (("rt", (N,), "int32"),), outs, (groups * DECAYS_NT, 1, 1), (DECAYS_NT, 1, 1), consts)
 
 
