@@ -204,6 +204,10 @@ def chunk_launches(target: str) -> list:
                 + [ck.out_async_launch(target, 8, 64, 128, 128, ("bfloat16", "bfloat16", "float32", "float32"),
                                        (2, 2, "bfloat16"), uf=True, ml=ml),
                    ck.out_async_launch(target, 8, 64, 128, 128, ("float32",) * 4)]
+                # ... a key-vector decay's (GLA's call: bf16 r, v and states beside float32 P; and float32)
+                + [ck.out_async_launch(target, 8, 64, 128, 128, ("bfloat16", "float32", "bfloat16", "bfloat16"),
+                                       (2, 2, "bfloat16"), key=True),
+                   ck.out_async_launch(target, 8, 64, 128, 128, ("float32",) * 4, key=True)]
                 # ... on the wide multiply-add (``Tuning.wide_fragments``: CUDA's; Metal has none), GDN's call in bf16
                 + ([ck.out_async_launch(target, 8, 64, 128, 128, ("bfloat16",) * 4, (2, 2, "bfloat16"), uf=True, ml=ml,
                                         wide=True),

@@ -1,4 +1,4 @@
-"""The scalar decay's readout and UT transform staged two buffers deep by 16-byte copies (``chunk_out_async.j2``,
+"""The scalar decay's readout (and a key-vector decay's) and UT transform staged two buffers deep by 16-byte copies (``chunk_out_async.j2``,
 ``chunk_ut_async.j2``, ``Tuning.async_staging``) on the Metal CPU emulator (the copies are synchronous there, so the
 buffers' indexing and barriers are what is checked; CUDA's cp.async waits run on the GPU tests): GDN's 16-bit calls in
 the model's layout against float64, under ASan and TSan too, their layouts' bank-conflict conditions, and the chunked
@@ -59,6 +59,38 @@ def test_chunk_out_async_reads_16bit_keys_in_the_model_layout(zt, sanitizer):
     want_y = want_y.reshape(B, H, T, V).transpose(0, 2, 1, 3)
     m_tol = 4e-3 if zt == "bfloat16" else 1e-5  # M rounded to bf16 once
     assert _rel(y, want_y) < 1e-5 and _rel(np.asarray(M, np.float64), want_M) < m_tol, (_rel(y, want_y), _rel(M, want_M))
+
+
+@pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
+@pytest.mark.parametrize("st", ["float32", "bfloat16"])
+@pytest.mark.parametrize("yt", [False, True])
+def test_chunk_out_async_key_decay(st, yt, sanitizer):
+    """A key-vector decay's readout staged two deep (``key``: GLA's call): M given (lower, carrying the readout's
+    scale), r in bf16 with P per key element in float32 staged beside it and multiplied as R's fragments are read,
+    v (Z) and the states in float32 or bf16, y in the chunks' layout or the model's [B, T, H, V] in bf16; against
+    float64 (decays down to e^-20 within a chunk), plain, under ASan+UBSan and under TSan. No M is written."""
+    mx = pytest.importorskip("mlx.core")
+    rng = np.random.default_rng(8)
+    B, H, n, C, K, V = 1, 2, 3, 16, 48, 40
+    N = B * H * n
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    cast = lambda a: mx.array(a).astype(mx.bfloat16) if st == "bfloat16" else a  # noqa: E731
+    back = lambda a: np.array(mx.array(a).astype(mx.float32), np.float64)  # noqa: E731
+    r = mx.array(f(N, C, K)).astype(mx.bfloat16)
+    P = np.exp(np.cumsum(-20 / C * rng.uniform(size=(N, C, K)), 1)).astype(np.float32)
+    M = np.tril(f(N, C, C))
+    Z, St = cast(f(N, C, V)), cast(f(N, K, V))
+    types = ("bfloat16", "float32", st, st)
+    launch = ck.out_async_launch("metal", N, C, K, V, types, (H, n, "bfloat16") if yt else None, key=True)
+    assert launch.source.name.startswith("recgen_chunk_out_async_key"), launch.source.name
+    assert [dt for _, dt in launch.outputs] == ["bfloat16" if yt else "float32"]
+    (y,) = verify.run_launch(launch, {"R": r, "Mi": M, "Z": Z, "St": St, "Pk": P, "Rs": np.array([0.5], np.float32)},
+                             sanitizer=sanitizer)
+    want = 0.5 * (back(r) * P) @ back(St) + M @ back(Z)
+    if yt:
+        want = want.reshape(B, H, n * C, V).transpose(0, 2, 1, 3)
+    y = np.array(mx.array(y).astype(mx.float32), np.float64) if yt else y
+    assert _rel(y, want) < (4e-3 if yt else 1e-5), _rel(y, want)
 
 
 @pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
@@ -220,12 +252,14 @@ def test_chunk_ut_async_layouts():
 
 
 @pytest.mark.parametrize("name,T,dtype", [("gated_delta_net", 48, None), ("gated_delta_net", 40, "bf16"),
-                                          ("gated_delta_net/formed", 40, None), ("simple_gla", 40, None)])
+                                          ("gated_delta_net/formed", 40, None), ("simple_gla", 40, None),
+                                          ("gla", 40, "bf16"), ("gla", 33, None)])
 def test_chunked_core_with_async_kernels_matches_reference(name, T, dtype, monkeypatch):
     """The chunked core end to end with ``async_staging``: GDN (factor reads; whole chunks in the model's layout at T =
     48, a partial last chunk at 40, bf16 inputs; "/formed": the roles formed by MLX, Bt and u read as given) and simple
-    GLA (u = k, no factors, no UT transform); forward, final state and every gradient against the float64 reference,
-    the readout and UT transform run by the two-buffer kernels."""
+    GLA (u = k, no factors, no UT transform) and GLA (a key-vector decay: its readout, M given, in 16 and 32 bits);
+    forward, final state and every gradient against the float64 reference, the readout and UT transform run by the
+    two-buffer kernels."""
     pytest.importorskip("mlx.core")
     import dataclasses
 
@@ -246,7 +280,7 @@ def test_chunked_core_with_async_kernels_matches_reference(name, T, dtype, monke
     delta = name == "gated_delta_net"
     uf, ml = ("" if formed else "_uf"), ("_ml" if T % 16 == 0 else "")
     assert staged == ({f"recgen_chunk_out_async{uf}{ml}_yt", f"recgen_chunk_ut_async{uf}{ml}"} if delta
-                      else {"recgen_chunk_out_async_yt"}), staged
+                      else {"recgen_chunk_out_async_key_yt"} if name == "gla" else {"recgen_chunk_out_async_yt"}), staged
 
 
 def test_copies_render_by_the_dialects_table():

@@ -2066,6 +2066,7 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                        }.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
     assert staged == {"async": {"recgen_chunk_out_async", "recgen_chunk_out_async_uf_ml_yt", "recgen_chunk_ut_async",
+                                "recgen_chunk_out_async_key_yt",
                                 "recgen_chunk_ut_async_uf_o16_ml"},
                       "s16": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16",
                               "recgen_chunk_ut_async_uf_o16_s16"},

@@ -30,7 +30,7 @@ They are spec-free matrix algebra, so each is a jinja frame (``templates/chunk_*
   chunk; for a scalar decay A or M_ru is formed in threadgroup memory (shared helpers in ``_fragments.j2``), for a
   key-vector decay (``key``) it comes from the pair kernels and P is per key element. ``out_async_source`` and
   ``ut_async_source``: the scalar decay's readout and UT transform with their blocks staged two deep by
-  asynchronous copies (``Dialect.copy16``).
+  asynchronous copies (``Dialect.copy16``); the readout a key-vector decay's too (``key``).
 - ``bwd_mma_source`` (scalar decays, fragment frame): the backward's pass after its reverse scan, per chunk: the
   pair gradients through Γ and the elementwise tail (dr, du, db̃ and the log-decays' reverse cumulative sum).
 - ``bwd_key_source`` (key-vector decays): the backward's elementwise tail after the pair kernels' gradients, one
@@ -251,26 +251,31 @@ def out_mma_source(dialect: str, yt: bool = False, key: bool = False, m2: bool =
 
 @lru_cache(maxsize=None)
 def out_async_source(dialect: str, yt: bool = False, uf: bool = False, ml: bool = False,
-                     w16: bool = False, zm: bool = False) -> KernelSource:
+                     w16: bool = False, zm: bool = False, key: bool = False) -> KernelSource:
     """The scalar-decay readout of ``out_mma_source`` with its operands staged two buffers deep by the dialect's
     16-byte copies (``chunk_out_async.j2``; on CUDA cp.async): each block's load overlaps the previous block's
     products. ``yt``, ``uf``, ``ml`` as there; the types RT, UT, ZT of R, U and Z are template constants
     (``out_async_layout``). ``w16``: R, U, Z and S_c in one 16-bit type RT, multiplied by the dialect's wide
     multiply-add (``Dialect.mma16``). ``zm`` (with ``ml``): Z is the model's value input [B, n C, H, V] as it is
-    (simple GLA's z = v; without factor reads, ``ml`` needs it)."""
+    (simple GLA's z = v; without factor reads, ``ml`` needs it). ``key``: a key-vector decay's readout as
+    ``out_mma_source``'s (M given, P per key element staged beside R, in U's slot: type UT; y the only output)."""
+    if key and (uf or ml or w16):
+        raise ValueError("chunk_out_async: a key-vector decay's readout (key) reads the chunks' layout in float32 "
+                         "fragments (no uf, ml or w16)")
     if ml and not (yt and (uf or zm)):
         raise ValueError("chunk_out_async: the model's layout (ml) writes y so (yt), with factor reads (uf) or Z in it "
                          "too (zm)")
     if zm and not ml:
         raise ValueError("chunk_out_async: Z in the model's layout (zm) goes with r and u in it (ml)")
     d = get(dialect)
-    ins = (("R", "U", "Uf") if uf else ("R", "U")) + ("Z", "St", "logd", "Rs")
+    keys = ("R", "U", "Uf") if uf else ("R", "U")
+    ins = ("R", "Mi", "Z", "St", "Pk", "Rs") if key else keys + ("Z", "St", "logd", "Rs")
     _wide_dialect(d, "chunk_out_async", w16)
-    kind = ("out_async" + ("_uf" if uf else "") + ("_ml" if ml else "") + ("_zm" if zm else "") + ("_yt" if yt else "")
+    kind = ("out_async" + ("_key" if key else "") + ("_uf" if uf else "") + ("_ml" if ml else "") + ("_zm" if zm else "") + ("_yt" if yt else "")
             + ("_w16" if w16 else ""))
     return _source(d, "chunk_out_async.j2", kind, "chunk readout of the chunked core, fragment multiply-adds, "
-                   "operands staged by asynchronous copies", ins, ("Y", "M"), (),
-                   helpers=d.mma_prelude + d.copy_prelude, yt=yt, uf=uf, ml=ml, w16=w16, zm=zm)
+                   "operands staged by asynchronous copies", ins, ("Y",) if key else ("Y", "M"), (),
+                   helpers=d.mma_prelude + d.copy_prelude, yt=yt, uf=uf, ml=ml, w16=w16, zm=zm, key=key)
 
 
 @lru_cache(maxsize=None)
@@ -748,14 +753,15 @@ def copy_stride(n: int, esize: int, rows: int) -> int:
 
 @lru_cache(maxsize=None)
 def out_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple = (4, 4, 4, 4),
-                     most_bv: int = 128, w16: bool = False) -> dict | None:
+                     most_bv: int = 128, w16: bool = False, key: bool = False) -> dict | None:
     """Template constants of the two-buffer readout (``out_async_source``), or None where it has none: C one of 16, 32,
     64, K and V multiples of 8; ``sizes`` the bytes an element of R, U, Z and S_c (their blocks are copied
     verbatim). The first (BV, KB) as ``out_mma_layout`` whose buffers fit the dialect's threadgroup memory: M (C × LD floats) and
     e^G, then a staging area SQ 16-byte words large for the largest of the three products' two buffers each: R's
     and U's blocks (C × LDR, C × LDU), R's and S_c's (C × LDR, KB × LDB), Z's (KB × LDZ). At C = 64, K = V = 128
     with 16-bit keys that is 40.25 KiB on CUDA (KB 16, BV 128). ``w16`` (16-bit operands, the wide multiply-add): KB
-    16, B's row-major blocks at ``b_stride``, and M in 16 bits too (C × LDH)."""
+    16, B's row-major blocks at ``b_stride``, and M in 16 bits too (C × LDH). ``key`` (U's size that of P): no
+    product M = R Uᵀ, and loop 2's buffers hold P's blocks beside R's and S_c's (C × LDU each)."""
     if C not in (16, 32, 64) or K % 8 or V % 8 or (w16 and K % 16):
         return None
     er, eu, ez, es = sizes
@@ -766,7 +772,8 @@ def out_async_layout(dialect: str, C: int, K: int, V: int, sizes: tuple = (4, 4,
         for kb in (b for b in ((16,) if w16 else (16, 8)) if C % b == 0 and K % b == 0):
             ldr, ldu = copy_stride(kb, er, 8), copy_stride(kb, eu, 8)
             ldb, ldz = ((b_stride(bv),) * 2 if w16 else (copy_stride(bv, es, 4), copy_stride(bv, ez, 4)))
-            stage = max(2 * C * (ldr * er + ldu * eu), 2 * (C * ldr * er + kb * ldb * es), 2 * kb * ldz * ez)
+            loop2 = C * ldr * er + kb * ldb * es + (C * ldu * eu if key else 0)
+            stage = max(0 if key else 2 * C * (ldr * er + ldu * eu), 2 * loop2, 2 * kb * ldz * ez)
             sq = -(-stage // 16)
             wide = {"LDH": copy_stride(C, 2, 8)} if w16 else {}
             if 4 * (C * ld + C) + 2 * C * wide.get("LDH", 0) + 16 * sq <= get(dialect).smem_bytes:

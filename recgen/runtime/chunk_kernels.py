@@ -231,24 +231,25 @@ def _wide_types(dialect: str, wide: bool, types: tuple) -> bool:
 @lru_cache(maxsize=256)
 def out_async_launch(dialect: str, N: int, C: int, K: int, V: int, types: tuple, yt: tuple | None = None,
                      most_bv: int = 128, uf: bool = False, ml: tuple | None = None,
-                     wide: bool = False, zm: bool = False) -> Launch | None:
+                     wide: bool = False, zm: bool = False, key: bool = False) -> Launch | None:
     """The two-buffer readout (``out_async_source``) with ``out_mma_launch``'s arguments; ``types``: the dtype names
     of R, U, Z and S_c, whose blocks it copies verbatim (M is written in S_c's). ``wide`` (``Tuning.wide_fragments``):
     the wide multiply-add where the dialect has one and all four share a 16-bit type. None where its buffers have no
-    layout (then the synchronous frame runs). ``zm``: Z in the model's layout too (``out_async_source``)."""
+    layout (then the synchronous frame runs). ``zm``: Z in the model's layout too (``out_async_source``). ``key``: a
+    key-vector decay's readout (``chunk_out_key``'s), ``types`` naming R, P, Z and S_c; y the only output."""
     if len(types) != 4:
         raise ValueError(f"chunk_out_async: types {types} must name R, U, Z and S_c")
     y, consts = _readout_y("chunk_out_async", N, C, V, yt, ml)
-    w16 = _wide_types(dialect, wide, types)
-    lay = out_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bv, w16)
+    w16 = _wide_types(dialect, wide, types) and not key
+    lay = out_async_layout(dialect, C, K, V, tuple(_itemsize(t) for t in types), most_bv, w16, key)
     if lay is None and w16:
         return out_async_launch(dialect, N, C, K, V, types, yt, most_bv, uf, ml, zm=zm)
     if lay is None:
         return None
     tmpl = (("C", C), ("K", K), ("V", V)) + tuple(lay.items()) + tuple(zip(("RT", "UT", "ZT", "ST"), types)) + consts
     nt = 2 * C
-    return Launch(out_async_source(dialect, yt is not None, uf, ml is not None, w16, zm), (),
-                  (y, ((N, C, C), types[3])),
+    return Launch(out_async_source(dialect, yt is not None, uf, ml is not None, w16, zm, key), (),
+                  (y,) if key else (y, ((N, C, C), types[3])),
                   (N * (V // lay["BV"]) * nt, 1, 1), (nt, 1, 1), tmpl)
 
 
@@ -786,7 +787,11 @@ def _out_key(r, M, Z, states, extra: tuple, t: Tuning, out, rs, m2: bool = False
     N = _lead(r, 2)
     yt = None if out is None else (r.shape[-4], n, dtype_name(out))
     flat = lambda x: x.reshape(N, C, x.shape[-1])  # noqa: E731
-    (y,) = _call(t, out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, key=True, m2=m2),
+    launch = None
+    if t.async_staging and not m2:  # staged two deep (``chunk_out_async.j2``), else the synchronous frame
+        types = tuple(dtype_name(x.dtype) for x in (r, extra[0], Z, states))
+        launch = out_async_launch(t.dialect, N, C, K, V, types, yt, t.out_bv, key=True)
+    (y,) = _call(t, launch or out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, key=True, m2=m2),
                  [flat(r), flat(M), flat(Z), states.reshape(N, K, V), *(flat(x) for x in extra),
                   mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
     return y if out is not None else y.reshape(*Z.shape)

@@ -168,7 +168,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
     frame stands for "mma", which is probed only if it fails), "hoist_e" (a product-free reverse scan hoisted: A
     with Aq, E), "async" (the scalar decay's readout and UT transform staged by asynchronous copies, float32 and as GDN calls
-    them), "products" (the kernels of "mma" with the backward's pass forming its products over values), each probed
+    them; a key-vector decay's readout as GLA calls it), "products" (the kernels of "mma" with the backward's pass forming its products over values), each probed
     where the tuning asks for it. A GPU
     whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say) then keeps MLX ops, or
     the FMA scan, instead of raising from inside every chunked call; a failing "tail" turns only the fused backward
@@ -444,6 +444,13 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                 got.append(y)
                 y_ = 0.5 * (np.exp(G)[:, None] * (q @ St) + ((q @ (fx * x).swapaxes(-1, -2)) * gam) @ Z)
                 ref.append(y_.reshape(1, n * C, 1, V))
+                # a key-vector decay's (GLA's call): M given, bf16 r beside float32 P, bf16 values and states, bf16 y
+                Pk = np.exp(np.cumsum(-0.2 * rng.uniform(size=(n, C, K)), 1))
+                z16, s16 = (f32(a).astype(mx.bfloat16) for a in (Z, St))
+                z, s = (np.array(a.astype(mx.float32), np.float64) for a in (z16, s16))
+                got.append(ck.chunk_out_key(q16.reshape(1, 1, n, C, K), f32(M)[None, None], z16[None, None],
+                                            s16[None, None], f32(Pk)[None, None], t, mx.bfloat16, 0.5))
+                ref.append((0.5 * (q * Pk) @ s + M @ z).reshape(1, n * C, 1, V))
                 if ck.fuses_ut(t, C, K, V):  # and the UT transform: float32 roles, and GDN's call (b̃ = −k, bf16 out)
                     got += list(ck.chunk_ut(f32(-R), f32(U / K), f32(Z), l, t))
                     ref += ut_expected(-R, U / K, Z, G)[1]
