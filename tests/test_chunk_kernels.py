@@ -53,21 +53,22 @@ def test_decays_under_sanitizers(sanitizer, F):
     assert all(np.array_equal(a, b) for a, b in zip(plain, checked)) and len(plain) == 5
 
 
-@pytest.mark.parametrize("N,C,F,before,scaled,pq,d", [(3, 16, 32, False, (), True, True),
-                                                       (5, 64, 40, False, (), True, True),
-                                                       (3, 16, 40, True, ("Q", "P", "Pe", "Q"), True, True),
-                                                       (3, 16, 40, True, ("Q", "P", "Pe", "Q"), False, True),
+@pytest.mark.parametrize("N,C,F,before,scaled,pq,d,q", [(3, 16, 32, False, (), True, True, True),
+                                                       (5, 64, 40, False, (), True, True, True),
+                                                       (3, 16, 40, True, ("Q", "P", "Pe", "Q"), True, True, True),
+                                                       (3, 16, 40, True, ("Q", "P", "Pe", "Q"), False, True, True),
                                                        # C not a multiple of the tokens loaded at once (DECAYS_U)
-                                                       (2, 24, 8, True, ("P", "Q"), True, True),
+                                                       (2, 24, 8, True, ("P", "Q"), True, True, False),
                                                        # F = 1: a SIMD group a chunk (lanes)
-                                                       (5, 64, 1, False, ("Q",), True, False),
-                                                       (3, 48, 1, True, ("P", "Q"), True, True),
-                                                       (6, 128, 1, False, (), True, True),
-                                                       (2, 16, 1, False, ("Q",), False, False)])
-def test_key_decays_match_numpy(N, C, F, before, scaled, pq, d):
+                                                       (5, 64, 1, False, ("Q",), True, False, True),
+                                                       (3, 48, 1, True, ("P", "Q"), True, True, False),
+                                                       (6, 128, 1, False, (), True, True, True),
+                                                       (2, 16, 1, False, ("Q",), False, False, True)])
+def test_key_decays_match_numpy(N, C, F, before, scaled, pq, d, q):
     """The decay geometry kernel (chunk_decays.j2): D = e^l, P_t = e^{sum_{tau<=t} l}, Q_s = e^{sum_{tau>s} l} per
     chunk and key column, G = P's last row (bit for bit), with ``before`` P_{t-1} (1 at t = 0), and roles X_i (bf16
-    and float32) times the decay ``scaled`` names (without ``pq``: no P and Q; without ``d``: no D), log-decays down
+    and float32) times the decay ``scaled`` names (without ``pq``: no P and Q; without ``q``: no Q; without ``d``: no
+    D), log-decays down
     to -20 a token, some 0 and a reset (-inf), N F not a multiple of the threadgroup (128); a scalar decay (F = 1)
     with chunks a lane's share does not divide (C = 48) and of 1 to 4 tokens a lane."""
     mx = pytest.importorskip("mlx.core")
@@ -77,10 +78,10 @@ def test_key_decays_match_numpy(N, C, F, before, scaled, pq, d):
     l[-1, C // 3, 0] = -np.inf
     xs = [rng.normal(size=(N, C, F)).astype(np.float32) for _ in scaled]
     ins = {"l": l} | {f"X{i}": (mx.array(x).astype(mx.bfloat16) if i % 2 else x) for i, x in enumerate(xs)}
-    launch = ck.decays_launch("metal", N, C, F, before, scaled, pq, d)
+    launch = ck.decays_launch("metal", N, C, F, before, scaled, pq, d, q)
     assert ("_lanes" in launch.source.name) == (F == 1)
     outs = verify.run_launch(launch, ins)
-    assert len(outs) == d + 2 * pq + 1 + before + len(scaled)
+    assert len(outs) == d + pq + (pq and q) + 1 + before + len(scaled)
     l64 = l.astype(np.float64)
     back = np.cumsum(l64[:, ::-1], 1)[:, ::-1]
     after = np.concatenate([back[:, 1:], np.zeros_like(back[:, :1])], 1)  # sum over tau > s
@@ -88,7 +89,8 @@ def test_key_decays_match_numpy(N, C, F, before, scaled, pq, d):
     tol = 2.0 ** -24 * C * np.abs(np.cumsum(np.where(np.isinf(l64), 0.0, l64), 1)).max()
     pe = np.exp(np.concatenate([np.zeros_like(l64[:, :1]), np.cumsum(l64, 1)[:, :-1]], 1))
     dec = {"P": np.exp(np.cumsum(l64, 1)), "Q": np.exp(after), "Pe": pe}
-    want = ([(np.exp(l64), 2e-6)] if d else []) + ([(dec["P"], tol), (dec["Q"], tol)] if pq else [])
+    want = ([(np.exp(l64), 2e-6)] if d else []) + ([(dec["P"], tol)] if pq else [])
+    want += [(dec["Q"], tol)] if pq and q else []
     want += [(dec["P"][:, -1], tol)] + ([(dec["Pe"], tol)] if before else [])
     for i, w in enumerate(scaled):
         x = np.array(ins[f"X{i}"].astype(mx.float32), np.float64) if i % 2 else xs[i].astype(np.float64)
@@ -96,7 +98,7 @@ def test_key_decays_match_numpy(N, C, F, before, scaled, pq, d):
     for got, (w, rtol) in zip(outs, want):
         assert np.all(np.abs(got - w) <= rtol * np.abs(w) + 1e-38), float((np.abs(got - w) / np.abs(w)).max())
     if pq:
-        assert np.array_equal(outs[d + 2], outs[d][:, -1])  # G is P's last row to the bit
+        assert np.array_equal(outs[d + 1 + q], outs[d][:, -1])  # G is P's last row to the bit
 
 
 def _strong_decays(rng, shape):
@@ -646,7 +648,7 @@ def test_key_decay_bare_roles_in_16_bits(name, on, monkeypatch):
     stay in the inputs' bf16 and the kernels that read them convert on load: the same results as with their float32
     copies, end to end against the float64 reference on CUDA's lane layout (``metal_ptx``; bf16 inputs, GQA, a
     partial last chunk, strong decays: forward, final state, every gradient); on, some kernel reads a bf16 role,
-    off none does."""
+    off none does. The forward's decays' pass writes no Q (its scans take u ⊙ Q formed), the backward's does."""
     pytest.importorskip("mlx.core")
     import dataclasses
 
@@ -654,10 +656,11 @@ def test_key_decay_bare_roles_in_16_bits(name, on, monkeypatch):
     from recgen import specs
     from test_chunked import assert_close, compare
 
-    sixteen = []
+    sixteen, decays = [], []
 
     def call(launch, dialect, user, *a):
         sixteen.extend(launch.source.name for x in user if x.dtype == mx.bfloat16)
+        decays.extend([launch.source.name] if "_decays" in launch.source.name else [])
         return _emulated_call(launch, dialect, user, *a)
 
     monkeypatch.setattr(ck, "mlx_call", call)
@@ -666,6 +669,7 @@ def test_key_decay_bare_roles_in_16_bits(name, on, monkeypatch):
     rec = dataclasses.replace(specs.BUILTINS[name], gqa="tiled") if name != "hgrn2" else specs.BUILTINS[name]
     assert_close(compare(rec, 40, chunk=16, K=32, V=8, seed=4, tuning=t, in_dtype=mx.bfloat16), 1e-2, 1e-2)
     assert bool(sixteen) == on, sixteen
+    assert {"_noq" in n for n in decays} == {True, False}, decays
 
 
 @pytest.mark.parametrize("name,gqa,in_dtype", [("gated_delta_net", "block", None), ("gated_delta_net", "tiled", "bf16"),

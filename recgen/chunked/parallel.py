@@ -212,20 +212,23 @@ class KernelKeyDecay(PairsOneByOne):
 
     key = True
 
-    def __init__(self, l, t: Tuning, saved=(), scaled=None, before: bool = False, pq: bool = True):
+    def __init__(self, l, t: Tuning, saved=(), scaled=None, before: bool = False, pq: bool = True, q: bool = True):
         """``saved`` (KeyDecay's signature) is always empty here: see ``saved``. ``before``: P_{t−1} too, from the
         same pass (``p_before``; a shifted copy of P and a mask were two more passes). ``scaled``: roles scaled by a
         decay (``scale``), formed in that pass too (``self.scaled``; a 16-bit role's cast and the product were two
         passes each). ``pq`` off: that pass writes g, not P and Q (where their readers take the products); P and Q
-        are then a second pass, formed only if read (``_pq``)."""
+        are then a second pass, formed only if read (``_pq``); ``q`` off: that pass writes P but not Q (a forward
+        reads none: its scans take u ⊙ Q formed), Q then likewise a second pass if read."""
         self.l, self.t = l, t
         scaled = scaled or {}
         # one kernel pass for the three (MLX spent two cumulative sums, three exps and a concatenation on them, in
         # the forward and again in the backward)
-        out = ck.key_decays(l, t, before, tuple(scaled.values()), pq)
+        out = ck.key_decays(l, t, before, tuple(scaled.values()), pq, q=q)
         self.d, self.g, self._pe = out.d, out.g, out.pe
         if pq:
-            self.P, self.Q = out.P, out.Q
+            self.P = out.P
+        if pq and q:
+            self.Q = out.Q
         self.scaled = dict(zip(scaled, out.scaled))
         self.dual = pair_supported(t.dialect, *l.shape[-2:], dual=True)  # the dual kernels' tiles fit
         self.quad = pair_supported(t.dialect, *l.shape[-2:], dual=True, quad=True)  # ... the quad kernels' too
@@ -707,12 +710,13 @@ def reads_model_rows(kern: Tuning, C: int, K: int, V: int) -> bool:
     return ck.scan_fuses_products(kern, C, K, V, False) and ck.fuses_bwd(kern, C, K, False)
 
 
-def decay_geometry(key: bool, kern: Tuning | None, before: bool = False, pq: bool = True):
+def decay_geometry(key: bool, kern: Tuning | None, before: bool = False, pq: bool = True, q: bool = True):
     """The class (or factory, same signature) of a chunk's decay geometry: ``ScalarDecay`` (its factors by a kernel,
     ``KernelScalarDecay``, with chunk kernels); for a key-vector decay
     with chunk kernels (``kern``) the pair kernels where they have a layout for (C, K) (K a multiple of 32, known at
     the first call), the hierarchy (``KeyDecay``) otherwise. ``before``: the geometry's kernel also forms
-    ``p_before`` (a transition before the decay reads it); ``pq`` off: it writes g for P and Q (``KernelKeyDecay``)."""
+    ``p_before`` (a transition before the decay reads it); ``pq`` off: it writes g for P and Q (``KernelKeyDecay``);
+    ``q`` off: P but no Q (the forward's)."""
     if not key:
         return KernelScalarDecay if kern else ScalarDecay
     if not kern:
@@ -720,7 +724,7 @@ def decay_geometry(key: bool, kern: Tuning | None, before: bool = False, pq: boo
 
     def make(l, t_, saved=(), scaled=None):
         if pair_supported(t_.dialect, *l.shape[-2:]):
-            return KernelKeyDecay(l, t_, saved, scaled, before, pq)
+            return KernelKeyDecay(l, t_, saved, scaled, before, pq, q)
         return KeyDecay(l, t_, saved, scaled)
     return make
 
@@ -746,6 +750,7 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
     matrix, inv_base = t.gpu_forms, t.inverse_base
     kern = t if t.chunk_kernels else None
     Geo = decay_geometry(key, kern)
+    GeoFwd = decay_geometry(key, kern, q=False)  # the forward reads no Q: its scans take u ⊙ Q formed
     nres = (6 if key and rho is not None else 5) if delta else 2  # factor reads keep a key decay's unscaled A too
 
     def scaled(r, u, bt, backward: bool):
@@ -761,7 +766,7 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         return None if model_rows is None else (l.shape[1], r.shape[2], l.shape[2], model_rows == "block")
 
     def fwd(S0, r, u, w, l, bt=None):
-        geo = Geo(l, t, scaled=scaled(r, u, bt, False))
+        geo = GeoFwd(l, t, scaled=scaled(r, u, bt, False))
         if rho is not None:
             y, S_end, res = _forward_keyed(geo, S0, r, u, w, bt, rho, kern, out, rfac, ml(r, l))
         else:

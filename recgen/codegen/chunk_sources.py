@@ -203,20 +203,23 @@ def decayed_scores_source(dialect: str, grad: bool = False) -> KernelSource:
 
 @lru_cache(maxsize=None)
 def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bool = True, d: bool = True,
-                  lanes: bool = False) -> KernelSource:
+                  lanes: bool = False, q: bool = True) -> KernelSource:
     """A decay's geometry from its log-decays l [N, C, F] (template constants C, F and U or E, NT): G [N, F], the
     chunk's decay; with ``d`` the per-token decays D; with ``pq`` P and Q from sums anchored at the chunk's start and end;
     ``before``: also Pe_t = P_{t-1} (Pe_0 = 1). ``scaled``: one of "P", "Q", "Pe" for each role X_i [N, C, F] given
     (any float type), Y_i = X_i ⊙ that decay in float32. ``lanes`` (F = 1): a SIMD group a chunk (template constant
-    E = ceil(C / 32), its tokens a lane), else a thread a (chunk, column), U tokens' loads at a time."""
+    E = ceil(C / 32), its tokens a lane), else a thread a (chunk, column), U tokens' loads at a time. ``q`` off (with
+    ``pq``): P without Q (a forward that reads no Q)."""
     if any(w not in ("P", "Q", "Pe") for w in scaled):
         raise ValueError(f"decays: scaled roles take P, Q or Pe, not {scaled}")
     xs = tuple(f"X{i}" for i in range(len(scaled)))
+    q = q and pq
     kind = ("decays" + ("_lanes" if lanes else "") + ("" if d else "_nod") + ("" if pq else "_g")
+            + ("_noq" if pq and not q else "")
             + ("_pe" if before else "") + "".join("_" + w.lower() for w in scaled))
-    outs = (("D",) * d + ("P", "Q") * pq + ("G",) + ("Pe",) * before + tuple(f"Y{i}" for i in range(len(scaled))))
+    outs = (("D",) * d + ("P",) * pq + ("Q",) * q + ("G",) + ("Pe",) * before + tuple(f"Y{i}" for i in range(len(scaled))))
     return _source(get(dialect), "chunk_decays.j2", kind, "decay geometry over chunks", ("l",) + xs + ("rt",),
-                   outs, (), before=before, scaled=scaled, pq=pq, with_d=d, lanes=lanes,
+                   outs, (), before=before, scaled=scaled, pq=pq, with_d=d, with_q=q, lanes=lanes,
                    fwd_x=[i for i, w in enumerate(scaled) if w != "Q"], bwd_x=[i for i, w in enumerate(scaled) if w == "Q"])
 
 

@@ -99,14 +99,15 @@ DECAYS_U = 16  # tokens a thread of it loads at once (F > 1): the loads in fligh
 
 @lru_cache(maxsize=256)
 def decays_launch(dialect: str, N: int, C: int, F: int, before: bool = False, scaled: tuple = (),
-                  pq: bool = True, d: bool = True) -> Launch:
+                  pq: bool = True, d: bool = True, q: bool = True) -> Launch:
     """The decay geometry over N chunks of C tokens from the log-decays [N, C, F] (``decays_source``): D (``d``),
     P and Q (``pq``) [N, C, F], G [N, F], Pe (``before``) and each given role times its decay ("P", "Q" or "Pe"),
-    in that order. A scalar decay (F = 1) runs a SIMD group a chunk (``lanes``)."""
+    in that order; ``q`` off: no Q. A scalar decay (F = 1) runs a SIMD group a chunk (``lanes``)."""
     lanes = F == 1
     full = ((N, C, F), "float32")
-    outs = (full,) * d + (full, full) * pq + (((N, F), "float32"),) + (full,) * (before + len(scaled))
-    src = decays_source(dialect, before, scaled, pq, d, lanes)
+    q = q and pq
+    outs = (full,) * d + (full,) * (pq + q) + (((N, F), "float32"),) + (full,) * (before + len(scaled))
+    src = decays_source(dialect, before, scaled, pq, d, lanes, q)
     if lanes:
         groups = -(-N * 32 // DECAYS_NT)
         consts = (("C", C), ("E", -(-C // 32)), ("NT", DECAYS_NT))
@@ -571,19 +572,20 @@ class DecayPass:
         return [x for x in (self.d, self.P, self.Q, self.g, self.pe) if x is not None] + list(self.scaled)
 
 
-def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = (), pq: bool = True, d: bool = True) -> DecayPass:
+def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = (), pq: bool = True, d: bool = True,
+               q: bool = True) -> DecayPass:
     """The decay geometry of the log-decays l [..., C, F] (float32, F = 1 or K) in one pass (``chunk_decays.j2``):
     the chunk's decay g (P's last row) always; ``d``: D = e^l; ``pq``: P and Q from sums anchored at the chunk's start
     and end; ``before``: P_{t−1} (1 at t = 0), the decay a transition before the decay meets; ``scaled``:
     ((x, "P" | "Q" | "Pe"), ...), roles x [..., C, F] of any float type: and x ⊙ that decay for each, in float32 (the
     scans' u ⊙ Q, the readout's r ⊙ P: one pass, where a cast and a product were two per role). Leaving out what no
-    reader takes saves its [..., C, F] write (and g is no strided copy of P's last row)."""
+    reader takes saves its [..., C, F] write (and g is no strided copy of P's last row); ``q`` off: P without Q."""
     N, (C, F) = _lead(l, 2), l.shape[-2:]
-    launch = decays_launch(t.dialect, N, C, F, before, tuple(w for _, w in scaled), pq, d)
+    launch = decays_launch(t.dialect, N, C, F, before, tuple(w for _, w in scaled), pq, d, q)
     user = [l.reshape(N, C, F)] + [x.reshape(N, C, F) for x, _ in scaled]
     outs = [x.reshape(l.shape if x.ndim == 3 else (*l.shape[:-2], F)) for x in _call(t, launch, user)]
     take = lambda on: outs.pop(0) if on else None  # noqa: E731
-    D, P, Q, g, pe = take(d), take(pq), take(pq), take(True), take(before)
+    D, P, Q, g, pe = take(d), take(pq), take(pq and q), take(True), take(before)
     return DecayPass(D, P, Q, g, pe, tuple(outs))
 
 
