@@ -1,8 +1,9 @@
-"""The scalar decay's readout (and a key-vector decay's) and UT transform staged two buffers deep by 16-byte copies (``chunk_out_async.j2``,
-``chunk_ut_async.j2``, ``Tuning.async_staging``) on the Metal CPU emulator (the copies are synchronous there, so the
-buffers' indexing and barriers are what is checked; CUDA's cp.async waits run on the GPU tests): GDN's 16-bit calls in
-the model's layout against float64, under ASan and TSan too, their layouts' bank-conflict conditions, and the chunked
-core end to end with them. Their float32 forms in both lane layouts: ``test_chunk_kernels``' readout and UT tests."""
+"""The scalar decay's readout (and a key-vector decay's) and UT transform staged two buffers deep by 16-byte copies
+(``chunk_out_async.j2``, ``chunk_ut_async.j2``, ``Tuning.async_staging``) on the Metal CPU emulator (the copies are
+synchronous there, so the buffers' indexing and barriers are what is checked; CUDA's cp.async waits run on the GPU
+tests): GDN's 16-bit calls in the model's layout against float64, under ASan and TSan too, their layouts'
+bank-conflict conditions, and the chunked core end to end with them. Their float32 forms in both lane layouts:
+``test_chunk_kernels``' readout and UT tests."""
 import numpy as np
 import pytest
 
@@ -279,8 +280,9 @@ def test_chunked_core_with_async_kernels_matches_reference(name, T, dtype, monke
     staged = {c.split("_metal")[0] for c in calls if "_out_" in c or "_ut_" in c}
     delta = name == "gated_delta_net"
     uf, ml = ("" if formed else "_uf"), ("_ml" if T % 16 == 0 else "")
-    assert staged == ({f"recgen_chunk_out_async{uf}{ml}_yt", f"recgen_chunk_ut_async{uf}{ml}"} if delta
-                      else {"recgen_chunk_out_async_key_yt"} if name == "gla" else {"recgen_chunk_out_async_yt"}), staged
+    plain = {"recgen_chunk_out_async_key_yt"} if name == "gla" else {"recgen_chunk_out_async_yt"}
+    staged_delta = {f"recgen_chunk_out_async{uf}{ml}_yt", f"recgen_chunk_ut_async{uf}{ml}"}
+    assert staged == (staged_delta if delta else plain), staged
 
 
 def test_copies_render_by_the_dialects_table():

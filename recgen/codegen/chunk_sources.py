@@ -205,8 +205,8 @@ def decayed_scores_source(dialect: str, grad: bool = False) -> KernelSource:
 def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bool = True, d: bool = True,
                   lanes: bool = False, q: bool = True) -> KernelSource:
     """A decay's geometry from its log-decays l [N, C, F] (template constants C, F and U or E, NT): G [N, F], the
-    chunk's decay; with ``d`` the per-token decays D; with ``pq`` P and Q from sums anchored at the chunk's start and end;
-    ``before``: also Pe_t = P_{t-1} (Pe_0 = 1). ``scaled``: one of "P", "Q", "Pe" for each role X_i [N, C, F] given
+    chunk's decay; with ``d`` the per-token decays D; with ``pq`` P and Q from sums anchored at the chunk's start and
+    end; ``before``: also Pe_t = P_{t-1} (Pe_0 = 1). ``scaled``: one of "P", "Q", "Pe" for each role X_i [N, C, F] given
     (any float type), Y_i = X_i ⊙ that decay in float32. ``lanes`` (F = 1): a SIMD group a chunk (template constant
     E = ceil(C / 32), its tokens a lane), else a thread a (chunk, column), U tokens' loads at a time. ``q`` off (with
     ``pq``): P without Q (a forward that reads no Q)."""
@@ -217,10 +217,11 @@ def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bo
     kind = ("decays" + ("_lanes" if lanes else "") + ("" if d else "_nod") + ("" if pq else "_g")
             + ("_noq" if pq and not q else "")
             + ("_pe" if before else "") + "".join("_" + w.lower() for w in scaled))
-    outs = (("D",) * d + ("P",) * pq + ("Q",) * q + ("G",) + ("Pe",) * before + tuple(f"Y{i}" for i in range(len(scaled))))
+    outs = ("D",) * d + ("P",) * pq + ("Q",) * q + ("G",) + ("Pe",) * before + tuple(f"Y{i}" for i in range(len(xs)))
     return _source(get(dialect), "chunk_decays.j2", kind, "decay geometry over chunks", ("l",) + xs + ("rt",),
                    outs, (), before=before, scaled=scaled, pq=pq, with_d=d, with_q=q, lanes=lanes,
-                   fwd_x=[i for i, w in enumerate(scaled) if w != "Q"], bwd_x=[i for i, w in enumerate(scaled) if w == "Q"])
+                   fwd_x=[i for i, w in enumerate(scaled) if w != "Q"],  # the roles each walk loads
+                   bwd_x=[i for i, w in enumerate(scaled) if w == "Q"])
 
 
 @lru_cache(maxsize=None)
@@ -274,8 +275,8 @@ def out_async_source(dialect: str, yt: bool = False, uf: bool = False, ml: bool 
     keys = ("R", "U", "Uf") if uf else ("R", "U")
     ins = ("R", "Mi", "Z", "St", "Pk", "Rs") if key else keys + ("Z", "St", "logd", "Rs")
     _wide_dialect(d, "chunk_out_async", w16)
-    kind = ("out_async" + ("_key" if key else "") + ("_uf" if uf else "") + ("_ml" if ml else "") + ("_zm" if zm else "") + ("_yt" if yt else "")
-            + ("_w16" if w16 else ""))
+    kind = ("out_async" + ("_key" if key else "") + ("_uf" if uf else "") + ("_ml" if ml else "")
+            + ("_zm" if zm else "") + ("_yt" if yt else "") + ("_w16" if w16 else ""))
     return _source(d, "chunk_out_async.j2", kind, "chunk readout of the chunked core, fragment multiply-adds, "
                    "operands staged by asynchronous copies", ins, ("Y",) if key else ("Y", "M"), (),
                    helpers=d.mma_prelude + d.copy_prelude, yt=yt, uf=uf, ml=ml, w16=w16, zm=zm, key=key)

@@ -168,7 +168,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     state-free operands loaded at each step's start, as the tuning then runs them: where it asks for hoisting this
     frame stands for "mma", which is probed only if it fails), "hoist_e" (a product-free reverse scan hoisted: A
     with Aq, E), "async" (the scalar decay's readout and UT transform staged by asynchronous copies, float32 and as GDN calls
-    them; a key-vector decay's readout as GLA calls it), "products" (the kernels of "mma" with the backward's pass forming its products over values), each probed
+    them; a key-vector decay's readout as GLA calls it), "products" (the kernels of "mma" with the backward's pass
+    forming its products over values), each probed
     where the tuning asks for it. A GPU
     whose compiler rejects a frame (an old CUDA architecture without TF32 fragments, say) then keeps MLX ops, or
     the FMA scan, instead of raising from inside every chunked call; a failing "tail" turns only the fused backward
