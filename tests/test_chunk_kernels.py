@@ -578,7 +578,7 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     if key:  # a delta rule's two pairs of u (A and M_ru) in one pass; the backward's elementwise tail
         want |= ({"recgen_chunk_pair_dual", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"} if delta
                  else {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})
-        want |= {"recgen_chunk_decays_q"}  # with u ⊙ Q
+        want |= {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q"}  # with u ⊙ Q (the forward's without Q)
     else:
         want |= {"recgen_chunk_decays_lanes_nod"}  # a scalar decay's P, Q and g (``KernelScalarDecay``)
     if rec.features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
@@ -602,16 +602,20 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     ("simple_gla", 16, False, {"recgen_chunk_decays_lanes_nod", "recgen_chunk_scan_mma_noa_q",
                                "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
                                "recgen_chunk_bwd_mma"}),
-    ("kda", 32, False, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key_uf",
+    ("kda", 32, False, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q",
+                        "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key_uf",
                         "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_aq_p_dg_rev",
                         "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta_uf"}),
-    ("kda", 32, True, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key_uf",
+    ("kda", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q",
+                       "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key_uf",
                        "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_aq_p_dg_rev",
                        "recgen_chunk_pair_grad_dual_mma", "recgen_chunk_bwd_key_delta_uf"}),
-    ("kda/formed", 32, True, {"recgen_chunk_decays_q", "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key",
+    ("kda/formed", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q",
+                              "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key",
                               "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev",
                               "recgen_chunk_pair_grad_dual_mma", "recgen_chunk_bwd_key_delta"}),
-    ("gla", 32, True, {"recgen_chunk_decays_q", "recgen_chunk_pair_mma", "recgen_chunk_scan_mma_noa",
+    ("gla", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q",
+                       "recgen_chunk_pair_mma", "recgen_chunk_scan_mma_noa",
                        "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_pair_grad_mma",
                        "recgen_chunk_bwd_key"})])
 def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monkeypatch):
