@@ -203,7 +203,7 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
 #pragma unroll
     for (int kk = 0; kk < KB; kk += 8) {
       const float a_[4] = {static_cast<float>(Rp[(r0 + gq) * LDR + kk + tq]) * static_cast<float>(Pp[(r0 + gq) * LDU + kk + tq]), static_cast<float>(Rp[(r0 + gq + 8) * LDR + kk + tq]) * static_cast<float>(Pp[(r0 + gq + 8) * LDU + kk + tq]),
-                         static_cast<float>(Rp[(r0 + gq) * LDR + kk + tq + 4]) * static_cast<float>(Pp[(r0 + gq) * LDU + kk + tq + 4]), static_cast<float>(Rp[(r0 + gq + 8) * LDR + kk + tq + 4]) * static_cast<float>(Pp[(r0 + gq + 8) * LDU + kk + tq + 4])};
+                           static_cast<float>(Rp[(r0 + gq) * LDR + kk + tq + 4]) * static_cast<float>(Pp[(r0 + gq) * LDU + kk + tq + 4]), static_cast<float>(Rp[(r0 + gq + 8) * LDR + kk + tq + 4]) * static_cast<float>(Pp[(r0 + gq + 8) * LDU + kk + tq + 4])};
       #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         const float b_[2] = {static_cast<float>(Sp[(kk + tq) * LDB + 8 * ct + gq]), static_cast<float>(Sp[(kk + tq + 4) * LDB + 8 * ct + gq])};

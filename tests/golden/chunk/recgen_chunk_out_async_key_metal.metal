@@ -101,7 +101,7 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
 #pragma unroll
     for (int kk = 0; kk < KB; kk += 8) {
       const float a_[4] = {static_cast<float>(Rp[(r0 + gq) * LDR + kk + 2 * tq]) * static_cast<float>(Pp[(r0 + gq) * LDU + kk + 2 * tq]), static_cast<float>(Rp[(r0 + gq) * LDR + kk + 2 * tq + 1]) * static_cast<float>(Pp[(r0 + gq) * LDU + kk + 2 * tq + 1]),
-                         static_cast<float>(Rp[(r0 + gq + 8) * LDR + kk + 2 * tq]) * static_cast<float>(Pp[(r0 + gq + 8) * LDU + kk + 2 * tq]), static_cast<float>(Rp[(r0 + gq + 8) * LDR + kk + 2 * tq + 1]) * static_cast<float>(Pp[(r0 + gq + 8) * LDU + kk + 2 * tq + 1])};
+                           static_cast<float>(Rp[(r0 + gq + 8) * LDR + kk + 2 * tq]) * static_cast<float>(Pp[(r0 + gq + 8) * LDU + kk + 2 * tq]), static_cast<float>(Rp[(r0 + gq + 8) * LDR + kk + 2 * tq + 1]) * static_cast<float>(Pp[(r0 + gq + 8) * LDU + kk + 2 * tq + 1])};
       #pragma unroll
       for (int ct = 0; ct < CT; ++ct) {
         const float b_[2] = {static_cast<float>(Sp[(kk + gq) * LDB + 8 * ct + 2 * tq]), static_cast<float>(Sp[(kk + gq) * LDB + 8 * ct + 2 * tq + 1])};
