@@ -130,6 +130,10 @@ class Tuning:
     #                                 and without a delta rule its states in 16 bits (with ``states_16bit``). H200,
     #                                 4,4096,16,128 forward: GLA 2.11 -> 1.80 ms, KDA 3.09 -> 2.92, peaks 2.07 -> 1.45
     #                                 and 2.82 -> 2.51 GiB; training within the spread of processes (on on CUDA)
+    key_products_16bit: bool = False  # ... and the backward's products over values on those 16-bit states, dy and v,
+    #                                 the reverse scan writing dS and dZ so (no delta rule): no float32 copies of them.
+    #                                 H200, 4,4096,16,128 trained: GLA 5.40, 5.33 -> 5.10, 4.89 ms, peak 4.09 -> 3.31
+    #                                 GiB; HGRN-2 5.68, 5.69 -> 5.30, 5.47 ms, 4.22 -> 3.44 GiB (on on CUDA)
     logdecay_16bit: bool = False    # ... and a log-decay that is an input verbatim, where only kernels read it (the
     #                                 general rank-1 core)
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
@@ -220,7 +224,7 @@ MEASURED = {
                  decay_factor_kernels=True, replay_graphs=True, ut_16bit=True, states_16bit=True,
                  wide_fragments=True, bwd_scores=True, bwd_products=True, scan_products_alone=True,
                  scan_wide_loads=True, bwd_wide_loads=True, scan_wide_columns=True, scan_min_groups=128,
-                 key_roles_16bit=True),
+                 key_roles_16bit=True, key_products_16bit=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
@@ -308,6 +312,7 @@ ENVIRONMENT = {
     "RECGEN_STATES_16BIT": ("states_16bit", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),
     "RECGEN_KEY_ROLES_16BIT": ("key_roles_16bit", _flag),
+    "RECGEN_KEY_PRODUCTS_16BIT": ("key_products_16bit", _flag),
     "RECGEN_16BIT_LOGDECAY": ("logdecay_16bit", _flag),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),
     "RECGEN_FEATURE_IDENTITY": ("feature_identity", _flag),

@@ -460,8 +460,13 @@ def role_dtype(kern: Tuning | None, key: bool, delta: bool, C: int, K: int, V: i
 
 
 def _up(geo, *xs):
-    """Roles in the compute dtype (that of the log-decays): MLX products of 16-bit operands would round."""
-    return [None if x is None else x.astype(geo.l.dtype) for x in xs]
+    """Roles in the compute dtype (that of the log-decays): MLX products of 16-bit operands would round. One array
+    given twice (Z is w without a delta rule) is cast once."""
+    cast = {}
+    for x in xs:
+        if x is not None and id(x) not in cast:
+            cast[id(x)] = x.astype(geo.l.dtype)
+    return [None if x is None else cast[id(x)] for x in xs]
 
 
 def model_layout(y, out):
@@ -615,17 +620,23 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     Z, Tm, W = res[2:] if bt is not None else (w, None, None)
     given = (r, u, bt)  # the roles as the core got them: the key-decay tail kernel reads them so
     # 16-bit states (a key-vector decay's, ``Tuning.key_roles_16bit``) and dy in their type (``core_fn``) meet MLX's
-    # products in the compute dtype too: two 16-bit operands would give a 16-bit product
-    r, u, w, bt, Z, states, dy = _up(geo, r, u, w, bt, Z, states, dy)
+    # products in the compute dtype too (two 16-bit operands give a 16-bit product), unless
+    # ``Tuning.key_products_16bit`` keeps them so: then the products over values round to it, as FLA's dh and dv
+    st = _key_products_type(geo, bt, states, dy, kern)
+    if st is None:
+        r, u, w, bt, Z, states, dy = _up(geo, r, u, w, bt, Z, states, dy)
+        F = M.swapaxes(-1, -2) @ dy
+    else:  # F = Mᵀ dy in M's float32
+        r, u = _up(geo, r, u)
+        F = M.swapaxes(-1, -2) @ dy.astype(M.dtype)
     r = _scaled(r, rfac)
     P, Q = geo.P, geo.Q
-    F = M.swapaxes(-1, -2) @ dy
     if geo.key:  # formed with the decays where ``core_fn``'s ``scaled`` asked for them (r ⊙ P: not under rfac)
         scan_u, scan_r = geo.role("uQ", u, "Q"), geo.role("rP", r, "P")
     else:  # u ⊙ Q and r ⊙ P formed as the generated scan reads u and r (row scales)
         scan_u, scan_r = (u, Q), (r, P)
     # E = (r ⊙ P)ᵀ dy
-    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, scan_u, W, F, (scan_r, dy), compose, matrix, kern, states)
+    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, scan_u, W, F, (scan_r, dy), compose, matrix, kern, states, st=st)
     cp = geo.t.copy_transposes
     statesT, ZT = tr(states, cp), tr(Z, cp)
     d_uQ = Z @ tr(dSn, cp)
@@ -651,6 +662,18 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     dr = P * d_rP + dr_
     dl = log_decay_grad(geo, dG, (uQ * d_uQ).sum(-2) + geo.g * dg)
     return dS0, _scaled(dr, rfac), du, dw, dl, dbt
+
+
+def _key_products_type(geo, bt, states, dy, kern):
+    """The 16-bit type of the backward's products over values for a key-vector decay without a delta rule where
+    ``Tuning.key_products_16bit`` asks and the states, dy and the generated reverse scan allow (the scan then writes
+    dS and dZ in it); None: the products in the compute dtype."""
+    lo = (mx.bfloat16, mx.float16)
+    if not (geo.key and bt is None and kern and kern.key_products_16bit and states.dtype in lo
+            and dy.dtype == states.dtype):
+        return None
+    C, K, V = dy.shape[-2], states.shape[-2], states.shape[-1]
+    return states.dtype if ck.scan_supported(kern, C, K) and ck.use_mma(kern, C, K, V) else None
 
 
 def log_decay_grad(geo, dG, dG_end):
