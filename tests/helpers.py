@@ -168,6 +168,8 @@ def chunk_launches(target: str) -> list:
                    for grad in (False, True) for m in (False, True)]  # the quad form (Metal's at C = 32)
                 + [ck.pair_launch(target, 8, 64 if target == "cuda" else 32, 128, not q, grad, True, mma=True, quad=q,
                                   fold=True) for grad in (False, True) for q in (False, True)]  # rows folded
+                + [ck.pair_launch(target, 8, 64, 128, False, grad, mma=True, fold=True, scaled=True)
+                   for grad in (False, True)]  # GLA's: r read times the readout's scale
                 + [ck.sympow_launch(target, 2, 4096, 8, 8, 64, True, grad) for grad in (False, True)]
                 + [ck.decayed_scores_launch(target, 256, 256, 2, grad) for grad in (False, True)]
                 + [ck.feature_decode_launch(target, 16, 64, 64, has_z) for has_z in (True, False)]

@@ -577,8 +577,9 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
             else {"recgen_chunk_scan_noa", "recgen_chunk_scan_nob_e_rev"})
     if key:  # a delta rule's two pairs of u (A and M_ru) in one pass; the backward's elementwise tail
         want |= ({"recgen_chunk_pair_dual", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"} if delta
-                 else {"recgen_chunk_pair", "recgen_chunk_pair_grad", "recgen_chunk_bwd_key"})
-        want |= {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q"}  # with u ⊙ Q (the forward's without Q)
+                 else {"recgen_chunk_pair_xs", "recgen_chunk_pair_grad_xs", "recgen_chunk_bwd_key"})  # GLA: r's scale
+        # with u ⊙ Q (the forward's without Q), the backward's with r ⊙ P too (its reverse scan scales the rows)
+        want |= {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q_p"}
     else:
         want |= {"recgen_chunk_decays_lanes_nod"}  # a scalar decay's P, Q and g (``KernelScalarDecay``)
     if rec.features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
@@ -602,22 +603,25 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     ("simple_gla", 16, False, {"recgen_chunk_decays_lanes_nod", "recgen_chunk_scan_mma_noa_q",
                                "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
                                "recgen_chunk_bwd_mma"}),
-    ("kda", 32, False, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q",
+    ("kda", 32, False, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q_p",
                         "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key_uf",
-                        "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_aq_p_dg_rev",
-                        "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta_uf"}),
-    ("kda", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q",
+                        "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt",
+                        "recgen_chunk_scan_mma_aq_p_pq_dg_rev", "recgen_chunk_pair_grad_dual",
+                        "recgen_chunk_bwd_key_delta_uf"}),
+    ("kda", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q_p",
                        "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key_uf",
-                       "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_aq_p_dg_rev",
-                       "recgen_chunk_pair_grad_dual_mma", "recgen_chunk_bwd_key_delta_uf"}),
-    ("kda/formed", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q",
+                       "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt",
+                       "recgen_chunk_scan_mma_aq_p_pq_dg_rev", "recgen_chunk_pair_grad_dual_mma",
+                       "recgen_chunk_bwd_key_delta_uf"}),
+    ("kda/formed", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q_p",
                               "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key",
-                              "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_p_dg_rev",
-                              "recgen_chunk_pair_grad_dual_mma", "recgen_chunk_bwd_key_delta"}),
-    ("gla", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q",
-                       "recgen_chunk_pair_mma", "recgen_chunk_scan_mma_noa",
-                       "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_nob_e_rev", "recgen_chunk_pair_grad_mma",
-                       "recgen_chunk_bwd_key"})])
+                              "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt",
+                              "recgen_chunk_scan_mma_p_pq_dg_rev", "recgen_chunk_pair_grad_dual_mma",
+                              "recgen_chunk_bwd_key_delta"}),
+    ("gla", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q_p",
+                       "recgen_chunk_pair_mma_xs", "recgen_chunk_scan_mma_noa",
+                       "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_nob_e_rev",
+                       "recgen_chunk_pair_grad_mma_xs", "recgen_chunk_bwd_key"})])
 def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monkeypatch):
     """The chunked core end to end on the fragment frames: a scalar decay's factors (``KernelScalarDecay``), the UT
     transform (GDN), the scans (forward and
@@ -1806,6 +1810,32 @@ def test_pair_kernels_match_numpy(strict, C, K):
     assert _rel(dX, want_dX) < 1e-5
     assert _rel(dY, want_dY) < 1e-5
 
+
+
+@pytest.mark.parametrize("frame,mma,fold", [("metal", False, False), ("metal", True, True), ("metal_ptx", True, True)])
+def test_pair_kernels_scale_x_as_read(frame, mma, fold):
+    """``scaled`` (GLA's readout scale): the pair of (c X, Y) and its gradients with X read times c, X in bf16 as
+    the core hands r: equal to the unscaled kernels given c X in float32 (to rounding), and against float64; dX is
+    that of the scaled X (it reads no X). Blocks between (C = 48), two slabs, decays down to e^-20 and some 0."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(5)
+    N, C, K, c = 2, 48, 64, 0.125
+    X = np.asarray(mx.array(rng.normal(size=(N, C, K)).astype(np.float32)).astype(mx.bfloat16).astype(mx.float32))
+    Y, dM = rng.normal(size=(N, C, K)).astype(np.float32), rng.normal(size=(N, C, C)).astype(np.float32)
+    dk = _pair_decays(rng, N, C, K)
+    xb = mx.array(X).astype(mx.bfloat16)  # exact: X was rounded to bf16 above
+    sc = {"Xsc": np.array([c], np.float32)}
+    (M,) = verify.run_launch(ck.pair_launch(frame, N, C, K, False, mma=mma, fold=fold, scaled=True),
+                             {"X": xb, "Y": Y, "dk": dk} | sc)
+    assert _rel(M, _pair_ref(c * X, Y, dk, False)) < 1e-5
+    dX, dY = verify.run_launch(ck.pair_launch(frame, N, C, K, False, grad=True, mma=mma, fold=fold, scaled=True),
+                               {"dM": dM, "X": xb, "Y": Y, "dk": dk} | sc)
+    (want_dX,), want_dY = _pair_grads_ref([(c * X, dM, False)], Y, dk)
+    assert _rel(dX, want_dX) < 1e-5 and _rel(dY, want_dY) < 1e-5
+    plain = verify.run_launch(ck.pair_launch(frame, N, C, K, False, grad=True, mma=mma, fold=fold),
+                              {"dM": dM, "X": c * X, "Y": Y, "dk": dk})
+    assert np.array_equal(dX, plain[0]) and _rel(dY, plain[1]) < 1e-6
 
 
 @pytest.mark.parametrize("C,K,strict", [(8, 32, True), (48, 64, True), (48, 64, False)])

@@ -255,11 +255,12 @@ class KernelKeyDecay(PairsOneByOne):
     def Q(self):
         return self._pq.Q
 
-    def pair(self, X, Y, strict: bool):
-        return ck.pair(X, Y, self.d, strict, self.t)
+    def pair(self, X, Y, strict: bool, scale: float | None = None):
+        """M of (scale·X, Y), the scale applied as X is read (``chunk_kernels.pair``)."""
+        return ck.pair(X, Y, self.d, strict, self.t, scale)
 
-    def pair_grad(self, dM, X, Y, strict: bool):
-        return ck.pair_grad(dM, X, Y, self.d, strict, self.t)
+    def pair_grad(self, dM, X, Y, strict: bool, scale: float | None = None):
+        return ck.pair_grad(dM, X, Y, self.d, strict, self.t, scale)
 
     def pair_dual(self, X, X2, Y, strict: bool = True):
         """Both pairs in one pass over Y and the decays (``chunk_kernels.pair_dual``) where its tiles fit."""
@@ -527,9 +528,8 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
         y, M = ck.chunk_out(r, u, Z, states, geo.l, kern, out, rfac, ml=ml, z_model=ml is not None)
     else:
         if M is None and isinstance(geo, KernelKeyDecay):
-            # the pair kernel converts 16-bit roles as it reads them (no float32 copies); rfac scales M after it
-            M = geo.pair(r, u, strict=False)
-            M, r_ = (M if rfac is None else M * rfac), None
+            # the pair kernel converts 16-bit roles as it reads them (no float32 copies) and scales r by rfac so
+            M, r_ = geo.pair(r, u, strict=False, scale=rfac), None
         elif M is None:  # else formed with A, from the same r_
             r_, u_ = _up(geo, _scaled(r, rfac), u)
             M = geo.pair(r_, u_, strict=False)
@@ -592,9 +592,8 @@ def _backward_keyed_key(geo, r, x, f, rho: float, res, dy, dS_end, compose, matr
     fT = f.swapaxes(-1, -2)
     (r_,) = _up(geo, _scaled(r, rfac))
     F = (Mx * fT).swapaxes(-1, -2) @ dy
-    rP = geo.role("rP", r_, "P")  # formed with the decays unless the readout is scaled (``core_fn``'s ``scaled``)
-    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (geo.role("uQ", x, "Q"), f), W, F, (rP, dy), compose, matrix, kern,
-                                     states)
+    E = (_readout_rows(geo, r, rfac), dy)
+    dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (geo.role("uQ", x, "Q"), f), W, F, E, compose, matrix, kern, states)
     cp = geo.t.copy_transposes
     statesT, ZT = tr(states, cp), tr(Z, cp)
     Delta = Tm.swapaxes(-1, -2) @ dZ
@@ -605,6 +604,13 @@ def _backward_keyed_key(geo, r, x, f, rho: float, res, dy, dS_end, compose, matr
     dr, dx, df_tail, dl = ck.chunk_bwd_key(r, x, None, geo.l, dr_, dY, dX1, dy @ statesT, Z @ tr(dSn, cp),
                                            Delta @ statesT, dg, kern, rfac, uf=f, bf=rho)
     return dS0, dr, dx, Delta, dl, df + df_tail
+
+
+def _readout_rows(geo, r, rfac):
+    """(r ⊙ P, row scales) for a key-vector decay's reverse scan: r ⊙ P of r as the core got it (formed with the
+    decays, ``core_fn``'s ``scaled``) and rfac as its rows' scale [.., C, 1], None without it (``_rows``)."""
+    rP = geo.role("rP", r, "P")
+    return rP, None if rfac is None else mx.full((*rP.shape[:-1], 1), rfac, rP.dtype)
 
 
 def _scaled(r, rfac):
@@ -631,8 +637,8 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
         F = M.swapaxes(-1, -2) @ dy.astype(M.dtype)
     r = _scaled(r, rfac)
     P, Q = geo.P, geo.Q
-    if geo.key:  # formed with the decays where ``core_fn``'s ``scaled`` asked for them (r ⊙ P: not under rfac)
-        scan_u, scan_r = geo.role("uQ", u, "Q"), geo.role("rP", r, "P")
+    if geo.key:  # formed with the decays (``core_fn``'s ``scaled``), r ⊙ P of r as given: rfac its rows' scale
+        scan_u, scan_r = geo.role("uQ", u, "Q"), _readout_rows(geo, given[0], rfac)
     else:  # u ⊙ Q and r ⊙ P formed as the generated scan reads u and r (row scales)
         scan_u, scan_r = (u, Q), (r, P)
     # E = (r ⊙ P)ᵀ dy
@@ -641,7 +647,10 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     statesT, ZT = tr(states, cp), tr(Z, cp)
     d_uQ = Z @ tr(dSn, cp)
     if bt is None:
-        dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
+        if isinstance(geo, KernelKeyDecay):  # r and u as given (no float32 copies), rfac applied as r is read
+            dr_, du_ = geo.pair_grad(dy @ ZT, *given[:2], strict=False, scale=rfac)
+        else:
+            dr_, du_ = geo.pair_grad(dy @ ZT, r, u, strict=False)
         d_rP = dy @ statesT
         dw, dbt_, dR = dZ, None, None
     else:
@@ -652,7 +661,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     if geo.key and kern and ck.fuses_key_tail(kern, u.shape[-2]):  # the elementwise tail below as one kernel
         dr, du, dbt, dl = ck.chunk_bwd_key(*given, geo.l, dr_, du_, dbt_, d_rP, d_uQ, dR, dg, kern, rfac)
         return dS0, dr, du, dw, dl, dbt
-    uQ, rP = (scan_u, scan_r) if geo.key else (u * Q, r * P)
+    uQ, rP = (scan_u, _rows(*scan_r)) if geo.key else (u * Q, r * P)
     dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ
     dbt = None
     if bt is not None:
@@ -778,11 +787,11 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
 
     def scaled(r, u, bt, backward: bool):
         """The roles scaled by the decays, formed with them (on the kernels: in the geometry's pass): a key-vector
-        decay's u ⊙ Q for the scans, and the backward's r ⊙ P where r is the readout role itself; with factor reads
-        of a scalar decay the scans' row scales f ⊙ Q (f: ``bt``, as l [.., C, 1])."""
+        decay's u ⊙ Q for the scans, and the backward's r ⊙ P of r as given (the reverse scan applies rfac as its
+        rows' scale); with factor reads of a scalar decay the scans' row scales f ⊙ Q (f: ``bt``, as l [.., C, 1])."""
         if not key:
             return {"fQ": (bt, "Q")} if rho is not None else None
-        return {"uQ": (u, "Q")} | ({"rP": (r, "P")} if backward and rfac is None else {})
+        return {"uQ": (u, "Q")} | ({"rP": (r, "P")} if backward else {})
 
     def ml(r, l):
         """The kernels' model-layout constants (H, HK, NCH, GB) of r [B, n C, HK, K] and l [B, H, n, C, 1]."""

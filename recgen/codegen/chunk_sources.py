@@ -419,35 +419,39 @@ def _pair_operands(dual: bool, quad: bool) -> tuple[tuple, tuple]:
 
 @lru_cache(maxsize=None)
 def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False, quad: bool = False,
-                fold: bool = False) -> KernelSource:
+                fold: bool = False, scaled: bool = False) -> KernelSource:
     """M of X (pairs s < t where ``strict``); ``dual``: also M2 of X2 (s <= t) beside M of X; ``quad``: the dual
     form's two pairs with Y and with Yb (M, M2, Mb, M2b: the X pairs strict where ``strict``); ``mma``: the earlier
     blocks' products on fragment multiply-adds (blocks of 16 tokens; template constant FI: items a SIMD group);
-    ``fold``: the own block's rows t and BS − 1 − t carried by one thread (BS even: ``pair_folds``)."""
+    ``fold``: the own block's rows t and BS − 1 − t carried by one thread (BS even: ``pair_folds``); ``scaled``: X
+    read times a scalar Xsc[0] (the readout's rfac: M of rfac·r, no pass over M after)."""
     d = get(dialect)
     xs, ys = _pair_operands(dual, quad)
     outs = tuple("M" + x[1:] + y[1:] for y in ys for x in xs)
-    kind = "pair" + _pair_suffix(strict, dual, quad, mma, fold)
-    return _source(d, "chunk_pair.j2", kind, "key-vector decay pair matrix of a chunk", xs + ys + ("dk", "rt"), outs,
+    kind = "pair" + _pair_suffix(strict, dual, quad, mma, fold) + ("_xs" if scaled else "")
+    ins = xs + ys + ("dk",) + (("Xsc",) if scaled else ()) + ("rt",)
+    return _source(d, "chunk_pair.j2", kind, "key-vector decay pair matrix of a chunk", ins, outs,
                    (), helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad,
-                   fold=fold)
+                   fold=fold, xs=scaled)
 
 
 @lru_cache(maxsize=None)
 def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False,
-                     quad: bool = False, fold: bool = False) -> KernelSource:
+                     quad: bool = False, fold: bool = False, scaled: bool = False) -> KernelSource:
     """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed); ``quad``:
     (dX, dX2, dY, dYb) for the cotangents dM, dM2, dMb, dM2b of its quad form (each gradient summed over the pairs
     its operand is in); ``mma``: the other blocks' parts on fragment multiply-adds; ``fold``: the own block's rows
-    t and BS − 1 − t computed by one thread (``pair_source``)."""
+    t and BS − 1 − t computed by one thread (``pair_source``); ``scaled``: the pair of Xsc[0]·X (dX is that of the
+    scaled X: it reads no X)."""
     d = get(dialect)
     xs, ys = _pair_operands(dual, quad)
     cots = tuple("dM" + x[1:] + y[1:] for y in ys for x in xs)
-    kind = "pair_grad" + _pair_suffix(strict, dual, quad, mma, fold)
+    kind = "pair_grad" + _pair_suffix(strict, dual, quad, mma, fold) + ("_xs" if scaled else "")
+    ins = cots + xs + ys + ("dk",) + (("Xsc",) if scaled else ()) + ("rt",)
     return _source(d, "chunk_pair_grad.j2", kind, "gradients of the key-vector decay pair matrix",
-                   cots + xs + ys + ("dk", "rt"), tuple("d" + x for x in xs + ys), (),
+                   ins, tuple("d" + x for x in xs + ys), (),
                    helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad,
-                   fold=fold)
+                   fold=fold, xs=scaled)
 
 
 @lru_cache(maxsize=None)

@@ -359,12 +359,12 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
 
 @lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False,
-                mma: bool = False, quad: bool = False, fold: bool = False) -> Launch:
+                mma: bool = False, quad: bool = False, fold: bool = False, scaled: bool = False) -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
     operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
     ``quad``: both with a second Y as well (four pairs); ``mma``: the other blocks' products on fragments
     (``chunk_sources.pair_fragments``); ``fold``: the own block's rows paired, one thread rows t and BS − 1 − t
-    (``chunk_sources.pair_folds``)."""
+    (``chunk_sources.pair_folds``); ``scaled``: X read times the scalar Xsc [1] given after the decays."""
     lay = dict(pair_layout(dialect, C, K, dual, quad))
     if mma and not pair_fragments(dialect, C, K, dual, quad):
         raise ValueError(f"chunk_pair: fragments need blocks of 16 tokens, C a multiple of 16 (C={C})")
@@ -372,7 +372,7 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
         raise ValueError(f"chunk_pair: folded rows need an even block of rows (C={C})")
     if mma and not grad:
         lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
-    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma, quad, fold)
+    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma, quad, fold, scaled)
     groups = N * lay["NB"] * (2 if grad else 1)
     nout = len(src.outputs)
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * nout
@@ -928,28 +928,32 @@ def chunk_bwd_rank1(r, u, a, b, l, dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP, dg, t
 
 
 def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), dual: bool = False,
-               quad: bool = False) -> tuple:
+               quad: bool = False, scale: float | None = None) -> tuple:
     """The pair kernels (``pair_launch``) on flattened chunks: the cotangents [.., C, C] (the gradients' kernels) and
-    the operands [.., C, K] in the kernel's input order, the decays dk. Returns the pairs [.., C, C], or the
-    gradients [.., C, K], shaped as the first operand's chunks."""
+    the operands [.., C, K] in the kernel's input order, the decays dk; ``scale``: the first operand read times it.
+    Returns the pairs [.., C, C], or the gradients [.., C, K], shaped as the first operand's chunks."""
+    import mlx.core as mx
+
     X = operands[0]
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     launch = pair_launch(t.dialect, N, C, K, strict, grad=bool(cots), dual=dual,
                          mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad,
-                         fold=t.pair_fold and pair_folds(t.dialect, C, K, dual, quad))
-    outs = _call(t, launch, [m.reshape(N, C, C) for m in cots] + [a.reshape(N, C, K) for a in (*operands, dk)])
+                         fold=t.pair_fold and pair_folds(t.dialect, C, K, dual, quad), scaled=scale is not None)
+    outs = _call(t, launch, [m.reshape(N, C, C) for m in cots] + [a.reshape(N, C, K) for a in (*operands, dk)]
+                 + ([] if scale is None else [mx.array([scale], mx.float32)]))
     shape = X.shape if cots else (*X.shape[:-1], C)
     return tuple(o.reshape(shape) for o in outs)
 
 
-def pair(X, Y, dk, strict: bool, t: Tuning):
-    """M [.., C, C] of the key-vector decay pair (see chunk_pair.j2) from X, Y, per-token decays dk [.., C, K]."""
-    return _pair_call(t, strict, (X, Y), dk)[0]
+def pair(X, Y, dk, strict: bool, t: Tuning, scale: float | None = None):
+    """M [.., C, C] of the key-vector decay pair (see chunk_pair.j2) from X, Y, per-token decays dk [.., C, K];
+    ``scale``: of scale·X."""
+    return _pair_call(t, strict, (X, Y), dk, scale=scale)[0]
 
 
-def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning):
-    """(dX, dY) [.., C, K] for the cotangent dM [.., C, C] of ``pair``."""
-    return _pair_call(t, strict, (X, Y), dk, (dM,))
+def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning, scale: float | None = None):
+    """(dX, dY) [.., C, K] for the cotangent dM [.., C, C] of ``pair`` (``scale``: of scale·X, dX that of scale·X)."""
+    return _pair_call(t, strict, (X, Y), dk, (dM,), scale=scale)
 
 
 def pair_dual(X, X2, Y, dk, t: Tuning, strict: bool = True):

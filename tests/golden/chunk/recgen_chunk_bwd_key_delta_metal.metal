@@ -8,7 +8,8 @@
   //   dr = P DRP + DRX,   du = Q DUQ + DUX,   dBt = P DR + DBX
   //   dG_t = r dr - u du + Bt dBt,   dG_{C-1} += sum_s u Q DUQ + g DG,   dl = reverse cumsum of dG
   // with P_t = e^{sum_{tau <= t} l_tau} and Q_s = e^{sum_{tau > s} l_tau} from sums anchored at the chunk's start and
-  // end (no difference of sums), r = Rs R (the readout role as the forward scaled it; dR = Rs dr is written).
+  // end (no difference of sums), r = Rs R (the readout role as the forward scaled it; dR = Rs dr is written). The
+  // products over values (DRP, DUQ) may be 16-bit (``Tuning.key_products_16bit``).
   // These were some twenty MLX ops over [.., C, K], each a float32 pass: one pass here, every output written once
   // in its role's type. Threadgroups of 32 columns (a SIMD group); P and dG staged per column in threadgroup memory
   // (C x 32 floats each, conflict-free). Template constants: C, K, NG (column groups a chunk), RT, UT, BT.
@@ -32,9 +33,9 @@
       const float q = metal::exp(after);
       after += static_cast<float>(L[at]);
       const float p = Ps_[t * 32 + lane];
-      const float u = static_cast<float>(U[at]), duq = DUQ[at];
+      const float u = static_cast<float>(U[at]), duq = static_cast<float>(DUQ[at]);
       const float du = q * duq + DUX[at];
-      const float dr = p * DRP[at] + DRX[at];
+      const float dr = p * static_cast<float>(DRP[at]) + DRX[at];
       float g = rs * static_cast<float>(R[at]) * dr - u * du;
       const float db = p * DR[at] + DBX[at];
       g += static_cast<float>(Bt[at]) * db;

@@ -8,7 +8,8 @@
   //   dr = P DRP + DRX,   du = Q DUQ + DUX,   dBt = P DR + DBX
   //   dG_t = r dr - u du + Bt dBt,   dG_{C-1} += sum_s u Q DUQ + g DG,   dl = reverse cumsum of dG
   // with P_t = e^{sum_{tau <= t} l_tau} and Q_s = e^{sum_{tau > s} l_tau} from sums anchored at the chunk's start and
-  // end (no difference of sums), r = Rs R (the readout role as the forward scaled it; dR = Rs dr is written).
+  // end (no difference of sums), r = Rs R (the readout role as the forward scaled it; dR = Rs dr is written). The
+  // products over values (DRP, DUQ) may be 16-bit (``Tuning.key_products_16bit``).
   // These were some twenty MLX ops over [.., C, K], each a float32 pass: one pass here, every output written once
   // in its role's type. Threadgroups of 32 columns (a SIMD group); P and dG staged per column in threadgroup memory
   // (C x 32 floats each, conflict-free). Template constants: C, K, NG (column groups a chunk), RT, UT, BT.
@@ -37,9 +38,9 @@
       const float q = metal::exp(after);
       after += static_cast<float>(L[at]);
       const float p = Ps_[t * 32 + lane];
-      const float x = static_cast<float>(U[at]), fu = Uf[bc * C + t], duq = DUQ[at];
+      const float x = static_cast<float>(U[at]), fu = Uf[bc * C + t], duq = static_cast<float>(DUQ[at]);
       const float u = fu * x, dux = DUX[at], dbx = DBX[at], db = p * DR[at];
-      const float dr = p * DRP[at] + DRX[at];
+      const float dr = p * static_cast<float>(DRP[at]) + DRX[at];
       float g = rs * static_cast<float>(R[at]) * dr - x * dux - u * q * duq + x * dbx + bf * x * db;
       dXo[at] = static_cast<UT>(dbx + dux + fu * q * duq + bf * db);
       float sf = x * q * duq;  // this column's part of dUf_t: a SIMD group's 32 columns summed
