@@ -656,7 +656,10 @@ def test_key_decay_bare_roles_in_16_bits(name, on, monkeypatch):
     stay in the inputs' bf16 and the kernels that read them convert on load: the same results as with their float32
     copies, end to end against the float64 reference on CUDA's lane layout (``metal_ptx``; bf16 inputs, GQA, a
     partial last chunk, strong decays: forward, final state, every gradient); on, some kernel reads a bf16 role,
-    off none does. The forward's decays' pass writes no Q (its scans take u ⊙ Q formed), the backward's does."""
+    off none does. The forward's decays' pass writes no Q (its scans take u ⊙ Q formed), the backward's does.
+    With it, as on CUDA, ``Tuning.key_products_16bit``: without a delta rule (GLA, HGRN-2) the backward keeps its
+    16-bit states, dy and v for the products over values and the reverse scan writes dS and dZ in bf16 (its ``s16``
+    variant); no other reverse scan does."""
     pytest.importorskip("mlx.core")
     import dataclasses
 
@@ -664,43 +667,24 @@ def test_key_decay_bare_roles_in_16_bits(name, on, monkeypatch):
     from recgen import specs
     from test_chunked import assert_close, compare
 
-    sixteen, decays = [], []
+    sixteen, decays, scans = [], [], []
 
     def call(launch, dialect, user, *a):
-        sixteen.extend(launch.source.name for x in user if x.dtype == mx.bfloat16)
-        decays.extend([launch.source.name] if "_decays" in launch.source.name else [])
+        name_ = launch.source.name
+        sixteen.extend(name_ for x in user if x.dtype == mx.bfloat16)
+        decays.extend([name_] if "_decays" in name_ else [])
+        scans.extend([name_] if "_rev" in name_ else [])
         return _emulated_call(launch, dialect, user, *a)
 
     monkeypatch.setattr(ck, "mlx_call", call)
     t = tuning.resolve("cpu", environ={}, dialect="metal_ptx", chunk_kernels=True, mma_scan=True, mma_pairs=True,
-                       key_roles_16bit=on, states_16bit=True)
+                       key_roles_16bit=on, states_16bit=True, key_products_16bit=on)
     rec = dataclasses.replace(specs.BUILTINS[name], gqa="tiled") if name != "hgrn2" else specs.BUILTINS[name]
     assert_close(compare(rec, 40, chunk=16, K=32, V=8, seed=4, tuning=t, in_dtype=mx.bfloat16), 1e-2, 1e-2)
     assert bool(sixteen) == on, sixteen
     assert {"_noq" in n for n in decays} == {True, False}, decays
-
-
-@pytest.mark.parametrize("name", ["gla", "hgrn2"])
-def test_key_decay_backward_products_in_16_bits(name, monkeypatch):
-    """``Tuning.key_products_16bit``: a key-vector decay's backward without a delta rule keeps its 16-bit states, dy
-    and v for the products over values, and its reverse scan writes dS and dZ in bf16 (its ``s16`` variant): end to
-    end against the float64 reference on CUDA's lane layout as ``key_roles_16bit``'s test (bf16 inputs, GQA, a
-    partial last chunk, strong decays: forward, final state, every gradient)."""
-    pytest.importorskip("mlx.core")
-    import dataclasses
-
-    import mlx.core as mx
-    from recgen import specs
-    from test_chunked import assert_close, compare
-
-    scans = []
-    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: scans.extend(
-        [launch.source.name] if "_rev" in launch.source.name else []) or _emulated_call(launch, *a))
-    t = tuning.resolve("cpu", environ={}, dialect="metal_ptx", chunk_kernels=True, mma_scan=True, mma_pairs=True,
-                       key_roles_16bit=True, states_16bit=True, key_products_16bit=True)
-    rec = dataclasses.replace(specs.BUILTINS[name], gqa="tiled") if name == "gla" else specs.BUILTINS[name]
-    assert_close(compare(rec, 40, chunk=16, K=32, V=8, seed=4, tuning=t, in_dtype=mx.bfloat16), 1e-2, 1e-2)
-    assert scans and all("_s16" in n for n in scans), scans
+    s16 = on and name in ("gla", "hgrn2")
+    assert scans and all(("_s16" in n) == s16 for n in scans), scans
 
 
 @pytest.mark.parametrize("name,gqa,in_dtype", [("gated_delta_net", "block", None), ("gated_delta_net", "tiled", "bf16"),
