@@ -578,8 +578,9 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     if key:  # a delta rule's two pairs of u (A and M_ru) in one pass; the backward's elementwise tail
         want |= ({"recgen_chunk_pair_dual", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"} if delta
                  else {"recgen_chunk_pair_xs", "recgen_chunk_pair_grad_xs", "recgen_chunk_bwd_key"})  # GLA: r's scale
-        # with u ⊙ Q (the forward's without Q), the backward's with r ⊙ P too (its reverse scan scales the rows)
-        want |= {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q_p"}
+        # with u ⊙ Q (the forward's without Q), GLA's backward with r ⊙ P too (its reverse scan scales the rows);
+        # KDA's r ⊙ P is of the rfac·r its pair gradients read, formed by MLX
+        want |= {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q" if delta else "recgen_chunk_decays_q_p"}
     else:
         want |= {"recgen_chunk_decays_lanes_nod"}  # a scalar decay's P, Q and g (``KernelScalarDecay``)
     if rec.features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
@@ -603,20 +604,20 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
     ("simple_gla", 16, False, {"recgen_chunk_decays_lanes_nod", "recgen_chunk_scan_mma_noa_q",
                                "recgen_chunk_scan_mma_nob_aq_e_rev", "recgen_chunk_out_mma_yt",
                                "recgen_chunk_bwd_mma"}),
-    ("kda", 32, False, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q_p",
+    ("kda", 32, False, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q",
                         "recgen_chunk_pair_dual", "recgen_chunk_ut_mma_key_uf",
                         "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt",
-                        "recgen_chunk_scan_mma_aq_p_pq_dg_rev", "recgen_chunk_pair_grad_dual",
+                        "recgen_chunk_scan_mma_aq_p_dg_rev", "recgen_chunk_pair_grad_dual",
                         "recgen_chunk_bwd_key_delta_uf"}),
-    ("kda", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q_p",
+    ("kda", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q",
                        "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key_uf",
                        "recgen_chunk_scan_mma_q", "recgen_chunk_out_mma_key_yt",
-                       "recgen_chunk_scan_mma_aq_p_pq_dg_rev", "recgen_chunk_pair_grad_dual_mma",
+                       "recgen_chunk_scan_mma_aq_p_dg_rev", "recgen_chunk_pair_grad_dual_mma",
                        "recgen_chunk_bwd_key_delta_uf"}),
-    ("kda/formed", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q_p",
+    ("kda/formed", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q",
                               "recgen_chunk_pair_dual_mma", "recgen_chunk_ut_mma_key",
                               "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt",
-                              "recgen_chunk_scan_mma_p_pq_dg_rev", "recgen_chunk_pair_grad_dual_mma",
+                              "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual_mma",
                               "recgen_chunk_bwd_key_delta"}),
     ("gla", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q_p",
                        "recgen_chunk_pair_mma_xs", "recgen_chunk_scan_mma_noa",

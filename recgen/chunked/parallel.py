@@ -592,7 +592,7 @@ def _backward_keyed_key(geo, r, x, f, rho: float, res, dy, dS_end, compose, matr
     fT = f.swapaxes(-1, -2)
     (r_,) = _up(geo, _scaled(r, rfac))
     F = (Mx * fT).swapaxes(-1, -2) @ dy
-    E = (_readout_rows(geo, r, rfac), dy)
+    E = (_readout_rows(geo, r, r_, rfac), dy)
     dSn, dZ, dS0, dg = scan_backward(geo, dS_end, (geo.role("uQ", x, "Q"), f), W, F, E, compose, matrix, kern, states)
     cp = geo.t.copy_transposes
     statesT, ZT = tr(states, cp), tr(Z, cp)
@@ -606,10 +606,13 @@ def _backward_keyed_key(geo, r, x, f, rho: float, res, dy, dS_end, compose, matr
     return dS0, dr, dx, Delta, dl, df + df_tail
 
 
-def _readout_rows(geo, r, rfac):
-    """(r ⊙ P, row scales) for a key-vector decay's reverse scan: r ⊙ P of r as the core got it (formed with the
-    decays, ``core_fn``'s ``scaled``) and rfac as its rows' scale [.., C, 1], None without it (``_rows``)."""
-    rP = geo.role("rP", r, "P")
+def _readout_rows(geo, r, r_, rfac):
+    """(r ⊙ P, row scales) for a key-vector decay's reverse scan: where formed with the decays (``core_fn``'s
+    ``scaled``), r ⊙ P of r as the core got it and rfac as its rows' scale [.., C, 1] (None without it, ``_rows``);
+    else formed here of r_ = rfac·r, which a delta rule's pair gradients read anyway."""
+    if "rP" not in geo.scaled:
+        return geo.role("rP", r_, "P"), None
+    rP = geo.scaled["rP"]
     return rP, None if rfac is None else mx.full((*rP.shape[:-1], 1), rfac, rP.dtype)
 
 
@@ -638,7 +641,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     r = _scaled(r, rfac)
     P, Q = geo.P, geo.Q
     if geo.key:  # formed with the decays (``core_fn``'s ``scaled``), r ⊙ P of r as given: rfac its rows' scale
-        scan_u, scan_r = geo.role("uQ", u, "Q"), _readout_rows(geo, given[0], rfac)
+        scan_u, scan_r = geo.role("uQ", u, "Q"), _readout_rows(geo, given[0], r, rfac)
     else:  # u ⊙ Q and r ⊙ P formed as the generated scan reads u and r (row scales)
         scan_u, scan_r = (u, Q), (r, P)
     # E = (r ⊙ P)ᵀ dy
@@ -788,10 +791,12 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
     def scaled(r, u, bt, backward: bool):
         """The roles scaled by the decays, formed with them (on the kernels: in the geometry's pass): a key-vector
         decay's u ⊙ Q for the scans, and the backward's r ⊙ P of r as given (the reverse scan applies rfac as its
-        rows' scale); with factor reads of a scalar decay the scans' row scales f ⊙ Q (f: ``bt``, as l [.., C, 1])."""
+        rows' scale) unless a delta rule scales r by rfac for its pair gradients anyway: then r ⊙ P of that, formed
+        where the scan reads it (kept from the decays' pass it lived the whole backward, 0.13 GiB more at KDA's peak);
+        with factor reads of a scalar decay the scans' row scales f ⊙ Q (f: ``bt``, as l [.., C, 1])."""
         if not key:
             return {"fQ": (bt, "Q")} if rho is not None else None
-        return {"uQ": (u, "Q")} | ({"rP": (r, "P")} if backward else {})
+        return {"uQ": (u, "Q")} | ({"rP": (r, "P")} if backward and not (delta and rfac is not None) else {})
 
     def ml(r, l):
         """The kernels' model-layout constants (H, HK, NCH, GB) of r [B, n C, HK, K] and l [B, H, n, C, 1]."""
