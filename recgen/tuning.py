@@ -143,6 +143,9 @@ class Tuning:
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (measured no forward gain and a
     #                                 slower training step: off; docs/design.md)
+    scan_ahead: bool = False        # the wide forward scan (GDN's, DeltaNet's) loads every state-free operand of a
+    #                                 chunk a whole step ahead, into a second set of registers (``ScanVariant.nx``):
+    #                                 a scan of few threadgroups stalls on its loads (one an SM: no other warps)
     scan_wide_loads: bool = False   # ... on the wide multiply-add (K a multiple of 32): A's rows 16 bytes a load (the
     #                                 keys of two steps permuted to make a lane's pairs adjacent), Bm's 8, X's and St's
     #                                 4, and the state's, Y's and Pb's threadgroup copies transposed so that each B pair
@@ -298,6 +301,7 @@ ENVIRONMENT = {
     "RECGEN_SCAN_WIDE_COLUMNS": ("scan_wide_columns", _flag),
     "RECGEN_SCAN_PRODUCTS_ALONE": ("scan_products_alone", _flag),
     "RECGEN_SCAN_HOIST": ("scan_hoist", _flag),
+    "RECGEN_SCAN_AHEAD": ("scan_ahead", _flag),
     "RECGEN_REVERSE_SCAN_HOIST": ("reverse_scan_hoist", _flag),
     "RECGEN_SCAN_HOIST_MOST": ("scan_hoist_most", int),
     "RECGEN_SCAN_HOIST_E": ("scan_hoist_e", _flag),

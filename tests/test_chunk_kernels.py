@@ -365,6 +365,13 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, vc, has_a, san
     same = verify.run_launch(launch, ins | {"Bm": mx.concatenate([Bm[:1], Bm[:1]])})
     for a, b in list(zip(ml, same))[:: 1 if has_a else 2]:
         assert np.array_equal(np.asarray(a), np.asarray(b))
+    if has_a:  # nx: every state-free operand a step ahead (``Tuning.scan_ahead``): bit for bit the same, both layouts
+        for ml_, given, want_ in ((None, ins, outs), ((2, 1, n, True), ins | {"Bm": Bm_model}, same)):
+            ahead = ck.scan_launch("metal_ptx", dataclasses.replace(v, pf=False, nx=True, ml=ml_ is not None), BH, n, C,
+                                   K, V, 1, 32, nw, ml_, "bfloat16")
+            assert "_nx" in ahead.source.name
+            for a, b in zip(verify.run_launch(ahead, given, sanitizer=sanitizer), want_):
+                assert np.array_equal(np.asarray(a), np.asarray(b))
     if not has_a:  # ... and X too, the model's value input [B, n C, H, V] (xm: simple GLA's v)
         X_model = mx.contiguous(X.reshape(1, BH, n * C, V).transpose(0, 2, 1, 3))
         xm = verify.run_launch(ck.scan_launch("metal_ptx", dataclasses.replace(v, ml=True, xm=True), BH, n, C, K, V, 1,
@@ -374,6 +381,8 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, vc, has_a, san
             assert np.array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="w16"):
         ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, reverse=True)
+    with pytest.raises(ValueError, match="nx"):
+        ScanVariant(mma=True, q=True, hoist=True, s16=True, w16=True, pf=True, nx=True)
     with pytest.raises(ValueError, match="w16"):
         ScanVariant(a=False, mma=True, q=True, hoist=True, s16=True, w16=True, reverse=True, p=True, aq=False)
 

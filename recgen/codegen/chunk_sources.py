@@ -79,8 +79,10 @@ class ScanVariant:
     wl; BV a multiple of 32 and YCT of 4: ``scan_value_quads``): the columns of X, Y and the states a lane holds, in
     each four column tiles, are eight adjacent ones in memory, read and written 16 bytes at a time (the threadgroup
     copies keep the tiles' order); ``xm`` (the A-free forward on w16, with ml: simple GLA's): X the model's value
-    input as it is, [B, n C, H, V]. p, dg, q, aq, pq, pf, hoist, ml, s16, w16, wl, vc and xm exist on the fragment
-    frame only."""
+    input as it is, [B, n C, H, V]; ``nx`` (the wide forward scan with A, B and q, not ``pf``): every state-free
+    operand of a chunk (A's and X's fragments, B's rows, the decays, Bq's scales of Y) loaded a whole step ahead
+    into a second set of registers. p, dg, q, aq, pq, pf, hoist, ml, s16, w16, wl, vc, xm and nx exist on the
+    fragment frame only."""
 
     a: bool = True
     b: bool = True
@@ -101,6 +103,7 @@ class ScanVariant:
     wl: bool = False
     vc: bool = False
     xm: bool = False
+    nx: bool = False
 
     def __post_init__(self):
         if not (self.a or self.b):
@@ -127,6 +130,9 @@ class ScanVariant:
             raise ValueError("chunk_scan: columns a lane's eight in memory (vc) go with wide loads (wl)")
         if self.xm and not (self.ml and self.w16 and not self.a):
             raise ValueError("chunk_scan: X in the model's layout (xm) is the A-free wide scan's, with ml")
+        if self.nx and not (self.w16 and forward and self.a and not self.pf):
+            raise ValueError("chunk_scan: loading a step ahead (nx) is the wide forward scan's with A, B and Bq, "
+                             "without pf")
 
     @property
     def kind(self) -> str:
@@ -137,7 +143,7 @@ class ScanVariant:
                 + ("_ho" if self.hoist else "")
                 + ("_dg" if self.dg else "") + ("_ml" if self.ml else "") + ("_s16" if self.s16 else "")
                 + ("_w16" if self.w16 else "") + ("_wl" if self.wl else "") + ("_vc" if self.vc else "")
-                + ("_xm" if self.xm else "") + ("_rev" if self.reverse else "")
+                + ("_xm" if self.xm else "") + ("_nx" if self.nx else "") + ("_rev" if self.reverse else "")
                 + ("_v4" if self.vec else ""))
 
     @property
@@ -177,7 +183,7 @@ def scan_source(dialect: str, v: ScanVariant) -> KernelSource:
         return _source(d, "chunk_scan_mma.j2", v.kind, "chunk scan of the chunked core, fragment multiply-adds",
                        v.inputs, v.outputs, (), helpers=d.mma_prelude, has_p=v.p, has_dg=v.dg, has_q=v.q,
                        has_aq=v.aq, has_pq=v.pq, pf=v.pf, hoist=v.hoist, ml=v.ml, s16=v.s16, w16=v.w16, wl=v.wl,
-                       vc=v.vc, xm=v.xm, **flags)
+                       vc=v.vc, xm=v.xm, nx=v.nx, **flags)
     return _source(d, "chunk_scan.j2", v.kind, "chunk scan of the chunked core", v.inputs, v.outputs, (),
                    vec=v.vec, **flags)
 

@@ -680,7 +680,7 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf,
                     hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None, s16=st is not None, w16=w16,
                     wl=wl, vc=wl and t.scan_wide_columns and scan_value_quads(C, K, V, t.scan_bv, nw),
-                    xm=x_model and w16)
+                    xm=x_model and w16, nx=t.scan_ahead and w16 and not reverse and A is not None and not pf)
     flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
     # a row-scaled operand in the model's layout goes as it is; X too where the variant reads it so
     rows = lambda x, scaled: x if scaled and ml is not None else flat(x, n, C, K)  # noqa: E731
