@@ -143,9 +143,13 @@ class Tuning:
     reverse_scan_nw: int = 4        # ... of the reverse (backward) fragment scan
     scan_prefetch: bool = False     # the fragment scan loads A and X a chunk ahead (measured no forward gain and a
     #                                 slower training step: off; docs/design.md)
-    scan_ahead: bool = False        # the wide forward scan (GDN's, DeltaNet's) loads every state-free operand of a
-    #                                 chunk a whole step ahead, into a second set of registers (``ScanVariant.nx``):
-    #                                 a scan of few threadgroups stalls on its loads (one an SM: no other warps)
+    scan_ahead_most: int = 0        # the wide forward scan (GDN's, DeltaNet's) of at most this many threadgroups
+    #                                 loads every state-free operand of a chunk a whole step ahead, into a second set
+    #                                 of registers (``ScanVariant.nx``): one threadgroup an SM has no other warps to
+    #                                 run while it waits on its loads; with two an SM the other hides them, and the
+    #                                 extra registers (245 a lane) cost more. H200, forward, off -> on: 1,32768,16,128
+    #                                 (128 threadgroups) GDN 1.832 -> 1.725 ms, DeltaNet 1.830 -> 1.735; 4,4096
+    #                                 (256) GDN 0.781 -> 0.805, DeltaNet 0.796 -> 0.824 (128 on CUDA)
     scan_wide_loads: bool = False   # ... on the wide multiply-add (K a multiple of 32): A's rows 16 bytes a load (the
     #                                 keys of two steps permuted to make a lane's pairs adjacent), Bm's 8, X's and St's
     #                                 4, and the state's, Y's and Pb's threadgroup copies transposed so that each B pair
@@ -227,6 +231,7 @@ MEASURED = {
                  decay_factor_kernels=True, replay_graphs=True, ut_16bit=True, states_16bit=True,
                  wide_fragments=True, bwd_scores=True, bwd_products=True, scan_products_alone=True,
                  scan_wide_loads=True, bwd_wide_loads=True, scan_wide_columns=True, scan_min_groups=128,
+                 scan_ahead_most=128,
                  key_roles_16bit=True, key_products_16bit=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
@@ -301,7 +306,7 @@ ENVIRONMENT = {
     "RECGEN_SCAN_WIDE_COLUMNS": ("scan_wide_columns", _flag),
     "RECGEN_SCAN_PRODUCTS_ALONE": ("scan_products_alone", _flag),
     "RECGEN_SCAN_HOIST": ("scan_hoist", _flag),
-    "RECGEN_SCAN_AHEAD": ("scan_ahead", _flag),
+    "RECGEN_SCAN_AHEAD_MOST": ("scan_ahead_most", int),
     "RECGEN_REVERSE_SCAN_HOIST": ("reverse_scan_hoist", _flag),
     "RECGEN_SCAN_HOIST_MOST": ("scan_hoist_most", int),
     "RECGEN_SCAN_HOIST_E": ("scan_hoist_e", _flag),

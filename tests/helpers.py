@@ -227,7 +227,7 @@ def chunk_launches(target: str) -> list:
                     mma(a=False, q=True, hoist=True, st="bfloat16", w16=True, wl=True),  # ... and its forward, A-free
                     # ... and a lane's eight columns of X, Y and the states 16 bytes an access (``scan_wide_columns``)
                     mma(q=True, hoist=True, ml=ml, st="bfloat16", w16=True, wl=True, vc=True),
-                    # ... every state-free operand a step ahead (``Tuning.scan_ahead``)
+                    # ... every state-free operand a step ahead (``Tuning.scan_ahead_most``)
                     mma(q=True, hoist=True, ml=ml, st="bfloat16", w16=True, wl=True, vc=True, nx=True),
                     mma(a=False, q=True, hoist=True, st="bfloat16", w16=True, wl=True, vc=True),
                     # ... reading v in the model's layout too (simple GLA's, ``Tuning.model_rows``), and its readout

@@ -365,7 +365,7 @@ def test_chunk_scan_on_the_wide_multiply_add(C, K, V, nw, pf, wl, vc, has_a, san
     same = verify.run_launch(launch, ins | {"Bm": mx.concatenate([Bm[:1], Bm[:1]])})
     for a, b in list(zip(ml, same))[:: 1 if has_a else 2]:
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    if has_a:  # nx: every state-free operand a step ahead (``Tuning.scan_ahead``): bit for bit the same, both layouts
+    if has_a:  # nx, every state-free operand a step ahead (``Tuning.scan_ahead_most``): bit for bit, both layouts
         for ml_, given, want_ in ((None, ins, outs), ((2, 1, n, True), ins | {"Bm": Bm_model}, same)):
             ahead = ck.scan_launch("metal_ptx", dataclasses.replace(v, pf=False, nx=True, ml=ml_ is not None), BH, n, C,
                                    K, V, 1, 32, nw, ml_, "bfloat16")

@@ -612,6 +612,12 @@ def _scan_schedule(t: Tuning, BH: int, C: int, K: int, V: int, reverse: bool, mm
     return nw, mma and has_a and t.scan_prefetch and one_item, hoists and (not has_a or one_item)
 
 
+def _ahead(t: Tuning, BH: int, V: int, wide_forward: bool) -> bool:
+    """Whether the wide forward scan (with A) loads a step ahead (``ScanVariant.nx``): at most
+    ``Tuning.scan_ahead_most`` threadgroups (BH·V/BV), too few for an SM to run two."""
+    return wide_forward and BH * (V // t.scan_bv) <= t.scan_ahead_most
+
+
 def scan_tuning(t: Tuning, BH: int, V: int) -> Tuning:
     """The tuning a scan of BH (batch, head) pairs and V value columns runs with: half the columns a threadgroup where
     the scan would otherwise have fewer than ``Tuning.scan_min_groups`` threadgroups (long prefill with few heads: the
@@ -680,7 +686,7 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf,
                     hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None, s16=st is not None, w16=w16,
                     wl=wl, vc=wl and t.scan_wide_columns and scan_value_quads(C, K, V, t.scan_bv, nw),
-                    xm=x_model and w16, nx=t.scan_ahead and w16 and not reverse and A is not None and not pf)
+                    xm=x_model and w16, nx=_ahead(t, BH, V, w16 and not reverse and A is not None and not pf))
     flat = lambda x, *tail: x.reshape(BH, *tail)  # noqa: E731
     # a row-scaled operand in the model's layout goes as it is; X too where the variant reads it so
     rows = lambda x, scaled: x if scaled and ml is not None else flat(x, n, C, K)  # noqa: E731

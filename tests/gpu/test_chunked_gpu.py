@@ -97,7 +97,8 @@ def test_chunked_form_reads_the_model_layout(name, case, dtype, rng, monkeypatch
     # (``Tuning.bwd_products``), the UT transform's outputs in 16 bits or not (``Tuning.ut_16bit``), the states too
     # or not (``Tuning.states_16bit``)
     ran = {n.split("_cuda")[0].replace("_ho", "").replace("_l2", "").replace("_async", "_mma").replace("_o16", "")
-           .replace("_s16", "").replace("_w16", "").replace("_wl", "").removesuffix("_pv") for n in names}
+           .replace("_s16", "").replace("_w16", "").replace("_wl", "").replace("_nx", "").removesuffix("_pv")
+           for n in names}  # ... and the forward scan loading a step ahead or not (``Tuning.scan_ahead_most``)
     assert {"recgen_chunk_ut_mma_uf_ml", "recgen_chunk_scan_mma_q_ml", "recgen_chunk_out_mma_uf_ml_yt",
             "recgen_chunk_scan_mma_aq_p_pq_dg_ml_rev", "recgen_chunk_bwd_mma_delta_uf_ml"} <= ran, ran
 
