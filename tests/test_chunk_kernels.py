@@ -2135,8 +2135,8 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
     """The "wide" frame in CUDA's lane layout (``metal_ptx``, which has the wide multiply-add; Metal has none, so
     there it runs the TF32 forms twice): the readout, the UT transform, both scans and the backward's pass forming its
     pair cotangents (``Tuning.bwd_scores``), and its products over values too, on it (the scans' and the pass's
-    operands read 16 bytes a load; simple GLA's in the model's layout) against their TF32 forms pass, and a wide
-    kernel that lies fails."""
+    operands read 16 bytes a load; simple GLA's in the model's layout; GDN's forward scan also loading a step ahead)
+    against their TF32 forms pass, and a wide kernel that lies fails."""
     calls = []
     monkeypatch.setattr(ck, "mlx_call",
                         lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
@@ -2146,6 +2146,7 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
                                                      "recgen_chunk_ut_async_uf_o16_s16_w16",
                                                      "recgen_chunk_scan_mma_q_ho_s16",
                                                      "recgen_chunk_scan_mma_q_ho_s16_w16_wl",
+                                                     "recgen_chunk_scan_mma_q_ho_s16_w16_wl_nx",
                                                      "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
                                                      "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_w16_wl_rev",
                                                      "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_rev",

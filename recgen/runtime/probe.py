@@ -342,7 +342,12 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
 
                 def run(tt):
                     _, U, W = ck.chunk_ut(None, x16, w16, l, tt, uf=fx, bf=-1.0, out=mx.bfloat16, st=mx.bfloat16)
-                    fwd = ck.chunk_scan(S0, W, U, x16, g, None, tt, reverse=False, Bq=fx, st=mx.bfloat16)
+                    fwd = ck.chunk_scan(S0, W, U, x16, g, None, replace(tt, scan_ahead_most=0), reverse=False, Bq=fx,
+                                        st=mx.bfloat16)
+                    # ... and loading a step ahead (``Tuning.scan_ahead_most``; a probe's few threadgroups would
+                    # always take it under CUDA's table, so each form is asked for by name)
+                    fwd_ahead = ck.chunk_scan(S0, W, U, x16, g, None, replace(tt, scan_ahead_most=1 << 30),
+                                              reverse=False, Bq=fx, st=mx.bfloat16)
                     rev = ck.chunk_scan(S0, x16, Z16, W, g, None, tt, reverse=True, P=(q16, Z16), St=fwd[0], Aq=fx,
                                         Pq=fx, st=mx.bfloat16)
                     # ... and simple GLA's, B-free in reverse, A-free forward (Y = X: carried and S_end)
@@ -358,7 +363,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                         prods = rows + states if sc else tuple(a.astype(mx.float32) for a in rows + states)
                         grads = [*grads, *ck.chunk_bwd(*dm, q16, x16, None, None, None, None, l, DG, tt, uf=fx, bf=-1.0,
                                                        prods=prods, scores=sc)]
-                    return [*ck.chunk_out(q16, x16, Z16, St16, l, tt, uf=fx), U, W, *fwd, *rev, *grads]
+                    return [*ck.chunk_out(q16, x16, Z16, St16, l, tt, uf=fx), U, W, *fwd, *fwd_ahead, *rev, *grads]
                 # simple GLA's forward with q, k and v in the model's layout (two value heads over one key head): the
                 # A-free scan reading k and v so (``ScanVariant.xm``) and the staged readout q, k and v (``zm``),
                 # against the TF32 forms on the chunks' layout
