@@ -173,6 +173,9 @@ class Tuning:
     #                                    in float32 nor its factors cast; on on CUDA)
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
     pair_fold: bool = False         # ... their own block's rows t and BS − 1 − t on one thread
+    pair_whole: bool = False        # ... the forward's, a whole chunk a threadgroup: each slab's X ⊙ pre and Y ⊙ suf
+    #                                 staged once for every block (a threadgroup a block of 16 rows staged every
+    #                                 earlier block again, and its blocks' walks were serial loads)
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     l2_prefetch: bool = False       # a scalar decay's fragment readout and UT transform hint each staging step's
     #                                 next block into L2 (where the dialect has a prefetch) while they multiply this one
@@ -231,7 +234,7 @@ MEASURED = {
                  decay_factor_kernels=True, replay_graphs=True, ut_16bit=True, states_16bit=True,
                  wide_fragments=True, bwd_scores=True, bwd_products=True, scan_products_alone=True,
                  scan_wide_loads=True, bwd_wide_loads=True, scan_wide_columns=True, scan_min_groups=128,
-                 scan_ahead_most=128,
+                 scan_ahead_most=128, pair_whole=True,
                  key_roles_16bit=True, key_products_16bit=True),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
@@ -313,6 +316,7 @@ ENVIRONMENT = {
     "RECGEN_SCAN_PRODUCTS": ("scan_products", _flag),
     "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
     "RECGEN_PAIR_FOLD": ("pair_fold", _flag),
+    "RECGEN_PAIR_WHOLE": ("pair_whole", _flag),
     "RECGEN_FACTOR_READS": ("factor_reads", _flag),
     "RECGEN_KEY_FACTOR_READS": ("key_factor_reads", _flag),
     "RECGEN_MODEL_ROWS": ("model_rows", _flag),

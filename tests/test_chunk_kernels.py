@@ -659,6 +659,28 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
     assert kinds == want, kinds
 
 
+@pytest.mark.parametrize("name,kind", [("gla", "recgen_chunk_pair_whole_xs"), ("kda", "recgen_chunk_pair_dual_whole"),
+                                       ("rwkv7", "recgen_chunk_pair_quad_nonstrict_whole")])
+def test_key_decays_with_whole_chunk_pairs_match_reference(name, kind, monkeypatch):
+    """``Tuning.pair_whole`` end to end, as CUDA's table runs it (``metal_ptx``, bf16 inputs, chunks of 32: two
+    blocks of 16, so a pair of blocks on fragments): GLA's single pair read times the readout's scale, KDA's dual and
+    RWKV-7's quad forward pairs a whole chunk a threadgroup, the gradients a block of rows; a partial last chunk,
+    strong decays, forward, final state and every gradient against the float64 reference."""
+    pytest.importorskip("mlx.core")
+    import mlx.core as mx
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = tuning.resolve("cpu", environ={}, dialect="metal_ptx", chunk_kernels=True, mma_scan=True, mma_pairs=True,
+                       pair_whole=True, key_roles_16bit=True)
+    assert_close(compare(specs.BUILTINS[name], 40, chunk=32, K=32, V=8, seed=4, tuning=t, in_dtype=mx.bfloat16),
+                 1e-2, 1e-2)
+    pairs = {c.split("_metal")[0] for c in calls if "_pair" in c and "_grad" not in c}
+    assert pairs == {kind}, pairs
+
+
 @pytest.mark.parametrize("name", ["gla", "kda", "hgrn2", "rwkv6"])
 @pytest.mark.parametrize("on", [True, False])
 def test_key_decay_bare_roles_in_16_bits(name, on, monkeypatch):
@@ -1927,6 +1949,48 @@ def test_pair_kernels_with_folded_rows_match_numpy(frame, mma, C, K, strict, dua
         ck.pair_launch(frame, N, 5, K, strict, fold=True)
 
 
+@pytest.mark.parametrize("frame,C,K,strict,dual,quad,scaled", [
+    ("metal", 64, 64, False, False, False, True),      # GLA's: four blocks, slabs of 16 (Metal's memory)
+    ("metal_ptx", 64, 128, True, False, False, False),  # slabs of 32 in CUDA's lane layout
+    ("metal_ptx", 48, 32, False, True, False, False),   # three blocks, NT = 192: one item a group
+    ("metal", 32, 64, True, True, False, False),        # KDA's dual pair
+    ("metal_ptx", 64, 32, True, True, True, False),     # RWKV-7's quad, slabs of 16
+    ("metal", 48, 64, True, True, True, False),         # ... of 8 in Metal's memory
+    ("metal_ptx", 16, 32, True, False, False, True)])   # one block: no pairs of blocks, the carries alone
+@pytest.mark.parametrize("sanitizer", [None, "address"])
+def test_pair_kernels_a_whole_chunk_a_threadgroup(frame, C, K, strict, dual, quad, scaled, sanitizer):
+    """``whole`` (``Tuning.pair_whole``): the forward pairs with the whole chunk one threadgroup, each slab's X ⊙ pre
+    and Y ⊙ suf staged once for every block and the blocks between applied as A's elements are read; single (X read
+    times the readout's scale, in bf16), dual and quad, strict or not, both lane layouts, decays down to e^-20 and
+    some exactly 0, plain and under ASan+UBSan, against float64; sizes without a layout are refused."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(C + K + strict + 2 * dual + 4 * quad)
+    N, c = 2, (0.125 if scaled else 1.0)
+    X, X2, Y, Yb = (rng.normal(size=(N, C, K)).astype(np.float32) for _ in range(4))
+    dk = _pair_decays(rng, N, C, K)
+    Xin = X
+    if scaled:  # r in bf16 as the core hands it
+        X = np.asarray(mx.array(X).astype(mx.bfloat16).astype(mx.float32))
+        Xin = mx.array(X).astype(mx.bfloat16)
+    ins = ({"X": Xin, "Y": Y, "dk": dk} | ({"X2": X2} if dual else {}) | ({"Yb": Yb} if quad else {})
+           | ({"Xsc": np.array([c], np.float32)} if scaled else {}))
+    launch = ck.pair_launch(frame, N, C, K, strict, dual=dual, quad=quad, mma=True, scaled=scaled, whole=True)
+    assert launch.source.name.split(f"_{frame}_")[0].endswith("_whole" + ("_xs" if scaled else ""))
+    outs = verify.run_launch(launch, ins, sanitizer=sanitizer)
+    xs, ys = [(c * X, strict)] + ([(X2, False)] if dual else []), [Y] + ([Yb] if quad else [])
+    wants = [_pair_ref(x, y, dk, st) for y in ys for x, st in xs]
+    assert len(outs) == len(wants)
+    for got, want in zip(outs, wants):
+        assert _rel(got, want) < 1e-5, _rel(got, want)
+    for bad in ((8, K), (80, K), (C, 12)):
+        assert not cs.pair_whole_supported(frame, *bad)
+        with pytest.raises(ValueError, match="chunk_pair_whole"):
+            ck.pair_launch(frame, N, *bad, strict, mma=True, whole=True)
+    with pytest.raises(ValueError, match="forward's form on fragments"):
+        ck.pair_launch(frame, N, C, K, strict, grad=True, mma=True, whole=True)
+
+
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)
 @pytest.mark.parametrize("C,K,strict,dual", [(64, 32, True, False), (48, 64, False, False), (64, 64, True, True),
                                              (16, 32, False, True)])
@@ -2128,6 +2192,10 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                       "wide": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16_s16",
                                "recgen_chunk_out_async_yt", "recgen_chunk_out_async_ml_zm_yt"}}.get(frame, set())
     assert any("_pv_metal" in c for c in calls) == (frame == "products")
+    # the forward pairs a whole chunk a threadgroup (single, dual, quad), the gradients a block of rows
+    assert {c.split("_metal")[0] for c in calls if "_whole" in c} == {
+        "pairs": {"recgen_chunk_pair_dual_whole", "recgen_chunk_pair_whole_xs", "recgen_chunk_pair_quad_whole"}
+    }.get(frame, set())
     assert any("_s16_" in c for c in calls) == (frame in ("s16", "wide"))  # "wide": GDN's UT transform with a bf16 Tm
 
 

@@ -23,7 +23,8 @@ from ..codegen.chunk_sources import (BV, FACTOR_CHUNKS, FACTOR_NT, MMA_NW, ScanV
                                      feature_out_source, feature_states_source,
                                      inverse_source, out_async_layout, out_async_source, out_mma_layout,
                                      out_mma_source, pair_folds, pair_fragments, pair_grad_source, pair_layout,
-                                     pair_source, scan_layout, scan_mma_layout, scan_prefetches, scan_source,
+                                     pair_source, pair_whole_layout, pair_whole_source, pair_whole_supported,
+                                     scan_layout, scan_mma_layout, scan_prefetches, scan_source,
                                      scan_value_quads,
                                      sympow_layout, sympow_source, t_stride, ut_async_layout, ut_async_source,
                                      ut_mma_layout, ut_mma_source)
@@ -70,6 +71,13 @@ def pairs_on_fragments(t: Tuning, C: int, K: int, dual: bool = False, quad: bool
     """Whether the pair kernels run their other blocks on fragments (``Tuning.mma_pairs``, with the fragment frames
     on, blocks of 16 tokens: ``chunk_sources.pair_fragments``)."""
     return t.mma_scan and t.mma_pairs and pair_fragments(t.dialect, C, K, dual, quad)
+
+
+def pairs_whole(t: Tuning, C: int, K: int, dual: bool = False, quad: bool = False) -> bool:
+    """Whether the forward pair kernels run a whole chunk a threadgroup (``Tuning.pair_whole``, with the pairs on
+    fragments, where ``chunk_sources.pair_whole_layout`` has a layout)."""
+    return t.pair_whole and pairs_on_fragments(t, C, K, dual, quad) and pair_whole_supported(t.dialect, C, K, dual,
+                                                                                              quad)
 
 
 def scan_fuses_products(t: Tuning, C: int, K: int, V: int, has_b: bool) -> bool:
@@ -359,12 +367,22 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
 
 @lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False,
-                mma: bool = False, quad: bool = False, fold: bool = False, scaled: bool = False) -> Launch:
+                mma: bool = False, quad: bool = False, fold: bool = False, scaled: bool = False,
+                whole: bool = False) -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
     operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
     ``quad``: both with a second Y as well (four pairs); ``mma``: the other blocks' products on fragments
     (``chunk_sources.pair_fragments``); ``fold``: the own block's rows paired, one thread rows t and BS − 1 − t
-    (``chunk_sources.pair_folds``); ``scaled``: X read times the scalar Xsc [1] given after the decays."""
+    (``chunk_sources.pair_folds``); ``scaled``: X read times the scalar Xsc [1] given after the decays; ``whole``
+    (the forward on fragments): a whole chunk a threadgroup (``chunk_sources.pair_whole_source``)."""
+    if whole:
+        if grad or not mma or fold:
+            raise ValueError("chunk_pair: a whole chunk a threadgroup is the forward's form on fragments, unfolded")
+        lay = pair_whole_layout(dialect, C, K, dual, quad)
+        src = pair_whole_source(dialect, strict, dual, quad, scaled)
+        tmpl = (("C", C), ("K", K)) + tuple(lay.items())
+        return Launch(src, (("rt", (N,), "int32"),), (((N, C, C), "float32"),) * len(src.outputs),
+                      (N * lay["NT"], 1, 1), (lay["NT"], 1, 1), tmpl)
     lay = dict(pair_layout(dialect, C, K, dual, quad))
     if mma and not pair_fragments(dialect, C, K, dual, quad):
         raise ValueError(f"chunk_pair: fragments need blocks of 16 tokens, C a multiple of 16 (C={C})")
@@ -942,9 +960,11 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
 
     X = operands[0]
     N, (C, K) = _lead(X, 2), X.shape[-2:]
+    whole = not cots and pairs_whole(t, C, K, dual, quad)
     launch = pair_launch(t.dialect, N, C, K, strict, grad=bool(cots), dual=dual,
                          mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad,
-                         fold=t.pair_fold and pair_folds(t.dialect, C, K, dual, quad), scaled=scale is not None)
+                         fold=not whole and t.pair_fold and pair_folds(t.dialect, C, K, dual, quad),
+                         scaled=scale is not None, whole=whole)
     outs = _call(t, launch, [m.reshape(N, C, C) for m in cots] + [a.reshape(N, C, K) for a in (*operands, dk)]
                  + ([] if scale is None else [mx.array([scale], mx.float32)]))
     shape = X.shape if cots else (*X.shape[:-1], C)

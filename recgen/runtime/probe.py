@@ -199,7 +199,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
     t = resolve("gpu", dialect, environ={}, chunk_kernels=True, kernel_cache=kernel_cache,
                 mma_scan=frame in ("mma", "pairs", "ut16", "keyfactor", "rows", "hoist", "hoist_e", "async",
                                    "products", "s16", "wide"),
-                mma_pairs=frame == "pairs", scan_hoist=frame in ("hoist", "s16", "wide"),
+                mma_pairs=frame == "pairs", pair_whole=frame == "pairs", scan_hoist=frame in ("hoist", "s16", "wide"),
                 reverse_scan_hoist=frame in ("hoist", "s16", "wide"), scan_hoist_e=frame == "hoist_e",
                 async_staging=frame in ("async", "s16", "wide"), bwd_products=frame == "products",
                 wide_fragments=frame == "wide", bwd_scores=frame == "wide", scan_wide_loads=frame == "wide",
@@ -260,6 +260,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
             ref += [np.einsum("tsi,si->ti", E, Y[0])[None], np.einsum("tsi,si->ti", E2, Y[0])[None],
                     (np.einsum("tsi,ti->si", E, X[0]) + np.einsum("tsi,ti->si", E2, X2[0]))[None]]
             got += list(ck.pair_dual_grad(f32(dM), f32(dM2), f32(X), f32(X2), f32(Y), f32(dk), t, strict=True))
+            ref.append(0.5 * ref[1])  # GLA's single pair, X read times the readout's scale
+            got.append(ck.pair(f32(X2), f32(Y), f32(dk), False, t, scale=0.5))
             if pair_supported(dialect, C, K, dual=True, quad=True):  # and the quad form: Yb beside Y (RWKV-7)
                 Yb, dMb, dM2b = rng.normal(size=(1, C, K)), rng.normal(size=(1, C, C)), rng.normal(size=(1, C, C))
                 Eb, E2b = dMb[0][:, :, None] * gam * (ts > 0), dM2b[0][:, :, None] * gam
