@@ -148,6 +148,7 @@ def chunk_launches(target: str) -> list:
     launches = ([ck.inverse_launch(target, 8, 64)] + [ck.decays_launch(target, 8, 64, 128, pe) for pe in (False, True)]
                 + [ck.decays_launch(target, 8, 64, 128, False, ("Q",))]  # kda's and gla's, with u ⊙ Q
                 + [ck.decays_launch(target, 8, 64, 128, False, ("Q",), q=False)]  # ... their forward's, P without Q
+                + [ck.decays_launch(target, 8, 64, 128, False, ("Q",), q=False, yt="bfloat16")]  # ... GLA's, u ⊙ Q in bf16
                 + [ck.decays_launch(target, 8, 64, 1, False, ("Q",), d=False)]  # GDN's, with f ⊙ Q (lanes)
                 + [ck.decays_launch(target, 8, 64, 128, pe, ("Q", "Q", "P"), False) for pe in (True, False)]  # RWKV-7's
                 + [x for e in (False, True) for x in scans(1, e=e, reverse=e)]
@@ -227,6 +228,7 @@ def chunk_launches(target: str) -> list:
                     mma(reverse=True, b=False, p=True, dg=True, aq=True, pq=True, hoist=True, ml=ml, st="bfloat16",
                         w16=True, wl=True),  # simple GLA's
                     mma(a=False, q=True, hoist=True, st="bfloat16", w16=True, wl=True),  # ... and its forward, A-free
+                    mma(a=False, hoist=True, st="bfloat16", w16=True, wl=True),  # GLA's forward: u ⊙ Q given
                     # ... and a lane's eight columns of X, Y and the states 16 bytes an access (``scan_wide_columns``)
                     mma(q=True, hoist=True, ml=ml, st="bfloat16", w16=True, wl=True, vc=True),
                     # ... every state-free operand a step ahead (``Tuning.scan_ahead_most``)

@@ -659,13 +659,17 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
     assert kinds == want, kinds
 
 
-@pytest.mark.parametrize("name,kind", [("gla", "recgen_chunk_pair_whole_xs"), ("kda", "recgen_chunk_pair_dual_whole"),
-                                       ("rwkv7", "recgen_chunk_pair_quad_nonstrict_whole")])
-def test_key_decays_with_whole_chunk_pairs_match_reference(name, kind, monkeypatch):
-    """``Tuning.pair_whole`` end to end, as CUDA's table runs it (``metal_ptx``, bf16 inputs, chunks of 32: two
-    blocks of 16, so a pair of blocks on fragments): GLA's single pair read times the readout's scale, KDA's dual and
-    RWKV-7's quad forward pairs a whole chunk a threadgroup, the gradients a block of rows; a partial last chunk,
-    strong decays, forward, final state and every gradient against the float64 reference."""
+@pytest.mark.parametrize("name,kinds", [
+    ("gla", {"recgen_chunk_pair_whole_xs", "recgen_chunk_decays_noq_q_yt", "recgen_chunk_scan_mma_noa_ho_s16_w16_wl"}),
+    ("kda", {"recgen_chunk_pair_dual_whole", "recgen_chunk_decays_noq_q", "recgen_chunk_scan_mma_ho"}),
+    ("rwkv7", {"recgen_chunk_pair_quad_nonstrict_mma_fold"})])
+def test_key_decays_forward_as_cuda_runs_them(name, kinds, monkeypatch):
+    """A key-vector decay's chunked form as CUDA's table runs it (``metal_ptx``: its lane layout, bf16 inputs, chunks
+    of 32: two blocks of 16, so a pair of blocks on fragments), end to end against the float64 reference (a partial
+    last chunk, strong decays, GQA-free; forward, final state and every gradient): the forward pairs a whole chunk a
+    threadgroup (``Tuning.pair_whole``: GLA's single pair read times the readout's scale, KDA's dual; RWKV-7's quad
+    a block of rows, measured slower whole); without a delta rule (GLA) the decays' pass writes u ⊙ Q in bf16, the
+    states' type, and the A-free forward scan takes it on the wide multiply-add (no row scales, a decay per key)."""
     pytest.importorskip("mlx.core")
     import mlx.core as mx
     from recgen import specs
@@ -673,12 +677,13 @@ def test_key_decays_with_whole_chunk_pairs_match_reference(name, kind, monkeypat
 
     calls = []
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    t = tuning.resolve("cpu", environ={}, dialect="metal_ptx", chunk_kernels=True, mma_scan=True, mma_pairs=True,
-                       pair_whole=True, key_roles_16bit=True)
-    assert_close(compare(specs.BUILTINS[name], 40, chunk=32, K=32, V=8, seed=4, tuning=t, in_dtype=mx.bfloat16),
+    t = dataclasses.replace(tuning.resolve("gpu", "cuda", environ={}), dialect="metal_ptx", device="cpu",
+                            kernel_cache=None, replay_graphs=False, compile=False)
+    assert_close(compare(specs.BUILTINS[name], 40, chunk=32, K=32, V=32, seed=4, tuning=t, in_dtype=mx.bfloat16),
                  1e-2, 1e-2)
-    pairs = {c.split("_metal")[0] for c in calls if "_pair" in c and "_grad" not in c}
-    assert pairs == {kind}, pairs
+    ran = {c.split("_metal")[0] for c in calls}
+    assert kinds <= ran, ran
+    assert not any("_whole" in c for c in ran if c not in kinds), ran
 
 
 @pytest.mark.parametrize("name", ["gla", "kda", "hgrn2", "rwkv6"])
@@ -2180,7 +2185,8 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                        "wide": {"recgen_chunk_scan_mma_q_ho_s16", "recgen_chunk_scan_mma_aq_p_pq_ho_dg_s16_rev",
                                 "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_rev", "recgen_chunk_scan_mma_noa_q_ho_s16",
                                 "recgen_chunk_scan_mma_noa_q_ho_ml_s16",
-                                "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_ml_s16_rev"}
+                                "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_ml_s16_rev",
+                                "recgen_chunk_scan_mma_noa_ho_s16"}  # GLA's forward scan
                        # Metal: the TF32 scans twice (GDN's, and simple GLA's reverse one)
                        }.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
@@ -2192,9 +2198,10 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                       "wide": {"recgen_chunk_out_async_uf", "recgen_chunk_ut_async_uf_o16_s16",
                                "recgen_chunk_out_async_yt", "recgen_chunk_out_async_ml_zm_yt"}}.get(frame, set())
     assert any("_pv_metal" in c for c in calls) == (frame == "products")
-    # the forward pairs a whole chunk a threadgroup (single, dual, quad), the gradients a block of rows
+    # the forward pairs a whole chunk a threadgroup (single, dual; the quad form a block of rows), the gradients a
+    # block of rows
     assert {c.split("_metal")[0] for c in calls if "_whole" in c} == {
-        "pairs": {"recgen_chunk_pair_dual_whole", "recgen_chunk_pair_whole_xs", "recgen_chunk_pair_quad_whole"}
+        "pairs": {"recgen_chunk_pair_dual_whole", "recgen_chunk_pair_whole_xs"}
     }.get(frame, set())
     assert any("_s16_" in c for c in calls) == (frame in ("s16", "wide"))  # "wide": GDN's UT transform with a bf16 Tm
 
@@ -2221,6 +2228,9 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
                                                      "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_w16_wl_rev",
                                                      "recgen_chunk_scan_mma_noa_q_ho_s16",
                                                      "recgen_chunk_scan_mma_noa_q_ho_s16_w16_wl",
+                                                     # GLA's (u ⊙ Q given, a decay per key)
+                                                     "recgen_chunk_scan_mma_noa_ho_s16",
+                                                     "recgen_chunk_scan_mma_noa_ho_s16_w16_wl",
                                                      "recgen_chunk_scan_mma_noa_q_ho_ml_s16_w16_wl_xm",
                                                      "recgen_chunk_out_async_ml_zm_yt_w16",
                                                      "recgen_chunk_out_async_yt",

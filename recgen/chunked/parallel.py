@@ -212,18 +212,20 @@ class KernelKeyDecay(PairsOneByOne):
 
     key = True
 
-    def __init__(self, l, t: Tuning, saved=(), scaled=None, before: bool = False, pq: bool = True, q: bool = True):
+    def __init__(self, l, t: Tuning, saved=(), scaled=None, before: bool = False, pq: bool = True, q: bool = True,
+                 st=None):
         """``saved`` (KeyDecay's signature) is always empty here: see ``saved``. ``before``: P_{t−1} too, from the
         same pass (``p_before``; a shifted copy of P and a mask were two more passes). ``scaled``: roles scaled by a
         decay (``scale``), formed in that pass too (``self.scaled``; a 16-bit role's cast and the product were two
         passes each). ``pq`` off: that pass writes g, not P and Q (where their readers take the products); P and Q
         are then a second pass, formed only if read (``_pq``); ``q`` off: that pass writes P but not Q (a forward
-        reads none: its scans take u ⊙ Q formed), Q then likewise a second pass if read."""
+        reads none: its scans take u ⊙ Q formed), Q then likewise a second pass if read. ``st``: the scaled roles
+        in that 16-bit type (the forward's u ⊙ Q where its scan keeps 16-bit states: ``states_type``)."""
         self.l, self.t = l, t
         scaled = scaled or {}
         # one kernel pass for the three (MLX spent two cumulative sums, three exps and a concatenation on them, in
         # the forward and again in the backward)
-        out = ck.key_decays(l, t, before, tuple(scaled.values()), pq, q=q)
+        out = ck.key_decays(l, t, before, tuple(scaled.values()), pq, q=q, st=st)
         self.d, self.g, self._pe = out.d, out.g, out.pe
         if pq:
             self.P = out.P
@@ -495,6 +497,17 @@ def core_layout(y, n: int, dtype):
     return ck.model_chunks(y, n).astype(dtype)
 
 
+def states_type(key: bool, delta: bool, kern: Tuning | None, w, C: int, K: int, V: int):
+    """The 16-bit type of the forward's chunk states and Z, or None: without a delta rule (simple GLA; a key-vector
+    decay's, GLA's, with ``Tuning.key_roles_16bit``) the values' (``Tuning.states_16bit``), where the fragment scan
+    and the fused readout run. A key-vector decay's u ⊙ Q comes from its decays' pass in it too (the scan's B operand
+    then shares the states' type, so it runs on the wide multiply-add: ``chunk_kernels.chunk_scan``)."""
+    if (not delta and kern and kern.states_16bit and (not key or kern.key_roles_16bit)
+            and w.dtype in (mx.bfloat16, mx.float16) and ck.use_mma(kern, C, K, V) and ck.fuses_readout(kern, C, K, V)):
+        return w.dtype
+    return None
+
+
 def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None, out=None, rfac=None, ml=None):
     """(y, S_end, residuals): residuals are (states, M_ru) and, with b̃, (Z, T, W) too. The roles may
     arrive in 16 bits (``role_dtype``): the fused kernels read them so, MLX's products in the compute dtype.
@@ -515,13 +528,7 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
         else:
             Tm = ck.tril_inverse(A, kern) if kern and inverse_supported(A.shape[-1]) else unit_lower_inv(A, inv_base)
             U, W = Tm @ w_, Tm @ (bt_ * geo.P)
-    # without a delta rule (simple GLA; a key-vector decay's, GLA's, with ``Tuning.key_roles_16bit``) the states in
-    # the values' 16-bit type (``Tuning.states_16bit``)
-    st = None
-    if (bt is None and kern and kern.states_16bit and (not geo.key or kern.key_roles_16bit)
-            and w.dtype in (mx.bfloat16, mx.float16)
-            and ck.use_mma(kern, C, K, V) and ck.fuses_readout(kern, C, K, V)):
-        st = w.dtype
+    st = states_type(geo.key, bt is not None, kern, w, C, K, V)
     states, Z, S_end = _scan_forward(geo, S0, u, U, W, compose, matrix, kern, st, ml)
     if kern and not geo.key and ck.fuses_readout(kern, C, K, V):
         # M_ru is written for the backward: forming it again there was measured slower than keeping it
@@ -757,10 +764,10 @@ def decay_geometry(key: bool, kern: Tuning | None, before: bool = False, pq: boo
     if not kern:
         return KeyDecay
 
-    def make(l, t_, saved=(), scaled=None):
+    def make(l, t_, saved=(), scaled=None, st=None):
         if pair_supported(t_.dialect, *l.shape[-2:]):
-            return KernelKeyDecay(l, t_, saved, scaled, before, pq, q)
-        return KeyDecay(l, t_, saved, scaled)
+            return KernelKeyDecay(l, t_, saved, scaled, before, pq, q, st)
+        return KeyDecay(l, t_, saved, scaled)  # u ⊙ Q formed by MLX in float32 (``st`` is the kernels')
     return make
 
 
@@ -803,7 +810,8 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         return None if model_rows is None else (l.shape[1], r.shape[2], l.shape[2], model_rows == "block")
 
     def fwd(S0, r, u, w, l, bt=None):
-        geo = GeoFwd(l, t, scaled=scaled(r, u, bt, False))
+        st = key and states_type(key, delta, kern, w, l.shape[-2], S0.shape[-2], S0.shape[-1])
+        geo = GeoFwd(l, t, scaled=scaled(r, u, bt, False), **({"st": st} if st else {}))
         if rho is not None:
             y, S_end, res = _forward_keyed(geo, S0, r, u, w, bt, rho, kern, out, rfac, ml(r, l))
         else:

@@ -119,7 +119,7 @@ class ScanVariant:
                              "outputs need the fragment frame")
         if self.ml and not (self.q or self.aq or self.pq):
             raise ValueError("chunk_scan: the model's layout (ml) is the row-scaled operands': needs Bq, Aq or Pq")
-        forward = not (self.reverse or self.p or self.dg or self.aq) and self.q and self.b
+        forward = not (self.reverse or self.p or self.dg or self.aq) and self.b and (self.q or not self.a)
         reverse = self.reverse and not self.q and (self.b or self.p)
         if self.w16 and not (self.hoist and self.s16 and self.mma and not self.e and (forward or self.a and reverse)):
             raise ValueError("chunk_scan: the wide multiply-add (w16) is the hoisted scans' with 16-bit states, no E: "
@@ -209,11 +209,11 @@ def decayed_scores_source(dialect: str, grad: bool = False) -> KernelSource:
 
 @lru_cache(maxsize=None)
 def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bool = True, d: bool = True,
-                  lanes: bool = False, q: bool = True) -> KernelSource:
+                  lanes: bool = False, q: bool = True, yt: bool = False) -> KernelSource:
     """A decay's geometry from its log-decays l [N, C, F] (template constants C, F and U or E, NT): G [N, F], the
     chunk's decay; with ``d`` the per-token decays D; with ``pq`` P and Q from sums anchored at the chunk's start and
     end; ``before``: also Pe_t = P_{t-1} (Pe_0 = 1). ``scaled``: one of "P", "Q", "Pe" for each role X_i [N, C, F] given
-    (any float type), Y_i = X_i ⊙ that decay in float32. ``lanes`` (F = 1): a SIMD group a chunk (template constant
+    (any float type), Y_i = X_i ⊙ that decay in float32 (``yt``: in type YT, a template constant). ``lanes`` (F = 1): a SIMD group a chunk (template constant
     E = ceil(C / 32), its tokens a lane), else a thread a (chunk, column), U tokens' loads at a time. ``q`` off (with
     ``pq``): P without Q (a forward that reads no Q)."""
     if any(w not in ("P", "Q", "Pe") for w in scaled):
@@ -222,10 +222,10 @@ def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bo
     q = q and pq
     kind = ("decays" + ("_lanes" if lanes else "") + ("" if d else "_nod") + ("" if pq else "_g")
             + ("_noq" if pq and not q else "")
-            + ("_pe" if before else "") + "".join("_" + w.lower() for w in scaled))
+            + ("_pe" if before else "") + "".join("_" + w.lower() for w in scaled) + ("_yt" if yt else ""))
     outs = ("D",) * d + ("P",) * pq + ("Q",) * q + ("G",) + ("Pe",) * before + tuple(f"Y{i}" for i in range(len(xs)))
     return _source(get(dialect), "chunk_decays.j2", kind, "decay geometry over chunks", ("l",) + xs + ("rt",),
-                   outs, (), before=before, scaled=scaled, pq=pq, with_d=d, with_q=q, lanes=lanes,
+                   outs, (), before=before, scaled=scaled, pq=pq, with_d=d, with_q=q, lanes=lanes, yt=yt,
                    fwd_x=[i for i, w in enumerate(scaled) if w != "Q"],  # the roles each walk loads
                    bwd_x=[i for i, w in enumerate(scaled) if w == "Q"])
 

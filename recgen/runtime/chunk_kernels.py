@@ -75,9 +75,10 @@ def pairs_on_fragments(t: Tuning, C: int, K: int, dual: bool = False, quad: bool
 
 def pairs_whole(t: Tuning, C: int, K: int, dual: bool = False, quad: bool = False) -> bool:
     """Whether the forward pair kernels run a whole chunk a threadgroup (``Tuning.pair_whole``, with the pairs on
-    fragments, where ``chunk_sources.pair_whole_layout`` has a layout)."""
-    return t.pair_whole and pairs_on_fragments(t, C, K, dual, quad) and pair_whole_supported(t.dialect, C, K, dual,
-                                                                                              quad)
+    fragments, where ``chunk_sources.pair_whole_layout`` has a layout), but for the quad form: its four pairs' sums
+    take 168 registers a thread there, one threadgroup an SM (RWKV-7's forward measured 3.586 -> 3.644 ms, H200)."""
+    return (t.pair_whole and not quad and pairs_on_fragments(t, C, K, dual, quad)
+            and pair_whole_supported(t.dialect, C, K, dual, quad))
 
 
 def scan_fuses_products(t: Tuning, C: int, K: int, V: int, has_b: bool) -> bool:
@@ -107,21 +108,24 @@ DECAYS_U = 16  # tokens a thread of it loads at once (F > 1): the loads in fligh
 
 @lru_cache(maxsize=256)
 def decays_launch(dialect: str, N: int, C: int, F: int, before: bool = False, scaled: tuple = (),
-                  pq: bool = True, d: bool = True, q: bool = True) -> Launch:
+                  pq: bool = True, d: bool = True, q: bool = True, yt: str | None = None) -> Launch:
     """The decay geometry over N chunks of C tokens from the log-decays [N, C, F] (``decays_source``): D (``d``),
     P and Q (``pq``) [N, C, F], G [N, F], Pe (``before``) and each given role times its decay ("P", "Q" or "Pe"),
-    in that order; ``q`` off: no Q. A scalar decay (F = 1) runs a SIMD group a chunk (``lanes``)."""
+    in that order, those in float32 or the dtype named ``yt``; ``q`` off: no Q. A scalar decay (F = 1) runs a SIMD
+    group a chunk (``lanes``)."""
     lanes = F == 1
     full = ((N, C, F), "float32")
     q = q and pq
-    outs = (full,) * d + (full,) * (pq + q) + (((N, F), "float32"),) + (full,) * (before + len(scaled))
-    src = decays_source(dialect, before, scaled, pq, d, lanes, q)
+    outs = ((full,) * d + (full,) * (pq + q) + (((N, F), "float32"),) + (full,) * before
+            + (((N, C, F), yt or "float32"),) * len(scaled))
+    src = decays_source(dialect, before, scaled, pq, d, lanes, q, bool(yt))
     if lanes:
         groups = -(-N * 32 // DECAYS_NT)
         consts = (("C", C), ("E", -(-C // 32)), ("NT", DECAYS_NT))
     else:
         groups = -(-N * F // DECAYS_NT)
         consts = (("C", C), ("F", F), ("NT", DECAYS_NT), ("U", DECAYS_U))
+    consts += (("YT", yt),) if yt else ()
     return Launch(src, (("rt", (N,), "int32"),), outs, (groups * DECAYS_NT, 1, 1), (DECAYS_NT, 1, 1), consts)
 
 
@@ -591,15 +595,17 @@ class DecayPass:
 
 
 def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = (), pq: bool = True, d: bool = True,
-               q: bool = True) -> DecayPass:
+               q: bool = True, st=None) -> DecayPass:
     """The decay geometry of the log-decays l [..., C, F] (float32, F = 1 or K) in one pass (``chunk_decays.j2``):
     the chunk's decay g (P's last row) always; ``d``: D = e^l; ``pq``: P and Q from sums anchored at the chunk's start
     and end; ``before``: P_{t−1} (1 at t = 0), the decay a transition before the decay meets; ``scaled``:
     ((x, "P" | "Q" | "Pe"), ...), roles x [..., C, F] of any float type: and x ⊙ that decay for each, in float32 (the
     scans' u ⊙ Q, the readout's r ⊙ P: one pass, where a cast and a product were two per role). Leaving out what no
-    reader takes saves its [..., C, F] write (and g is no strided copy of P's last row); ``q`` off: P without Q."""
+    reader takes saves its [..., C, F] write (and g is no strided copy of P's last row); ``q`` off: P without Q;
+    ``st`` (a 16-bit mx dtype): the scaled roles written in it (rounded as their readers would round them)."""
     N, (C, F) = _lead(l, 2), l.shape[-2:]
-    launch = decays_launch(t.dialect, N, C, F, before, tuple(w for _, w in scaled), pq, d, q)
+    launch = decays_launch(t.dialect, N, C, F, before, tuple(w for _, w in scaled), pq, d, q,
+                           None if st is None else dtype_name(st))
     user = [l.reshape(N, C, F)] + [x.reshape(N, C, F) for x, _ in scaled]
     outs = [x.reshape(l.shape if x.ndim == 3 else (*l.shape[:-2], F)) for x in _call(t, launch, user)]
     take = lambda on: outs.pop(0) if on else None  # noqa: E731
@@ -696,7 +702,8 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     sixteen = [x for x in (A, Bm) if x is not None] + (list(P) if P is not None else [])
     w16 = (t.wide_fragments and bool(get(t.dialect).mma16) and hoist and st is not None
            and E is None and C % 16 == 0 and K % 16 == 0 and all(x.dtype == st for x in sixteen)
-           and ((not reverse and Bm is not None and Bq is not None and P is None and Aq is None and not dg_here
+           and ((not reverse and Bm is not None and (Bq is not None or A is None) and P is None and Aq is None
+                 and not dg_here
                  and (A is not None or scan_prefetches(C, K, V, t.scan_bv, nw)))
                 or (reverse and A is not None and Bq is None and (Bm is not None or P is not None))))
     wl = w16 and t.scan_wide_loads and K % 32 == 0

@@ -334,6 +334,7 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                                   for s in ((1, n, C, V), (1, n, K, V), (1, n, C, V)))
                 l, fx = f32(np.full((1, n, C, 1), -0.1)), f32(rng.uniform(size=(1, n, C, 1)))
                 S0, g = f32(rng.normal(size=(1, K, V))), f32(np.full((1, n, 1), 0.5))
+                gk = f32(rng.uniform(0.3, 1.0, size=(1, n, K)))
                 # the backward's pass forming its pair cotangents from Z, dy and Δ (``Tuning.bwd_scores``)
                 rows = (Z16, w16, f32(rng.normal(size=(1, n, C, V))).astype(mx.bfloat16))
                 DUQ, DRP, DR = (f32(rng.normal(size=(1, n, C, K))) for _ in range(3))
@@ -356,6 +357,8 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                     rev += ck.chunk_scan(S0, x16, Z16, None, g, None, tt, reverse=True, P=(q16, Z16), St=fwd[0],
                                          Aq=fx, Pq=fx, st=mx.bfloat16)
                     rev += ck.chunk_scan(S0, None, w16, x16, g, None, tt, reverse=False, Bq=fx, st=mx.bfloat16)[::2]
+                    # ... and GLA's, A-free with u ⊙ Q given in bf16 and a decay per key row (no row scales)
+                    rev += ck.chunk_scan(S0, None, w16, x16, gk, None, tt, reverse=False, st=mx.bfloat16)[::2]
                     sc = rows if bwd and ck.scores_in_pass(tt, rows) else None
                     zt = rows[0].astype(mx.float32).swapaxes(-1, -2)
                     dm = (None, None) if sc else tuple(a.astype(mx.float32) @ zt for a in (rows[2], rows[1]))
