@@ -174,8 +174,9 @@ class Tuning:
     mma_pairs: bool = False         # the key-decay pair kernels' other blocks on fragments
     pair_fold: bool = False         # ... their own block's rows t and BS − 1 − t on one thread
     pair_whole: bool = False        # ... the forward's, a whole chunk a threadgroup: each slab's X ⊙ pre and Y ⊙ suf
-    #                                 staged once for every block (a threadgroup a block of 16 rows staged every
-    #                                 earlier block again, and its blocks' walks were serial loads)
+    #                                 staged once for every block, not again by each later block's threadgroup (H200,
+    #                                 4,4096,16,128, forward: GLA 1.454 -> 1.407 ms, KDA 2.567 -> 2.538; not the quad
+    #                                 form, RWKV-7's, slower whole; on on CUDA)
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     l2_prefetch: bool = False       # a scalar decay's fragment readout and UT transform hint each staging step's
     #                                 next block into L2 (where the dialect has a prefetch) while they multiply this one
