@@ -134,8 +134,8 @@ class Tuning:
     #                                 the reverse scan writing dS and dZ so (no delta rule): no float32 copies of them.
     #                                 H200, 4,4096,16,128 trained: GLA 5.40, 5.33 -> 5.10, 4.89 ms, peak 4.09 -> 3.31
     #                                 GiB; HGRN-2 5.68, 5.69 -> 5.30, 5.47 ms, 4.22 -> 3.44 GiB (on on CUDA)
-    logdecay_16bit: bool = False    # ... and a log-decay that is an input verbatim, where only kernels read it (the
-    #                                 general rank-1 core)
+    logdecay_16bit: bool = False    # ... and a log-decay that is an input verbatim, where only kernels read it (a
+    #                                 key-vector decay's, both cores: no float32 cast of it)
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
     scan_min_groups: int = 0        # ... halved where its threadgroups would be fewer (few (batch, head) pairs, long
     #                                 sequences: a scan is sequential over chunks, so more column groups fill the GPU)

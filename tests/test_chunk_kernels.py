@@ -669,14 +669,21 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, monkeypatch):
     last chunk, strong decays, GQA-free; forward, final state and every gradient): the forward pairs a whole chunk a
     threadgroup (``Tuning.pair_whole``: GLA's single pair read times the readout's scale, KDA's dual; RWKV-7's quad
     a block of rows, measured slower whole); without a delta rule (GLA) the decays' pass writes u ⊙ Q in bf16, the
-    states' type, and the A-free forward scan takes it on the wide multiply-add (no row scales, a decay per key)."""
+    states' type, and the A-free forward scan takes it on the wide multiply-add (no row scales, a decay per key);
+    every decays' pass reads the log-decay in its input's bf16 (no float32 cast)."""
     pytest.importorskip("mlx.core")
     import mlx.core as mx
     from recgen import specs
     from test_chunked import assert_close, compare
 
-    calls = []
-    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    calls, decays = [], []
+
+    def call(launch, dialect, user, *a):
+        calls.append(launch.source.name)
+        decays.extend([user[0].dtype] if "_decays" in launch.source.name else [])
+        return _emulated_call(launch, dialect, user, *a)
+
+    monkeypatch.setattr(ck, "mlx_call", call)
     t = dataclasses.replace(tuning.resolve("gpu", "cuda", environ={}), dialect="metal_ptx", device="cpu",
                             kernel_cache=None, replay_graphs=False, compile=False)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=32, K=32, V=32, seed=4, tuning=t, in_dtype=mx.bfloat16),
@@ -684,6 +691,7 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, monkeypatch):
     ran = {c.split("_metal")[0] for c in calls}
     assert kinds <= ran, ran
     assert not any("_whole" in c for c in ran if c not in kinds), ran
+    assert decays and set(decays) == {mx.bfloat16}, decays  # the log-decay as given (``Tuning.logdecay_16bit``)
 
 
 @pytest.mark.parametrize("name", ["gla", "kda", "hgrn2", "rwkv6"])

@@ -321,7 +321,11 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
         model = _model_inputs(kern, p, dict(zip(names, arrays)), x, rfac, native, T, C, bt, sizes.K, V)
         if model is not None:  # the same types as the row-major roles above, in the model's layout
             r, u, w = (a.astype(b.dtype) for a, b in zip(model, (r, u, w)))
-        y, S = _diag_scan(tun, S, r, u, w, _as_f(t["logdecay"]), C, key, bt, out_dtype if native else None, rfac, rho,
+        l = _as_f(t["logdecay"])
+        lin = raw.get(p.logdecay_input)  # the log-decay as input, row-major in its own type, where verbatim
+        if lin is not None and lin.dtype in (mx.bfloat16, mx.float16) and rank1.logdecay_16bit(kern, key, C, sizes.K):
+            l = lin[..., 0]  # [B,H,T,K,1] -> [B,H,T,K]: the kernels convert as they read it (no float32 cast)
+        y, S = _diag_scan(tun, S, r, u, w, l, C, key, bt, out_dtype if native else None, rfac, rho,
                           p.rec.gqa if model is not None else None)
         if native:
             return y, S

@@ -463,12 +463,13 @@ def role_dtype(kern: Tuning | None, key: bool, delta: bool, C: int, K: int, V: i
 
 
 def _up(geo, *xs):
-    """Roles in the compute dtype (that of the log-decays): MLX products of 16-bit operands would round. One array
-    given twice (Z is w without a delta rule) is cast once."""
-    cast = {}
+    """Roles in the compute dtype (that of the log-decays, float32 at least: a key-vector decay's may arrive in its
+    input's 16-bit type, ``rank1.logdecay_16bit``): MLX products of 16-bit operands would round. One array given
+    twice (Z is w without a delta rule) is cast once."""
+    cast, dtype = {}, mx.result_type(geo.l.dtype, mx.float32)
     for x in xs:
         if x is not None and id(x) not in cast:
-            cast[id(x)] = x.astype(geo.l.dtype)
+            cast[id(x)] = x.astype(dtype)
     return [None if x is None else cast[id(x)] for x in xs]
 
 

@@ -163,9 +163,10 @@ def roles_16bit(kern: Tuning | None, key: bool, C: int, K: int) -> bool:
 
 
 def logdecay_16bit(kern: Tuning | None, key: bool, C: int, K: int) -> bool:
-    """Whether the core may take a log-decay that is an input verbatim in its 16-bit type (``Tuning.logdecay_16bit``):
-    with the roles so (``roles_16bit``) and the fused backward tail, only kernels read l (the decay geometry's pass,
-    forward and backward, and the tail), each converting as it reads, so its float32 cast is never made."""
+    """Whether a key-vector decay's core (this one, or ``parallel``'s) may take a log-decay that is an input verbatim
+    in its 16-bit type (``Tuning.logdecay_16bit``): with the roles so (``roles_16bit``) and the fused backward tail,
+    only kernels read l (the decay geometry's pass, forward and backward, and the tail), each converting as it reads,
+    so its float32 cast is never made."""
     return roles_16bit(kern, key, C, K) and kern.logdecay_16bit and ck.fuses_key_tail(kern, C)
 
 

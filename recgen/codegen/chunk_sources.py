@@ -158,6 +158,16 @@ class ScanVariant:
         return ("carried", "Y", "S_end") + (("dgp",) if self.dg else ())
 
 
+def has_layout(layout, *args, **kwargs) -> bool:
+    """Whether ``layout(*args, **kwargs)`` gives a layout (each kernel family's layout raises ValueError where it has
+    none: sizes past its tiles or the dialect's threadgroup memory)."""
+    try:
+        layout(*args, **kwargs)
+    except ValueError:
+        return False
+    return True
+
+
 # -- sources ---------------------------------------------------------------------------------------
 def _source(d, template: str, kind: str, banner: str, inputs: tuple, outputs: tuple, template_args: tuple,
             helpers: str = "", **ctx) -> KernelSource:
@@ -631,11 +641,7 @@ def feature_decode_layout(dialect: str, D: int, V: int, has_z: bool) -> dict:
 @lru_cache(maxsize=None)
 def feature_decode_supported(dialect: str, D: int, V: int) -> bool:
     """Whether the feature decode kernel has a layout for (D, V) in ``dialect``."""
-    try:
-        feature_decode_layout(dialect, D, V, True)
-    except ValueError:
-        return False
-    return True
+    return has_layout(feature_decode_layout, dialect, D, V, True)
 
 
 def sympow_layout(dialect: str, D: int, grad: bool = False) -> dict:
@@ -650,11 +656,7 @@ def sympow_layout(dialect: str, D: int, grad: bool = False) -> dict:
 
 def sympow_supported(dialect: str, D: int) -> bool:
     """Whether the sympow kernels (forward and gradient) have a layout for D in ``dialect``."""
-    try:
-        sympow_layout(dialect, D, grad=True)
-    except ValueError:
-        return False
-    return True
+    return has_layout(sympow_layout, dialect, D, grad=True)
 
 
 def decayed_scores_layout(dialect: str, C: int, rows: int) -> dict | None:
@@ -675,11 +677,7 @@ def inverse_supported(C: int) -> bool:
 def scan_supported(dialect: str, C: int, K: int) -> bool:
     """Whether the scan has a layout for (C, K): K a multiple of 4 (4-row reads) and the tiles fit the
     dialect's threadgroup memory (``scan_layout``)."""
-    try:
-        scan_layout(dialect, C, K)
-    except ValueError:
-        return False
-    return True
+    return has_layout(scan_layout, dialect, C, K)
 
 
 @lru_cache(maxsize=None)
@@ -908,11 +906,7 @@ def pair_tiles(lay: dict, C: int, dual: bool, quad: bool = False) -> int:
 
 def pair_supported(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False) -> bool:
     """Whether the pair kernels have a layout for (C, K) in ``dialect`` (``pair_layout``)."""
-    try:
-        pair_layout(dialect, C, K, dual, quad)
-    except ValueError:
-        return False
-    return True
+    return has_layout(pair_layout, dialect, C, K, dual, quad)
 
 
 def pair_fragments(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False) -> bool:
@@ -947,11 +941,7 @@ def pair_whole_layout(dialect: str, C: int, K: int, dual: bool = False, quad: bo
 
 def pair_whole_supported(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False) -> bool:
     """Whether ``pair_whole_layout`` has a layout for (C, K)."""
-    try:
-        pair_whole_layout(dialect, C, K, dual, quad)
-    except ValueError:
-        return False
-    return True
+    return has_layout(pair_whole_layout, dialect, C, K, dual, quad)
 
 
 @lru_cache(maxsize=None)
