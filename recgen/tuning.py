@@ -134,6 +134,9 @@ class Tuning:
     #                                 the reverse scan writing dS and dZ so (no delta rule): no float32 copies of them.
     #                                 H200, 4,4096,16,128 trained: GLA 5.40, 5.33 -> 5.10, 4.89 ms, peak 4.09 -> 3.31
     #                                 GiB; HGRN-2 5.68, 5.69 -> 5.30, 5.47 ms, 4.22 -> 3.44 GiB (on on CUDA)
+    key_scaled_16bit: bool = False  # ... and the backward's u ⊙ Q and r ⊙ P written in it by its decays' pass, so the
+    #                                 reverse scan (GLA's, HGRN-2's) runs on the wide multiply-add: checked on the
+    #                                 emulator against float64 (CUDA's lane layout), not yet run nor timed on a GPU
     logdecay_16bit: bool = False    # ... and a log-decay that is an input verbatim, where only kernels read it (a
     #                                 key-vector decay's, both cores: no float32 cast of it)
     scan_bv: int = 32               # value columns per threadgroup of the fragment scan (most)
@@ -328,6 +331,7 @@ ENVIRONMENT = {
     "RECGEN_KEY_ROLES_16BIT": ("key_roles_16bit", _flag),
     "RECGEN_KEY_PRODUCTS_16BIT": ("key_products_16bit", _flag),
     "RECGEN_16BIT_LOGDECAY": ("logdecay_16bit", _flag),
+    "RECGEN_KEY_SCALED_16BIT": ("key_scaled_16bit", _flag),
     "RECGEN_INVERSE_BASE": ("inverse_base", int),
     "RECGEN_FEATURE_IDENTITY": ("feature_identity", _flag),
     "RECGEN_FEATURE_CHUNK": ("feature_chunk_size", int),

@@ -149,6 +149,7 @@ def chunk_launches(target: str) -> list:
                 + [ck.decays_launch(target, 8, 64, 128, False, ("Q",))]  # kda's and gla's, with u ⊙ Q
                 + [ck.decays_launch(target, 8, 64, 128, False, ("Q",), q=False)]  # ... their forward's, P without Q
                 + [ck.decays_launch(target, 8, 64, 128, False, ("Q",), q=False, yt="bfloat16")]  # ... GLA's, u ⊙ Q in bf16
+                + [ck.decays_launch(target, 8, 64, 128, False, ("Q", "P"), yt="bfloat16")]  # ... its backward's, r ⊙ P too
                 + [ck.decays_launch(target, 8, 64, 1, False, ("Q",), d=False)]  # GDN's, with f ⊙ Q (lanes)
                 + [ck.decays_launch(target, 8, 64, 128, pe, ("Q", "Q", "P"), False) for pe in (True, False)]  # RWKV-7's
                 + [x for e in (False, True) for x in scans(1, e=e, reverse=e)]
@@ -229,6 +230,8 @@ def chunk_launches(target: str) -> list:
                         w16=True, wl=True),  # simple GLA's
                     mma(a=False, q=True, hoist=True, st="bfloat16", w16=True, wl=True),  # ... and its forward, A-free
                     mma(a=False, hoist=True, st="bfloat16", w16=True, wl=True),  # GLA's forward: u ⊙ Q given
+                    mma(reverse=True, b=False, p=True, dg=True, pq=True, hoist=True, st="bfloat16", w16=True,
+                        wl=True),  # ... and its reverse one, u ⊙ Q and r ⊙ P given (``Tuning.key_scaled_16bit``)
                     # ... and a lane's eight columns of X, Y and the states 16 bytes an access (``scan_wide_columns``)
                     mma(q=True, hoist=True, ml=ml, st="bfloat16", w16=True, wl=True, vc=True),
                     # ... every state-free operand a step ahead (``Tuning.scan_ahead_most``)

@@ -659,18 +659,23 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
     assert kinds == want, kinds
 
 
-@pytest.mark.parametrize("name,kinds", [
-    ("gla", {"recgen_chunk_pair_whole_xs", "recgen_chunk_decays_noq_q_yt", "recgen_chunk_scan_mma_noa_ho_s16_w16_wl"}),
-    ("kda", {"recgen_chunk_pair_dual_whole", "recgen_chunk_decays_noq_q", "recgen_chunk_scan_mma_ho"}),
-    ("rwkv7", {"recgen_chunk_pair_quad_nonstrict_mma_fold"})])
-def test_key_decays_forward_as_cuda_runs_them(name, kinds, monkeypatch):
+@pytest.mark.parametrize("name,kinds,scaled16", [
+    ("gla", {"recgen_chunk_pair_whole_xs", "recgen_chunk_decays_noq_q_yt", "recgen_chunk_scan_mma_noa_ho_s16_w16_wl",
+             "recgen_chunk_decays_q_p", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_rev"}, False),
+    ("gla", {"recgen_chunk_decays_q_p_yt", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_w16_wl_rev"}, True),
+    ("hgrn2", {"recgen_chunk_decays_q_p_yt", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_w16_wl_rev"}, True),
+    ("kda", {"recgen_chunk_pair_dual_whole", "recgen_chunk_decays_noq_q", "recgen_chunk_scan_mma_ho"}, False),
+    ("rwkv7", {"recgen_chunk_pair_quad_nonstrict_mma_fold"}, False)])
+def test_key_decays_forward_as_cuda_runs_them(name, kinds, scaled16, monkeypatch):
     """A key-vector decay's chunked form as CUDA's table runs it (``metal_ptx``: its lane layout, bf16 inputs, chunks
     of 32: two blocks of 16, so a pair of blocks on fragments), end to end against the float64 reference (a partial
     last chunk, strong decays, GQA-free; forward, final state and every gradient): the forward pairs a whole chunk a
     threadgroup (``Tuning.pair_whole``: GLA's single pair read times the readout's scale, KDA's dual; RWKV-7's quad
     a block of rows, measured slower whole); without a delta rule (GLA) the decays' pass writes u ⊙ Q in bf16, the
     states' type, and the A-free forward scan takes it on the wide multiply-add (no row scales, a decay per key);
-    every decays' pass reads the log-decay in its input's bf16 (no float32 cast)."""
+    every decays' pass reads the log-decay in its input's bf16 (no float32 cast). ``scaled16``
+    (``Tuning.key_scaled_16bit``): the backward's decays' pass writes u ⊙ Q and r ⊙ P in bf16 too, and the reverse
+    scan takes them on the wide multiply-add."""
     pytest.importorskip("mlx.core")
     import mlx.core as mx
     from recgen import specs
@@ -685,12 +690,12 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, monkeypatch):
 
     monkeypatch.setattr(ck, "mlx_call", call)
     t = dataclasses.replace(tuning.resolve("gpu", "cuda", environ={}), dialect="metal_ptx", device="cpu",
-                            kernel_cache=None, replay_graphs=False, compile=False)
+                            kernel_cache=None, replay_graphs=False, compile=False, key_scaled_16bit=scaled16)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=32, K=32, V=32, seed=4, tuning=t, in_dtype=mx.bfloat16),
                  1e-2, 1e-2)
     ran = {c.split("_metal")[0] for c in calls}
     assert kinds <= ran, ran
-    assert not any("_whole" in c for c in ran if c not in kinds), ran
+    assert not any("_whole" in c and "_quad" in c for c in ran), ran
     assert decays and set(decays) == {mx.bfloat16}, decays  # the log-decay as given (``Tuning.logdecay_16bit``)
 
 
@@ -2194,7 +2199,8 @@ def test_probe_passes_where_kernels_run(frame, monkeypatch, fresh_probe):
                                 "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_rev", "recgen_chunk_scan_mma_noa_q_ho_s16",
                                 "recgen_chunk_scan_mma_noa_q_ho_ml_s16",
                                 "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_ml_s16_rev",
-                                "recgen_chunk_scan_mma_noa_ho_s16"}  # GLA's forward scan
+                                "recgen_chunk_scan_mma_noa_ho_s16",  # GLA's scans
+                                "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_rev"}
                        # Metal: the TF32 scans twice (GDN's, and simple GLA's reverse one)
                        }.get(frame, set())
     staged = {c.split("_metal")[0] for c in calls if "_async" in c}
@@ -2236,9 +2242,11 @@ def test_probe_of_the_wide_multiply_add(monkeypatch, fresh_probe):
                                                      "recgen_chunk_scan_mma_nob_aq_p_pq_ho_dg_s16_w16_wl_rev",
                                                      "recgen_chunk_scan_mma_noa_q_ho_s16",
                                                      "recgen_chunk_scan_mma_noa_q_ho_s16_w16_wl",
-                                                     # GLA's (u ⊙ Q given, a decay per key)
+                                                     # GLA's (u ⊙ Q given, a decay per key; r ⊙ P too in reverse)
                                                      "recgen_chunk_scan_mma_noa_ho_s16",
                                                      "recgen_chunk_scan_mma_noa_ho_s16_w16_wl",
+                                                     "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_rev",
+                                                     "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_w16_wl_rev",
                                                      "recgen_chunk_scan_mma_noa_q_ho_ml_s16_w16_wl_xm",
                                                      "recgen_chunk_out_async_ml_zm_yt_w16",
                                                      "recgen_chunk_out_async_yt",

@@ -639,7 +639,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     # 16-bit states (a key-vector decay's, ``Tuning.key_roles_16bit``) and dy in their type (``core_fn``) meet MLX's
     # products in the compute dtype too (two 16-bit operands give a 16-bit product), unless
     # ``Tuning.key_products_16bit`` keeps them so: then the products over values round to it, as FLA's dh and dv
-    st = _key_products_type(geo, bt, states, dy, kern)
+    st = key_products_type(geo.key, bt is not None, states, dy, kern)
     if st is None:
         r, u, w, bt, Z, states, dy = _up(geo, r, u, w, bt, Z, states, dy)
         F = M.swapaxes(-1, -2) @ dy
@@ -684,12 +684,14 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     return dS0, _scaled(dr, rfac), du, dw, dl, dbt
 
 
-def _key_products_type(geo, bt, states, dy, kern):
+def key_products_type(key: bool, delta: bool, states, dy, kern):
     """The 16-bit type of the backward's products over values for a key-vector decay without a delta rule where
     ``Tuning.key_products_16bit`` asks and the states, dy and the generated reverse scan allow (the scan then writes
-    dS and dZ in it); None: the products in the compute dtype."""
+    dS and dZ in it; with ``Tuning.key_scaled_16bit`` the backward's decays' pass writes u ⊙ Q and r ⊙ P, the scan's
+    other operands, in it too, so that the scan runs on the wide multiply-add); None: the products in the compute
+    dtype."""
     lo = (mx.bfloat16, mx.float16)
-    if not (geo.key and bt is None and kern and kern.key_products_16bit and states.dtype in lo
+    if not (key and not delta and kern and kern.key_products_16bit and states.dtype in lo
             and dy.dtype == states.dtype):
         return None
     C, K, V = dy.shape[-2], states.shape[-2], states.shape[-1]
@@ -826,7 +828,10 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
         if out is not None:  # in the states' type: 16-bit states (``Tuning.states_16bit``) take 16-bit products
             dy = core_layout(dy, l.shape[-3], res[0].dtype)
-        geo = Geo(l, t, geo_saved, scaled(r, u, bt, True))
+        # u ⊙ Q and r ⊙ P in the products' 16-bit type where the reverse scan alone reads them (the tail's kernel)
+        st = (key and kern and kern.key_scaled_16bit and ck.fuses_key_tail(kern, l.shape[-2])
+              and key_products_type(key, delta, res[0], dy, kern))
+        geo = Geo(l, t, geo_saved, scaled(r, u, bt, True), **({"st": st} if st else {}))
         if rho is not None:
             dS0, dr, du, dw, dl, dbt = _backward_keyed(geo, r, u, bt, rho, res, dy, dS_end, compose, matrix, kern, rfac,
                                                        ml(r, l))

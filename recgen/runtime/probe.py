@@ -357,8 +357,11 @@ def _probe(dialect: str, frame: str, sizes: tuple = PROBE, kernel_cache: str = "
                     rev += ck.chunk_scan(S0, x16, Z16, None, g, None, tt, reverse=True, P=(q16, Z16), St=fwd[0],
                                          Aq=fx, Pq=fx, st=mx.bfloat16)
                     rev += ck.chunk_scan(S0, None, w16, x16, g, None, tt, reverse=False, Bq=fx, st=mx.bfloat16)[::2]
-                    # ... and GLA's, A-free with u ⊙ Q given in bf16 and a decay per key row (no row scales)
+                    # ... and GLA's, A-free with u ⊙ Q given in bf16 and a decay per key row (no row scales), and its
+                    # reverse one with u ⊙ Q and r ⊙ P given in bf16 (``Tuning.key_scaled_16bit``)
                     rev += ck.chunk_scan(S0, None, w16, x16, gk, None, tt, reverse=False, st=mx.bfloat16)[::2]
+                    rev += ck.chunk_scan(S0, x16, Z16, None, gk, None, tt, reverse=True, P=(q16, Z16), St=fwd[0],
+                                         Pq=fx, st=mx.bfloat16)
                     sc = rows if bwd and ck.scores_in_pass(tt, rows) else None
                     zt = rows[0].astype(mx.float32).swapaxes(-1, -2)
                     dm = (None, None) if sc else tuple(a.astype(mx.float32) @ zt for a in (rows[2], rows[1]))
