@@ -621,7 +621,7 @@ def _readout_rows(geo, r, r_, rfac):
     if "rP" not in geo.scaled:
         return geo.role("rP", r_, "P"), None
     rP = geo.scaled["rP"]
-    return rP, None if rfac is None else mx.full((*rP.shape[:-1], 1), rfac, rP.dtype)
+    return rP, None if rfac is None else mx.full((*rP.shape[:-1], 1), rfac, mx.float32)  # rfac unrounded
 
 
 def _scaled(r, rfac):
