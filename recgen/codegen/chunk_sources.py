@@ -72,10 +72,10 @@ class ScanVariant:
     row-scaled operands (those of q, aq, pq: roles read from the model's key inputs) read in the model's layout
     [B, n C, HK, K] (template constants H, HK, GB); ``s16``: carried and Y written in type ST (template constant, a
     16-bit type: the chunk states and Z kept as FLA keeps h and v_new), S itself in float; ``w16`` (the hoisted
-    scans with s16: forward with B and q, A or not, or in reverse with A and B, P or both): the products on the
-    dialect's wide multiply-add, their operands in type ST (``Dialect.mma16``); ``wl`` (with w16, K a multiple of
-    32): A's rows read 16 bytes a load (``Dialect.load8``, the keys permuted as ``Fragments16`` says) and the
-    state's and Y's threadgroup copies transposed (template constants LDK, LDY), each B pair one word; ``vc`` (with
+    scans with s16: forward with B and q, A or not, or A-free without q, or in reverse with A and B, P or both): the
+    products on the dialect's wide multiply-add, their operands in type ST (``Dialect.mma16``); ``wl`` (with w16, K a
+    multiple of 32): A's rows read 16 bytes a load (``Dialect.load8``, the keys permuted as ``Fragments16`` says) and
+    the state's and Y's threadgroup copies transposed (template constants LDK, LDY), each B pair one word; ``vc`` (with
     wl; BV a multiple of 32 and YCT of 4: ``scan_value_quads``): the columns of X, Y and the states a lane holds, in
     each four column tiles, are eight adjacent ones in memory, read and written 16 bytes at a time (the threadgroup
     copies keep the tiles' order); ``xm`` (the A-free forward on w16, with ml: simple GLA's): X the model's value
@@ -123,7 +123,8 @@ class ScanVariant:
         reverse = self.reverse and not self.q and (self.b or self.p)
         if self.w16 and not (self.hoist and self.s16 and self.mma and not self.e and (forward or self.a and reverse)):
             raise ValueError("chunk_scan: the wide multiply-add (w16) is the hoisted scans' with 16-bit states, no E: "
-                             "forward with B and Bq, or in reverse with A and without Bq (with B, P or both)")
+                             "forward with B and Bq (or A-free without), or in reverse with A and without Bq "
+                             "(with B, P or both)")
         if self.wl and not self.w16:
             raise ValueError("chunk_scan: wide loads (wl) are the wide multiply-add's (w16)")
         if self.vc and not self.wl:

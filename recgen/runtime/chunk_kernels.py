@@ -698,7 +698,8 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
     nw, pf, hoist = _scan_schedule(t, BH, C, K, V, reverse, mma, A is not None, Bm is not None or P is not None)
     # the wide multiply-add (``Tuning.wide_fragments``): the hoisted scans whose product operands share the states'
     # 16-bit type, forward with B and Bq (GDN's; simple GLA's, A-free: each group copies its item of X as it would
-    # Y, one item a group) or in reverse without Bq (GDN's backward; simple GLA's, B-free)
+    # Y, one item a group) or A-free without Bq (GLA's: u ⊙ Q given, a decay per key), or in reverse without Bq
+    # (GDN's backward; simple GLA's, B-free)
     sixteen = [x for x in (A, Bm) if x is not None] + (list(P) if P is not None else [])
     w16 = (t.wide_fragments and bool(get(t.dialect).mma16) and hoist and st is not None
            and E is None and C % 16 == 0 and K % 16 == 0 and all(x.dtype == st for x in sixteen)
