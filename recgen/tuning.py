@@ -180,6 +180,9 @@ class Tuning:
     #                                 staged once for every block, not again by each later block's threadgroup (H200,
     #                                 4,4096,16,128, forward: GLA 1.454 -> 1.407 ms, KDA 2.567 -> 2.538; not the quad
     #                                 form, RWKV-7's, slower whole; on on CUDA)
+    pair_halves: bool = False       # ... each block's second half against its first on fragments too, the exact carries
+    #                                 then within 8-token halves (9 steps a column a pair of rows, where 17 were): the
+    #                                 carries were most of that kernel's issue slots. Emulator-checked, not yet timed
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     l2_prefetch: bool = False       # a scalar decay's fragment readout and UT transform hint each staging step's
     #                                 next block into L2 (where the dialect has a prefetch) while they multiply this one
@@ -321,6 +324,7 @@ ENVIRONMENT = {
     "RECGEN_MMA_PAIRS": ("mma_pairs", _flag),
     "RECGEN_PAIR_FOLD": ("pair_fold", _flag),
     "RECGEN_PAIR_WHOLE": ("pair_whole", _flag),
+    "RECGEN_PAIR_HALVES": ("pair_halves", _flag),
     "RECGEN_FACTOR_READS": ("factor_reads", _flag),
     "RECGEN_KEY_FACTOR_READS": ("key_factor_reads", _flag),
     "RECGEN_MODEL_ROWS": ("model_rows", _flag),

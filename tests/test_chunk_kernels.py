@@ -659,23 +659,26 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
     assert kinds == want, kinds
 
 
-@pytest.mark.parametrize("name,kinds,scaled16", [
+@pytest.mark.parametrize("name,kinds,on", [
     ("gla", {"recgen_chunk_pair_whole_xs", "recgen_chunk_decays_noq_q_yt", "recgen_chunk_scan_mma_noa_ho_s16_w16_wl",
              "recgen_chunk_decays_q_p", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_rev"}, False),
-    ("gla", {"recgen_chunk_decays_q_p_yt", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_w16_wl_rev"}, True),
+    ("gla", {"recgen_chunk_decays_q_p_yt", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_w16_wl_rev",
+             "recgen_chunk_pair_whole_h8_xs"}, True),
     ("hgrn2", {"recgen_chunk_decays_q_p_yt", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_w16_wl_rev"}, True),
     ("kda", {"recgen_chunk_pair_dual_whole", "recgen_chunk_decays_noq_q", "recgen_chunk_scan_mma_ho"}, False),
+    ("kda", {"recgen_chunk_pair_dual_whole_h8"}, True),
     ("rwkv7", {"recgen_chunk_pair_quad_nonstrict_mma_fold"}, False)])
-def test_key_decays_forward_as_cuda_runs_them(name, kinds, scaled16, monkeypatch):
+def test_key_decays_forward_as_cuda_runs_them(name, kinds, on, monkeypatch):
     """A key-vector decay's chunked form as CUDA's table runs it (``metal_ptx``: its lane layout, bf16 inputs, chunks
     of 32: two blocks of 16, so a pair of blocks on fragments), end to end against the float64 reference (a partial
     last chunk, strong decays, GQA-free; forward, final state and every gradient): the forward pairs a whole chunk a
     threadgroup (``Tuning.pair_whole``: GLA's single pair read times the readout's scale, KDA's dual; RWKV-7's quad
     a block of rows, measured slower whole); without a delta rule (GLA) the decays' pass writes u ⊙ Q in bf16, the
     states' type, and the A-free forward scan takes it on the wide multiply-add (no row scales, a decay per key);
-    every decays' pass reads the log-decay in its input's bf16 (no float32 cast). ``scaled16``
-    (``Tuning.key_scaled_16bit``): the backward's decays' pass writes u ⊙ Q and r ⊙ P in bf16 too, and the reverse
-    scan takes them on the wide multiply-add."""
+    every decays' pass reads the log-decay in its input's bf16 (no float32 cast). ``on`` (the choices built but not
+    yet timed on a GPU, off in CUDA's table): ``Tuning.key_scaled_16bit`` (the backward's decays' pass writes u ⊙ Q
+    and r ⊙ P in bf16 too, and the reverse scan takes them on the wide multiply-add) and ``Tuning.pair_halves`` (the
+    whole-chunk pairs' halves on fragments)."""
     pytest.importorskip("mlx.core")
     import mlx.core as mx
     from recgen import specs
@@ -690,7 +693,8 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, scaled16, monkeypatch
 
     monkeypatch.setattr(ck, "mlx_call", call)
     t = dataclasses.replace(tuning.resolve("gpu", "cuda", environ={}), dialect="metal_ptx", device="cpu",
-                            kernel_cache=None, replay_graphs=False, compile=False, key_scaled_16bit=scaled16)
+                            kernel_cache=None, replay_graphs=False, compile=False, key_scaled_16bit=on,
+                            pair_halves=on)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=32, K=32, V=32, seed=4, tuning=t, in_dtype=mx.bfloat16),
                  1e-2, 1e-2)
     ran = {c.split("_metal")[0] for c in calls}
@@ -1975,12 +1979,14 @@ def test_pair_kernels_with_folded_rows_match_numpy(frame, mma, C, K, strict, dua
     ("metal_ptx", 64, 32, True, True, True, False),     # RWKV-7's quad, slabs of 16
     ("metal", 48, 64, True, True, True, False),         # ... of 8 in Metal's memory
     ("metal_ptx", 16, 32, True, False, False, True)])   # one block: no pairs of blocks, the carries alone
-@pytest.mark.parametrize("sanitizer", [None, "address"])
-def test_pair_kernels_a_whole_chunk_a_threadgroup(frame, C, K, strict, dual, quad, scaled, sanitizer):
+@pytest.mark.parametrize("sanitizer,halves", [(None, False), ("address", False), (None, True), ("address", True)])
+def test_pair_kernels_a_whole_chunk_a_threadgroup(frame, C, K, strict, dual, quad, scaled, sanitizer, halves):
     """``whole`` (``Tuning.pair_whole``): the forward pairs with the whole chunk one threadgroup, each slab's X ⊙ pre
     and Y ⊙ suf staged once for every block and the blocks between applied as A's elements are read; single (X read
     times the readout's scale, in bf16), dual and quad, strict or not, both lane layouts, decays down to e^-20 and
-    some exactly 0, plain and under ASan+UBSan, against float64; sizes without a layout are refused."""
+    some exactly 0, plain and under ASan+UBSan, against float64; sizes without a layout are refused. ``halves``
+    (``Tuning.pair_halves``): each block's second half against its first on fragments too, the carries within the
+    halves."""
     import mlx.core as mx
 
     rng = np.random.default_rng(C + K + strict + 2 * dual + 4 * quad)
@@ -1993,8 +1999,10 @@ def test_pair_kernels_a_whole_chunk_a_threadgroup(frame, C, K, strict, dual, qua
         Xin = mx.array(X).astype(mx.bfloat16)
     ins = ({"X": Xin, "Y": Y, "dk": dk} | ({"X2": X2} if dual else {}) | ({"Yb": Yb} if quad else {})
            | ({"Xsc": np.array([c], np.float32)} if scaled else {}))
-    launch = ck.pair_launch(frame, N, C, K, strict, dual=dual, quad=quad, mma=True, scaled=scaled, whole=True)
-    assert launch.source.name.split(f"_{frame}_")[0].endswith("_whole" + ("_xs" if scaled else ""))
+    launch = ck.pair_launch(frame, N, C, K, strict, dual=dual, quad=quad, mma=True, scaled=scaled, whole=True,
+                            halves=halves)
+    assert launch.source.name.split(f"_{frame}_")[0].endswith("_whole" + ("_h8" if halves else "")
+                                                              + ("_xs" if scaled else ""))
     outs = verify.run_launch(launch, ins, sanitizer=sanitizer)
     xs, ys = [(c * X, strict)] + ([(X2, False)] if dual else []), [Y] + ([Yb] if quad else [])
     wants = [_pair_ref(x, y, dk, st) for y in ys for x, st in xs]
@@ -2007,6 +2015,8 @@ def test_pair_kernels_a_whole_chunk_a_threadgroup(frame, C, K, strict, dual, qua
             ck.pair_launch(frame, N, *bad, strict, mma=True, whole=True)
     with pytest.raises(ValueError, match="forward's form on fragments"):
         ck.pair_launch(frame, N, C, K, strict, grad=True, mma=True, whole=True)
+    with pytest.raises(ValueError, match="halves are the whole-chunk form's"):
+        ck.pair_launch(frame, N, C, K, strict, mma=True, halves=True)
 
 
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)

@@ -454,17 +454,20 @@ def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = Fals
 
 @lru_cache(maxsize=None)
 def pair_whole_source(dialect: str, strict: bool, dual: bool = False, quad: bool = False,
-                      scaled: bool = False) -> KernelSource:
+                      scaled: bool = False, halves: bool = False) -> KernelSource:
     """``pair_source``'s pairs (single, ``dual`` or ``quad``; ``scaled``), the whole chunk one threadgroup
     (``chunk_pair_whole.j2``): each slab's X ⊙ pre and Y ⊙ suf staged once for every block, the pairs of blocks on
-    fragments, the blocks between applied as A is read (template constants of ``pair_whole_layout``)."""
+    fragments, the blocks between applied as A is read (template constants of ``pair_whole_layout``); ``halves``:
+    each block's second half against its first on fragments too, the carries within the halves only."""
     d = get(dialect)
     xs, ys = _pair_operands(dual, quad)
     outs = tuple("M" + x[1:] + y[1:] for y in ys for x in xs)
-    kind = "pair" + _pair_suffix(strict, dual, quad, False, False) + "_whole" + ("_xs" if scaled else "")
+    kind = ("pair" + _pair_suffix(strict, dual, quad, False, False) + "_whole" + ("_h8" if halves else "")
+            + ("_xs" if scaled else ""))
     ins = xs + ys + ("dk",) + (("Xsc",) if scaled else ()) + ("rt",)
     return _source(d, "chunk_pair_whole.j2", kind, "key-vector decay pair matrix of a chunk, one threadgroup a chunk",
-                   ins, outs, (), helpers=d.mma_prelude, strict=strict, dual=dual or quad, quad=quad, xs=scaled)
+                   ins, outs, (), helpers=d.mma_prelude, strict=strict, dual=dual or quad, quad=quad, xs=scaled,
+                   halves=halves)
 
 
 @lru_cache(maxsize=None)
@@ -923,26 +926,29 @@ def pair_folds(dialect: str, C: int, K: int, dual: bool = False, quad: bool = Fa
 
 
 @lru_cache(maxsize=None)
-def pair_whole_layout(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False) -> dict:
+def pair_whole_layout(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False,
+                      halves: bool = False) -> dict:
     """Template constants of ``pair_whole_source``: NB blocks of BS = 16 rows (C a multiple of 16, at most 64: NT =
     4 C threads, 8 a pair of rows), slabs of the widest KS of 32, 16, 8 whose tiles (every X' and Y', Y as it is and
     the decays, C rows at stride LDS = KS + 4: a fragment's 8 rows by 4 columns hit 32 banks) fit the dialect's
-    threadgroup memory, FI fragment items (pair of blocks, 8-column tile) a SIMD group. Raises ValueError where none
-    does or C does not suit."""
+    threadgroup memory (``halves``: X'' and Y'' of half the rows too), FI fragment items (pair of blocks, 8-column
+    tile; ``halves``: and a block's quarter) a SIMD group. Raises ValueError where none does or C does not suit."""
     if C % 16 or not 16 <= C <= 64 or K % 8:
         raise ValueError(f"chunk_pair_whole: C={C} must be 16, 32, 48 or 64 and K={K} a multiple of 8")
     nx, ny = (2 if dual or quad else 1), (2 if quad else 1)
     nb, nt = C // 16, 4 * C
     for ks in (32, 16, 8):
-        if K % ks == 0 and 4 * (C * (ks + 4) * (nx + 2 * ny + 1) + nb * ks) <= get(dialect).smem_bytes:
+        tiles = C * (ks + 4) * (nx + 2 * ny + 1) + nb * ks + (C // 2 * (ks + 4) * (nx + ny) if halves else 0)
+        if K % ks == 0 and 4 * tiles <= get(dialect).smem_bytes:
             return {"BS": 16, "NB": nb, "KS": ks, "LDS": ks + 4, "NT": nt,
-                    "FI": max(1, -(-nb * (nb - 1) // (nt // 32)))}
+                    "FI": max(1, -(-nb * (nb - 1 + halves) // (nt // 32)))}
     raise ValueError(f"chunk_pair_whole: C={C}, K={K} pass {dialect}'s threadgroup memory")
 
 
-def pair_whole_supported(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False) -> bool:
+def pair_whole_supported(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False,
+                         halves: bool = False) -> bool:
     """Whether ``pair_whole_layout`` has a layout for (C, K)."""
-    return has_layout(pair_whole_layout, dialect, C, K, dual, quad)
+    return has_layout(pair_whole_layout, dialect, C, K, dual, quad, halves)
 
 
 @lru_cache(maxsize=None)

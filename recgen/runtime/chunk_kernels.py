@@ -372,18 +372,21 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
 @lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False,
                 mma: bool = False, quad: bool = False, fold: bool = False, scaled: bool = False,
-                whole: bool = False) -> Launch:
+                whole: bool = False, halves: bool = False) -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
     operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
     ``quad``: both with a second Y as well (four pairs); ``mma``: the other blocks' products on fragments
     (``chunk_sources.pair_fragments``); ``fold``: the own block's rows paired, one thread rows t and BS − 1 − t
     (``chunk_sources.pair_folds``); ``scaled``: X read times the scalar Xsc [1] given after the decays; ``whole``
-    (the forward on fragments): a whole chunk a threadgroup (``chunk_sources.pair_whole_source``)."""
+    (the forward on fragments): a whole chunk a threadgroup (``chunk_sources.pair_whole_source``; ``halves``: each
+    block's halves paired on fragments too)."""
+    if halves and not whole:
+        raise ValueError("chunk_pair: halves are the whole-chunk form's")
     if whole:
         if grad or not mma or fold:
             raise ValueError("chunk_pair: a whole chunk a threadgroup is the forward's form on fragments, unfolded")
-        lay = pair_whole_layout(dialect, C, K, dual, quad)
-        src = pair_whole_source(dialect, strict, dual, quad, scaled)
+        lay = pair_whole_layout(dialect, C, K, dual, quad, halves)
+        src = pair_whole_source(dialect, strict, dual, quad, scaled, halves)
         tmpl = (("C", C), ("K", K)) + tuple(lay.items())
         return Launch(src, (("rt", (N,), "int32"),), (((N, C, C), "float32"),) * len(src.outputs),
                       (N * lay["NT"], 1, 1), (lay["NT"], 1, 1), tmpl)
@@ -969,10 +972,11 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
     X = operands[0]
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     whole = not cots and pairs_whole(t, C, K, dual, quad)
+    halves = whole and t.pair_halves and pair_whole_supported(t.dialect, C, K, dual, quad, True)
     launch = pair_launch(t.dialect, N, C, K, strict, grad=bool(cots), dual=dual,
                          mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad,
                          fold=not whole and t.pair_fold and pair_folds(t.dialect, C, K, dual, quad),
-                         scaled=scale is not None, whole=whole)
+                         scaled=scale is not None, whole=whole, halves=halves)
     outs = _call(t, launch, [m.reshape(N, C, C) for m in cots] + [a.reshape(N, C, K) for a in (*operands, dk)]
                  + ([] if scale is None else [mx.array([scale], mx.float32)]))
     shape = X.shape if cots else (*X.shape[:-1], C)

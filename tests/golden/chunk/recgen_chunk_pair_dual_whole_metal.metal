@@ -40,18 +40,18 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   const int warp = tid / 32;
   const int gq = ((lane >> 2) & 4) + ((lane >> 1) & 3);
   const int tq = ((lane >> 2) & 2) + (lane & 1);
-  const int cg = tid % 8, rb = tid / 64, h = (tid / 8) % 8;  // lane cg of block rb's rows h and BS - 1 - h
+  const int cg = tid % 8, rb = tid / 64, s0 = 0, h = (tid / 8) % 8;  // lane cg of block rb's rows h and BS - 1 - h
   const int ta = h, tb = BS - 1 - h;
   float fr_[FI][4];
   for (int q = 0; q < FI; ++q) { fr_[q][0] = 0.0f; fr_[q][1] = 0.0f; fr_[q][2] = 0.0f; fr_[q][3] = 0.0f; }
-  float part[BS + 1];
+  float part[16 + 1];
 #pragma unroll
-  for (int s = 0; s <= BS; ++s) part[s] = 0.0f;
+  for (int s = 0; s <= 16; ++s) part[s] = 0.0f;
   float fr2_[FI][4];
   for (int q = 0; q < FI; ++q) { fr2_[q][0] = 0.0f; fr2_[q][1] = 0.0f; fr2_[q][2] = 0.0f; fr2_[q][3] = 0.0f; }
-  float part2[BS + 1];
+  float part2[16 + 1];
 #pragma unroll
-  for (int s = 0; s <= BS; ++s) part2[s] = 0.0f;
+  for (int s = 0; s <= 16; ++s) part2[s] = 0.0f;
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < 2 * NB * KS; q += NT) {  // one column of one block: forward (pre) or backward (suf)
       const int b = (q / KS) % NB, c = q % KS;
@@ -72,10 +72,11 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
         for (int s = BS - 1; s >= 0; --s) {
           const int64_t at = col + s * K;
+          const float dv = dk[at];
           const float y = static_cast<float>(Y[at]);
           Ys_[(b * BS + s) * LDS + c] = y * p;
           Yd_[(b * BS + s) * LDS + c] = y;
-          p *= dk[at];
+          p *= dv;
         }
       }
     }
@@ -107,25 +108,25 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
         }
       }
     }
-    for (int c = cg; c < KS; c += 8) {             // the own block: carries down from s = ta and from s = tb
+    for (int c = cg; c < KS; c += 8) {             // the own block: carries down from ta and from tb
       float a = static_cast<float>(X[base + (rb * BS + ta) * K + k0 + c]);
       float e = static_cast<float>(X[base + (rb * BS + tb) * K + k0 + c]);
       float a2 = static_cast<float>(X2[base + (rb * BS + ta) * K + k0 + c]);
       float e2 = static_cast<float>(X2[base + (rb * BS + tb) * K + k0 + c]);
 #pragma unroll
-      for (int s = BS - 1; s >= 0; --s) {          // unrolled: part[s] stays in registers
-        const float y = Yd_[(rb * BS + s) * LDS + c];
-        const float dv = Dd_[(rb * BS + s) * LDS + c];
-        if (s <= ta) {
-          part[s] += a * y;
+      for (int j = 16 - 1; j >= 0; --j) {          // s = s0 + j; unrolled: part[j] stays in registers
+        const float y = Yd_[(rb * BS + s0 + j) * LDS + c];
+        const float dv = Dd_[(rb * BS + s0 + j) * LDS + c];
+        if (j <= ta - s0) {
+          part[j] += a * y;
           a *= dv;
-          part2[s] += a2 * y;
+          part2[j] += a2 * y;
           a2 *= dv;
         }
-        if (s <= tb) {
-          part[BS - s] += e * y;
+        if (j <= tb - s0) {
+          part[16 - j] += e * y;
           e *= dv;
-          part2[BS - s] += e2 * y;
+          part2[16 - j] += e2 * y;
           e2 *= dv;
         }
       }
@@ -133,7 +134,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
   }
 #pragma unroll
-  for (int s = 0; s <= BS; ++s)
+  for (int s = 0; s <= 16; ++s)
     for (int m = 4; m > 0; m >>= 1) part[s] += simd_shuffle_xor(part[s], m);
   for (int q = 0; q < FI; ++q) {
     const int it = warp + q * (NT / 32);
@@ -145,17 +146,17 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     }
   }
 #pragma unroll
-  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
-    if ((s & 7) == cg) {
-      M[(chunk * C + rb * BS + ta) * C + rb * BS + s] = s < ta ? part[s] : 0.0f;
-      M[(chunk * C + rb * BS + tb) * C + rb * BS + s] = s < tb ? part[BS - s] : 0.0f;
+  for (int j = 0; j < 16; ++j)  // lane cg writes j = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
+    if ((j & 7) == cg) {
+      M[(chunk * C + rb * BS + ta) * C + rb * BS + s0 + j] = j < ta - s0 ? part[j] : 0.0f;
+      M[(chunk * C + rb * BS + tb) * C + rb * BS + s0 + j] = j < tb - s0 ? part[16 - j] : 0.0f;
     }
-  for (int s = (rb + 1) * BS + cg; s < C; s += 8) {
+  for (int s = rb * BS + s0 + 16 + cg; s < C; s += 8) {
     M[(chunk * C + rb * BS + ta) * C + s] = 0.0f;
     M[(chunk * C + rb * BS + tb) * C + s] = 0.0f;
   }
 #pragma unroll
-  for (int s = 0; s <= BS; ++s)
+  for (int s = 0; s <= 16; ++s)
     for (int m = 4; m > 0; m >>= 1) part2[s] += simd_shuffle_xor(part2[s], m);
   for (int q = 0; q < FI; ++q) {
     const int it = warp + q * (NT / 32);
@@ -167,12 +168,12 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     }
   }
 #pragma unroll
-  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
-    if ((s & 7) == cg) {
-      M2[(chunk * C + rb * BS + ta) * C + rb * BS + s] = s <= ta ? part2[s] : 0.0f;
-      M2[(chunk * C + rb * BS + tb) * C + rb * BS + s] = s <= tb ? part2[BS - s] : 0.0f;
+  for (int j = 0; j < 16; ++j)  // lane cg writes j = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
+    if ((j & 7) == cg) {
+      M2[(chunk * C + rb * BS + ta) * C + rb * BS + s0 + j] = j <= ta - s0 ? part2[j] : 0.0f;
+      M2[(chunk * C + rb * BS + tb) * C + rb * BS + s0 + j] = j <= tb - s0 ? part2[16 - j] : 0.0f;
     }
-  for (int s = (rb + 1) * BS + cg; s < C; s += 8) {
+  for (int s = rb * BS + s0 + 16 + cg; s < C; s += 8) {
     M2[(chunk * C + rb * BS + ta) * C + s] = 0.0f;
     M2[(chunk * C + rb * BS + tb) * C + s] = 0.0f;
   }

@@ -42,28 +42,28 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   const int warp = tid / 32;
   const int gq = ((lane >> 2) & 4) + ((lane >> 1) & 3);
   const int tq = ((lane >> 2) & 2) + (lane & 1);
-  const int cg = tid % 8, rb = tid / 64, h = (tid / 8) % 8;  // lane cg of block rb's rows h and BS - 1 - h
+  const int cg = tid % 8, rb = tid / 64, s0 = 0, h = (tid / 8) % 8;  // lane cg of block rb's rows h and BS - 1 - h
   const int ta = h, tb = BS - 1 - h;
   float fr_[FI][4];
   for (int q = 0; q < FI; ++q) { fr_[q][0] = 0.0f; fr_[q][1] = 0.0f; fr_[q][2] = 0.0f; fr_[q][3] = 0.0f; }
-  float part[BS + 1];
+  float part[16 + 1];
 #pragma unroll
-  for (int s = 0; s <= BS; ++s) part[s] = 0.0f;
+  for (int s = 0; s <= 16; ++s) part[s] = 0.0f;
   float frb_[FI][4];
   for (int q = 0; q < FI; ++q) { frb_[q][0] = 0.0f; frb_[q][1] = 0.0f; frb_[q][2] = 0.0f; frb_[q][3] = 0.0f; }
-  float partb[BS + 1];
+  float partb[16 + 1];
 #pragma unroll
-  for (int s = 0; s <= BS; ++s) partb[s] = 0.0f;
+  for (int s = 0; s <= 16; ++s) partb[s] = 0.0f;
   float fr2_[FI][4];
   for (int q = 0; q < FI; ++q) { fr2_[q][0] = 0.0f; fr2_[q][1] = 0.0f; fr2_[q][2] = 0.0f; fr2_[q][3] = 0.0f; }
-  float part2[BS + 1];
+  float part2[16 + 1];
 #pragma unroll
-  for (int s = 0; s <= BS; ++s) part2[s] = 0.0f;
+  for (int s = 0; s <= 16; ++s) part2[s] = 0.0f;
   float fr2b_[FI][4];
   for (int q = 0; q < FI; ++q) { fr2b_[q][0] = 0.0f; fr2b_[q][1] = 0.0f; fr2b_[q][2] = 0.0f; fr2b_[q][3] = 0.0f; }
-  float part2b[BS + 1];
+  float part2b[16 + 1];
 #pragma unroll
-  for (int s = 0; s <= BS; ++s) part2b[s] = 0.0f;
+  for (int s = 0; s <= 16; ++s) part2b[s] = 0.0f;
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < 2 * NB * KS; q += NT) {  // one column of one block: forward (pre) or backward (suf)
       const int b = (q / KS) % NB, c = q % KS;
@@ -84,13 +84,14 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
         for (int s = BS - 1; s >= 0; --s) {
           const int64_t at = col + s * K;
+          const float dv = dk[at];
           const float y = static_cast<float>(Y[at]);
           Ys_[(b * BS + s) * LDS + c] = y * p;
           Yd_[(b * BS + s) * LDS + c] = y;
           const float yb = static_cast<float>(Yb[at]);
           Ysb_[(b * BS + s) * LDS + c] = yb * p;
           Ydb_[(b * BS + s) * LDS + c] = yb;
-          p *= dk[at];
+          p *= dv;
         }
       }
     }
@@ -125,30 +126,30 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
         }
       }
     }
-    for (int c = cg; c < KS; c += 8) {             // the own block: carries down from s = ta and from s = tb
+    for (int c = cg; c < KS; c += 8) {             // the own block: carries down from ta and from tb
       float a = static_cast<float>(X[base + (rb * BS + ta) * K + k0 + c]);
       float e = static_cast<float>(X[base + (rb * BS + tb) * K + k0 + c]);
       float a2 = static_cast<float>(X2[base + (rb * BS + ta) * K + k0 + c]);
       float e2 = static_cast<float>(X2[base + (rb * BS + tb) * K + k0 + c]);
 #pragma unroll
-      for (int s = BS - 1; s >= 0; --s) {          // unrolled: part[s] stays in registers
-        const float y = Yd_[(rb * BS + s) * LDS + c];
-        const float yb = Ydb_[(rb * BS + s) * LDS + c];
-        const float dv = Dd_[(rb * BS + s) * LDS + c];
-        if (s <= ta) {
-          part[s] += a * y;
-          partb[s] += a * yb;
+      for (int j = 16 - 1; j >= 0; --j) {          // s = s0 + j; unrolled: part[j] stays in registers
+        const float y = Yd_[(rb * BS + s0 + j) * LDS + c];
+        const float yb = Ydb_[(rb * BS + s0 + j) * LDS + c];
+        const float dv = Dd_[(rb * BS + s0 + j) * LDS + c];
+        if (j <= ta - s0) {
+          part[j] += a * y;
+          partb[j] += a * yb;
           a *= dv;
-          part2[s] += a2 * y;
-          part2b[s] += a2 * yb;
+          part2[j] += a2 * y;
+          part2b[j] += a2 * yb;
           a2 *= dv;
         }
-        if (s <= tb) {
-          part[BS - s] += e * y;
-          partb[BS - s] += e * yb;
+        if (j <= tb - s0) {
+          part[16 - j] += e * y;
+          partb[16 - j] += e * yb;
           e *= dv;
-          part2[BS - s] += e2 * y;
-          part2b[BS - s] += e2 * yb;
+          part2[16 - j] += e2 * y;
+          part2b[16 - j] += e2 * yb;
           e2 *= dv;
         }
       }
@@ -156,7 +157,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
   }
 #pragma unroll
-  for (int s = 0; s <= BS; ++s)
+  for (int s = 0; s <= 16; ++s)
     for (int m = 4; m > 0; m >>= 1) part[s] += simd_shuffle_xor(part[s], m);
   for (int q = 0; q < FI; ++q) {
     const int it = warp + q * (NT / 32);
@@ -168,17 +169,17 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     }
   }
 #pragma unroll
-  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
-    if ((s & 7) == cg) {
-      M[(chunk * C + rb * BS + ta) * C + rb * BS + s] = s < ta ? part[s] : 0.0f;
-      M[(chunk * C + rb * BS + tb) * C + rb * BS + s] = s < tb ? part[BS - s] : 0.0f;
+  for (int j = 0; j < 16; ++j)  // lane cg writes j = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
+    if ((j & 7) == cg) {
+      M[(chunk * C + rb * BS + ta) * C + rb * BS + s0 + j] = j < ta - s0 ? part[j] : 0.0f;
+      M[(chunk * C + rb * BS + tb) * C + rb * BS + s0 + j] = j < tb - s0 ? part[16 - j] : 0.0f;
     }
-  for (int s = (rb + 1) * BS + cg; s < C; s += 8) {
+  for (int s = rb * BS + s0 + 16 + cg; s < C; s += 8) {
     M[(chunk * C + rb * BS + ta) * C + s] = 0.0f;
     M[(chunk * C + rb * BS + tb) * C + s] = 0.0f;
   }
 #pragma unroll
-  for (int s = 0; s <= BS; ++s)
+  for (int s = 0; s <= 16; ++s)
     for (int m = 4; m > 0; m >>= 1) partb[s] += simd_shuffle_xor(partb[s], m);
   for (int q = 0; q < FI; ++q) {
     const int it = warp + q * (NT / 32);
@@ -190,17 +191,17 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     }
   }
 #pragma unroll
-  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
-    if ((s & 7) == cg) {
-      Mb[(chunk * C + rb * BS + ta) * C + rb * BS + s] = s < ta ? partb[s] : 0.0f;
-      Mb[(chunk * C + rb * BS + tb) * C + rb * BS + s] = s < tb ? partb[BS - s] : 0.0f;
+  for (int j = 0; j < 16; ++j)  // lane cg writes j = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
+    if ((j & 7) == cg) {
+      Mb[(chunk * C + rb * BS + ta) * C + rb * BS + s0 + j] = j < ta - s0 ? partb[j] : 0.0f;
+      Mb[(chunk * C + rb * BS + tb) * C + rb * BS + s0 + j] = j < tb - s0 ? partb[16 - j] : 0.0f;
     }
-  for (int s = (rb + 1) * BS + cg; s < C; s += 8) {
+  for (int s = rb * BS + s0 + 16 + cg; s < C; s += 8) {
     Mb[(chunk * C + rb * BS + ta) * C + s] = 0.0f;
     Mb[(chunk * C + rb * BS + tb) * C + s] = 0.0f;
   }
 #pragma unroll
-  for (int s = 0; s <= BS; ++s)
+  for (int s = 0; s <= 16; ++s)
     for (int m = 4; m > 0; m >>= 1) part2[s] += simd_shuffle_xor(part2[s], m);
   for (int q = 0; q < FI; ++q) {
     const int it = warp + q * (NT / 32);
@@ -212,17 +213,17 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     }
   }
 #pragma unroll
-  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
-    if ((s & 7) == cg) {
-      M2[(chunk * C + rb * BS + ta) * C + rb * BS + s] = s <= ta ? part2[s] : 0.0f;
-      M2[(chunk * C + rb * BS + tb) * C + rb * BS + s] = s <= tb ? part2[BS - s] : 0.0f;
+  for (int j = 0; j < 16; ++j)  // lane cg writes j = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
+    if ((j & 7) == cg) {
+      M2[(chunk * C + rb * BS + ta) * C + rb * BS + s0 + j] = j <= ta - s0 ? part2[j] : 0.0f;
+      M2[(chunk * C + rb * BS + tb) * C + rb * BS + s0 + j] = j <= tb - s0 ? part2[16 - j] : 0.0f;
     }
-  for (int s = (rb + 1) * BS + cg; s < C; s += 8) {
+  for (int s = rb * BS + s0 + 16 + cg; s < C; s += 8) {
     M2[(chunk * C + rb * BS + ta) * C + s] = 0.0f;
     M2[(chunk * C + rb * BS + tb) * C + s] = 0.0f;
   }
 #pragma unroll
-  for (int s = 0; s <= BS; ++s)
+  for (int s = 0; s <= 16; ++s)
     for (int m = 4; m > 0; m >>= 1) part2b[s] += simd_shuffle_xor(part2b[s], m);
   for (int q = 0; q < FI; ++q) {
     const int it = warp + q * (NT / 32);
@@ -234,12 +235,12 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     }
   }
 #pragma unroll
-  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
-    if ((s & 7) == cg) {
-      M2b[(chunk * C + rb * BS + ta) * C + rb * BS + s] = s <= ta ? part2b[s] : 0.0f;
-      M2b[(chunk * C + rb * BS + tb) * C + rb * BS + s] = s <= tb ? part2b[BS - s] : 0.0f;
+  for (int j = 0; j < 16; ++j)  // lane cg writes j = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
+    if ((j & 7) == cg) {
+      M2b[(chunk * C + rb * BS + ta) * C + rb * BS + s0 + j] = j <= ta - s0 ? part2b[j] : 0.0f;
+      M2b[(chunk * C + rb * BS + tb) * C + rb * BS + s0 + j] = j <= tb - s0 ? part2b[16 - j] : 0.0f;
     }
-  for (int s = (rb + 1) * BS + cg; s < C; s += 8) {
+  for (int s = rb * BS + s0 + 16 + cg; s < C; s += 8) {
     M2b[(chunk * C + rb * BS + ta) * C + s] = 0.0f;
     M2b[(chunk * C + rb * BS + tb) * C + s] = 0.0f;
   }

@@ -40,13 +40,13 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   const int warp = tid / 32;
   const int gq = ((lane >> 2) & 4) + ((lane >> 1) & 3);
   const int tq = ((lane >> 2) & 2) + (lane & 1);
-  const int cg = tid % 8, rb = tid / 64, h = (tid / 8) % 8;  // lane cg of block rb's rows h and BS - 1 - h
+  const int cg = tid % 8, rb = tid / 64, s0 = 0, h = (tid / 8) % 8;  // lane cg of block rb's rows h and BS - 1 - h
   const int ta = h, tb = BS - 1 - h;
   float fr_[FI][4];
   for (int q = 0; q < FI; ++q) { fr_[q][0] = 0.0f; fr_[q][1] = 0.0f; fr_[q][2] = 0.0f; fr_[q][3] = 0.0f; }
-  float part[BS + 1];
+  float part[16 + 1];
 #pragma unroll
-  for (int s = 0; s <= BS; ++s) part[s] = 0.0f;
+  for (int s = 0; s <= 16; ++s) part[s] = 0.0f;
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < 2 * NB * KS; q += NT) {  // one column of one block: forward (pre) or backward (suf)
       const int b = (q / KS) % NB, c = q % KS;
@@ -66,10 +66,11 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
 #pragma unroll
         for (int s = BS - 1; s >= 0; --s) {
           const int64_t at = col + s * K;
+          const float dv = dk[at];
           const float y = static_cast<float>(Y[at]);
           Ys_[(b * BS + s) * LDS + c] = y * p;
           Yd_[(b * BS + s) * LDS + c] = y;
-          p *= dk[at];
+          p *= dv;
         }
       }
     }
@@ -97,19 +98,19 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
         }
       }
     }
-    for (int c = cg; c < KS; c += 8) {             // the own block: carries down from s = ta and from s = tb
+    for (int c = cg; c < KS; c += 8) {             // the own block: carries down from ta and from tb
       float a = static_cast<float>(X[base + (rb * BS + ta) * K + k0 + c]) * xsc;
       float e = static_cast<float>(X[base + (rb * BS + tb) * K + k0 + c]) * xsc;
 #pragma unroll
-      for (int s = BS - 1; s >= 0; --s) {          // unrolled: part[s] stays in registers
-        const float y = Yd_[(rb * BS + s) * LDS + c];
-        const float dv = Dd_[(rb * BS + s) * LDS + c];
-        if (s <= ta) {
-          part[s] += a * y;
+      for (int j = 16 - 1; j >= 0; --j) {          // s = s0 + j; unrolled: part[j] stays in registers
+        const float y = Yd_[(rb * BS + s0 + j) * LDS + c];
+        const float dv = Dd_[(rb * BS + s0 + j) * LDS + c];
+        if (j <= ta - s0) {
+          part[j] += a * y;
           a *= dv;
         }
-        if (s <= tb) {
-          part[BS - s] += e * y;
+        if (j <= tb - s0) {
+          part[16 - j] += e * y;
           e *= dv;
         }
       }
@@ -117,7 +118,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
   }
 #pragma unroll
-  for (int s = 0; s <= BS; ++s)
+  for (int s = 0; s <= 16; ++s)
     for (int m = 4; m > 0; m >>= 1) part[s] += simd_shuffle_xor(part[s], m);
   for (int q = 0; q < FI; ++q) {
     const int it = warp + q * (NT / 32);
@@ -129,12 +130,12 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
     }
   }
 #pragma unroll
-  for (int s = 0; s < BS; ++s)  // lane cg writes s = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
-    if ((s & 7) == cg) {
-      M[(chunk * C + rb * BS + ta) * C + rb * BS + s] = s <= ta ? part[s] : 0.0f;
-      M[(chunk * C + rb * BS + tb) * C + rb * BS + s] = s <= tb ? part[BS - s] : 0.0f;
+  for (int j = 0; j < 16; ++j)  // lane cg writes j = cg, cg + 8 of rows ta and tb: constant indices, so part is registers
+    if ((j & 7) == cg) {
+      M[(chunk * C + rb * BS + ta) * C + rb * BS + s0 + j] = j <= ta - s0 ? part[j] : 0.0f;
+      M[(chunk * C + rb * BS + tb) * C + rb * BS + s0 + j] = j <= tb - s0 ? part[16 - j] : 0.0f;
     }
-  for (int s = (rb + 1) * BS + cg; s < C; s += 8) {
+  for (int s = rb * BS + s0 + 16 + cg; s < C; s += 8) {
     M[(chunk * C + rb * BS + ta) * C + s] = 0.0f;
     M[(chunk * C + rb * BS + tb) * C + s] = 0.0f;
   }
