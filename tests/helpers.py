@@ -148,8 +148,9 @@ def chunk_launches(target: str) -> list:
     launches = ([ck.inverse_launch(target, 8, 64)] + [ck.decays_launch(target, 8, 64, 128, pe) for pe in (False, True)]
                 + [ck.decays_launch(target, 8, 64, 128, False, ("Q",))]  # kda's and gla's, with u ⊙ Q
                 + [ck.decays_launch(target, 8, 64, 128, False, ("Q",), q=False)]  # ... their forward's, P without Q
-                + [ck.decays_launch(target, 8, 64, 128, False, ("Q",), q=False, yt="bfloat16")]  # ... GLA's, u ⊙ Q in bf16
-                + [ck.decays_launch(target, 8, 64, 128, False, ("Q", "P"), yt="bfloat16")]  # ... its backward's, r ⊙ P too
+                # ... GLA's, u ⊙ Q in bf16, and its backward's, r ⊙ P too (``Tuning.key_scaled_16bit``)
+                + [ck.decays_launch(target, 8, 64, 128, False, ("Q",), q=False, yt="bfloat16")]
+                + [ck.decays_launch(target, 8, 64, 128, False, ("Q", "P"), yt="bfloat16")]
                 + [ck.decays_launch(target, 8, 64, 1, False, ("Q",), d=False)]  # GDN's, with f ⊙ Q (lanes)
                 + [ck.decays_launch(target, 8, 64, 128, pe, ("Q", "Q", "P"), False) for pe in (True, False)]  # RWKV-7's
                 + [x for e in (False, True) for x in scans(1, e=e, reverse=e)]

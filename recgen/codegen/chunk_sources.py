@@ -224,9 +224,9 @@ def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bo
     """A decay's geometry from its log-decays l [N, C, F] (template constants C, F and U or E, NT): G [N, F], the
     chunk's decay; with ``d`` the per-token decays D; with ``pq`` P and Q from sums anchored at the chunk's start and
     end; ``before``: also Pe_t = P_{t-1} (Pe_0 = 1). ``scaled``: one of "P", "Q", "Pe" for each role X_i [N, C, F] given
-    (any float type), Y_i = X_i ⊙ that decay in float32 (``yt``: in type YT, a template constant). ``lanes`` (F = 1): a SIMD group a chunk (template constant
-    E = ceil(C / 32), its tokens a lane), else a thread a (chunk, column), U tokens' loads at a time. ``q`` off (with
-    ``pq``): P without Q (a forward that reads no Q)."""
+    (any float type), Y_i = X_i ⊙ that decay in float32 (``yt``: in type YT, a template constant). ``lanes``
+    (F = 1): a SIMD group a chunk (template constant E = ceil(C / 32), its tokens a lane), else a thread a (chunk,
+    column), U tokens' loads at a time. ``q`` off (with ``pq``): P without Q (a forward that reads no Q)."""
     if any(w not in ("P", "Q", "Pe") for w in scaled):
         raise ValueError(f"decays: scaled roles take P, Q or Pe, not {scaled}")
     xs = tuple(f"X{i}" for i in range(len(scaled)))
