@@ -434,6 +434,14 @@ def _pair_operands(dual: bool, quad: bool) -> tuple[tuple, tuple]:
     return ("X", "X2") if dual or quad else ("X",), ("Y", "Yb") if quad else ("Y",)
 
 
+def _pair_forward_io(dual: bool, quad: bool, scaled: bool) -> tuple[tuple, tuple]:
+    """(inputs, outputs) of the forward pair kernels, both forms: every X and Y, the decays, X's scale where
+    ``scaled``, the chunk count; a pair M for each (Y, X)."""
+    xs, ys = _pair_operands(dual, quad)
+    return (xs + ys + ("dk",) + (("Xsc",) if scaled else ()) + ("rt",),
+            tuple("M" + x[1:] + y[1:] for y in ys for x in xs))
+
+
 @lru_cache(maxsize=None)
 def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False, quad: bool = False,
                 fold: bool = False, scaled: bool = False) -> KernelSource:
@@ -443,10 +451,8 @@ def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = Fals
     ``fold``: the own block's rows t and BS − 1 − t carried by one thread (BS even: ``pair_folds``); ``scaled``: X
     read times a scalar Xsc[0] (the readout's rfac: M of rfac·r, no pass over M after)."""
     d = get(dialect)
-    xs, ys = _pair_operands(dual, quad)
-    outs = tuple("M" + x[1:] + y[1:] for y in ys for x in xs)
+    ins, outs = _pair_forward_io(dual, quad, scaled)
     kind = "pair" + _pair_suffix(strict, dual, quad, mma, fold) + ("_xs" if scaled else "")
-    ins = xs + ys + ("dk",) + (("Xsc",) if scaled else ()) + ("rt",)
     return _source(d, "chunk_pair.j2", kind, "key-vector decay pair matrix of a chunk", ins, outs,
                    (), helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad,
                    fold=fold, xs=scaled)
@@ -460,11 +466,9 @@ def pair_whole_source(dialect: str, strict: bool, dual: bool = False, quad: bool
     fragments, the blocks between applied as A is read (template constants of ``pair_whole_layout``); ``halves``:
     each block's second half against its first on fragments too, the carries within the halves only."""
     d = get(dialect)
-    xs, ys = _pair_operands(dual, quad)
-    outs = tuple("M" + x[1:] + y[1:] for y in ys for x in xs)
+    ins, outs = _pair_forward_io(dual, quad, scaled)
     kind = ("pair" + _pair_suffix(strict, dual, quad, False, False) + "_whole" + ("_h8" if halves else "")
             + ("_xs" if scaled else ""))
-    ins = xs + ys + ("dk",) + (("Xsc",) if scaled else ()) + ("rt",)
     return _source(d, "chunk_pair_whole.j2", kind, "key-vector decay pair matrix of a chunk, one threadgroup a chunk",
                    ins, outs, (), helpers=d.mma_prelude, strict=strict, dual=dual or quad, quad=quad, xs=scaled,
                    halves=halves)

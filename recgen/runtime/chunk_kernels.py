@@ -387,20 +387,18 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
             raise ValueError("chunk_pair: a whole chunk a threadgroup is the forward's form on fragments, unfolded")
         lay = pair_whole_layout(dialect, C, K, dual, quad, halves)
         src = pair_whole_source(dialect, strict, dual, quad, scaled, halves)
-        tmpl = (("C", C), ("K", K)) + tuple(lay.items())
-        return Launch(src, (("rt", (N,), "int32"),), (((N, C, C), "float32"),) * len(src.outputs),
-                      (N * lay["NT"], 1, 1), (lay["NT"], 1, 1), tmpl)
-    lay = dict(pair_layout(dialect, C, K, dual, quad))
-    if mma and not pair_fragments(dialect, C, K, dual, quad):
-        raise ValueError(f"chunk_pair: fragments need blocks of 16 tokens, C a multiple of 16 (C={C})")
-    if fold and not pair_folds(dialect, C, K, dual, quad):
-        raise ValueError(f"chunk_pair: folded rows need an even block of rows (C={C})")
-    if mma and not grad:
-        lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
-    src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma, quad, fold, scaled)
-    groups = N * lay["NB"] * (2 if grad else 1)
-    nout = len(src.outputs)
-    outs = (((N, C, K) if grad else (N, C, C), "float32"),) * nout
+        groups = N
+    else:
+        lay = dict(pair_layout(dialect, C, K, dual, quad))
+        if mma and not pair_fragments(dialect, C, K, dual, quad):
+            raise ValueError(f"chunk_pair: fragments need blocks of 16 tokens, C a multiple of 16 (C={C})")
+        if fold and not pair_folds(dialect, C, K, dual, quad):
+            raise ValueError(f"chunk_pair: folded rows need an even block of rows (C={C})")
+        if mma and not grad:
+            lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
+        src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma, quad, fold, scaled)
+        groups = N * lay["NB"] * (2 if grad else 1)
+    outs = (((N, C, K) if grad else (N, C, C), "float32"),) * len(src.outputs)
     tmpl = (("C", C), ("K", K)) + tuple(lay.items())
     return Launch(src, (("rt", (N,), "int32"),), outs, (groups * lay["NT"], 1, 1), (lay["NT"], 1, 1), tmpl)
 

@@ -215,7 +215,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       if (it < NB * (NB - 1)) {                    // the same for every lane of the group
         int J = it / 2, I = 1;
         while (J >= I) { J -= I; ++I; }
-        const int s0 = J * BS + 8 * (it % 2);
+        const int c0 = J * BS + 8 * (it % 2);      // the tile's first column
 #pragma unroll
         for (int k8 = 0; k8 < KS; k8 += 8) {
           float w_[4] = {1.0f, 1.0f, 1.0f, 1.0f};  // w_JI at each A element's key column
@@ -225,7 +225,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
             w_[2] *= Tot_[m * KS + k8 + tq + 4];
             w_[3] *= Tot_[m * KS + k8 + tq + 4];
           }
-          const float b_[2] = {Ys_[(s0 + gq) * LDS + k8 + tq], Ys_[(s0 + gq) * LDS + k8 + tq + 4]};
+          const float b_[2] = {Ys_[(c0 + gq) * LDS + k8 + tq], Ys_[(c0 + gq) * LDS + k8 + tq + 4]};
           {
             const float a_[4] = {Xs_[(I * BS + gq) * LDS + k8 + tq] * w_[0], Xs_[(I * BS + gq + 8) * LDS + k8 + tq] * w_[1], Xs_[(I * BS + gq) * LDS + k8 + tq + 4] * w_[2], Xs_[(I * BS + gq + 8) * LDS + k8 + tq + 4] * w_[3]};
             rg_mma(fr_[q], a_, b_, lane);

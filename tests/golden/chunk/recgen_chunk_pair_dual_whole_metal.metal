@@ -86,7 +86,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       if (it < NB * (NB - 1)) {                    // the same for every lane of the group
         int J = it / 2, I = 1;
         while (J >= I) { J -= I; ++I; }
-        const int s0 = J * BS + 8 * (it % 2);
+        const int c0 = J * BS + 8 * (it % 2);      // the tile's first column
 #pragma unroll
         for (int k8 = 0; k8 < KS; k8 += 8) {
           float w_[4] = {1.0f, 1.0f, 1.0f, 1.0f};  // w_JI at each A element's key column
@@ -96,7 +96,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
             w_[2] *= Tot_[m * KS + k8 + 2 * tq];
             w_[3] *= Tot_[m * KS + k8 + 2 * tq + 1];
           }
-          const float b_[2] = {Ys_[(s0 + 2 * tq) * LDS + k8 + gq], Ys_[(s0 + 2 * tq + 1) * LDS + k8 + gq]};
+          const float b_[2] = {Ys_[(c0 + 2 * tq) * LDS + k8 + gq], Ys_[(c0 + 2 * tq + 1) * LDS + k8 + gq]};
           {
             const float a_[4] = {Xs_[(I * BS + gq) * LDS + k8 + 2 * tq] * w_[0], Xs_[(I * BS + gq) * LDS + k8 + 2 * tq + 1] * w_[1], Xs_[(I * BS + gq + 8) * LDS + k8 + 2 * tq] * w_[2], Xs_[(I * BS + gq + 8) * LDS + k8 + 2 * tq + 1] * w_[3]};
             rg_mma(fr_[q], a_, b_, lane);
