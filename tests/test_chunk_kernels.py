@@ -675,10 +675,10 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, on, monkeypatch):
     threadgroup (``Tuning.pair_whole``: GLA's single pair read times the readout's scale, KDA's dual; RWKV-7's quad
     a block of rows, measured slower whole); without a delta rule (GLA) the decays' pass writes u ⊙ Q in bf16, the
     states' type, and the A-free forward scan takes it on the wide multiply-add (no row scales, a decay per key);
-    every decays' pass reads the log-decay in its input's bf16 (no float32 cast). ``on`` (the choices built but not
-    yet timed on a GPU, off in CUDA's table): ``Tuning.key_scaled_16bit`` (the backward's decays' pass writes u ⊙ Q
-    and r ⊙ P in bf16 too, and the reverse scan takes them on the wide multiply-add) and ``Tuning.pair_halves`` (the
-    whole-chunk pairs' halves on fragments)."""
+    every decays' pass reads the log-decay in its input's bf16 (no float32 cast); the backward's decays' pass writes
+    u ⊙ Q and r ⊙ P in bf16 too and the reverse scan takes them on the wide multiply-add (``Tuning.key_scaled_16bit``,
+    on in CUDA's table; ``on`` False turns it off). ``on`` True adds ``Tuning.pair_halves`` (the whole-chunk pairs'
+    halves on fragments: measured no faster, off in the table)."""
     pytest.importorskip("mlx.core")
     import mlx.core as mx
     from recgen import specs
