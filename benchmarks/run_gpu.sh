@@ -55,7 +55,7 @@ for stage in "$@"; do
     bench) for shape in $SHAPES; do bench bench $shape; done ;;             # recgen alone, every spec and shape
     bench:*) bench bench ${stage#bench:} ;;                                  # recgen alone at one shape
     bench-compiled:*) bench bench_compiled ${stage#bench-compiled:} --compiled ;;  # each call compiled
-    bench-fla:*) BENCH_TIMEOUT=${BENCH_TIMEOUT:-330} bench bench_fla ${stage#bench-fla:} --baseline fla ;;  # + FLA
+    bench-fla:*) BENCH_TIMEOUT=${BENCH_TIMEOUT:-330} bench bench_fla ${stage#bench-fla:} --baseline fla $BENCH_ARGS ;;  # + FLA
     bench-extra) SPECS=selective_scan bench bench_extra 4,4096,24,16,64     # 1536 channels, 16 state rows
                  SPECS=power_retention bench bench_extra 2,4096,8,64 ;;  # the kernel identity's chunk kernels
     mlx-lm) timeout 300 python benchmarks/bench_mlx_lm.py --T 2048 --layers 4 --reps 3 --dtype bfloat16 --floor \

@@ -28,6 +28,9 @@ def add_bench(p: argparse.ArgumentParser) -> None:
                    "steps chained through the state, pipelined as a generate loop)")
     p.add_argument("--baseline", default="", help="comma list of naive (the per-token MLX loop), fla (FLA, "
                                                    "torch in a separate process)")
+    p.add_argument("--fla-timeout", type=float, default=None, metavar="S",
+                   help="seconds the FLA worker may take, its Triton autotuning included (default: "
+                        "recgen.bench.FLA_TIMEOUT_S, 270)")
     p.add_argument("--repeat", type=int, help="chained calls a round (default: enough for ~0.25 s)")
     p.add_argument("--compiled", action="store_true", help="each call as one mx.compile'd function, as a compiled "
                                                              "training step runs it (FLA runs eager either way)")
@@ -45,6 +48,8 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
     shape = shape.with_key_heads(args.key_heads)
     passes, baselines = _csv(args.passes), _csv(args.baseline)
     bench.check_args(passes, baselines, args.dtype, args.backend)
+    if args.fla_timeout is not None and args.fla_timeout <= 0:
+        raise ValueError(f"--fla-timeout: expected a positive number of seconds, got {args.fla_timeout}")
     labels = bench.plan(passes, baselines)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TimeElapsedColumn())
@@ -59,7 +64,7 @@ def cmd_bench(args: argparse.Namespace, console: Console) -> int:
             progress.update(task, description=f"{rec.name} {shape.text()}: {label}")
 
         result = bench.run(rec, shape, args.dtype, args.backend, passes, baselines, args.repeat, on_step,
-                           compiled=args.compiled)
+                           fla_timeout=args.fla_timeout or bench.FLA_TIMEOUT_S, compiled=args.compiled)
         progress.update(task, completed=len(labels))
     console.print(header(result))
     console.print(table(result, baselines))

@@ -185,6 +185,9 @@ class Tuning:
     #                                 then within 8-token halves (9 steps a column a pair of rows, where 17 were): the
     #                                 carries were most of that kernel's issue slots. H200, 4,4096,16,128, forward:
     #                                 GLA 1.121 -> 1.118 ms, KDA 2.414 -> 2.453 (a slower kernel, more registers): off
+    pair_grad_async: bool = False   # ... the gradients' raw rows (decays and operands) copied to threadgroup memory a
+    #                                 slab ahead by the dialect's 16-byte copies (CUDA's cp.async), not read by each
+    #                                 walk from the kernel's buffers: the loads were most of that kernel's time
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     l2_prefetch: bool = False       # a scalar decay's fragment readout and UT transform hint each staging step's
     #                                 next block into L2 (where the dialect has a prefetch) while they multiply this one
@@ -327,6 +330,7 @@ ENVIRONMENT = {
     "RECGEN_PAIR_FOLD": ("pair_fold", _flag),
     "RECGEN_PAIR_WHOLE": ("pair_whole", _flag),
     "RECGEN_PAIR_HALVES": ("pair_halves", _flag),
+    "RECGEN_PAIR_GRAD_ASYNC": ("pair_grad_async", _flag),
     "RECGEN_FACTOR_READS": ("factor_reads", _flag),
     "RECGEN_KEY_FACTOR_READS": ("key_factor_reads", _flag),
     "RECGEN_MODEL_ROWS": ("model_rows", _flag),

@@ -173,6 +173,8 @@ def chunk_launches(target: str) -> list:
                                   fold=True) for grad in (False, True) for q in (False, True)]  # rows folded
                 + [ck.pair_launch(target, 8, 64, 128, False, grad, mma=True, fold=True, scaled=True)
                    for grad in (False, True)]  # GLA's: r read times the readout's scale
+                + [ck.pair_launch(target, 8, 64, 128, False, True, mma=True, fold=True, scaled=True,
+                                  types=("bfloat16",) * 2)]  # ... its gradient's slabs copied ahead
                 + [ck.pair_launch(target, 8, 64, 128, s, dual=d, quad=q, mma=True, scaled=not d, whole=True)
                    for s, d, q in ((False, False, False), (True, True, False), (True, True, True))]  # a chunk a group
                 + [ck.pair_launch(target, 8, 64, 128, s, dual=d, mma=True, scaled=not d, whole=True, halves=True)

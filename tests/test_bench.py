@@ -190,6 +190,8 @@ def test_cli_rejects_bad_arguments():
     assert code == 2 and "--shape" in err
     code, out, err = run_cli("bench", "simple_gla", "--passes", "fwd,backward")
     assert code == 2 and "--passes" in err
+    code, out, err = run_cli("bench", "simple_gla", "--shape", "1,8,2,8", "--fla-timeout", "0")
+    assert code == 2 and "--fla-timeout" in err
 
 
 def test_bench_is_registered():

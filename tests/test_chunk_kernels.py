@@ -678,7 +678,8 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, on, monkeypatch):
     every decays' pass reads the log-decay in its input's bf16 (no float32 cast); the backward's decays' pass writes
     u ⊙ Q and r ⊙ P in bf16 too and the reverse scan takes them on the wide multiply-add (``Tuning.key_scaled_16bit``,
     on in CUDA's table; ``on`` False turns it off). ``on`` True adds ``Tuning.pair_halves`` (the whole-chunk pairs'
-    halves on fragments: measured no faster, off in the table)."""
+    halves on fragments: measured no faster, off in the table) and ``Tuning.pair_grad_async`` (the pair gradients'
+    slabs copied to threadgroup memory a slab ahead, where they fit)."""
     pytest.importorskip("mlx.core")
     import mlx.core as mx
     from recgen import specs
@@ -694,12 +695,14 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, on, monkeypatch):
     monkeypatch.setattr(ck, "mlx_call", call)
     t = dataclasses.replace(tuning.resolve("gpu", "cuda", environ={}), dialect="metal_ptx", device="cpu",
                             kernel_cache=None, replay_graphs=False, compile=False, key_scaled_16bit=on,
-                            pair_halves=on)
+                            pair_halves=on, pair_grad_async=on)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=32, K=32, V=32, seed=4, tuning=t, in_dtype=mx.bfloat16),
                  1e-2, 1e-2)
     ran = {c.split("_metal")[0] for c in calls}
     assert kinds <= ran, ran
     assert not any("_whole" in c and "_quad" in c for c in ran), ran
+    copied = {c for c in ran if c.startswith("recgen_chunk_pair_grad") and c.endswith("_async")}
+    assert bool(copied) == (on and name != "rwkv7"), ran  # (RWKV-7's float quad slabs pass Metal's 32 KiB)
     assert decays and set(decays) == {mx.bfloat16}, decays  # the log-decay as given (``Tuning.logdecay_16bit``)
 
 
@@ -2017,6 +2020,53 @@ def test_pair_kernels_a_whole_chunk_a_threadgroup(frame, C, K, strict, dual, qua
         ck.pair_launch(frame, N, C, K, strict, grad=True, mma=True, whole=True)
     with pytest.raises(ValueError, match="halves are the whole-chunk form's"):
         ck.pair_launch(frame, N, C, K, strict, mma=True, halves=True)
+
+
+@pytest.mark.parametrize("frame,mma,fold,C,K,strict,dual,quad,bf16,scaled", [
+    ("metal_ptx", True, True, 64, 96, True, False, False, True, True),    # GLA's: bf16 r and k, three slabs
+    ("metal", True, True, 48, 64, False, False, False, False, False),     # float operands, blocks between
+    ("metal", False, False, 64, 64, True, False, False, True, False),     # plain own blocks and products
+    ("metal_ptx", True, True, 32, 64, True, True, False, False, False),   # KDA's dual
+    ("metal", True, False, 32, 96, False, True, True, True, False),       # RWKV-7's quad, bf16
+    ("metal_ptx", True, True, 16, 32, False, False, False, True, True)])  # one block, one slab: no copy ahead
+@pytest.mark.parametrize("sanitizer", [None, "address"])
+def test_pair_gradients_copy_their_slabs_ahead(frame, mma, fold, C, K, strict, dual, quad, bf16, scaled, sanitizer):
+    """``types`` (``Tuning.pair_grad_async``): the pair gradients with each slab's raw rows (decays and operands, in
+    their own types) copied to threadgroup memory a slab ahead by 16-byte copies, the walks reading them there:
+    the same sums in the same order as the kernels reading their buffers, so bit for bit their results, and against
+    float64; single (X read scaled), dual, quad, on fragments and plain, folded or not, both lane layouts, one slab
+    to three, decays down to e^-20 and some exactly 0, plain and under ASan+UBSan. Sizes past the threadgroup memory
+    have no such layout; the forward has no such form."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(C + K + 2 * strict + 4 * dual + 8 * quad)
+    N, c = 2, (0.125 if scaled else 1.0)
+    ops = {n: rng.normal(size=(N, C, K)).astype(np.float32) for n in ("X", "X2", "Y", "Yb")}
+    if bf16:  # the values the kernels see: bf16 inputs widened
+        ops = {n: np.asarray(mx.array(a).astype(mx.bfloat16).astype(mx.float32)) for n, a in ops.items()}
+    names = ["X"] + (["X2"] if dual else []) + ["Y"] + (["Yb"] if quad else [])
+    types = ("bfloat16" if bf16 else "float32",) * len(names)
+    dk = _pair_decays(rng, N, C, K)
+    ins = {n: (mx.array(ops[n]).astype(mx.bfloat16) if bf16 else ops[n]) for n in names} | {"dk": dk}
+    ins |= {"Xsc": np.array([c], np.float32)} if scaled else {}
+    xs, ys = ["X", "X2"][:1 + dual], ["Y", "Yb"][:1 + quad]
+    cots = {"dM" + x[1:] + y[1:]: rng.normal(size=(N, C, C)).astype(np.float32) for y in ys for x in xs}
+    form = dict(grad=True, dual=dual, quad=quad, mma=mma, fold=fold, scaled=scaled)
+    launch = ck.pair_launch(frame, N, C, K, strict, types=types, **form)
+    assert launch.source.name.split(f"_{frame}_")[0].endswith("_async")
+    got = verify.run_launch(launch, ins | cots, sanitizer=sanitizer)
+    for a, b in zip(got, verify.run_launch(ck.pair_launch(frame, N, C, K, strict, **form), ins | cots)):
+        assert np.array_equal(a, b)
+    per_y = [_pair_grads_ref([((c if x == "X" else 1.0) * ops[x], cots["dM" + x[1:] + y[1:]], strict and x == "X")
+                              for x in xs], ops[y], dk) for y in ys]
+    wants = [sum(g[0][i] for g in per_y) for i in range(len(xs))] + [g[1] for g in per_y]
+    for a, want in zip(got, wants):
+        assert _rel(a, want) < 1e-5, _rel(a, want)
+    assert not cs.pair_grad_async_supported(frame, 64, 128, True, True, (4, 4, 4, 4))  # past 32 KiB
+    with pytest.raises(ValueError, match="threadgroup memory"):
+        ck.pair_launch(frame, N, 64, 128, strict, grad=True, dual=True, quad=True, types=("float32",) * 4)
+    with pytest.raises(ValueError, match="gradients' form"):
+        ck.pair_launch(frame, N, C, K, strict, types=types[:2])
 
 
 @pytest.mark.parametrize("frame", FRAGMENT_LAYOUTS)

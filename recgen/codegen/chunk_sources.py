@@ -476,21 +476,25 @@ def pair_whole_source(dialect: str, strict: bool, dual: bool = False, quad: bool
 
 @lru_cache(maxsize=None)
 def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False,
-                     quad: bool = False, fold: bool = False, scaled: bool = False) -> KernelSource:
+                     quad: bool = False, fold: bool = False, scaled: bool = False,
+                     async_: bool = False) -> KernelSource:
     """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed); ``quad``:
     (dX, dX2, dY, dYb) for the cotangents dM, dM2, dMb, dM2b of its quad form (each gradient summed over the pairs
     its operand is in); ``mma``: the other blocks' parts on fragment multiply-adds; ``fold``: the own block's rows
     t and BS − 1 − t computed by one thread (``pair_source``); ``scaled``: the pair of Xsc[0]·X (dX is that of the
-    scaled X: it reads no X)."""
+    scaled X: it reads no X); ``async_``: each slab's raw rows copied to threadgroup memory a slab ahead by the
+    dialect's 16-byte copies (on CUDA cp.async), the operands' types XT, X2T, YT, YbT template constants and OB
+    the widest one's bytes (``pair_grad_async_layout``)."""
     d = get(dialect)
     xs, ys = _pair_operands(dual, quad)
     cots = tuple("dM" + x[1:] + y[1:] for y in ys for x in xs)
-    kind = "pair_grad" + _pair_suffix(strict, dual, quad, mma, fold) + ("_xs" if scaled else "")
+    kind = ("pair_grad" + _pair_suffix(strict, dual, quad, mma, fold) + ("_xs" if scaled else "")
+            + ("_async" if async_ else ""))
     ins = cots + xs + ys + ("dk",) + (("Xsc",) if scaled else ()) + ("rt",)
     return _source(d, "chunk_pair_grad.j2", kind, "gradients of the key-vector decay pair matrix",
                    ins, tuple("d" + x for x in xs + ys), (),
-                   helpers=d.mma_prelude if mma else "", strict=strict, dual=dual or quad, mma=mma, quad=quad,
-                   fold=fold, xs=scaled)
+                   helpers=(d.mma_prelude if mma else "") + (d.copy_prelude if async_ else ""), strict=strict,
+                   dual=dual or quad, mma=mma, quad=quad, fold=fold, xs=scaled, async_=async_)
 
 
 @lru_cache(maxsize=None)
@@ -910,6 +914,28 @@ def pair_tiles(lay: dict, C: int, dual: bool, quad: bool = False) -> int:
     nx, ny = (2 if dual or quad else 1), (2 if quad else 1)
     return (lay["LDS"] * lay["BS"] * (max(nx, ny) * (lay["NBM"] + 1) + 2) + lay["NB"] * lay["KS"]
             + nx * ny * (lay["BS"] * C + C))
+
+
+def pair_grad_async_layout(dialect: str, C: int, K: int, dual: bool, quad: bool, sizes: tuple) -> dict:
+    """Template constants of the pair gradient's ``async_`` form: ``pair_layout``'s and OB, the widest operand's
+    bytes (``sizes``: each operand's, X, X2, Y, Yb as the form has them), the raw slab's decays (C KS floats) and
+    operand slots (C KS elements of OB bytes each) beside the tiles. Raises ValueError where those pass the
+    dialect's threadgroup memory."""
+    lay = pair_layout(dialect, C, K, dual, quad)
+    xs, ys = _pair_operands(dual, quad)
+    if len(sizes) != len(xs + ys):
+        raise ValueError(f"chunk_pair_grad: {len(xs + ys)} operand sizes ({', '.join(xs + ys)}), got {sizes}")
+    ob = max(sizes)
+    raw = lay["KS"] * C * (4 + max(len(xs), len(ys)) * ob)
+    if 4 * pair_tiles(lay, C, dual, quad) + raw > get(dialect).smem_bytes:
+        raise ValueError(f"chunk_pair_grad: C={C} with raw slabs of {ob}-byte operands passes {dialect}'s "
+                         "threadgroup memory")
+    return lay | {"OB": ob}
+
+
+def pair_grad_async_supported(dialect: str, C: int, K: int, dual: bool, quad: bool, sizes: tuple) -> bool:
+    """Whether the pair gradient's ``async_`` form has a layout (``pair_grad_async_layout``)."""
+    return has_layout(pair_grad_async_layout, dialect, C, K, dual, quad, sizes)
 
 
 def pair_supported(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False) -> bool:

@@ -22,7 +22,8 @@ from ..codegen.chunk_sources import (BV, FACTOR_CHUNKS, FACTOR_NT, MMA_NW, ScanV
                                      feature_mix_layout, feature_mix_source, feature_mma_layout,
                                      feature_out_source, feature_states_source,
                                      inverse_source, out_async_layout, out_async_source, out_mma_layout,
-                                     out_mma_source, pair_folds, pair_fragments, pair_grad_source, pair_layout,
+                                     out_mma_source, pair_folds, pair_fragments, pair_grad_async_layout,
+                                     pair_grad_async_supported, pair_grad_source, pair_layout,
                                      pair_source, pair_whole_layout, pair_whole_source, pair_whole_supported,
                                      scan_layout, scan_mma_layout, scan_prefetches, scan_source,
                                      scan_value_quads,
@@ -372,14 +373,17 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
 @lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False,
                 mma: bool = False, quad: bool = False, fold: bool = False, scaled: bool = False,
-                whole: bool = False, halves: bool = False) -> Launch:
+                whole: bool = False, halves: bool = False, types: tuple = ()) -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
     operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
     ``quad``: both with a second Y as well (four pairs); ``mma``: the other blocks' products on fragments
     (``chunk_sources.pair_fragments``); ``fold``: the own block's rows paired, one thread rows t and BS − 1 − t
     (``chunk_sources.pair_folds``); ``scaled``: X read times the scalar Xsc [1] given after the decays; ``whole``
     (the forward on fragments): a whole chunk a threadgroup (``chunk_sources.pair_whole_source``; ``halves``: each
-    block's halves paired on fragments too)."""
+    block's halves paired on fragments too). ``types`` (the gradients): the operands' dtype names (X, X2, Y, Yb as
+    the form has them): each slab's raw rows copied a slab ahead (``chunk_sources.pair_grad_async_layout``)."""
+    if types and not grad:
+        raise ValueError("chunk_pair: raw slabs copied ahead (types) are the gradients' form")
     if halves and not whole:
         raise ValueError("chunk_pair: halves are the whole-chunk form's")
     if whole:
@@ -389,14 +393,18 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
         src = pair_whole_source(dialect, strict, dual, quad, scaled, halves)
         groups = N
     else:
-        lay = dict(pair_layout(dialect, C, K, dual, quad))
+        lay = dict(pair_grad_async_layout(dialect, C, K, dual, quad, tuple(_itemsize(t) for t in types)) if types
+                   else pair_layout(dialect, C, K, dual, quad))
         if mma and not pair_fragments(dialect, C, K, dual, quad):
             raise ValueError(f"chunk_pair: fragments need blocks of 16 tokens, C a multiple of 16 (C={C})")
         if fold and not pair_folds(dialect, C, K, dual, quad):
             raise ValueError(f"chunk_pair: folded rows need an even block of rows (C={C})")
         if mma and not grad:
             lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
-        src = (pair_grad_source if grad else pair_source)(dialect, strict, dual, mma, quad, fold, scaled)
+        src = (pair_grad_source(dialect, strict, dual, mma, quad, fold, scaled, bool(types)) if grad
+               else pair_source(dialect, strict, dual, mma, quad, fold, scaled))
+        names = [x + "T" for x in ("X", "X2")[:1 + (dual or quad)]] + [y + "T" for y in ("Y", "Yb")[:1 + quad]]
+        lay |= dict(zip(names, types))
         groups = N * lay["NB"] * (2 if grad else 1)
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * len(src.outputs)
     tmpl = (("C", C), ("K", K)) + tuple(lay.items())
@@ -971,10 +979,13 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     whole = not cots and pairs_whole(t, C, K, dual, quad)
     halves = whole and t.pair_halves and pair_whole_supported(t.dialect, C, K, dual, quad, True)
+    types = tuple(dtype_name(a.dtype) for a in operands)
+    ahead = bool(cots) and t.pair_grad_async and pair_grad_async_supported(t.dialect, C, K, dual, quad,
+                                                                           tuple(_itemsize(d) for d in types))
     launch = pair_launch(t.dialect, N, C, K, strict, grad=bool(cots), dual=dual,
                          mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad,
                          fold=not whole and t.pair_fold and pair_folds(t.dialect, C, K, dual, quad),
-                         scaled=scale is not None, whole=whole, halves=halves)
+                         scaled=scale is not None, whole=whole, halves=halves, types=types if ahead else ())
     outs = _call(t, launch, [m.reshape(N, C, C) for m in cots] + [a.reshape(N, C, K) for a in (*operands, dk)]
                  + ([] if scale is None else [mx.array([scale], mx.float32)]))
     shape = X.shape if cots else (*X.shape[:-1], C)
