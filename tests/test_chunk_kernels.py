@@ -677,9 +677,9 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, on, monkeypatch):
     states' type, and the A-free forward scan takes it on the wide multiply-add (no row scales, a decay per key);
     every decays' pass reads the log-decay in its input's bf16 (no float32 cast); the backward's decays' pass writes
     u ⊙ Q and r ⊙ P in bf16 too and the reverse scan takes them on the wide multiply-add (``Tuning.key_scaled_16bit``,
-    on in CUDA's table; ``on`` False turns it off). ``on`` True adds ``Tuning.pair_halves`` (the whole-chunk pairs'
-    halves on fragments: measured no faster, off in the table) and ``Tuning.pair_grad_async`` (the pair gradients'
-    slabs copied to threadgroup memory a slab ahead, where they fit)."""
+    on in CUDA's table; ``on`` False turns it off), and the pair gradients copy their slabs to threadgroup memory a
+    slab ahead where they fit (``Tuning.pair_grad_async``, on in the table; ``on`` False turns it off too). ``on``
+    True adds ``Tuning.pair_halves`` (the whole-chunk pairs' halves on fragments: measured no faster, off)."""
     pytest.importorskip("mlx.core")
     import mlx.core as mx
     from recgen import specs
