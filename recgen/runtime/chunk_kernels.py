@@ -403,8 +403,7 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
             lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
         src = (pair_grad_source(dialect, strict, dual, mma, quad, fold, scaled, bool(types)) if grad
                else pair_source(dialect, strict, dual, mma, quad, fold, scaled))
-        names = [x + "T" for x in ("X", "X2")[:1 + (dual or quad)]] + [y + "T" for y in ("Y", "Yb")[:1 + quad]]
-        lay |= dict(zip(names, types))
+        lay |= dict(zip([n + "T" for n in src.inputs if n in ("X", "X2", "Y", "Yb")], types))  # their types
         groups = N * lay["NB"] * (2 if grad else 1)
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * len(src.outputs)
     tmpl = (("C", C), ("K", K)) + tuple(lay.items())
