@@ -2029,14 +2029,15 @@ def test_pair_kernels_a_whole_chunk_a_threadgroup(frame, C, K, strict, dual, qua
     ("metal_ptx", True, True, 32, 64, True, True, False, False, False),   # KDA's dual
     ("metal", True, False, 32, 96, False, True, True, True, False),       # RWKV-7's quad, bf16
     ("metal_ptx", True, True, 16, 32, False, False, False, True, True)])  # one block, one slab: no copy ahead
-@pytest.mark.parametrize("sanitizer", [None, "address"])
+@pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
 def test_pair_gradients_copy_their_slabs_ahead(frame, mma, fold, C, K, strict, dual, quad, bf16, scaled, sanitizer):
     """``types`` (``Tuning.pair_grad_async``): the pair gradients with each slab's raw rows (decays and operands, in
     their own types) copied to threadgroup memory a slab ahead by 16-byte copies, the walks reading them there:
     the same sums in the same order as the kernels reading their buffers, so bit for bit their results, and against
     float64; single (X read scaled), dual, quad, on fragments and plain, folded or not, both lane layouts, one slab
-    to three, decays down to e^-20 and some exactly 0, plain and under ASan+UBSan. Sizes past the threadgroup memory
-    have no such layout; the forward has no such form."""
+    to three, decays down to e^-20 and some exactly 0, plain, under ASan+UBSan and under TSan (a slab's copies start
+    while the threads still multiply the last). Sizes past the threadgroup memory have no such layout; the forward
+    has no such form."""
     import mlx.core as mx
 
     rng = np.random.default_rng(C + K + 2 * strict + 4 * dual + 8 * quad)
