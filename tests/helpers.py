@@ -201,6 +201,7 @@ def chunk_launches(target: str) -> list:
                    ck.bwd_mma_launch(target, 8, 64 if target == "cuda" else 32, 128, ("bfloat16", "bfloat16"), uf=True)]
                 + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * n) for n in (2, 3)]
                 + [ck.bwd_key_launch(target, 8, 64, 128, ("float32",) * 2, uf=True)]
+                + [ck.bwd_key_launch(target, 8, 64, 128, ("bfloat16",) * 2, running=True)]  # dl summed as it goes
                 # GDN's factor reads in the model's layout (``Tuning.model_rows``)
                 + [mma(q=True, ml=(2, 1, 4, True)), mma(reverse=True, p=True, dg=True, aq=True, pq=True, ml=(2, 1, 4, True)),
                    ck.out_mma_launch(target, 8, 64, 128, 128, (2, 2, "bfloat16"), uf=True, ml=ml),

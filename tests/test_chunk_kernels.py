@@ -679,7 +679,8 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, on, monkeypatch):
     u ⊙ Q and r ⊙ P in bf16 too and the reverse scan takes them on the wide multiply-add (``Tuning.key_scaled_16bit``,
     on in CUDA's table; ``on`` False turns it off), and the pair gradients copy their slabs to threadgroup memory a
     slab ahead where they fit (``Tuning.pair_grad_async``, on in the table; ``on`` False turns it off too). ``on``
-    True adds ``Tuning.pair_halves`` (the whole-chunk pairs' halves on fragments: measured no faster, off)."""
+    True adds ``Tuning.pair_halves`` (the whole-chunk pairs' halves on fragments: measured no faster, off) and
+    ``Tuning.bwd_key_running`` (the backward's key tail summing dl as it goes: not yet timed, off)."""
     pytest.importorskip("mlx.core")
     import mlx.core as mx
     from recgen import specs
@@ -695,7 +696,7 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, on, monkeypatch):
     monkeypatch.setattr(ck, "mlx_call", call)
     t = dataclasses.replace(tuning.resolve("gpu", "cuda", environ={}), dialect="metal_ptx", device="cpu",
                             kernel_cache=None, replay_graphs=False, compile=False, key_scaled_16bit=on,
-                            pair_halves=on, pair_grad_async=on)
+                            pair_halves=on, pair_grad_async=on, bwd_key_running=on)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=32, K=32, V=32, seed=4, tuning=t, in_dtype=mx.bfloat16),
                  1e-2, 1e-2)
     ran = {c.split("_metal")[0] for c in calls}
@@ -703,6 +704,8 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, on, monkeypatch):
     assert not any("_whole" in c and "_quad" in c for c in ran), ran
     copied = {c for c in ran if c.startswith("recgen_chunk_pair_grad") and c.endswith("_async")}
     assert bool(copied) == (on and name != "rwkv7"), ran  # (RWKV-7's float quad slabs pass Metal's 32 KiB)
+    assert any(c.startswith("recgen_chunk_bwd_key") for c in ran), ran
+    assert all(c.endswith("_run") == on for c in ran if c.startswith("recgen_chunk_bwd_key")), ran
     assert decays and set(decays) == {mx.bfloat16}, decays  # the log-decay as given (``Tuning.logdecay_16bit``)
 
 
@@ -1573,6 +1576,41 @@ def test_chunk_bwd_key_matches_numpy(C, K, delta):
     for got, w in zip(outs, want):
         assert got.shape == w.shape and _rel(got, w) < 1e-5, _rel(got, w)
     assert not cs.bwd_key_supported("metal", 128) and cs.bwd_key_supported("cuda", 64)
+
+
+@pytest.mark.parametrize("form", ["plain", "delta", "uf", "rank1", "rank1_before"])
+@pytest.mark.parametrize("sanitizer", [None, "address"])
+def test_chunk_bwd_key_running_sums(form, sanitizer):
+    """``running`` (``Tuning.bwd_key_running``): the key-decay tail writes dl as its reverse sum goes and adds the
+    chunk's last term after, staging no dG: every form (plain, the delta rule's, factor reads, both rank-1 tails)
+    against the staged kernel and, where a float64 reference exists, against it; decays down to e^-20 a token, two
+    groups of 32 columns, ASan+UBSan."""
+    rng = np.random.default_rng(len(form))
+    N, C, K = 2, 16, 64
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    L = (-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
+    ins = {"R": f(N, C, K), "U": f(N, C, K), "L": L, "DRX": f(N, C, K), "DUX": f(N, C, K), "DRP": f(N, C, K),
+           "DUQ": f(N, C, K), "DG": f(N, K), "Rs": np.array([0.3], np.float32)}
+    ins |= {"Bt": f(N, C, K), "DBX": f(N, C, K), "DR": f(N, C, K)} if form in ("delta", "uf") else {}
+    ins |= {"Uf": f(N, C), "Bf": np.array([-1.0], np.float32)} if form == "uf" else {}
+    ins |= ({"A": f(N, C, K), "B": f(N, C, K), "DAX": f(N, C, K), "DBX": f(N, C, K), "DAQ": f(N, C, K),
+             "DBP": f(N, C, K)} if form.startswith("rank1") else {})
+    types = {"plain": 2, "delta": 3, "uf": 2, "rank1": 4, "rank1_before": 4}[form]
+    kw = dict(uf=form == "uf", before=(form == "rank1_before") if form.startswith("rank1") else None)
+    launch = ck.bwd_key_launch("metal", N, C, K, ("float32",) * types, running=True, **kw)
+    assert launch.source.name.split("_metal_")[0].endswith("_run")
+    got = verify.run_launch(launch, ins, sanitizer=sanitizer)
+    staged = verify.run_launch(ck.bwd_key_launch("metal", N, C, K, ("float32",) * types, **kw), ins)
+    for a, b in zip(got, staged):
+        assert _rel(a, b) < 1e-6, _rel(a, b)
+    assert np.array_equal(got[0], staged[0])  # only dl is summed otherwise
+    if form in ("plain", "delta"):
+        for a, want in zip(got, _bwd_key_ref(ins, 0.3)):
+            assert _rel(a, want) < 1e-5, _rel(a, want)
+    elif form == "uf":
+        dr, dx, dfp, dl = got
+        for a, want in zip((dr, dx, dfp.sum(1), dl), _bwd_key_factor_ref(ins, 0.3, -1.0)):
+            assert _rel(a, want) < 1e-5, _rel(a, want)
 
 
 def test_chunk_bwd_mma_layouts():

@@ -387,10 +387,12 @@ def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False
 
 
 @lru_cache(maxsize=None)
-def bwd_key_source(dialect: str, delta: bool, rank1: bool = False, before: bool = False, uf: bool = False) -> KernelSource:
+def bwd_key_source(dialect: str, delta: bool, rank1: bool = False, before: bool = False, uf: bool = False,
+                   running: bool = False) -> KernelSource:
     """A key-vector decay's backward tail (``chunk_bwd_key.j2``); ``delta``: with the delta rule's b̃ terms; ``rank1``:
     the general rank-1 core's (a and b, ``before``: the transition before the decay); ``uf`` (with ``delta``): u =
-    Uf ⊙ x and b̃ = Bf[0] x read from one key x, the gradients of x and (a part of) Uf written."""
+    Uf ⊙ x and b̃ = Bf[0] x read from one key x, the gradients of x and (a part of) Uf written; ``running``: dl
+    written as its reverse sum goes, the chunk's last term added after (no dG staged)."""
     if uf and (rank1 or not delta):
         raise ValueError("chunk_bwd_key: factor reads (uf) are the delta rule's form")
     if uf:
@@ -406,8 +408,9 @@ def bwd_key_source(dialect: str, delta: bool, rank1: bool = False, before: bool 
                else ("R", "U", "L", "DRX", "DUX", "DRP", "DUQ")) + ("DG", "Rs")
         outs = ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
         kind = "bwd_key" + ("_delta" if delta else "")
-    return _source(get(dialect), "chunk_bwd_key.j2", kind, "elementwise tail of the chunked core's backward, key-vector "
-                   "decay", ins, outs, (), delta=delta and not rank1, rank1=rank1, before=before, uf=uf)
+    return _source(get(dialect), "chunk_bwd_key.j2", kind + ("_run" if running else ""), "elementwise tail of the "
+                   "chunked core's backward, key-vector decay", ins, outs, (), delta=delta and not rank1, rank1=rank1,
+                   before=before, uf=uf, running=running)
 
 
 def bwd_key_supported(dialect: str, C: int) -> bool:

@@ -352,11 +352,12 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
 
 @lru_cache(maxsize=256)
 def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: bool | None = None,
-                   uf: bool = False) -> Launch:
+                   uf: bool = False, running: bool = False) -> Launch:
     """N chunks of C tokens, one threadgroup of 32 threads a block of 32 key columns; ``types`` as ``bwd_mma_launch``,
     or with ``before`` given (True or False) the general rank-1 core's tail: ``types`` those of R, U, A, B; ``uf``
     (factor reads, ``types`` those of R and the key x; K a multiple of 32): the outputs dR, dX, a part of dUf per
-    group of 32 columns [N, K / 32, C] and dl."""
+    group of 32 columns [N, K / 32, C] and dl. ``running`` (``Tuning.bwd_key_running``): dl written as its sum goes
+    (``chunk_sources.bwd_key_source``)."""
     if not bwd_key_supported(dialect, C):
         raise ValueError(f"chunk_bwd_key: C={C} must be at most 64")
     if uf and K % 32:
@@ -366,7 +367,7 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
     names = ("RT", "UT", "AT", "BT") if rank1 else ("RT", "UT", "BT")
     tmpl = (("C", C), ("K", K), ("NG", ng)) + tuple(zip(names, types))
     outs = tuple(((N, C, K), dt) for dt in types) + ((((N, ng, C), "float32"),) if uf else ()) + (((N, C, K), "float32"),)
-    src = bwd_key_source(dialect, len(types) == 3 and not rank1 or uf, rank1, bool(before), uf)
+    src = bwd_key_source(dialect, len(types) == 3 and not rank1 or uf, rank1, bool(before), uf, running)
     return Launch(src, (), outs, (N * ng * 32, 1, 1), (32, 1, 1), tmpl)
 
 
@@ -952,7 +953,8 @@ def _key_tail(roles, l, grads, dg, t: Tuning, rs=None, before: bool | None = Non
         given += [factors[0].reshape(N, C), mx.array([factors[1]], dtype=mx.float32)]
     user = (given + [x.reshape(N, C, K) for x in (l, *grads)]
             + [dg.reshape(N, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-    outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, before, uf=factors is not None), user)
+    outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, before, uf=factors is not None,
+                                   running=t.bwd_key_running), user)
     shapes = [x.shape for x in roles] + ([(*l.shape[:-2], -1, C)] if factors is not None else []) + [l.shape]
     return tuple(o.reshape(shape) for o, shape in zip(outs, shapes))
 
