@@ -189,6 +189,8 @@ class Tuning:
     #                                 slab ahead by the dialect's 16-byte copies (CUDA's cp.async), not read by each
     #                                 walk from the kernel's buffers, where they fit. H200, 4,4096,16,128 trained: GLA
     #                                 5.079 -> 4.574 ms, HGRN-2 5.251 -> 4.952, RWKV-6 8.385 -> 8.164 (on on CUDA)
+    pair_whole_async: bool = False  # ... and the forward's whole-chunk pairs the same (slabs of 16 columns where 32
+    #                                 no longer fit beside the raw rows). Emulator-checked, not yet timed
     bwd_key_running: bool = False   # a key-vector decay's backward tail writes dl as its reverse sum goes, the chunk's
     #                                 last term added after, and stages no dG: 8 KB of threadgroup memory a SIMD group
     #                                 where it took 16 (about 13 groups an SM on sm_90), for its 64 serial steps a
@@ -338,6 +340,7 @@ ENVIRONMENT = {
     "RECGEN_PAIR_HALVES": ("pair_halves", _flag),
     "RECGEN_PAIR_GRAD_ASYNC": ("pair_grad_async", _flag),
     "RECGEN_BWD_KEY_RUNNING": ("bwd_key_running", _flag),
+    "RECGEN_PAIR_WHOLE_ASYNC": ("pair_whole_async", _flag),
     "RECGEN_FACTOR_READS": ("factor_reads", _flag),
     "RECGEN_KEY_FACTOR_READS": ("key_factor_reads", _flag),
     "RECGEN_MODEL_ROWS": ("model_rows", _flag),

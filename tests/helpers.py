@@ -179,6 +179,8 @@ def chunk_launches(target: str) -> list:
                    for s, d, q in ((False, False, False), (True, True, False), (True, True, True))]  # a chunk a group
                 + [ck.pair_launch(target, 8, 64, 128, s, dual=d, mma=True, scaled=not d, whole=True, halves=True)
                    for s, d in ((False, False), (True, True))]  # ... its blocks' halves on fragments too
+                + [ck.pair_launch(target, 8, 64, 128, False, mma=True, scaled=True, whole=True,
+                                  types=("bfloat16",) * 2)]  # ... its slabs copied ahead
                 + [ck.sympow_launch(target, 2, 4096, 8, 8, 64, True, grad) for grad in (False, True)]
                 + [ck.decayed_scores_launch(target, 256, 256, 2, grad) for grad in (False, True)]
                 + [ck.feature_decode_launch(target, 16, 64, 64, has_z) for has_z in (True, False)]

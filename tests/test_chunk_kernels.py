@@ -663,10 +663,10 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
     ("gla", {"recgen_chunk_pair_whole_xs", "recgen_chunk_decays_noq_q_yt", "recgen_chunk_scan_mma_noa_ho_s16_w16_wl",
              "recgen_chunk_decays_q_p", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_rev"}, False),
     ("gla", {"recgen_chunk_decays_q_p_yt", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_w16_wl_rev",
-             "recgen_chunk_pair_whole_h8_xs"}, True),
+             "recgen_chunk_pair_whole_h8_xs_async"}, True),
     ("hgrn2", {"recgen_chunk_decays_q_p_yt", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_w16_wl_rev"}, True),
     ("kda", {"recgen_chunk_pair_dual_whole", "recgen_chunk_decays_noq_q", "recgen_chunk_scan_mma_ho"}, False),
-    ("kda", {"recgen_chunk_pair_dual_whole_h8"}, True),
+    ("kda", {"recgen_chunk_pair_dual_whole_h8_async"}, True),
     ("rwkv7", {"recgen_chunk_pair_quad_nonstrict_mma_fold"}, False)])
 def test_key_decays_forward_as_cuda_runs_them(name, kinds, on, monkeypatch):
     """A key-vector decay's chunked form as CUDA's table runs it (``metal_ptx``: its lane layout, bf16 inputs, chunks
@@ -680,7 +680,8 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, on, monkeypatch):
     on in CUDA's table; ``on`` False turns it off), and the pair gradients copy their slabs to threadgroup memory a
     slab ahead where they fit (``Tuning.pair_grad_async``, on in the table; ``on`` False turns it off too). ``on``
     True adds ``Tuning.pair_halves`` (the whole-chunk pairs' halves on fragments: measured no faster, off) and
-    ``Tuning.bwd_key_running`` (the backward's key tail summing dl as it goes: not yet timed, off)."""
+    ``Tuning.bwd_key_running`` (the backward's key tail summing dl as it goes) and ``Tuning.pair_whole_async`` (the
+    forward's whole-chunk pairs copying their slabs ahead): not yet timed, off."""
     pytest.importorskip("mlx.core")
     import mlx.core as mx
     from recgen import specs
@@ -696,7 +697,7 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, on, monkeypatch):
     monkeypatch.setattr(ck, "mlx_call", call)
     t = dataclasses.replace(tuning.resolve("gpu", "cuda", environ={}), dialect="metal_ptx", device="cpu",
                             kernel_cache=None, replay_graphs=False, compile=False, key_scaled_16bit=on,
-                            pair_halves=on, pair_grad_async=on, bwd_key_running=on)
+                            pair_halves=on, pair_grad_async=on, bwd_key_running=on, pair_whole_async=on)
     assert_close(compare(specs.BUILTINS[name], 40, chunk=32, K=32, V=32, seed=4, tuning=t, in_dtype=mx.bfloat16),
                  1e-2, 1e-2)
     ran = {c.split("_metal")[0] for c in calls}
@@ -706,6 +707,7 @@ def test_key_decays_forward_as_cuda_runs_them(name, kinds, on, monkeypatch):
     assert bool(copied) == (on and name != "rwkv7"), ran  # (RWKV-7's float quad slabs pass Metal's 32 KiB)
     assert any(c.startswith("recgen_chunk_bwd_key") for c in ran), ran
     assert all(c.endswith("_run") == on for c in ran if c.startswith("recgen_chunk_bwd_key")), ran
+    assert all(c.endswith("_async") == on for c in ran if "_whole" in c), ran
     assert decays and set(decays) == {mx.bfloat16}, decays  # the log-decay as given (``Tuning.logdecay_16bit``)
 
 
@@ -2060,6 +2062,43 @@ def test_pair_kernels_a_whole_chunk_a_threadgroup(frame, C, K, strict, dual, qua
         ck.pair_launch(frame, N, C, K, strict, mma=True, halves=True)
 
 
+@pytest.mark.parametrize("frame,C,K,strict,dual,quad,bf16,scaled,halves,sanitizer", [
+    ("metal_ptx", 64, 64, False, False, False, True, True, False, None),     # GLA's: bf16 r and k, slabs of 16
+    ("metal", 64, 48, False, False, False, True, True, True, "address"),      # ... halves, three slabs of 16
+    ("metal_ptx", 32, 64, True, True, False, False, False, False, "address"),  # KDA's dual, float operands
+    ("metal", 32, 32, True, True, True, True, False, False, None),            # RWKV-7's quad
+    ("metal_ptx", 48, 64, False, False, False, False, False, False, "thread"),
+    ("metal_ptx", 16, 32, True, False, False, True, False, False, None)])     # one block: the carries alone
+def test_pair_whole_copies_its_slabs_ahead(frame, C, K, strict, dual, quad, bf16, scaled, halves, sanitizer):
+    """``types`` with ``whole`` (``Tuning.pair_whole_async``): the whole-chunk pairs with each slab's raw rows (the
+    chunk's decays and operands, each in its own type) copied to threadgroup memory a slab ahead and the walks
+    reading them there (the carries still read X from its buffer): single (X read scaled), dual, quad, with halves,
+    both lane layouts, decays down to e^-20 and some exactly 0, against float64 and the kernel reading its buffers;
+    ASan+UBSan and TSan (a slab's copies start while the threads still multiply the last)."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(C + K + strict + 2 * dual + 4 * quad)
+    N, c = 2, (0.125 if scaled else 1.0)
+    ops = {n: rng.normal(size=(N, C, K)).astype(np.float32) for n in ("X", "X2", "Y", "Yb")}
+    if bf16:
+        ops = {n: np.asarray(mx.array(a).astype(mx.bfloat16).astype(mx.float32)) for n, a in ops.items()}
+    names = ["X"] + (["X2"] if dual else []) + ["Y"] + (["Yb"] if quad else [])
+    dk = _pair_decays(rng, N, C, K)
+    ins = {n: (mx.array(ops[n]).astype(mx.bfloat16) if bf16 else ops[n]) for n in names} | {"dk": dk}
+    ins |= {"Xsc": np.array([c], np.float32)} if scaled else {}
+    form = dict(dual=dual, quad=quad, mma=True, scaled=scaled, whole=True, halves=halves)
+    launch = ck.pair_launch(frame, N, C, K, strict, types=("bfloat16" if bf16 else "float32",) * len(names), **form)
+    assert "_async" in launch.source.name
+    got = verify.run_launch(launch, ins, sanitizer=sanitizer)
+    xs, ys = [(c * ops["X"], strict)] + ([(ops["X2"], False)] if dual else []), [ops[y] for y in ["Y", "Yb"][:1 + quad]]
+    wants = [_pair_ref(x, y, dk, st) for y in ys for x, st in xs]
+    assert len(got) == len(wants)
+    for a, want, b in zip(got, wants, verify.run_launch(ck.pair_launch(frame, N, C, K, strict, **form), ins)):
+        assert _rel(a, want) < 1e-5 and _rel(a, b) < 1e-6, (_rel(a, want), _rel(a, b))
+    with pytest.raises(ValueError, match="operand sizes"):
+        ck.pair_launch(frame, N, C, K, strict, types=("float32",), **form | dict(dual=True))
+
+
 @pytest.mark.parametrize("frame,mma,fold,C,K,strict,dual,quad,bf16,scaled", [
     ("metal_ptx", True, True, 64, 96, True, False, False, True, True),    # GLA's: bf16 r and k, three slabs
     ("metal", True, True, 48, 64, False, False, False, False, False),     # float operands, blocks between
@@ -2075,7 +2114,7 @@ def test_pair_gradients_copy_their_slabs_ahead(frame, mma, fold, C, K, strict, d
     float64; single (X read scaled), dual, quad, on fragments and plain, folded or not, both lane layouts, one slab
     to three, decays down to e^-20 and some exactly 0, plain, under ASan+UBSan and under TSan (a slab's copies start
     while the threads still multiply the last). Sizes past the threadgroup memory have no such layout; the forward
-    has no such form."""
+    has it only as the whole-chunk form (``test_pair_whole_copies_its_slabs_ahead``)."""
     import mlx.core as mx
 
     rng = np.random.default_rng(C + K + 2 * strict + 4 * dual + 8 * quad)
@@ -2104,7 +2143,7 @@ def test_pair_gradients_copy_their_slabs_ahead(frame, mma, fold, C, K, strict, d
     assert not cs.pair_grad_async_supported(frame, 64, 128, True, True, (4, 4, 4, 4))  # past 32 KiB
     with pytest.raises(ValueError, match="threadgroup memory"):
         ck.pair_launch(frame, N, 64, 128, strict, grad=True, dual=True, quad=True, types=("float32",) * 4)
-    with pytest.raises(ValueError, match="gradients' form"):
+    with pytest.raises(ValueError, match="gradients' and the whole form's"):
         ck.pair_launch(frame, N, C, K, strict, types=types[:2])
 
 

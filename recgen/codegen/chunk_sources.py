@@ -463,18 +463,20 @@ def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = Fals
 
 @lru_cache(maxsize=None)
 def pair_whole_source(dialect: str, strict: bool, dual: bool = False, quad: bool = False,
-                      scaled: bool = False, halves: bool = False) -> KernelSource:
+                      scaled: bool = False, halves: bool = False, async_: bool = False) -> KernelSource:
     """``pair_source``'s pairs (single, ``dual`` or ``quad``; ``scaled``), the whole chunk one threadgroup
     (``chunk_pair_whole.j2``): each slab's X ⊙ pre and Y ⊙ suf staged once for every block, the pairs of blocks on
     fragments, the blocks between applied as A is read (template constants of ``pair_whole_layout``); ``halves``:
-    each block's second half against its first on fragments too, the carries within the halves only."""
+    each block's second half against its first on fragments too, the carries within the halves only; ``async_``:
+    each slab's raw rows copied to threadgroup memory a slab ahead by the dialect's 16-byte copies, the operands'
+    types XT, X2T, YT, YbT and their bytes XB, X2B, YB, YbB template constants."""
     d = get(dialect)
     ins, outs = _pair_forward_io(dual, quad, scaled)
     kind = ("pair" + _pair_suffix(strict, dual, quad, False, False) + "_whole" + ("_h8" if halves else "")
-            + ("_xs" if scaled else ""))
+            + ("_xs" if scaled else "") + ("_async" if async_ else ""))
     return _source(d, "chunk_pair_whole.j2", kind, "key-vector decay pair matrix of a chunk, one threadgroup a chunk",
-                   ins, outs, (), helpers=d.mma_prelude, strict=strict, dual=dual or quad, quad=quad, xs=scaled,
-                   halves=halves)
+                   ins, outs, (), helpers=d.mma_prelude + (d.copy_prelude if async_ else ""), strict=strict,
+                   dual=dual or quad, quad=quad, xs=scaled, halves=halves, async_=async_)
 
 
 @lru_cache(maxsize=None)
@@ -960,28 +962,33 @@ def pair_folds(dialect: str, C: int, K: int, dual: bool = False, quad: bool = Fa
 
 @lru_cache(maxsize=None)
 def pair_whole_layout(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False,
-                      halves: bool = False) -> dict:
+                      halves: bool = False, sizes: tuple = ()) -> dict:
     """Template constants of ``pair_whole_source``: NB blocks of BS = 16 rows (C a multiple of 16, at most 64: NT =
     4 C threads, 8 a pair of rows), slabs of the widest KS of 32, 16, 8 whose tiles (every X' and Y', Y as it is and
     the decays, C rows at stride LDS = KS + 4: a fragment's 8 rows by 4 columns hit 32 banks) fit the dialect's
     threadgroup memory (``halves``: X'' and Y'' of half the rows too), FI fragment items (pair of blocks, 8-column
-    tile; ``halves``: and a block's quarter) a SIMD group. Raises ValueError where none does or C does not suit."""
+    tile; ``halves``: and a block's quarter) a SIMD group; ``sizes`` (the ``async_`` form): each operand's bytes (X,
+    X2, Y, Yb as the form has them), the slab's raw decays and operands beside the tiles. Raises ValueError where
+    none does or C does not suit."""
     if C % 16 or not 16 <= C <= 64 or K % 8:
         raise ValueError(f"chunk_pair_whole: C={C} must be 16, 32, 48 or 64 and K={K} a multiple of 8")
     nx, ny = (2 if dual or quad else 1), (2 if quad else 1)
+    if sizes and len(sizes) != nx + ny:
+        raise ValueError(f"chunk_pair_whole: {nx + ny} operand sizes, got {sizes}")
     nb, nt = C // 16, 4 * C
     for ks in (32, 16, 8):
         tiles = C * (ks + 4) * (nx + 2 * ny + 1) + nb * ks + (C // 2 * (ks + 4) * (nx + ny) if halves else 0)
-        if K % ks == 0 and 4 * tiles <= get(dialect).smem_bytes:
+        raw = C * ks * (4 + sum(sizes)) if sizes else 0
+        if K % ks == 0 and 4 * tiles + raw <= get(dialect).smem_bytes:
             return {"BS": 16, "NB": nb, "KS": ks, "LDS": ks + 4, "NT": nt,
                     "FI": max(1, -(-nb * (nb - 1 + halves) // (nt // 32)))}
     raise ValueError(f"chunk_pair_whole: C={C}, K={K} pass {dialect}'s threadgroup memory")
 
 
 def pair_whole_supported(dialect: str, C: int, K: int, dual: bool = False, quad: bool = False,
-                         halves: bool = False) -> bool:
+                         halves: bool = False, sizes: tuple = ()) -> bool:
     """Whether ``pair_whole_layout`` has a layout for (C, K)."""
-    return has_layout(pair_whole_layout, dialect, C, K, dual, quad, halves)
+    return has_layout(pair_whole_layout, dialect, C, K, dual, quad, halves, sizes)
 
 
 @lru_cache(maxsize=None)

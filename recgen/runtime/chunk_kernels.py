@@ -381,17 +381,18 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     (``chunk_sources.pair_fragments``); ``fold``: the own block's rows paired, one thread rows t and BS − 1 − t
     (``chunk_sources.pair_folds``); ``scaled``: X read times the scalar Xsc [1] given after the decays; ``whole``
     (the forward on fragments): a whole chunk a threadgroup (``chunk_sources.pair_whole_source``; ``halves``: each
-    block's halves paired on fragments too). ``types`` (the gradients): the operands' dtype names (X, X2, Y, Yb as
-    the form has them): each slab's raw rows copied a slab ahead (``chunk_sources.pair_grad_async_layout``)."""
-    if types and not grad:
-        raise ValueError("chunk_pair: raw slabs copied ahead (types) are the gradients' form")
+    block's halves paired on fragments too). ``types`` (the gradients, or the whole form): the operands' dtype names
+    (X, X2, Y, Yb as the form has them): each slab's raw rows copied a slab ahead
+    (``chunk_sources.pair_grad_async_layout``, ``pair_whole_layout``)."""
+    if types and not (grad or whole):
+        raise ValueError("chunk_pair: raw slabs copied ahead (types) are the gradients' and the whole form's")
     if halves and not whole:
         raise ValueError("chunk_pair: halves are the whole-chunk form's")
     if whole:
         if grad or not mma or fold:
             raise ValueError("chunk_pair: a whole chunk a threadgroup is the forward's form on fragments, unfolded")
-        lay = pair_whole_layout(dialect, C, K, dual, quad, halves)
-        src = pair_whole_source(dialect, strict, dual, quad, scaled, halves)
+        lay = pair_whole_layout(dialect, C, K, dual, quad, halves, tuple(_itemsize(t) for t in types))
+        src = pair_whole_source(dialect, strict, dual, quad, scaled, halves, bool(types))
         groups = N
     else:
         lay = dict(pair_grad_async_layout(dialect, C, K, dual, quad, tuple(_itemsize(t) for t in types)) if types
@@ -404,8 +405,10 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
             lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
         src = (pair_grad_source(dialect, strict, dual, mma, quad, fold, scaled, bool(types)) if grad
                else pair_source(dialect, strict, dual, mma, quad, fold, scaled))
-        lay |= dict(zip([n + "T" for n in src.inputs if n in ("X", "X2", "Y", "Yb")], types))  # their types
         groups = N * lay["NB"] * (2 if grad else 1)
+    operands = [n for n in src.inputs if n in ("X", "X2", "Y", "Yb")]
+    lay |= dict(zip([n + "T" for n in operands], types))  # the operands' types and (the whole form's) bytes
+    lay |= {n + "B": _itemsize(dt) for n, dt in zip(operands, types)} if whole else {}
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * len(src.outputs)
     tmpl = (("C", C), ("K", K)) + tuple(lay.items())
     return Launch(src, (("rt", (N,), "int32"),), outs, (groups * lay["NT"], 1, 1), (lay["NT"], 1, 1), tmpl)
@@ -981,8 +984,9 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
     whole = not cots and pairs_whole(t, C, K, dual, quad)
     halves = whole and t.pair_halves and pair_whole_supported(t.dialect, C, K, dual, quad, True)
     types = tuple(dtype_name(a.dtype) for a in operands)
-    ahead = bool(cots) and t.pair_grad_async and pair_grad_async_supported(t.dialect, C, K, dual, quad,
-                                                                           tuple(_itemsize(d) for d in types))
+    sizes = tuple(_itemsize(d) for d in types)
+    ahead = (t.pair_grad_async and pair_grad_async_supported(t.dialect, C, K, dual, quad, sizes) if cots
+             else whole and t.pair_whole_async and pair_whole_supported(t.dialect, C, K, dual, quad, halves, sizes))
     launch = pair_launch(t.dialect, N, C, K, strict, grad=bool(cots), dual=dual,
                          mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad,
                          fold=not whole and t.pair_fold and pair_folds(t.dialect, C, K, dual, quad),
