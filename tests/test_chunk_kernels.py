@@ -2062,6 +2062,24 @@ def test_pair_kernels_a_whole_chunk_a_threadgroup(frame, C, K, strict, dual, qua
         ck.pair_launch(frame, N, C, K, strict, mma=True, halves=True)
 
 
+def test_pair_grad_parts_still_cut_the_generated_kernel():
+    """``benchmarks/pair_grad_parts.py`` (where the pair gradient's time goes, docs/design.md) rewrites texts of the
+    generated CUDA kernel: each variant still finds every text it replaces exactly once (the script raises where a
+    template change moved one), and every variant is a different kernel with a name of its own."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("mlx.core")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "pair_grad_parts.py"
+    spec = importlib.util.spec_from_file_location("pair_grad_parts", path)
+    parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parts)
+    launches = parts.launches(8)
+    assert {"generated", "staging without loads", "loads first", "copied ahead"} <= set(launches)
+    bodies = [launch.source.source for launch in launches.values()]
+    assert len(set(bodies)) == len(bodies) and len({launch.source.name for launch in launches.values()}) == len(bodies)
+
+
 @pytest.mark.parametrize("frame,C,K,strict,dual,quad,bf16,scaled,halves,sanitizer", [
     ("metal_ptx", 64, 64, False, False, False, True, True, False, None),     # GLA's: bf16 r and k, slabs of 16
     ("metal", 64, 48, False, False, False, True, True, True, "address"),      # ... halves, three slabs of 16
