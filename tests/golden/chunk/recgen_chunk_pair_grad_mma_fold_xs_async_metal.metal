@@ -57,34 +57,28 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
     else dMs_[(q / BS) * LDT + q % BS] = dM[mbase + (q / BS) * C + B0 * BS + q % BS];
   }
     {
+      const int r0_ = cols ? B0 * BS : 0, nr_ = cols ? C - B0 * BS : (B0 + 1) * BS;  // the blocks it reads
       const int kn_ = 0;
 #pragma unroll 1
-      for (int e = tid; e < C * KS / 4; e += NT) {
-        const int row = e / (KS / 4), c4 = (e % (KS / 4)) * 4, J = row / BS;
-        if (cols ? J < B0 : J > B0) continue;
-        rg_cp16(Rd_ + row * KS + c4, dk + base + row * K + kn_ + c4);
-      }
+    for (int e_ = tid; e_ < (nr_) * (KS / 4); e_ += NT) {
+      const int row_ = e_ / (KS / 4), c_ = (e_ % (KS / 4)) * 4;
+      rg_cp16(Rd_ + r0_ * KS + row_ * KS + c_, dk + base + r0_ * K + kn_ + row_ * K + c_);
+    }
+
       if (cols) {
-        {
-          constexpr int v_ = 16 / (int)sizeof(XT);  // elements a copy
 #pragma unroll 1
-          for (int e = tid; e < C * KS / v_; e += NT) {
-            const int row = e / (KS / v_), cv = (e % (KS / v_)) * v_, J = row / BS;
-            if (cols ? J < B0 : J > B0) continue;
-            rg_cp16(RX_ + row * KS + cv, X + base + row * K + kn_ + cv);
-          }
-        }
-      }
-      if (!cols) {
-        {
-          constexpr int v_ = 16 / (int)sizeof(YT);  // elements a copy
+    for (int e_ = tid; e_ < (nr_) * (KS / (16 / (int)sizeof(XT))); e_ += NT) {
+      const int row_ = e_ / (KS / (16 / (int)sizeof(XT))), c_ = (e_ % (KS / (16 / (int)sizeof(XT)))) * (16 / (int)sizeof(XT));
+      rg_cp16(RX_ + r0_ * KS + row_ * KS + c_, X + base + r0_ * K + kn_ + row_ * K + c_);
+    }
+
+      } else {
 #pragma unroll 1
-          for (int e = tid; e < C * KS / v_; e += NT) {
-            const int row = e / (KS / v_), cv = (e % (KS / v_)) * v_, J = row / BS;
-            if (cols ? J < B0 : J > B0) continue;
-            rg_cp16(RY_ + row * KS + cv, Y + base + row * K + kn_ + cv);
-          }
-        }
+    for (int e_ = tid; e_ < (nr_) * (KS / (16 / (int)sizeof(YT))); e_ += NT) {
+      const int row_ = e_ / (KS / (16 / (int)sizeof(YT))), c_ = (e_ % (KS / (16 / (int)sizeof(YT)))) * (16 / (int)sizeof(YT));
+      rg_cp16(RY_ + r0_ * KS + row_ * KS + c_, Y + base + r0_ * K + kn_ + row_ * K + c_);
+    }
+
       }
     }
   for (int k0 = 0; k0 < K; k0 += KS) {
@@ -129,34 +123,28 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
     if (k0 + KS < K)  // the raw rows are read: the next slab's copies land while this one is multiplied
       {
+        const int r0_ = cols ? B0 * BS : 0, nr_ = cols ? C - B0 * BS : (B0 + 1) * BS;  // the blocks it reads
         const int kn_ = k0 + KS;
   #pragma unroll 1
-        for (int e = tid; e < C * KS / 4; e += NT) {
-          const int row = e / (KS / 4), c4 = (e % (KS / 4)) * 4, J = row / BS;
-          if (cols ? J < B0 : J > B0) continue;
-          rg_cp16(Rd_ + row * KS + c4, dk + base + row * K + kn_ + c4);
-        }
+      for (int e_ = tid; e_ < (nr_) * (KS / 4); e_ += NT) {
+        const int row_ = e_ / (KS / 4), c_ = (e_ % (KS / 4)) * 4;
+        rg_cp16(Rd_ + r0_ * KS + row_ * KS + c_, dk + base + r0_ * K + kn_ + row_ * K + c_);
+      }
+
         if (cols) {
-          {
-            constexpr int v_ = 16 / (int)sizeof(XT);  // elements a copy
   #pragma unroll 1
-            for (int e = tid; e < C * KS / v_; e += NT) {
-              const int row = e / (KS / v_), cv = (e % (KS / v_)) * v_, J = row / BS;
-              if (cols ? J < B0 : J > B0) continue;
-              rg_cp16(RX_ + row * KS + cv, X + base + row * K + kn_ + cv);
-            }
-          }
-        }
-        if (!cols) {
-          {
-            constexpr int v_ = 16 / (int)sizeof(YT);  // elements a copy
+      for (int e_ = tid; e_ < (nr_) * (KS / (16 / (int)sizeof(XT))); e_ += NT) {
+        const int row_ = e_ / (KS / (16 / (int)sizeof(XT))), c_ = (e_ % (KS / (16 / (int)sizeof(XT)))) * (16 / (int)sizeof(XT));
+        rg_cp16(RX_ + r0_ * KS + row_ * KS + c_, X + base + r0_ * K + kn_ + row_ * K + c_);
+      }
+
+        } else {
   #pragma unroll 1
-            for (int e = tid; e < C * KS / v_; e += NT) {
-              const int row = e / (KS / v_), cv = (e % (KS / v_)) * v_, J = row / BS;
-              if (cols ? J < B0 : J > B0) continue;
-              rg_cp16(RY_ + row * KS + cv, Y + base + row * K + kn_ + cv);
-            }
-          }
+      for (int e_ = tid; e_ < (nr_) * (KS / (16 / (int)sizeof(YT))); e_ += NT) {
+        const int row_ = e_ / (KS / (16 / (int)sizeof(YT))), c_ = (e_ % (KS / (16 / (int)sizeof(YT)))) * (16 / (int)sizeof(YT));
+        rg_cp16(RY_ + r0_ * KS + row_ * KS + c_, Y + base + r0_ * K + kn_ + row_ * K + c_);
+      }
+
         }
       }
     for (int q = tid; q < NB * KS; q += NT) {        // times w, the decays of the blocks strictly between

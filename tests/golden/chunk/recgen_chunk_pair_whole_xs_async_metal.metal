@@ -57,20 +57,23 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
     {  // the chunk's rows of the slab at column kn_, raw, by the dialect's 16-byte copies, as one group
       const int kn_ = 0;
 #pragma unroll 1
-      for (int e = tid; e < C * KS / 4; e += NT)
-        rg_cp16(Rd_ + (e / (KS / 4)) * KS + (e % (KS / 4)) * 4, dk + base + (e / (KS / 4)) * K + kn_ + (e % (KS / 4)) * 4);
-      {
-        constexpr int v_ = 16 / XB;  // elements a copy
+    for (int e_ = tid; e_ < (C) * (KS / 4); e_ += NT) {
+      const int row_ = e_ / (KS / 4), c_ = (e_ % (KS / 4)) * 4;
+      rg_cp16(Rd_ + row_ * KS + c_, dk + base + kn_ + row_ * K + c_);
+    }
+
 #pragma unroll 1
-        for (int e = tid; e < C * KS / v_; e += NT)
-          rg_cp16(RX_ + (e / (KS / v_)) * KS + (e % (KS / v_)) * v_, X + base + (e / (KS / v_)) * K + kn_ + (e % (KS / v_)) * v_);
-      }
-      {
-        constexpr int v_ = 16 / YB;  // elements a copy
+    for (int e_ = tid; e_ < (C) * (KS / (16 / XB)); e_ += NT) {
+      const int row_ = e_ / (KS / (16 / XB)), c_ = (e_ % (KS / (16 / XB))) * (16 / XB);
+      rg_cp16(RX_ + row_ * KS + c_, X + base + kn_ + row_ * K + c_);
+    }
+
 #pragma unroll 1
-        for (int e = tid; e < C * KS / v_; e += NT)
-          rg_cp16(RY_ + (e / (KS / v_)) * KS + (e % (KS / v_)) * v_, Y + base + (e / (KS / v_)) * K + kn_ + (e % (KS / v_)) * v_);
-      }
+    for (int e_ = tid; e_ < (C) * (KS / (16 / YB)); e_ += NT) {
+      const int row_ = e_ / (KS / (16 / YB)), c_ = (e_ % (KS / (16 / YB))) * (16 / YB);
+      rg_cp16(RY_ + row_ * KS + c_, Y + base + kn_ + row_ * K + c_);
+    }
+
     }
   for (int k0 = 0; k0 < K; k0 += KS) {
     threadgroup_barrier(metal::mem_flags::mem_threadgroup);
@@ -105,20 +108,23 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
       {  // the chunk's rows of the slab at column kn_, raw, by the dialect's 16-byte copies, as one group
         const int kn_ = k0 + KS;
   #pragma unroll 1
-        for (int e = tid; e < C * KS / 4; e += NT)
-          rg_cp16(Rd_ + (e / (KS / 4)) * KS + (e % (KS / 4)) * 4, dk + base + (e / (KS / 4)) * K + kn_ + (e % (KS / 4)) * 4);
-        {
-          constexpr int v_ = 16 / XB;  // elements a copy
+      for (int e_ = tid; e_ < (C) * (KS / 4); e_ += NT) {
+        const int row_ = e_ / (KS / 4), c_ = (e_ % (KS / 4)) * 4;
+        rg_cp16(Rd_ + row_ * KS + c_, dk + base + kn_ + row_ * K + c_);
+      }
+
   #pragma unroll 1
-          for (int e = tid; e < C * KS / v_; e += NT)
-            rg_cp16(RX_ + (e / (KS / v_)) * KS + (e % (KS / v_)) * v_, X + base + (e / (KS / v_)) * K + kn_ + (e % (KS / v_)) * v_);
-        }
-        {
-          constexpr int v_ = 16 / YB;  // elements a copy
+      for (int e_ = tid; e_ < (C) * (KS / (16 / XB)); e_ += NT) {
+        const int row_ = e_ / (KS / (16 / XB)), c_ = (e_ % (KS / (16 / XB))) * (16 / XB);
+        rg_cp16(RX_ + row_ * KS + c_, X + base + kn_ + row_ * K + c_);
+      }
+
   #pragma unroll 1
-          for (int e = tid; e < C * KS / v_; e += NT)
-            rg_cp16(RY_ + (e / (KS / v_)) * KS + (e % (KS / v_)) * v_, Y + base + (e / (KS / v_)) * K + kn_ + (e % (KS / v_)) * v_);
-        }
+      for (int e_ = tid; e_ < (C) * (KS / (16 / YB)); e_ += NT) {
+        const int row_ = e_ / (KS / (16 / YB)), c_ = (e_ % (KS / (16 / YB))) * (16 / YB);
+        rg_cp16(RY_ + row_ * KS + c_, Y + base + kn_ + row_ * K + c_);
+      }
+
       }
     for (int q = 0; q < FI; ++q) {                 // pairs of blocks J < I on fragments: item (pair, 8-column tile)
       const int it = warp + q * (NT / 32);
