@@ -2062,6 +2062,22 @@ def test_pair_kernels_a_whole_chunk_a_threadgroup(frame, C, K, strict, dual, qua
         ck.pair_launch(frame, N, C, K, strict, mma=True, halves=True)
 
 
+def _pair_copy_inputs(rng, N, C, K, dual, quad, bf16, scale):
+    """Inputs of the pair kernels that copy their slabs ahead: (float32 values of X, X2, Y, Yb as the kernels see
+    them, the decays, the kernel's inputs for the form's operands (bf16 where ``bf16``), the operands' dtype names);
+    ``scale``: X read times it (Xsc)."""
+    import mlx.core as mx
+
+    ops = {n: rng.normal(size=(N, C, K)).astype(np.float32) for n in ("X", "X2", "Y", "Yb")}
+    if bf16:  # the values the kernels see: bf16 inputs widened
+        ops = {n: np.asarray(mx.array(a).astype(mx.bfloat16).astype(mx.float32)) for n, a in ops.items()}
+    names = ["X"] + (["X2"] if dual else []) + ["Y"] + (["Yb"] if quad else [])
+    dk = _pair_decays(rng, N, C, K)
+    ins = {n: (mx.array(ops[n]).astype(mx.bfloat16) if bf16 else ops[n]) for n in names} | {"dk": dk}
+    ins |= {} if scale is None else {"Xsc": np.array([scale], np.float32)}
+    return ops, dk, ins, ("bfloat16" if bf16 else "float32",) * len(names)
+
+
 def test_pair_grad_parts_still_cut_the_generated_kernel():
     """``benchmarks/pair_grad_parts.py`` (where the pair gradient's time goes, docs/design.md) rewrites texts of the
     generated CUDA kernel: each variant still finds every text it replaces exactly once (the script raises where a
@@ -2093,19 +2109,12 @@ def test_pair_whole_copies_its_slabs_ahead(frame, C, K, strict, dual, quad, bf16
     reading them there (the carries still read X from its buffer): single (X read scaled), dual, quad, with halves,
     both lane layouts, decays down to e^-20 and some exactly 0, against float64 and the kernel reading its buffers;
     ASan+UBSan and TSan (a slab's copies start while the threads still multiply the last)."""
-    import mlx.core as mx
-
+    pytest.importorskip("mlx.core")
     rng = np.random.default_rng(C + K + strict + 2 * dual + 4 * quad)
     N, c = 2, (0.125 if scaled else 1.0)
-    ops = {n: rng.normal(size=(N, C, K)).astype(np.float32) for n in ("X", "X2", "Y", "Yb")}
-    if bf16:
-        ops = {n: np.asarray(mx.array(a).astype(mx.bfloat16).astype(mx.float32)) for n, a in ops.items()}
-    names = ["X"] + (["X2"] if dual else []) + ["Y"] + (["Yb"] if quad else [])
-    dk = _pair_decays(rng, N, C, K)
-    ins = {n: (mx.array(ops[n]).astype(mx.bfloat16) if bf16 else ops[n]) for n in names} | {"dk": dk}
-    ins |= {"Xsc": np.array([c], np.float32)} if scaled else {}
+    ops, dk, ins, types = _pair_copy_inputs(rng, N, C, K, dual, quad, bf16, c if scaled else None)
     form = dict(dual=dual, quad=quad, mma=True, scaled=scaled, whole=True, halves=halves)
-    launch = ck.pair_launch(frame, N, C, K, strict, types=("bfloat16" if bf16 else "float32",) * len(names), **form)
+    launch = ck.pair_launch(frame, N, C, K, strict, types=types, **form)
     assert "_async" in launch.source.name
     got = verify.run_launch(launch, ins, sanitizer=sanitizer)
     xs, ys = [(c * ops["X"], strict)] + ([(ops["X2"], False)] if dual else []), [ops[y] for y in ["Y", "Yb"][:1 + quad]]
@@ -2133,18 +2142,10 @@ def test_pair_gradients_copy_their_slabs_ahead(frame, mma, fold, C, K, strict, d
     to three, decays down to e^-20 and some exactly 0, plain, under ASan+UBSan and under TSan (a slab's copies start
     while the threads still multiply the last). Sizes past the threadgroup memory have no such layout; the forward
     has it only as the whole-chunk form (``test_pair_whole_copies_its_slabs_ahead``)."""
-    import mlx.core as mx
-
+    pytest.importorskip("mlx.core")
     rng = np.random.default_rng(C + K + 2 * strict + 4 * dual + 8 * quad)
     N, c = 2, (0.125 if scaled else 1.0)
-    ops = {n: rng.normal(size=(N, C, K)).astype(np.float32) for n in ("X", "X2", "Y", "Yb")}
-    if bf16:  # the values the kernels see: bf16 inputs widened
-        ops = {n: np.asarray(mx.array(a).astype(mx.bfloat16).astype(mx.float32)) for n, a in ops.items()}
-    names = ["X"] + (["X2"] if dual else []) + ["Y"] + (["Yb"] if quad else [])
-    types = ("bfloat16" if bf16 else "float32",) * len(names)
-    dk = _pair_decays(rng, N, C, K)
-    ins = {n: (mx.array(ops[n]).astype(mx.bfloat16) if bf16 else ops[n]) for n in names} | {"dk": dk}
-    ins |= {"Xsc": np.array([c], np.float32)} if scaled else {}
+    ops, dk, ins, types = _pair_copy_inputs(rng, N, C, K, dual, quad, bf16, c if scaled else None)
     xs, ys = ["X", "X2"][:1 + dual], ["Y", "Yb"][:1 + quad]
     cots = {"dM" + x[1:] + y[1:]: rng.normal(size=(N, C, C)).astype(np.float32) for y in ys for x in xs}
     form = dict(grad=True, dual=dual, quad=quad, mma=mma, fold=fold, scaled=scaled)
