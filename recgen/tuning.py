@@ -190,11 +190,15 @@ class Tuning:
     #                                 walk from the kernel's buffers, where they fit. H200, 4,4096,16,128 trained: GLA
     #                                 5.079 -> 4.574 ms, HGRN-2 5.251 -> 4.952, RWKV-6 8.385 -> 8.164 (on on CUDA)
     pair_whole_async: bool = False  # ... and the forward's whole-chunk pairs the same (slabs of 16 columns where 32
-    #                                 no longer fit beside the raw rows). Emulator-checked, not yet timed
+    #                                 no longer fit beside the raw rows). H200, 4,4096,16,128, forward, four rounds:
+    #                                 GLA 1.206 -> 1.207 ms, KDA 2.448 -> 2.549 (the halved slabs cost what the copies
+    #                                 save): off
     bwd_key_running: bool = False   # a key-vector decay's backward tail writes dl as its reverse sum goes, the chunk's
     #                                 last term added after, and stages no dG: 8 KB of threadgroup memory a SIMD group
     #                                 where it took 16 (about 13 groups an SM on sm_90), for its 64 serial steps a
-    #                                 column of loads. Emulator-checked, not yet timed
+    #                                 column of loads. H200, 4,4096,16,128 trained, four rounds: GLA 4.280 -> 4.662
+    #                                 ms (every round slower), KDA 8.493 -> 8.463, RWKV-7 11.075 -> 10.807 (the rounds
+    #                                 overlap): off
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     l2_prefetch: bool = False       # a scalar decay's fragment readout and UT transform hint each staging step's
     #                                 next block into L2 (where the dialect has a prefetch) while they multiply this one
