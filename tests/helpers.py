@@ -151,6 +151,8 @@ def chunk_launches(target: str) -> list:
                 # ... GLA's, u ⊙ Q in bf16, and its backward's, r ⊙ P too (``Tuning.key_scaled_16bit``)
                 + [ck.decays_launch(target, 8, 64, 128, False, ("Q",), q=False, yt="bfloat16")]
                 + [ck.decays_launch(target, 8, 64, 128, False, ("Q", "P"), yt="bfloat16")]
+                # ... GLA's forward's reading l and u in the model's layout
+                + [ck.decays_launch(target, 8, 64, 128, False, ("Q",), q=False, yt="bfloat16", ml=ml)]
                 + [ck.decays_launch(target, 8, 64, 1, False, ("Q",), d=False)]  # GDN's, with f ⊙ Q (lanes)
                 + [ck.decays_launch(target, 8, 64, 128, pe, ("Q", "Q", "P"), False) for pe in (True, False)]  # RWKV-7's
                 + [x for e in (False, True) for x in scans(1, e=e, reverse=e)]
@@ -181,6 +183,7 @@ def chunk_launches(target: str) -> list:
                    for s, d in ((False, False), (True, True))]  # ... its blocks' halves on fragments too
                 + [ck.pair_launch(target, 8, 64, 128, False, mma=True, scaled=True, whole=True,
                                   types=("bfloat16",) * 2)]  # ... its slabs copied ahead
+                + [ck.pair_launch(target, 8, 64, 128, False, mma=True, scaled=True, whole=True, ml=ml)]  # ... q, k so
                 + [ck.sympow_launch(target, 2, 4096, 8, 8, 64, True, grad) for grad in (False, True)]
                 + [ck.decayed_scores_launch(target, 256, 256, 2, grad) for grad in (False, True)]
                 + [ck.feature_decode_launch(target, 16, 64, 64, has_z) for has_z in (True, False)]
@@ -222,7 +225,9 @@ def chunk_launches(target: str) -> list:
                 # ... a key-vector decay's (GLA's call: bf16 r, v and states beside float32 P; and float32)
                 + [ck.out_async_launch(target, 8, 64, 128, 128, ("bfloat16", "float32", "bfloat16", "bfloat16"),
                                        (2, 2, "bfloat16"), key=True),
-                   ck.out_async_launch(target, 8, 64, 128, 128, ("float32",) * 4, key=True)]
+                   ck.out_async_launch(target, 8, 64, 128, 128, ("float32",) * 4, key=True),
+                   ck.out_async_launch(target, 8, 64, 128, 128, ("bfloat16", "float32", "bfloat16", "bfloat16"),
+                                       (2, 2, "bfloat16"), ml=ml, zm=True, key=True)]  # ... q and v so
                 # ... on the wide multiply-add (``Tuning.wide_fragments``: CUDA's; Metal has none), GDN's call in bf16
                 + ([ck.out_async_launch(target, 8, 64, 128, 128, ("bfloat16",) * 4, (2, 2, "bfloat16"), uf=True, ml=ml,
                                         wide=True),

@@ -1722,6 +1722,69 @@ def test_model_layout_kernels_match_the_chunk_layout(sanitizer):
             assert np.array_equal(np.asarray(a).reshape(np.shape(b)), b), (launch.source.name, i)
 
 
+@pytest.mark.parametrize("sanitizer", [None, "address", "thread"])
+def test_key_model_layout_kernels_match_the_chunk_layout(sanitizer):
+    """A key-vector decay's forward kernels in the model's layout (``ml``, GLA's: ``parallel._forward_key_model``):
+    the decays' pass reading l [B, T, H, K] and u [B, T, HK, K], the whole-chunk pair reading r and u, the staged key
+    readout reading r and w [B, T, H, V] (``zm``) give exactly what their chunk-layout forms give on the same values
+    laid out as [B, H, T, D] with the key heads expanded (GQA's block map, H = 2 over HK = 1, two chunks a sequence,
+    B = 2, strong decays); as CUDA runs them (``metal_ptx``), plain, under ASan+UBSan and TSan."""
+    rng = np.random.default_rng(12)
+    f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
+    B, H, HK, n, C, K, V = 2, 2, 1, 2, 32, 32, 16
+    N, T, ml = B * H * n, n * C, (H, HK, n, True)
+    q, k, w = f(B, T, HK, K), f(B, T, HK, K) / 4, f(B, T, H, V)
+    logd = -rng.uniform(0.0, 4.0, size=(B, T, H, K)).astype(np.float32)
+
+    def chunks(x):  # [B, T, HK|H, F] -> [B H n, C, F], key heads expanded
+        return np.ascontiguousarray(np.repeat(x, H // x.shape[2], 2).transpose(0, 2, 1, 3)).reshape(N, C, -1)
+
+    dk = np.exp(chunks(logd))
+    yt = (H, n, "float32")
+    ro = {"Mi": np.tril(f(N, C, C)) / 8, "St": f(N, K, V), "Pk": np.exp(np.cumsum(chunks(logd), 1)),
+          "Rs": np.array([0.5], np.float32)}
+    readout = [ck.out_async_launch("metal_ptx", N, C, K, V, ("float32",) * 4, yt, 128, key=True, **kw)
+               for kw in ({}, {"ml": ml, "zm": True})]
+    assert None not in readout
+    cases = [(ck.decays_launch("metal_ptx", N, C, K, scaled=("Q",), q=False),
+              ck.decays_launch("metal_ptx", N, C, K, scaled=("Q",), q=False, ml=ml), {},
+              ({"l": chunks(logd), "X0": chunks(k)}, {"l": logd, "X0": k})),
+             (ck.pair_launch("metal_ptx", N, C, K, False, mma=True, scaled=True, whole=True),
+              ck.pair_launch("metal_ptx", N, C, K, False, mma=True, scaled=True, whole=True, ml=ml),
+              {"dk": dk, "Xsc": np.array([0.5], np.float32)}, ({"X": chunks(q), "Y": chunks(k)}, {"X": q, "Y": k})),
+             (*readout, ro, ({"R": chunks(q), "Z": chunks(w)}, {"R": q, "Z": w}))]
+    for plain, launch, common, (chunked, given) in cases:
+        assert "_ml" in launch.source.name and "_ml" not in plain.source.name
+        want = verify.run_launch(plain, common | chunked)
+        got = verify.run_launch(launch, common | given, sanitizer=sanitizer)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert np.array_equal(np.asarray(a).reshape(np.shape(b)), b), (launch.source.name, i)
+
+
+@pytest.mark.parametrize("gqa,Hk", [("block", 2), ("tiled", 2), ("block", 4)])
+def test_gla_reads_the_model_layout(gqa, Hk, monkeypatch):
+    """GLA as CUDA's table runs it (``metal_ptx``: its lane layout, bf16 inputs, chunks of 32): with whole chunks
+    (T = 64) the forward reads q, k, v and gk in the model's layout [B, T, heads, D] (``parallel._forward_key_model``:
+    the decays' pass, the whole-chunk pair, the A-free wide scan's X (``xm``) and the staged key readout; GQA's key
+    heads shared, H = 4 over Hk = 2, block and tiled, or none: ``Tuning.model_rows_dense``), the backward copies them
+    to the chunks' layout; end to end against the float64 reference (forward, final state, every gradient)."""
+    pytest.importorskip("mlx.core")
+    import mlx.core as mx
+    from recgen import specs
+    from test_chunked import assert_close, compare
+
+    calls = []
+    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    t = dataclasses.replace(tuning.resolve("gpu", "cuda", environ={}), dialect="metal_ptx", device="cpu",
+                            kernel_cache=None, replay_graphs=False, compile=False)
+    rec = dataclasses.replace(specs.BUILTINS["gla"], gqa=gqa)
+    assert_close(compare(rec, 64, chunk=32, K=32, V=32, Hk=Hk, seed=4, tuning=t, in_dtype=mx.bfloat16), 1e-2, 1e-2)
+    kinds = {c.split("_metal")[0] for c in calls}
+    assert {"recgen_chunk_decays_noq_q_yt_ml", "recgen_chunk_pair_whole_xs_ml", "recgen_chunk_out_async_key_ml_zm_yt",
+            "recgen_chunk_scan_mma_noa_ho_ml_s16_w16_wl_xm"} <= kinds, kinds
+    assert not any("_ml" in c for c in kinds if "_rev" in c or "grad" in c or "bwd" in c), kinds
+
+
 @pytest.mark.parametrize("sanitizer", ["address", "thread"])
 def test_chunk_kernels_under_sanitizers(sanitizer):
     """ASan+UBSan (bounds) and TSan (threadgroup-memory races across the staging barriers)."""

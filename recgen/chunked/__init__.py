@@ -172,15 +172,16 @@ def _diag_scan(tun, S, r, u, w, l, C, key: bool, delta_bt=None, out=None, rfac=N
     dtype) y as [B,T,H,V'] of that type, the model's layout (``parallel.core_fn``). With ``rfac`` (a float) the
     readout role is rfac·r. With ``rho`` (a float: factor reads, ``_keyed_input``) u is a key x and ``delta_bt``
     the factor f [B,H,T,1] of u = f ⊙ x, b̃ = ρ x. With ``model_rows`` (GQA's head map: ``_model_inputs``) r, u and
-    w are the model's inputs [B,T,heads,·] as they are."""
-    B, H, T = l.shape[:3]
+    w are the model's inputs [B,T,heads,·] as they are, and a key-vector decay's l [B,T,H,K] too."""
+    key_rows = key and model_rows is not None and delta_bt is None  # l [B, T, H, K] as well (``_model_inputs``)
+    B, H, T = (l.shape[0], l.shape[2], l.shape[1]) if key_rows else l.shape[:3]
     n = -(-T // C)
     ch = lambda x: _to_chunks(x, n, C)  # noqa: E731
     keep = (lambda x: x) if model_rows is not None else ch  # noqa: E731
     compose = 2 * C >= r.shape[-1]
     fn = parallel.core_fn(key, delta_bt is not None, compose, tun, out, rfac, rho, model_rows)
     extra = [ch(delta_bt)] if delta_bt is not None else []
-    y, S_end = fn(S, keep(r), keep(u), keep(w), ch(l), *extra)[:2]
+    y, S_end = fn(S, keep(r), keep(u), keep(w), l.reshape(B, n, C, H, -1) if key_rows else ch(l), *extra)[:2]
     if out is not None:
         return y[:, :T], S_end
     return y.reshape(B, H, n * C, y.shape[-1])[:, :, :T], S_end
@@ -259,7 +260,8 @@ def _keyed_input(p, raw, kern, key: bool, C: int, K: int, V: int):
     return x if fused else None
 
 
-def _model_inputs(kern, p, chunk: dict, x, rfac, native: bool, T: int, C: int, bt=None, K: int = 0, V: int = 0):
+def _model_inputs(kern, p, chunk: dict, x, rfac, native: bool, T: int, C: int, bt=None, K: int = 0, V: int = 0,
+                  raw: dict | None = None):
     """(r's, x's and w's inputs) as the model passed them, [B, T, HK, K] twice and [B, T, H, V], where the fused
     kernels read them so (``Tuning.model_rows``): factor reads of the key x, or no delta rule (``bt`` None: simple
     GLA's scalar decay, u a key input verbatim, its scan fusing products), the readout role a constant times a key
@@ -267,15 +269,23 @@ def _model_inputs(kern, p, chunk: dict, x, rfac, native: bool, T: int, C: int, b
     the kernels read no padding) and GQA's key heads shared (``Tuning.model_rows_dense``: also without GQA). Then
     q, k and v are never copied to [B, H, T, D], nor the key heads expanded, and their gradients come back in that
     layout. Without GQA only the copies go, and the scans' strided reads of the rows cost about what they saved
-    (docs/design.md). Without a delta rule the backward makes the copies the forward no longer does. Else None."""
+    (docs/design.md). Without a delta rule the backward makes the copies the forward no longer does. A key-vector
+    decay without a transition (GLA: ``parallel.key_model_rows``) reads its log-decay input so too, when the
+    log-decay is that input verbatim (``raw``: ``terms.bind``'s), returned fourth. Else None."""
+    key = p.decay_class == "key"
     if x is None and bt is None and p.decay_class == "scalar" and kern and ck.scan_fuses_products(kern, C, K, V, True) \
             and ck.fuses_readout(kern, C, K, V):
+        x = dict(p.bare_roles).get("u")
+    elif key and (x is not None or bt is not None or p.logdecay_input not in (raw or {})
+                  or not parallel.key_model_rows(kern, C, K, V)):
+        return None  # a key decay's delta rule reads the chunks' layout; the other fused kernels, where they run
+    elif key:
         x = dict(p.bare_roles).get("u")
     if not (kern and kern.model_rows and x is not None and rfac is not None and native and T % C == 0):
         return None
     inputs = {i.symbol: i for i in p.rec.inputs}
-    syms = (p.r_scaled[0], x, dict(p.bare_roles).get("w"))
-    if tuple(inputs[s].kind if s in inputs else None for s in syms) != ("key", "key", "value"):
+    syms = (p.r_scaled[0], x, dict(p.bare_roles).get("w")) + ((p.logdecay_input,) if key else ())
+    if tuple(inputs[s].kind if s in inputs else None for s in syms[:3]) != ("key", "key", "value"):
         return None
     arrays = tuple(chunk[inputs[s].name] for s in syms)
     return arrays if kern.model_rows_dense or arrays[1].shape[2] < arrays[2].shape[2] else None
@@ -318,13 +328,15 @@ def _fast(tun, p, names, scale, sizes, has_z, C, out_dtype, S, *rest):
             bt = None if bt is None else _role_as(p, "b", bt, raw, pick, out_dtype, p.rho_pow2)
         r, rfac = _readout_role(p, r, raw, pick, kern if y0 is None else None, scale)  # shifted r: no raw input
         native = _y_is_o(t, has_z, y0)
-        model = _model_inputs(kern, p, dict(zip(names, arrays)), x, rfac, native, T, C, bt, sizes.K, V)
+        model = _model_inputs(kern, p, dict(zip(names, arrays)), x, rfac, native, T, C, bt, sizes.K, V, raw)
         if model is not None:  # the same types as the row-major roles above, in the model's layout
             r, u, w = (a.astype(b.dtype) for a, b in zip(model, (r, u, w)))
         l = _as_f(t["logdecay"])
         lin = raw.get(p.logdecay_input)  # the log-decay as input, row-major in its own type, where verbatim
         if lin is not None and lin.dtype in (mx.bfloat16, mx.float16) and rank1.logdecay_16bit(kern, key, C, sizes.K):
             l = lin[..., 0]  # [B,H,T,K,1] -> [B,H,T,K]: the kernels convert as they read it (no float32 cast)
+        if model is not None and key:  # [B,T,H,K] as given, in the type l would have had
+            l = model[3].astype(l.dtype)
         y, S = _diag_scan(tun, S, r, u, w, l, C, key, bt, out_dtype if native else None, rfac, rho,
                           p.rec.gqa if model is not None else None)
         if native:

@@ -552,6 +552,30 @@ def _forward(geo, S0, r, u, w, bt, compose, matrix=False, inv_base=1, kern=None,
     return y, S_end, (states, M) + ((Z, Tm, W) if bt is not None else ())
 
 
+def _forward_key_model(S0, r, u, w, l, kern: Tuning, out, rfac, ml: tuple):
+    """``_forward`` of a key-vector decay without a transition (GLA) on the kernels, every input in the model's layout
+    (``core_fn``'s ``model_rows`` with ``key``): r, u [B, n C, HK, K], w [B, n C, H, V] and the log-decays l [B, n,
+    C, H, K] (the input's [B, T, H, K], viewed by chunks) are read so by the decays' pass (l, and u for u ⊙ Q), the
+    scan (w), the pair (r and u) and the readout (r and w): none of the four is copied to the chunks' layout.
+    ``ml`` = (H, HK, n, GB) (``chunk_kernels._model_consts``). Returns (y, S_end, (states, M)) as ``_forward``."""
+    B, n, C, H, K = l.shape
+    st = states_type(True, False, kern, w, C, K, S0.shape[-1])
+    dec = ck.key_decays(l.reshape(B, n * C, H, K), kern, scaled=((u, "Q"),), q=False, st=st, ml=ml)
+    states, _, S_end = ck.chunk_scan(S0, None, w, dec.scaled[0], dec.g, None, kern, reverse=False, st=st, ml=ml,
+                                     x_model=True)
+    M = ck.pair(r, u, dec.d, False, kern, rfac, ml)
+    y = ck.chunk_out_key(r, M, w, states, dec.P, kern, out, rfac, ml)
+    return y, S_end, (states, M)
+
+
+def key_model_rows(kern: Tuning | None, C: int, K: int, V: int) -> bool:
+    """Whether a key-vector decay without a transition can read its inputs in the model's layout
+    (``_forward_key_model``): the pair kernels (the whole-chunk form reading its buffers: ``ck.pair_reads_model``),
+    the fragment scan and the staged key readout run."""
+    return bool(kern and kern.async_staging and pair_supported(kern.dialect, C, K) and ck.pair_reads_model(kern, C, K)
+                and ck.scan_supported(kern, C, K) and ck.fuses_readout(kern, C, K, V))
+
+
 def _forward_keyed(geo, S0, r, x, w, f, rho: float, kern, out=None, rfac=None, ml=None):
     """``_forward`` of the delta rule with factor reads (``core_fn``'s ``rho``): u = f ⊙ x and b̃ = ρ x for a key x,
     a factor per token f [.., C, 1] and a constant ρ, read so by every fused kernel (the UT transform, both scans
@@ -789,7 +813,9 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
     ``model_rows`` (with ``out``, and ``rho`` or no delta rule): None, or GQA's head map ("block" or "tile") where r,
     x (u) and w are the model's inputs as they are, [B, n C, HK, K] (r, x) and [B, n C, H, V] (w), read so by the
     forward's kernels (no layout copies; the key heads shared, not expanded), their gradients returned so (dr, dx
-    summed over GQA's groups); without a delta rule the backward copies them to the chunks' layout itself.
+    summed over GQA's groups); without a delta rule the backward copies them to the chunks' layout itself. A
+    key-vector decay (no delta rule, ``key_model_rows``) takes l so too, viewed by chunks [B, n, C, H, K], its
+    gradient returned so (``_forward_key_model``).
     Returns (y [.., n, C, V], S_end, *residuals); the residuals (chunk-entry states, M_ru, with b̃
     Z, T, W, and a key-vector decay's hierarchy) are for the VJP only and take no cotangent."""
     matrix, inv_base = t.gpu_forms, t.inverse_base
@@ -797,6 +823,7 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
     Geo = decay_geometry(key, kern)
     GeoFwd = decay_geometry(key, kern, q=False)  # the forward reads no Q: its scans take u ⊙ Q formed
     nres = (6 if key and rho is not None else 5) if delta else 2  # factor reads keep a key decay's unscaled A too
+    key_rows = key and not delta and model_rows is not None  # ``_forward_key_model``
 
     def scaled(r, u, bt, backward: bool):
         """The roles scaled by the decays, formed with them (on the kernels: in the geometry's pass): a key-vector
@@ -808,11 +835,18 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
             return {"fQ": (bt, "Q")} if rho is not None else None
         return {"uQ": (u, "Q")} | ({"rP": (r, "P")} if backward and not (delta and rfac is not None) else {})
 
-    def ml(r, l):
-        """The kernels' model-layout constants (H, HK, NCH, GB) of r [B, n C, HK, K] and l [B, H, n, C, 1]."""
-        return None if model_rows is None else (l.shape[1], r.shape[2], l.shape[2], model_rows == "block")
+    def ml(r, l, by_rows: bool = False):
+        """The kernels' model-layout constants (H, HK, NCH, GB) of r [B, n C, HK, K] and l [B, H, n, C, F], or
+        (``by_rows``: a key decay's forward) l [B, n, C, H, K]."""
+        if model_rows is None:
+            return None
+        H, n = (l.shape[3], l.shape[1]) if by_rows else (l.shape[1], l.shape[2])
+        return H, r.shape[2], n, model_rows == "block"
 
     def fwd(S0, r, u, w, l, bt=None):
+        if key_rows:  # l [B, n, C, H, K] too (``_forward_key_model``)
+            y, S_end, res = _forward_key_model(S0, r, u, w, l, kern, out, rfac, ml(r, l, by_rows=True))
+            return (y, S_end) + res  # the pair kernels' geometry keeps nothing (``KernelKeyDecay.saved``)
         st = key and states_type(key, delta, kern, w, l.shape[-2], S0.shape[-2], S0.shape[-1])
         geo = GeoFwd(l, t, scaled=scaled(r, u, bt, False), **({"st": st} if st else {}))
         if rho is not None:
@@ -823,6 +857,8 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
 
     def bwd(*a):
         r, u, w, l = a[1:5]  # a[0], the initial state, enters only through the residual states
+        if key_rows:  # l [B, n, C, H, K]: the backward's kernels read the chunks' layout
+            l = ck.model_chunks(l.reshape(l.shape[0], -1, *l.shape[3:]), l.shape[1])
         bt = a[5] if delta else None
         k = 6 if delta else 5
         res, geo_saved, (dy, dS_end) = a[k:k + nres], a[k + nres:-2], a[-2:]
@@ -831,13 +867,23 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
         # u ⊙ Q and r ⊙ P in the products' 16-bit type where the reverse scan alone reads them (the tail's kernel)
         st = (key and kern and kern.key_scaled_16bit and ck.fuses_key_tail(kern, l.shape[-2])
               and key_products_type(key, delta, res[0], dy, kern))
-        geo = Geo(l, t, geo_saved, scaled(r, u, bt, True), **({"st": st} if st else {}))
-        if rho is not None:
+
+        def geometry(r, u):
+            return Geo(l, t, geo_saved, scaled(r, u, bt, True), **({"st": st} if st else {}))
+
+        if key_rows:  # r and u scaled in the decays' pass in the chunks' layout too
+            n, heads = l.shape[2], ml(r, l)
+            rc, uc = ck.model_chunks(r, n, heads), ck.model_chunks(u, n, heads)
+            dS0, dr, du, dw, dl, dbt = _backward(geometry(rc, uc), rc, uc, ck.model_chunks(w, n), bt, res, dy, dS_end,
+                                                 compose, matrix, kern, rfac)
+            dr, du = model_layout(dr, dr.dtype), model_layout(du, du.dtype)  # summed over GQA groups below
+        elif rho is not None:
+            geo = geometry(r, u)
             dS0, dr, du, dw, dl, dbt = _backward_keyed(geo, r, u, bt, rho, res, dy, dS_end, compose, matrix, kern, rfac,
                                                        ml(r, l))
         elif model_rows is not None:  # no delta rule: w goes to the chunks' layout (copied here, not kept); r and u
             # too where the reverse scan and the pass after it cannot read the model's
-            n, heads = l.shape[2], ml(r, l)
+            n, heads, geo = l.shape[2], ml(r, l), geometry(r, u)
             wc = ck.model_chunks(w, n)
             if reads_model_rows(kern, l.shape[-2], r.shape[-1], w.shape[-1]):  # dr, du per value head
                 dS0, dr, du, dw, dl, dbt = _backward_fused(geo, r, u, wc, None, res, dy, dS_end, compose, matrix, kern,
@@ -847,10 +893,12 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
                 dS0, dr, du, dw, dl, dbt = _backward(geo, rc, uc, wc, bt, res, dy, dS_end, compose, matrix, kern, rfac)
                 dr, du = model_layout(dr, dr.dtype), model_layout(du, du.dtype)  # summed over GQA groups below
         else:
-            dS0, dr, du, dw, dl, dbt = _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix, kern, rfac)
+            dS0, dr, du, dw, dl, dbt = _backward(geometry(r, u), r, u, w, bt, res, dy, dS_end, compose, matrix, kern,
+                                                 rfac)
         if model_rows is not None:  # dr, dx per value head [B, n C, H, K]; Δ (dw) [B, H, n, C, V] as w's layout
             dr, du = (group_heads(g, r.shape[2], model_rows) for g in (dr, du))
             dw = model_layout(dw, w.dtype)
+            dl = dl.transpose(0, 2, 3, 1, 4) if key_rows else dl  # as its l came, [B, n, C, H, K]
         grads = (dS0, dr, du, dw, dl) + ((dbt,) if delta else ())
         return tuple(g.astype(x.dtype) for g, x in zip(grads, a))  # a 16-bit role (``role_dtype``) takes its own type
 

@@ -117,8 +117,9 @@ class ScanVariant:
         if (self.p or self.dg or self.q or self.aq or self.pf or self.hoist or self.ml or self.s16) and not self.mma:
             raise ValueError("chunk_scan: P, dg, Bq, Aq terms, prefetching, hoisting, the model's layout and 16-bit "
                              "outputs need the fragment frame")
-        if self.ml and not (self.q or self.aq or self.pq):
-            raise ValueError("chunk_scan: the model's layout (ml) is the row-scaled operands': needs Bq, Aq or Pq")
+        if self.ml and not (self.q or self.aq or self.pq or self.xm):
+            raise ValueError("chunk_scan: the model's layout (ml) is the row-scaled operands' and X's: needs Bq, Aq, "
+                             "Pq or xm")
         forward = not (self.reverse or self.p or self.dg or self.aq) and self.b and (self.q or not self.a)
         reverse = self.reverse and not self.q and (self.b or self.p)
         if self.w16 and not (self.hoist and self.s16 and self.mma and not self.e and (forward or self.a and reverse)):
@@ -220,23 +221,28 @@ def decayed_scores_source(dialect: str, grad: bool = False) -> KernelSource:
 
 @lru_cache(maxsize=None)
 def decays_source(dialect: str, before: bool = False, scaled: tuple = (), pq: bool = True, d: bool = True,
-                  lanes: bool = False, q: bool = True, yt: bool = False) -> KernelSource:
+                  lanes: bool = False, q: bool = True, yt: bool = False, ml: bool = False) -> KernelSource:
     """A decay's geometry from its log-decays l [N, C, F] (template constants C, F and U or E, NT): G [N, F], the
     chunk's decay; with ``d`` the per-token decays D; with ``pq`` P and Q from sums anchored at the chunk's start and
     end; ``before``: also Pe_t = P_{t-1} (Pe_0 = 1). ``scaled``: one of "P", "Q", "Pe" for each role X_i [N, C, F] given
     (any float type), Y_i = X_i ⊙ that decay in float32 (``yt``: in type YT, a template constant). ``lanes``
     (F = 1): a SIMD group a chunk (template constant E = ceil(C / 32), its tokens a lane), else a thread a (chunk,
-    column), U tokens' loads at a time. ``q`` off (with ``pq``): P without Q (a forward that reads no Q)."""
+    column), U tokens' loads at a time. ``q`` off (with ``pq``): P without Q (a forward that reads no Q). ``ml`` (not
+    ``lanes``): l and the roles read in the model's layout, l [B, T, H, F] and X_i [B, T, HK, F] (template constants
+    H, HK, NCH, GB; ``chunk_kernels._model_consts``), the outputs in the chunks'."""
     if any(w not in ("P", "Q", "Pe") for w in scaled):
         raise ValueError(f"decays: scaled roles take P, Q or Pe, not {scaled}")
+    if ml and lanes:
+        raise ValueError("decays: the model's layout (ml) is the per-column form's (F > 1), not lanes'")
     xs = tuple(f"X{i}" for i in range(len(scaled)))
     q = q and pq
     kind = ("decays" + ("_lanes" if lanes else "") + ("" if d else "_nod") + ("" if pq else "_g")
             + ("_noq" if pq and not q else "")
-            + ("_pe" if before else "") + "".join("_" + w.lower() for w in scaled) + ("_yt" if yt else ""))
+            + ("_pe" if before else "") + "".join("_" + w.lower() for w in scaled) + ("_yt" if yt else "")
+            + ("_ml" if ml else ""))
     outs = ("D",) * d + ("P",) * pq + ("Q",) * q + ("G",) + ("Pe",) * before + tuple(f"Y{i}" for i in range(len(xs)))
     return _source(get(dialect), "chunk_decays.j2", kind, "decay geometry over chunks", ("l",) + xs + ("rt",),
-                   outs, (), before=before, scaled=scaled, pq=pq, with_d=d, with_q=q, lanes=lanes, yt=yt,
+                   outs, (), before=before, scaled=scaled, pq=pq, with_d=d, with_q=q, lanes=lanes, yt=yt, ml=ml,
                    fwd_x=[i for i, w in enumerate(scaled) if w != "Q"],  # the roles each walk loads
                    bwd_x=[i for i, w in enumerate(scaled) if w == "Q"])
 
@@ -279,10 +285,11 @@ def out_async_source(dialect: str, yt: bool = False, uf: bool = False, ml: bool 
     (``out_async_layout``). ``w16``: R, U, Z and S_c in one 16-bit type RT, multiplied by the dialect's wide
     multiply-add (``Dialect.mma16``). ``zm`` (with ``ml``): Z is the model's value input [B, n C, H, V] as it is
     (simple GLA's z = v; without factor reads, ``ml`` needs it). ``key``: a key-vector decay's readout as
-    ``out_mma_source``'s (M given, P per key element staged beside R, in U's slot: type UT; y the only output)."""
-    if key and (uf or ml or w16):
-        raise ValueError("chunk_out_async: a key-vector decay's readout (key) reads the chunks' layout in float32 "
-                         "fragments (no uf, ml or w16)")
+    ``out_mma_source``'s (M given, P per key element staged beside R, in U's slot: type UT; y the only output);
+    with ``ml`` (and ``zm``) R and Z read in the model's layout, M and P in the chunks'."""
+    if key and (uf or w16):
+        raise ValueError("chunk_out_async: a key-vector decay's readout (key) reads float32 fragments, no factors "
+                         "(no uf or w16)")
     if ml and not (yt and (uf or zm)):
         raise ValueError("chunk_out_async: the model's layout (ml) writes y so (yt), with factor reads (uf) or Z in it "
                          "too (zm)")
@@ -463,20 +470,25 @@ def pair_source(dialect: str, strict: bool, dual: bool = False, mma: bool = Fals
 
 @lru_cache(maxsize=None)
 def pair_whole_source(dialect: str, strict: bool, dual: bool = False, quad: bool = False,
-                      scaled: bool = False, halves: bool = False, async_: bool = False) -> KernelSource:
+                      scaled: bool = False, halves: bool = False, async_: bool = False,
+                      ml: bool = False) -> KernelSource:
     """``pair_source``'s pairs (single, ``dual`` or ``quad``; ``scaled``), the whole chunk one threadgroup
     (``chunk_pair_whole.j2``): each slab's X ⊙ pre and Y ⊙ suf staged once for every block, the pairs of blocks on
     fragments, the blocks between applied as A is read (template constants of ``pair_whole_layout``); ``halves``:
     each block's second half against its first on fragments too, the carries within the halves only; ``async_``:
     each slab's raw rows copied to threadgroup memory a slab ahead by the dialect's 16-byte copies, the operands'
-    types XT, X2T, YT, YbT and their bytes XB, X2B, YB, YbB template constants."""
+    types XT, X2T, YT, YbT and their bytes XB, X2B, YB, YbB template constants. ``ml`` (not ``async_``): the operands
+    read in the model's layout [B, T, HK, K] (template constants H, HK, NCH, GB), the decays and pairs in the
+    chunks'."""
+    if ml and async_:
+        raise ValueError("chunk_pair_whole: the model's layout (ml) is read from the buffers, not copied ahead (async_)")
     d = get(dialect)
     ins, outs = _pair_forward_io(dual, quad, scaled)
     kind = ("pair" + _pair_suffix(strict, dual, quad, False, False) + "_whole" + ("_h8" if halves else "")
-            + ("_xs" if scaled else "") + ("_async" if async_ else ""))
+            + ("_xs" if scaled else "") + ("_async" if async_ else "") + ("_ml" if ml else ""))
     return _source(d, "chunk_pair_whole.j2", kind, "key-vector decay pair matrix of a chunk, one threadgroup a chunk",
                    ins, outs, (), helpers=d.mma_prelude + (d.copy_prelude if async_ else ""), strict=strict,
-                   dual=dual or quad, quad=quad, xs=scaled, halves=halves, async_=async_)
+                   dual=dual or quad, quad=quad, xs=scaled, halves=halves, async_=async_, ml=ml)
 
 
 @lru_cache(maxsize=None)

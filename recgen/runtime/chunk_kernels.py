@@ -109,24 +109,25 @@ DECAYS_U = 16  # tokens a thread of it loads at once (F > 1): the loads in fligh
 
 @lru_cache(maxsize=256)
 def decays_launch(dialect: str, N: int, C: int, F: int, before: bool = False, scaled: tuple = (),
-                  pq: bool = True, d: bool = True, q: bool = True, yt: str | None = None) -> Launch:
+                  pq: bool = True, d: bool = True, q: bool = True, yt: str | None = None,
+                  ml: tuple | None = None) -> Launch:
     """The decay geometry over N chunks of C tokens from the log-decays [N, C, F] (``decays_source``): D (``d``),
     P and Q (``pq``) [N, C, F], G [N, F], Pe (``before``) and each given role times its decay ("P", "Q" or "Pe"),
     in that order, those in float32 or the dtype named ``yt``; ``q`` off: no Q. A scalar decay (F = 1) runs a SIMD
-    group a chunk (``lanes``)."""
+    group a chunk (``lanes``). ``ml`` (``_model_consts``, F > 1): l and the roles read in the model's layout."""
     lanes = F == 1
     full = ((N, C, F), "float32")
     q = q and pq
     outs = ((full,) * d + (full,) * (pq + q) + (((N, F), "float32"),) + (full,) * before
             + (((N, C, F), yt or "float32"),) * len(scaled))
-    src = decays_source(dialect, before, scaled, pq, d, lanes, q, bool(yt))
+    src = decays_source(dialect, before, scaled, pq, d, lanes, q, bool(yt), ml is not None)
     if lanes:
         groups = -(-N * 32 // DECAYS_NT)
         consts = (("C", C), ("E", -(-C // 32)), ("NT", DECAYS_NT))
     else:
         groups = -(-N * F // DECAYS_NT)
         consts = (("C", C), ("F", F), ("NT", DECAYS_NT), ("U", DECAYS_U))
-    consts += (("YT", yt),) if yt else ()
+    consts += ((("YT", yt),) if yt else ()) + _model_consts(ml)
     return Launch(src, (("rt", (N,), "int32"),), outs, (groups * DECAYS_NT, 1, 1), (DECAYS_NT, 1, 1), consts)
 
 
@@ -374,7 +375,7 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
 @lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False,
                 mma: bool = False, quad: bool = False, fold: bool = False, scaled: bool = False,
-                whole: bool = False, halves: bool = False, types: tuple = ()) -> Launch:
+                whole: bool = False, halves: bool = False, types: tuple = (), ml: tuple | None = None) -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
     operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
     ``quad``: both with a second Y as well (four pairs); ``mma``: the other blocks' products on fragments
@@ -383,7 +384,10 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     (the forward on fragments): a whole chunk a threadgroup (``chunk_sources.pair_whole_source``; ``halves``: each
     block's halves paired on fragments too). ``types`` (the gradients, or the whole form): the operands' dtype names
     (X, X2, Y, Yb as the form has them): each slab's raw rows copied a slab ahead
-    (``chunk_sources.pair_grad_async_layout``, ``pair_whole_layout``)."""
+    (``chunk_sources.pair_grad_async_layout``, ``pair_whole_layout``). ``ml`` (``_model_consts``; the whole form,
+    its operands read from their buffers): the operands in the model's layout [B, T, HK, K]."""
+    if ml is not None and not (whole and not types):
+        raise ValueError("chunk_pair: the model's layout (ml) is the whole form's, its operands read from their buffers")
     if types and not (grad or whole):
         raise ValueError("chunk_pair: raw slabs copied ahead (types) are the gradients' and the whole form's")
     if halves and not whole:
@@ -392,7 +396,7 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
         if grad or not mma or fold:
             raise ValueError("chunk_pair: a whole chunk a threadgroup is the forward's form on fragments, unfolded")
         lay = pair_whole_layout(dialect, C, K, dual, quad, halves, tuple(_itemsize(t) for t in types))
-        src = pair_whole_source(dialect, strict, dual, quad, scaled, halves, bool(types))
+        src = pair_whole_source(dialect, strict, dual, quad, scaled, halves, bool(types), ml is not None)
         groups = N
     else:
         lay = dict(pair_grad_async_layout(dialect, C, K, dual, quad, tuple(_itemsize(t) for t in types)) if types
@@ -410,7 +414,7 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     lay |= dict(zip([n + "T" for n in operands], types))  # the operands' types and (the whole form's) bytes
     lay |= {n + "B": _itemsize(dt) for n, dt in zip(operands, types)} if whole else {}
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * len(src.outputs)
-    tmpl = (("C", C), ("K", K)) + tuple(lay.items())
+    tmpl = (("C", C), ("K", K)) + tuple(lay.items()) + _model_consts(ml)
     return Launch(src, (("rt", (N,), "int32"),), outs, (groups * lay["NT"], 1, 1), (lay["NT"], 1, 1), tmpl)
 
 
@@ -607,19 +611,26 @@ class DecayPass:
 
 
 def key_decays(l, t: Tuning, before: bool = False, scaled: tuple = (), pq: bool = True, d: bool = True,
-               q: bool = True, st=None) -> DecayPass:
+               q: bool = True, st=None, ml: tuple | None = None) -> DecayPass:
     """The decay geometry of the log-decays l [..., C, F] (float32, F = 1 or K) in one pass (``chunk_decays.j2``):
     the chunk's decay g (P's last row) always; ``d``: D = e^l; ``pq``: P and Q from sums anchored at the chunk's start
     and end; ``before``: P_{t−1} (1 at t = 0), the decay a transition before the decay meets; ``scaled``:
     ((x, "P" | "Q" | "Pe"), ...), roles x [..., C, F] of any float type: and x ⊙ that decay for each, in float32 (the
     scans' u ⊙ Q, the readout's r ⊙ P: one pass, where a cast and a product were two per role). Leaving out what no
     reader takes saves its [..., C, F] write (and g is no strided copy of P's last row); ``q`` off: P without Q;
-    ``st`` (a 16-bit mx dtype): the scaled roles written in it (rounded as their readers would round them)."""
-    N, (C, F) = _lead(l, 2), l.shape[-2:]
+    ``st`` (a 16-bit mx dtype): the scaled roles written in it (rounded as their readers would round them).
+    ``ml`` (``_model_consts``: (H, HK, NCH, GB)): l [B, NCH C, H, F] and the roles [B, NCH C, HK, F] in the model's
+    layout, read so; the outputs then [B, H, NCH, C, F] (G [B, H, NCH, F])."""
+    if ml is None:
+        N, (C, F) = _lead(l, 2), l.shape[-2:]
+        shape = l.shape
+    else:
+        (B, T, H, F), n = l.shape, ml[2]
+        N, C, shape = B * H * n, T // n, (B, H, n, T // n, F)
     launch = decays_launch(t.dialect, N, C, F, before, tuple(w for _, w in scaled), pq, d, q,
-                           None if st is None else dtype_name(st))
-    user = [l.reshape(N, C, F)] + [x.reshape(N, C, F) for x, _ in scaled]
-    outs = [x.reshape(l.shape if x.ndim == 3 else (*l.shape[:-2], F)) for x in _call(t, launch, user)]
+                           None if st is None else dtype_name(st), ml)
+    user = [l if ml else l.reshape(N, C, F)] + [x if ml else x.reshape(N, C, F) for x, _ in scaled]
+    outs = [x.reshape(shape if x.ndim == 3 else (*shape[:-2], F)) for x in _call(t, launch, user)]
     take = lambda on: outs.pop(0) if on else None  # noqa: E731
     D, P, Q, g, pe = take(d), take(pq), take(pq and q), take(True), take(before)
     return DecayPass(D, P, Q, g, pe, tuple(outs))
@@ -720,6 +731,8 @@ def chunk_scan(S0, A, X, Bm, g, E, t: Tuning, reverse: bool, P=None, St=None, Bq
                  and (A is not None or scan_prefetches(C, K, V, t.scan_bv, nw)))
                 or (reverse and A is not None and Bq is None and (Bm is not None or P is not None))))
     wl = w16 and t.scan_wide_loads and K % 32 == 0
+    if not (Bq is not None or Aq is not None or Pq is not None or x_model and w16):
+        ml = None  # nothing read in the model's layout: X (x_model) is copied below
     v = ScanVariant(a=A is not None, b=Bm is not None, e=E is not None, reverse=reverse, p=P is not None,
                     dg=dg_here, q=Bq is not None, aq=Aq is not None, pq=Pq is not None, pf=pf,
                     hoist=hoist, vec=not mma and V % 4 == 0, mma=mma, ml=ml is not None, s16=st is not None, w16=w16,
@@ -809,10 +822,24 @@ def chunk_ut(bt, u, w, l, t: Tuning, uf=None, bf: float | None = None, out=None,
     return Tm.reshape(*lead, C), U.reshape(*lead, V), W.reshape(*lead, K)
 
 
-def chunk_out_key(r, M, Z, states, P, t: Tuning, out=None, rs=None):
+def chunk_out_key(r, M, Z, states, P, t: Tuning, out=None, rs=None, ml: tuple | None = None):
     """``chunk_out`` for a key-vector decay: y = (r ⊙ P) S_c + M Z per chunk with M [.., n, C, C] formed (by the pair
     kernels, of rs·r where ``rs``) and P [.., n, C, K] per key element (float32). Returns y [.., n, C, V] float32, or
-    with ``out`` y in the model's layout [B, n C, H, V] and that type."""
+    with ``out`` y in the model's layout [B, n C, H, V] and that type. ``ml`` (``_model_consts``, with ``out``): r and
+    Z are the model's inputs [B, n C, HK, K] and [B, n C, H, V] as they are, read so by the staged readout (copied to
+    the chunks' layout first where it does not run)."""
+    if ml is not None:
+        if out is None:
+            raise ValueError("chunk_out_key: the model's layout (ml) writes y so (out)")
+        n, (C, K), V = P.shape[-3], P.shape[-2:], Z.shape[-1]
+        N = _lead(P, 2)
+        yt = (P.shape[-4], n, dtype_name(out))
+        types = tuple(dtype_name(x.dtype) for x in (r, P, Z, states))
+        launch = out_async_launch(t.dialect, N, C, K, V, types, yt, t.out_bv, ml=ml, zm=True, key=True) \
+            if t.async_staging else None
+        if launch is None:
+            return _out_key(model_chunks(r, n, ml), M, model_chunks(Z, n), states, (P,), t, out, rs)
+        return _out_key(r, M, Z, states, (P,), t, out, rs, launch=launch)
     return _out_key(r, M, Z, states, (P,), t, out, rs)
 
 
@@ -824,22 +851,23 @@ def chunk_out_rank1(rP, Mra, X, states, Mru, w, t: Tuning, out=None, rs=None):
     return _out_key(rP, Mra, X, states, (Mru, w), t, out, rs, m2=True)
 
 
-def _out_key(r, M, Z, states, extra: tuple, t: Tuning, out, rs, m2: bool = False):
+def _out_key(r, M, Z, states, extra: tuple, t: Tuning, out, rs, m2: bool = False, launch: Launch | None = None):
     """The key readout frame, shared by ``chunk_out_key`` (``extra`` = (P,)) and ``chunk_out_rank1`` (``m2``: (M2,
-    Z2)); every operand but the states is [.., n, C, F]."""
+    Z2)); every operand but the states is [.., n, C, F]. ``launch``: the model-layout readout (``chunk_out_key``'s
+    ``ml``), r and Z passed as they are."""
     import mlx.core as mx
 
-    (n, C, K), V = r.shape[-3:], Z.shape[-1]
-    N = _lead(r, 2)
-    yt = None if out is None else (r.shape[-4], n, dtype_name(out))
+    (n, C), K, V = extra[0].shape[-3:-1], r.shape[-1], Z.shape[-1]
+    N = _lead(extra[0], 2)
+    yt = None if out is None else (extra[0].shape[-4], n, dtype_name(out))
     flat = lambda x: x.reshape(N, C, x.shape[-1])  # noqa: E731
-    launch = None
-    if t.async_staging and not m2:  # staged two deep (``chunk_out_async.j2``), else the synchronous frame
+    model = launch is not None
+    if launch is None and t.async_staging and not m2:  # staged two deep (``chunk_out_async.j2``), else synchronous
         types = tuple(dtype_name(x.dtype) for x in (r, extra[0], Z, states))
         launch = out_async_launch(t.dialect, N, C, K, V, types, yt, t.out_bv, key=True)
     (y,) = _call(t, launch or out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, key=True, m2=m2),
-                 [flat(r), flat(M), flat(Z), states.reshape(N, K, V), *(flat(x) for x in extra),
-                  mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+                 [r if model else flat(r), flat(M), Z if model else flat(Z), states.reshape(N, K, V),
+                  *(flat(x) for x in extra), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
     return y if out is not None else y.reshape(*Z.shape)
 
 
@@ -973,34 +1001,44 @@ def chunk_bwd_rank1(r, u, a, b, l, dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP, dg, t
 
 
 def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), dual: bool = False,
-               quad: bool = False, scale: float | None = None) -> tuple:
+               quad: bool = False, scale: float | None = None, ml: tuple | None = None) -> tuple:
     """The pair kernels (``pair_launch``) on flattened chunks: the cotangents [.., C, C] (the gradients' kernels) and
     the operands [.., C, K] in the kernel's input order, the decays dk; ``scale``: the first operand read times it.
-    Returns the pairs [.., C, C], or the gradients [.., C, K], shaped as the first operand's chunks."""
+    Returns the pairs [.., C, C], or the gradients [.., C, K], shaped as the first operand's chunks. ``ml``
+    (``pair_reads_model``): the operands in the model's layout [B, T, HK, K], the pairs then shaped as dk's chunks."""
     import mlx.core as mx
 
-    X = operands[0]
+    X = dk if ml is not None else operands[0]
     N, (C, K) = _lead(X, 2), X.shape[-2:]
     whole = not cots and pairs_whole(t, C, K, dual, quad)
     halves = whole and t.pair_halves and pair_whole_supported(t.dialect, C, K, dual, quad, True)
     types = tuple(dtype_name(a.dtype) for a in operands)
     sizes = tuple(_itemsize(d) for d in types)
     ahead = (t.pair_grad_async and pair_grad_async_supported(t.dialect, C, K, dual, quad, sizes) if cots
-             else whole and t.pair_whole_async and pair_whole_supported(t.dialect, C, K, dual, quad, halves, sizes))
+             else whole and ml is None and t.pair_whole_async
+             and pair_whole_supported(t.dialect, C, K, dual, quad, halves, sizes))
     launch = pair_launch(t.dialect, N, C, K, strict, grad=bool(cots), dual=dual,
                          mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad,
                          fold=not whole and t.pair_fold and pair_folds(t.dialect, C, K, dual, quad),
-                         scaled=scale is not None, whole=whole, halves=halves, types=types if ahead else ())
-    outs = _call(t, launch, [m.reshape(N, C, C) for m in cots] + [a.reshape(N, C, K) for a in (*operands, dk)]
+                         scaled=scale is not None, whole=whole, halves=halves, types=types if ahead else (), ml=ml)
+    outs = _call(t, launch, [m.reshape(N, C, C) for m in cots]
+                 + [a if ml is not None else a.reshape(N, C, K) for a in operands] + [dk.reshape(N, C, K)]
                  + ([] if scale is None else [mx.array([scale], mx.float32)]))
     shape = X.shape if cots else (*X.shape[:-1], C)
     return tuple(o.reshape(shape) for o in outs)
 
 
-def pair(X, Y, dk, strict: bool, t: Tuning, scale: float | None = None):
+def pair(X, Y, dk, strict: bool, t: Tuning, scale: float | None = None, ml: tuple | None = None):
     """M [.., C, C] of the key-vector decay pair (see chunk_pair.j2) from X, Y, per-token decays dk [.., C, K];
-    ``scale``: of scale·X."""
-    return _pair_call(t, strict, (X, Y), dk, scale=scale)[0]
+    ``scale``: of scale·X; ``ml`` (``pair_reads_model``): X and Y the model's key inputs [B, T, HK, K] as they are,
+    dk [B, H, n, C, K]."""
+    return _pair_call(t, strict, (X, Y), dk, scale=scale, ml=ml)[0]
+
+
+def pair_reads_model(t: Tuning, C: int, K: int) -> bool:
+    """Whether the single forward pair reads its operands in the model's layout (``pair``'s ``ml``): the whole-chunk
+    form reading its buffers (not copying its slabs ahead)."""
+    return pairs_whole(t, C, K, False, False) and not t.pair_whole_async
 
 
 def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning, scale: float | None = None):

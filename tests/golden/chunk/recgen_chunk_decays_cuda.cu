@@ -14,14 +14,16 @@
   // flight a thread otherwise, each waiting on the last token's stores). Template constants: C, F, NT, U.
   const long long id = (long long)blockIdx.x * NT + threadIdx.x;
   if (id >= (long long)rt[0] * F) return;
-  const long long base = (id / F) * C * F + id % F;
+  const long long base = (id / F) * C * F + id % F;  // the outputs' (and, but for ``ml``, the inputs') column
+  const long long lbase = base, xbase = base;
+  constexpr int LLD = F, XLD = F;
   float acc = 0.0f;
   for (int t0 = 0; t0 < C; t0 += U) {
     float l_[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const long long at = base + (t0 + u < C ? t0 + u : C - 1) * F;  // C need not be a multiple of U
-      l_[u] = static_cast<float>(l[at]);  // l may be 16-bit (an input verbatim)
+      const int tt = t0 + u < C ? t0 + u : C - 1;  // C need not be a multiple of U
+      l_[u] = static_cast<float>(l[lbase + tt * LLD]);  // l may be 16-bit (an input verbatim)
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -40,8 +42,8 @@
     float l_[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const long long at = base + (t1 - u >= 0 ? t1 - u : 0) * F;
-      l_[u] = static_cast<float>(l[at]);
+      const int tt = t1 - u >= 0 ? t1 - u : 0;
+      l_[u] = static_cast<float>(l[lbase + tt * LLD]);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {

@@ -15,14 +15,16 @@
   // flight a thread otherwise, each waiting on the last token's stores). Template constants: C, F, NT, U.
   const int64_t id = (int64_t)threadgroup_position_in_grid.x * NT + thread_position_in_threadgroup.x;
   if (id >= (int64_t)rt[0] * F) return;
-  const int64_t base = (id / F) * C * F + id % F;
+  const int64_t base = (id / F) * C * F + id % F;  // the outputs' (and, but for ``ml``, the inputs') column
+  const int64_t lbase = base, xbase = base;
+  constexpr int LLD = F, XLD = F;
   float acc = 0.0f;
   for (int t0 = 0; t0 < C; t0 += U) {
     float l_[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t at = base + (t0 + u < C ? t0 + u : C - 1) * F;  // C need not be a multiple of U
-      l_[u] = static_cast<float>(l[at]);  // l may be 16-bit (an input verbatim)
+      const int tt = t0 + u < C ? t0 + u : C - 1;  // C need not be a multiple of U
+      l_[u] = static_cast<float>(l[lbase + tt * LLD]);  // l may be 16-bit (an input verbatim)
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -42,9 +44,9 @@
     float x0_[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int64_t at = base + (t1 - u >= 0 ? t1 - u : 0) * F;
-      l_[u] = static_cast<float>(l[at]);
-      x0_[u] = static_cast<float>(X0[at]);
+      const int tt = t1 - u >= 0 ? t1 - u : 0;
+      l_[u] = static_cast<float>(l[lbase + tt * LLD]);
+      x0_[u] = static_cast<float>(X0[xbase + tt * XLD]);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {

@@ -134,8 +134,8 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   // ``w16``: R, U, Z and S_c share one 16-bit type and the products take the dialect's wide multiply-add on it
   // (``Dialect.mma16``: 16 deep, no conversions); M enters y's product as it is written, in that type (Mh_, row
   // stride LDH), as FLA's readout takes its bf16 scores. KB a multiple of 16.
-  // ``ml``: R and U (x) are read in the model's layout [B, T, HK, K] (GQA's key heads shared, not expanded),
-  // through their chunk's pointers Rc and Uc (template constants HK, GB), and Z, the model's value input, in its
+  // ``ml``: R and U (x) read in the model's layout [B, T, HK, K] (GQA's key heads shared, not expanded),
+  // through the chunk's pointers Rc and Uc (template constants HK, GB), and Z, the model's value input, in its
   // layout [B, T, H, V] (zm), through Zc.
   // y is written in the model's layout [B, NCH C, H, V] and type OT (chunk bc = (b H + h) NCH + ch). Template
   // constants H, NCH (chunks per sequence), OT.

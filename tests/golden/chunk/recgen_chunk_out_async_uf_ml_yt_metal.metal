@@ -33,8 +33,8 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   // types of R, U, Z and S_c (rows 16-byte aligned: K and V multiples of 16 bytes' elements). M is written in
   // S_c's type: 16-bit states (``Tuning.states_16bit``) come with a 16-bit M, both read by MLX's 16-bit products.
   // ``uf`` (factor reads): U is the key x and u = Uf * x with a factor per token (Uf [C] a chunk).
-  // ``ml``: R and U (x) are read in the model's layout [B, T, HK, K] (GQA's key heads shared, not expanded),
-  // through their chunk's pointers Rc and Uc (template constants HK, GB).
+  // ``ml``: R and U (x) read in the model's layout [B, T, HK, K] (GQA's key heads shared, not expanded),
+  // through the chunk's pointers Rc and Uc (template constants HK, GB).
   // y is written in the model's layout [B, NCH C, H, V] and type OT (chunk bc = (b H + h) NCH + ch). Template
   // constants H, NCH (chunks per sequence), OT.
   constexpr int CT = BV / 8;   // 8-column tiles of y

@@ -135,8 +135,8 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   // (``Dialect.mma16``: 16 deep, no conversions); M enters y's product as it is written, in that type (Mh_, row
   // stride LDH), as FLA's readout takes its bf16 scores. KB a multiple of 16.
   // ``uf`` (factor reads): U is the key x and u = Uf * x with a factor per token (Uf [C] a chunk).
-  // ``ml``: R and U (x) are read in the model's layout [B, T, HK, K] (GQA's key heads shared, not expanded),
-  // through their chunk's pointers Rc and Uc (template constants HK, GB).
+  // ``ml``: R and U (x) read in the model's layout [B, T, HK, K] (GQA's key heads shared, not expanded),
+  // through the chunk's pointers Rc and Uc (template constants HK, GB).
   // y is written in the model's layout [B, NCH C, H, V] and type OT (chunk bc = (b H + h) NCH + ch). Template
   // constants H, NCH (chunks per sequence), OT.
   constexpr int CT = BV / 8;   // 8-column tiles of y

@@ -35,7 +35,9 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   const int tid = thread_position_in_threadgroup.x;
   const int64_t chunk = (int64_t)threadgroup_position_in_grid.x;
   if (chunk >= (int64_t)rt[0]) return;
-  const int64_t base = chunk * C * K;
+  const int64_t base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
+  const int64_t xbase = base;
+  constexpr int XLD = K;
   const int lane = thread_index_in_simdgroup;
   const int warp = tid / 32;
   const int gq = ((lane >> 2) & 4) + ((lane >> 1) & 3);
@@ -55,25 +57,25 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < 2 * NB * KS; q += NT) {  // one column of one block: forward (pre) or backward (suf)
       const int b = (q / KS) % NB, c = q % KS;
-      const int64_t col = base + (b * BS) * K + k0 + c;
+      const int64_t col = base + (b * BS) * K + k0 + c, xcol = xbase + (b * BS) * XLD + k0 + c;
       float p = 1.0f;
       if (q < NB * KS) {
 #pragma unroll
         for (int s = 0; s < BS; ++s) {
-          const int64_t at = col + s * K;
+          const int64_t at = col + s * K, xat = xcol + s * XLD;
           const float dv = dk[at];
           p *= dv;
           Dd_[(b * BS + s) * LDS + c] = dv;
-          Xs_[(b * BS + s) * LDS + c] = static_cast<float>(X[at]) * p;
-          Xs2_[(b * BS + s) * LDS + c] = static_cast<float>(X2[at]) * p;
+          Xs_[(b * BS + s) * LDS + c] = static_cast<float>(X[xat]) * p;
+          Xs2_[(b * BS + s) * LDS + c] = static_cast<float>(X2[xat]) * p;
         }
         Tot_[b * KS + c] = p;
       } else {
 #pragma unroll
         for (int s = BS - 1; s >= 0; --s) {
-          const int64_t at = col + s * K;
+          const int64_t at = col + s * K, xat = xcol + s * XLD;
           const float dv = dk[at];
-          const float y = static_cast<float>(Y[at]);
+          const float y = static_cast<float>(Y[xat]);
           Ys_[(b * BS + s) * LDS + c] = y * p;
           Yd_[(b * BS + s) * LDS + c] = y;
           p *= dv;
@@ -109,10 +111,10 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       }
     }
     for (int c = cg; c < KS; c += 8) {             // the own block: carries down from ta and from tb
-      float a = static_cast<float>(X[base + (rb * BS + ta) * K + k0 + c]);
-      float e = static_cast<float>(X[base + (rb * BS + tb) * K + k0 + c]);
-      float a2 = static_cast<float>(X2[base + (rb * BS + ta) * K + k0 + c]);
-      float e2 = static_cast<float>(X2[base + (rb * BS + tb) * K + k0 + c]);
+      float a = static_cast<float>(X[xbase + (rb * BS + ta) * XLD + k0 + c]);
+      float e = static_cast<float>(X[xbase + (rb * BS + tb) * XLD + k0 + c]);
+      float a2 = static_cast<float>(X2[xbase + (rb * BS + ta) * XLD + k0 + c]);
+      float e2 = static_cast<float>(X2[xbase + (rb * BS + tb) * XLD + k0 + c]);
 #pragma unroll
       for (int j = 16 - 1; j >= 0; --j) {          // s = s0 + j; unrolled: part[j] stays in registers
         const float y = Yd_[(rb * BS + s0 + j) * LDS + c];

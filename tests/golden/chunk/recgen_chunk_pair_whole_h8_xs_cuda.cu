@@ -137,7 +137,9 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   const float xsc = Xsc[0];  // X read scaled: the pair of (xsc X) and Y
   const long long chunk = (long long)blockIdx.x;
   if (chunk >= (long long)rt[0]) return;
-  const long long base = chunk * C * K;
+  const long long base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
+  const long long xbase = base;
+  constexpr int XLD = K;
   const int lane = (threadIdx.x & 31);
   const int warp = tid / 32;
   const int gq = lane >> 2;
@@ -152,20 +154,20 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < 2 * NB * KS; q += NT) {  // one column of one block: forward (pre) or backward (suf)
       const int b = (q / KS) % NB, c = q % KS;
-      const long long col = base + (b * BS) * K + k0 + c;
+      const long long col = base + (b * BS) * K + k0 + c, xcol = xbase + (b * BS) * XLD + k0 + c;
       float p = 1.0f;
       if (q < NB * KS) {
         float p8 = 1.0f;  // pre8: the second half's decays up to s
 #pragma unroll
         for (int s = 0; s < BS; ++s) {
-          const long long at = col + s * K;
+          const long long at = col + s * K, xat = xcol + s * XLD;
           const float dv = dk[at];
           p *= dv;
           Dd_[(b * BS + s) * LDS + c] = dv;
-          Xs_[(b * BS + s) * LDS + c] = static_cast<float>(X[at]) * xsc * p;
+          Xs_[(b * BS + s) * LDS + c] = static_cast<float>(X[xat]) * xsc * p;
           if (s >= 8) {
             p8 *= dv;
-            Xh_[(b * 8 + s - 8) * LDS + c] = static_cast<float>(X[at]) * xsc * p8;
+            Xh_[(b * 8 + s - 8) * LDS + c] = static_cast<float>(X[xat]) * xsc * p8;
           }
         }
         Tot_[b * KS + c] = p;
@@ -173,9 +175,9 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
         float q8 = 1.0f;  // suf8: the first half's decays after s
 #pragma unroll
         for (int s = BS - 1; s >= 0; --s) {
-          const long long at = col + s * K;
+          const long long at = col + s * K, xat = xcol + s * XLD;
           const float dv = dk[at];
-          const float y = static_cast<float>(Y[at]);
+          const float y = static_cast<float>(Y[xat]);
           Ys_[(b * BS + s) * LDS + c] = y * p;
           Yd_[(b * BS + s) * LDS + c] = y;
           if (s < 8) {
@@ -222,8 +224,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       }
     }
     for (int c = cg; c < KS; c += 8) {             // the own block's half: carries down from ta and from tb
-      float a = static_cast<float>(X[base + (rb * BS + ta) * K + k0 + c]) * xsc;
-      float e = static_cast<float>(X[base + (rb * BS + tb) * K + k0 + c]) * xsc;
+      float a = static_cast<float>(X[xbase + (rb * BS + ta) * XLD + k0 + c]) * xsc;
+      float e = static_cast<float>(X[xbase + (rb * BS + tb) * XLD + k0 + c]) * xsc;
 #pragma unroll
       for (int j = 8 - 1; j >= 0; --j) {          // s = s0 + j; unrolled: part[j] stays in registers
         const float y = Yd_[(rb * BS + s0 + j) * LDS + c];

@@ -141,7 +141,9 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   const float xsc = Xsc[0];  // X read scaled: the pair of (xsc X) and Y
   const long long chunk = (long long)blockIdx.x;
   if (chunk >= (long long)rt[0]) return;
-  const long long base = chunk * C * K;
+  const long long base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
+  const long long xbase = base;
+  constexpr int XLD = K;
   const int lane = (threadIdx.x & 31);
   const int warp = tid / 32;
   const int gq = lane >> 2;
@@ -252,8 +254,8 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
       }
     }
     for (int c = cg; c < KS; c += 8) {             // the own block: carries down from ta and from tb
-      float a = static_cast<float>(X[base + (rb * BS + ta) * K + k0 + c]) * xsc;
-      float e = static_cast<float>(X[base + (rb * BS + tb) * K + k0 + c]) * xsc;
+      float a = static_cast<float>(X[xbase + (rb * BS + ta) * XLD + k0 + c]) * xsc;
+      float e = static_cast<float>(X[xbase + (rb * BS + tb) * XLD + k0 + c]) * xsc;
 #pragma unroll
       for (int j = 16 - 1; j >= 0; --j) {          // s = s0 + j; unrolled: part[j] stays in registers
         const float y = Yd_[(rb * BS + s0 + j) * LDS + c];

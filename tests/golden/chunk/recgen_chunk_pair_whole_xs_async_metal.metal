@@ -42,7 +42,9 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   const float xsc = Xsc[0];  // X read scaled: the pair of (xsc X) and Y
   const int64_t chunk = (int64_t)threadgroup_position_in_grid.x;
   if (chunk >= (int64_t)rt[0]) return;
-  const int64_t base = chunk * C * K;
+  const int64_t base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
+  const int64_t xbase = base;
+  constexpr int XLD = K;
   const int lane = thread_index_in_simdgroup;
   const int warp = tid / 32;
   const int gq = ((lane >> 2) & 4) + ((lane >> 1) & 3);
@@ -150,8 +152,8 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
       }
     }
     for (int c = cg; c < KS; c += 8) {             // the own block: carries down from ta and from tb
-      float a = static_cast<float>(X[base + (rb * BS + ta) * K + k0 + c]) * xsc;
-      float e = static_cast<float>(X[base + (rb * BS + tb) * K + k0 + c]) * xsc;
+      float a = static_cast<float>(X[xbase + (rb * BS + ta) * XLD + k0 + c]) * xsc;
+      float e = static_cast<float>(X[xbase + (rb * BS + tb) * XLD + k0 + c]) * xsc;
 #pragma unroll
       for (int j = 16 - 1; j >= 0; --j) {          // s = s0 + j; unrolled: part[j] stays in registers
         const float y = Yd_[(rb * BS + s0 + j) * LDS + c];
