@@ -152,7 +152,7 @@ def chunk_launches(target: str) -> list:
                 + [ck.decays_launch(target, 8, 64, 128, False, ("Q",), q=False, yt="bfloat16")]
                 + [ck.decays_launch(target, 8, 64, 128, False, ("Q", "P"), yt="bfloat16")]
                 # ... GLA's forward's reading l and u in the model's layout
-                + [ck.decays_launch(target, 8, 64, 128, False, ("Q",), q=False, yt="bfloat16", ml=ml)]
+                + [ck.decays_launch(target, 8, 64, 128, False, ("Q",), d=False, q=False, yt="bfloat16", ml=ml)]
                 + [ck.decays_launch(target, 8, 64, 1, False, ("Q",), d=False)]  # GDN's, with f ⊙ Q (lanes)
                 + [ck.decays_launch(target, 8, 64, 128, pe, ("Q", "Q", "P"), False) for pe in (True, False)]  # RWKV-7's
                 + [x for e in (False, True) for x in scans(1, e=e, reverse=e)]

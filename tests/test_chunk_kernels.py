@@ -1727,7 +1727,8 @@ def test_key_model_layout_kernels_match_the_chunk_layout(sanitizer):
     """A key-vector decay's forward kernels in the model's layout (``ml``, GLA's: ``parallel._forward_key_model``):
     the decays' pass reading l [B, T, H, K] and u [B, T, HK, K], the whole-chunk pair reading r and u, the staged key
     readout reading r and w [B, T, H, V] (``zm``) give exactly what their chunk-layout forms give on the same values
-    laid out as [B, H, T, D] with the key heads expanded (GQA's block map, H = 2 over HK = 1, two chunks a sequence,
+    laid out as [B, H, T, D] with the key heads expanded (the pair reading the log-decays, forming e^l as the decays'
+    pass forms the D its chunk-layout form reads) (GQA's block map, H = 2 over HK = 1, two chunks a sequence,
     B = 2, strong decays); as CUDA runs them (``metal_ptx``), plain, under ASan+UBSan and TSan."""
     rng = np.random.default_rng(12)
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
@@ -1739,7 +1740,6 @@ def test_key_model_layout_kernels_match_the_chunk_layout(sanitizer):
     def chunks(x):  # [B, T, HK|H, F] -> [B H n, C, F], key heads expanded
         return np.ascontiguousarray(np.repeat(x, H // x.shape[2], 2).transpose(0, 2, 1, 3)).reshape(N, C, -1)
 
-    dk = np.exp(chunks(logd))
     yt = (H, n, "float32")
     ro = {"Mi": np.tril(f(N, C, C)) / 8, "St": f(N, K, V), "Pk": np.exp(np.cumsum(chunks(logd), 1)),
           "Rs": np.array([0.5], np.float32)}
@@ -1751,11 +1751,15 @@ def test_key_model_layout_kernels_match_the_chunk_layout(sanitizer):
               ({"l": chunks(logd), "X0": chunks(k)}, {"l": logd, "X0": k})),
              (ck.pair_launch("metal_ptx", N, C, K, False, mma=True, scaled=True, whole=True),
               ck.pair_launch("metal_ptx", N, C, K, False, mma=True, scaled=True, whole=True, ml=ml),
-              {"dk": dk, "Xsc": np.array([0.5], np.float32)}, ({"X": chunks(q), "Y": chunks(k)}, {"X": q, "Y": k})),
+              {"Xsc": np.array([0.5], np.float32)},  # the model-layout pair forms the decays from l as it reads them
+              ({"X": chunks(q), "Y": chunks(k), "dk": "D"}, {"X": q, "Y": k, "dk": logd})),
              (*readout, ro, ({"R": chunks(q), "Z": chunks(w)}, {"R": q, "Z": w}))]
+    decays = {}  # the chunk-layout decays' outputs by name (D, P, G, Y0), as the decays' pass writes them
     for plain, launch, common, (chunked, given) in cases:
         assert "_ml" in launch.source.name and "_ml" not in plain.source.name
+        chunked = {name: decays[x] if isinstance(x, str) else x for name, x in chunked.items()}
         want = verify.run_launch(plain, common | chunked)
+        decays = decays or dict(zip(plain.source.outputs, want))
         got = verify.run_launch(launch, common | given, sanitizer=sanitizer)
         for i, (a, b) in enumerate(zip(got, want)):
             assert np.array_equal(np.asarray(a).reshape(np.shape(b)), b), (launch.source.name, i)
@@ -1780,7 +1784,7 @@ def test_gla_reads_the_model_layout(gqa, Hk, monkeypatch):
     rec = dataclasses.replace(specs.BUILTINS["gla"], gqa=gqa)
     assert_close(compare(rec, 64, chunk=32, K=32, V=32, Hk=Hk, seed=4, tuning=t, in_dtype=mx.bfloat16), 1e-2, 1e-2)
     kinds = {c.split("_metal")[0] for c in calls}
-    assert {"recgen_chunk_decays_noq_q_yt_ml", "recgen_chunk_pair_whole_xs_ml", "recgen_chunk_out_async_key_ml_zm_yt",
+    assert {"recgen_chunk_decays_nod_noq_q_yt_ml", "recgen_chunk_pair_whole_xs_ml", "recgen_chunk_out_async_key_ml_zm_yt",
             "recgen_chunk_scan_mma_noa_ho_ml_s16_w16_wl_xm"} <= kinds, kinds
     assert not any("_ml" in c for c in kinds if "_rev" in c or "grad" in c or "bwd" in c), kinds
 

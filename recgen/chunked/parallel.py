@@ -556,14 +556,16 @@ def _forward_key_model(S0, r, u, w, l, kern: Tuning, out, rfac, ml: tuple):
     """``_forward`` of a key-vector decay without a transition (GLA) on the kernels, every input in the model's layout
     (``core_fn``'s ``model_rows`` with ``key``): r, u [B, n C, HK, K], w [B, n C, H, V] and the log-decays l [B, n,
     C, H, K] (the input's [B, T, H, K], viewed by chunks) are read so by the decays' pass (l, and u for u ⊙ Q), the
-    scan (w), the pair (r and u) and the readout (r and w): none of the four is copied to the chunks' layout.
+    scan (w), the pair (r, u and l: it forms the decays e^l as it reads them, so no pass writes them) and the readout
+    (r and w): none of the four is copied to the chunks' layout.
     ``ml`` = (H, HK, n, GB) (``chunk_kernels._model_consts``). Returns (y, S_end, (states, M)) as ``_forward``."""
     B, n, C, H, K = l.shape
     st = states_type(True, False, kern, w, C, K, S0.shape[-1])
-    dec = ck.key_decays(l.reshape(B, n * C, H, K), kern, scaled=((u, "Q"),), q=False, st=st, ml=ml)
+    lm = l.reshape(B, n * C, H, K)
+    dec = ck.key_decays(lm, kern, scaled=((u, "Q"),), d=False, q=False, st=st, ml=ml)  # the pair forms e^l itself
     states, _, S_end = ck.chunk_scan(S0, None, w, dec.scaled[0], dec.g, None, kern, reverse=False, st=st, ml=ml,
                                      x_model=True)
-    M = ck.pair(r, u, dec.d, False, kern, rfac, ml)
+    M = ck.pair(r, u, lm, False, kern, rfac, ml)
     y = ck.chunk_out_key(r, M, w, states, dec.P, kern, out, rfac, ml)
     return y, S_end, (states, M)
 

@@ -478,8 +478,8 @@ def pair_whole_source(dialect: str, strict: bool, dual: bool = False, quad: bool
     each block's second half against its first on fragments too, the carries within the halves only; ``async_``:
     each slab's raw rows copied to threadgroup memory a slab ahead by the dialect's 16-byte copies, the operands'
     types XT, X2T, YT, YbT and their bytes XB, X2B, YB, YbB template constants. ``ml`` (not ``async_``): the operands
-    read in the model's layout [B, T, HK, K] (template constants H, HK, NCH, GB), the decays and pairs in the
-    chunks'."""
+    read in the model's layout [B, T, HK, K] (template constants H, HK, NCH, GB), and dk too, then the log-decays
+    l [B, T, H, K] (e^l formed as read); the pairs in the chunks' layout."""
     if ml and async_:
         raise ValueError("chunk_pair_whole: the model's layout (ml) is read from the buffers, not copied ahead (async_)")
     d = get(dialect)

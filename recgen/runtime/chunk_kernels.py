@@ -385,7 +385,8 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     block's halves paired on fragments too). ``types`` (the gradients, or the whole form): the operands' dtype names
     (X, X2, Y, Yb as the form has them): each slab's raw rows copied a slab ahead
     (``chunk_sources.pair_grad_async_layout``, ``pair_whole_layout``). ``ml`` (``_model_consts``; the whole form,
-    its operands read from their buffers): the operands in the model's layout [B, T, HK, K]."""
+    its operands read from their buffers): the operands in the model's layout [B, T, HK, K], and dk the log-decays
+    [B, T, H, K]."""
     if ml is not None and not (whole and not types):
         raise ValueError("chunk_pair: the model's layout (ml) is the whole form's, its operands read from their buffers")
     if types and not (grad or whole):
@@ -1005,11 +1006,15 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
     """The pair kernels (``pair_launch``) on flattened chunks: the cotangents [.., C, C] (the gradients' kernels) and
     the operands [.., C, K] in the kernel's input order, the decays dk; ``scale``: the first operand read times it.
     Returns the pairs [.., C, C], or the gradients [.., C, K], shaped as the first operand's chunks. ``ml``
-    (``pair_reads_model``): the operands in the model's layout [B, T, HK, K], the pairs then shaped as dk's chunks."""
+    (``pair_reads_model``): the operands in the model's layout [B, T, HK, K] and dk the log-decays [B, T, H, K],
+    the pairs [B, H, n, C, C]."""
     import mlx.core as mx
 
-    X = dk if ml is not None else operands[0]
-    N, (C, K) = _lead(X, 2), X.shape[-2:]
+    if ml is None:
+        N, (C, K) = _lead(operands[0], 2), operands[0].shape[-2:]
+    else:  # dk: the log-decays [B, T, H, K]
+        (B, T, H, K), n = dk.shape, ml[2]
+        N, C = B * H * n, T // n
     whole = not cots and pairs_whole(t, C, K, dual, quad)
     halves = whole and t.pair_halves and pair_whole_supported(t.dialect, C, K, dual, quad, True)
     types = tuple(dtype_name(a.dtype) for a in operands)
@@ -1022,8 +1027,11 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
                          fold=not whole and t.pair_fold and pair_folds(t.dialect, C, K, dual, quad),
                          scaled=scale is not None, whole=whole, halves=halves, types=types if ahead else (), ml=ml)
     outs = _call(t, launch, [m.reshape(N, C, C) for m in cots]
-                 + [a if ml is not None else a.reshape(N, C, K) for a in operands] + [dk.reshape(N, C, K)]
+                 + [a.reshape(N, C, K) if ml is None else a for a in (*operands, dk)]
                  + ([] if scale is None else [mx.array([scale], mx.float32)]))
+    if ml is not None:
+        return tuple(o.reshape(B, H, n, C, C) for o in outs)
+    X = operands[0]
     shape = X.shape if cots else (*X.shape[:-1], C)
     return tuple(o.reshape(shape) for o in outs)
 
@@ -1031,7 +1039,7 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
 def pair(X, Y, dk, strict: bool, t: Tuning, scale: float | None = None, ml: tuple | None = None):
     """M [.., C, C] of the key-vector decay pair (see chunk_pair.j2) from X, Y, per-token decays dk [.., C, K];
     ``scale``: of scale·X; ``ml`` (``pair_reads_model``): X and Y the model's key inputs [B, T, HK, K] as they are,
-    dk [B, H, n, C, K]."""
+    dk the log-decays [B, T, H, K] (any float type), each decay formed as read."""
     return _pair_call(t, strict, (X, Y), dk, scale=scale, ml=ml)[0]
 
 

@@ -139,8 +139,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   const long long chunk = (long long)blockIdx.x;
   if (chunk >= (long long)rt[0]) return;
   const long long base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
-  const long long xbase = base;
-  constexpr int XLD = K;
+  const long long xbase = base, lbase = base;
+  constexpr int XLD = K, LLD = K;
   const int lane = (threadIdx.x & 31);
   const int warp = tid / 32;
   const int gq = lane >> 2;
@@ -160,13 +160,13 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < 2 * NB * KS; q += NT) {  // one column of one block: forward (pre) or backward (suf)
       const int b = (q / KS) % NB, c = q % KS;
-      const long long col = base + (b * BS) * K + k0 + c, xcol = xbase + (b * BS) * XLD + k0 + c;
+      const long long col = lbase + (b * BS) * LLD + k0 + c, xcol = xbase + (b * BS) * XLD + k0 + c;
       float p = 1.0f;
       if (q < NB * KS) {
         float p8 = 1.0f;  // pre8: the second half's decays up to s
 #pragma unroll
         for (int s = 0; s < BS; ++s) {
-          const long long at = col + s * K, xat = xcol + s * XLD;
+          const long long at = col + s * LLD, xat = xcol + s * XLD;
           const float dv = dk[at];
           p *= dv;
           Dd_[(b * BS + s) * LDS + c] = dv;
@@ -183,7 +183,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
         float q8 = 1.0f;  // suf8: the first half's decays after s
 #pragma unroll
         for (int s = BS - 1; s >= 0; --s) {
-          const long long at = col + s * K, xat = xcol + s * XLD;
+          const long long at = col + s * LLD, xat = xcol + s * XLD;
           const float dv = dk[at];
           const float y = static_cast<float>(Y[xat]);
           Ys_[(b * BS + s) * LDS + c] = y * p;

@@ -43,8 +43,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   const int64_t chunk = (int64_t)threadgroup_position_in_grid.x;
   if (chunk >= (int64_t)rt[0]) return;
   const int64_t base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
-  const int64_t xbase = base;
-  constexpr int XLD = K;
+  const int64_t xbase = base, lbase = base;
+  constexpr int XLD = K, LLD = K;
   const int lane = thread_index_in_simdgroup;
   const int warp = tid / 32;
   const int gq = ((lane >> 2) & 4) + ((lane >> 1) & 3);
@@ -59,13 +59,13 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < 2 * NB * KS; q += NT) {  // one column of one block: forward (pre) or backward (suf)
       const int b = (q / KS) % NB, c = q % KS;
-      const int64_t col = base + (b * BS) * K + k0 + c, xcol = xbase + (b * BS) * XLD + k0 + c;
+      const int64_t col = lbase + (b * BS) * LLD + k0 + c, xcol = xbase + (b * BS) * XLD + k0 + c;
       float p = 1.0f;
       if (q < NB * KS) {
         float p8 = 1.0f;  // pre8: the second half's decays up to s
 #pragma unroll
         for (int s = 0; s < BS; ++s) {
-          const int64_t at = col + s * K, xat = xcol + s * XLD;
+          const int64_t at = col + s * LLD, xat = xcol + s * XLD;
           const float dv = dk[at];
           p *= dv;
           Dd_[(b * BS + s) * LDS + c] = dv;
@@ -80,7 +80,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
         float q8 = 1.0f;  // suf8: the first half's decays after s
 #pragma unroll
         for (int s = BS - 1; s >= 0; --s) {
-          const int64_t at = col + s * K, xat = xcol + s * XLD;
+          const int64_t at = col + s * LLD, xat = xcol + s * XLD;
           const float dv = dk[at];
           const float y = static_cast<float>(Y[xat]);
           Ys_[(b * BS + s) * LDS + c] = y * p;

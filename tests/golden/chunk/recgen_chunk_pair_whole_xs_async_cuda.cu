@@ -142,8 +142,8 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   const long long chunk = (long long)blockIdx.x;
   if (chunk >= (long long)rt[0]) return;
   const long long base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
-  const long long xbase = base;
-  constexpr int XLD = K;
+  const long long xbase = base, lbase = base;
+  constexpr int XLD = K, LLD = K;
   const int lane = (threadIdx.x & 31);
   const int warp = tid / 32;
   const int gq = lane >> 2;

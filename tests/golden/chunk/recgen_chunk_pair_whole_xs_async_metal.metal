@@ -43,8 +43,8 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   const int64_t chunk = (int64_t)threadgroup_position_in_grid.x;
   if (chunk >= (int64_t)rt[0]) return;
   const int64_t base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
-  const int64_t xbase = base;
-  constexpr int XLD = K;
+  const int64_t xbase = base, lbase = base;
+  constexpr int XLD = K, LLD = K;
   const int lane = thread_index_in_simdgroup;
   const int warp = tid / 32;
   const int gq = ((lane >> 2) & 4) + ((lane >> 1) & 3);

@@ -132,14 +132,15 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   if (chunk >= (long long)rt[0]) return;
   const long long base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
   // ``ml``: X and Y are read in the model's layout [B, NCH C, HK, K] (GQA's key heads shared), chunk bc = (b H + h)
-  // NCH + ch; the decays and M keep the chunks' layout
+  // NCH + ch, and so is dk, then the log-decays l [B, NCH C, H, K] (in any type), each decay e^l formed as read (no
+  // pass writes them); M keeps the chunks' layout
   const long long bc = chunk;
   const long long tok0 = ((bc / (H * NCH)) * NCH + bc % NCH) * C;  // the chunk's first row of [B, NCH C]
   const int vh = (int)((bc / NCH) % H);
   const int kh = GB ? vh / (H / HK) : vh % HK;
   constexpr int KLD = HK * K;  // a key input's row stride
-  const long long xbase = (tok0 * HK + kh) * K;
-  constexpr int XLD = KLD;
+  const long long xbase = (tok0 * HK + kh) * K, lbase = (tok0 * H + vh) * K;
+  constexpr int XLD = KLD, LLD = H * K;
   const int lane = (threadIdx.x & 31);
   const int warp = tid / 32;
   const int gq = lane >> 2;
@@ -154,13 +155,13 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < 2 * NB * KS; q += NT) {  // one column of one block: forward (pre) or backward (suf)
       const int b = (q / KS) % NB, c = q % KS;
-      const long long col = base + (b * BS) * K + k0 + c, xcol = xbase + (b * BS) * XLD + k0 + c;
+      const long long col = lbase + (b * BS) * LLD + k0 + c, xcol = xbase + (b * BS) * XLD + k0 + c;
       float p = 1.0f;
       if (q < NB * KS) {
 #pragma unroll
         for (int s = 0; s < BS; ++s) {
-          const long long at = col + s * K, xat = xcol + s * XLD;
-          const float dv = dk[at];
+          const long long at = col + s * LLD, xat = xcol + s * XLD;
+          const float dv = expf(static_cast<float>(dk[at]));
           p *= dv;
           Dd_[(b * BS + s) * LDS + c] = dv;
           Xs_[(b * BS + s) * LDS + c] = static_cast<float>(X[xat]) * xsc * p;
@@ -169,8 +170,8 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
       } else {
 #pragma unroll
         for (int s = BS - 1; s >= 0; --s) {
-          const long long at = col + s * K, xat = xcol + s * XLD;
-          const float dv = dk[at];
+          const long long at = col + s * LLD, xat = xcol + s * XLD;
+          const float dv = expf(static_cast<float>(dk[at]));
           const float y = static_cast<float>(Y[xat]);
           Ys_[(b * BS + s) * LDS + c] = y * p;
           Yd_[(b * BS + s) * LDS + c] = y;

@@ -37,14 +37,15 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   if (chunk >= (int64_t)rt[0]) return;
   const int64_t base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
   // ``ml``: X and Y are read in the model's layout [B, NCH C, HK, K] (GQA's key heads shared), chunk bc = (b H + h)
-  // NCH + ch; the decays and M keep the chunks' layout
+  // NCH + ch, and so is dk, then the log-decays l [B, NCH C, H, K] (in any type), each decay e^l formed as read (no
+  // pass writes them); M keeps the chunks' layout
   const int64_t bc = chunk;
   const int64_t tok0 = ((bc / (H * NCH)) * NCH + bc % NCH) * C;  // the chunk's first row of [B, NCH C]
   const int vh = (int)((bc / NCH) % H);
   const int kh = GB ? vh / (H / HK) : vh % HK;
   constexpr int KLD = HK * K;  // a key input's row stride
-  const int64_t xbase = (tok0 * HK + kh) * K;
-  constexpr int XLD = KLD;
+  const int64_t xbase = (tok0 * HK + kh) * K, lbase = (tok0 * H + vh) * K;
+  constexpr int XLD = KLD, LLD = H * K;
   const int lane = thread_index_in_simdgroup;
   const int warp = tid / 32;
   const int gq = ((lane >> 2) & 4) + ((lane >> 1) & 3);
@@ -59,13 +60,13 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   for (int k0 = 0; k0 < K; k0 += KS) {
     for (int q = tid; q < 2 * NB * KS; q += NT) {  // one column of one block: forward (pre) or backward (suf)
       const int b = (q / KS) % NB, c = q % KS;
-      const int64_t col = base + (b * BS) * K + k0 + c, xcol = xbase + (b * BS) * XLD + k0 + c;
+      const int64_t col = lbase + (b * BS) * LLD + k0 + c, xcol = xbase + (b * BS) * XLD + k0 + c;
       float p = 1.0f;
       if (q < NB * KS) {
 #pragma unroll
         for (int s = 0; s < BS; ++s) {
-          const int64_t at = col + s * K, xat = xcol + s * XLD;
-          const float dv = dk[at];
+          const int64_t at = col + s * LLD, xat = xcol + s * XLD;
+          const float dv = metal::exp(static_cast<float>(dk[at]));
           p *= dv;
           Dd_[(b * BS + s) * LDS + c] = dv;
           Xs_[(b * BS + s) * LDS + c] = static_cast<float>(X[xat]) * xsc * p;
@@ -74,8 +75,8 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
       } else {
 #pragma unroll
         for (int s = BS - 1; s >= 0; --s) {
-          const int64_t at = col + s * K, xat = xcol + s * XLD;
-          const float dv = dk[at];
+          const int64_t at = col + s * LLD, xat = xcol + s * XLD;
+          const float dv = metal::exp(static_cast<float>(dk[at]));
           const float y = static_cast<float>(Y[xat]);
           Ys_[(b * BS + s) * LDS + c] = y * p;
           Yd_[(b * BS + s) * LDS + c] = y;
