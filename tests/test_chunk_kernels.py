@@ -1778,14 +1778,15 @@ def test_gla_reads_the_model_layout(gqa, Hk, monkeypatch):
     from test_chunked import assert_close, compare
 
     calls = []
-    monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
+    monkeypatch.setattr(ck, "mlx_call",
+                        lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
     t = dataclasses.replace(tuning.resolve("gpu", "cuda", environ={}), dialect="metal_ptx", device="cpu",
                             kernel_cache=None, replay_graphs=False, compile=False)
     rec = dataclasses.replace(specs.BUILTINS["gla"], gqa=gqa)
     assert_close(compare(rec, 64, chunk=32, K=32, V=32, Hk=Hk, seed=4, tuning=t, in_dtype=mx.bfloat16), 1e-2, 1e-2)
     kinds = {c.split("_metal")[0] for c in calls}
-    assert {"recgen_chunk_decays_nod_noq_q_yt_ml", "recgen_chunk_pair_whole_xs_ml", "recgen_chunk_out_async_key_ml_zm_yt",
-            "recgen_chunk_scan_mma_noa_ho_ml_s16_w16_wl_xm"} <= kinds, kinds
+    assert {"recgen_chunk_decays_nod_noq_q_yt_ml", "recgen_chunk_pair_whole_xs_ml",
+            "recgen_chunk_out_async_key_ml_zm_yt", "recgen_chunk_scan_mma_noa_ho_ml_s16_w16_wl_xm"} <= kinds, kinds
     assert not any("_ml" in c for c in kinds if "_rev" in c or "grad" in c or "bwd" in c), kinds
 
 

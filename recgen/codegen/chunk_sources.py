@@ -481,7 +481,8 @@ def pair_whole_source(dialect: str, strict: bool, dual: bool = False, quad: bool
     read in the model's layout [B, T, HK, K] (template constants H, HK, NCH, GB), and dk too, then the log-decays
     l [B, T, H, K] (e^l formed as read); the pairs in the chunks' layout."""
     if ml and async_:
-        raise ValueError("chunk_pair_whole: the model's layout (ml) is read from the buffers, not copied ahead (async_)")
+        raise ValueError("chunk_pair_whole: the model's layout (ml) is read from the buffers, not copied ahead "
+                         "(async_)")
     d = get(dialect)
     ins, outs = _pair_forward_io(dual, quad, scaled)
     kind = ("pair" + _pair_suffix(strict, dual, quad, False, False) + "_whole" + ("_h8" if halves else "")

@@ -388,7 +388,8 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     its operands read from their buffers): the operands in the model's layout [B, T, HK, K], and dk the log-decays
     [B, T, H, K]."""
     if ml is not None and not (whole and not types):
-        raise ValueError("chunk_pair: the model's layout (ml) is the whole form's, its operands read from their buffers")
+        raise ValueError("chunk_pair: the model's layout (ml) is the whole form's, its operands read from their "
+                         "buffers")
     if types and not (grad or whole):
         raise ValueError("chunk_pair: raw slabs copied ahead (types) are the gradients' and the whole form's")
     if halves and not whole:
