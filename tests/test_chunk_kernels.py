@@ -588,8 +588,9 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
         want |= ({"recgen_chunk_pair_dual", "recgen_chunk_pair_grad_dual", "recgen_chunk_bwd_key_delta"} if delta
                  else {"recgen_chunk_pair_xs", "recgen_chunk_pair_grad_xs", "recgen_chunk_bwd_key"})  # GLA: r's scale
         # with u ⊙ Q (the forward's without Q), GLA's backward with r ⊙ P too (its reverse scan scales the rows);
-        # KDA's r ⊙ P is of the rfac·r its pair gradients read, formed by MLX
-        want |= {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q" if delta else "recgen_chunk_decays_q_p"}
+        # KDA's r ⊙ P is of the rfac·r its pair gradients read, formed by MLX; GLA's backward pass writes no P nor Q
+        # (its tail kernel forms its own: "_g")
+        want |= {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q" if delta else "recgen_chunk_decays_g_q_p"}
     else:
         want |= {"recgen_chunk_decays_lanes_nod"}  # a scalar decay's P, Q and g (``KernelScalarDecay``)
     if rec.features:  # φ of 4 keys has 10 rows: no scan layout (K % 4), the core keeps MLX ops
@@ -628,7 +629,7 @@ def test_chunked_core_with_kernels_matches_reference(name, T, monkeypatch):
                               "recgen_chunk_scan_mma", "recgen_chunk_out_mma_key_yt",
                               "recgen_chunk_scan_mma_p_dg_rev", "recgen_chunk_pair_grad_dual_mma",
                               "recgen_chunk_bwd_key_delta"}),
-    ("gla", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_q_p",
+    ("gla", 32, True, {"recgen_chunk_decays_noq_q", "recgen_chunk_decays_g_q_p",
                        "recgen_chunk_pair_mma_xs", "recgen_chunk_scan_mma_noa",
                        "recgen_chunk_out_mma_key_yt", "recgen_chunk_scan_mma_nob_e_rev",
                        "recgen_chunk_pair_grad_mma_xs", "recgen_chunk_bwd_key"})])
@@ -661,10 +662,10 @@ def test_chunked_core_with_mma_scan_matches_reference(name, K, pairs, want, monk
 
 @pytest.mark.parametrize("name,kinds,on", [
     ("gla", {"recgen_chunk_pair_whole_xs", "recgen_chunk_decays_noq_q_yt", "recgen_chunk_scan_mma_noa_ho_s16_w16_wl",
-             "recgen_chunk_decays_q_p", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_rev"}, False),
-    ("gla", {"recgen_chunk_decays_q_p_yt", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_w16_wl_rev",
+             "recgen_chunk_decays_g_q_p", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_rev"}, False),
+    ("gla", {"recgen_chunk_decays_g_q_p_yt", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_w16_wl_rev",
              "recgen_chunk_pair_whole_h8_xs_async"}, True),
-    ("hgrn2", {"recgen_chunk_decays_q_p_yt", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_w16_wl_rev"}, True),
+    ("hgrn2", {"recgen_chunk_decays_g_q_p_yt", "recgen_chunk_scan_mma_nob_p_pq_ho_dg_s16_w16_wl_rev"}, True),
     ("kda", {"recgen_chunk_pair_dual_whole", "recgen_chunk_decays_noq_q", "recgen_chunk_scan_mma_ho"}, False),
     ("kda", {"recgen_chunk_pair_dual_whole_h8_async"}, True),
     ("rwkv7", {"recgen_chunk_pair_quad_nonstrict_mma_fold"}, False)])

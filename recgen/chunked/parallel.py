@@ -673,11 +673,10 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
         r, u = _up(geo, r, u)
         F = M.swapaxes(-1, -2) @ dy.astype(M.dtype)
     r = _scaled(r, rfac)
-    P, Q = geo.P, geo.Q
     if geo.key:  # formed with the decays (``core_fn``'s ``scaled``), r ⊙ P of r as given: rfac its rows' scale
         scan_u, scan_r = geo.role("uQ", u, "Q"), _readout_rows(geo, given[0], r, rfac)
     else:  # u ⊙ Q and r ⊙ P formed as the generated scan reads u and r (row scales)
-        scan_u, scan_r = (u, Q), (r, P)
+        scan_u, scan_r = (u, geo.Q), (r, geo.P)
     # E = (r ⊙ P)ᵀ dy
     dSn, dZ, dS0, dg = scan_backward(geo, dS_end, scan_u, W, F, (scan_r, dy), compose, matrix, kern, states, st=st)
     cp = geo.t.copy_transposes
@@ -698,6 +697,7 @@ def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=Non
     if geo.key and kern and ck.fuses_key_tail(kern, u.shape[-2]):  # the elementwise tail below as one kernel
         dr, du, dbt, dl = ck.chunk_bwd_key(*given, geo.l, dr_, du_, dbt_, d_rP, d_uQ, dR, dg, kern, rfac)
         return dS0, dr, du, dw, dl, dbt
+    P, Q = geo.P, geo.Q  # read here only: a key decay's tail kernel forms its own (its geometry then writes none)
     uQ, rP = (scan_u, _rows(*scan_r)) if geo.key else (u * Q, r * P)
     dG = r * dr_ - u * du_ + rP * d_rP - uQ * d_uQ
     dbt = None
@@ -824,6 +824,7 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
     kern = t if t.chunk_kernels else None
     Geo = decay_geometry(key, kern)
     GeoFwd = decay_geometry(key, kern, q=False)  # the forward reads no Q: its scans take u ⊙ Q formed
+    GeoTail = decay_geometry(key, kern, pq=False)  # ... nor a backward whose key tail is a kernel (it forms its own)
     nres = (6 if key and rho is not None else 5) if delta else 2  # factor reads keep a key decay's unscaled A too
     key_rows = key and not delta and model_rows is not None  # ``_forward_key_model``
 
@@ -871,7 +872,9 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
               and key_products_type(key, delta, res[0], dy, kern))
 
         def geometry(r, u):
-            return Geo(l, t, geo_saved, scaled(r, u, bt, True), **({"st": st} if st else {}))
+            # P and Q, then formed only if read (a delta rule's r ⊙ P is: ``scaled``)
+            tail = key and not delta and kern and ck.fuses_key_tail(kern, l.shape[-2])
+            return (GeoTail if tail else Geo)(l, t, geo_saved, scaled(r, u, bt, True), **({"st": st} if st else {}))
 
         if key_rows:  # r and u scaled in the decays' pass in the chunks' layout too
             n, heads = l.shape[2], ml(r, l)
