@@ -43,7 +43,7 @@ inline void rg_mma(thread float* d, thread const float* a, thread const float* b
   const int tid = thread_position_in_threadgroup.x;
   const int64_t chunk = (int64_t)threadgroup_position_in_grid.x;
   if (chunk >= (int64_t)rt[0]) return;
-  const int64_t base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
+  const int64_t base = chunk * C * K;  // in the chunks' layout: the decays' and operands' but for ``ml``
   const int64_t xbase = base, lbase = base;
   constexpr int XLD = K, LLD = K;
   const int lane = thread_index_in_simdgroup;

@@ -132,7 +132,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   const int tid = threadIdx.x;
   const long long chunk = (long long)blockIdx.x;
   if (chunk >= (long long)rt[0]) return;
-  const long long base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
+  const long long base = chunk * C * K;  // in the chunks' layout: the decays' and operands' but for ``ml``
   const long long xbase = base, lbase = base;
   constexpr int XLD = K, LLD = K;
   const int lane = (threadIdx.x & 31);

@@ -130,7 +130,7 @@ __device__ __forceinline__ void rg_mma(float* d, const float* a, const float* b,
   const float xsc = Xsc[0];  // X read scaled: the pair of (xsc X) and Y
   const long long chunk = (long long)blockIdx.x;
   if (chunk >= (long long)rt[0]) return;
-  const long long base = chunk * C * K;  // the decays' chunk (and, but for ``ml``, the operands')
+  const long long base = chunk * C * K;  // in the chunks' layout: the decays' and operands' but for ``ml``
   // ``ml``: X and Y are read in the model's layout [B, NCH C, HK, K] (GQA's key heads shared), chunk bc = (b H + h)
   // NCH + ch, and so is dk, then the log-decays l [B, NCH C, H, K] (in any type), each decay e^l formed as read (no
   // pass writes them); M keeps the chunks' layout
