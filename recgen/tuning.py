@@ -115,6 +115,10 @@ class Tuning:
     #                                 where GQA shares key heads: no layout copies or expanded heads, gradients so
     model_rows_dense: bool = False  # ... and where every value head has its own key head: no layout copies of q, k, v
     #                                 (on CUDA: with asynchronous staging faster at every shape measured, and less memory)
+    key_model_backward: bool = False  # ... a key-vector decay's backward without a transition (GLA's) too: its decays'
+    #                                 pass, pair gradient (copying raw rows) and key tail read q, k, gk so and the tail
+    #                                 writes dq, dk, dgk so, no copies either way (v and dy still copied for MLX's
+    #                                 products). Emulator-checked, not yet timed
     ut_16bit: bool = False          # ... the UT transform writing U = T w and W = T (b̃ e^G) in the keys' 16-bit type
     #                                 (the scans convert on load), as FLA keeps them: 0.13 GiB less at GDN's training
     #                                 peak (4,4096,16,128), as fast or faster at every shape timed (on on CUDA)
@@ -349,6 +353,7 @@ ENVIRONMENT = {
     "RECGEN_KEY_FACTOR_READS": ("key_factor_reads", _flag),
     "RECGEN_MODEL_ROWS": ("model_rows", _flag),
     "RECGEN_MODEL_ROWS_DENSE": ("model_rows_dense", _flag),
+    "RECGEN_KEY_MODEL_BACKWARD": ("key_model_backward", _flag),
     "RECGEN_UT_16BIT": ("ut_16bit", _flag),
     "RECGEN_STATES_16BIT": ("states_16bit", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),

@@ -1729,7 +1729,9 @@ def test_key_model_layout_kernels_match_the_chunk_layout(sanitizer):
     the decays' pass reading l [B, T, H, K] and u [B, T, HK, K], the whole-chunk pair reading r and u, the staged key
     readout reading r and w [B, T, H, V] (``zm``) give exactly what their chunk-layout forms give on the same values
     laid out as [B, H, T, D] with the key heads expanded (the pair reading the log-decays, forming e^l as the decays'
-    pass forms the D its chunk-layout form reads) (GQA's block map, H = 2 over HK = 1, two chunks a sequence,
+    pass forms the D its chunk-layout form reads); and the backward's (``Tuning.key_model_backward``): the decays'
+    pass forming u ⊙ Q and r ⊙ P, the pair gradient copying r's and u's raw rows, the key tail reading r, u, l and
+    writing dr, du, dl per value head in the model's layout (GQA's block map, H = 2 over HK = 1, two chunks a sequence,
     B = 2, strong decays); as CUDA runs them (``metal_ptx``), plain, under ASan+UBSan and TSan."""
     rng = np.random.default_rng(12)
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
@@ -1747,22 +1749,41 @@ def test_key_model_layout_kernels_match_the_chunk_layout(sanitizer):
     readout = [ck.out_async_launch("metal_ptx", N, C, K, V, ("float32",) * 4, yt, 128, key=True, **kw)
                for kw in ({}, {"ml": ml, "zm": True})]
     assert None not in readout
+    grad = [ck.pair_launch("metal_ptx", N, C, K, False, True, mma=True, fold=True, scaled=True,
+                           types=("float32",) * 2, ml=m) for m in (None, ml)]
+    tail = {"DRX": f(N, C, K), "DUX": f(N, C, K), "DRP": f(N, C, K), "DUQ": f(N, C, K), "DG": f(N, K),
+            "Rs": np.array([0.5], np.float32)}
     cases = [(ck.decays_launch("metal_ptx", N, C, K, scaled=("Q",), q=False),
               ck.decays_launch("metal_ptx", N, C, K, scaled=("Q",), q=False, ml=ml), {},
               ({"l": chunks(logd), "X0": chunks(k)}, {"l": logd, "X0": k})),
+             # the backward's (``Tuning.key_model_backward``): u ⊙ Q and r ⊙ P, no P nor Q
+             (ck.decays_launch("metal_ptx", N, C, K, scaled=("Q", "P"), pq=False),
+              ck.decays_launch("metal_ptx", N, C, K, scaled=("Q", "P"), pq=False, ml=ml), {},
+              ({"l": chunks(logd), "X0": chunks(k), "X1": chunks(q)}, {"l": logd, "X0": k, "X1": q})),
+             (*grad, {"dM": f(N, C, C) / 4, "Xsc": np.array([0.5], np.float32)},
+              ({"X": chunks(q), "Y": chunks(k), "dk": "D"}, {"X": q, "Y": k, "dk": "D"})),
+             (ck.bwd_key_launch("metal_ptx", N, C, K, ("float32",) * 2),
+              ck.bwd_key_launch("metal_ptx", N, C, K, ("float32",) * 2, ml=ml), tail,
+              ({"R": chunks(q), "U": chunks(k), "L": chunks(logd)}, {"R": q, "U": k, "L": logd}), (0, 1, 2)),
              (ck.pair_launch("metal_ptx", N, C, K, False, mma=True, scaled=True, whole=True),
               ck.pair_launch("metal_ptx", N, C, K, False, mma=True, scaled=True, whole=True, ml=ml),
               {"Xsc": np.array([0.5], np.float32)},  # the model-layout pair forms the decays from l as it reads them
               ({"X": chunks(q), "Y": chunks(k), "dk": "D"}, {"X": q, "Y": k, "dk": logd})),
              (*readout, ro, ({"R": chunks(q), "Z": chunks(w)}, {"R": q, "Z": w}))]
     decays = {}  # the chunk-layout decays' outputs by name (D, P, G, Y0), as the decays' pass writes them
-    for plain, launch, common, (chunked, given) in cases:
+
+    def model(x):  # [B H n, C, K] per value head -> [B, T, H, K]
+        return np.asarray(x).reshape(B, H, T, -1).transpose(0, 2, 1, 3)
+
+    for plain, launch, common, (chunked, given), *per_head in cases:
         assert "_ml" in launch.source.name and "_ml" not in plain.source.name
-        chunked = {name: decays[x] if isinstance(x, str) else x for name, x in chunked.items()}
+        chunked, given = ({name: decays[x] if isinstance(x, str) else x for name, x in xs.items()}
+                          for xs in (chunked, given))
         want = verify.run_launch(plain, common | chunked)
         decays = decays or dict(zip(plain.source.outputs, want))
         got = verify.run_launch(launch, common | given, sanitizer=sanitizer)
         for i, (a, b) in enumerate(zip(got, want)):
+            b = model(b) if per_head and i in per_head[0] else b  # the key tail's outputs per value head, so laid out
             assert np.array_equal(np.asarray(a).reshape(np.shape(b)), b), (launch.source.name, i)
 
 
@@ -1772,7 +1793,9 @@ def test_gla_reads_the_model_layout(gqa, Hk, monkeypatch):
     (T = 64) the forward reads q, k, v and gk in the model's layout [B, T, heads, D] (``parallel._forward_key_model``:
     the decays' pass, the whole-chunk pair, the A-free wide scan's X (``xm``) and the staged key readout; GQA's key
     heads shared, H = 4 over Hk = 2, block and tiled, or none: ``Tuning.model_rows_dense``), the backward copies them
-    to the chunks' layout; end to end against the float64 reference (forward, final state, every gradient)."""
+    to the chunks' layout; end to end against the float64 reference (forward, final state, every gradient). With
+    ``Tuning.key_model_backward`` the backward's decays' pass, pair gradient and key tail read q, k, gk so too and
+    the tail writes dq, dk, dgk so: the same sums, so the same errors to the last bit."""
     pytest.importorskip("mlx.core")
     import mlx.core as mx
     from recgen import specs
@@ -1784,11 +1807,18 @@ def test_gla_reads_the_model_layout(gqa, Hk, monkeypatch):
     t = dataclasses.replace(tuning.resolve("gpu", "cuda", environ={}), dialect="metal_ptx", device="cpu",
                             kernel_cache=None, replay_graphs=False, compile=False)
     rec = dataclasses.replace(specs.BUILTINS["gla"], gqa=gqa)
-    assert_close(compare(rec, 64, chunk=32, K=32, V=32, Hk=Hk, seed=4, tuning=t, in_dtype=mx.bfloat16), 1e-2, 1e-2)
+    err = compare(rec, 64, chunk=32, K=32, V=32, Hk=Hk, seed=4, tuning=t, in_dtype=mx.bfloat16)
+    assert_close(err, 1e-2, 1e-2)
     kinds = {c.split("_metal")[0] for c in calls}
     assert {"recgen_chunk_decays_nod_noq_q_yt_ml", "recgen_chunk_pair_whole_xs_ml",
             "recgen_chunk_out_async_key_ml_zm_yt", "recgen_chunk_scan_mma_noa_ho_ml_s16_w16_wl_xm"} <= kinds, kinds
     assert not any("_ml" in c for c in kinds if "_rev" in c or "grad" in c or "bwd" in c), kinds
+    calls.clear()
+    t = dataclasses.replace(t, key_model_backward=True)
+    assert compare(rec, 64, chunk=32, K=32, V=32, Hk=Hk, seed=4, tuning=t, in_dtype=mx.bfloat16) == err
+    kinds = {c.split("_metal")[0] for c in calls}
+    assert {"recgen_chunk_decays_g_q_p_yt_ml", "recgen_chunk_pair_grad_mma_fold_xs_async_ml",
+            "recgen_chunk_bwd_key_ml"} <= kinds, kinds
 
 
 @pytest.mark.parametrize("sanitizer", ["address", "thread"])

@@ -42,6 +42,7 @@ import mlx.core as mx
 
 from ..codegen.chunk_sources import inverse_supported, pair_supported
 from ..runtime import chunk_kernels as ck
+from ..runtime.launch import dtype_name
 from ..runtime.pieces import Piece
 from ..tuning import Tuning
 from .core import (add_half, decay_levels, exp, half, offdiag_blocks, p_before, pair_levels, tr,
@@ -570,6 +571,38 @@ def _forward_key_model(S0, r, u, w, l, kern: Tuning, out, rfac, ml: tuple):
     return y, S_end, (states, M)
 
 
+def _backward_key_model(r, u, w, l, res, dy, dS_end, kern: Tuning, rfac, ml: tuple, st):
+    """``_backward`` of ``_forward_key_model`` reading r, u and l in the model's layout too (``key_model_backward``):
+    the decays' pass forms u ⊙ Q and r ⊙ P from them (no P nor Q: the tail forms its own), the pair gradient copies
+    r's and u's raw rows from them, the key tail reads them and writes dr, du, dl per value head in that layout
+    [B, n C, H, K]; w (Z) and dy ([B, H, n, C, V], as ``core_fn`` brings it) meet MLX's products in the chunks'
+    layout. ``st``: the 16-bit type of u ⊙ Q and r ⊙ P (``core_fn``'s). Returns (dS0, dr, du, dw, dl)."""
+    states, M = res
+    B, n, C, H, K = l.shape
+    lm = l.reshape(B, n * C, H, K)
+    dec = ck.key_decays(lm, kern, scaled=((u, "Q"), (r, "P")), pq=False, st=st or None, ml=ml)
+    uQ, rP = dec.scaled
+    Z = ck.model_chunks(w, n)
+    ps = key_products_type(True, False, states, dy, kern)
+    if ps is None:  # MLX's products in float32 (16-bit operands give a 16-bit product)
+        Z, states, dy = (x.astype(mx.float32) for x in (Z, states, dy))
+    F = M.swapaxes(-1, -2) @ dy.astype(M.dtype)
+    rows = None if rfac is None else mx.full((*rP.shape[:-1], 1), rfac, mx.float32)  # rfac: r ⊙ P's row scale
+    dSn, dZ, dS0, dg = ck.chunk_scan(dS_end, uQ, F, None, dec.g, None, kern, reverse=True, P=(rP, dy), St=states,
+                                     Pq=rows, st=ps)
+    cp = kern.copy_transposes
+    d_uQ, d_rP = Z @ tr(dSn, cp), dy @ tr(states, cp)
+    dr_, du_ = ck.pair_grad(dy @ tr(Z, cp), r, u, dec.d, False, kern, rfac, ml)
+    dr, du, _, dl = ck.chunk_bwd_key(r, u, None, lm, dr_, du_, None, d_rP, d_uQ, None, dg, kern, rfac, ml=ml)
+    return dS0, dr, du, dZ, dl.reshape(l.shape)
+
+
+def key_model_backward(kern: Tuning, C: int, K: int, types: tuple) -> bool:
+    """Whether ``_backward_key_model`` runs (``Tuning.key_model_backward``): the key tail a kernel and the pair
+    gradient copying its raw rows (r's and u's dtype names ``types``) ahead."""
+    return kern.key_model_backward and ck.fuses_key_tail(kern, C) and ck.pair_grad_reads_model(kern, C, K, types)
+
+
 def key_model_rows(kern: Tuning | None, C: int, K: int, V: int) -> bool:
     """Whether a key-vector decay without a transition can read its inputs in the model's layout
     (``_forward_key_model``): the pair kernels (the whole-chunk form reading its buffers: ``ck.pair_reads_model``),
@@ -860,6 +893,14 @@ def core_fn(key: bool, delta: bool, compose: bool, t: Tuning, out=None, rfac: fl
 
     def bwd(*a):
         r, u, w, l = a[1:5]  # a[0], the initial state, enters only through the residual states
+        if key_rows and key_model_backward(kern, l.shape[2], l.shape[-1], (dtype_name(r.dtype), dtype_name(u.dtype))):
+            res, (dy, dS_end) = a[5:7], a[-2:]
+            dy = core_layout(dy, l.shape[1], res[0].dtype)
+            st = kern.key_scaled_16bit and key_products_type(True, False, res[0], dy, kern)
+            dS0, dr, du, dw, dl = _backward_key_model(r, u, w, l, res, dy, dS_end, kern, rfac,
+                                                      ml(r, l, by_rows=True), st)
+            grads = (dS0, *(group_heads(g, r.shape[2], model_rows) for g in (dr, du)), model_layout(dw, w.dtype), dl)
+            return tuple(g.astype(x.dtype) for g, x in zip(grads, a))
         if key_rows:  # l [B, n, C, H, K]: the backward's kernels read the chunks' layout
             l = ck.model_chunks(l.reshape(l.shape[0], -1, *l.shape[3:]), l.shape[1])
         bt = a[5] if delta else None

@@ -395,13 +395,17 @@ def bwd_mma_source(dialect: str, delta: bool, uf: bool = False, ml: bool = False
 
 @lru_cache(maxsize=None)
 def bwd_key_source(dialect: str, delta: bool, rank1: bool = False, before: bool = False, uf: bool = False,
-                   running: bool = False) -> KernelSource:
+                   running: bool = False, ml: bool = False) -> KernelSource:
     """A key-vector decay's backward tail (``chunk_bwd_key.j2``); ``delta``: with the delta rule's b̃ terms; ``rank1``:
     the general rank-1 core's (a and b, ``before``: the transition before the decay); ``uf`` (with ``delta``): u =
     Uf ⊙ x and b̃ = Bf[0] x read from one key x, the gradients of x and (a part of) Uf written; ``running``: dl
-    written as its reverse sum goes, the chunk's last term added after (no dG staged)."""
+    written as its reverse sum goes, the chunk's last term added after (no dG staged). ``ml`` (the plain form): R and
+    U read in the model's layout [B, T, HK, K], L read and dR, dU, dl written in it per value head [B, T, H, K]
+    (template constants H, HK, NCH, GB)."""
     if uf and (rank1 or not delta):
         raise ValueError("chunk_bwd_key: factor reads (uf) are the delta rule's form")
+    if ml and (delta or rank1 or uf or running):
+        raise ValueError("chunk_bwd_key: the model's layout (ml) is the plain form's (no delta, rank1, uf, running)")
     if uf:
         ins = ("R", "U", "Uf", "Bf", "L", "DRX", "DUX", "DBX", "DRP", "DUQ", "DR", "DG", "Rs")
         outs = ("dRo", "dXo", "dFp", "dl")
@@ -415,9 +419,9 @@ def bwd_key_source(dialect: str, delta: bool, rank1: bool = False, before: bool 
                else ("R", "U", "L", "DRX", "DUX", "DRP", "DUQ")) + ("DG", "Rs")
         outs = ("dRo", "dUo", "dBo", "dl") if delta else ("dRo", "dUo", "dl")
         kind = "bwd_key" + ("_delta" if delta else "")
-    return _source(get(dialect), "chunk_bwd_key.j2", kind + ("_run" if running else ""), "elementwise tail of the "
-                   "chunked core's backward, key-vector decay", ins, outs, (), delta=delta and not rank1, rank1=rank1,
-                   before=before, uf=uf, running=running)
+    return _source(get(dialect), "chunk_bwd_key.j2", kind + ("_run" if running else "") + ("_ml" if ml else ""),
+                   "elementwise tail of the chunked core's backward, key-vector decay", ins, outs, (),
+                   delta=delta and not rank1, rank1=rank1, before=before, uf=uf, running=running, ml=ml)
 
 
 def bwd_key_supported(dialect: str, C: int) -> bool:
@@ -495,24 +499,27 @@ def pair_whole_source(dialect: str, strict: bool, dual: bool = False, quad: bool
 @lru_cache(maxsize=None)
 def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False,
                      quad: bool = False, fold: bool = False, scaled: bool = False,
-                     async_: bool = False) -> KernelSource:
+                     async_: bool = False, ml: bool = False) -> KernelSource:
     """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed); ``quad``:
     (dX, dX2, dY, dYb) for the cotangents dM, dM2, dMb, dM2b of its quad form (each gradient summed over the pairs
     its operand is in); ``mma``: the other blocks' parts on fragment multiply-adds; ``fold``: the own block's rows
     t and BS − 1 − t computed by one thread (``pair_source``); ``scaled``: the pair of Xsc[0]·X (dX is that of the
     scaled X: it reads no X); ``async_``: each slab's raw rows copied to threadgroup memory a slab ahead by the
     dialect's 16-byte copies (on CUDA cp.async), the operands' types XT, X2T, YT, YbT template constants and OB
-    the widest one's bytes (``pair_grad_async_layout``)."""
+    the widest one's bytes (``pair_grad_async_layout``); ``ml`` (with ``async_``): those raw rows copied from the
+    operands in the model's layout [B, T, HK, K] (template constants H, HK, NCH, GB), all else in the chunks'."""
+    if ml and not async_:
+        raise ValueError("chunk_pair_grad: the model's layout (ml) is read by the raw rows' copies (async_)")
     d = get(dialect)
     xs, ys = _pair_operands(dual, quad)
     cots = tuple("dM" + x[1:] + y[1:] for y in ys for x in xs)
     kind = ("pair_grad" + _pair_suffix(strict, dual, quad, mma, fold) + ("_xs" if scaled else "")
-            + ("_async" if async_ else ""))
+            + ("_async" if async_ else "") + ("_ml" if ml else ""))
     ins = cots + xs + ys + ("dk",) + (("Xsc",) if scaled else ()) + ("rt",)
     return _source(d, "chunk_pair_grad.j2", kind, "gradients of the key-vector decay pair matrix",
                    ins, tuple("d" + x for x in xs + ys), (),
                    helpers=(d.mma_prelude if mma else "") + (d.copy_prelude if async_ else ""), strict=strict,
-                   dual=dual or quad, mma=mma, quad=quad, fold=fold, xs=scaled, async_=async_)
+                   dual=dual or quad, mma=mma, quad=quad, fold=fold, xs=scaled, async_=async_, ml=ml)
 
 
 @lru_cache(maxsize=None)

@@ -353,12 +353,13 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
 
 @lru_cache(maxsize=256)
 def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: bool | None = None,
-                   uf: bool = False, running: bool = False) -> Launch:
+                   uf: bool = False, running: bool = False, ml: tuple | None = None) -> Launch:
     """N chunks of C tokens, one threadgroup of 32 threads a block of 32 key columns; ``types`` as ``bwd_mma_launch``,
     or with ``before`` given (True or False) the general rank-1 core's tail: ``types`` those of R, U, A, B; ``uf``
     (factor reads, ``types`` those of R and the key x; K a multiple of 32): the outputs dR, dX, a part of dUf per
     group of 32 columns [N, K / 32, C] and dl. ``running`` (``Tuning.bwd_key_running``): dl written as its sum goes
-    (``chunk_sources.bwd_key_source``)."""
+    (``chunk_sources.bwd_key_source``). ``ml`` (``_model_consts``, the plain form): R and U in the model's layout
+    [B, T, HK, K], L and the outputs dR, dU, dl in it per value head [B, T, H, K]."""
     if not bwd_key_supported(dialect, C):
         raise ValueError(f"chunk_bwd_key: C={C} must be at most 64")
     if uf and K % 32:
@@ -366,9 +367,9 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
     ng = -(-K // 32)
     rank1 = before is not None
     names = ("RT", "UT", "AT", "BT") if rank1 else ("RT", "UT", "BT")
-    tmpl = (("C", C), ("K", K), ("NG", ng)) + tuple(zip(names, types))
+    tmpl = (("C", C), ("K", K), ("NG", ng)) + tuple(zip(names, types)) + _model_consts(ml)
     outs = tuple(((N, C, K), dt) for dt in types) + ((((N, ng, C), "float32"),) if uf else ()) + (((N, C, K), "float32"),)
-    src = bwd_key_source(dialect, len(types) == 3 and not rank1 or uf, rank1, bool(before), uf, running)
+    src = bwd_key_source(dialect, len(types) == 3 and not rank1 or uf, rank1, bool(before), uf, running, ml is not None)
     return Launch(src, (), outs, (N * ng * 32, 1, 1), (32, 1, 1), tmpl)
 
 
@@ -384,12 +385,12 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     (the forward on fragments): a whole chunk a threadgroup (``chunk_sources.pair_whole_source``; ``halves``: each
     block's halves paired on fragments too). ``types`` (the gradients, or the whole form): the operands' dtype names
     (X, X2, Y, Yb as the form has them): each slab's raw rows copied a slab ahead
-    (``chunk_sources.pair_grad_async_layout``, ``pair_whole_layout``). ``ml`` (``_model_consts``; the whole form,
-    its operands read from their buffers): the operands in the model's layout [B, T, HK, K], and dk the log-decays
-    [B, T, H, K]."""
-    if ml is not None and not (whole and not types):
+    (``chunk_sources.pair_grad_async_layout``, ``pair_whole_layout``). ``ml`` (``_model_consts``): the operands in
+    the model's layout [B, T, HK, K], and for the whole form (its operands read from their buffers) dk the
+    log-decays [B, T, H, K]; for the gradients (their raw rows copied ahead) dk and the rest in the chunks'."""
+    if ml is not None and not (whole and not types or grad and types):
         raise ValueError("chunk_pair: the model's layout (ml) is the whole form's, its operands read from their "
-                         "buffers")
+                         "buffers, or the gradients' copying their raw rows ahead")
     if types and not (grad or whole):
         raise ValueError("chunk_pair: raw slabs copied ahead (types) are the gradients' and the whole form's")
     if halves and not whole:
@@ -409,7 +410,7 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
             raise ValueError(f"chunk_pair: folded rows need an even block of rows (C={C})")
         if mma and not grad:
             lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
-        src = (pair_grad_source(dialect, strict, dual, mma, quad, fold, scaled, bool(types)) if grad
+        src = (pair_grad_source(dialect, strict, dual, mma, quad, fold, scaled, bool(types), ml is not None) if grad
                else pair_source(dialect, strict, dual, mma, quad, fold, scaled))
         groups = N * lay["NB"] * (2 if grad else 1)
     operands = [n for n in src.inputs if n in ("X", "X2", "Y", "Yb")]
@@ -953,7 +954,8 @@ def _products(prods, N: int, C: int, K: int) -> list:
         x.reshape(N, K, V) for x in (S, dSn)]
 
 
-def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=None, uf=None, bf: float | None = None):
+def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=None, uf=None, bf: float | None = None,
+                  ml: tuple | None = None):
     """A key-vector decay's backward tail after the pair gradients, by the generated kernel (``chunk_bwd_key.j2``):
     the roles r, u (b̃) [.., n, C, K] as the core got them, the log-decays l [.., n, C, K], the pair gradients dRX,
     dUX (dBX) and the products DRP = d(r ⊙ P), DUQ = d(u ⊙ Q) (DR = d(b̃ ⊙ P) before its pair term) [.., n, C, K],
@@ -961,7 +963,14 @@ def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=No
     db̃ or None, dl [.., n, C, K]); dr, du, db̃ in their roles' types. Factor reads (``uf`` [.., n, C, 1] float32,
     ``bf`` a float, ``bt`` None, ``u`` a key x: u = uf ⊙ x, b̃ = bf·x; dUX and dBX of x as the second and first
     operand of the pairs, which the caller scaled by uf and bf): returns (dr, dx, this pass's part of duf [.., n, C,
-    1], dl)."""
+    1], dl). ``ml`` (``_model_consts``; no delta rule, no factor reads): r and u the model's key inputs [B, T, HK, K]
+    and l the log-decays [B, T, H, K] as they are; dr, du and dl returned per value head [B, T, H, K] (the caller sums
+    dr and du over GQA's groups)."""
+    if ml is not None:
+        if bt is not None or uf is not None:
+            raise ValueError("chunk_bwd_key: the model's layout (ml) is the plain form's (no b̃, no factor reads)")
+        dr, du, dl = _key_tail((r, u), l, (dRX, dUX, DRP, DUQ), dg, t, rs, ml=ml)
+        return dr, du, None, dl
     if uf is not None:
         dr, dx, dfp, dl = _key_tail((r, u), l, (dRX, dUX, dBX, DRP, DUQ, DR), dg, t, rs, factors=(uf, bf))
         return dr, dx, dfp.sum(-2).reshape(uf.shape), dl
@@ -972,15 +981,23 @@ def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=No
     return outs[0], outs[1], (outs[2] if delta else None), outs[-1]
 
 
-def _key_tail(roles, l, grads, dg, t: Tuning, rs=None, before: bool | None = None, factors: tuple | None = None):
+def _key_tail(roles, l, grads, dg, t: Tuning, rs=None, before: bool | None = None, factors: tuple | None = None,
+              ml: tuple | None = None):
     """The key-decay backward tail kernel on flattened chunks: the roles, the log-decays, the gradients in the
     kernel's input order, dg, the readout scale ``rs``; ``before`` selects the rank-1 form (``bwd_key_launch``);
     ``factors`` = (uf, bf) the factor-read form (roles r and the key x). Returns the roles' gradients in their shapes
-    and types (with ``factors`` then the factor's parts per group of columns [.., n, NG, C]), then dl."""
+    and types (with ``factors`` then the factor's parts per group of columns [.., n, NG, C]), then dl. ``ml``: the
+    roles and l in the model's layout, the gradients [B, T, H, K] per value head (``chunk_bwd_key``)."""
     import mlx.core as mx
 
-    (C, K), N = roles[0].shape[-2:], _lead(roles[0], 2)
+    (C, K), N = grads[0].shape[-2:], _lead(grads[0], 2)
     types = tuple(dtype_name(x.dtype) for x in roles)
+    if ml is not None:
+        B, T = l.shape[:2]
+        outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, ml=ml),
+                     list(roles) + [l] + [x.reshape(N, C, K) for x in grads]
+                     + [dg.reshape(N, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+        return tuple(o.reshape(B, T, ml[0], K) for o in outs)
     given = [x.reshape(N, C, K) for x in roles]
     if factors is not None:
         given += [factors[0].reshape(N, C), mx.array([factors[1]], dtype=mx.float32)]
@@ -1008,14 +1025,15 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
     the operands [.., C, K] in the kernel's input order, the decays dk; ``scale``: the first operand read times it.
     Returns the pairs [.., C, C], or the gradients [.., C, K], shaped as the first operand's chunks. ``ml``
     (``pair_reads_model``): the operands in the model's layout [B, T, HK, K] and dk the log-decays [B, T, H, K],
-    the pairs [B, H, n, C, C]."""
+    the pairs [B, H, n, C, C]; with the cotangents (``pair_grad_reads_model``) dk in the chunks' layout [B, H, n, C,
+    K], the gradients so (per value head)."""
     import mlx.core as mx
 
-    if ml is None:
-        N, (C, K) = _lead(operands[0], 2), operands[0].shape[-2:]
-    else:  # dk: the log-decays [B, T, H, K]
+    if ml is not None and not cots:  # dk: the log-decays [B, T, H, K]
         (B, T, H, K), n = dk.shape, ml[2]
         N, C = B * H * n, T // n
+    else:  # the gradients' dk in the chunks' layout
+        N, (C, K) = _lead(dk, 2), dk.shape[-2:]
     whole = not cots and pairs_whole(t, C, K, dual, quad)
     halves = whole and t.pair_halves and pair_whole_supported(t.dialect, C, K, dual, quad, True)
     types = tuple(dtype_name(a.dtype) for a in operands)
@@ -1028,10 +1046,11 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
                          fold=not whole and t.pair_fold and pair_folds(t.dialect, C, K, dual, quad),
                          scaled=scale is not None, whole=whole, halves=halves, types=types if ahead else (), ml=ml)
     outs = _call(t, launch, [m.reshape(N, C, C) for m in cots]
-                 + [a.reshape(N, C, K) if ml is None else a for a in (*operands, dk)]
+                 + [a.reshape(N, C, K) if ml is None else a for a in operands]
+                 + [dk.reshape(N, C, K) if ml is None or cots else dk]
                  + ([] if scale is None else [mx.array([scale], mx.float32)]))
-    if ml is not None:
-        return tuple(o.reshape(B, H, n, C, C) for o in outs)
+    if ml is not None:  # the pairs, or the gradients per value head, in the chunks' layout
+        return tuple(o.reshape(dk.shape if cots else (B, H, n, C, C)) for o in outs)
     X = operands[0]
     shape = X.shape if cots else (*X.shape[:-1], C)
     return tuple(o.reshape(shape) for o in outs)
@@ -1050,9 +1069,18 @@ def pair_reads_model(t: Tuning, C: int, K: int) -> bool:
     return pairs_whole(t, C, K, False, False) and not t.pair_whole_async
 
 
-def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning, scale: float | None = None):
-    """(dX, dY) [.., C, K] for the cotangent dM [.., C, C] of ``pair`` (``scale``: of scale·X, dX that of scale·X)."""
-    return _pair_call(t, strict, (X, Y), dk, (dM,), scale=scale)
+def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning, scale: float | None = None, ml: tuple | None = None):
+    """(dX, dY) [.., C, K] for the cotangent dM [.., C, C] of ``pair`` (``scale``: of scale·X, dX that of scale·X);
+    ``ml`` (``pair_grad_reads_model``): X and Y the model's key inputs [B, T, HK, K] as they are, dX and dY per value
+    head in the chunks' layout."""
+    return _pair_call(t, strict, (X, Y), dk, (dM,), scale=scale, ml=ml)
+
+
+def pair_grad_reads_model(t: Tuning, C: int, K: int, types: tuple) -> bool:
+    """Whether the single pair's gradient can read its operands (dtype names ``types``) in the model's layout: it
+    copies their raw rows ahead (``Tuning.pair_grad_async``, where they fit)."""
+    return t.pair_grad_async and pair_grad_async_supported(t.dialect, C, K, False, False,
+                                                           tuple(_itemsize(d) for d in types))
 
 
 def pair_dual(X, X2, Y, dk, t: Tuning, strict: bool = True):

@@ -151,20 +151,23 @@ def test_chunked_form_with_async_staging(name, case, dtype, rng, monkeypatch, wi
 
 
 @pytest.mark.parametrize("case", [MODEL_ROWS_CASE, DENSE_CASE])
-def test_gla_reads_the_model_layout(case, rng, monkeypatch):
+@pytest.mark.parametrize("backward", [False, True])
+def test_gla_reads_the_model_layout(case, backward, rng, monkeypatch):
     """GLA's forward with whole chunks reads q, k, v and gk as the model passes them (``parallel._forward_key_model``:
     the decays' pass, the whole-chunk pair, the wide scan's X and the staged key readout), GQA's key heads shared or
     none (``Tuning.model_rows_dense``), on the fragment scan (which MLX_ENABLE_TF32=0, set for these checks, turns
     off by default); against the float64 reference, every gradient (the backward copies them to the chunks'
-    layout); the kernels that ran are the model-layout ones."""
+    layout, or with ``Tuning.key_model_backward`` reads q, k, gk so too); the kernels that ran are the model-layout
+    ones."""
     from recgen.runtime import chunk_kernels as ck
     from recgen import tuning
 
     names, call = [], ck.mlx_call
     monkeypatch.setattr(ck, "mlx_call", lambda launch, *a: names.append(launch.source.name) or call(launch, *a))
-    with tuning.override(mma_scan=True, replay_graphs=False):  # each kernel call seen by the patch, none replayed
+    with tuning.override(mma_scan=True, replay_graphs=False, key_model_backward=backward):  # each call seen
         assert_close(op_errors(load_spec("gla"), case, "bfloat16", rng, backend="mlx"), "bfloat16")
     ran = {n.split("_cuda")[0] for n in names}
+    assert ("recgen_chunk_bwd_key_ml" in ran) == backward, ran
     assert {"recgen_chunk_decays_nod_noq_q_yt_ml", "recgen_chunk_pair_whole_xs_ml",
             "recgen_chunk_out_async_key_ml_zm_yt"} <= ran, ran
     assert any(n.startswith("recgen_chunk_scan_mma_noa") and n.endswith("_xm") for n in ran), ran

@@ -20,35 +20,37 @@
   const int i = (int)(threadgroup_position_in_grid.x % NG) * 32 + lane;
   if (i < K) {
     const float rs = Rs[0];
-    const int64_t base = bc * C * K + i;
+    const int64_t base = bc * C * K + i;  // the pair gradients' and products' column, the chunks' layout
+    const int64_t xb = base, ob = base;
+    constexpr int XLD = K, OLD = K;
     float acc = 0.0f;
     for (int t = 0; t < C; ++t) {
-      acc += static_cast<float>(L[base + t * K]);  // L may be 16-bit (an input verbatim)
+      acc += static_cast<float>(L[ob + t * OLD]);  // L may be 16-bit (an input verbatim)
       Ps_[t * 32 + lane] = metal::exp(acc);
     }
     float after = 0.0f;  // sum_{tau > t} l_tau
     float e = 0.0f;      // sum_s u Q DUQ
     for (int t = C - 1; t >= 0; --t) {
-      const int64_t at = base + t * K;
+      const int64_t at = base + t * K, xat = xb + t * XLD, oat = ob + t * OLD;
       const float q = metal::exp(after);
-      after += static_cast<float>(L[at]);
+      after += static_cast<float>(L[oat]);
       const float p = Ps_[t * 32 + lane];
-      const float u = static_cast<float>(U[at]), duq = static_cast<float>(DUQ[at]);
+      const float u = static_cast<float>(U[xat]), duq = static_cast<float>(DUQ[at]);
       const float du = q * duq + DUX[at];
       const float dr = p * static_cast<float>(DRP[at]) + DRX[at];
-      float g = rs * static_cast<float>(R[at]) * dr - u * du;
+      float g = rs * static_cast<float>(R[xat]) * dr - u * du;
       const float db = p * DR[at] + DBX[at];
       g += static_cast<float>(Bt[at]) * db;
       dBo[at] = static_cast<BT>(db);
       e += u * q * duq;
-      dUo[at] = static_cast<UT>(du);
-      dRo[at] = static_cast<RT>(rs * dr);
+      dUo[oat] = static_cast<UT>(du);
+      dRo[oat] = static_cast<RT>(rs * dr);
       Gs_[t * 32 + lane] = g;
     }
     // G_{C-1} enters Q_s for every s and g = e^{G_{C-1}}; then the reverse cumulative sum
     acc = e + Ps_[(C - 1) * 32 + lane] * DG[bc * K + i];
     for (int t = C - 1; t >= 0; --t) {
       acc += Gs_[t * 32 + lane];
-      dl[base + t * K] = acc;
+      dl[ob + t * OLD] = acc;
     }
   }

@@ -25,18 +25,20 @@
   if (i < K) {
     const float rs = Rs[0];
     const float bf = Bf[0];
-    const int64_t base = bc * C * K + i;
+    const int64_t base = bc * C * K + i;  // the pair gradients' and products' column, the chunks' layout
+    const int64_t xb = base, ob = base;
+    constexpr int XLD = K, OLD = K;
     float acc = 0.0f;
     for (int t = 0; t < C; ++t) {
-      acc += static_cast<float>(L[base + t * K]);  // L may be 16-bit (an input verbatim)
+      acc += static_cast<float>(L[ob + t * OLD]);  // L may be 16-bit (an input verbatim)
       Ps_[t * 32 + lane] = metal::exp(acc);
     }
     float after = 0.0f;  // sum_{tau > t} l_tau
     float e = 0.0f;      // sum_s u Q DUQ
     for (int t = C - 1; t >= 0; --t) {
-      const int64_t at = base + t * K;
+      const int64_t at = base + t * K, xat = xb + t * XLD, oat = ob + t * OLD;
       const float q = metal::exp(after);
-      after += static_cast<float>(L[at]);
+      after += static_cast<float>(L[oat]);
       const float p = Ps_[t * 32 + lane];
       const float x = static_cast<float>(U[at]), fu = Uf[bc * C + t], duq = static_cast<float>(DUQ[at]);
       const float u = fu * x, dux = DUX[at], dbx = DBX[at], db = p * DR[at];
@@ -51,13 +53,13 @@
       sf += simd_shuffle_xor(sf, 1);
       if (lane == 0) dFp[(bc * NG + i / 32) * C + t] = sf;
       e += u * q * duq;
-      dRo[at] = static_cast<RT>(rs * dr);
+      dRo[oat] = static_cast<RT>(rs * dr);
       Gs_[t * 32 + lane] = g;
     }
     // G_{C-1} enters Q_s for every s and g = e^{G_{C-1}}; then the reverse cumulative sum
     acc = e + Ps_[(C - 1) * 32 + lane] * DG[bc * K + i];
     for (int t = C - 1; t >= 0; --t) {
       acc += Gs_[t * 32 + lane];
-      dl[base + t * K] = acc;
+      dl[ob + t * OLD] = acc;
     }
   }

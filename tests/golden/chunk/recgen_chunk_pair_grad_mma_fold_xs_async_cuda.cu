@@ -145,6 +145,8 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   if (chunk >= (long long)rt[0]) return;
   const long long base = chunk * C * K;
   const long long mbase = chunk * C * C;
+  const long long xbase = base;
+  constexpr int XLD = K;
   const int h = tid / 16, hc = tid % 16;  // the own block's rows ra, rb; column group hc
   const int ra = h, rb = BS - 1 - h;
   const int lane = (threadIdx.x & 31);
@@ -168,14 +170,14 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
 #pragma unroll 1
     for (int e_ = tid; e_ < (nr_) * (KS / (16 / (int)sizeof(XT))); e_ += NT) {
       const int row_ = e_ / (KS / (16 / (int)sizeof(XT))), c_ = (e_ % (KS / (16 / (int)sizeof(XT)))) * (16 / (int)sizeof(XT));
-      rg_cp16(RX_ + r0_ * KS + row_ * KS + c_, X + base + r0_ * K + kn_ + row_ * K + c_);
+      rg_cp16(RX_ + r0_ * KS + row_ * KS + c_, X + xbase + r0_ * XLD + kn_ + row_ * XLD + c_);
     }
 
       } else {
 #pragma unroll 1
     for (int e_ = tid; e_ < (nr_) * (KS / (16 / (int)sizeof(YT))); e_ += NT) {
       const int row_ = e_ / (KS / (16 / (int)sizeof(YT))), c_ = (e_ % (KS / (16 / (int)sizeof(YT)))) * (16 / (int)sizeof(YT));
-      rg_cp16(RY_ + r0_ * KS + row_ * KS + c_, Y + base + r0_ * K + kn_ + row_ * K + c_);
+      rg_cp16(RY_ + r0_ * KS + row_ * KS + c_, Y + xbase + r0_ * XLD + kn_ + row_ * XLD + c_);
     }
 
       }
@@ -236,14 +238,14 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   #pragma unroll 1
       for (int e_ = tid; e_ < (nr_) * (KS / (16 / (int)sizeof(XT))); e_ += NT) {
         const int row_ = e_ / (KS / (16 / (int)sizeof(XT))), c_ = (e_ % (KS / (16 / (int)sizeof(XT)))) * (16 / (int)sizeof(XT));
-        rg_cp16(RX_ + r0_ * KS + row_ * KS + c_, X + base + r0_ * K + kn_ + row_ * K + c_);
+        rg_cp16(RX_ + r0_ * KS + row_ * KS + c_, X + xbase + r0_ * XLD + kn_ + row_ * XLD + c_);
       }
 
         } else {
   #pragma unroll 1
       for (int e_ = tid; e_ < (nr_) * (KS / (16 / (int)sizeof(YT))); e_ += NT) {
         const int row_ = e_ / (KS / (16 / (int)sizeof(YT))), c_ = (e_ % (KS / (16 / (int)sizeof(YT)))) * (16 / (int)sizeof(YT));
-        rg_cp16(RY_ + r0_ * KS + row_ * KS + c_, Y + base + r0_ * K + kn_ + row_ * K + c_);
+        rg_cp16(RY_ + r0_ * KS + row_ * KS + c_, Y + xbase + r0_ * XLD + kn_ + row_ * XLD + c_);
       }
 
         }

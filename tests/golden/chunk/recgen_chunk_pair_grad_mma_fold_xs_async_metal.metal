@@ -46,6 +46,8 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   if (chunk >= (int64_t)rt[0]) return;
   const int64_t base = chunk * C * K;
   const int64_t mbase = chunk * C * C;
+  const int64_t xbase = base;
+  constexpr int XLD = K;
   const int h = tid / 16, hc = tid % 16;  // the own block's rows ra, rb; column group hc
   const int ra = h, rb = BS - 1 - h;
   const int lane = thread_index_in_simdgroup;
@@ -69,14 +71,14 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
 #pragma unroll 1
     for (int e_ = tid; e_ < (nr_) * (KS / (16 / (int)sizeof(XT))); e_ += NT) {
       const int row_ = e_ / (KS / (16 / (int)sizeof(XT))), c_ = (e_ % (KS / (16 / (int)sizeof(XT)))) * (16 / (int)sizeof(XT));
-      rg_cp16(RX_ + r0_ * KS + row_ * KS + c_, X + base + r0_ * K + kn_ + row_ * K + c_);
+      rg_cp16(RX_ + r0_ * KS + row_ * KS + c_, X + xbase + r0_ * XLD + kn_ + row_ * XLD + c_);
     }
 
       } else {
 #pragma unroll 1
     for (int e_ = tid; e_ < (nr_) * (KS / (16 / (int)sizeof(YT))); e_ += NT) {
       const int row_ = e_ / (KS / (16 / (int)sizeof(YT))), c_ = (e_ % (KS / (16 / (int)sizeof(YT)))) * (16 / (int)sizeof(YT));
-      rg_cp16(RY_ + r0_ * KS + row_ * KS + c_, Y + base + r0_ * K + kn_ + row_ * K + c_);
+      rg_cp16(RY_ + r0_ * KS + row_ * KS + c_, Y + xbase + r0_ * XLD + kn_ + row_ * XLD + c_);
     }
 
       }
@@ -135,14 +137,14 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   #pragma unroll 1
       for (int e_ = tid; e_ < (nr_) * (KS / (16 / (int)sizeof(XT))); e_ += NT) {
         const int row_ = e_ / (KS / (16 / (int)sizeof(XT))), c_ = (e_ % (KS / (16 / (int)sizeof(XT)))) * (16 / (int)sizeof(XT));
-        rg_cp16(RX_ + r0_ * KS + row_ * KS + c_, X + base + r0_ * K + kn_ + row_ * K + c_);
+        rg_cp16(RX_ + r0_ * KS + row_ * KS + c_, X + xbase + r0_ * XLD + kn_ + row_ * XLD + c_);
       }
 
         } else {
   #pragma unroll 1
       for (int e_ = tid; e_ < (nr_) * (KS / (16 / (int)sizeof(YT))); e_ += NT) {
         const int row_ = e_ / (KS / (16 / (int)sizeof(YT))), c_ = (e_ % (KS / (16 / (int)sizeof(YT)))) * (16 / (int)sizeof(YT));
-        rg_cp16(RY_ + r0_ * KS + row_ * KS + c_, Y + base + r0_ * K + kn_ + row_ * K + c_);
+        rg_cp16(RY_ + r0_ * KS + row_ * KS + c_, Y + xbase + r0_ * XLD + kn_ + row_ * XLD + c_);
       }
 
         }
