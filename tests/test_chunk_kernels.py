@@ -1824,8 +1824,10 @@ def test_gla_reads_the_model_layout(gqa, Hk, monkeypatch):
 def test_kda_factor_reads_keep_the_chunks_layout(monkeypatch):
     """KDA with factor reads (``Tuning.key_factor_reads``) at whole chunks, as CUDA's table runs it otherwise: its
     key-decay path reads the chunks' layout, so ``chunked._model_inputs`` hands it none (it was handed q, k, v as the
-    model passes them, and failed reshaping them); end to end against the float64 reference, every gradient."""
+    model passes them, and failed reshaping them); end to end against the float64 reference, every gradient, float32
+    and bf16 inputs (where the readout role scale·q, formed in bf16, cost dgk a digit: ``parallel._scaled``)."""
     pytest.importorskip("mlx.core")
+    import mlx.core as mx
     from recgen import specs
     from test_chunked import assert_close, compare
 
@@ -1835,6 +1837,8 @@ def test_kda_factor_reads_keep_the_chunks_layout(monkeypatch):
     t = dataclasses.replace(tuning.resolve("gpu", "cuda", environ={}), dialect="metal_ptx", device="cpu",
                             kernel_cache=None, replay_graphs=False, compile=False, key_factor_reads=True)
     assert_close(compare(specs.BUILTINS["kda"], 64, chunk=32, K=32, V=32, Hk=2, seed=4, tuning=t))
+    assert_close(compare(specs.BUILTINS["kda"], 64, chunk=32, K=32, V=32, Hk=2, seed=4, tuning=t,
+                         in_dtype=mx.bfloat16), 1e-2, 1e-2)
     assert "recgen_chunk_bwd_key_delta_uf" in {c.split("_metal")[0] for c in calls}  # the factor-read form ran
     assert not any("_ml" in c for c in calls), calls
 

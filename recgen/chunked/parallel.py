@@ -684,8 +684,13 @@ def _readout_rows(geo, r, r_, rfac):
 
 
 def _scaled(r, rfac):
-    """rfac·r, the readout role (``core_fn``'s ``rfac``; None: r itself)."""
-    return r if rfac is None else r * rfac
+    """rfac·r, the readout role (``core_fn``'s ``rfac``; None: r itself), in float32 at least: a 16-bit r (an input
+    verbatim, ``role_dtype``) times rfac (K^-1/2, not a power of two) would round to 16 bits, and r·dr in the key
+    tail (which reads r itself, scaled as it reads) would then meet pair gradients of another r: with KDA's factor
+    reads dgk lost a digit (bf16 inputs: 0.02 off float64, 0.002 scaled in float32)."""
+    if rfac is None:
+        return r
+    return (r if r.dtype not in (mx.bfloat16, mx.float16) else r.astype(mx.float32)) * rfac
 
 
 def _backward(geo, r, u, w, bt, res, dy, dS_end, compose, matrix=False, kern=None, rfac=None):
