@@ -587,9 +587,8 @@ def _backward_key_model(r, u, w, l, res, dy, dS_end, kern: Tuning, rfac, ml: tup
     if ps is None:  # MLX's products in float32 (16-bit operands give a 16-bit product)
         Z, states, dy = (x.astype(mx.float32) for x in (Z, states, dy))
     F = M.swapaxes(-1, -2) @ dy.astype(M.dtype)
-    rows = None if rfac is None else mx.full((*rP.shape[:-1], 1), rfac, mx.float32)  # rfac: r ⊙ P's row scale
     dSn, dZ, dS0, dg = ck.chunk_scan(dS_end, uQ, F, None, dec.g, None, kern, reverse=True, P=(rP, dy), St=states,
-                                     Pq=rows, st=ps)
+                                     Pq=_rfac_rows(rP, rfac), st=ps)
     cp = kern.copy_transposes
     d_uQ, d_rP = Z @ tr(dSn, cp), dy @ tr(states, cp)
     dr_, du_ = ck.pair_grad(dy @ tr(Z, cp), r, u, dec.d, False, kern, rfac, ml)
@@ -679,8 +678,12 @@ def _readout_rows(geo, r, r_, rfac):
     else formed here of r_ = rfac·r, which a delta rule's pair gradients read anyway."""
     if "rP" not in geo.scaled:
         return geo.role("rP", r_, "P"), None
-    rP = geo.scaled["rP"]
-    return rP, None if rfac is None else mx.full((*rP.shape[:-1], 1), rfac, mx.float32)  # rfac unrounded
+    return geo.scaled["rP"], _rfac_rows(geo.scaled["rP"], rfac)
+
+
+def _rfac_rows(rP, rfac):
+    """rfac as r ⊙ P's row scales [.., C, 1] for the reverse scan (None without it), unrounded."""
+    return None if rfac is None else mx.full((*rP.shape[:-1], 1), rfac, mx.float32)
 
 
 def _scaled(r, rfac):

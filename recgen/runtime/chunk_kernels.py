@@ -831,19 +831,9 @@ def chunk_out_key(r, M, Z, states, P, t: Tuning, out=None, rs=None, ml: tuple | 
     with ``out`` y in the model's layout [B, n C, H, V] and that type. ``ml`` (``_model_consts``, with ``out``): r and
     Z are the model's inputs [B, n C, HK, K] and [B, n C, H, V] as they are, read so by the staged readout (copied to
     the chunks' layout first where it does not run)."""
-    if ml is not None:
-        if out is None:
-            raise ValueError("chunk_out_key: the model's layout (ml) writes y so (out)")
-        n, (C, K), V = P.shape[-3], P.shape[-2:], Z.shape[-1]
-        N = _lead(P, 2)
-        yt = (P.shape[-4], n, dtype_name(out))
-        types = tuple(dtype_name(x.dtype) for x in (r, P, Z, states))
-        launch = out_async_launch(t.dialect, N, C, K, V, types, yt, t.out_bv, ml=ml, zm=True, key=True) \
-            if t.async_staging else None
-        if launch is None:
-            return _out_key(model_chunks(r, n, ml), M, model_chunks(Z, n), states, (P,), t, out, rs)
-        return _out_key(r, M, Z, states, (P,), t, out, rs, launch=launch)
-    return _out_key(r, M, Z, states, (P,), t, out, rs)
+    if ml is not None and out is None:
+        raise ValueError("chunk_out_key: the model's layout (ml) writes y so (out)")
+    return _out_key(r, M, Z, states, (P,), t, out, rs, ml=ml)
 
 
 def chunk_out_rank1(rP, Mra, X, states, Mru, w, t: Tuning, out=None, rs=None):
@@ -854,22 +844,23 @@ def chunk_out_rank1(rP, Mra, X, states, Mru, w, t: Tuning, out=None, rs=None):
     return _out_key(rP, Mra, X, states, (Mru, w), t, out, rs, m2=True)
 
 
-def _out_key(r, M, Z, states, extra: tuple, t: Tuning, out, rs, m2: bool = False, launch: Launch | None = None):
+def _out_key(r, M, Z, states, extra: tuple, t: Tuning, out, rs, m2: bool = False, ml: tuple | None = None):
     """The key readout frame, shared by ``chunk_out_key`` (``extra`` = (P,)) and ``chunk_out_rank1`` (``m2``: (M2,
-    Z2)); every operand but the states is [.., n, C, F]. ``launch``: the model-layout readout (``chunk_out_key``'s
-    ``ml``), r and Z passed as they are."""
+    Z2)); every operand but the states is [.., n, C, F], but with ``ml`` (``chunk_out_key``'s) r and Z."""
     import mlx.core as mx
 
     (n, C), K, V = extra[0].shape[-3:-1], r.shape[-1], Z.shape[-1]
     N = _lead(extra[0], 2)
     yt = None if out is None else (extra[0].shape[-4], n, dtype_name(out))
     flat = lambda x: x.reshape(N, C, x.shape[-1])  # noqa: E731
-    model = launch is not None
-    if launch is None and t.async_staging and not m2:  # staged two deep (``chunk_out_async.j2``), else synchronous
+    launch = None
+    if t.async_staging and not m2:  # staged two deep (``chunk_out_async.j2``), else the synchronous frame
         types = tuple(dtype_name(x.dtype) for x in (r, extra[0], Z, states))
-        launch = out_async_launch(t.dialect, N, C, K, V, types, yt, t.out_bv, key=True)
+        launch = out_async_launch(t.dialect, N, C, K, V, types, yt, t.out_bv, ml=ml, zm=ml is not None, key=True)
+    if launch is None and ml is not None:  # only the staged readout reads the model's layout
+        r, Z, ml = model_chunks(r, n, ml), model_chunks(Z, n), None
     (y,) = _call(t, launch or out_mma_launch(t.dialect, N, C, K, V, yt, t.out_bv, key=True, m2=m2),
-                 [r if model else flat(r), flat(M), Z if model else flat(Z), states.reshape(N, K, V),
+                 [r if ml else flat(r), flat(M), Z if ml else flat(Z), states.reshape(N, K, V),
                   *(flat(x) for x in extra), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
     return y if out is not None else y.reshape(*Z.shape)
 
