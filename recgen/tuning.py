@@ -118,7 +118,9 @@ class Tuning:
     key_model_backward: bool = False  # ... a key-vector decay's backward without a transition (GLA's) too: its decays'
     #                                 pass, pair gradient (copying raw rows) and key tail read q, k, gk so and the tail
     #                                 writes dq, dk, dgk so, no copies either way (v and dy still copied for MLX's
-    #                                 products). Emulator-checked, not yet timed
+    #                                 products). H200, GLA 4,4096,16,128 trained, four rounds: 3.862 -> 3.758 ms (every
+    #                                 round), peak 2.499 -> 2.312 GiB (on on CUDA; 3.982 -> 4.087 before the tail
+    #                                 batched its loads: its model-layout form was the slower one)
     ut_16bit: bool = False          # ... the UT transform writing U = T w and W = T (b̃ e^G) in the keys' 16-bit type
     #                                 (the scans convert on load), as FLA keeps them: 0.13 GiB less at GDN's training
     #                                 peak (4,4096,16,128), as fast or faster at every shape timed (on on CUDA)
@@ -203,6 +205,12 @@ class Tuning:
     #                                 column of loads. H200, 4,4096,16,128 trained, four rounds: GLA 4.280 -> 4.662
     #                                 ms (every round slower), KDA 8.493 -> 8.463, RWKV-7 11.075 -> 10.807 (the rounds
     #                                 overlap): off
+    bwd_key_batch: int = 4          # tokens whose loads a key-vector decay's backward tail issues together (its
+    #                                 stores would otherwise hold each load back to one in flight a thread; the tail
+    #                                 was latency-bound, DRAM 22-29% busy). H200, 4,4096,16,128 trained, three rounds
+    #                                 of 1 / 4 / 8 / 16: GLA 3.844 / 3.821 / 3.712 / 3.645 ms, KDA 8.565 / 8.356 /
+    #                                 8.691 / 8.431, RWKV-7 10.221 / 9.974 / 10.027 / 9.869 (16 on CUDA; 4 elsewhere,
+    #                                 16 taking up to 237 registers)
     out_bv: int = 128               # value columns per threadgroup of the fragment readout (most)
     l2_prefetch: bool = False       # a scalar decay's fragment readout and UT transform hint each staging step's
     #                                 next block into L2 (where the dialect has a prefetch) while they multiply this one
@@ -263,7 +271,7 @@ MEASURED = {
                  scan_wide_loads=True, bwd_wide_loads=True, scan_wide_columns=True, scan_min_groups=128,
                  scan_ahead_most=128, pair_whole=True,
                  key_roles_16bit=True, key_products_16bit=True, key_scaled_16bit=True,
-                 pair_grad_async=True),
+                 pair_grad_async=True, key_model_backward=True, bwd_key_batch=16),
     # (the kernel cache: a first call's compile 31 s -> 2.7 s cold, 0.9 s kept, H100)
     "metal": dict(),  # nothing measured on Apple hardware yet: the recurrent backward, MLX ops in the chunked form
 }
@@ -348,6 +356,7 @@ ENVIRONMENT = {
     "RECGEN_PAIR_HALVES": ("pair_halves", _flag),
     "RECGEN_PAIR_GRAD_ASYNC": ("pair_grad_async", _flag),
     "RECGEN_BWD_KEY_RUNNING": ("bwd_key_running", _flag),
+    "RECGEN_BWD_KEY_BATCH": ("bwd_key_batch", _int_choice("RECGEN_BWD_KEY_BATCH", (1, 2, 4, 8, 16))),
     "RECGEN_PAIR_WHOLE_ASYNC": ("pair_whole_async", _flag),
     "RECGEN_FACTOR_READS": ("factor_reads", _flag),
     "RECGEN_KEY_FACTOR_READS": ("key_factor_reads", _flag),

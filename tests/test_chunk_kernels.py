@@ -1581,15 +1581,9 @@ def test_chunk_bwd_key_matches_numpy(C, K, delta):
     assert not cs.bwd_key_supported("metal", 128) and cs.bwd_key_supported("cuda", 64)
 
 
-@pytest.mark.parametrize("form", ["plain", "delta", "uf", "rank1", "rank1_before"])
-@pytest.mark.parametrize("sanitizer", [None, "address"])
-def test_chunk_bwd_key_running_sums(form, sanitizer):
-    """``running`` (``Tuning.bwd_key_running``): the key-decay tail writes dl as its reverse sum goes and adds the
-    chunk's last term after, staging no dG: every form (plain, the delta rule's, factor reads, both rank-1 tails)
-    against the staged kernel and, where a float64 reference exists, against it; decays down to e^-20 a token, two
-    groups of 32 columns, ASan+UBSan."""
-    rng = np.random.default_rng(len(form))
-    N, C, K = 2, 16, 64
+def _bwd_key_form(form: str, rng, N: int, C: int, K: int):
+    """A key-decay tail's inputs (decays down to e^-20 a token, Rs = 0.3), its number of role types and the
+    ``bwd_key_launch`` keywords of ``form``: plain, delta, uf (factor reads, Bf = -1), rank1, rank1_before."""
     f = lambda *s: rng.normal(size=s).astype(np.float32)  # noqa: E731
     L = (-20 * rng.uniform(size=(N, C, K)) ** 3).astype(np.float32)
     ins = {"R": f(N, C, K), "U": f(N, C, K), "L": L, "DRX": f(N, C, K), "DUX": f(N, C, K), "DRP": f(N, C, K),
@@ -1599,7 +1593,34 @@ def test_chunk_bwd_key_running_sums(form, sanitizer):
     ins |= ({"A": f(N, C, K), "B": f(N, C, K), "DAX": f(N, C, K), "DBX": f(N, C, K), "DAQ": f(N, C, K),
              "DBP": f(N, C, K)} if form.startswith("rank1") else {})
     types = {"plain": 2, "delta": 3, "uf": 2, "rank1": 4, "rank1_before": 4}[form]
-    kw = dict(uf=form == "uf", before=(form == "rank1_before") if form.startswith("rank1") else None)
+    return ins, types, dict(uf=form == "uf", before=(form == "rank1_before") if form.startswith("rank1") else None)
+
+
+@pytest.mark.parametrize("form", ["plain", "delta", "uf", "rank1", "rank1_before"])
+def test_chunk_bwd_key_load_batches_agree(form):
+    """The key-decay tail issues ``batch`` tokens' loads before their stores (``Tuning.bwd_key_batch``): batches of
+    1, 4 and 16 tokens over a chunk of 21 (no multiple of either: the last batch partial) give the same bits, every
+    form; plain and delta also against float64."""
+    N, C, K = 2, 21, 64
+    ins, types, kw = _bwd_key_form(form, np.random.default_rng(7 + len(form)), N, C, K)
+    outs = [verify.run_launch(ck.bwd_key_launch("metal", N, C, K, ("float32",) * types, batch=b, **kw), ins)
+            for b in (1, 4, 16)]
+    for other in outs[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(outs[0], other))
+    if form in ("plain", "delta"):
+        for a, want in zip(outs[0], _bwd_key_ref(ins, 0.3)):
+            assert _rel(a, want) < 1e-5, _rel(a, want)
+
+
+@pytest.mark.parametrize("form", ["plain", "delta", "uf", "rank1", "rank1_before"])
+@pytest.mark.parametrize("sanitizer", [None, "address"])
+def test_chunk_bwd_key_running_sums(form, sanitizer):
+    """``running`` (``Tuning.bwd_key_running``): the key-decay tail writes dl as its reverse sum goes and adds the
+    chunk's last term after, staging no dG: every form (plain, the delta rule's, factor reads, both rank-1 tails)
+    against the staged kernel and, where a float64 reference exists, against it; decays down to e^-20 a token, two
+    groups of 32 columns, ASan+UBSan."""
+    N, C, K = 2, 16, 64
+    ins, types, kw = _bwd_key_form(form, np.random.default_rng(len(form)), N, C, K)
     launch = ck.bwd_key_launch("metal", N, C, K, ("float32",) * types, running=True, **kw)
     assert launch.source.name.split("_metal_")[0].endswith("_run")
     got = verify.run_launch(launch, ins, sanitizer=sanitizer)
@@ -1785,6 +1806,18 @@ def test_key_model_layout_kernels_match_the_chunk_layout(sanitizer):
         for i, (a, b) in enumerate(zip(got, want)):
             b = model(b) if per_head and i in per_head[0] else b  # the key tail's outputs per value head, so laid out
             assert np.array_equal(np.asarray(a).reshape(np.shape(b)), b), (launch.source.name, i)
+    # the tail writes dl in l's type where l is the model's 16-bit input: as rounding its float32 dl would
+    import mlx.core as mx
+    l16 = mx.array(logd).astype(mx.bfloat16)
+    ins = tail | {"R": q, "U": k}
+    want = verify.run_launch(ck.bwd_key_launch("metal_ptx", N, C, K, ("float32",) * 2, ml=ml),
+                             ins | {"L": np.asarray(l16.astype(mx.float32))})
+    launch = ck.bwd_key_launch("metal_ptx", N, C, K, ("float32",) * 2, ml=ml, dl_type="bfloat16")
+    assert launch.outputs[-1][1] == "bfloat16"
+    got = verify.run_launch(launch, ins | {"L": l16}, sanitizer=sanitizer)  # (returned as float32)
+    assert np.array_equal(got[-1], np.asarray(mx.array(want[-1]).astype(mx.bfloat16).astype(mx.float32)))
+    assert not np.array_equal(got[-1], want[-1])  # rounded indeed
+    assert all(np.array_equal(a, b) for a, b in zip(got[:-1], want[:-1]))
 
 
 @pytest.mark.parametrize("gqa,Hk", [("block", 2), ("tiled", 2), ("block", 4)])
@@ -1792,8 +1825,8 @@ def test_gla_reads_the_model_layout(gqa, Hk, monkeypatch):
     """GLA as CUDA's table runs it (``metal_ptx``: its lane layout, bf16 inputs, chunks of 32): with whole chunks
     (T = 64) the forward reads q, k, v and gk in the model's layout [B, T, heads, D] (``parallel._forward_key_model``:
     the decays' pass, the whole-chunk pair, the A-free wide scan's X (``xm``) and the staged key readout; GQA's key
-    heads shared, H = 4 over Hk = 2, block and tiled, or none: ``Tuning.model_rows_dense``), the backward copies them
-    to the chunks' layout; end to end against the float64 reference (forward, final state, every gradient). With
+    heads shared, H = 4 over Hk = 2, block and tiled, or none: ``Tuning.model_rows_dense``), the backward (with
+    ``Tuning.key_model_backward`` off) copies them to the chunks' layout; end to end against the float64 reference (forward, final state, every gradient). With
     ``Tuning.key_model_backward`` the backward's decays' pass, pair gradient and key tail read q, k, gk so too and
     the tail writes dq, dk, dgk so: the same sums, so the same errors to the last bit."""
     pytest.importorskip("mlx.core")
@@ -1804,8 +1837,10 @@ def test_gla_reads_the_model_layout(gqa, Hk, monkeypatch):
     calls = []
     monkeypatch.setattr(ck, "mlx_call",
                         lambda launch, *a: calls.append(launch.source.name) or _emulated_call(launch, *a))
-    t = dataclasses.replace(tuning.resolve("gpu", "cuda", environ={}), dialect="metal_ptx", device="cpu",
-                            kernel_cache=None, replay_graphs=False, compile=False)
+    table = tuning.resolve("gpu", "cuda", environ={})
+    assert table.key_model_backward  # on in CUDA's measured table; off first here
+    t = dataclasses.replace(table, dialect="metal_ptx", device="cpu", kernel_cache=None, replay_graphs=False,
+                            compile=False, key_model_backward=False)
     rec = dataclasses.replace(specs.BUILTINS["gla"], gqa=gqa)
     err = compare(rec, 64, chunk=32, K=32, V=32, Hk=Hk, seed=4, tuning=t, in_dtype=mx.bfloat16)
     assert_close(err, 1e-2, 1e-2)

@@ -353,22 +353,28 @@ def bwd_mma_launch(dialect: str, N: int, C: int, K: int, types: tuple, most_bw: 
 
 @lru_cache(maxsize=256)
 def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: bool | None = None,
-                   uf: bool = False, running: bool = False, ml: tuple | None = None) -> Launch:
+                   uf: bool = False, running: bool = False, ml: tuple | None = None, batch: int = 4,
+                   dl_type: str = "float32") -> Launch:
     """N chunks of C tokens, one threadgroup of 32 threads a block of 32 key columns; ``types`` as ``bwd_mma_launch``,
     or with ``before`` given (True or False) the general rank-1 core's tail: ``types`` those of R, U, A, B; ``uf``
     (factor reads, ``types`` those of R and the key x; K a multiple of 32): the outputs dR, dX, a part of dUf per
     group of 32 columns [N, K / 32, C] and dl. ``running`` (``Tuning.bwd_key_running``): dl written as its sum goes
     (``chunk_sources.bwd_key_source``). ``ml`` (``_model_consts``, the plain form): R and U in the model's layout
-    [B, T, HK, K], L and the outputs dR, dU, dl in it per value head [B, T, H, K]."""
+    [B, T, HK, K], L and the outputs dR, dU, dl in it per value head [B, T, H, K]. ``batch``: tokens whose loads
+    are issued together (``Tuning.bwd_key_batch``). ``dl_type``: dl's dtype name (16-bit only where its sum is
+    written once, not ``running``)."""
     if not bwd_key_supported(dialect, C):
         raise ValueError(f"chunk_bwd_key: C={C} must be at most 64")
     if uf and K % 32:
         raise ValueError(f"chunk_bwd_key: factor reads sum over groups of 32 key columns, K={K} is not a multiple of 32")
+    if running and dl_type != "float32":
+        raise ValueError(f"chunk_bwd_key: running sums add to dl after, so it is float32, not {dl_type}")
     ng = -(-K // 32)
     rank1 = before is not None
     names = ("RT", "UT", "AT", "BT") if rank1 else ("RT", "UT", "BT")
-    tmpl = (("C", C), ("K", K), ("NG", ng)) + tuple(zip(names, types)) + _model_consts(ml)
-    outs = tuple(((N, C, K), dt) for dt in types) + ((((N, ng, C), "float32"),) if uf else ()) + (((N, C, K), "float32"),)
+    tmpl = ((("C", C), ("K", K), ("NG", ng), ("UB", batch)) + tuple(zip(names, types)) + (("LT", dl_type),)
+            + _model_consts(ml))
+    outs = tuple(((N, C, K), dt) for dt in types) + ((((N, ng, C), "float32"),) if uf else ()) + (((N, C, K), dl_type),)
     src = bwd_key_source(dialect, len(types) == 3 and not rank1 or uf, rank1, bool(before), uf, running, ml is not None)
     return Launch(src, (), outs, (N * ng * 32, 1, 1), (32, 1, 1), tmpl)
 
@@ -951,7 +957,7 @@ def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=No
     the roles r, u (b̃) [.., n, C, K] as the core got them, the log-decays l [.., n, C, K], the pair gradients dRX,
     dUX (dBX) and the products DRP = d(r ⊙ P), DUQ = d(u ⊙ Q) (DR = d(b̃ ⊙ P) before its pair term) [.., n, C, K],
     the scan's decay gradient dg [.., n, K]. ``rs``: the readout role is rs·r (dRX then of rs·r). Returns (dr, du,
-    db̃ or None, dl [.., n, C, K]); dr, du, db̃ in their roles' types. Factor reads (``uf`` [.., n, C, 1] float32,
+    db̃ or None, dl [.., n, C, K]); dr, du, db̃ in their roles' types, dl in l's (``_key_tail``). Factor reads (``uf`` [.., n, C, 1] float32,
     ``bf`` a float, ``bt`` None, ``u`` a key x: u = uf ⊙ x, b̃ = bf·x; dUX and dBX of x as the second and first
     operand of the pairs, which the caller scaled by uf and bf): returns (dr, dx, this pass's part of duf [.., n, C,
     1], dl). ``ml`` (``_model_consts``; no delta rule, no factor reads): r and u the model's key inputs [B, T, HK, K]
@@ -977,15 +983,18 @@ def _key_tail(roles, l, grads, dg, t: Tuning, rs=None, before: bool | None = Non
     """The key-decay backward tail kernel on flattened chunks: the roles, the log-decays, the gradients in the
     kernel's input order, dg, the readout scale ``rs``; ``before`` selects the rank-1 form (``bwd_key_launch``);
     ``factors`` = (uf, bf) the factor-read form (roles r and the key x). Returns the roles' gradients in their shapes
-    and types (with ``factors`` then the factor's parts per group of columns [.., n, NG, C]), then dl. ``ml``: the
-    roles and l in the model's layout, the gradients [B, T, H, K] per value head (``chunk_bwd_key``)."""
+    and types (with ``factors`` then the factor's parts per group of columns [.., n, NG, C]), then dl in l's type
+    (float32 with ``Tuning.bwd_key_running``): every caller hands it back as l's gradient, which a cast after would
+    round the same way. ``ml``: the roles and l in the model's layout, the gradients [B, T, H, K] per value head
+    (``chunk_bwd_key``)."""
     import mlx.core as mx
 
     (C, K), N = grads[0].shape[-2:], _lead(grads[0], 2)
     types = tuple(dtype_name(x.dtype) for x in roles)
     if ml is not None:
         B, T = l.shape[:2]
-        outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, ml=ml),
+        outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, ml=ml, batch=t.bwd_key_batch,
+                                       dl_type=dtype_name(l.dtype)),
                      list(roles) + [l] + [x.reshape(N, C, K) for x in grads]
                      + [dg.reshape(N, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
         return tuple(o.reshape(B, T, ml[0], K) for o in outs)
@@ -994,8 +1003,9 @@ def _key_tail(roles, l, grads, dg, t: Tuning, rs=None, before: bool | None = Non
         given += [factors[0].reshape(N, C), mx.array([factors[1]], dtype=mx.float32)]
     user = (given + [x.reshape(N, C, K) for x in (l, *grads)]
             + [dg.reshape(N, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
+    dl_type = "float32" if t.bwd_key_running else dtype_name(l.dtype)
     outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, before, uf=factors is not None,
-                                   running=t.bwd_key_running), user)
+                                   running=t.bwd_key_running, batch=t.bwd_key_batch, dl_type=dl_type), user)
     shapes = [x.shape for x in roles] + ([(*l.shape[:-2], -1, C)] if factors is not None else []) + [l.shape]
     return tuple(o.reshape(shape) for o, shape in zip(outs, shapes))
 
