@@ -1751,7 +1751,8 @@ def test_key_model_layout_kernels_match_the_chunk_layout(sanitizer):
     readout reading r and w [B, T, H, V] (``zm``) give exactly what their chunk-layout forms give on the same values
     laid out as [B, H, T, D] with the key heads expanded (the pair reading the log-decays, forming e^l as the decays'
     pass forms the D its chunk-layout form reads); and the backward's (``Tuning.key_model_backward``): the decays'
-    pass forming u ⊙ Q and r ⊙ P, the pair gradient copying r's and u's raw rows, the key tail reading r, u, l and
+    pass forming u ⊙ Q and r ⊙ P, the pair gradient copying r's, u's and l's raw rows (forming e^l as the pair
+    does), the key tail reading r, u, l and
     writing dr, du, dl per value head in the model's layout (GQA's block map, H = 2 over HK = 1, two chunks a sequence,
     B = 2, strong decays); as CUDA runs them (``metal_ptx``), plain, under ASan+UBSan and TSan."""
     rng = np.random.default_rng(12)
@@ -1782,7 +1783,7 @@ def test_key_model_layout_kernels_match_the_chunk_layout(sanitizer):
               ck.decays_launch("metal_ptx", N, C, K, scaled=("Q", "P"), pq=False, ml=ml), {},
               ({"l": chunks(logd), "X0": chunks(k), "X1": chunks(q)}, {"l": logd, "X0": k, "X1": q})),
              (*grad, {"dM": f(N, C, C) / 4, "Xsc": np.array([0.5], np.float32)},
-              ({"X": chunks(q), "Y": chunks(k), "dk": "D"}, {"X": q, "Y": k, "dk": "D"})),
+              ({"X": chunks(q), "Y": chunks(k), "dk": "D"}, {"X": q, "Y": k, "dk": logd})),
              (ck.bwd_key_launch("metal_ptx", N, C, K, ("float32",) * 2),
               ck.bwd_key_launch("metal_ptx", N, C, K, ("float32",) * 2, ml=ml), tail,
               ({"R": chunks(q), "U": chunks(k), "L": chunks(logd)}, {"R": q, "U": k, "L": logd}), (0, 1, 2)),
@@ -1852,7 +1853,7 @@ def test_gla_reads_the_model_layout(gqa, Hk, monkeypatch):
     t = dataclasses.replace(t, key_model_backward=True)
     assert compare(rec, 64, chunk=32, K=32, V=32, Hk=Hk, seed=4, tuning=t, in_dtype=mx.bfloat16) == err
     kinds = {c.split("_metal")[0] for c in calls}
-    assert {"recgen_chunk_decays_g_q_p_yt_ml", "recgen_chunk_pair_grad_mma_fold_xs_async_ml",
+    assert {"recgen_chunk_decays_nod_g_q_p_yt_ml", "recgen_chunk_pair_grad_mma_fold_xs_async_ml",
             "recgen_chunk_bwd_key_ml"} <= kinds, kinds
 
 

@@ -507,7 +507,9 @@ def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool =
     scaled X: it reads no X); ``async_``: each slab's raw rows copied to threadgroup memory a slab ahead by the
     dialect's 16-byte copies (on CUDA cp.async), the operands' types XT, X2T, YT, YbT template constants and OB
     the widest one's bytes (``pair_grad_async_layout``); ``ml`` (with ``async_``): those raw rows copied from the
-    operands in the model's layout [B, T, HK, K] (template constants H, HK, NCH, GB), all else in the chunks'."""
+    operands in the model's layout [B, T, HK, K] and from the log-decays l [B, T, H, K] in place of the decays
+    (type LT, each e^l formed as read; template constants H, HK, NCH, GB, LT), the cotangents and gradients in the
+    chunks'."""
     if ml and not async_:
         raise ValueError("chunk_pair_grad: the model's layout (ml) is read by the raw rows' copies (async_)")
     d = get(dialect)

@@ -382,7 +382,8 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
 @lru_cache(maxsize=256)
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False,
                 mma: bool = False, quad: bool = False, fold: bool = False, scaled: bool = False,
-                whole: bool = False, halves: bool = False, types: tuple = (), ml: tuple | None = None) -> Launch:
+                whole: bool = False, halves: bool = False, types: tuple = (), ml: tuple | None = None,
+                dk_type: str = "float32") -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
     operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
     ``quad``: both with a second Y as well (four pairs); ``mma``: the other blocks' products on fragments
@@ -392,8 +393,9 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     block's halves paired on fragments too). ``types`` (the gradients, or the whole form): the operands' dtype names
     (X, X2, Y, Yb as the form has them): each slab's raw rows copied a slab ahead
     (``chunk_sources.pair_grad_async_layout``, ``pair_whole_layout``). ``ml`` (``_model_consts``): the operands in
-    the model's layout [B, T, HK, K], and for the whole form (its operands read from their buffers) dk the
-    log-decays [B, T, H, K]; for the gradients (their raw rows copied ahead) dk and the rest in the chunks'."""
+    the model's layout [B, T, HK, K] and dk the log-decays [B, T, H, K], each decay formed as read (the gradients:
+    of type ``dk_type``, their raw rows copied ahead with the operands'; the cotangents and gradients in the
+    chunks' layout)."""
     if ml is not None and not (whole and not types or grad and types):
         raise ValueError("chunk_pair: the model's layout (ml) is the whole form's, its operands read from their "
                          "buffers, or the gradients' copying their raw rows ahead")
@@ -421,6 +423,7 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
         groups = N * lay["NB"] * (2 if grad else 1)
     operands = [n for n in src.inputs if n in ("X", "X2", "Y", "Yb")]
     lay |= dict(zip([n + "T" for n in operands], types))  # the operands' types and (the whole form's) bytes
+    lay |= {"LT": dk_type} if grad and ml is not None else {}  # the raw log-decays' type
     lay |= {n + "B": _itemsize(dt) for n, dt in zip(operands, types)} if whole else {}
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * len(src.outputs)
     tmpl = (("C", C), ("K", K)) + tuple(lay.items()) + _model_consts(ml)
@@ -1025,15 +1028,15 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
     """The pair kernels (``pair_launch``) on flattened chunks: the cotangents [.., C, C] (the gradients' kernels) and
     the operands [.., C, K] in the kernel's input order, the decays dk; ``scale``: the first operand read times it.
     Returns the pairs [.., C, C], or the gradients [.., C, K], shaped as the first operand's chunks. ``ml``
-    (``pair_reads_model``): the operands in the model's layout [B, T, HK, K] and dk the log-decays [B, T, H, K],
-    the pairs [B, H, n, C, C]; with the cotangents (``pair_grad_reads_model``) dk in the chunks' layout [B, H, n, C,
-    K], the gradients so (per value head)."""
+    (``pair_reads_model``, or with the cotangents ``pair_grad_reads_model``): the operands in the model's layout
+    [B, T, HK, K] and dk the log-decays [B, T, H, K], the pairs [B, H, n, C, C] or the gradients [B, H, n, C, K]
+    (per value head)."""
     import mlx.core as mx
 
-    if ml is not None and not cots:  # dk: the log-decays [B, T, H, K]
+    if ml is not None:  # dk: the log-decays [B, T, H, K]
         (B, T, H, K), n = dk.shape, ml[2]
         N, C = B * H * n, T // n
-    else:  # the gradients' dk in the chunks' layout
+    else:
         N, (C, K) = _lead(dk, 2), dk.shape[-2:]
     whole = not cots and pairs_whole(t, C, K, dual, quad)
     halves = whole and t.pair_halves and pair_whole_supported(t.dialect, C, K, dual, quad, True)
@@ -1045,13 +1048,14 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
     launch = pair_launch(t.dialect, N, C, K, strict, grad=bool(cots), dual=dual,
                          mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad,
                          fold=not whole and t.pair_fold and pair_folds(t.dialect, C, K, dual, quad),
-                         scaled=scale is not None, whole=whole, halves=halves, types=types if ahead else (), ml=ml)
+                         scaled=scale is not None, whole=whole, halves=halves, types=types if ahead else (), ml=ml,
+                         dk_type=dtype_name(dk.dtype))
     outs = _call(t, launch, [m.reshape(N, C, C) for m in cots]
                  + [a.reshape(N, C, K) if ml is None else a for a in operands]
-                 + [dk.reshape(N, C, K) if ml is None or cots else dk]
+                 + [dk.reshape(N, C, K) if ml is None else dk]
                  + ([] if scale is None else [mx.array([scale], mx.float32)]))
     if ml is not None:  # the pairs, or the gradients per value head, in the chunks' layout
-        return tuple(o.reshape(dk.shape if cots else (B, H, n, C, C)) for o in outs)
+        return tuple(o.reshape((B, H, n, C, K) if cots else (B, H, n, C, C)) for o in outs)
     X = operands[0]
     shape = X.shape if cots else (*X.shape[:-1], C)
     return tuple(o.reshape(shape) for o in outs)
@@ -1072,8 +1076,8 @@ def pair_reads_model(t: Tuning, C: int, K: int) -> bool:
 
 def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning, scale: float | None = None, ml: tuple | None = None):
     """(dX, dY) [.., C, K] for the cotangent dM [.., C, C] of ``pair`` (``scale``: of scale·X, dX that of scale·X);
-    ``ml`` (``pair_grad_reads_model``): X and Y the model's key inputs [B, T, HK, K] as they are, dX and dY per value
-    head in the chunks' layout."""
+    ``ml`` (``pair_grad_reads_model``): X and Y the model's key inputs [B, T, HK, K] and dk the log-decays
+    [B, T, H, K] as they are, dX and dY per value head in the chunks' layout [B, H, n, C, K]."""
     return _pair_call(t, strict, (X, Y), dk, (dM,), scale=scale, ml=ml)
 
 
