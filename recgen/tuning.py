@@ -121,6 +121,10 @@ class Tuning:
     #                                 products). H200, GLA 4,4096,16,128 trained, four rounds: 3.862 -> 3.758 ms (every
     #                                 round), peak 2.499 -> 2.312 GiB (on on CUDA; 3.982 -> 4.087 before the tail
     #                                 batched its loads: its model-layout form was the slower one)
+    pair_grad_logdecays: bool = False  # ... and its pair gradient reads gk, forming each decay e^gk as it reads it
+    #                                 (copied with q's and k's raw rows), so its decays' pass writes no D (a float32
+    #                                 [B, H, T, K], 134 MB at 4,4096,16,128, live until that kernel). The same bits;
+    #                                 not yet timed (the forward's pair doing the same: a wash in time)
     ut_16bit: bool = False          # ... the UT transform writing U = T w and W = T (b̃ e^G) in the keys' 16-bit type
     #                                 (the scans convert on load), as FLA keeps them: 0.13 GiB less at GDN's training
     #                                 peak (4,4096,16,128), as fast or faster at every shape timed (on on CUDA)
@@ -363,6 +367,7 @@ ENVIRONMENT = {
     "RECGEN_MODEL_ROWS": ("model_rows", _flag),
     "RECGEN_MODEL_ROWS_DENSE": ("model_rows_dense", _flag),
     "RECGEN_KEY_MODEL_BACKWARD": ("key_model_backward", _flag),
+    "RECGEN_PAIR_GRAD_LOGDECAYS": ("pair_grad_logdecays", _flag),
     "RECGEN_UT_16BIT": ("ut_16bit", _flag),
     "RECGEN_STATES_16BIT": ("states_16bit", _flag),
     "RECGEN_16BIT_ROLES": ("roles_16bit", _roles),

@@ -186,9 +186,10 @@ def chunk_launches(target: str) -> list:
                 + [ck.pair_launch(target, 8, 64, 128, False, mma=True, scaled=True, whole=True, ml=ml)]  # ... q, k so
                 # GLA's backward reading q, k, gk so (``Tuning.key_model_backward``): its pair gradient and key tail
                 + [ck.pair_launch(target, 8, 64, 128, False, True, mma=True, fold=True, scaled=True,
-                                  types=("bfloat16",) * 2, ml=ml, dk_type="bfloat16"),
-                   ck.bwd_key_launch(target, 8, 64, 128, ("bfloat16",) * 2, ml=ml, dl_type="bfloat16"),
-                   ck.decays_launch(target, 8, 64, 128, False, ("Q", "P"), d=False, pq=False, yt="bfloat16", ml=ml)]
+                                  types=("bfloat16",) * 2, ml=ml, ld=ld, dk_type="bfloat16") for ld in (False, True)]
+                + [ck.bwd_key_launch(target, 8, 64, 128, ("bfloat16",) * 2, ml=ml, dl_type="bfloat16")]
+                + [ck.decays_launch(target, 8, 64, 128, False, ("Q", "P"), d=d, pq=False, yt="bfloat16", ml=ml)
+                   for d in (True, False)]  # ... its pair gradient forming the decays or not (pair_grad_logdecays)
                 + [ck.sympow_launch(target, 2, 4096, 8, 8, 64, True, grad) for grad in (False, True)]
                 + [ck.decayed_scores_launch(target, 256, 256, 2, grad) for grad in (False, True)]
                 + [ck.feature_decode_launch(target, 16, 64, 64, has_z) for has_z in (True, False)]

@@ -1751,8 +1751,8 @@ def test_key_model_layout_kernels_match_the_chunk_layout(sanitizer):
     readout reading r and w [B, T, H, V] (``zm``) give exactly what their chunk-layout forms give on the same values
     laid out as [B, H, T, D] with the key heads expanded (the pair reading the log-decays, forming e^l as the decays'
     pass forms the D its chunk-layout form reads); and the backward's (``Tuning.key_model_backward``): the decays'
-    pass forming u ⊙ Q and r ⊙ P, the pair gradient copying r's, u's and l's raw rows (forming e^l as the pair
-    does), the key tail reading r, u, l and
+    pass forming u ⊙ Q and r ⊙ P, the pair gradient copying r's and u's raw rows (and l's, forming e^l as the pair
+    does: ``Tuning.pair_grad_logdecays``), the key tail reading r, u, l and
     writing dr, du, dl per value head in the model's layout (GQA's block map, H = 2 over HK = 1, two chunks a sequence,
     B = 2, strong decays); as CUDA runs them (``metal_ptx``), plain, under ASan+UBSan and TSan."""
     rng = np.random.default_rng(12)
@@ -1772,7 +1772,7 @@ def test_key_model_layout_kernels_match_the_chunk_layout(sanitizer):
                for kw in ({}, {"ml": ml, "zm": True})]
     assert None not in readout
     grad = [ck.pair_launch("metal_ptx", N, C, K, False, True, mma=True, fold=True, scaled=True,
-                           types=("float32",) * 2, ml=m) for m in (None, ml)]
+                           types=("float32",) * 2, ml=m, ld=ld) for m, ld in ((None, False), (ml, False), (ml, True))]
     tail = {"DRX": f(N, C, K), "DUX": f(N, C, K), "DRP": f(N, C, K), "DUQ": f(N, C, K), "DG": f(N, K),
             "Rs": np.array([0.5], np.float32)}
     cases = [(ck.decays_launch("metal_ptx", N, C, K, scaled=("Q",), q=False),
@@ -1782,7 +1782,10 @@ def test_key_model_layout_kernels_match_the_chunk_layout(sanitizer):
              (ck.decays_launch("metal_ptx", N, C, K, scaled=("Q", "P"), pq=False),
               ck.decays_launch("metal_ptx", N, C, K, scaled=("Q", "P"), pq=False, ml=ml), {},
               ({"l": chunks(logd), "X0": chunks(k), "X1": chunks(q)}, {"l": logd, "X0": k, "X1": q})),
-             (*grad, {"dM": f(N, C, C) / 4, "Xsc": np.array([0.5], np.float32)},
+             (grad[0], grad[1], {"dM": f(N, C, C) / 4, "Xsc": np.array([0.5], np.float32)},
+              ({"X": chunks(q), "Y": chunks(k), "dk": "D"}, {"X": q, "Y": k, "dk": "D"})),
+             # ... reading the log-decays as the model passes them (``Tuning.pair_grad_logdecays``)
+             (grad[0], grad[2], {"dM": f(N, C, C) / 4, "Xsc": np.array([0.5], np.float32)},
               ({"X": chunks(q), "Y": chunks(k), "dk": "D"}, {"X": q, "Y": k, "dk": logd})),
              (ck.bwd_key_launch("metal_ptx", N, C, K, ("float32",) * 2),
               ck.bwd_key_launch("metal_ptx", N, C, K, ("float32",) * 2, ml=ml), tail,
@@ -1829,7 +1832,8 @@ def test_gla_reads_the_model_layout(gqa, Hk, monkeypatch):
     heads shared, H = 4 over Hk = 2, block and tiled, or none: ``Tuning.model_rows_dense``), the backward (with
     ``Tuning.key_model_backward`` off) copies them to the chunks' layout; end to end against the float64 reference (forward, final state, every gradient). With
     ``Tuning.key_model_backward`` the backward's decays' pass, pair gradient and key tail read q, k, gk so too and
-    the tail writes dq, dk, dgk so: the same sums, so the same errors to the last bit."""
+    the tail writes dq, dk, dgk so, and with ``Tuning.pair_grad_logdecays`` the pair gradient forms its decays from
+    gk: the same sums, so the same errors to the last bit."""
     pytest.importorskip("mlx.core")
     import mlx.core as mx
     from recgen import specs
@@ -1853,8 +1857,13 @@ def test_gla_reads_the_model_layout(gqa, Hk, monkeypatch):
     t = dataclasses.replace(t, key_model_backward=True)
     assert compare(rec, 64, chunk=32, K=32, V=32, Hk=Hk, seed=4, tuning=t, in_dtype=mx.bfloat16) == err
     kinds = {c.split("_metal")[0] for c in calls}
-    assert {"recgen_chunk_decays_nod_g_q_p_yt_ml", "recgen_chunk_pair_grad_mma_fold_xs_async_ml",
+    assert {"recgen_chunk_decays_g_q_p_yt_ml", "recgen_chunk_pair_grad_mma_fold_xs_async_ml",
             "recgen_chunk_bwd_key_ml"} <= kinds, kinds
+    calls.clear()  # the pair gradient reading gk itself, the decays' pass writing no D
+    t = dataclasses.replace(t, pair_grad_logdecays=True)
+    assert compare(rec, 64, chunk=32, K=32, V=32, Hk=Hk, seed=4, tuning=t, in_dtype=mx.bfloat16) == err
+    kinds = {c.split("_metal")[0] for c in calls}
+    assert {"recgen_chunk_decays_nod_g_q_p_yt_ml", "recgen_chunk_pair_grad_mma_fold_xs_async_ml_ld"} <= kinds, kinds
 
 
 def test_kda_factor_reads_keep_the_chunks_layout(monkeypatch):

@@ -573,15 +573,16 @@ def _forward_key_model(S0, r, u, w, l, kern: Tuning, out, rfac, ml: tuple):
 
 def _backward_key_model(r, u, w, l, res, dy, dS_end, kern: Tuning, rfac, ml: tuple, st):
     """``_backward`` of ``_forward_key_model`` reading r, u and l in the model's layout too (``key_model_backward``):
-    the decays' pass forms u ⊙ Q and r ⊙ P from them (no P nor Q: the tail forms its own; no D), the pair gradient
-    copies r's, u's and l's raw rows from them (each decay e^l formed as read), the key tail reads them and writes dr, du, dl per value head in that layout
+    the decays' pass forms u ⊙ Q and r ⊙ P from them (no P nor Q: the tail forms its own), the pair gradient copies
+    r's and u's raw rows from them (with ``Tuning.pair_grad_logdecays`` l's too, each decay e^l formed as read, and
+    the pass writes no D), the key tail reads them and writes dr, du, dl per value head in that layout
     [B, n C, H, K]; w (Z) and dy ([B, H, n, C, V], as ``core_fn`` brings it) meet MLX's products in the chunks'
     layout. ``st``: the 16-bit type of u ⊙ Q and r ⊙ P (``core_fn``'s). Returns (dS0, dr, du, dw, dl)."""
     states, M = res
     B, n, C, H, K = l.shape
     lm = l.reshape(B, n * C, H, K)
-    # no D either: the pair gradient forms each decay from l as it reads it
-    dec = ck.key_decays(lm, kern, scaled=((u, "Q"), (r, "P")), d=False, pq=False, st=st or None, ml=ml)
+    ld = kern.pair_grad_logdecays  # no D either: the pair gradient forms each decay from l as it reads it
+    dec = ck.key_decays(lm, kern, scaled=((u, "Q"), (r, "P")), d=not ld, pq=False, st=st or None, ml=ml)
     uQ, rP = dec.scaled
     Z = ck.model_chunks(w, n)
     ps = key_products_type(True, False, states, dy, kern)
@@ -592,7 +593,7 @@ def _backward_key_model(r, u, w, l, res, dy, dS_end, kern: Tuning, rfac, ml: tup
                                      Pq=_rfac_rows(rP, rfac), st=ps)
     cp = kern.copy_transposes
     d_uQ, d_rP = Z @ tr(dSn, cp), dy @ tr(states, cp)
-    dr_, du_ = ck.pair_grad(dy @ tr(Z, cp), r, u, lm, False, kern, rfac, ml)
+    dr_, du_ = ck.pair_grad(dy @ tr(Z, cp), r, u, lm if ld else dec.d, False, kern, rfac, ml, ld)
     dr, du, _, dl = ck.chunk_bwd_key(r, u, None, lm, dr_, du_, None, d_rP, d_uQ, None, dg, kern, rfac, ml=ml)
     return dS0, dr, du, dZ, dl.reshape(l.shape)
 

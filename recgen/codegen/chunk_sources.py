@@ -499,7 +499,7 @@ def pair_whole_source(dialect: str, strict: bool, dual: bool = False, quad: bool
 @lru_cache(maxsize=None)
 def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool = False,
                      quad: bool = False, fold: bool = False, scaled: bool = False,
-                     async_: bool = False, ml: bool = False) -> KernelSource:
+                     async_: bool = False, ml: bool = False, ld: bool = False) -> KernelSource:
     """(dX, dY) for dM; ``dual``: (dX, dX2, dY) for the pair of ``pair_source``'s dual form (dY summed); ``quad``:
     (dX, dX2, dY, dYb) for the cotangents dM, dM2, dMb, dM2b of its quad form (each gradient summed over the pairs
     its operand is in); ``mma``: the other blocks' parts on fragment multiply-adds; ``fold``: the own block's rows
@@ -507,21 +507,23 @@ def pair_grad_source(dialect: str, strict: bool, dual: bool = False, mma: bool =
     scaled X: it reads no X); ``async_``: each slab's raw rows copied to threadgroup memory a slab ahead by the
     dialect's 16-byte copies (on CUDA cp.async), the operands' types XT, X2T, YT, YbT template constants and OB
     the widest one's bytes (``pair_grad_async_layout``); ``ml`` (with ``async_``): those raw rows copied from the
-    operands in the model's layout [B, T, HK, K] and from the log-decays l [B, T, H, K] in place of the decays
-    (type LT, each e^l formed as read; template constants H, HK, NCH, GB, LT), the cotangents and gradients in the
-    chunks'."""
-    if ml and not async_:
-        raise ValueError("chunk_pair_grad: the model's layout (ml) is read by the raw rows' copies (async_)")
+    operands in the model's layout [B, T, HK, K] (template constants H, HK, NCH, GB), the cotangents and gradients
+    in the chunks'; ``ld`` (with ``async_``): dk holds the log-decays l (type LT, a template constant), their raw
+    rows copied so and each decay e^l formed as read (with ``ml`` l [B, T, H, K] in the model's layout) where dk
+    was D = e^l in float32."""
+    if (ml or ld) and not async_:
+        raise ValueError("chunk_pair_grad: the model's layout (ml) and log-decays (ld) are read by the raw rows' "
+                         "copies (async_)")
     d = get(dialect)
     xs, ys = _pair_operands(dual, quad)
     cots = tuple("dM" + x[1:] + y[1:] for y in ys for x in xs)
     kind = ("pair_grad" + _pair_suffix(strict, dual, quad, mma, fold) + ("_xs" if scaled else "")
-            + ("_async" if async_ else "") + ("_ml" if ml else ""))
+            + ("_async" if async_ else "") + ("_ml" if ml else "") + ("_ld" if ld else ""))
     ins = cots + xs + ys + ("dk",) + (("Xsc",) if scaled else ()) + ("rt",)
     return _source(d, "chunk_pair_grad.j2", kind, "gradients of the key-vector decay pair matrix",
                    ins, tuple("d" + x for x in xs + ys), (),
                    helpers=(d.mma_prelude if mma else "") + (d.copy_prelude if async_ else ""), strict=strict,
-                   dual=dual or quad, mma=mma, quad=quad, fold=fold, xs=scaled, async_=async_, ml=ml)
+                   dual=dual or quad, mma=mma, quad=quad, fold=fold, xs=scaled, async_=async_, ml=ml, ld=ld)
 
 
 @lru_cache(maxsize=None)

@@ -383,7 +383,7 @@ def bwd_key_launch(dialect: str, N: int, C: int, K: int, types: tuple, before: b
 def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool = False, dual: bool = False,
                 mma: bool = False, quad: bool = False, fold: bool = False, scaled: bool = False,
                 whole: bool = False, halves: bool = False, types: tuple = (), ml: tuple | None = None,
-                dk_type: str = "float32") -> Launch:
+                ld: bool = False, dk_type: str = "float32") -> Launch:
     """N chunks, one threadgroup a block of rows (and, for the gradients, a second for the columns); ``dual``: two
     operands X (pairs s < t where ``strict``) and X2 (s <= t) sharing Y and the decays (``chunk_sources.pair_source``);
     ``quad``: both with a second Y as well (four pairs); ``mma``: the other blocks' products on fragments
@@ -393,9 +393,11 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
     block's halves paired on fragments too). ``types`` (the gradients, or the whole form): the operands' dtype names
     (X, X2, Y, Yb as the form has them): each slab's raw rows copied a slab ahead
     (``chunk_sources.pair_grad_async_layout``, ``pair_whole_layout``). ``ml`` (``_model_consts``): the operands in
-    the model's layout [B, T, HK, K] and dk the log-decays [B, T, H, K], each decay formed as read (the gradients:
-    of type ``dk_type``, their raw rows copied ahead with the operands'; the cotangents and gradients in the
-    chunks' layout)."""
+    the model's layout [B, T, HK, K]; for the whole form dk the log-decays [B, T, H, K], each decay formed as read;
+    for the gradients the cotangents and gradients in the chunks' layout. ``ld`` (the gradients copying their raw
+    rows ahead): dk the log-decays, of type ``dk_type`` (with ``ml`` [B, T, H, K]), each decay formed as read."""
+    if ld and not (grad and types):
+        raise ValueError("chunk_pair: log-decays (ld) are the gradients' read with their raw rows (types)")
     if ml is not None and not (whole and not types or grad and types):
         raise ValueError("chunk_pair: the model's layout (ml) is the whole form's, its operands read from their "
                          "buffers, or the gradients' copying their raw rows ahead")
@@ -418,12 +420,12 @@ def pair_launch(dialect: str, N: int, C: int, K: int, strict: bool, grad: bool =
             raise ValueError(f"chunk_pair: folded rows need an even block of rows (C={C})")
         if mma and not grad:
             lay["FI"] = -(-2 * lay["NBM"] // (lay["NT"] // 32))  # fragment items of a SIMD group, at most
-        src = (pair_grad_source(dialect, strict, dual, mma, quad, fold, scaled, bool(types), ml is not None) if grad
+        src = (pair_grad_source(dialect, strict, dual, mma, quad, fold, scaled, bool(types), ml is not None, ld) if grad
                else pair_source(dialect, strict, dual, mma, quad, fold, scaled))
         groups = N * lay["NB"] * (2 if grad else 1)
     operands = [n for n in src.inputs if n in ("X", "X2", "Y", "Yb")]
     lay |= dict(zip([n + "T" for n in operands], types))  # the operands' types and (the whole form's) bytes
-    lay |= {"LT": dk_type} if grad and ml is not None else {}  # the raw log-decays' type
+    lay |= {"LT": dk_type} if ld else {}  # the raw log-decays' type
     lay |= {n + "B": _itemsize(dt) for n, dt in zip(operands, types)} if whole else {}
     outs = (((N, C, K) if grad else (N, C, C), "float32"),) * len(src.outputs)
     tmpl = (("C", C), ("K", K)) + tuple(lay.items()) + _model_consts(ml)
@@ -1024,19 +1026,21 @@ def chunk_bwd_rank1(r, u, a, b, l, dRX, dUX, dAX, dBX, DRP, DUQ, DAQ, DBP, dg, t
 
 
 def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), dual: bool = False,
-               quad: bool = False, scale: float | None = None, ml: tuple | None = None) -> tuple:
+               quad: bool = False, scale: float | None = None, ml: tuple | None = None, ld: bool = False) -> tuple:
     """The pair kernels (``pair_launch``) on flattened chunks: the cotangents [.., C, C] (the gradients' kernels) and
     the operands [.., C, K] in the kernel's input order, the decays dk; ``scale``: the first operand read times it.
     Returns the pairs [.., C, C], or the gradients [.., C, K], shaped as the first operand's chunks. ``ml``
-    (``pair_reads_model``, or with the cotangents ``pair_grad_reads_model``): the operands in the model's layout
-    [B, T, HK, K] and dk the log-decays [B, T, H, K], the pairs [B, H, n, C, C] or the gradients [B, H, n, C, K]
-    (per value head)."""
+    (``pair_reads_model``): the operands in the model's layout [B, T, HK, K] and dk the log-decays [B, T, H, K], the
+    pairs [B, H, n, C, C]; with the cotangents (``pair_grad_reads_model``) dk the decays in the chunks' layout [B, H,
+    n, C, K], or with ``ld`` (the gradients reading log-decays) the log-decays [B, T, H, K], the gradients [B, H, n,
+    C, K] (per value head)."""
     import mlx.core as mx
 
-    if ml is not None:  # dk: the log-decays [B, T, H, K]
+    model_dk = ml is not None and (ld or not cots)  # dk: the log-decays [B, T, H, K]
+    if model_dk:
         (B, T, H, K), n = dk.shape, ml[2]
         N, C = B * H * n, T // n
-    else:
+    else:  # dk in the chunks' layout
         N, (C, K) = _lead(dk, 2), dk.shape[-2:]
     whole = not cots and pairs_whole(t, C, K, dual, quad)
     halves = whole and t.pair_halves and pair_whole_supported(t.dialect, C, K, dual, quad, True)
@@ -1049,13 +1053,14 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
                          mma=pairs_on_fragments(t, C, K, dual, quad), quad=quad,
                          fold=not whole and t.pair_fold and pair_folds(t.dialect, C, K, dual, quad),
                          scaled=scale is not None, whole=whole, halves=halves, types=types if ahead else (), ml=ml,
-                         dk_type=dtype_name(dk.dtype))
+                         ld=ld, dk_type=dtype_name(dk.dtype))
     outs = _call(t, launch, [m.reshape(N, C, C) for m in cots]
                  + [a.reshape(N, C, K) if ml is None else a for a in operands]
-                 + [dk.reshape(N, C, K) if ml is None else dk]
+                 + [dk if model_dk else dk.reshape(N, C, K)]
                  + ([] if scale is None else [mx.array([scale], mx.float32)]))
     if ml is not None:  # the pairs, or the gradients per value head, in the chunks' layout
-        return tuple(o.reshape((B, H, n, C, K) if cots else (B, H, n, C, C)) for o in outs)
+        return tuple(o.reshape((B, H, n, C, K) if model_dk and cots else dk.shape if cots else (B, H, n, C, C))
+                     for o in outs)
     X = operands[0]
     shape = X.shape if cots else (*X.shape[:-1], C)
     return tuple(o.reshape(shape) for o in outs)
@@ -1074,11 +1079,13 @@ def pair_reads_model(t: Tuning, C: int, K: int) -> bool:
     return pairs_whole(t, C, K, False, False) and not t.pair_whole_async
 
 
-def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning, scale: float | None = None, ml: tuple | None = None):
+def pair_grad(dM, X, Y, dk, strict: bool, t: Tuning, scale: float | None = None, ml: tuple | None = None,
+              ld: bool = False):
     """(dX, dY) [.., C, K] for the cotangent dM [.., C, C] of ``pair`` (``scale``: of scale·X, dX that of scale·X);
-    ``ml`` (``pair_grad_reads_model``): X and Y the model's key inputs [B, T, HK, K] and dk the log-decays
-    [B, T, H, K] as they are, dX and dY per value head in the chunks' layout [B, H, n, C, K]."""
-    return _pair_call(t, strict, (X, Y), dk, (dM,), scale=scale, ml=ml)
+    ``ml`` (``pair_grad_reads_model``): X and Y the model's key inputs [B, T, HK, K] as they are, dX and dY per value
+    head in the chunks' layout [B, H, n, C, K]; ``ld``: dk the log-decays (with ``ml`` [B, T, H, K] as they are),
+    each decay formed as read (``Tuning.pair_grad_logdecays``), where it was D = e^l in the chunks' layout."""
+    return _pair_call(t, strict, (X, Y), dk, (dM,), scale=scale, ml=ml, ld=ld)
 
 
 def pair_grad_reads_model(t: Tuning, C: int, K: int, types: tuple) -> bool:
