@@ -1830,7 +1830,8 @@ def test_gla_reads_the_model_layout(gqa, Hk, monkeypatch):
     (T = 64) the forward reads q, k, v and gk in the model's layout [B, T, heads, D] (``parallel._forward_key_model``:
     the decays' pass, the whole-chunk pair, the A-free wide scan's X (``xm``) and the staged key readout; GQA's key
     heads shared, H = 4 over Hk = 2, block and tiled, or none: ``Tuning.model_rows_dense``), the backward (with
-    ``Tuning.key_model_backward`` off) copies them to the chunks' layout; end to end against the float64 reference (forward, final state, every gradient). With
+    ``Tuning.key_model_backward`` off) copies them to the chunks' layout; end to end against the float64 reference
+    (forward, final state, every gradient). With
     ``Tuning.key_model_backward`` the backward's decays' pass, pair gradient and key tail read q, k, gk so too and
     the tail writes dq, dk, dgk so, and with ``Tuning.pair_grad_logdecays`` the pair gradient forms its decays from
     gk: the same sums, so the same errors to the last bit."""
@@ -2306,8 +2307,9 @@ def test_pair_gradients_copy_their_slabs_ahead(frame, mma, fold, C, K, strict, d
     the same sums in the same order as the kernels reading their buffers, so bit for bit their results, and against
     float64; single (X read scaled), dual, quad, on fragments and plain, folded or not, both lane layouts, one slab
     to three, decays down to e^-20 and some exactly 0, plain, under ASan+UBSan and under TSan (a slab's copies start
-    while the threads still multiply the last). Sizes past the threadgroup memory have no such layout; the forward
-    has it only as the whole-chunk form (``test_pair_whole_copies_its_slabs_ahead``)."""
+    while the threads still multiply the last); ``ld``: the log-decays copied in their type (bf16 or float32) and
+    each decay formed as read, against float64 of those decays. Sizes past the threadgroup memory have no such
+    layout; the forward has it only as the whole-chunk form (``test_pair_whole_copies_its_slabs_ahead``)."""
     pytest.importorskip("mlx.core")
     rng = np.random.default_rng(C + K + 2 * strict + 4 * dual + 8 * quad)
     N, c = 2, (0.125 if scaled else 1.0)
@@ -2325,6 +2327,20 @@ def test_pair_gradients_copy_their_slabs_ahead(frame, mma, fold, C, K, strict, d
     wants = [sum(g[0][i] for g in per_y) for i in range(len(xs))] + [g[1] for g in per_y]
     for a, want in zip(got, wants):
         assert _rel(a, want) < 1e-5, _rel(a, want)
+    if sanitizer != "thread":  # ``ld``: the log-decays' raw rows (bf16 with bf16 operands), each e^l formed as read
+        import mlx.core as mx
+
+        l = mx.array(np.log(np.maximum(dk, np.float32(1e-38))).astype(np.float32))  # exact zeros: e^-87.3
+        l = l.astype(mx.bfloat16) if bf16 else l
+        launch = ck.pair_launch(frame, N, C, K, strict, types=types, ld=True, dk_type=types[0], **form)
+        assert launch.source.name.split(f"_{frame}_")[0].endswith("_async_ld")
+        got = verify.run_launch(launch, ins | cots | {"dk": l}, sanitizer=sanitizer)
+        seen = np.exp(np.asarray(l.astype(mx.float32), np.float64))  # the decays it forms
+        per_y = [_pair_grads_ref([((c if x == "X" else 1.0) * ops[x], cots["dM" + x[1:] + y[1:]], strict and x == "X")
+                                  for x in xs], ops[y], seen) for y in ys]
+        wants = [sum(g[0][i] for g in per_y) for i in range(len(xs))] + [g[1] for g in per_y]
+        for a, want in zip(got, wants):
+            assert _rel(a, want) < 1e-5, _rel(a, want)
     assert not cs.pair_grad_async_supported(frame, 64, 128, True, True, (4, 4, 4, 4))  # past 32 KiB
     with pytest.raises(ValueError, match="threadgroup memory"):
         ck.pair_launch(frame, N, 64, 128, strict, grad=True, dual=True, quad=True, types=("float32",) * 4)

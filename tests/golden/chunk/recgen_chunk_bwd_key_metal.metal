@@ -74,6 +74,6 @@
     acc = e + Ps_[(C - 1) * 32 + lane] * DG[bc * K + i];
     for (int t = C - 1; t >= 0; --t) {
       acc += Gs_[t * 32 + lane];
-      dl[ob + t * OLD] = static_cast<LT>(acc);  // in l's type where l is the model's input (``ml``), else float
+      dl[ob + t * OLD] = static_cast<LT>(acc);  // in l's type: the caller's gradient of l, rounded once
     }
   }
