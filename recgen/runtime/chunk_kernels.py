@@ -964,8 +964,8 @@ def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=No
     the scan's decay gradient dg [.., n, K]. ``rs``: the readout role is rs·r (dRX then of rs·r). Returns (dr, du,
     db̃ or None, dl [.., n, C, K]); dr, du, db̃ in their roles' types, dl in l's (``_key_tail``). Factor reads (``uf``
     [.., n, C, 1] float32, ``bf`` a float, ``bt`` None, ``u`` a key x: u = uf ⊙ x, b̃ = bf·x; dUX and dBX of x as the
-    second and first operand of the pairs, which the caller scaled by uf and bf): returns (dr, dx, this pass's part of duf [.., n, C,
-    1], dl). ``ml`` (``_model_consts``; no delta rule, no factor reads): r and u the model's key inputs [B, T, HK, K]
+    second and first operand of the pairs, which the caller scaled by uf and bf): returns (dr, dx, this pass's part
+    of duf [.., n, C, 1], dl). ``ml`` (``_model_consts``; no delta rule, no factor reads): r and u the model's key inputs [B, T, HK, K]
     and l the log-decays [B, T, H, K] as they are; dr, du and dl returned per value head [B, T, H, K] (the caller sums
     dr and du over GQA's groups)."""
     if ml is not None:
@@ -996,21 +996,18 @@ def _key_tail(roles, l, grads, dg, t: Tuning, rs=None, before: bool | None = Non
 
     (C, K), N = grads[0].shape[-2:], _lead(grads[0], 2)
     types = tuple(dtype_name(x.dtype) for x in roles)
-    if ml is not None:
-        B, T = l.shape[:2]
-        outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, ml=ml, batch=t.bwd_key_batch,
-                                       dl_type=dtype_name(l.dtype)),
-                     list(roles) + [l] + [x.reshape(N, C, K) for x in grads]
-                     + [dg.reshape(N, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-        return tuple(o.reshape(B, T, ml[0], K) for o in outs)
-    given = [x.reshape(N, C, K) for x in roles]
+    flat = (lambda x: x) if ml is not None else (lambda x: x.reshape(N, C, K))  # the model's layout: as they are
+    given = [flat(x) for x in roles]
     if factors is not None:
         given += [factors[0].reshape(N, C), mx.array([factors[1]], dtype=mx.float32)]
-    user = (given + [x.reshape(N, C, K) for x in (l, *grads)]
+    user = (given + [flat(l)] + [x.reshape(N, C, K) for x in grads]
             + [dg.reshape(N, K), mx.array([1.0 if rs is None else rs], dtype=mx.float32)])
-    dl_type = "float32" if t.bwd_key_running else dtype_name(l.dtype)
-    outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, before, uf=factors is not None,
-                                   running=t.bwd_key_running, batch=t.bwd_key_batch, dl_type=dl_type), user)
+    running = t.bwd_key_running and ml is None  # the model-layout tail has no running form
+    outs = _call(t, bwd_key_launch(t.dialect, N, C, K, types, before, uf=factors is not None, running=running,
+                                   ml=ml, batch=t.bwd_key_batch,
+                                   dl_type="float32" if running else dtype_name(l.dtype)), user)
+    if ml is not None:
+        return tuple(o.reshape(*l.shape[:2], ml[0], K) for o in outs)
     shapes = [x.shape for x in roles] + ([(*l.shape[:-2], -1, C)] if factors is not None else []) + [l.shape]
     return tuple(o.reshape(shape) for o, shape in zip(outs, shapes))
 
@@ -1058,9 +1055,8 @@ def _pair_call(t: Tuning, strict: bool, operands: tuple, dk, cots: tuple = (), d
                  + [a.reshape(N, C, K) if ml is None else a for a in operands]
                  + [dk if model_dk else dk.reshape(N, C, K)]
                  + ([] if scale is None else [mx.array([scale], mx.float32)]))
-    if ml is not None:  # the pairs, or the gradients per value head, in the chunks' layout
-        return tuple(o.reshape((B, H, n, C, K) if model_dk and cots else dk.shape if cots else (B, H, n, C, C))
-                     for o in outs)
+    if ml is not None:  # the pairs, or the gradients per value head, in the chunks' layout [B, H, n, C, ..]
+        return tuple(o.reshape(-1, ml[0], ml[2], C, K if cots else C) for o in outs)
     X = operands[0]
     shape = X.shape if cots else (*X.shape[:-1], C)
     return tuple(o.reshape(shape) for o in outs)

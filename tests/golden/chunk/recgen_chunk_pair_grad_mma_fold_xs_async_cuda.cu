@@ -145,8 +145,8 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   if (chunk >= (long long)rt[0]) return;
   const long long base = chunk * C * K;
   const long long mbase = chunk * C * C;
-  const long long xbase = base, lbase = base;
-  constexpr int XLD = K, LLD = K;
+  const long long xbase = base;
+  constexpr int XLD = K;
   const int h = tid / 16, hc = tid % 16;  // the own block's rows ra, rb; column group hc
   const int ra = h, rb = BS - 1 - h;
   const int lane = (threadIdx.x & 31);

@@ -46,8 +46,8 @@ inline void rg_cp16(threadgroup void* dst, const device void* src) { *((threadgr
   if (chunk >= (int64_t)rt[0]) return;
   const int64_t base = chunk * C * K;
   const int64_t mbase = chunk * C * C;
-  const int64_t xbase = base, lbase = base;
-  constexpr int XLD = K, LLD = K;
+  const int64_t xbase = base;
+  constexpr int XLD = K;
   const int h = tid / 16, hc = tid % 16;  // the own block's rows ra, rb; column group hc
   const int ra = h, rb = BS - 1 - h;
   const int lane = thread_index_in_simdgroup;

@@ -152,8 +152,8 @@ __device__ __forceinline__ void rg_cp16(void* dst, const void* src) {
   const int vh = (int)((bc / NCH) % H);
   const int kh = GB ? vh / (H / HK) : vh % HK;
   constexpr int KLD = HK * K;  // a key input's row stride
-  const long long xbase = (tok0 * HK + kh) * K, lbase = (tok0 * H + vh) * K;
-  constexpr int XLD = KLD, LLD = H * K;
+  const long long xbase = (tok0 * HK + kh) * K;
+  constexpr int XLD = KLD;
   const int h = tid / 16, hc = tid % 16;  // the own block's rows ra, rb; column group hc
   const int ra = h, rb = BS - 1 - h;
   const int lane = (threadIdx.x & 31);
