@@ -965,9 +965,9 @@ def chunk_bwd_key(r, u, bt, l, dRX, dUX, dBX, DRP, DUQ, DR, dg, t: Tuning, rs=No
     db̃ or None, dl [.., n, C, K]); dr, du, db̃ in their roles' types, dl in l's (``_key_tail``). Factor reads (``uf``
     [.., n, C, 1] float32, ``bf`` a float, ``bt`` None, ``u`` a key x: u = uf ⊙ x, b̃ = bf·x; dUX and dBX of x as the
     second and first operand of the pairs, which the caller scaled by uf and bf): returns (dr, dx, this pass's part
-    of duf [.., n, C, 1], dl). ``ml`` (``_model_consts``; no delta rule, no factor reads): r and u the model's key inputs [B, T, HK, K]
-    and l the log-decays [B, T, H, K] as they are; dr, du and dl returned per value head [B, T, H, K] (the caller sums
-    dr and du over GQA's groups)."""
+    of duf [.., n, C, 1], dl). ``ml`` (``_model_consts``; no delta rule, no factor reads): r and u the model's key
+    inputs [B, T, HK, K] and l the log-decays [B, T, H, K] as they are; dr, du and dl returned per value head [B, T,
+    H, K] (the caller sums dr and du over GQA's groups)."""
     if ml is not None:
         if bt is not None or uf is not None:
             raise ValueError("chunk_bwd_key: the model's layout (ml) is the plain form's (no b̃, no factor reads)")
